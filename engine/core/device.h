@@ -1,0 +1,3 @@
+#pragma once
+// placeholder, replaced below
+namespace cudp::cuda { int device_count(); }

@@ -1,0 +1,54 @@
+#include "common/compare.h"
+
+#include <cmath>
+#include <random>
+#include <sstream>
+
+namespace cudp::testing {
+
+::testing::AssertionResult all_close(const std::vector<float>& actual,
+                                     const std::vector<double>& expected, double rtol, double atol) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << "size mismatch: actual has " << actual.size() << " elements, expected "
+           << expected.size();
+  }
+  size_t bad = 0, worst = 0;
+  double worst_excess = -1.0;
+  std::ostringstream first;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double a = actual[i], b = expected[i];
+    const double err = std::fabs(a - b);
+    const double allowed = atol + rtol * std::fabs(b);
+    const bool ok = std::isfinite(a) && err <= allowed;
+    if (!ok) {
+      if (bad < 5) first << "\n  [" << i << "] got " << a << " expected " << b;
+      ++bad;
+    }
+    const double excess = std::isfinite(a) ? err - allowed : INFINITY;
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      worst = i;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << bad << " of " << actual.size() << " elements differ (rtol " << rtol << ", atol " << atol
+         << "); worst at index " << worst << ": got " << actual[worst] << ", expected "
+         << expected[worst] << first.str();
+}
+
+::testing::AssertionResult all_close(const std::vector<float>& actual,
+                                     const std::vector<float>& expected, double rtol, double atol) {
+  return all_close(actual, std::vector<double>(expected.begin(), expected.end()), rtol, atol);
+}
+
+std::vector<float> random_vector(size_t n, uint64_t seed, float lo, float hi) {
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+}  // namespace cudp::testing

@@ -1,0 +1,28 @@
+// Tolerance comparison for tests (DESIGN.md §7): |a - b| <= atol + rtol * |b| element-wise, with b
+// the reference. On failure the message names the worst element, its index, both values, the count
+// of mismatches and the first few of them.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cudp::testing {
+
+::testing::AssertionResult all_close(const std::vector<float>& actual,
+                                     const std::vector<double>& expected, double rtol, double atol);
+::testing::AssertionResult all_close(const std::vector<float>& actual,
+                                     const std::vector<float>& expected, double rtol, double atol);
+
+// Random floats in [lo, hi) from a fixed seed (never zeros in a meaningful amount).
+std::vector<float> random_vector(size_t n, uint64_t seed, float lo = -1.f, float hi = 1.f);
+
+// A value that no kernel produces; fill outputs with it before a launch to catch unwritten elements.
+inline constexpr float kPoison = -7.77e30f;
+
+}  // namespace cudp::testing
+
+#define EXPECT_ALL_CLOSE(actual, expected, rtol, atol) \
+  EXPECT_TRUE(::cudp::testing::all_close((actual), (expected), (rtol), (atol)))

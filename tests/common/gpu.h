@@ -1,0 +1,17 @@
+// Helpers for GPU tests: skip cleanly where there is no GPU (CI), or too few.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "engine/core/device.h"
+
+// Skips the test unless at least n CUDA devices are visible. The first message is what ctest's
+// SKIP_REGULAR_EXPRESSION matches, so a GPU-less machine reports these tests as skipped.
+#define CUDP_REQUIRE_GPUS(n)                                                                  \
+  do {                                                                                        \
+    const int cudp_count_ = ::cudp::cuda::device_count();                                     \
+    if (cudp_count_ == 0) GTEST_SKIP() << "no CUDA device is visible: GPU test skipped";     \
+    if (cudp_count_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, " << cudp_count_ << " visible"; \
+  } while (0)
+
+#define CUDP_REQUIRE_GPU() CUDP_REQUIRE_GPUS(1)
