@@ -1,0 +1,113 @@
+#include "engine/core/memory.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "engine/core/device.h"
+#include "engine/core/error.h"
+
+namespace cudp::cuda {
+namespace {
+
+std::string bytes_str(size_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+// The device's pool, configured once: keep freed memory reserved (release threshold = max).
+cudaMemPool_t pool(int device) {
+  static std::mutex mutex;
+  static std::vector<bool> configured;
+  cudaMemPool_t p = nullptr;
+  CUDP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&p, device));
+  std::lock_guard lock(mutex);
+  if (configured.size() <= static_cast<size_t>(device)) configured.resize(device + 1, false);
+  if (!configured[device]) {
+    uint64_t threshold = UINT64_MAX;
+    CUDP_CUDA_CHECK(cudaMemPoolSetAttribute(p, cudaMemPoolAttrReleaseThreshold, &threshold));
+    configured[device] = true;
+  }
+  return p;
+}
+
+uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
+  check_device(device);
+  uint64_t value = 0;
+  CUDP_CUDA_CHECK(cudaMemPoolGetAttribute(pool(device), attr, &value));
+  return value;
+}
+
+}  // namespace
+
+void* device_allocate(size_t bytes, int device, cudaStream_t stream) {
+  check_device(device);
+  if (bytes == 0) return nullptr;
+  void* ptr = nullptr;
+  const cudaError_t status = cudaMallocFromPoolAsync(&ptr, bytes, pool(device), stream);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total = 0;
+    {
+      DeviceGuard guard(device);
+      cudaMemGetInfo(&free_bytes, &total);
+    }
+    throw OutOfMemoryError(
+        status,
+        detail::str("CUDA out of memory on cuda:", device, ": tried to allocate ", bytes_str(bytes),
+                    " (", bytes, " bytes); ", bytes_str(memory_allocated(device)),
+                    " allocated by cudp, ", bytes_str(memory_reserved(device)), " reserved, ",
+                    bytes_str(free_bytes), " free of ", bytes_str(total),
+                    ". Reduce the batch size or free tensors."),
+        __FILE__, __LINE__);
+  }
+  CUDP_CUDA_CHECK(status);
+  return ptr;
+}
+
+void device_free(void* ptr, cudaStream_t stream) noexcept {
+  if (ptr) cudaFreeAsync(ptr, stream);
+}
+
+void* host_allocate(size_t bytes, bool pinned) {
+  if (bytes == 0) return nullptr;
+  void* ptr = nullptr;
+  if (pinned) {
+    CUDP_CUDA_CHECK(cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable));
+    return ptr;
+  }
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  ptr = std::aligned_alloc(64, rounded);
+  if (!ptr) CUDP_THROW(Error, "host out of memory: tried to allocate ", bytes, " bytes");
+  return ptr;
+}
+
+void host_free(void* ptr, bool pinned) noexcept {
+  if (!ptr) return;
+  if (pinned) {
+    cudaFreeHost(ptr);
+  } else {
+    std::free(ptr);
+  }
+}
+
+size_t memory_allocated(int device) { return pool_attribute(device, cudaMemPoolAttrUsedMemCurrent); }
+size_t max_memory_allocated(int device) { return pool_attribute(device, cudaMemPoolAttrUsedMemHigh); }
+size_t memory_reserved(int device) { return pool_attribute(device, cudaMemPoolAttrReservedMemCurrent); }
+
+void reset_peak_memory_stats(int device) {
+  check_device(device);
+  uint64_t zero = 0;
+  CUDP_CUDA_CHECK(cudaMemPoolSetAttribute(pool(device), cudaMemPoolAttrUsedMemHigh, &zero));
+  CUDP_CUDA_CHECK(cudaMemPoolSetAttribute(pool(device), cudaMemPoolAttrReservedMemHigh, &zero));
+}
+
+void empty_cache(int device) {
+  check_device(device);
+  synchronize(device);
+  CUDP_CUDA_CHECK(cudaMemPoolTrimTo(pool(device), 0));
+}
+
+}  // namespace cudp::cuda

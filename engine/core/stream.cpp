@@ -1,0 +1,121 @@
+#include "engine/core/stream.h"
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/core/device.h"
+#include "engine/core/error.h"
+
+namespace cudp::cuda {
+
+Stream Stream::create(int device, int priority) {
+  DeviceGuard guard(device);
+  Stream s;
+  CUDP_CUDA_CHECK(cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, priority));
+  s.device_ = device;
+  return s;
+}
+
+Stream::~Stream() {
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+Stream::Stream(Stream&& other) noexcept
+    : stream_(std::exchange(other.stream_, nullptr)), device_(std::exchange(other.device_, -1)) {}
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  std::swap(stream_, other.stream_);
+  std::swap(device_, other.device_);
+  return *this;
+}
+
+void Stream::synchronize() const { CUDP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void Stream::wait(const Event& event) const {
+  CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, event.get(), 0));
+}
+
+Event Event::create(int device, bool timing) {
+  DeviceGuard guard(device);
+  Event e;
+  CUDP_CUDA_CHECK(cudaEventCreateWithFlags(&e.event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+  e.device_ = device;
+  return e;
+}
+
+Event::~Event() {
+  if (event_) cudaEventDestroy(event_);
+}
+
+Event::Event(Event&& other) noexcept
+    : event_(std::exchange(other.event_, nullptr)), device_(std::exchange(other.device_, -1)) {}
+
+Event& Event::operator=(Event&& other) noexcept {
+  std::swap(event_, other.event_);
+  std::swap(device_, other.device_);
+  return *this;
+}
+
+void Event::record(cudaStream_t stream) const { CUDP_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+void Event::synchronize() const { CUDP_CUDA_CHECK(cudaEventSynchronize(event_)); }
+
+bool Event::query() const {
+  const cudaError_t status = cudaEventQuery(event_);
+  if (status == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  CUDP_CUDA_CHECK(status);
+  return true;
+}
+
+float Event::elapsed_ms(const Event& start, const Event& stop) {
+  float ms = 0;
+  CUDP_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+  return ms;
+}
+
+namespace {
+
+// Default streams live until the process ends; they are deliberately never destroyed, because
+// static destructors would run after the CUDA runtime has begun to unload.
+struct DefaultStreams {
+  std::mutex mutex;
+  std::vector<Stream*> streams;
+};
+
+DefaultStreams& default_streams() {
+  static auto* s = new DefaultStreams;
+  return *s;
+}
+
+thread_local std::unordered_map<int, cudaStream_t> t_current;
+
+}  // namespace
+
+const Stream& default_stream(int device) {
+  check_device(device);
+  DefaultStreams& d = default_streams();
+  std::lock_guard lock(d.mutex);
+  if (d.streams.size() <= static_cast<size_t>(device)) d.streams.resize(device + 1, nullptr);
+  if (!d.streams[device]) d.streams[device] = new Stream(Stream::create(device));
+  return *d.streams[device];
+}
+
+cudaStream_t current_stream(int device) {
+  const auto it = t_current.find(device);
+  if (it != t_current.end()) return it->second;
+  return default_stream(device).get();
+}
+
+StreamGuard::StreamGuard(int device, cudaStream_t stream)
+    : device_(device), previous_(current_stream(device)) {
+  t_current[device] = stream;
+}
+
+StreamGuard::~StreamGuard() { t_current[device_] = previous_; }
+
+}  // namespace cudp::cuda

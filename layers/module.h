@@ -1,0 +1,120 @@
+// Module: the unit of a model (DESIGN.md §2.1: explicit forward and backward, no tape).
+//
+// A module owns named parameters (each with its gradient), named buffers (BatchNorm's running
+// statistics) and named children, with PyTorch's names so that state_dict() keys match torchvision
+// ("features.0.weight", "classifier.6.bias", "features.1.running_mean").
+//
+// forward() and backward() are non-virtual: they check the inputs' devices against the module's
+// (and that backward follows a forward) once, then call the layer's implementation. A layer keeps
+// what its backward needs from the last forward. Parameter gradients accumulate (+=) until
+// zero_grad(); the gradient with respect to the input is returned (written, not accumulated).
+//
+// Most layers take one tensor and return one: they override forward_one / backward_one. A module
+// with several inputs or outputs (a model returning logits and features, say) overrides
+// forward_impl / backward_impl, which take and return lists; an undefined Tensor among the output
+// gradients means "this output was not used" (a zero gradient).
+//
+// Activations are NHWC on every device: images enter a model as [N, H, W, C].
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/core/tensor.h"
+
+namespace cudp {
+
+using TensorList = std::vector<Tensor>;
+
+// A learnable tensor and its gradient (same shape, device and dtype; allocated with the data).
+struct Parameter {
+  Tensor data;
+  Tensor grad;
+};
+
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // The layer's type, as PyTorch prints it ("Conv2d", "Sequential").
+  virtual std::string type_name() const = 0;
+
+  Tensor forward(const Tensor& input);
+  Tensor backward(const Tensor& grad_output);
+  TensorList forward_all(const TensorList& inputs);
+  TensorList backward_all(const TensorList& grad_outputs);
+
+  // Parameters, buffers and children, recursively, with dotted PyTorch names, in registration order.
+  std::vector<std::pair<std::string, Parameter*>> named_parameters();
+  std::vector<Parameter*> parameters();
+  std::vector<std::pair<std::string, Tensor*>> named_buffers();
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
+    return children_;
+  }
+  int64_t num_parameters();
+
+  // Parameters and buffers in PyTorch's layout (conv weights OIHW), as CPU tensors.
+  std::map<std::string, Tensor> state_dict();
+  // Loads PyTorch-layout tensors; strict: every key present and no extra key. Errors name the key.
+  void load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+  void zero_grad();
+
+  // Moves parameters, gradients and buffers (a copy per tensor; module-level, not a clone).
+  Module& to(Device device);
+  Module& cuda(int device = -1);
+  Module& cpu() { return to(Device::cpu()); }
+  Device device() const { return device_; }
+
+  // A deep copy (structure, parameters, buffers, training flag; no activations) on `device`: the
+  // engine's replicate() uses it.
+  std::shared_ptr<Module> clone(Device device) const;
+
+  // Re-points every parameter's data (and every gradient) into one flat buffer each, so that one
+  // all-reduce or one optimizer launch covers the whole model. Returns {flat_data, flat_grad}.
+  std::pair<Tensor, Tensor> flatten_parameters();
+
+ protected:
+  Module() = default;
+
+  Parameter& register_parameter(const std::string& name, Tensor data);
+  Tensor& register_buffer(const std::string& name, Tensor data);
+  template <typename M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> child) {
+    children_.emplace_back(name, child);
+    return child;
+  }
+
+  virtual TensorList forward_impl(const TensorList& inputs);
+  virtual TensorList backward_impl(const TensorList& grad_outputs);
+  virtual Tensor forward_one(const Tensor& input);
+  virtual Tensor backward_one(const Tensor& grad_output);
+
+  // A new module of the same type and configuration with uninitialised parameters/buffers of the
+  // same shapes on the CPU; clone() copies the values. Every concrete layer implements it.
+  virtual std::shared_ptr<Module> make_empty_copy() const = 0;
+
+  // Hooks for layers whose internal layout differs from PyTorch's (Conv2d stores KRSC).
+  virtual Tensor export_tensor(const std::string& local_name, const Tensor& internal) const;
+  virtual Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const;
+
+  bool training_ = true;
+  Device device_ = Device::cpu();
+  bool forward_done_ = false;
+
+ private:
+  std::vector<std::pair<std::string, Parameter>> params_;
+  std::vector<std::pair<std::string, Tensor>> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+};
+
+}  // namespace cudp
