@@ -1,0 +1,97 @@
+// Host tests of the device layer: the CUDA_VISIBLE_DEVICES mapping, the imbalance warning and the
+// error texts. Pure functions, so they run without a GPU.
+#include <gtest/gtest.h>
+
+#include "engine/core/device.h"
+#include "engine/core/error.h"
+
+namespace cudp::cuda {
+namespace {
+
+TEST(VisibleDevices, UnsetMeansEveryGpuUnderItsOwnNumber) {
+  const VisibleDevices v = parse_visible_devices(nullptr);
+  EXPECT_FALSE(v.set);
+  EXPECT_EQ(physical_id(3, v), "3");
+}
+
+TEST(VisibleDevices, ZeroFourIsSeenAsIdsZeroAndOne) {
+  const VisibleDevices v = parse_visible_devices("0,4");
+  ASSERT_TRUE(v.set);
+  ASSERT_EQ(v.entries, (std::vector<std::string>{"0", "4"}));
+  EXPECT_EQ(physical_id(0, v), "0");
+  EXPECT_EQ(physical_id(1, v), "4");
+  EXPECT_EQ(physical_id(2, v), "?");
+}
+
+TEST(VisibleDevices, OneAloneIsIdZero) {
+  const VisibleDevices v = parse_visible_devices("1");
+  EXPECT_EQ(v.entries, (std::vector<std::string>{"1"}));
+  EXPECT_EQ(physical_id(0, v), "1");
+}
+
+TEST(VisibleDevices, ParsingStopsAtTheFirstInvalidOrRepeatedEntry) {
+  EXPECT_EQ(parse_visible_devices("2,x,3").entries, (std::vector<std::string>{"2"}));
+  EXPECT_EQ(parse_visible_devices("1,1,2").entries, (std::vector<std::string>{"1"}));
+  EXPECT_EQ(parse_visible_devices("-1,0").entries.size(), 0u);
+  EXPECT_EQ(parse_visible_devices("").entries.size(), 0u);
+  EXPECT_EQ(parse_visible_devices(" 3 , 04").entries, (std::vector<std::string>{"3", "4"}));
+}
+
+TEST(VisibleDevices, UuidsAreKept) {
+  const VisibleDevices v = parse_visible_devices("GPU-8f2a,MIG-1b");
+  EXPECT_EQ(v.entries, (std::vector<std::string>{"GPU-8f2a", "MIG-1b"}));
+}
+
+DeviceProperties props(int index, size_t memory, int sms) {
+  DeviceProperties p;
+  p.index = index;
+  p.total_memory = memory;
+  p.multiprocessors = sms;
+  return p;
+}
+
+TEST(Imbalance, BalancedGpusGiveNoWarning) {
+  EXPECT_FALSE(imbalance_warning({props(0, 140, 132), props(1, 140, 132)}));
+  EXPECT_FALSE(imbalance_warning({props(0, 140, 132)}));
+  EXPECT_FALSE(imbalance_warning({props(0, 100, 100), props(1, 76, 76)}));
+}
+
+TEST(Imbalance, LessThanThreeQuartersOfMemoryOrCoresWarnsNamingBoth) {
+  const auto memory = imbalance_warning({props(0, 80, 132), props(1, 140, 132)});
+  ASSERT_TRUE(memory);
+  EXPECT_NE(memory->find("There is an imbalance between your GPUs"), std::string::npos);
+  EXPECT_NE(memory->find("exclude GPU 0"), std::string::npos) << *memory;
+  EXPECT_NE(memory->find("of GPU 1"), std::string::npos) << *memory;
+  const auto cores = imbalance_warning({props(0, 140, 132), props(1, 140, 66)});
+  ASSERT_TRUE(cores);
+  EXPECT_NE(cores->find("exclude GPU 1"), std::string::npos) << *cores;
+}
+
+TEST(DeviceIds, InvalidIdNamesTheRangeAndTheVisibleSet) {
+  const int count = device_count();
+  try {
+    check_device(count + 3);
+    FAIL() << "no exception";
+  } catch (const ValueError& e) {
+    const std::string msg = e.message();
+    EXPECT_NE(msg.find("invalid device id " + std::to_string(count + 3)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << msg;
+    if (count > 0) {
+      EXPECT_NE(msg.find("valid ids are 0.." + std::to_string(count - 1)), std::string::npos) << msg;
+    } else {
+      EXPECT_NE(msg.find("no CUDA device is visible"), std::string::npos) << msg;
+    }
+  }
+  EXPECT_THROW(check_device(-1), ValueError);
+  EXPECT_THROW(set_device(count), ValueError);
+}
+
+TEST(DeviceType, PrintsLikePyTorch) {
+  EXPECT_EQ(Device::cpu().str(), "cpu");
+  EXPECT_EQ(Device::cuda(1).str(), "cuda:1");
+  EXPECT_EQ(Device::cuda(1), Device::cuda(1));
+  EXPECT_NE(Device::cuda(0), Device::cpu());
+}
+
+}  // namespace
+}  // namespace cudp::cuda
