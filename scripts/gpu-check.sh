@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU machine's one command: build with every core, run the whole ctest suite (GPU tests
+# included), optionally the benchmarks, and print a short summary last.
+#
+#   scripts/gpu-check.sh                 # build + all tests
+#   scripts/gpu-check.sh --bench         # and the kernel benchmarks
+#   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
+# Logs go to $OUT (the device tool's output folder) when set, else ./out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/out}
+mkdir -p "$out"
+bench=0
+for arg in "$@"; do [[ $arg == --bench ]] && bench=1; done
+export PATH=/usr/local/cuda/bin:$PATH
+
+summary=()
+step() { summary+=("$(printf '%-28s %s' "$1" "$2")"); }
+
+start=$(date +%s)
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$out/gpus.txt" 2>&1
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCUDP_WERROR=ON > "$out/configure.log" 2>&1 \
+  && cmake --build build -j "$(nproc)" > "$out/build.log" 2>&1
+build_rc=$?
+step "build" "$([[ $build_rc == 0 ]] && echo ok || echo FAILED) ($(( $(date +%s) - start )) s)"
+if [[ $build_rc != 0 ]]; then grep -E "error|FAILED" -A4 "$out/build.log" | head -60; fi
+
+if [[ $build_rc == 0 ]]; then
+  if command -v python3 >/dev/null && [[ -f tests/pytorch/make_golden.py ]]; then
+    mkdir -p build/golden
+    python3 tests/pytorch/make_golden.py --out build/golden > "$out/golden.log" 2>&1 \
+      && export CUDP_GOLDEN_DIR=$PWD/build/golden
+    step "pytorch golden file" "$([[ -n ${CUDP_GOLDEN_DIR:-} ]] && echo written || echo FAILED)"
+  fi
+  t0=$(date +%s)
+  ctest --test-dir build -j 4 --timeout 600 ${CUDP_TESTS:+-R "$CUDP_TESTS"} --output-on-failure \
+    > "$out/ctest.log" 2>&1
+  ctest_rc=$?
+  step "ctest" "$(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+  grep -E "\*\*\*Failed|\*\*\*Skipped|Timeout|Not Run" "$out/ctest.log" | head -40
+  if [[ $ctest_rc != 0 ]]; then
+    # The first failures' details, for the reply's tail.
+    grep -E "Failure|error:|Expected|got|worst|Caught|what\(\)" "$out/ctest.log" | head -60
+  fi
+  CUDA_VISIBLE_DEVICES=1 ./build/examples/cudp-devices > "$out/devices-visible1.txt" 2>&1
+  ./build/examples/cudp-devices > "$out/devices.txt" 2>&1
+  if [[ $bench == 1 ]]; then
+    for b in build/bench/bench_*; do
+      [[ -x $b ]] || continue
+      name=$(basename "$b")
+      timeout 300 "$b" --json "$out/$name.json" > "$out/$name.md" 2>&1
+      step "$name" "rc=$?"
+    done
+  fi
+fi
+
+echo
+echo "==================== summary ===================="
+cat "$out/gpus.txt"
+cat "$out/devices.txt" 2>/dev/null | head -12
+echo "--- CUDA_VISIBLE_DEVICES=1 ---"; cat "$out/devices-visible1.txt" 2>/dev/null | head -6
+for line in "${summary[@]}"; do echo "$line"; done
+if [[ $bench == 1 ]]; then
+  for f in "$out"/bench_*.md; do [[ -f $f ]] && { echo "--- $(basename "$f")"; grep '^|' "$f"; }; done
+fi
