@@ -2,7 +2,7 @@
 // pointers). Uploads and downloads are synchronous: tests want simple, obviously correct code.
 #pragma once
 
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 
 #include <vector>
 

@@ -1,0 +1,405 @@
+// bench_norm_pool: our pooling and batch-normalisation kernels against cuDNN (NHWC), at VGG sizes.
+//
+// For every case: validate ours against cuDNN on the first input set (tolerances as in the GPU
+// tests), then time both with time_on_stream, rotating over copies of the inputs so that L2 does
+// not serve them. Bandwidth counts the bytes our op must move at the least (README-norm-pool.md),
+// the same count for cuDNN, so ours/vendor is the inverse ratio of times; "of copy" divides ours by
+// the measured device-to-device copy bandwidth. --json PATH writes the results as JSON.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/timing.h"
+#include "engine/core/error.h"
+#include "engine/core/vendor_check.h"
+#include "kernels/batchnorm.h"
+#include "kernels/init.h"
+#include "kernels/pool.h"
+
+namespace {
+
+using namespace cudp;
+using namespace cudp::kernels;
+
+// Device memory for the benchmark, freed at scope exit.
+template <typename T>
+struct Device {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Device(size_t count) : n(count) {
+    CUDP_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  }
+  ~Device() { cudaFree(p); }
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    CUDP_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// `copies` random buffers of n floats each.
+std::vector<std::unique_ptr<Device<float>>> random_copies(int copies, size_t n, float lo, float hi,
+                                                          uint64_t seed, cudaStream_t stream) {
+  std::vector<std::unique_ptr<Device<float>>> out;
+  for (int i = 0; i < copies; ++i) {
+    out.push_back(std::make_unique<Device<float>>(n));
+    uniform(out.back()->p, int64_t(n), lo, hi, seed + i, 0, stream);
+  }
+  return out;
+}
+
+std::vector<std::unique_ptr<Device<float>>> empty_copies(int copies, size_t n) {
+  std::vector<std::unique_ptr<Device<float>>> out;
+  for (int i = 0; i < copies; ++i) out.push_back(std::make_unique<Device<float>>(n));
+  return out;
+}
+
+// |a - b| <= atol + rtol |b| everywhere? Prints the worst element either way.
+bool validate(const std::string& what, const std::vector<float>& a, const std::vector<float>& b,
+              double rtol, double atol) {
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double excess = std::fabs(double(a[i]) - b[i]) / (atol + rtol * std::fabs(double(b[i])));
+    if (!(excess <= worst)) worst = excess, at = i;  // NaN counts as worst
+  }
+  const bool ok = worst <= 1.0;
+  std::printf("  validate %-40s %s (worst %.3g of tolerance at %zu: %.8g vs %.8g)\n", what.c_str(),
+              ok ? "ok  " : "FAIL", worst, at, a.empty() ? 0.0 : a[at], b.empty() ? 0.0 : b[at]);
+  return ok;
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float f : v) m = std::max(m, double(std::fabs(f)));
+  return m;
+}
+
+struct Result {
+  std::string op, shape;
+  double bytes = 0, ours_ms = 0, vendor_ms = 0;
+  bool valid = true;
+};
+
+struct Cudnn {
+  cudnnHandle_t handle = nullptr;
+  explicit Cudnn(cudaStream_t s) {
+    CUDP_CUDNN_CHECK(cudnnCreate(&handle));
+    CUDP_CUDNN_CHECK(cudnnSetStream(handle, s));
+  }
+  ~Cudnn() { cudnnDestroy(handle); }
+};
+
+struct TensorDesc {
+  cudnnTensorDescriptor_t d = nullptr;
+  TensorDesc(int n, int c, int h, int w) {
+    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
+    CUDP_CUDNN_CHECK(
+        cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, n, c, h, w));
+  }
+  TensorDesc() { CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d)); }
+  ~TensorDesc() { cudnnDestroyTensorDescriptor(d); }
+};
+
+struct PoolDesc {
+  cudnnPoolingDescriptor_t d = nullptr;
+  PoolDesc(cudnnPoolingMode_t mode, int kh, int kw, int ph, int pw, int sh, int sw) {
+    CUDP_CUDNN_CHECK(cudnnCreatePoolingDescriptor(&d));
+    CUDP_CUDNN_CHECK(
+        cudnnSetPooling2dDescriptor(d, mode, CUDNN_NOT_PROPAGATE_NAN, kh, kw, ph, pw, sh, sw));
+  }
+  ~PoolDesc() { cudnnDestroyPoolingDescriptor(d); }
+};
+
+std::string shape_text(int n, int h, int w, int c) {
+  return std::to_string(n) + "x" + std::to_string(h) + "x" + std::to_string(w) + "x" +
+         std::to_string(c);
+}
+
+constexpr float kOne = 1.f, kZero = 0.f;
+
+// Max pooling forward and backward at one shape and window.
+void bench_max_pool(std::vector<Result>& results, cudaStream_t stream, Cudnn& cudnn, int n, int h,
+                    int w, int c, int k, int s, int pad) {
+  const int oh = max_pool2d_output_size(h, k, s, pad), ow = max_pool2d_output_size(w, k, s, pad);
+  const size_t in = size_t(n) * h * w * c, out = size_t(n) * oh * ow * c;
+  const double fwd_bytes = 4.0 * (in + 2 * out), bwd_bytes = 4.0 * (2 * out + in);
+  const int copies = cudp::bench::rotation_copies(size_t(fwd_bytes));
+  auto x = random_copies(copies, in, -1.f, 1.f, 1, stream);
+  auto dy = random_copies(copies, out, -1.f, 1.f, 100, stream);
+  auto y = empty_copies(copies, out), y_ref = empty_copies(copies, out);
+  auto dx = empty_copies(copies, in), dx_ref = empty_copies(copies, in);
+  std::vector<std::unique_ptr<Device<int32_t>>> idx;
+  for (int i = 0; i < copies; ++i) idx.push_back(std::make_unique<Device<int32_t>>(out));
+  const TensorDesc xd(n, c, h, w), yd(n, c, oh, ow);
+  const PoolDesc pd(CUDNN_POOLING_MAX_DETERMINISTIC, k, k, pad, pad, s, s);
+
+  auto ours_fwd = [&](int i) {
+    max_pool2d_forward(x[i]->p, y[i]->p, idx[i]->p, n, h, w, c, k, k, s, s, pad, pad, stream);
+  };
+  auto ours_bwd = [&](int i) {
+    max_pool2d_backward(dy[i]->p, idx[i]->p, dx[i]->p, n, h, w, c, k, k, s, s, pad, pad, stream);
+  };
+  auto ref_fwd = [&](int i) {
+    CUDP_CUDNN_CHECK(
+        cudnnPoolingForward(cudnn.handle, pd.d, &kOne, xd.d, x[i]->p, &kZero, yd.d, y_ref[i]->p));
+  };
+  auto ref_bwd = [&](int i) {
+    CUDP_CUDNN_CHECK(cudnnPoolingBackward(cudnn.handle, pd.d, &kOne, yd.d, y_ref[i]->p, yd.d,
+                                          dy[i]->p, xd.d, x[i]->p, &kZero, xd.d, dx_ref[i]->p));
+  };
+  for (int i = 0; i < copies; ++i) ours_fwd(i), ref_fwd(i);  // indices and y for the backwards
+  ours_bwd(0);
+  ref_bwd(0);
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::string shape = shape_text(n, h, w, c) + " k" + std::to_string(k) + "s" +
+                            std::to_string(s) + "p" + std::to_string(pad);
+  std::printf("max_pool2d %s (%d input copies)\n", shape.c_str(), copies);
+  // Random inputs have no ties: both pick the same maxima; backward sums <= 4 terms.
+  const bool fwd_ok = validate("forward y vs cuDNN", y[0]->download(), y_ref[0]->download(), 0, 0);
+  const bool bwd_ok =
+      validate("backward dx vs cuDNN", dx[0]->download(), dx_ref[0]->download(), 1e-6, 1e-6);
+  auto rotate = [copies](const std::function<void(int)>& f) {
+    return [f, copies](int rep) { f(rep % copies); };
+  };
+  results.push_back({"max_pool2d fwd", shape, fwd_bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_fwd)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_fwd)).median_ms, fwd_ok});
+  results.push_back({"max_pool2d bwd", shape, bwd_bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_bwd)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_bwd)).median_ms, bwd_ok});
+}
+
+// Adaptive average pooling; cuDNN's average pooling stands in where the windows are uniform
+// (in = 2 * out), otherwise there is no vendor figure.
+void bench_adaptive(std::vector<Result>& results, cudaStream_t stream, Cudnn& cudnn, int n, int h,
+                    int w, int c, int oh, int ow) {
+  const size_t in = size_t(n) * h * w * c, out = size_t(n) * oh * ow * c;
+  const double bytes = 4.0 * (in + out);
+  const int copies = cudp::bench::rotation_copies(size_t(bytes));
+  auto x = random_copies(copies, in, -1.f, 1.f, 200, stream);
+  auto dy = random_copies(copies, out, -1.f, 1.f, 300, stream);
+  auto y = empty_copies(copies, out), y_ref = empty_copies(copies, out);
+  auto dx = empty_copies(copies, in), dx_ref = empty_copies(copies, in);
+  const bool vendor = h == 2 * oh && w == 2 * ow;
+  const TensorDesc xd(n, c, h, w), yd(n, c, oh, ow);
+  const PoolDesc pd(CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING, 2, 2, 0, 0, 2, 2);
+  auto ours_fwd = [&](int i) {
+    adaptive_avg_pool2d_forward(x[i]->p, y[i]->p, n, h, w, c, oh, ow, stream);
+  };
+  auto ours_bwd = [&](int i) {
+    adaptive_avg_pool2d_backward(dy[i]->p, dx[i]->p, n, h, w, c, oh, ow, stream);
+  };
+  auto ref_fwd = [&](int i) {
+    CUDP_CUDNN_CHECK(
+        cudnnPoolingForward(cudnn.handle, pd.d, &kOne, xd.d, x[i]->p, &kZero, yd.d, y_ref[i]->p));
+  };
+  auto ref_bwd = [&](int i) {
+    CUDP_CUDNN_CHECK(cudnnPoolingBackward(cudnn.handle, pd.d, &kOne, yd.d, y_ref[i]->p, yd.d,
+                                          dy[i]->p, xd.d, x[i]->p, &kZero, xd.d, dx_ref[i]->p));
+  };
+  const std::string shape =
+      shape_text(n, h, w, c) + " -> " + std::to_string(oh) + "x" + std::to_string(ow);
+  std::printf("adaptive_avg_pool2d %s (%d input copies)\n", shape.c_str(), copies);
+  ours_fwd(0);
+  ours_bwd(0);
+  bool ok = true;
+  if (vendor) {
+    ref_fwd(0);
+    ref_bwd(0);
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    ok = validate("forward y vs cuDNN average", y[0]->download(), y_ref[0]->download(), 1e-6,
+                  1e-6) &&
+         validate("backward dx vs cuDNN average", dx[0]->download(), dx_ref[0]->download(), 1e-6,
+                  1e-6);
+  }
+  auto rotate = [copies](const std::function<void(int)>& f) {
+    return [f, copies](int rep) { f(rep % copies); };
+  };
+  const auto time_vendor = [&](const std::function<void(int)>& f) {
+    return vendor ? cudp::bench::time_on_stream(stream, rotate(f)).median_ms : 0.0;
+  };
+  results.push_back({"adaptive_avg_pool2d fwd", shape, bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_fwd)).median_ms,
+                     time_vendor(ref_fwd), ok});
+  results.push_back({"adaptive_avg_pool2d bwd", shape, bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_bwd)).median_ms,
+                     time_vendor(ref_bwd), ok});
+}
+
+// Batch normalisation: training forward (with running statistics), evaluation, backward.
+void bench_batchnorm(std::vector<Result>& results, cudaStream_t stream, Cudnn& cudnn, int n, int h,
+                     int w, int c) {
+  const int64_t rows = int64_t(n) * h * w;
+  const size_t size = size_t(rows) * c;
+  const int copies = cudp::bench::rotation_copies(2 * size * sizeof(float));
+  auto x = random_copies(copies, size, -1.f, 3.f, 400, stream);
+  auto dy = random_copies(copies, size, -1.f, 1.f, 500, stream);
+  auto y = empty_copies(copies, size), y_ref = empty_copies(copies, size);
+  auto dx = empty_copies(copies, size), dx_ref = empty_copies(copies, size);
+  Device<float> gamma(c), beta(c), rm(c), rv(c), rm_ref(c), rv_ref(c), dgamma(c), dbeta(c),
+      dgamma_ref(c), dbeta_ref(c);
+  uniform(gamma.p, c, 0.5f, 1.5f, 600, 0, stream);
+  uniform(beta.p, c, -1.f, 1.f, 601, 0, stream);
+  for (Device<float>* b : {&rm, &rm_ref}) fill(b->p, c, 0.f, stream);
+  for (Device<float>* b : {&rv, &rv_ref}) fill(b->p, c, 1.f, stream);
+  auto save_mean = empty_copies(copies, c), save_invstd = empty_copies(copies, c);
+  auto save_mean_ref = empty_copies(copies, c), save_invstd_ref = empty_copies(copies, c);
+  TensorDesc xd(n, c, h, w), bnd;
+  CUDP_CUDNN_CHECK(cudnnDeriveBNTensorDescriptor(bnd.d, xd.d, CUDNN_BATCHNORM_SPATIAL));
+  const float momentum = 0.1f, eps = 1e-5f;
+
+  auto ours_train = [&](int i) {
+    batchnorm_forward_train(x[i]->p, y[i]->p, gamma.p, beta.p, rm.p, rv.p, save_mean[i]->p,
+                            save_invstd[i]->p, rows, c, momentum, eps, stream);
+  };
+  auto ref_train = [&](int i) {
+    CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
+        cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, xd.d, x[i]->p, xd.d, y_ref[i]->p,
+        bnd.d, gamma.p, beta.p, momentum, rm_ref.p, rv_ref.p, eps, save_mean_ref[i]->p,
+        save_invstd_ref[i]->p));
+  };
+  auto ours_eval = [&](int i) {
+    batchnorm_forward_eval(x[i]->p, y[i]->p, gamma.p, beta.p, rm.p, rv.p, rows, c, eps, stream);
+  };
+  auto ref_eval = [&](int i) {
+    CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(
+        cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, xd.d, x[i]->p, xd.d, y_ref[i]->p,
+        bnd.d, gamma.p, beta.p, rm.p, rv.p, eps));
+  };
+  auto ours_bwd = [&](int i) {
+    batchnorm_backward(x[i]->p, dy[i]->p, gamma.p, save_mean[i]->p, save_invstd[i]->p, dx[i]->p,
+                       dgamma.p, dbeta.p, rows, c, 0.f, stream);
+  };
+  auto ref_bwd = [&](int i) {
+    CUDP_CUDNN_CHECK(cudnnBatchNormalizationBackward(
+        cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, &kOne, &kZero, xd.d, x[i]->p, xd.d,
+        dy[i]->p, xd.d, dx_ref[i]->p, bnd.d, gamma.p, dgamma_ref.p, dbeta_ref.p, eps,
+        save_mean_ref[i]->p, save_invstd_ref[i]->p));
+  };
+
+  const std::string shape = shape_text(n, h, w, c);
+  std::printf("batchnorm %s (%d input copies)\n", shape.c_str(), copies);
+  for (int i = 0; i < copies; ++i) ours_train(i), ref_train(i);  // saved statistics for backward
+  ours_bwd(0);
+  ref_bwd(0);
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Tolerances of batchnorm_gpu_test's comparison with cuDNN; copy 0 of x (last forward of y[0]).
+  bool train_ok = validate("train y vs cuDNN", y[0]->download(), y_ref[0]->download(), 2e-5, 4e-5);
+  train_ok &= validate("saved invstd vs cuDNN", save_invstd[0]->download(),
+                       save_invstd_ref[0]->download(), 2e-5, 0);
+  const std::vector<float> dx_r = dx_ref[0]->download();
+  bool bwd_ok =
+      validate("backward dx vs cuDNN", dx[0]->download(), dx_r, 2e-5, 8e-6 * max_abs(dx_r));
+  // dbeta, dgamma: sums over `rows` terms of magnitude <~ 1 (see the test for the bound).
+  // sum |dy| ~ rows / 2 and sum |dy * xhat| ~ 0.43 rows per channel here.
+  bwd_ok &= validate("backward dbeta vs cuDNN", dbeta.download(), dbeta_ref.download(), 2e-5,
+                     2e-7 * double(rows));
+  bwd_ok &= validate("backward dgamma vs cuDNN", dgamma.download(), dgamma_ref.download(), 2e-5,
+                     2e-7 * double(rows));
+  ours_eval(0);
+  ref_eval(0);
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const bool eval_ok =
+      validate("eval y vs cuDNN", y[0]->download(), y_ref[0]->download(), 2e-5, 2e-5);
+
+  auto rotate = [copies](const std::function<void(int)>& f) {
+    return [f, copies](int rep) { f(rep % copies); };
+  };
+  const double bytes = 4.0 * double(size);
+  results.push_back({"batchnorm train fwd", shape, 3 * bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_train)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_train)).median_ms, train_ok});
+  results.push_back({"batchnorm eval fwd", shape, 2 * bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_eval)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_eval)).median_ms, eval_ok});
+  results.push_back({"batchnorm bwd", shape, 5 * bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_bwd)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_bwd)).median_ms, bwd_ok});
+}
+
+void write_json(const std::string& path, double copy_gbs, const std::vector<Result>& results) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) CUDP_THROW(IoError, "cannot write ", path);
+  std::fprintf(
+      f, "{\n  \"benchmark\": \"norm_pool\",\n  \"copy_bandwidth_gbs\": %.3f,\n  \"results\": [\n",
+      copy_gbs);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Result& r = results[i];
+    const double ours = r.bytes / (r.ours_ms * 1e-3) / 1e9;
+    const double vendor = r.vendor_ms > 0 ? r.bytes / (r.vendor_ms * 1e-3) / 1e9 : 0.0;
+    std::fprintf(f,
+                 "    {\"op\": \"%s\", \"shape\": \"%s\", \"bytes\": %.0f, \"ours_ms\": %.6f, "
+                 "\"cudnn_ms\": %.6f, \"ours_gbs\": %.3f, \"cudnn_gbs\": %.3f, "
+                 "\"ours_over_copy\": %.4f, \"ours_over_cudnn\": %.4f, \"valid\": %s}%s\n",
+                 r.op.c_str(), r.shape.c_str(), r.bytes, r.ours_ms, r.vendor_ms, ours, vendor,
+                 ours / copy_gbs, vendor > 0 ? ours / vendor : 0.0, r.valid ? "true" : "false",
+                 i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, "  ]\n}\n");
+  std::fclose(f);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_norm_pool: pooling and batch normalisation, ours vs cuDNN (NHWC, fp32)"};
+  std::string json;
+  bool quick = false;
+  app.add_option("--json", json, "write the results to this JSON file");
+  app.add_flag("--quick", quick, "small shapes only (a smoke test)");
+  CLI11_PARSE(app, argc, argv);
+  cudaStream_t stream = nullptr;
+  try {
+    CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    Cudnn cudnn(stream);
+    const double copy_gbs = cudp::bench::measure_copy_bandwidth_gbs(stream);
+    std::printf("device-to-device copy: %.1f GB/s (read + write)\n", copy_gbs);
+
+    std::vector<Result> results;
+    bench_max_pool(results, stream, cudnn, 8, 112, 112, 128, 2, 2, 0);
+    bench_max_pool(results, stream, cudnn, 4, 56, 56, 256, 3, 2, 1);
+    bench_adaptive(results, stream, cudnn, 64, 14, 14, 512, 7, 7);
+    bench_adaptive(results, stream, cudnn, 256, 1, 1, 512, 7, 7);
+    bench_batchnorm(results, stream, cudnn, 4, 56, 56, 256);
+    if (!quick) {
+      bench_max_pool(results, stream, cudnn, 64, 224, 224, 64, 2, 2, 0);
+      bench_max_pool(results, stream, cudnn, 64, 56, 56, 256, 2, 2, 0);
+      bench_max_pool(results, stream, cudnn, 64, 112, 112, 64, 3, 2, 1);
+      bench_batchnorm(results, stream, cudnn, 64, 224, 224, 64);
+      bench_batchnorm(results, stream, cudnn, 64, 112, 112, 128);
+      bench_batchnorm(results, stream, cudnn, 64, 56, 56, 256);
+      bench_batchnorm(results, stream, cudnn, 256, 32, 32, 64);
+    }
+
+    std::vector<cudp::bench::Row> rows;
+    bool all_valid = true;
+    for (const Result& r : results) {
+      const double vendor = r.vendor_ms > 0 ? r.bytes / (r.vendor_ms * 1e-3) / 1e9 : 0.0;
+      rows.push_back({r.op + (r.valid ? "" : " (INVALID)"), r.shape,
+                      r.bytes / (r.ours_ms * 1e-3) / 1e9, vendor, "GB/s", "cuDNN"});
+      all_valid &= r.valid;
+    }
+    std::printf("\n");
+    cudp::bench::print_table(rows);
+    std::printf("\n| op | shape | ours GB/s | of copy (%.0f GB/s) |\n|---|---|---:|---:|\n",
+                copy_gbs);
+    for (const auto& r : rows) {
+      std::printf("| %s | %s | %.1f | %.0f%% |\n", r.op.c_str(), r.shape.c_str(), r.ours,
+                  100 * r.ours / copy_gbs);
+    }
+    if (!json.empty()) write_json(json, copy_gbs, results);
+    return all_valid ? 0 : 1;  // the stream goes with the process
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_norm_pool: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,245 @@
+// Optimizer and norm kernels (semantics and the reasons for them: kernels/optim.h).
+//
+// Element-wise kernels walk the flat buffers with float4 accesses when every pointer is 16-byte
+// aligned (then a scalar tail), else with scalar ones; the per-element arithmetic is the shared
+// detail:: formula, so the path taken does not change a bit. Norms reduce in two fixed stages whose
+// partition depends on n alone.
+#include <algorithm>
+
+#include "engine/core/launch.cuh"
+#include "kernels/optim.h"
+
+namespace cudp::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 65535;
+constexpr int kNormBlocks = 1024;  // partials of a norm: at most this many, a function of n only
+
+__device__ __forceinline__ int64_t thread_index() {
+  return blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+}
+__device__ __forceinline__ int64_t thread_count() {
+  return int64_t(gridDim.x) * blockDim.x;
+}
+
+__device__ __forceinline__ float4 load4(const float* p, int64_t i) {
+  return reinterpret_cast<const float4*>(p)[i];
+}
+__device__ __forceinline__ void store4(float* p, int64_t i, float4 v) {
+  reinterpret_cast<float4*>(p)[i] = v;
+}
+
+template <bool Vec>
+__global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ grad,
+                           float* __restrict__ buf, int64_t n, detail::SgdCoefficients k) {
+  // The buffer is read only when it has history, so a fresh (uninitialised) one is never read.
+  const bool reads_buf = k.momentum != 0.f && !k.first_step;
+  const bool writes_buf = k.momentum != 0.f;
+  int64_t done = 0;
+  if constexpr (Vec) {
+    const int64_t vectors = n / 4;
+    for (int64_t i = thread_index(); i < vectors; i += thread_count()) {
+      float4 p = load4(param, i);
+      const float4 g = load4(grad, i);
+      float4 b = reads_buf ? load4(buf, i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      p.x = detail::sgd_update(p.x, g.x, &b.x, k);
+      p.y = detail::sgd_update(p.y, g.y, &b.y, k);
+      p.z = detail::sgd_update(p.z, g.z, &b.z, k);
+      p.w = detail::sgd_update(p.w, g.w, &b.w, k);
+      store4(param, i, p);
+      if (writes_buf) store4(buf, i, b);
+    }
+    done = vectors * 4;
+  }
+  for (int64_t i = done + thread_index(); i < n; i += thread_count()) {
+    float b = reads_buf ? buf[i] : 0.f;
+    param[i] = detail::sgd_update(param[i], grad[i], &b, k);
+    if (writes_buf) buf[i] = b;
+  }
+}
+
+template <bool Vec>
+__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad,
+                             float* __restrict__ m, float* __restrict__ v, int64_t n,
+                             detail::AdamWCoefficients k) {
+  int64_t done = 0;
+  if constexpr (Vec) {
+    const int64_t vectors = n / 4;
+    for (int64_t i = thread_index(); i < vectors; i += thread_count()) {
+      float4 p = load4(param, i), mm = load4(m, i), vv = load4(v, i);
+      const float4 g = load4(grad, i);
+      detail::adamw_update(p.x, g.x, mm.x, vv.x, k);
+      detail::adamw_update(p.y, g.y, mm.y, vv.y, k);
+      detail::adamw_update(p.z, g.z, mm.z, vv.z, k);
+      detail::adamw_update(p.w, g.w, mm.w, vv.w, k);
+      store4(param, i, p);
+      store4(m, i, mm);
+      store4(v, i, vv);
+    }
+    done = vectors * 4;
+  }
+  for (int64_t i = done + thread_index(); i < n; i += thread_count()) {
+    float p = param[i], mm = m[i], vv = v[i];
+    detail::adamw_update(p, grad[i], mm, vv, k);
+    param[i] = p, m[i] = mm, v[i] = vv;
+  }
+}
+
+// Stage 1: thread t sums chunks t, t + T, ... of 4 consecutive elements, in element order (float4
+// loads when aligned, scalar otherwise: the same sums), then a fixed tree per block.
+__global__ void sum_of_squares_partial_kernel(const float* __restrict__ x, int64_t n, bool vec,
+                                              float* __restrict__ partials) {
+  __shared__ float tree[kThreads];
+  const int64_t chunks = (n + 3) / 4;
+  float sum = 0.f;
+  for (int64_t j = thread_index(); j < chunks; j += thread_count()) {
+    float4 q;
+    if (vec && 4 * j + 3 < n) {
+      q = load4(x, j);
+    } else {
+      const int64_t e = 4 * j;
+      q.x = x[e];  // e < n since j < chunks
+      q.y = e + 1 < n ? x[e + 1] : 0.f;
+      q.z = e + 2 < n ? x[e + 2] : 0.f;
+      q.w = e + 3 < n ? x[e + 3] : 0.f;
+    }
+    sum = fmaf(q.x, q.x, sum);
+    sum = fmaf(q.y, q.y, sum);
+    sum = fmaf(q.z, q.z, sum);
+    sum = fmaf(q.w, q.w, sum);
+  }
+  tree[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) tree[threadIdx.x] += tree[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = tree[0];
+}
+
+// Stage 2, one block: the partials in a fixed tree; *out = sum, or its square root.
+template <bool Sqrt>
+__global__ void __launch_bounds__(kNormBlocks)
+    sum_partials_kernel(const float* __restrict__ partials, int parts, float* __restrict__ out) {
+  __shared__ float tree[kNormBlocks];
+  tree[threadIdx.x] = int(threadIdx.x) < parts ? partials[threadIdx.x] : 0.f;
+  __syncthreads();
+  for (int half = kNormBlocks / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) tree[threadIdx.x] += tree[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = Sqrt ? sqrtf(tree[0]) : tree[0];
+}
+
+template <bool Vec>
+__global__ void clip_scale_kernel(float* __restrict__ grad, int64_t n,
+                                  const float* __restrict__ norm, float max_norm) {
+  const float coef = detail::clip_coefficient(*norm, max_norm);
+  int64_t done = 0;
+  if constexpr (Vec) {
+    const int64_t vectors = n / 4;
+    for (int64_t i = thread_index(); i < vectors; i += thread_count()) {
+      float4 g = load4(grad, i);
+      g.x *= coef, g.y *= coef, g.z *= coef, g.w *= coef;
+      store4(grad, i, g);
+    }
+    done = vectors * 4;
+  }
+  for (int64_t i = done + thread_index(); i < n; i += thread_count()) grad[i] *= coef;
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Enough blocks for one float4 (or float) per thread, capped: the loops stride over the rest.
+unsigned elementwise_blocks(int64_t n, bool vec) {
+  const int64_t items = vec ? (n + 3) / 4 : n;
+  return unsigned(std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+template <bool Sqrt>
+void reduce_squares(const char* op, const float* x, int64_t n, float* out, cudaStream_t stream) {
+  CUDP_CHECK(n >= 0, op, ": n must be >= 0, got ", n);
+  CUDP_CHECK(out != nullptr, op, ": the output pointer is null");
+  const int64_t chunks = (n + 3) / 4;
+  const int parts = int(std::clamp<int64_t>((chunks + kThreads - 1) / kThreads, 1, kNormBlocks));
+  float* partials = nullptr;
+  CUDP_CUDA_CHECK(
+      cudaMallocAsync(reinterpret_cast<void**>(&partials), parts * sizeof(float), stream));
+  struct Free {  // stream-ordered, also when a launch throws
+    float* p;
+    cudaStream_t s;
+    ~Free() { cudaFreeAsync(p, s); }
+  } free_partials{partials, stream};
+  launch("sum_of_squares_partial_kernel", sum_of_squares_partial_kernel, parts, kThreads, 0, stream,
+         x, n, aligned16(x), partials);
+  launch("sum_partials_kernel", sum_partials_kernel<Sqrt>, 1, kNormBlocks, 0, stream, partials,
+         parts, out);
+}
+
+}  // namespace
+
+void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+              double momentum, double dampening, double weight_decay, bool nesterov,
+              bool first_step, cudaStream_t stream) {
+  const detail::SgdCoefficients k =
+      detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, first_step);
+  CUDP_CHECK(momentum == 0 || momentum_buf || n == 0, "sgd_step: momentum ", momentum,
+             " needs a momentum buffer");
+  if (n == 0) return;
+  const bool vec =
+      aligned16(param) && aligned16(grad) && (momentum == 0 || aligned16(momentum_buf));
+  if (vec) {
+    launch("sgd_kernel", sgd_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream, param,
+           grad, momentum_buf, n, k);
+  } else {
+    launch("sgd_kernel", sgd_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
+           param, grad, momentum_buf, n, k);
+  }
+}
+
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                cudaStream_t stream) {
+  const detail::AdamWCoefficients k =
+      detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
+  if (n == 0) return;
+  const bool vec = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
+  if (vec) {
+    launch("adamw_kernel", adamw_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream,
+           param, grad, m, v, n, k);
+  } else {
+    launch("adamw_kernel", adamw_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
+           param, grad, m, v, n, k);
+  }
+}
+
+void sum_of_squares(const float* x, int64_t n, float* out, cudaStream_t stream) {
+  reduce_squares<false>("sum_of_squares", x, n, out, stream);
+}
+
+void global_norm(const float* x, int64_t n, float* norm, cudaStream_t stream) {
+  reduce_squares<true>("global_norm", x, n, norm, stream);
+}
+
+void scale_by_clip_coefficient(float* grad, int64_t n, const float* norm, float max_norm,
+                               cudaStream_t stream) {
+  CUDP_CHECK(n >= 0, "clip_grad_norm: n must be >= 0, got ", n);
+  if (n == 0) return;
+  if (aligned16(grad)) {
+    launch("clip_scale_kernel", clip_scale_kernel<true>, elementwise_blocks(n, true), kThreads, 0,
+           stream, grad, n, norm, max_norm);
+  } else {
+    launch("clip_scale_kernel", clip_scale_kernel<false>, elementwise_blocks(n, false), kThreads, 0,
+           stream, grad, n, norm, max_norm);
+  }
+}
+
+void clip_grad_norm(float* grad, int64_t n, float max_norm, float* norm, cudaStream_t stream) {
+  global_norm(grad, n, norm, stream);
+  scale_by_clip_coefficient(grad, n, norm, max_norm, stream);
+}
+
+}  // namespace cudp::kernels

@@ -1,0 +1,135 @@
+// Optimizer updates and gradient norms on flat fp32 buffers.
+//
+// The layers pack every parameter of a model into one buffer (and the gradients, and each optimizer
+// state, alike), so one launch updates a whole model and a global norm is one reduction over one
+// buffer. Element-wise updates do not care where a tensor starts; weight decay applies to every
+// element given (a caller that exempts biases passes those ranges separately).
+//
+// The arithmetic is PyTorch's for-each path (the default on CUDA), in fp32, step by step:
+//   SGD (torch.optim.SGD):   g = grad + wd * p                              (when wd != 0)
+//                            buf = first_step ? g : momentum * buf + (1 - dampening) * g
+//                            g = nesterov ? g + momentum * buf : buf        (when momentum != 0)
+//                            p = p - lr * g
+//   AdamW (torch.optim.AdamW, `step` counted from 1):
+//                            p = p * (1 - lr * wd)
+//                            m = lerp(m, g, 1 - beta1)        (PyTorch's lerp, both branches)
+//                            v = v * beta2 + (1 - beta2) * g * g
+//                            p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//                            with bc1 = 1 - beta1^step, bc2 = 1 - beta2^step.
+// Hyperparameters are doubles (Python floats). Scalars derived from them (1 - dampening, 1 - lr*wd,
+// the bias corrections, -lr/bc1) are computed in double on the host and rounded once to fp32, as
+// PyTorch does. Each fused multiply-add that PyTorch's kernels contain is an explicit fmaf here, in
+// a formula shared by the CUDA kernel and the CPU reference (detail:: below), so the two agree
+// bitwise; nothing is left for the compiler to contract differently on either side.
+//
+// Norms: sum_of_squares and global_norm reduce in fp32 (DESIGN.md §2.3) in two stages in a fixed
+// order; the partition depends only on n, so every replica, on any GPU model, gets the same bits
+// from the same gradients and clips identically. Clipping reads the norm from device memory: no
+// host synchronisation in the step. Like torch.nn.utils.clip_grad_norm_, it multiplies by
+// min(1, max_norm / (norm + 1e-6)) unconditionally (by exactly 1 when the norm is small).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace cudp::kernels {
+
+// param, grad, momentum_buf: n floats. momentum_buf may be nullptr when momentum == 0. first_step:
+// this buffer has no history yet (PyTorch's `momentum_buffer is None`): it is set to g, not
+// decayed.
+void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+              double momentum, double dampening, double weight_decay, bool nesterov,
+              bool first_step, cudaStream_t stream);
+void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  bool first_step);
+
+// m, v: first and second moments (zero before the first step). step: 1 on the first call.
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                cudaStream_t stream);
+void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step);
+
+// *out = sum of x[i]^2 (=), one device float.
+void sum_of_squares(const float* x, int64_t n, float* out, cudaStream_t stream);
+void sum_of_squares_cpu(const float* x, int64_t n, float* out);
+
+// *norm = sqrt(sum of x[i]^2) (=), one device float.
+void global_norm(const float* x, int64_t n, float* norm, cudaStream_t stream);
+void global_norm_cpu(const float* x, int64_t n, float* norm);
+
+// grad *= min(1, max_norm / (*norm + 1e-6)), *norm read on the device.
+void scale_by_clip_coefficient(float* grad, int64_t n, const float* norm, float max_norm,
+                               cudaStream_t stream);
+void scale_by_clip_coefficient_cpu(float* grad, int64_t n, const float* norm, float max_norm);
+
+// torch.nn.utils.clip_grad_norm_ on one flat gradient buffer: global_norm into *norm (a device
+// float the caller can read later, as PyTorch returns the total norm), then the scaling.
+void clip_grad_norm(float* grad, int64_t n, float max_norm, float* norm, cudaStream_t stream);
+void clip_grad_norm_cpu(float* grad, int64_t n, float max_norm, float* norm);
+
+namespace detail {
+
+struct SgdCoefficients {
+  float weight_decay;  // applied when != 0
+  float momentum;      // the momentum path runs when != 0
+  float keep;          // 1 - dampening
+  float neg_lr;        // -lr
+  bool nesterov;
+  bool first_step;
+};
+// Validates like torch.optim.SGD (ValueError naming the value) and rounds the scalars.
+SgdCoefficients sgd_coefficients(int64_t n, double lr, double momentum, double dampening,
+                                 double weight_decay, bool nesterov, bool first_step);
+
+CUDP_HD inline float sgd_update(float p, float g, float* buf, const SgdCoefficients& k) {
+  if (k.weight_decay != 0.f) g = fmaf(k.weight_decay, p, g);  // _foreach_add(g, p, alpha=wd)
+  if (k.momentum != 0.f) {
+    // _foreach_mul_(buf, momentum); _foreach_add_(buf, g, alpha=1 - dampening)
+    const float b = k.first_step ? g : fmaf(k.keep, g, *buf * k.momentum);
+    *buf = b;
+    g = k.nesterov ? fmaf(k.momentum, b, g) : b;  // _foreach_add_(g, buf, alpha=momentum)
+  }
+  return fmaf(k.neg_lr, g, p);  // _foreach_add_(p, g, alpha=-lr)
+}
+
+struct AdamWCoefficients {
+  float decay;  // 1 - lr * wd, applied when wd != 0
+  bool decays;
+  float w1;            // 1 - beta1, the lerp weight
+  float one_minus_w1;  // 1 - w1 in fp32, lerp's second branch
+  float beta2;
+  float w2;        // 1 - beta2
+  float bc2_sqrt;  // sqrt(1 - beta2^step)
+  float eps;
+  float step_size;  // -lr / (1 - beta1^step)
+};
+// Validates like torch.optim.AdamW (ValueError naming the value) and rounds the scalars.
+AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, int64_t step);
+
+CUDP_HD inline void adamw_update(float& p, float g, float& m, float& v,
+                                 const AdamWCoefficients& k) {
+  if (k.decays) p = p * k.decay;  // _foreach_mul_(p, 1 - lr * wd)
+  // _foreach_lerp_(m, g, 1 - beta1): PyTorch's lerp picks the branch by |weight| < 0.5.
+  m = fabsf(k.w1) < 0.5f ? fmaf(k.w1, g - m, m) : fmaf(-(g - m), k.one_minus_w1, g);
+  v = fmaf(k.w2, g * g,
+           v * k.beta2);  // _foreach_mul_(v, beta2); _foreach_addcmul_(v, g, g, 1 - beta2)
+  const float denom = sqrtf(v) / k.bc2_sqrt + k.eps;  // sqrt, div by sqrt(bc2), add eps
+  p = fmaf(k.step_size, m / denom, p);                // _foreach_addcdiv_(p, m, denom, -lr/bc1)
+}
+
+// min(1, max_norm / (norm + 1e-6)) in fp32, as clip_grad_norm_ computes it on the device; a NaN
+// norm gives NaN (torch.clamp propagates it), not 1.
+CUDP_HD inline float clip_coefficient(float norm, float max_norm) {
+  const float coef = max_norm / (norm + 1e-6f);
+  return coef > 1.f ? 1.f : coef;
+}
+
+}  // namespace detail
+}  // namespace cudp::kernels

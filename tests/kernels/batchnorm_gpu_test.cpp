@@ -1,0 +1,383 @@
+// GPU tests of batch normalisation: training forward (with running statistics), evaluation and
+// backward against the CPU reference and against cuDNN (CUDNN_BATCHNORM_SPATIAL, NHWC), numerical
+// stability with a large mean, the accumulate semantics, and bitwise determinism.
+#include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc(T**) for DeviceBuffer<T>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "engine/core/vendor_check.h"
+#include "kernels/batchnorm.h"
+
+namespace cudp::kernels {
+namespace {
+
+using testing::DeviceBuffer;
+constexpr float kEps = 1e-5f, kMomentum = 0.1f;
+
+struct BnCase {
+  int n, h, w, c;
+  int64_t rows() const { return int64_t(n) * h * w; }
+  size_t size() const { return size_t(rows()) * c; }
+};
+
+::testing::Message describe(const BnCase& k) {
+  return ::testing::Message() << k.n << "x" << k.h << "x" << k.w << "x" << k.c;
+}
+
+// Channels with different means (|mean| <= `offset`) and spreads (0.5 .. 2): x = mean_c + s_c * u.
+std::vector<float> bn_input(const BnCase& k, uint64_t seed, float offset) {
+  const std::vector<float> u = testing::random_vector(k.size(), seed);
+  const std::vector<float> mean = testing::random_vector(k.c, seed + 1, -offset, offset);
+  const std::vector<float> spread = testing::random_vector(k.c, seed + 2, 0.5f, 2.f);
+  std::vector<float> x(k.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = mean[i % k.c] + spread[i % k.c] * u[i];
+  return x;
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float f : v) m = std::max(m, double(std::fabs(f)));
+  return m;
+}
+
+// max over channels of sum_r |v[r, ch]| * |w[r, ch]| (w empty: 1): the scale of a reduction's
+// rounding error.
+double max_channel_abs_sum(const std::vector<float>& v, int c, const std::vector<float>& w = {}) {
+  std::vector<double> sums(c, 0.0);
+  for (size_t i = 0; i < v.size(); ++i)
+    sums[i % c] += std::fabs(v[i]) * (w.empty() ? 1.0 : std::fabs(w[i]));
+  return *std::max_element(sums.begin(), sums.end());
+}
+
+::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      return ::testing::AssertionFailure()
+             << "first difference at " << i << ": " << a[i] << " vs " << b[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Everything one training step of a BN layer touches, on the GPU.
+struct BnGpu {
+  DeviceBuffer<float> x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, dy, dx,
+      dgamma, dbeta;
+  BnGpu(const BnCase& k, const std::vector<float>& x_host, const std::vector<float>& gamma_host,
+        const std::vector<float>& beta_host, const std::vector<float>& rm,
+        const std::vector<float>& rv, const std::vector<float>& dy_host)
+      : x(x_host),
+        y(k.size()),
+        gamma(gamma_host),
+        beta(beta_host),
+        running_mean(rm),
+        running_var(rv),
+        save_mean(k.c),
+        save_invstd(k.c),
+        dy(dy_host),
+        dx(k.size()),
+        dgamma(k.c),
+        dbeta(k.c) {
+    for (auto* b : {&y, &save_mean, &save_invstd, &dx, &dgamma, &dbeta}) b->fill(testing::kPoison);
+  }
+};
+
+const BnCase kCases[] = {
+    {3, 7, 7, 5},        // scalar path, lanes 5 x 51 rows
+    {3, 9, 9, 8},        // float4, 2 lanes
+    {3, 7, 7, 3},        // a first layer's channel count
+    {2, 9, 9, 192},      // 48 vectors: two groups of 24 lanes
+    {2, 3, 3, 513},      // scalar, 17 groups of 31 lanes
+    {5, 7, 7, 64},       // float4, one group of 16 lanes
+    {4, 56, 56, 256},    // VGG: float4, two groups of 32 lanes
+    {16, 112, 112, 64},  // 200,704 rows: long per-channel reductions
+};
+
+TEST(BatchNormGpu, TrainingForwardAndBackwardMatchCpu) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k : kCases) {
+    SCOPED_TRACE(describe(k));
+    const std::vector<float> x = bn_input(k, 101 + k.c, 2.f);
+    const std::vector<float> gamma = testing::random_vector(k.c, 102, 0.5f, 1.5f);
+    const std::vector<float> beta = testing::random_vector(k.c, 103);
+    const std::vector<float> rm0 = testing::random_vector(k.c, 104);
+    const std::vector<float> rv0 = testing::random_vector(k.c, 105, 0.5f, 2.f);
+    const std::vector<float> dy = testing::random_vector(k.size(), 106);
+    BnGpu g(k, x, gamma, beta, rm0, rv0, dy);
+    batchnorm_forward_train(g.x.get(), g.y.get(), g.gamma.get(), g.beta.get(), g.running_mean.get(),
+                            g.running_var.get(), g.save_mean.get(), g.save_invstd.get(), k.rows(),
+                            k.c, kMomentum, kEps, nullptr);
+
+    std::vector<float> y(k.size()), rm = rm0, rv = rv0, mean(k.c), invstd(k.c);
+    batchnorm_forward_train_cpu(x.data(), y.data(), gamma.data(), beta.data(), rm.data(), rv.data(),
+                                mean.data(), invstd.data(), k.rows(), k.c, kMomentum, kEps);
+    // The GPU's statistics are within ~1e-6 relative of the exact ones (fp32 sums of x - K, Chan
+    // merges), the saved mean within ~ulp(|mean| <= 2) = 2.4e-7 more for its final rounding; y,
+    // |y| <= 4, is computed from x - K with gamma * invstd <= 5: a few ulps, well under 2e-5.
+    EXPECT_ALL_CLOSE(g.save_mean.download(), mean, 1e-6, 2e-6);
+    EXPECT_ALL_CLOSE(g.save_invstd.download(), invstd, 1e-5, 0);
+    EXPECT_ALL_CLOSE(g.y.download(), y, 1e-5, 2e-5);
+    EXPECT_ALL_CLOSE(g.running_mean.download(), rm, 1e-5, 1e-6);
+    EXPECT_ALL_CLOSE(g.running_var.download(), rv, 1e-5, 1e-6);
+
+    // Backward from the GPU's saved statistics, on both sides.
+    const std::vector<float> gpu_mean = g.save_mean.download(),
+                             gpu_invstd = g.save_invstd.download();
+    batchnorm_backward(g.x.get(), g.dy.get(), g.gamma.get(), g.save_mean.get(), g.save_invstd.get(),
+                       g.dx.get(), g.dgamma.get(), g.dbeta.get(), k.rows(), k.c, 0.f, nullptr);
+    std::vector<float> dx(k.size()), dgamma(k.c), dbeta(k.c);
+    batchnorm_backward_cpu(x.data(), dy.data(), gamma.data(), gpu_mean.data(), gpu_invstd.data(),
+                           dx.data(), dgamma.data(), dbeta.data(), k.rows(), k.c, 0.f);
+    // dx = k * (dy - a - (x - mean) * b): a few ulps of its largest terms (|k * dy| <= max |dx|).
+    EXPECT_ALL_CLOSE(g.dx.download(), dx, 1e-5, 4e-6 * max_abs(dx));
+    // dbeta = sum dy and dgamma = invstd * sum dy * (x - mean) over the rows, in fp32: an error of
+    // a few roundings at the magnitude of sum |term| (what pairwise-like summation guarantees).
+    std::vector<float> xhat(k.size());
+    for (size_t i = 0; i < xhat.size(); ++i)
+      xhat[i] = (x[i] - gpu_mean[i % k.c]) * gpu_invstd[i % k.c];
+    EXPECT_ALL_CLOSE(g.dbeta.download(), dbeta, 1e-5, 2e-7 * max_channel_abs_sum(dy, k.c));
+    EXPECT_ALL_CLOSE(g.dgamma.download(), dgamma, 1e-5, 2e-7 * max_channel_abs_sum(dy, k.c, xhat));
+  }
+}
+
+TEST(BatchNormGpu, EvalMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k : kCases) {
+    SCOPED_TRACE(describe(k));
+    const std::vector<float> x = bn_input(k, 111 + k.c, 2.f);
+    const std::vector<float> gamma = testing::random_vector(k.c, 112, 0.5f, 1.5f);
+    const std::vector<float> beta = testing::random_vector(k.c, 113);
+    const std::vector<float> rm = testing::random_vector(k.c, 114, -2.f, 2.f);
+    const std::vector<float> rv = testing::random_vector(k.c, 115, 0.25f, 4.f);
+    const DeviceBuffer<float> xg(x), gg(gamma), bg(beta), rmg(rm), rvg(rv);
+    DeviceBuffer<float> yg(k.size()), yg_plain(k.size());
+    yg.fill(testing::kPoison);
+    yg_plain.fill(testing::kPoison);
+    batchnorm_forward_eval(xg.get(), yg.get(), gg.get(), bg.get(), rmg.get(), rvg.get(), k.rows(),
+                           k.c, kEps, nullptr);
+    batchnorm_forward_eval(xg.get(), yg_plain.get(), nullptr, nullptr, rmg.get(), rvg.get(),
+                           k.rows(), k.c, kEps, nullptr);
+    std::vector<float> y(k.size()), y_plain(k.size());
+    batchnorm_forward_eval_cpu(x.data(), y.data(), gamma.data(), beta.data(), rm.data(), rv.data(),
+                               k.rows(), k.c, kEps);
+    batchnorm_forward_eval_cpu<float>(x.data(), y_plain.data(), nullptr, nullptr, rm.data(),
+                                      rv.data(), k.rows(), k.c, kEps);
+    // One fp32 formula per element on values below ~10: a few ulps.
+    EXPECT_ALL_CLOSE(yg.download(), y, 1e-5, 1e-5);
+    EXPECT_ALL_CLOSE(yg_plain.download(), y_plain, 1e-5, 1e-5);
+  }
+}
+
+TEST(BatchNormGpu, LargeMeanIsNumericallyStable) {
+  CUDP_REQUIRE_GPU();
+  // Means near +-1000 with spreads 0.5 .. 2: E[x^2] - E[x]^2 in fp32 would lose the variance to
+  // cancellation (an error of ~ulp(1e6) = 0.06 on variances of ~0.1 .. 1.3), and even a mean
+  // accumulated near 1000 carries errors of ulp(1000) = 6e-5, i.e. 2e-4 of a standard deviation.
+  // The kernels work on x - K (K a sample of the channel, exact by Sterbenz here), so the
+  // statistics and y are as accurate as for mean 0: the same tolerances as
+  // TrainingForwardAndBackwardMatchCpu, except the saved mean, which is rounded once near 1000
+  // (1e-4 ~ 1.6 ulp(1000)).
+  const BnCase k{8, 28, 28, 64};
+  std::vector<float> x = bn_input(k, 121, 1.f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] += (i % k.c) % 2 ? 1000.f : -1000.f;
+  const DeviceBuffer<float> xg(x);
+  DeviceBuffer<float> yg(k.size()), mg(k.c), ig(k.c);
+  yg.fill(testing::kPoison);
+  batchnorm_forward_train(xg.get(), yg.get(), nullptr, nullptr, nullptr, nullptr, mg.get(),
+                          ig.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
+  std::vector<float> y(k.size()), mean(k.c), invstd(k.c);
+  batchnorm_forward_train_cpu<float>(x.data(), y.data(), nullptr, nullptr, nullptr, nullptr,
+                                     mean.data(), invstd.data(), k.rows(), k.c, kMomentum, kEps);
+  EXPECT_ALL_CLOSE(ig.download(), invstd, 1e-5, 0);
+  EXPECT_ALL_CLOSE(mg.download(), mean, 0, 1e-4);
+  EXPECT_ALL_CLOSE(yg.download(), y, 1e-5, 2e-5);
+}
+
+TEST(BatchNormGpu, AccumulateSemanticsAndOptionalPointers) {
+  CUDP_REQUIRE_GPU();
+  const BnCase k{3, 7, 7, 12};
+  const std::vector<float> x = bn_input(k, 131, 1.f);
+  const std::vector<float> dy = testing::random_vector(k.size(), 132);
+  const std::vector<float> gamma = testing::random_vector(k.c, 133, 0.5f, 1.5f);
+  const DeviceBuffer<float> xg(x), dyg(dy), gg(gamma);
+  DeviceBuffer<float> yg(k.size()), mg(k.c), ig(k.c), dxg(k.size()), dgg(k.c), dbg(k.c);
+  // Forward with no affine and no running statistics.
+  yg.fill(testing::kPoison);
+  batchnorm_forward_train(xg.get(), yg.get(), nullptr, nullptr, nullptr, nullptr, mg.get(),
+                          ig.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
+  std::vector<float> y(k.size()), mean(k.c), invstd(k.c);
+  batchnorm_forward_train_cpu<float>(x.data(), y.data(), nullptr, nullptr, nullptr, nullptr,
+                                     mean.data(), invstd.data(), k.rows(), k.c, kMomentum, kEps);
+  EXPECT_ALL_CLOSE(yg.download(), y, 1e-5, 2e-5);  // as in TrainingForwardAndBackwardMatchCpu
+  const std::vector<float> gm = mg.download(), gi = ig.download();
+
+  // beta 0 never reads the old gradients: NaN there must not survive.
+  dgg.fill(std::numeric_limits<float>::quiet_NaN());
+  dbg.fill(std::numeric_limits<float>::quiet_NaN());
+  batchnorm_backward(xg.get(), dyg.get(), gg.get(), mg.get(), ig.get(), dxg.get(), dgg.get(),
+                     dbg.get(), k.rows(), k.c, 0.f, nullptr);
+  std::vector<float> dx(k.size()), dgamma(k.c), dbeta(k.c);
+  batchnorm_backward_cpu(x.data(), dy.data(), gamma.data(), gm.data(), gi.data(), dx.data(),
+                         dgamma.data(), dbeta.data(), k.rows(), k.c, 0.f);
+  // Sums of 147 terms below 3 in magnitude: 1e-5 absolute is ~10 roundings at that scale.
+  EXPECT_ALL_CLOSE(dgg.download(), dgamma, 1e-5, 1e-5);
+  EXPECT_ALL_CLOSE(dbg.download(), dbeta, 1e-5, 1e-5);
+
+  // beta 1: accumulate onto the previous values (a second micro-batch).
+  std::vector<float> old_g = testing::random_vector(k.c, 134),
+                     old_b = testing::random_vector(k.c, 135);
+  dgg.upload(old_g);
+  dbg.upload(old_b);
+  batchnorm_backward(xg.get(), dyg.get(), gg.get(), mg.get(), ig.get(), dxg.get(), dgg.get(),
+                     dbg.get(), k.rows(), k.c, 1.f, nullptr);
+  batchnorm_backward_cpu(x.data(), dy.data(), gamma.data(), gm.data(), gi.data(), dx.data(),
+                         old_g.data(), old_b.data(), k.rows(), k.c, 1.f);
+  EXPECT_ALL_CLOSE(dgg.download(), old_g, 1e-5, 1e-5);
+  EXPECT_ALL_CLOSE(dbg.download(), old_b, 1e-5, 1e-5);
+
+  // No parameter gradients at all (affine=False): dx still written, gamma taken as 1.
+  dxg.fill(testing::kPoison);
+  batchnorm_backward(xg.get(), dyg.get(), nullptr, mg.get(), ig.get(), dxg.get(), nullptr, nullptr,
+                     k.rows(), k.c, 0.f, nullptr);
+  batchnorm_backward_cpu<float>(x.data(), dy.data(), nullptr, gm.data(), gi.data(), dx.data(),
+                                nullptr, nullptr, k.rows(), k.c, 0.f);
+  EXPECT_ALL_CLOSE(dxg.download(), dx, 1e-5, 4e-6 * max_abs(dx));
+}
+
+TEST(BatchNormGpu, ReductionsAreBitwiseDeterministic) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k : {BnCase{4, 56, 56, 256}, BnCase{3, 7, 7, 5}, BnCase{16, 112, 112, 64}}) {
+    SCOPED_TRACE(describe(k));
+    const std::vector<float> x = bn_input(k, 141, 2.f), dy = testing::random_vector(k.size(), 142);
+    const std::vector<float> gamma = testing::random_vector(k.c, 143, 0.5f, 1.5f);
+    const std::vector<float> beta = testing::random_vector(k.c, 144);
+    const std::vector<float> rm = testing::random_vector(k.c, 145), rv(k.c, 1.f);
+    std::vector<std::vector<float>> first;
+    for (int run = 0; run < 2; ++run) {
+      BnGpu g(k, x, gamma, beta, rm, rv, dy);
+      batchnorm_forward_train(g.x.get(), g.y.get(), g.gamma.get(), g.beta.get(),
+                              g.running_mean.get(), g.running_var.get(), g.save_mean.get(),
+                              g.save_invstd.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
+      batchnorm_backward(g.x.get(), g.dy.get(), g.gamma.get(), g.save_mean.get(),
+                         g.save_invstd.get(), g.dx.get(), g.dgamma.get(), g.dbeta.get(), k.rows(),
+                         k.c, 0.f, nullptr);
+      std::vector<std::vector<float>> out;
+      for (auto* b : {&g.y, &g.running_mean, &g.running_var, &g.save_mean, &g.save_invstd, &g.dx,
+                      &g.dgamma, &g.dbeta}) {
+        out.push_back(b->download());
+      }
+      if (run == 0) {
+        first = out;
+      } else {
+        for (size_t i = 0; i < out.size(); ++i)
+          EXPECT_TRUE(bitwise_equal(out[i], first[i])) << "output " << i;
+      }
+    }
+  }
+}
+
+// ---- against cuDNN ------------------------------------------------------------------------------
+
+struct Cudnn {
+  cudnnHandle_t handle = nullptr;
+  Cudnn() { CUDP_CUDNN_CHECK(cudnnCreate(&handle)); }
+  ~Cudnn() { cudnnDestroy(handle); }
+};
+
+struct TensorDesc {
+  cudnnTensorDescriptor_t desc = nullptr;
+  TensorDesc() { CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&desc)); }
+  ~TensorDesc() { cudnnDestroyTensorDescriptor(desc); }
+};
+
+TEST(BatchNormGpu, MatchesCudnnSpatialNhwc) {
+  CUDP_REQUIRE_GPU();
+  Cudnn cudnn;
+  for (const BnCase& k :
+       {BnCase{3, 7, 7, 5}, BnCase{3, 9, 9, 8}, BnCase{4, 56, 56, 256}, BnCase{16, 112, 112, 64}}) {
+    SCOPED_TRACE(describe(k));
+    TensorDesc x_desc, bn_desc;
+    CUDP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(x_desc.desc, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT,
+                                                k.n, k.c, k.h, k.w));
+    CUDP_CUDNN_CHECK(
+        cudnnDeriveBNTensorDescriptor(bn_desc.desc, x_desc.desc, CUDNN_BATCHNORM_SPATIAL));
+    const std::vector<float> x = bn_input(k, 151 + k.c, 2.f);
+    const std::vector<float> gamma = testing::random_vector(k.c, 152, 0.5f, 1.5f);
+    const std::vector<float> beta = testing::random_vector(k.c, 153);
+    const std::vector<float> rm0 = testing::random_vector(k.c, 154);
+    const std::vector<float> rv0 = testing::random_vector(k.c, 155, 0.5f, 2.f);
+    const std::vector<float> dy = testing::random_vector(k.size(), 156);
+    BnGpu ours(k, x, gamma, beta, rm0, rv0, dy), ref(k, x, gamma, beta, rm0, rv0, dy);
+
+    batchnorm_forward_train(ours.x.get(), ours.y.get(), ours.gamma.get(), ours.beta.get(),
+                            ours.running_mean.get(), ours.running_var.get(), ours.save_mean.get(),
+                            ours.save_invstd.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
+    batchnorm_backward(ours.x.get(), ours.dy.get(), ours.gamma.get(), ours.save_mean.get(),
+                       ours.save_invstd.get(), ours.dx.get(), ours.dgamma.get(), ours.dbeta.get(),
+                       k.rows(), k.c, 0.f, nullptr);
+    // cuDNN: exponentialAverageFactor is PyTorch's momentum, and its running variance is the
+    // unbiased one, as PyTorch's (which calls this very function).
+    const float one = 1.f, zero = 0.f;
+    CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
+        cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &one, &zero, x_desc.desc, ref.x.get(), x_desc.desc,
+        ref.y.get(), bn_desc.desc, ref.gamma.get(), ref.beta.get(), double(kMomentum),
+        ref.running_mean.get(), ref.running_var.get(), double(kEps), ref.save_mean.get(),
+        ref.save_invstd.get()));
+    CUDP_CUDNN_CHECK(cudnnBatchNormalizationBackward(
+        cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &one, &zero, &one, &zero, x_desc.desc, ref.x.get(),
+        x_desc.desc, ref.dy.get(), x_desc.desc, ref.dx.get(), bn_desc.desc, ref.gamma.get(),
+        ref.dgamma.get(), ref.dbeta.get(), double(kEps), ref.save_mean.get(),
+        ref.save_invstd.get()));
+
+    // Two fp32 implementations, each within the CPU test's bounds of the exact values: twice those.
+    EXPECT_ALL_CLOSE(ours.save_mean.download(), ref.save_mean.download(), 2e-6, 4e-6);
+    EXPECT_ALL_CLOSE(ours.save_invstd.download(), ref.save_invstd.download(), 2e-5, 0);
+    EXPECT_ALL_CLOSE(ours.y.download(), ref.y.download(), 2e-5, 4e-5);
+    EXPECT_ALL_CLOSE(ours.running_mean.download(), ref.running_mean.download(), 2e-5, 2e-6);
+    EXPECT_ALL_CLOSE(ours.running_var.download(), ref.running_var.download(), 2e-5, 2e-6);
+    const std::vector<float> dx_ref = ref.dx.download();
+    EXPECT_ALL_CLOSE(ours.dx.download(), dx_ref, 2e-5, 8e-6 * max_abs(dx_ref));
+    std::vector<float> xhat(k.size());
+    const std::vector<float> m = ref.save_mean.download(), s = ref.save_invstd.download();
+    for (size_t i = 0; i < xhat.size(); ++i) xhat[i] = (x[i] - m[i % k.c]) * s[i % k.c];
+    EXPECT_ALL_CLOSE(ours.dbeta.download(), ref.dbeta.download(), 2e-5,
+                     4e-7 * max_channel_abs_sum(dy, k.c));
+    EXPECT_ALL_CLOSE(ours.dgamma.download(), ref.dgamma.download(), 2e-5,
+                     4e-7 * max_channel_abs_sum(dy, k.c, xhat));
+
+    // Evaluation with the running statistics both sides now hold (ours).
+    DeviceBuffer<float> y_eval(k.size()), y_eval_ref(k.size());
+    y_eval.fill(testing::kPoison);
+    batchnorm_forward_eval(ours.x.get(), y_eval.get(), ours.gamma.get(), ours.beta.get(),
+                           ours.running_mean.get(), ours.running_var.get(), k.rows(), k.c, kEps,
+                           nullptr);
+    CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(
+        cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &one, &zero, x_desc.desc, ours.x.get(), x_desc.desc,
+        y_eval_ref.get(), bn_desc.desc, ours.gamma.get(), ours.beta.get(), ours.running_mean.get(),
+        ours.running_var.get(), double(kEps)));
+    EXPECT_ALL_CLOSE(y_eval.download(), y_eval_ref.download(), 2e-5, 2e-5);
+  }
+}
+
+TEST(BatchNormGpu, BadArgumentsThrowBeforeLaunching) {
+  CUDP_REQUIRE_GPU();
+  DeviceBuffer<float> b(64);
+  float* p = b.get();
+  EXPECT_THROW(batchnorm_forward_train(p, p, p, p, p, p, p, p, 1, 4, 0.1f, 1e-5f, nullptr),
+               ValueError);
+  EXPECT_THROW(batchnorm_forward_eval(p, p, p, p, nullptr, p, 4, 4, 1e-5f, nullptr), ValueError);
+  EXPECT_THROW(batchnorm_backward(p, p, p, nullptr, p, p, p, p, 4, 4, 0.f, nullptr), ValueError);
+  EXPECT_THROW(batchnorm_backward(p, p, p, p, p, p, p, p, 4, 0, 0.f, nullptr), ValueError);
+}
+
+}  // namespace
+}  // namespace cudp::kernels

@@ -1,0 +1,178 @@
+// GPU tests of the optimizer and norm kernels: SGD and AdamW bitwise against the CPU reference
+// (which shares the per-element formula), on odd sizes, aligned and unaligned buffers, VGG-16's
+// parameter count; norms against double sums and bitwise deterministic; clipping bitwise.
+#include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc(T**) for DeviceBuffer<T>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "kernels/optim.h"
+
+namespace cudp::kernels {
+namespace {
+
+using testing::DeviceBuffer;
+
+constexpr int64_t kOdd = 1000003;      // a prime: a scalar tail after the float4s
+constexpr int64_t kVgg16 = 138357544;  // torchvision vgg16's parameter count
+
+// A device buffer holding `host` from element `offset` on (offset 1 breaks 16-byte alignment).
+DeviceBuffer<float> upload_at(const std::vector<float>& host, size_t offset) {
+  std::vector<float> padded(host.size() + offset, testing::kPoison);
+  std::copy(host.begin(), host.end(), padded.begin() + offset);
+  return DeviceBuffer<float>(padded);
+}
+
+std::vector<float> download_at(const DeviceBuffer<float>& b, size_t offset) {
+  const std::vector<float> all = b.download();
+  return std::vector<float>(all.begin() + offset, all.end());
+}
+
+// Bitwise equality with the number of differing elements and the first of them.
+::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0 && bad++ == 0) first = i;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << a.size() << " differ; first at " << first
+                                       << ": " << a[first] << " vs " << b[first];
+}
+
+struct SgdConfig {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov;
+};
+
+TEST(SgdGpu, BitwiseMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  for (const SgdConfig& cfg :
+       {SgdConfig{0.1, 0, 0, 0, false}, SgdConfig{0.05, 0, 0, 5e-4, false},
+        SgdConfig{0.05, 0.9, 0, 5e-4, false}, SgdConfig{0.05, 0.9, 0.1, 1e-2, false},
+        SgdConfig{0.05, 0.9, 0, 5e-4, true}}) {
+    for (const size_t offset : {size_t(0), size_t(1)}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "momentum " << cfg.momentum << " dampening " << cfg.dampening << " wd "
+                   << cfg.weight_decay << " nesterov " << cfg.nesterov << " offset " << offset);
+      std::vector<float> p = testing::random_vector(kOdd, 301), buf(kOdd, testing::kPoison);
+      auto pg = upload_at(p, offset), bg = upload_at(buf, offset);
+      const bool has_buf = cfg.momentum != 0;
+      for (int t = 0; t < 3; ++t) {
+        const std::vector<float> grad = testing::random_vector(kOdd, 302 + t);
+        const auto gg = upload_at(grad, offset);
+        sgd_step(pg.get() + offset, gg.get() + offset, has_buf ? bg.get() + offset : nullptr, kOdd,
+                 cfg.lr, cfg.momentum, cfg.dampening, cfg.weight_decay, cfg.nesterov, t == 0,
+                 nullptr);
+        sgd_step_cpu(p.data(), grad.data(), has_buf ? buf.data() : nullptr, kOdd, cfg.lr,
+                     cfg.momentum, cfg.dampening, cfg.weight_decay, cfg.nesterov, t == 0);
+      }
+      EXPECT_TRUE(bitwise_equal(download_at(pg, offset), p));
+      EXPECT_TRUE(bitwise_equal(download_at(bg, offset), buf));  // untouched when momentum is 0
+    }
+  }
+}
+
+TEST(SgdGpu, BitwiseMatchesCpuOnVgg16Size) {
+  CUDP_REQUIRE_GPU();
+  std::vector<float> p = testing::random_vector(kVgg16, 311),
+                     buf = testing::random_vector(kVgg16, 312);
+  const std::vector<float> grad = testing::random_vector(kVgg16, 313);
+  DeviceBuffer<float> pg(p), bg(buf);
+  const DeviceBuffer<float> gg(grad);
+  sgd_step(pg.get(), gg.get(), bg.get(), kVgg16, 0.05, 0.9, 0, 5e-4, false, false, nullptr);
+  sgd_step_cpu(p.data(), grad.data(), buf.data(), kVgg16, 0.05, 0.9, 0, 5e-4, false, false);
+  EXPECT_TRUE(bitwise_equal(pg.download(), p));
+  EXPECT_TRUE(bitwise_equal(bg.download(), buf));
+}
+
+TEST(AdamWGpu, BitwiseMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  struct Config {
+    double lr, beta1, beta2, eps, weight_decay;
+  };
+  // beta1 = 0.3 makes lerp's weight 0.7: its second branch.
+  for (const Config& cfg :
+       {Config{1e-3, 0.9, 0.999, 1e-8, 0.0}, Config{1e-3, 0.9, 0.999, 1e-8, 1e-2},
+        Config{3e-4, 0.3, 0.95, 1e-6, 0.1}}) {
+    for (const size_t offset : {size_t(0), size_t(1)}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "beta1 " << cfg.beta1 << " wd " << cfg.weight_decay << " offset " << offset);
+      std::vector<float> p = testing::random_vector(kOdd, 321), m(kOdd, 0.f), v(kOdd, 0.f);
+      auto pg = upload_at(p, offset), mg = upload_at(m, offset), vg = upload_at(v, offset);
+      for (int step = 1; step <= 3; ++step) {
+        const std::vector<float> grad = testing::random_vector(kOdd, 322 + step);
+        const auto gg = upload_at(grad, offset);
+        adamw_step(pg.get() + offset, gg.get() + offset, mg.get() + offset, vg.get() + offset, kOdd,
+                   cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, step, nullptr);
+        adamw_step_cpu(p.data(), grad.data(), m.data(), v.data(), kOdd, cfg.lr, cfg.beta1,
+                       cfg.beta2, cfg.eps, cfg.weight_decay, step);
+      }
+      // The same fp32 operations in the same order (explicit fmaf, IEEE sqrt and division on both
+      // sides): bit for bit.
+      EXPECT_TRUE(bitwise_equal(download_at(pg, offset), p));
+      EXPECT_TRUE(bitwise_equal(download_at(mg, offset), m));
+      EXPECT_TRUE(bitwise_equal(download_at(vg, offset), v));
+    }
+  }
+}
+
+TEST(NormGpu, MatchesDoubleSumsAndIsDeterministic) {
+  CUDP_REQUIRE_GPU();
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(5), kOdd, kVgg16}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n);
+    const std::vector<float> x = testing::random_vector(size_t(n), 331);
+    float sum_ref = 0, norm_ref = 0;
+    sum_of_squares_cpu(x.data(), n, &sum_ref);
+    global_norm_cpu(x.data(), n, &norm_ref);
+    const auto aligned = upload_at(x, 0), unaligned = upload_at(x, 1);
+    DeviceBuffer<float> out(4);
+    out.fill(testing::kPoison);
+    sum_of_squares(aligned.get(), n, out.get(), nullptr);
+    global_norm(aligned.get(), n, out.get() + 1, nullptr);
+    sum_of_squares(aligned.get(), n, out.get() + 2, nullptr);
+    sum_of_squares(unaligned.get() + 1, n, out.get() + 3, nullptr);
+    const std::vector<float> r = out.download();
+    // fp32 partial sums of positive terms, each thread's run at most ~530 terms (then trees): the
+    // rounding errors are random-signed, ~sqrt(530) * 6e-8 = 1.4e-6 relative; 2e-5 also covers
+    // the unlikely worst case of a run (530 * 6e-8 = 3e-5 on one thread's share only).
+    EXPECT_ALL_CLOSE(std::vector<float>{r[0]}, std::vector<float>{sum_ref}, 2e-5, 0);
+    EXPECT_ALL_CLOSE(std::vector<float>{r[1]}, std::vector<float>{norm_ref}, 1e-5, 0);
+    // The partition depends on n only: same bits on a second run and from an unaligned copy.
+    EXPECT_EQ(std::memcmp(&r[0], &r[2], sizeof(float)), 0) << r[0] << " vs " << r[2];
+    EXPECT_EQ(std::memcmp(&r[0], &r[3], sizeof(float)), 0) << r[0] << " vs " << r[3];
+  }
+}
+
+TEST(ClipGradNormGpu, ScalesBitwiseLikeCpu) {
+  CUDP_REQUIRE_GPU();
+  for (const size_t offset : {size_t(0), size_t(1)}) {
+    for (const float max_norm : {1.f, 1e9f}) {
+      SCOPED_TRACE(::testing::Message() << "max_norm " << max_norm << " offset " << offset);
+      std::vector<float> g = testing::random_vector(kOdd, 341);
+      auto gg = upload_at(g, offset);
+      DeviceBuffer<float> norm(1);
+      norm.fill(testing::kPoison);
+      clip_grad_norm(gg.get() + offset, kOdd, max_norm, norm.get(), nullptr);
+      // The CPU scales by the GPU's norm: the coefficient and products are then bitwise equal.
+      const float gpu_norm = norm.download()[0];
+      float norm_ref = 0;
+      global_norm_cpu(g.data(), kOdd, &norm_ref);
+      EXPECT_ALL_CLOSE(std::vector<float>{gpu_norm}, std::vector<float>{norm_ref}, 1e-5, 0);
+      const std::vector<float> original = g;
+      scale_by_clip_coefficient_cpu(g.data(), kOdd, &gpu_norm, max_norm);
+      EXPECT_TRUE(bitwise_equal(download_at(gg, offset), g));
+      if (max_norm > 1e8f) {
+        EXPECT_TRUE(bitwise_equal(g, original));  // coefficient exactly 1
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cudp::kernels
