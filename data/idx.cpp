@@ -1,0 +1,146 @@
+#include "data/idx.h"
+
+#include <cstdint>
+#include <cstdio>
+
+#include "data/file_io.h"
+#include "engine/core/error.h"
+
+namespace cudp::data {
+namespace {
+
+uint32_t read_be32(const uint8_t* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
+}
+
+void append_be32(std::vector<uint8_t>& out, int64_t value) {
+  CUDP_CHECK(value >= 0 && value <= 0xFFFFFFFFll, "an IDX size must fit in 32 bits, got ", value);
+  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<uint8_t>(value >> shift));
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+struct IdxFile {
+  std::vector<uint8_t> bytes;  // the whole file, header included
+  std::vector<int64_t> sizes;  // the header's dimensions
+};
+
+// Reads an IDX file of `dims` dimensions, checking its magic and that it holds exactly the header
+// plus the bytes its dimensions promise. `what` ("images", "labels") names it in errors.
+IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* what) {
+  IdxFile f{read_file(path), {}};
+  const size_t header = 4 + 4 * static_cast<size_t>(dims);
+  const auto too_short = [&] {
+    CUDP_THROW(IoError, path, " is truncated: it has ", f.bytes.size(), " bytes, less than the ",
+               header, "-byte header of an IDX ", what, " file");
+  };
+  if (f.bytes.size() < 4) too_short();
+  const uint32_t found = read_be32(f.bytes.data());
+  if (found != magic) {
+    const bool swapped = found == kIdxImagesMagic || found == kIdxLabelsMagic;
+    CUDP_THROW(IoError, path, " is not an IDX ", what, " file: magic number ", hex32(found),
+               ", expected ", hex32(magic),
+               swapped ? " (this is the other kind of IDX file: images and labels swapped?)" : "");
+  }
+  if (f.bytes.size() < header) too_short();
+  int64_t data_bytes = 1;  // saturating: a garbage header must not overflow
+  for (int d = 0; d < dims; ++d) {
+    f.sizes.push_back(read_be32(f.bytes.data() + 4 + 4 * d));
+    if (__builtin_mul_overflow(data_bytes, f.sizes.back(), &data_bytes)) data_bytes = INT64_MAX / 2;
+  }
+  const int64_t expected = static_cast<int64_t>(header) + data_bytes;
+  const int64_t actual = static_cast<int64_t>(f.bytes.size());
+  if (actual != expected) {
+    const std::string shape = dims == 3 ? detail::str(" of ", f.sizes[1], "x", f.sizes[2]) : "";
+    CUDP_THROW(IoError, path, (actual < expected ? " is truncated" : " is too long"),
+               ": its header promises ", f.sizes[0], " ", what, shape, " (", expected,
+               " bytes with the header), the file has ", actual, " bytes");
+  }
+  return f;
+}
+
+// The file `stem` in `dir` under the names it is distributed with: gzipped or not, and with the
+// '.' that some MNIST mirrors use before "idx" ("train-images.idx3-ubyte").
+std::string find_idx_file(const std::string& dir, const std::string& stem, const std::string& name) {
+  std::string dotted = stem;
+  dotted[dotted.rfind("-idx")] = '.';
+  const std::string base = dir + "/";
+  for (const std::string& candidate : {stem + ".gz", stem, dotted + ".gz", dotted}) {
+    if (file_exists(base + candidate)) return base + candidate;
+  }
+  const bool fashion = name.find("fashion") != std::string::npos;
+  CUDP_THROW(IoError, name, " file not found: ", base, stem, "(.gz). ",
+             fashion ? "On Debian/Ubuntu, apt-get install dataset-fashion-mnist puts the files in "
+                       "/usr/share/datasets/fashion-mnist/; or download them and pass --data-dir "
+                       "<the directory with train-images-idx3-ubyte.gz, ...>"
+                     : "Download the four IDX files (train-images-idx3-ubyte.gz, ...) and pass "
+                       "--data-dir <their directory>");
+}
+
+}  // namespace
+
+IdxImages read_idx_images(const std::string& path) {
+  IdxFile f = read_idx(path, kIdxImagesMagic, 3, "images");
+  IdxImages images{f.sizes[0], f.sizes[1], f.sizes[2], {}};
+  images.pixels.assign(f.bytes.begin() + 16, f.bytes.end());
+  return images;
+}
+
+std::vector<uint8_t> read_idx_labels(const std::string& path) {
+  IdxFile f = read_idx(path, kIdxLabelsMagic, 1, "labels");
+  return {f.bytes.begin() + 8, f.bytes.end()};
+}
+
+std::vector<uint8_t> encode_idx_images(std::span<const uint8_t> pixels, int64_t count, int64_t rows,
+                                       int64_t cols) {
+  CUDP_CHECK(static_cast<int64_t>(pixels.size()) == count * rows * cols, "encode_idx_images: ",
+             pixels.size(), " pixels for ", count, " images of ", rows, "x", cols);
+  std::vector<uint8_t> out;
+  out.reserve(16 + pixels.size());
+  for (int64_t v : {int64_t{kIdxImagesMagic}, count, rows, cols}) append_be32(out, v);
+  out.insert(out.end(), pixels.begin(), pixels.end());
+  return out;
+}
+
+std::vector<uint8_t> encode_idx_labels(std::span<const uint8_t> labels) {
+  std::vector<uint8_t> out;
+  out.reserve(8 + labels.size());
+  for (int64_t v : {int64_t{kIdxLabelsMagic}, static_cast<int64_t>(labels.size())}) append_be32(out, v);
+  out.insert(out.end(), labels.begin(), labels.end());
+  return out;
+}
+
+Dataset load_mnist_like(const std::string& dir, bool train, const std::string& name) {
+  constexpr int kClasses = 10;
+  const std::string prefix = train ? "train" : "t10k";
+  const std::string images_path = find_idx_file(dir, prefix + "-images-idx3-ubyte", name);
+  const std::string labels_path = find_idx_file(dir, prefix + "-labels-idx1-ubyte", name);
+  IdxImages images = read_idx_images(images_path);
+  const std::vector<uint8_t> labels = read_idx_labels(labels_path);
+  if (images.count != static_cast<int64_t>(labels.size())) {
+    CUDP_THROW(IoError, name, ": ", images_path, " holds ", images.count, " images but ",
+               labels_path, " holds ", labels.size(), " labels");
+  }
+  for (size_t i = 0; i < labels.size(); ++i) {
+    if (labels[i] >= kClasses) {
+      CUDP_THROW(IoError, labels_path, ": label ", int{labels[i]}, " at index ", i,
+                 " is out of range [0, ", kClasses, ")");
+    }
+  }
+  Dataset d;
+  d.name = name + (train ? "/train" : "/test");
+  d.height = images.rows;
+  d.width = images.cols;
+  d.channels = 1;
+  d.num_classes = kClasses;
+  d.images = std::move(images.pixels);
+  d.labels.assign(labels.begin(), labels.end());
+  d.validate();
+  return d;
+}
+
+}  // namespace cudp::data

@@ -1,0 +1,370 @@
+#include "data/loader.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "engine/core/device.h"
+#include "engine/core/stream.h"
+#include "kernels/philox.h"
+
+namespace cudp::data {
+
+// Philox's high counter word: the epoch above 8 bits of purpose, so the streams never overlap
+// (data/synthetic.cpp uses purposes 1-3).
+namespace {
+enum Purpose : uint64_t { kShuffle = 0x10, kAugment = 0x11 };
+
+uint64_t counter_hi(int epoch, Purpose purpose) {
+  return (static_cast<uint64_t>(epoch) << 8) | purpose;
+}
+}  // namespace
+
+namespace detail {
+
+// One batch worth of memory, reused batch after batch, and the CUDA events of the work that reads it.
+struct BatchBuffer {
+  Tensor images, labels;  // full batch_size rows
+  std::mutex mutex;       // guards what follows (record_reader runs on the consumer's thread)
+  uint64_t lease = 0;     // counts the times a worker took the buffer
+  std::vector<cuda::Event> readers;  // one per device, created on first use
+  std::vector<bool> pending;
+
+  // The memory goes back when the last batch using it goes, possibly while a copy still reads it.
+  ~BatchBuffer() {
+    for (size_t d = 0; d < readers.size(); ++d) {
+      if (pending[d]) cudaEventSynchronize(readers[d].get());  // no throwing from a destructor
+    }
+  }
+
+  // A worker takes the buffer to refill it: batches handed out before can no longer announce
+  // readers, and those they announced are waited for.
+  void take() {
+    std::lock_guard lock(mutex);
+    ++lease;
+    for (size_t d = 0; d < readers.size(); ++d) {
+      if (pending[d]) readers[d].synchronize();
+      pending[d] = false;
+    }
+  }
+};
+
+}  // namespace detail
+
+void Batch::record_reader(cudaStream_t stream, int device) const {
+  CUDP_CHECK(buffer != nullptr, "record_reader on a batch that did not come from a Loader");
+  CUDP_CHECK(device >= 0, "record_reader: invalid device ", device);
+  detail::BatchBuffer& b = *buffer;
+  std::lock_guard lock(b.mutex);
+  CUDP_CHECK(b.lease == lease, "record_reader on batch ", index, " of epoch ", epoch,
+             " after the loader took its memory back: call it before the next next()");
+  const size_t d = static_cast<size_t>(device);
+  if (b.readers.size() <= d) {
+    b.readers.resize(d + 1);
+    b.pending.resize(d + 1, false);
+  }
+  if (b.readers[d].get() == nullptr) b.readers[d] = cuda::Event::create(device);
+  b.readers[d].record(stream);
+  b.pending[d] = true;
+}
+
+Normalization compute_normalization(const Dataset& train) {
+  train.validate();
+  CUDP_CHECK(train.size() > 0, "compute_normalization: ", train.name, " is empty");
+  const size_t channels = static_cast<size_t>(train.channels);
+  std::vector<uint64_t> sum(channels, 0), sum_sq(channels, 0);  // exact: integer pixels
+  for (size_t i = 0; i < train.images.size(); ++i) {
+    const uint64_t v = train.images[i];
+    sum[i % channels] += v;
+    sum_sq[i % channels] += v * v;
+  }
+  const double count = static_cast<double>(train.images.size() / channels);
+  Normalization n;
+  for (size_t c = 0; c < channels; ++c) {
+    const double mean = static_cast<double>(sum[c]) / count / 255.0;
+    const double mean_sq = static_cast<double>(sum_sq[c]) / count / (255.0 * 255.0);
+    n.mean.push_back(static_cast<float>(mean));
+    n.std.push_back(static_cast<float>(std::sqrt(std::max(mean_sq - mean * mean, 0.0))));
+  }
+  return n;
+}
+
+class Loader::Impl {
+ public:
+  Impl(const Dataset& dataset, LoaderOptions options);
+  ~Impl();
+
+  void start_epoch(int epoch, int64_t first_batch);
+  bool next(Batch& batch);
+  double wait_seconds() const;
+  LoaderPosition position() const;
+  std::vector<int64_t> epoch_order(int epoch) const;
+
+  const Dataset& dataset;
+  const LoaderOptions options;
+  const int64_t out_h, out_w, channels, batches;
+
+ private:
+  using BufferPtr = std::shared_ptr<detail::BatchBuffer>;
+  // A batch a worker was given: what it needs to fill it without holding the lock.
+  struct Task {
+    BufferPtr buffer;
+    int64_t index;
+    uint64_t generation;
+    int epoch;
+    std::shared_ptr<const std::vector<int64_t>> order;
+  };
+
+  void work();
+  bool can_schedule() const;
+  void release_held();  // with the lock held
+  void fill(const Task& task) const;
+  void transform(int64_t sample, int epoch, float* out) const;
+
+  std::vector<float> table_;  // [channel][pixel value] -> normalised value
+  std::vector<float> fill_;   // per channel: the border's value
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_, ready_cv_;
+  bool stop_ = false;
+  uint64_t generation_ = 0;   // bumped by start_epoch: older tasks' results are dropped
+  int epoch_ = -1;
+  std::shared_ptr<const std::vector<int64_t>> order_;
+  int64_t next_schedule_ = 0, next_deliver_ = 0;
+  std::deque<BufferPtr> free_;
+  std::map<int64_t, BufferPtr> ready_;
+  BufferPtr held_;            // the buffer behind the batch the consumer has
+  std::exception_ptr error_;
+  double waited_ = 0;
+  std::vector<std::thread> threads_;
+};
+
+Loader::Impl::Impl(const Dataset& data, LoaderOptions opts)
+    : dataset(data),
+      options(std::move(opts)),
+      out_h(data.height + 2 * options.pad),
+      out_w(data.width + 2 * options.pad),
+      channels(data.channels),
+      batches(options.batch_size <= 0 ? 0
+              : options.drop_last   ? data.size() / options.batch_size
+                                    : (data.size() + options.batch_size - 1) / options.batch_size) {
+  dataset.validate();
+  const Normalization& norm = options.normalization;
+  CUDP_CHECK(options.batch_size > 0, "batch_size must be positive, got ", options.batch_size);
+  CUDP_CHECK(options.pad >= 0 && options.random_crop >= 0, "pad and random_crop must not be negative");
+  CUDP_CHECK(options.workers >= 1 && options.prefetch >= 1, "workers and prefetch must be >= 1, got ",
+             options.workers, " and ", options.prefetch);
+  CUDP_CHECK(norm.mean.size() == norm.std.size(), "normalization: ", norm.mean.size(), " means but ",
+             norm.std.size(), " standard deviations");
+  CUDP_CHECK(norm.mean.size() <= 1 || static_cast<int64_t>(norm.mean.size()) == channels,
+             "normalization has ", norm.mean.size(), " channels, ", dataset.name, " has ", channels);
+
+  for (int64_t c = 0; c < channels; ++c) {
+    const size_t k = norm.mean.size() == 1 ? 0 : static_cast<size_t>(c);
+    const float mean = norm.mean.empty() ? 0.0f : norm.mean[k];
+    const float std = norm.std.empty() ? 1.0f : norm.std[k];
+    CUDP_CHECK(std > 0, "normalization: std of channel ", c, " must be positive, got ", std);
+    for (int v = 0; v < 256; ++v) table_.push_back((static_cast<float>(v) / 255.0f - mean) / std);
+    fill_.push_back(options.pad_fill == PadFill::Zero ? 0.0f : table_[c * 256 + options.pad_pixel]);
+  }
+
+  // prefetch buffers being filled or ready, plus the consumer's.
+  const bool pinned = options.pin_memory && cuda::is_available();
+  for (int i = 0; i <= options.prefetch; ++i) {
+    auto buffer = std::make_shared<detail::BatchBuffer>();
+    buffer->images = Tensor::empty({options.batch_size, out_h, out_w, channels}, DType::f32,
+                                   Device::cpu(), pinned);
+    buffer->labels = Tensor::empty({options.batch_size}, DType::i32, Device::cpu(), pinned);
+    free_.push_back(std::move(buffer));
+  }
+  for (int i = 0; i < options.workers; ++i) threads_.emplace_back([this] { work(); });
+}
+
+Loader::Impl::~Impl() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+std::vector<int64_t> Loader::Impl::epoch_order(int epoch) const {
+  CUDP_CHECK(epoch >= 0, "epoch must not be negative, got ", epoch);
+  std::vector<int64_t> order(static_cast<size_t>(dataset.size()));
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  if (!options.shuffle) return order;
+  for (size_t i = order.size(); i-- > 1;) {  // Fisher-Yates: swap i with a uniform j in [0, i]
+    const kernels::Philox4 r = kernels::philox(options.seed, i, counter_hi(epoch, kShuffle));
+    const uint64_t bits = (uint64_t{r.v[0]} << 32) | r.v[1];
+    std::swap(order[i], order[bits % (i + 1)]);
+  }
+  return order;
+}
+
+void Loader::Impl::start_epoch(int epoch, int64_t first_batch) {
+  CUDP_CHECK(first_batch >= 0 && first_batch <= batches, "start_epoch: first_batch ", first_batch,
+             " is outside [0, ", batches, "]");
+  auto order = std::make_shared<const std::vector<int64_t>>(epoch_order(epoch));
+  {
+    std::lock_guard lock(mutex_);
+    ++generation_;
+    epoch_ = epoch;
+    order_ = std::move(order);
+    for (auto& [index, buffer] : ready_) free_.push_back(std::move(buffer));
+    ready_.clear();
+    release_held();
+    next_schedule_ = next_deliver_ = first_batch;
+    error_ = nullptr;
+    waited_ = 0;
+  }
+  work_cv_.notify_all();
+}
+
+bool Loader::Impl::can_schedule() const {
+  return epoch_ >= 0 && next_schedule_ < batches && next_schedule_ < next_deliver_ + options.prefetch &&
+         !free_.empty();
+}
+
+void Loader::Impl::release_held() {
+  if (held_) free_.push_back(std::move(held_));
+  held_ = nullptr;
+}
+
+void Loader::Impl::work() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    work_cv_.wait(lock, [this] { return stop_ || can_schedule(); });
+    if (stop_) return;
+    Task task{std::move(free_.front()), next_schedule_++, generation_, epoch_, order_};
+    free_.pop_front();
+    lock.unlock();
+    std::exception_ptr failure;
+    try {
+      task.buffer->take();
+      fill(task);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    lock.lock();
+    if (task.generation != generation_ || failure) {
+      if (failure && task.generation == generation_) error_ = failure;
+      free_.push_back(std::move(task.buffer));
+      work_cv_.notify_all();
+    } else {
+      ready_.emplace(task.index, std::move(task.buffer));
+    }
+    ready_cv_.notify_all();
+  }
+}
+
+bool Loader::Impl::next(Batch& batch) {
+  std::unique_lock lock(mutex_);
+  CUDP_CHECK(epoch_ >= 0, "Loader::next: call start_epoch(epoch) first");
+  release_held();
+  work_cv_.notify_all();
+  if (next_deliver_ >= batches) return false;
+  if (!error_ && !ready_.contains(next_deliver_)) {
+    const auto start = std::chrono::steady_clock::now();
+    ready_cv_.wait(lock, [this] { return error_ || ready_.contains(next_deliver_); });
+    waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  if (error_) std::rethrow_exception(error_);
+  const int64_t index = next_deliver_++;
+  auto node = ready_.extract(index);
+  held_ = std::move(node.mapped());
+  work_cv_.notify_all();  // the window moved on
+
+  const int64_t rows = std::min(options.batch_size, dataset.size() - index * options.batch_size);
+  batch.images = held_->images.slice(0, rows);
+  batch.labels = held_->labels.slice(0, rows);
+  batch.epoch = epoch_;
+  batch.index = index;
+  batch.buffer = held_;
+  std::lock_guard buffer_lock(held_->mutex);
+  batch.lease = held_->lease;
+  return true;
+}
+
+double Loader::Impl::wait_seconds() const {
+  std::lock_guard lock(mutex_);
+  return waited_;
+}
+
+LoaderPosition Loader::Impl::position() const {
+  std::lock_guard lock(mutex_);
+  return {std::max(epoch_, 0), next_deliver_};
+}
+
+void Loader::Impl::fill(const Task& task) const {
+  const int64_t first = task.index * options.batch_size;
+  const int64_t rows = std::min(options.batch_size, dataset.size() - first);
+  const int64_t image_floats = out_h * out_w * channels;
+  float* images = task.buffer->images.data<float>();
+  int32_t* labels = task.buffer->labels.data<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t sample = (*task.order)[static_cast<size_t>(first + r)];
+    labels[r] = dataset.labels[static_cast<size_t>(sample)];
+    transform(sample, task.epoch, images + r * image_floats);
+  }
+}
+
+// Output pixel (oy, ox) shows source pixel (oy + dy - pad, fx + dx - pad), fx = ox or its mirror:
+// torchvision's RandomCrop(padding) then RandomHorizontalFlip, with the frame's padding folded in.
+void Loader::Impl::transform(int64_t sample, int epoch, float* out) const {
+  int dy = 0, dx = 0;
+  bool flip = false;
+  if (options.random_crop > 0 || options.horizontal_flip) {
+    const kernels::Philox4 r =
+        kernels::philox(options.seed, static_cast<uint64_t>(sample), counter_hi(epoch, kAugment));
+    const uint32_t choices = 2 * static_cast<uint32_t>(options.random_crop) + 1;
+    dy = static_cast<int>(r.v[0] % choices) - options.random_crop;
+    dx = static_cast<int>(r.v[1] % choices) - options.random_crop;
+    flip = options.horizontal_flip && (r.v[2] & 1u);
+  }
+  const int64_t h = dataset.height, w = dataset.width, c = channels;
+  const auto fill_pixels = [&](float* first, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) std::copy(fill_.begin(), fill_.end(), first + i * c);
+  };
+  // Output columns [lo, hi) show image pixels; the rest of each row is border.
+  const int64_t fx_lo = std::clamp<int64_t>(options.pad - dx, 0, out_w);
+  const int64_t fx_hi = std::clamp<int64_t>(options.pad - dx + w, fx_lo, out_w);
+  const int64_t lo = flip ? out_w - fx_hi : fx_lo, hi = flip ? out_w - fx_lo : fx_hi;
+  for (int64_t oy = 0; oy < out_h; ++oy) {
+    float* row = out + oy * out_w * c;
+    const int64_t sy = oy + dy - options.pad;
+    if (sy < 0 || sy >= h) {
+      fill_pixels(row, out_w);
+      continue;
+    }
+    fill_pixels(row, lo);
+    fill_pixels(row + hi * c, out_w - hi);
+    const uint8_t* in = dataset.image(sample) + sy * w * c;
+    for (int64_t ox = lo; ox < hi; ++ox) {
+      const int64_t sx = (flip ? out_w - 1 - ox : ox) + dx - options.pad;
+      for (int64_t ch = 0; ch < c; ++ch) row[ox * c + ch] = table_[ch * 256 + in[sx * c + ch]];
+    }
+  }
+}
+
+Loader::Loader(const Dataset& dataset, LoaderOptions options)
+    : impl_(std::make_unique<Impl>(dataset, std::move(options))) {}
+Loader::~Loader() = default;
+
+void Loader::start_epoch(int epoch, int64_t first_batch) { impl_->start_epoch(epoch, first_batch); }
+bool Loader::next(Batch& batch) { return impl_->next(batch); }
+int64_t Loader::batches_per_epoch() const { return impl_->batches; }
+LoaderPosition Loader::position() const { return impl_->position(); }
+double Loader::wait_seconds() const { return impl_->wait_seconds(); }
+std::vector<int64_t> Loader::epoch_order(int epoch) const { return impl_->epoch_order(epoch); }
+Shape Loader::image_shape() const { return {impl_->out_h, impl_->out_w, impl_->channels}; }
+const Dataset& Loader::dataset() const { return impl_->dataset; }
+const LoaderOptions& Loader::options() const { return impl_->options; }
+
+}  // namespace cudp::data

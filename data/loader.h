@@ -1,0 +1,128 @@
+// Loader: turns a Dataset into float32 NHWC batches, prepared ahead on host threads.
+//
+// What a batch goes through, per sample: uint8 -> (x/255 - mean[c]) / std[c] (a 256-entry table per
+// channel), placed in a frame `pad` pixels larger on every side (Fashion-MNIST's 28x28 becomes the
+// 32x32 VGG wants), optionally moved by a random crop (RandomCrop(padding=p) in torchvision's terms)
+// and flipped left-right. Border pixels hold 0 after normalisation (the data set's mean) or a raw
+// pixel value normalised like the image (PadFill::Pixel, 0 = black, what torchvision's Pad before
+// Normalize gives).
+//
+// Reproducibility, and why Philox: the order of an epoch is a Fisher-Yates shuffle whose draws are
+// Philox(seed, i, epoch) and a sample's crop and flip are Philox(seed, sample index, epoch), so the
+// whole stream of batches is a pure function of (seed, epoch) - not of the number of worker threads,
+// of timing, or of where the run started. That makes resuming exact: a checkpoint stores position()
+// (epoch, next batch index) and start_epoch(epoch, batch) replays the same remaining batches.
+//
+// Pipeline: a few persistent worker threads fill batch buffers ahead of the consumer (at most
+// `prefetch` batches ahead), so preparing batch i+1 overlaps the GPU's work on batch i; next() hands
+// them out in order and counts the time it had to wait (wait_seconds(): the input pipeline's share
+// of a step). Buffers are allocated once and reused, in pinned memory where a CUDA device is
+// visible (asynchronous copies need it) and ordinary memory otherwise, so CPU-only training and CI
+// use the same code.
+//
+// Buffer lifetime (the contract that makes reuse safe): a Batch's tensors stay valid until the next
+// call of next() or start_epoch(); clone() them to keep them longer. Work queued on a CUDA stream
+// that reads them (an asynchronous copy) must be announced with Batch::record_reader(): the loader
+// then waits for that work (an event) before it refills the buffer. DevicePrefetcher
+// (data/prefetcher.h) does this for you.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "data/dataset.h"
+#include "engine/core/tensor.h"
+
+namespace cudp::data {
+
+// Per-channel statistics on the x/255 scale. Empty vectors mean no normalisation (x/255); a single
+// value applies to every channel.
+struct Normalization {
+  std::vector<float> mean, std;
+};
+
+// The mean and (population) standard deviation of each channel of `train` on the x/255 scale, the
+// usual way normalisation constants are made (Fashion-MNIST train: 0.2860, 0.3530). Compute them on
+// the training set and give the same values to the test loader.
+Normalization compute_normalization(const Dataset& train);
+
+enum class PadFill {
+  Zero,   // 0 after normalisation: the data set's mean
+  Pixel,  // the raw pixel value `pad_pixel`, normalised like the image
+};
+
+struct LoaderOptions {
+  int64_t batch_size = 256;  // the global batch: data parallelism splits it later
+  bool shuffle = true;
+  bool drop_last = false;    // drop a last batch smaller than batch_size
+  uint64_t seed = 0;
+  Normalization normalization;
+  int pad = 0;               // pixels added on every side (28x28 -> 32x32: 2)
+  PadFill pad_fill = PadFill::Zero;
+  uint8_t pad_pixel = 0;
+  int random_crop = 0;       // augmentation: move the image by up to this many pixels (CIFAR: 4)
+  bool horizontal_flip = false;  // augmentation: flip half the samples left-right
+  int workers = 2;           // host threads preparing batches
+  int prefetch = 4;          // batches prepared ahead of the consumer
+  bool pin_memory = true;    // pinned buffers (only where a CUDA device is visible)
+};
+
+namespace detail {
+struct BatchBuffer;  // the loader's reusable memory behind a Batch
+}
+
+struct Batch {
+  Tensor images;       // [B, H + 2*pad, W + 2*pad, C] f32 (B < batch_size only for a last batch)
+  Tensor labels;       // [B] i32
+  int epoch = -1;
+  int64_t index = -1;  // the batch's index in its epoch
+
+  // Declares that work queued on `stream` (of CUDA device `device`) reads this batch's host memory:
+  // the loader will not refill it before that work has completed. Call it before the next next().
+  void record_reader(cudaStream_t stream, int device) const;
+
+  std::shared_ptr<detail::BatchBuffer> buffer;  // the loader's bookkeeping
+  uint64_t lease = 0;
+};
+
+// Where the loader is: the next batch next() returns. A checkpoint stores it; start_epoch(epoch,
+// batch) resumes from it.
+struct LoaderPosition {
+  int epoch = 0;
+  int64_t batch = 0;
+};
+
+class Loader {
+ public:
+  // `dataset` must outlive the loader.
+  Loader(const Dataset& dataset, LoaderOptions options);
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  // Begins `epoch` (>= 0) at batch `first_batch` (a resumed run's position), dropping batches
+  // prepared for the previous one. next() needs it first.
+  void start_epoch(int epoch, int64_t first_batch = 0);
+  // The next batch of the epoch; false at its end. Rethrows a worker's exception.
+  bool next(Batch& batch);
+
+  int64_t batches_per_epoch() const;
+  LoaderPosition position() const;
+  // Seconds next() waited for a batch to be ready since start_epoch().
+  double wait_seconds() const;
+  // The dataset indices of `epoch` in the order they are served (the identity without shuffle).
+  std::vector<int64_t> epoch_order(int epoch) const;
+  // [H, W, C] of a batch's images after padding.
+  Shape image_shape() const;
+  const Dataset& dataset() const;
+  const LoaderOptions& options() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cudp::data

@@ -1,0 +1,86 @@
+// Helpers shared by the data tests: a scratch directory for generated files, checks on the text of
+// an expected exception (readers must say which file and what is wrong with it), and a loader's
+// batches copied out (it reuses its buffers).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "data/loader.h"
+#include "engine/core/error.h"
+
+namespace cudp::testing {
+
+// A fresh directory under the system's temp directory, removed with everything in it at the end.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "cudp-data-XXXXXX").string();
+    if (!::mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed for " + pattern);
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// The file's bytes as they are on disk (the library's read_file would gunzip them).
+inline std::vector<uint8_t> read_raw(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Succeeds when `f()` throws E and its message contains every one of `parts`.
+template <typename E, typename F>
+::testing::AssertionResult throws_with(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+  } catch (const E& e) {
+    const std::string what = e.what();
+    for (const std::string& part : parts) {
+      if (what.find(part) == std::string::npos) {
+        return ::testing::AssertionFailure() << "message lacks \"" << part << "\": " << what;
+      }
+    }
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "threw another exception: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "did not throw";
+}
+
+struct HostBatch {
+  std::vector<float> images;
+  std::vector<int32_t> labels;
+  int64_t index;
+  bool operator==(const HostBatch&) const = default;
+};
+
+// Every remaining batch of `epoch` from `first`, copied out.
+inline std::vector<HostBatch> run_epoch(data::Loader& loader, int epoch, int64_t first = 0) {
+  loader.start_epoch(epoch, first);
+  std::vector<HostBatch> out;
+  data::Batch b;
+  while (loader.next(b)) {
+    out.push_back({b.images.to_vector<float>(), b.labels.to_vector<int32_t>(), b.index});
+  }
+  return out;
+}
+
+}  // namespace cudp::testing
