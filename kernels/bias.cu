@@ -1,0 +1,219 @@
+// bias_add: a grid-stride pass over y (float4 when cols % 4 == 0 and y, bias are 16-byte aligned).
+// Each thread's column advances by the same amount (stride mod cols) at every step, so no division
+// is needed inside the loop.
+//
+// bias_grad: the two-stage deterministic column reduction described in bias.h.
+#include <algorithm>
+
+#include "engine/core/launch.cuh"
+#include "kernels/bias.h"
+#include "kernels/elementwise.h"
+
+namespace cudp::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr unsigned kMaxBlocks = 65535;
+// Stage 1 of bias_grad: at most this many blocks (about one wave on an H100/H200: 132 SMs x 8
+// blocks of 256 threads), and at least this many rows per thread before the rows are cut further.
+constexpr int64_t kMaxChunkBlocks = 1024;
+constexpr int64_t kMinRowsPerThread = 16;
+// Stage 2: tiles of 32 columns x 32 lanes over the chunks' partial sums.
+constexpr int kTile = 32;
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+template <int V>
+__device__ __forceinline__ void load(const float* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(p));
+    v[0] = q.x;
+    v[1] = q.y;
+    v[2] = q.z;
+    v[3] = q.w;
+  } else {
+    v[0] = __ldg(p);
+  }
+}
+
+// y viewed as `vectors` groups of V floats, cols_v groups per row.
+template <int V>
+__global__ void bias_add_kernel(float* y, const float* bias, int64_t vectors, int64_t cols_v,
+                                int64_t stride_mod) {
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t c = start % cols_v;
+  for (int64_t v = start; v < vectors; v += stride) {
+    float b[V];
+    load<V>(bias + c * V, b);
+    if constexpr (V == 4) {
+      auto* p = reinterpret_cast<float4*>(y) + v;
+      float4 q = *p;
+      q.x += b[0];
+      q.y += b[1];
+      q.z += b[2];
+      q.w += b[3];
+      *p = q;
+    } else {
+      y[v] += b[0];
+    }
+    c += stride_mod;
+    if (c >= cols_v) {
+      c -= cols_v;
+    }
+  }
+}
+
+// Stage 1. Block (blockIdx.x, blockIdx.y) sums rows [x * chunk_rows, (x + 1) * chunk_rows) of the
+// column groups [y * width, (y + 1) * width) (groups of V columns). Thread t works on group
+// t % width down the rows lane, lane + lanes, ... with lane = t / width; the lanes are then added
+// in order through shared memory. `final` (only with one chunk): write beta * dbias + sum into out;
+// otherwise write the chunk's sums to row x of the [chunks, cols] workspace `out`.
+template <int V>
+__global__ void bias_grad_chunk_kernel(const float* dy, float* out, int64_t rows, int64_t cols,
+                                       int64_t chunk_rows, int width, int lanes, float beta,
+                                       bool final) {
+  __shared__ float sums[V][kThreads];
+  const int lane = static_cast<int>(threadIdx.x) / width;
+  const int group = static_cast<int>(threadIdx.x) % width;
+  const int64_t cv = int64_t(blockIdx.y) * width + group;  // column group, V columns each
+  const int64_t chunk = blockIdx.x;
+  float acc[V] = {};
+  if (lane < lanes && cv < cols / V) {
+    const int64_t end = std::min(rows, (chunk + 1) * chunk_rows);
+    const int64_t step = int64_t(lanes) * cols;
+    const float* p = dy + (chunk * chunk_rows + lane) * cols + cv * V;
+#pragma unroll 4
+    for (int64_t r = chunk * chunk_rows + lane; r < end; r += lanes, p += step) {
+      float v[V];
+      load<V>(p, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        acc[k] += v[k];
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    sums[k][threadIdx.x] = acc[k];
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < width && cv < cols / V) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float s = sums[k][threadIdx.x];
+      for (int l = 1; l < lanes; ++l) {
+        s += sums[k][l * width + threadIdx.x];
+      }
+      const int64_t c = cv * V + k;
+      if (final) {
+        out[c] = beta == 0.0f ? s : fmaf(beta, out[c], s);
+      } else {
+        out[chunk * cols + c] = s;
+      }
+    }
+  }
+}
+
+// Stage 2. Column c = blockIdx.x * 32 + threadIdx.x; lane threadIdx.y sums chunks y, y + 32, ...;
+// the 32 lanes are added in order.
+__global__ void bias_grad_final_kernel(const float* partial, float* dbias, int64_t chunks,
+                                       int64_t cols, float beta) {
+  __shared__ float sums[kTile][kTile + 1];
+  const int64_t c = int64_t(blockIdx.x) * kTile + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols) {
+    for (int64_t g = threadIdx.y; g < chunks; g += kTile) {
+      s += partial[g * cols + c];
+    }
+  }
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = sums[0][threadIdx.x];
+    for (int l = 1; l < kTile; ++l) {
+      total += sums[l][threadIdx.x];
+    }
+    dbias[c] = beta == 0.0f ? total : fmaf(beta, dbias[c], total);
+  }
+}
+
+template <int V>
+void bias_add_impl(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  const int64_t cols_v = cols / V;
+  const int64_t vectors = rows * cols_v;
+  const unsigned blocks = std::min(grid_for(vectors, kThreads), kMaxBlocks);
+  const int64_t stride_mod = (int64_t(blocks) * kThreads) % cols_v;
+  launch("bias_add_kernel", bias_add_kernel<V>, blocks, kThreads, 0, stream, y, bias, vectors,
+         cols_v, stride_mod);
+}
+
+template <int V>
+void bias_grad_impl(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+                    cudaStream_t stream) {
+  const int64_t cols_v = cols / V;
+  const int width = static_cast<int>(std::min<int64_t>(cols_v, kThreads));
+  const int lanes = kThreads / width;
+  const int64_t tiles = ceil_div(cols_v, width);
+  CUDP_CHECK(tiles <= 65535, "bias_grad: cols = ", cols, " is more than this kernel supports (",
+             int64_t(65535) * kThreads * V, ")");
+  // The chunking depends on the shape only, so the summation order (and the result) is fixed.
+  int64_t chunks = std::clamp<int64_t>(ceil_div(rows, lanes * kMinRowsPerThread), 1,
+                                       std::max<int64_t>(1, kMaxChunkBlocks / tiles));
+  const int64_t chunk_rows = std::max<int64_t>(1, ceil_div(rows, chunks));
+  chunks = std::max<int64_t>(1, ceil_div(rows, chunk_rows));  // no empty chunk
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
+  if (chunks == 1) {
+    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V>, grid, kThreads, 0, stream, dy,
+           dbias, rows, cols, chunk_rows, width, lanes, beta, true);
+    return;
+  }
+  float* partial = nullptr;
+  CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial),
+                                  static_cast<size_t>(chunks * cols) * sizeof(float), stream));
+  try {
+    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V>, grid, kThreads, 0, stream, dy,
+           partial, rows, cols, chunk_rows, width, lanes, beta, false);
+    launch("bias_grad_final_kernel", bias_grad_final_kernel,
+           static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
+           dbias, chunks, cols, beta);
+  } catch (...) {
+    cudaFreeAsync(partial, stream);
+    throw;
+  }
+  CUDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+}
+
+}  // namespace
+
+void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  detail::check_bias_args("bias_add", y, bias, rows, cols);
+  if (rows == 0 || cols == 0) {
+    return;
+  }
+  if (cols % 4 == 0 && aligned16(y) && aligned16(bias)) {
+    bias_add_impl<4>(y, bias, rows, cols, stream);
+  } else {
+    bias_add_impl<1>(y, bias, rows, cols, stream);
+  }
+}
+
+void bias_grad(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+               cudaStream_t stream) {
+  detail::check_bias_args("bias_grad", dy, dbias, rows, cols);
+  if (cols == 0) {
+    return;
+  }
+  if (cols % 4 == 0 && aligned16(dy)) {
+    bias_grad_impl<4>(dy, dbias, rows, cols, beta, stream);
+  } else {
+    bias_grad_impl<1>(dy, dbias, rows, cols, beta, stream);
+  }
+}
+
+}  // namespace cudp::kernels

@@ -1,0 +1,45 @@
+// Bias addition and its gradient, over a row-major [rows, cols] fp32 matrix whose columns are the
+// bias's entries: NHWC activations (rows = N*H*W, cols = C) and Linear outputs (rows = batch,
+// cols = out_features) alike.
+//
+// bias_grad is a column reduction of the whole activation gradient (3.2M rows of 64 columns for
+// VGG's first layers at 224², batch 64), so it is built to run at memory bandwidth and to be
+// deterministic, since data-parallel replicas must stay bit-identical:
+//   stage 1: the rows are cut into G fixed chunks (G from the shape alone, at most ~1024); a block
+//            sums one chunk for a tile of columns — each thread one column (or 4 adjacent columns
+//            as a float4) down every lanes-th row, then the block's lanes summed in order through
+//            shared memory — and writes G partial rows to a workspace;
+//   stage 2: one thread per column and lane sums the G partials in a fixed order, the lanes are
+//            summed in order, and beta * dbias is added.
+// No atomics anywhere: the result depends only on (rows, cols, whether dy is 16-byte aligned with
+// cols % 4 == 0) and the data, never on scheduling. Sums are fp32 (DESIGN.md §2.3); the longest
+// chain of additions any element goes through is about rows / (G * lanes) + lanes + G / 32 + 32,
+// under 300 for every shape the tests use. The workspace (G * cols floats) comes from
+// cudaMallocAsync on the stream and is freed with cudaFreeAsync right after; with G == 1 there is
+// none.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace cudp::kernels {
+
+// y[r * cols + c] += bias[c].
+void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream);
+void bias_add_cpu(float* y, const float* bias, int64_t rows, int64_t cols);
+
+// dbias[c] = beta * dbias[c] + sum_r dy[r * cols + c]. beta = 1 accumulates parameter gradients
+// (DESIGN.md §2.1); beta = 0 overwrites and never reads dbias (it may hold garbage or NaN). The
+// CPU reference accumulates in double.
+void bias_grad(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+               cudaStream_t stream);
+void bias_grad_cpu(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta);
+
+namespace detail {
+// The checks of both ops and their references: rows, cols >= 0, no null pointer with data to touch.
+void check_bias_args(const char* op, const void* matrix, const void* bias, int64_t rows,
+                     int64_t cols);
+}  // namespace detail
+
+}  // namespace cudp::kernels

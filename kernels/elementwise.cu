@@ -1,0 +1,105 @@
+// One templated kernel serves every op of elementwise.h: out[i] = op(a[i], b[i]) (b unused by the
+// one-input ops), float4 over the aligned body and scalars over the head and tail that
+// detail::vector_split() computes. Loads are plain (not __ldg): outputs may alias inputs.
+#include "engine/core/launch.cuh"
+#include "kernels/elementwise.h"
+
+namespace cudp::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride loops: enough blocks to fill any GPU many times over, no more than the work needs.
+constexpr unsigned kMaxBlocks = 65535;
+
+struct Relu {
+  __device__ float operator()(float x, float) const { return detail::relu(x); }
+};
+struct ReluGrad {
+  __device__ float operator()(float y, float dy) const { return detail::relu_grad(y, dy); }
+};
+struct Scale {
+  float alpha;
+  __device__ float operator()(float x, float) const { return alpha * x; }
+};
+struct Axpy {
+  float alpha;
+  __device__ float operator()(float x, float y) const { return detail::axpy(alpha, x, y); }
+};
+struct Add {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+template <typename Op>
+__device__ __forceinline__ float4 apply4(const Op& op, const float4& a, const float4& b) {
+  return make_float4(op(a.x, b.x), op(a.y, b.y), op(a.z, b.z), op(a.w, b.w));
+}
+
+// Elements [0, head) and [head + 4 * vectors, n) one at a time; [head, head + 4 * vectors) as
+// float4.
+template <int kInputs, typename Op>
+__global__ void map_kernel(Op op, const float* a, const float* b, float* out, int64_t n,
+                           int64_t head, int64_t vectors) {
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const auto* a4 = reinterpret_cast<const float4*>(a + head);
+  const auto* b4 = reinterpret_cast<const float4*>(b + head);
+  auto* out4 = reinterpret_cast<float4*>(out + head);
+  for (int64_t v = start; v < vectors; v += stride) {
+    const float4 x = a4[v];
+    if constexpr (kInputs == 2) {
+      out4[v] = apply4(op, x, b4[v]);
+    } else {
+      out4[v] = apply4(op, x, x);
+    }
+  }
+  for (int64_t i = start; i < head; i += stride) {
+    out[i] = op(a[i], kInputs == 2 ? b[i] : 0.0f);
+  }
+  for (int64_t i = head + 4 * vectors + start; i < n; i += stride) {
+    out[i] = op(a[i], kInputs == 2 ? b[i] : 0.0f);
+  }
+}
+
+template <int kInputs, typename Op>
+void run(const char* name, Op op, const float* a, const float* b, float* out, int64_t n,
+         cudaStream_t stream) {
+  if (n == 0) {
+    return;
+  }
+  const detail::VectorSplit split = kInputs == 2
+                                        ? detail::vector_split(n, {{a, 4}, {b, 4}, {out, 4}})
+                                        : detail::vector_split(n, {{a, 4}, {out, 4}});
+  const int64_t work = std::max(split.vectors, n - 4 * split.vectors);
+  const unsigned blocks = std::min(grid_for(work, kThreads), kMaxBlocks);
+  launch(name, map_kernel<kInputs, Op>, blocks, kThreads, 0, stream, op, a, kInputs == 2 ? b : a,
+         out, n, split.head, split.vectors);
+}
+
+}  // namespace
+
+void relu_forward(const float* x, float* y, int64_t n, cudaStream_t stream) {
+  detail::check_elementwise("relu_forward", n, {x, y});
+  run<1>("relu_forward", Relu{}, x, nullptr, y, n, stream);
+}
+
+void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream) {
+  detail::check_elementwise("relu_backward", n, {y, dy, dx});
+  run<2>("relu_backward", ReluGrad{}, y, dy, dx, n, stream);
+}
+
+void scale(float* x, float alpha, int64_t n, cudaStream_t stream) {
+  detail::check_elementwise("scale", n, {x});
+  run<1>("scale", Scale{alpha}, x, nullptr, x, n, stream);
+}
+
+void axpy(float alpha, const float* x, float* y, int64_t n, cudaStream_t stream) {
+  detail::check_elementwise("axpy", n, {x, y});
+  run<2>("axpy", Axpy{alpha}, x, y, y, n, stream);
+}
+
+void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream) {
+  detail::check_elementwise("add", n, {a, b, out});
+  run<2>("add", Add{}, a, b, out, n, stream);
+}
+
+}  // namespace cudp::kernels

@@ -1,0 +1,100 @@
+// Element-wise fp32 kernels: ReLU forward and backward, scale, axpy, add.
+//
+// These are pure bandwidth: one pass over memory, a handful of flops per element. The CUDA versions
+// move 16 bytes per load and store (float4) whenever the pointers allow it (all of them with the
+// same offset from a 16-byte boundary: a scalar head up to that boundary, float4 in the middle, a
+// scalar tail), and fall back to one float at a time otherwise; either way grid-stride loops cover
+// any n. n == 0 is a no-op; n < 0 or a null pointer with n > 0 throws ValueError.
+//
+// Aliasing: every output may alias an input of the same element (y == x in relu_forward, dx == dy
+// in relu_backward, out == a or b in add), because each element is read and then written by the
+// same thread. Partial overlaps (y == x + 1) are not supported.
+//
+// The per-element formulas live in detail:: below, shared by the kernels and the CPU references, so
+// that both give the same bits: one IEEE operation each (axpy is one fused multiply-add).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
+
+#include "kernels/common.h"
+
+namespace cudp::kernels {
+
+// y = max(x, 0), with NaN propagated (as torch.relu does) and -0 mapped to +0. y may alias x.
+void relu_forward(const float* x, float* y, int64_t n, cudaStream_t stream);
+void relu_forward_cpu(const float* x, float* y, int64_t n);
+
+// dx = dy where y > 0, else 0, with y the *output* of relu_forward (not its input): y > 0 exactly
+// where x > 0, and taking y lets the forward run in place (x overwritten) and its backward still
+// work. A NaN in y passes dy through (PyTorch's threshold_backward does the same). dx may alias dy.
+void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream);
+void relu_backward_cpu(const float* y, const float* dy, float* dx, int64_t n);
+
+// x *= alpha, in place.
+void scale(float* x, float alpha, int64_t n, cudaStream_t stream);
+void scale_cpu(float* x, float alpha, int64_t n);
+
+// y += alpha * x, as one fused multiply-add per element (fmaf(alpha, x, y)).
+void axpy(float alpha, const float* x, float* y, int64_t n, cudaStream_t stream);
+void axpy_cpu(float alpha, const float* x, float* y, int64_t n);
+
+// out = a + b. out may alias a or b.
+void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
+void add_cpu(const float* a, const float* b, float* out, int64_t n);
+
+namespace detail {
+
+CUDP_HD inline float relu(float x) {
+  return x <= 0.0f ? 0.0f : x;
+}  // NaN: the comparison is false
+CUDP_HD inline float relu_grad(float y, float dy) {
+  return y <= 0.0f ? 0.0f : dy;
+}
+CUDP_HD inline float axpy(float alpha, float x, float y) {
+  return fmaf(alpha, x, y);
+}
+
+// How an element-wise pass over n elements of several arrays splits for 4-element vector access
+// (float4, or 4 bf16 in 8 bytes): `head` scalar elements until every array sits on a 4-element
+// boundary at the same element, then `vectors` groups of 4, then the rest (< 4) as scalars. Arrays
+// are given as (address of element 0, element size in bytes). Where they cannot reach a boundary
+// together (different offsets, or an address not a multiple of its element size), head == n and
+// vectors == 0: the whole pass is scalar. Shared by the element-wise launchers of kernels/.
+struct VectorSplit {
+  int64_t head;
+  int64_t vectors;
+};
+
+inline VectorSplit vector_split(int64_t n,
+                                std::initializer_list<std::pair<const void*, int>> arrays) {
+  int64_t head = 0;
+  bool first = true;
+  for (const auto& [pointer, size] : arrays) {
+    const auto address = reinterpret_cast<uintptr_t>(pointer);
+    const uintptr_t width = 4u * static_cast<uintptr_t>(size);
+    if (address % static_cast<uintptr_t>(size) != 0) {
+      return {n, 0};
+    }
+    const auto h = static_cast<int64_t>((width - address % width) % width) / size;
+    if (!first && h != head) {
+      return {n, 0};
+    }
+    head = h;
+    first = false;
+  }
+  head = std::min(head, n);
+  return {head, (n - head) / 4};
+}
+
+// The argument checks every launcher and CPU reference of elementwise.h, bias.h, dropout.h and
+// layout.h makes: n >= 0, and no null pointer unless n == 0. Throws ValueError naming `op`.
+void check_elementwise(const char* op, int64_t n, std::initializer_list<const void*> pointers);
+
+}  // namespace detail
+}  // namespace cudp::kernels

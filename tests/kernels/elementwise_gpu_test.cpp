@@ -1,0 +1,233 @@
+// GPU tests of kernels/elementwise.h: every kernel against its CPU reference, bit for bit (each
+// element is one IEEE operation, the same on both sides), on fresh random inputs of odd sizes, with
+// pointers aligned, misaligned alike (scalar head + float4 body + scalar tail) and misaligned
+// differently (all scalar); in place where the API allows it; outputs poisoned first, and the
+// poisoned elements around each output checked untouched. ReLU is also checked against cuDNN.
+#include <cuda_runtime.h>  // before device_buffer.h: its cudaMalloc(T**) overload
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "engine/core/stream.h"
+#include "engine/core/vendor_check.h"
+#include "kernels/elementwise.h"
+
+namespace cudp::kernels {
+namespace {
+
+const int64_t kSizes[] = {1, 3, 5, 7, 1023, 1025, (int64_t(1) << 20) + 3};
+
+// Element offsets of the first input, the second input and the output from their (256-byte aligned)
+// allocations.
+struct Shifts {
+  int a, b, out;
+};
+const Shifts kShifts[] = {{0, 0, 0}, {1, 1, 1}, {3, 3, 3}, {1, 0, 0}, {0, 2, 1}};
+
+constexpr int kGuard = 5;  // poisoned elements after every array
+
+// n floats starting `shift` elements into a device allocation that is poisoned throughout.
+class Slice {
+ public:
+  Slice(int64_t n, int shift)
+      : n_(n), shift_(shift), buffer_(static_cast<size_t>(n + shift + kGuard)) {
+    buffer_.fill(testing::kPoison);
+  }
+  float* get() const { return buffer_.get() + shift_; }
+  void upload(const std::vector<float>& v) {
+    ASSERT_EQ(static_cast<int64_t>(v.size()), n_);
+    CUDP_CUDA_CHECK(cudaMemcpy(get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels run on another (non-blocking) stream
+  }
+  std::vector<float> download() const {
+    const std::vector<float> all = buffer_.download();  // synchronises the device
+    return {all.begin() + shift_, all.begin() + shift_ + n_};
+  }
+  ::testing::AssertionResult guards_intact() const {
+    const std::vector<float> all = buffer_.download();
+    for (int64_t i = 0; i < static_cast<int64_t>(all.size()); ++i) {
+      if (i >= shift_ && i < shift_ + n_) {
+        continue;
+      }
+      if (std::memcmp(&all[i], &testing::kPoison, sizeof(float)) != 0) {
+        return ::testing::AssertionFailure()
+               << "element " << i - shift_ << " outside the " << n_ << " elements was written";
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  int64_t n_;
+  int shift_;
+  testing::DeviceBuffer<float> buffer_;
+};
+
+std::string where(int64_t n, const Shifts& s) {
+  return "n = " + std::to_string(n) + ", shifts (" + std::to_string(s.a) + ", " +
+         std::to_string(s.b) + ", " + std::to_string(s.out) + ")";
+}
+
+TEST(ElementwiseGpu, ReluForwardMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  uint64_t seed = 100;
+  for (int64_t n : kSizes) {
+    for (const Shifts& s : kShifts) {
+      SCOPED_TRACE(where(n, s));
+      const std::vector<float> x = testing::random_vector(n, ++seed);
+      std::vector<float> expected(n);
+      relu_forward_cpu(x.data(), expected.data(), n);
+      Slice dx(n, s.a), dy(n, s.out);
+      dx.upload(x);
+      relu_forward(dx.get(), dy.get(), n, stream);
+      EXPECT_ALL_CLOSE(dy.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(dy.guards_intact());
+      // In place.
+      Slice xy(n, s.a);
+      xy.upload(x);
+      relu_forward(xy.get(), xy.get(), n, stream);
+      EXPECT_ALL_CLOSE(xy.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(xy.guards_intact());
+    }
+  }
+}
+
+TEST(ElementwiseGpu, ReluBackwardMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  uint64_t seed = 200;
+  for (int64_t n : kSizes) {
+    for (const Shifts& s : kShifts) {
+      SCOPED_TRACE(where(n, s));
+      std::vector<float> y = testing::random_vector(n, ++seed);
+      relu_forward_cpu(y.data(), y.data(), n);  // a real ReLU output: zeros and positives
+      const std::vector<float> g = testing::random_vector(n, ++seed);
+      std::vector<float> expected(n);
+      relu_backward_cpu(y.data(), g.data(), expected.data(), n);
+      Slice dy_out(n, s.a), dg(n, s.b), dx(n, s.out);
+      dy_out.upload(y);
+      dg.upload(g);
+      relu_backward(dy_out.get(), dg.get(), dx.get(), n, stream);
+      EXPECT_ALL_CLOSE(dx.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(dx.guards_intact());
+      relu_backward(dy_out.get(), dg.get(), dg.get(), n, stream);  // dx aliases dy
+      EXPECT_ALL_CLOSE(dg.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(dg.guards_intact());
+    }
+  }
+}
+
+TEST(ElementwiseGpu, ScaleMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  uint64_t seed = 300;
+  for (int64_t n : kSizes) {
+    for (const Shifts& s : kShifts) {
+      SCOPED_TRACE(where(n, s));
+      const std::vector<float> x = testing::random_vector(n, ++seed);
+      std::vector<float> expected = x;
+      scale_cpu(expected.data(), -1.7f, n);
+      Slice dx(n, s.out);
+      dx.upload(x);
+      scale(dx.get(), -1.7f, n, stream);
+      EXPECT_ALL_CLOSE(dx.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(dx.guards_intact());
+    }
+  }
+}
+
+TEST(ElementwiseGpu, AxpyMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  uint64_t seed = 400;
+  for (int64_t n : kSizes) {
+    for (const Shifts& s : kShifts) {
+      SCOPED_TRACE(where(n, s));
+      const std::vector<float> x = testing::random_vector(n, ++seed);
+      const std::vector<float> y = testing::random_vector(n, ++seed);
+      std::vector<float> expected = y;
+      axpy_cpu(0.3f, x.data(), expected.data(), n);
+      Slice dx(n, s.a), dy(n, s.out);
+      dx.upload(x);
+      dy.upload(y);
+      axpy(0.3f, dx.get(), dy.get(), n, stream);
+      EXPECT_ALL_CLOSE(dy.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(dy.guards_intact());
+    }
+  }
+}
+
+TEST(ElementwiseGpu, AddMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  uint64_t seed = 500;
+  for (int64_t n : kSizes) {
+    for (const Shifts& s : kShifts) {
+      SCOPED_TRACE(where(n, s));
+      const std::vector<float> a = testing::random_vector(n, ++seed);
+      const std::vector<float> b = testing::random_vector(n, ++seed);
+      std::vector<float> expected(n);
+      add_cpu(a.data(), b.data(), expected.data(), n);
+      Slice da(n, s.a), db(n, s.b), out(n, s.out);
+      da.upload(a);
+      db.upload(b);
+      add(da.get(), db.get(), out.get(), n, stream);
+      EXPECT_ALL_CLOSE(out.download(), expected, 0.0, 0.0);
+      EXPECT_TRUE(out.guards_intact());
+      add(da.get(), db.get(), da.get(), n, stream);  // out aliases a
+      EXPECT_ALL_CLOSE(da.download(), expected, 0.0, 0.0);
+    }
+  }
+}
+
+TEST(ElementwiseGpu, ZeroSizeLaunchesNothing) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  EXPECT_NO_THROW(relu_forward(nullptr, nullptr, 0, stream));
+  EXPECT_NO_THROW(relu_backward(nullptr, nullptr, nullptr, 0, stream));
+  EXPECT_NO_THROW(scale(nullptr, 2.0f, 0, stream));
+  EXPECT_NO_THROW(axpy(2.0f, nullptr, nullptr, 0, stream));
+  EXPECT_NO_THROW(add(nullptr, nullptr, nullptr, 0, stream));
+  EXPECT_THROW(relu_forward(nullptr, nullptr, 3, stream), ValueError);
+  EXPECT_THROW(add(nullptr, nullptr, nullptr, -1, stream), ValueError);
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+TEST(ElementwiseGpu, ReluMatchesCudnn) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  cudnnHandle_t handle = nullptr;
+  cudnnTensorDescriptor_t desc = nullptr;
+  cudnnActivationDescriptor_t act = nullptr;
+  CUDP_CUDNN_CHECK(cudnnCreate(&handle));
+  CUDP_CUDNN_CHECK(cudnnSetStream(handle, stream));
+  CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&desc));
+  CUDP_CUDNN_CHECK(cudnnCreateActivationDescriptor(&act));
+  CUDP_CUDNN_CHECK(
+      cudnnSetActivationDescriptor(act, CUDNN_ACTIVATION_RELU, CUDNN_PROPAGATE_NAN, 0.0));
+  for (int64_t n : {int64_t(1025), (int64_t(1) << 20) + 3}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const std::vector<float> x = testing::random_vector(n, 600 + n);
+    CUDP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(desc, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+                                                static_cast<int>(n), 1, 1, 1));
+    Slice dx(n, 0), ours(n, 0), theirs(n, 0);
+    dx.upload(x);
+    relu_forward(dx.get(), ours.get(), n, stream);
+    const float one = 1.0f, zero = 0.0f;
+    CUDP_CUDNN_CHECK(
+        cudnnActivationForward(handle, act, &one, desc, dx.get(), &zero, desc, theirs.get()));
+    EXPECT_ALL_CLOSE(ours.download(), theirs.download(), 0.0, 0.0);
+  }
+  cudnnDestroyActivationDescriptor(act);
+  cudnnDestroyTensorDescriptor(desc);
+  cudnnDestroy(handle);
+}
+
+}  // namespace
+}  // namespace cudp::kernels
