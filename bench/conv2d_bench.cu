@@ -1,0 +1,484 @@
+// bench_conv2d: our implicit-GEMM convolution (kernels/conv2d.h) against cuDNN, fp32 without TF32,
+// NHWC/KRSC, on VGG-16's convolution shapes at 224² batch 64 and 32² batch 256, for the forward,
+// backward-data and backward-weight passes.
+//
+// For every (layer, pass): cuDNN times all its algorithms (cudnnFind*AlgorithmEx, math
+// CUDNN_FMA_MATH, 1 GiB of workspace) and its fastest is the bar. First we validate: ours against a
+// cuDNN GEMM-like algorithm (same dot products) with the GPU tests' tolerance, and ours against the
+// fastest algorithm (Winograd or FFT round differently) normwise, which shows that the timed call
+// computes the same convolution. Then both are timed with time_on_stream (warm-up, median),
+// rotating over copies of the inputs so that L2 does not serve them. TFLOP/s counts 2*N*P*Q*K*R*S*C
+// per pass. The roofline is min(fp32 FMA peak, arithmetic intensity x measured copy bandwidth),
+// with the least bytes a pass must move (its two inputs and its output, once). README-conv2d.md has
+// more.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/timing.h"
+#include "engine/core/error.h"
+#include "engine/core/vendor_check.h"
+#include "kernels/conv2d.h"
+#include "kernels/init.h"
+
+namespace {
+
+using namespace cudp;
+using namespace cudp::kernels;
+
+// Device memory for the benchmark, freed at scope exit.
+struct Device {
+  float* p = nullptr;
+  size_t n = 0;
+  explicit Device(size_t count) : n(count) {
+    CUDP_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(float)));
+  }
+  ~Device() { cudaFree(p); }
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+  std::vector<float> download() const {
+    std::vector<float> h(n);
+    CUDP_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+enum class Pass { Forward, BackwardData, BackwardWeight };
+constexpr Pass kPasses[] = {Pass::Forward, Pass::BackwardData, Pass::BackwardWeight};
+
+const char* pass_name(Pass pass) {
+  switch (pass) {
+    case Pass::Forward:
+      return "fwd";
+    case Pass::BackwardData:
+      return "dgrad";
+    case Pass::BackwardWeight:
+      return "wgrad";
+  }
+  return "?";
+}
+
+// VGG-16's distinct convolutions: 3x3, stride 1, pad 1; spatial size at 224² and at 32² input.
+struct Layer {
+  int c, k, at224, at32;
+};
+constexpr Layer kVgg[] = {{3, 64, 224, 32},    {64, 64, 224, 32}, {64, 128, 112, 16},
+                          {128, 128, 112, 16}, {128, 256, 56, 8}, {256, 256, 56, 8},
+                          {256, 512, 28, 4},   {512, 512, 28, 4}, {512, 512, 14, 2}};
+
+// The operands of a pass: it reads two tensors and writes one.
+struct Operands {
+  int64_t in0, in1, out;  // element counts
+  int64_t reduction;      // length of each output's dot product
+};
+
+Operands operands(const Conv2dShape& s, Pass pass) {
+  switch (pass) {
+    case Pass::Forward:
+      return {s.x_size(), s.w_size(), s.y_size(), int64_t(s.r) * s.s * s.c};
+    case Pass::BackwardData:
+      return {s.y_size(), s.w_size(), s.x_size(), int64_t(s.r) * s.s * s.k};
+    case Pass::BackwardWeight:
+      return {s.x_size(), s.y_size(), s.w_size(), int64_t(s.n) * s.p() * s.q()};
+  }
+  return {};
+}
+
+void run_ours(const Conv2dShape& s, Pass pass, const float* in0, const float* in1, float* out,
+              cudaStream_t stream) {
+  switch (pass) {
+    case Pass::Forward:
+      return conv2d_forward(s, in0, in1, nullptr, out, false, stream);
+    case Pass::BackwardData:
+      return conv2d_backward_data(s, in0, in1, out, stream);
+    case Pass::BackwardWeight:
+      return conv2d_backward_weight(s, in0, in1, out, 0.0f, stream);
+  }
+}
+
+struct Algo {
+  int id = -1;
+  size_t workspace = 0;
+};
+
+// cuDNN descriptors for one shape: NHWC tensors, KRSC filters (filter format CUDNN_TENSOR_NHWC),
+// cross-correlation, fp32 with CUDNN_FMA_MATH.
+class CudnnConv {
+ public:
+  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle) {
+    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x_));
+    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y_));
+    CUDP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w_));
+    CUDP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv_));
+    CUDP_CUDNN_CHECK(
+        cudnnSetTensor4dDescriptor(x_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.c, s.h, s.w));
+    CUDP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(y_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.k,
+                                                s.p(), s.q()));
+    CUDP_CUDNN_CHECK(
+        cudnnSetFilter4dDescriptor(w_, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NHWC, s.k, s.c, s.r, s.s));
+    CUDP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv_, s.pad_h, s.pad_w, s.stride_h,
+                                                     s.stride_w, 1, 1, CUDNN_CROSS_CORRELATION,
+                                                     CUDNN_DATA_FLOAT));
+    CUDP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv_, CUDNN_FMA_MATH));
+  }
+  ~CudnnConv() {
+    cudnnDestroyConvolutionDescriptor(conv_);
+    cudnnDestroyFilterDescriptor(w_);
+    cudnnDestroyTensorDescriptor(y_);
+    cudnnDestroyTensorDescriptor(x_);
+  }
+  CudnnConv(const CudnnConv&) = delete;
+  CudnnConv& operator=(const CudnnConv&) = delete;
+
+  // Every algorithm that ran within the workspace, fastest first (cuDNN times them).
+  std::vector<Algo> find(Pass pass, const float* in0, const float* in1, float* out, void* ws,
+                         size_t ws_bytes) const {
+    switch (pass) {
+      case Pass::Forward: {
+        cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+        int count = 0;
+        CUDP_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(
+            handle_, x_, in0, w_, in1, conv_, y_, out, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count,
+            perf, ws, ws_bytes));
+        return usable(perf, count);
+      }
+      case Pass::BackwardData: {
+        cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+        int count = 0;
+        CUDP_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(
+            handle_, w_, in1, y_, in0, conv_, x_, out, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+            &count, perf, ws, ws_bytes));
+        return usable(perf, count);
+      }
+      case Pass::BackwardWeight: {
+        cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+        int count = 0;
+        CUDP_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(
+            handle_, x_, in0, y_, in1, conv_, w_, out, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+            &count, perf, ws, ws_bytes));
+        return usable(perf, count);
+      }
+    }
+    return {};
+  }
+
+  void run(Pass pass, Algo algo, const float* in0, const float* in1, float* out, void* ws) const {
+    const float one = 1.0f, zero = 0.0f;
+    switch (pass) {
+      case Pass::Forward:
+        CUDP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, x_, in0, w_, in1, conv_,
+                                                 cudnnConvolutionFwdAlgo_t(algo.id), ws,
+                                                 algo.workspace, &zero, y_, out));
+        return;
+      case Pass::BackwardData:
+        CUDP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, w_, in1, y_, in0, conv_,
+                                                      cudnnConvolutionBwdDataAlgo_t(algo.id), ws,
+                                                      algo.workspace, &zero, x_, out));
+        return;
+      case Pass::BackwardWeight:
+        CUDP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, x_, in0, y_, in1, conv_,
+                                                        cudnnConvolutionBwdFilterAlgo_t(algo.id),
+                                                        ws, algo.workspace, &zero, w_, out));
+        return;
+    }
+  }
+
+ private:
+  template <class Perf>
+  static std::vector<Algo> usable(const Perf* perf, int count) {
+    std::vector<Algo> algos;
+    for (int i = 0; i < count; ++i) {
+      if (perf[i].status == CUDNN_STATUS_SUCCESS)
+        algos.push_back({int(perf[i].algo), perf[i].memory});
+    }
+    return algos;
+  }
+
+  cudnnHandle_t handle_;
+  cudnnTensorDescriptor_t x_ = nullptr, y_ = nullptr;
+  cudnnFilterDescriptor_t w_ = nullptr;
+  cudnnConvolutionDescriptor_t conv_ = nullptr;
+};
+
+// The algorithms that compute each output as one dot product, as ours does (no Winograd, FFT).
+bool gemm_like(Pass pass, int id) {
+  switch (pass) {
+    case Pass::Forward:
+      return id == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM ||
+             id == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
+             id == CUDNN_CONVOLUTION_FWD_ALGO_GEMM;
+    case Pass::BackwardData:
+      return id == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0 || id == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
+    case Pass::BackwardWeight:
+      return id == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 ||
+             id == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1 || id == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
+  }
+  return false;
+}
+
+// |a - b| <= atol + rtol |b| everywhere? Prints the worst element either way.
+bool validate(const std::string& what, const std::vector<float>& a, const std::vector<float>& b,
+              double rtol, double atol) {
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double excess = std::fabs(double(a[i]) - b[i]) / (atol + rtol * std::fabs(double(b[i])));
+    if (!(excess <= worst)) worst = excess, at = i;  // NaN counts as worst
+  }
+  const bool ok = worst <= 1.0;
+  std::printf("  validate %-34s %s (worst %.3g of tolerance at %zu: %.8g vs %.8g)\n", what.c_str(),
+              ok ? "ok  " : "FAIL", worst, at, a.empty() ? 0.0 : a[at], b.empty() ? 0.0 : b[at]);
+  return ok;
+}
+
+// max |a - b| / max |b|: how far apart two results are relative to their scale.
+double normwise(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::fabs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(double(b[i])));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+std::string shape_text(int layer, const Conv2dShape& s) {
+  return detail::str("L", layer, " b", s.n, " ", s.h, "x", s.w, " ", s.c, "->", s.k);
+}
+
+struct Result {
+  int input_size = 0, layer = 0;
+  Pass pass = Pass::Forward;
+  Conv2dShape shape;
+  double flops = 0, bytes = 0, ours_ms = 0, cudnn_ms = 0, roofline_tflops = 0;
+  Algo algo;
+  bool valid = true;
+
+  double ours_tflops() const { return flops / (ours_ms * 1e-3) / 1e12; }
+  double cudnn_tflops() const { return flops / (cudnn_ms * 1e-3) / 1e12; }
+  std::string shape_text() const { return ::shape_text(layer, shape); }
+};
+
+struct Machine {
+  double peak_tflops = 0;  // fp32 FMA: SMs x 128 lanes x 2 flops x clock
+  double copy_gbs = 0;     // measured device-to-device, read + write
+};
+
+constexpr size_t kWorkspaceBytes = size_t(1) << 30;
+constexpr double kRtol = 1e-4;  // the GPU tests' tolerance, see conv2d_gpu_test.cpp
+
+// Validates and times the three passes of one layer shape; appends a Result per pass.
+void bench_layer(std::vector<Result>& results, int input_size, int layer, const Conv2dShape& s,
+                 cudaStream_t stream, cudnnHandle_t handle, void* workspace,
+                 const Machine& machine) {
+  const CudnnConv cudnn(handle, s);
+  const size_t inputs_bytes = size_t(s.x_size() + s.w_size() + s.y_size()) * sizeof(float);
+  const int copies = cudp::bench::rotation_copies(inputs_bytes);
+  std::vector<std::unique_ptr<Device>> x, w, dy;
+  for (int i = 0; i < copies; ++i) {
+    x.push_back(std::make_unique<Device>(s.x_size()));
+    w.push_back(std::make_unique<Device>(s.w_size()));
+    dy.push_back(std::make_unique<Device>(s.y_size()));
+    const uint64_t seed = 1000 * uint64_t(layer) + 10 * uint64_t(i);
+    uniform(x[i]->p, s.x_size(), -1.f, 1.f, seed, 0, stream);
+    uniform(w[i]->p, s.w_size(), -1.f, 1.f, seed + 1, 0, stream);
+    uniform(dy[i]->p, s.y_size(), -1.f, 1.f, seed + 2, 0, stream);
+  }
+  std::printf("layer %d at %d²: %s (%d input copies)\n", layer, input_size,
+              shape_text(layer, s).c_str(), copies);
+
+  for (const Pass pass : kPasses) {
+    const Operands ops = operands(s, pass);
+    const auto in0 = [&](int i) -> const float* {
+      return pass == Pass::BackwardData ? dy[i]->p : x[i]->p;
+    };
+    const auto in1 = [&](int i) -> const float* {
+      return pass == Pass::BackwardWeight ? dy[i]->p : w[i]->p;
+    };
+    Device ours(ops.out), theirs(ops.out);
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<Algo> algos =
+        cudnn.find(pass, in0(0), in1(0), theirs.p, workspace, kWorkspaceBytes);
+    CUDP_CHECK(!algos.empty(), "cuDNN has no ", pass_name(pass), " algorithm for ",
+               shape_text(layer, s));
+    const Algo fastest = algos.front();
+    const auto exact = std::find_if(algos.begin(), algos.end(),
+                                    [&](const Algo& a) { return gemm_like(pass, a.id); });
+
+    run_ours(s, pass, in0(0), in1(0), ours.p, stream);
+    const std::vector<float> got = ours.download();
+    bool valid = true;
+    if (exact != algos.end()) {
+      cudnn.run(pass, *exact, in0(0), in1(0), theirs.p, workspace);
+      const double atol = 2e-5 * std::sqrt(double(ops.reduction));
+      valid &= validate(detail::str(pass_name(pass), " vs cuDNN algo ", exact->id), got,
+                        theirs.download(), kRtol, atol);
+    } else {
+      std::printf("  validate: cuDNN offers no GEMM-like %s algorithm here\n", pass_name(pass));
+    }
+    cudnn.run(pass, fastest, in0(0), in1(0), theirs.p, workspace);
+    const double apart = normwise(got, theirs.download());
+    const bool same = apart <= 1e-3;
+    std::printf("  %s vs fastest cuDNN algo %d: normwise %.2e %s\n", pass_name(pass), fastest.id,
+                apart, same ? "ok" : "FAIL");
+    valid &= same;
+
+    const auto ours_run = [&](int rep) {
+      run_ours(s, pass, in0(rep % copies), in1(rep % copies), ours.p, stream);
+    };
+    const auto cudnn_run = [&](int rep) {
+      cudnn.run(pass, fastest, in0(rep % copies), in1(rep % copies), theirs.p, workspace);
+    };
+    Result r;
+    r.input_size = input_size;
+    r.layer = layer;
+    r.pass = pass;
+    r.shape = s;
+    r.flops = s.flops();
+    r.bytes = double(ops.in0 + ops.in1 + ops.out) * sizeof(float);
+    r.roofline_tflops = std::min(machine.peak_tflops, r.flops / r.bytes * machine.copy_gbs / 1e3);
+    r.ours_ms = cudp::bench::time_on_stream(stream, ours_run).median_ms;
+    r.cudnn_ms = cudp::bench::time_on_stream(stream, cudnn_run).median_ms;
+    r.algo = fastest;
+    r.valid = valid;
+    results.push_back(r);
+  }
+}
+
+void write_json(const std::string& path, const Machine& machine,
+                const std::vector<Result>& results) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) CUDP_THROW(IoError, "cannot write ", path);
+  std::fprintf(f,
+               "{\n  \"benchmark\": \"conv2d\",\n  \"peak_fp32_tflops\": %.3f,\n"
+               "  \"copy_bandwidth_gbs\": %.3f,\n  \"results\": [\n",
+               machine.peak_tflops, machine.copy_gbs);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Result& r = results[i];
+    const Conv2dShape& s = r.shape;
+    std::fprintf(f,
+                 "    {\"input\": %d, \"layer\": %d, \"pass\": \"%s\", \"n\": %d, \"h\": %d, "
+                 "\"w\": %d, \"c\": %d, \"k\": %d, \"r\": %d, \"s\": %d, \"flops\": %.0f, "
+                 "\"bytes\": %.0f, \"ours_ms\": %.6f, \"cudnn_ms\": %.6f, \"ours_tflops\": %.3f, "
+                 "\"cudnn_tflops\": %.3f, \"ours_over_cudnn\": %.4f, \"roofline_tflops\": %.3f, "
+                 "\"cudnn_algo\": %d, \"cudnn_workspace_bytes\": %zu, \"valid\": %s}%s\n",
+                 r.input_size, r.layer, pass_name(r.pass), s.n, s.h, s.w, s.c, s.k, s.r, s.s,
+                 r.flops, r.bytes, r.ours_ms, r.cudnn_ms, r.ours_tflops(), r.cudnn_tflops(),
+                 r.cudnn_ms / r.ours_ms, r.roofline_tflops, r.algo.id, r.algo.workspace,
+                 r.valid ? "true" : "false", i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, "  ]\n}\n");
+  std::fclose(f);
+}
+
+void print_tables(const Machine& machine, const std::vector<Result>& results) {
+  std::vector<cudp::bench::Row> rows;
+  for (const Result& r : results) {
+    rows.push_back({detail::str("conv ", pass_name(r.pass), r.valid ? "" : " (INVALID)"),
+                    detail::str(r.input_size, "²: ", r.shape_text()), r.ours_tflops(),
+                    r.cudnn_tflops(), "TFLOP/s", detail::str("cuDNN algo ", r.algo.id)});
+  }
+  std::printf("\n");
+  cudp::bench::print_table(rows);
+
+  std::printf("\nRoofline: fp32 FMA peak %.1f TFLOP/s, copy bandwidth %.0f GB/s\n\n",
+              machine.peak_tflops, machine.copy_gbs);
+  std::printf(
+      "| pass | shape | flop/byte | roofline TFLOP/s | ours of roofline | cuDNN of roofline |"
+      " cuDNN workspace MiB |\n|---|---|---:|---:|---:|---:|---:|\n");
+  for (const Result& r : results) {
+    std::printf("| %s | %d²: %s | %.0f | %.1f | %.0f%% | %.0f%% | %.0f |\n", pass_name(r.pass),
+                r.input_size, r.shape_text().c_str(), r.flops / r.bytes, r.roofline_tflops,
+                100 * r.ours_tflops() / r.roofline_tflops,
+                100 * r.cudnn_tflops() / r.roofline_tflops, double(r.algo.workspace) / (1 << 20));
+  }
+
+  // The floor is 50% of cuDNN on every (layer, pass): the worst of each pass says whether it holds.
+  std::printf("\n");
+  for (const Pass pass : kPasses) {
+    const Result* worst = nullptr;
+    for (const Result& r : results) {
+      if (r.pass == pass && (!worst || r.cudnn_ms / r.ours_ms < worst->cudnn_ms / worst->ours_ms)) {
+        worst = &r;
+      }
+    }
+    if (worst) {
+      std::printf("worst ours/cuDNN for %s: %.2f at %d²: %s\n", pass_name(pass),
+                  worst->cudnn_ms / worst->ours_ms, worst->input_size, worst->shape_text().c_str());
+    }
+  }
+}
+
+Machine measure_machine(cudaStream_t stream) {
+  int device = 0, sms = 0, khz = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device));
+  // 128 fp32 lanes per SM since Ampere's GA10x and Hopper; two flops per FMA.
+  return {double(sms) * 128 * 2 * khz * 1e3 / 1e12,
+          cudp::bench::measure_copy_bandwidth_gbs(stream)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_conv2d: implicit-GEMM convolution vs cuDNN (fp32 FMA, NHWC) on VGG-16"};
+  std::string size = "both", json;
+  std::vector<int> layers;
+  app.add_option("--size", size, "input resolution: 224 (batch 64), 32 (batch 256) or both")
+      ->check(CLI::IsMember({"224", "32", "both"}));
+  app.add_option("--layers", layers, "VGG-16 layer shapes to run, 1-9 (default: all)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 9));
+  app.add_option("--json", json, "write the results to this JSON file");
+  CLI11_PARSE(app, argc, argv);
+  if (layers.empty()) layers = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+
+  try {
+    cudaStream_t stream = nullptr;
+    CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    // As the engine does (DESIGN.md §2.4): the pool keeps freed memory, so the split reduction's
+    // workspace does not go back to the driver at every synchronisation.
+    int device = 0;
+    CUDP_CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool = nullptr;
+    CUDP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t keep = UINT64_MAX;
+    CUDP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+
+    cudnnHandle_t handle = nullptr;
+    CUDP_CUDNN_CHECK(cudnnCreate(&handle));
+    CUDP_CUDNN_CHECK(cudnnSetStream(handle, stream));
+    const Device workspace(kWorkspaceBytes / sizeof(float));
+    const Machine machine = measure_machine(stream);
+    std::printf("fp32 FMA peak %.1f TFLOP/s, device-to-device copy %.0f GB/s\n",
+                machine.peak_tflops, machine.copy_gbs);
+
+    std::vector<Result> results;
+    for (const int input : {224, 32}) {
+      if (size != "both" && size != std::to_string(input)) continue;
+      const int batch = input == 224 ? 64 : 256;
+      for (const int layer : layers) {
+        const Layer& l = kVgg[layer - 1];
+        const int spatial = input == 224 ? l.at224 : l.at32;
+        const Conv2dShape shape{batch, spatial, spatial, l.c, l.k, 3, 3, 1, 1, 1, 1};
+        bench_layer(results, input, layer, shape, stream, handle, workspace.p, machine);
+      }
+    }
+    print_tables(machine, results);
+    if (!json.empty()) write_json(json, machine, results);
+    cudnnDestroy(handle);
+    const bool all_valid =
+        std::all_of(results.begin(), results.end(), [](const Result& r) { return r.valid; });
+    return all_valid ? 0 : 1;  // the stream goes with the process
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_conv2d: %s\n", e.what());
+    return 2;
+  }
+}

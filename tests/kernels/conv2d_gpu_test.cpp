@@ -1,0 +1,417 @@
+// GPU tests of kernels/conv2d.h: the three passes against the CPU references (double) and against
+// cuDNN, on odd sizes (every tile edge, stride, padding, filter size, C = 1 and 3, the vector and
+// the single-float paths, split reductions) and on VGG-16's layer shapes at small batch; fused
+// bias and ReLU; beta accumulation; misaligned pointers; run-to-run determinism.
+//
+// Tolerance. Each output is an fp32 dot product of n = R*S*C (forward), R*S*K (backward-data) or
+// N*P*Q (backward-weight) terms, summed in an order of the kernel's own. Inputs are uniform in
+// [-1, 1), so products are O(1/3) and a partial sum after i terms is a random walk of size
+// ~sqrt(i)/3; each fp32 addition errs by at most u = 2^-24 of it, so the accumulated error has a
+// spread of about u * n / (3 sqrt(2)): 7e-5 for n = 4608 (VGG's 3x3x512 reduction). We allow
+// atol = 1e-5 * sqrt(n), at least 9 such spreads for every n here (n <= 6272, checked below), plus
+// rtol = 1e-4 for the large outputs (~sqrt(n)/3). An indexing mistake (a tap missed, doubled or
+// misplaced) moves an output by ~1/3, thousands of times more. Against cuDNN, which has its own
+// rounding, the difference of two such errors: atol doubles.
+#include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc's typed overload
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "engine/core/stream.h"
+#include "engine/core/vendor_check.h"
+#include "kernels/conv2d.h"
+
+namespace cudp::kernels {
+namespace {
+
+constexpr double kRtol = 1e-4;
+constexpr int64_t kLongestReduction = 6272;  // the tolerance argument above holds up to here
+
+double atol_for(int64_t reduction) {
+  EXPECT_LE(reduction, kLongestReduction) << "extend the tolerance argument first";
+  return 1e-5 * std::sqrt(double(reduction));
+}
+
+// n floats starting `shift` floats into a device allocation: shift 1 breaks 16-byte alignment.
+class Buffer {
+ public:
+  explicit Buffer(int64_t n, int shift = 0) : n_(n), shift_(shift), buffer_(size_t(n + shift)) {}
+  float* get() const { return buffer_.get() + shift_; }
+  void upload(const std::vector<float>& v) {
+    ASSERT_EQ(int64_t(v.size()), n_);
+    CUDP_CUDA_CHECK(cudaMemcpy(get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+    // A pageable copy may still be in flight when cudaMemcpy returns, and the kernels run on a
+    // non-blocking stream that does not wait for it.
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  void poison() { upload(std::vector<float>(size_t(n_), testing::kPoison)); }
+  std::vector<float> download() const {
+    const std::vector<float> all = buffer_.download();
+    return {all.begin() + shift_, all.end()};
+  }
+
+ private:
+  int64_t n_;
+  int shift_;
+  testing::DeviceBuffer<float> buffer_;
+};
+
+// cuDNN on the same layouts: NHWC tensors, KRSC filters (filter format CUDNN_TENSOR_NHWC),
+// cross-correlation, fp32 with CUDNN_FMA_MATH (no TF32). It runs one of its GEMM-like algorithms,
+// which compute the same dot products as ours, never Winograd or FFT, whose different arithmetic
+// would need a different tolerance.
+class CudnnConv {
+ public:
+  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle) {
+    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x_));
+    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y_));
+    CUDP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w_));
+    CUDP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv_));
+    CUDP_CUDNN_CHECK(
+        cudnnSetTensor4dDescriptor(x_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.c, s.h, s.w));
+    CUDP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(y_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.k,
+                                                s.p(), s.q()));
+    CUDP_CUDNN_CHECK(
+        cudnnSetFilter4dDescriptor(w_, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NHWC, s.k, s.c, s.r, s.s));
+    CUDP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv_, s.pad_h, s.pad_w, s.stride_h,
+                                                     s.stride_w, 1, 1, CUDNN_CROSS_CORRELATION,
+                                                     CUDNN_DATA_FLOAT));
+    CUDP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv_, CUDNN_FMA_MATH));
+  }
+  ~CudnnConv() {
+    cudnnDestroyConvolutionDescriptor(conv_);
+    cudnnDestroyFilterDescriptor(w_);
+    cudnnDestroyTensorDescriptor(y_);
+    cudnnDestroyTensorDescriptor(x_);
+  }
+  CudnnConv(const CudnnConv&) = delete;
+  CudnnConv& operator=(const CudnnConv&) = delete;
+
+  void forward(const float* x, const float* w, float* y) {
+    constexpr int kMax = CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
+    cudnnConvolutionFwdAlgoPerf_t perf[kMax];
+    int count = 0;
+    CUDP_CUDNN_CHECK(
+        cudnnGetConvolutionForwardAlgorithm_v7(handle_, x_, w_, conv_, y_, kMax, &count, perf));
+    const auto algo =
+        pick(perf, count,
+             {CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+              CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_GEMM},
+             "forward");
+    size_t bytes = 0;
+    CUDP_CUDNN_CHECK(
+        cudnnGetConvolutionForwardWorkspaceSize(handle_, x_, w_, conv_, y_, algo, &bytes));
+    testing::DeviceBuffer<unsigned char> workspace(bytes);
+    const float one = 1.0f, zero = 0.0f;
+    CUDP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, x_, x, w_, w, conv_, algo,
+                                             workspace.get(), bytes, &zero, y_, y));
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // before the workspace is freed
+  }
+
+  void backward_data(const float* dy, const float* w, float* dx) {
+    constexpr int kMax = CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
+    cudnnConvolutionBwdDataAlgoPerf_t perf[kMax];
+    int count = 0;
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle_, w_, y_, conv_, x_, kMax,
+                                                                 &count, perf));
+    const auto algo =
+        pick(perf, count, {CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, CUDNN_CONVOLUTION_BWD_DATA_ALGO_0},
+             "backward-data");
+    size_t bytes = 0;
+    CUDP_CUDNN_CHECK(
+        cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, w_, y_, conv_, x_, algo, &bytes));
+    testing::DeviceBuffer<unsigned char> workspace(bytes);
+    const float one = 1.0f, zero = 0.0f;
+    CUDP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, w_, w, y_, dy, conv_, algo,
+                                                  workspace.get(), bytes, &zero, x_, dx));
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  void backward_weight(const float* x, const float* dy, float* dw) {
+    constexpr int kMax = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
+    cudnnConvolutionBwdFilterAlgoPerf_t perf[kMax];
+    int count = 0;
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle_, x_, y_, conv_, w_, kMax,
+                                                                   &count, perf));
+    const auto algo =
+        pick(perf, count,
+             {CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+              CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3},
+             "backward-filter");
+    size_t bytes = 0;
+    CUDP_CUDNN_CHECK(
+        cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, x_, y_, conv_, w_, algo, &bytes));
+    testing::DeviceBuffer<unsigned char> workspace(bytes);
+    const float one = 1.0f, zero = 0.0f;
+    CUDP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, x_, x, y_, dy, conv_, algo,
+                                                    workspace.get(), bytes, &zero, w_, dw));
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+ private:
+  // The fastest algorithm (cuDNN lists them fastest first) that is supported and in `exact`.
+  template <class Perf, class Algo>
+  static Algo pick(const Perf* perf, int count, std::initializer_list<Algo> exact,
+                   const char* pass) {
+    std::string offered;
+    for (int i = 0; i < count; ++i) {
+      if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+      offered += detail::str(' ', int(perf[i].algo));
+      if (perf[i].mathType == CUDNN_TENSOR_OP_MATH ||
+          perf[i].mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) {
+        continue;
+      }
+      for (const Algo a : exact) {
+        if (perf[i].algo == a) return a;
+      }
+    }
+    CUDP_THROW(LibraryError, "cuDNN offers no GEMM-like ", pass, " algorithm here; it offers",
+               offered);
+  }
+
+  cudnnHandle_t handle_;
+  cudnnTensorDescriptor_t x_ = nullptr, y_ = nullptr;
+  cudnnFilterDescriptor_t w_ = nullptr;
+  cudnnConvolutionDescriptor_t conv_ = nullptr;
+};
+
+std::string describe(const Conv2dShape& s) {
+  return detail::str("n", s.n, " h", s.h, " w", s.w, " c", s.c, " k", s.k, " r", s.r, " s", s.s,
+                     " stride ", s.stride_h, "x", s.stride_w, " pad ", s.pad_h, "x", s.pad_w);
+}
+
+// One cuDNN handle for the whole suite, created by the first test that runs on a GPU.
+class Conv2dGpuTest : public ::testing::Test {
+ protected:
+  static cudnnHandle_t cudnn() {
+    if (!handle_) CUDP_CUDNN_CHECK(cudnnCreate(&handle_));
+    return handle_;
+  }
+  static void TearDownTestSuite() {
+    if (handle_) cudnnDestroy(handle_);
+    handle_ = nullptr;
+  }
+  // Fresh random inputs for every call: no two tests share data.
+  static std::vector<float> random(int64_t n) { return testing::random_vector(size_t(n), ++seed_); }
+
+ private:
+  static inline cudnnHandle_t handle_ = nullptr;
+  static inline uint64_t seed_ = 1000;
+};
+
+struct Case {
+  const char* name;
+  Conv2dShape shape;
+};
+
+class Conv2dGpu : public Conv2dGpuTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(Conv2dGpu, Forward) {
+  CUDP_REQUIRE_GPU();
+  const Conv2dShape& s = GetParam().shape;
+  SCOPED_TRACE(describe(s));
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const std::vector<float> x = random(s.x_size()), w = random(s.w_size()), bias = random(s.k);
+  Buffer dx(s.x_size()), dw(s.w_size()), dbias(s.k), dy(s.y_size());
+  dx.upload(x);
+  dw.upload(w);
+  dbias.upload(bias);
+  const double atol = atol_for(int64_t(s.r) * s.s * s.c);
+  std::vector<float> plain;
+  for (const bool with_bias : {false, true}) {
+    for (const bool relu : {false, true}) {
+      SCOPED_TRACE(detail::str("bias ", with_bias, " relu ", relu));
+      std::vector<float> expected(size_t(s.y_size()));
+      conv2d_forward_cpu(s, x.data(), w.data(), with_bias ? bias.data() : nullptr, expected.data(),
+                         relu);
+      dy.poison();
+      conv2d_forward(s, dx.get(), dw.get(), with_bias ? dbias.get() : nullptr, dy.get(), relu,
+                     stream);
+      const std::vector<float> got = dy.download();
+      EXPECT_ALL_CLOSE(got, expected, kRtol, atol);
+      if (!with_bias && !relu) plain = got;
+    }
+  }
+  dy.poison();
+  CudnnConv(cudnn(), s).forward(dx.get(), dw.get(), dy.get());
+  EXPECT_ALL_CLOSE(plain, dy.download(), kRtol, 2 * atol) << "against cuDNN";
+}
+
+TEST_P(Conv2dGpu, BackwardData) {
+  CUDP_REQUIRE_GPU();
+  const Conv2dShape& s = GetParam().shape;
+  SCOPED_TRACE(describe(s));
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const std::vector<float> dy = random(s.y_size()), w = random(s.w_size());
+  Buffer ddy(s.y_size()), dw(s.w_size()), ddx(s.x_size());
+  ddy.upload(dy);
+  dw.upload(w);
+  std::vector<float> expected(size_t(s.x_size()));
+  conv2d_backward_data_cpu(s, dy.data(), w.data(), expected.data());
+  ddx.poison();
+  conv2d_backward_data(s, ddy.get(), dw.get(), ddx.get(), stream);
+  const std::vector<float> got = ddx.download();
+  const double atol = atol_for(int64_t(s.r) * s.s * s.k);
+  EXPECT_ALL_CLOSE(got, expected, kRtol, atol);
+  ddx.poison();
+  CudnnConv(cudnn(), s).backward_data(ddy.get(), dw.get(), ddx.get());
+  EXPECT_ALL_CLOSE(got, ddx.download(), kRtol, 2 * atol) << "against cuDNN";
+}
+
+TEST_P(Conv2dGpu, BackwardWeight) {
+  CUDP_REQUIRE_GPU();
+  const Conv2dShape& s = GetParam().shape;
+  SCOPED_TRACE(describe(s));
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const std::vector<float> x = random(s.x_size()), dy = random(s.y_size());
+  const std::vector<float> old = random(s.w_size());
+  Buffer dx(s.x_size()), ddy(s.y_size()), ddw(s.w_size());
+  dx.upload(x);
+  ddy.upload(dy);
+  const double atol = atol_for(int64_t(s.n) * s.p() * s.q());
+
+  // beta = 0: dw holds poison, which must be neither read nor left behind.
+  std::vector<float> expected(size_t(s.w_size()));
+  conv2d_backward_weight_cpu(s, x.data(), dy.data(), expected.data(), 0.0f);
+  ddw.poison();
+  conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 0.0f, stream);
+  const std::vector<float> got = ddw.download();
+  EXPECT_ALL_CLOSE(got, expected, kRtol, atol);
+
+  // beta = 1 accumulates onto the previous gradient.
+  expected = old;
+  conv2d_backward_weight_cpu(s, x.data(), dy.data(), expected.data(), 1.0f);
+  ddw.upload(old);
+  conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 1.0f, stream);
+  EXPECT_ALL_CLOSE(ddw.download(), expected, kRtol, atol) << "beta = 1";
+
+  ddw.poison();
+  CudnnConv(cudnn(), s).backward_weight(dx.get(), ddy.get(), ddw.get());
+  EXPECT_ALL_CLOSE(got, ddw.download(), kRtol, 2 * atol) << "against cuDNN";
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.name;
+}
+
+// N = 3, C = 5, H = W = 7, K = 9 unless a case says otherwise: no dimension is a multiple of a
+// tile, of 4 or of 8. Fields: n, h, w, c, k, r, s, stride_h, stride_w, pad_h, pad_w.
+const Case kOddCases[] = {
+    {"r1_s1_p0", {3, 7, 7, 5, 9, 1, 1, 1, 1, 0, 0}},
+    {"r3_s1_p1", {3, 7, 7, 5, 9, 3, 3, 1, 1, 1, 1}},
+    {"r5_s1_p2", {3, 7, 7, 5, 9, 5, 5, 1, 1, 2, 2}},
+    {"r3_s1_p0", {3, 7, 7, 5, 9, 3, 3, 1, 1, 0, 0}},
+    {"r1_s2_p0", {3, 7, 7, 5, 9, 1, 1, 2, 2, 0, 0}},
+    {"r3_s2_p1", {3, 7, 7, 5, 9, 3, 3, 2, 2, 1, 1}},
+    {"r5_s2_p0", {3, 7, 7, 5, 9, 5, 5, 2, 2, 0, 0}},
+    {"r5_s2_p2", {3, 7, 7, 5, 9, 5, 5, 2, 2, 2, 2}},
+    {"nonsquare_a", {3, 7, 9, 5, 9, 3, 5, 1, 2, 2, 1}},
+    {"nonsquare_b", {3, 9, 7, 5, 9, 5, 3, 2, 1, 0, 2}},
+    {"c1", {3, 7, 7, 1, 9, 3, 3, 1, 1, 1, 1}},
+    {"c3", {3, 7, 7, 3, 9, 3, 3, 1, 1, 1, 1}},
+    // C <= 4 with K % 4 == 0, 3-wide filters and stride 1: the direct backward-data kernel.
+    {"c1_k8", {2, 9, 10, 1, 8, 3, 3, 1, 1, 1, 1}},
+    {"c3_k8_p0", {2, 9, 10, 3, 8, 3, 3, 1, 1, 0, 0}},
+    {"c3_k8_r5_p2", {2, 9, 10, 3, 8, 5, 3, 1, 1, 2, 1}},
+    {"c4_k8", {2, 9, 9, 4, 8, 3, 3, 1, 1, 1, 1}},
+    {"c3_k136", {2, 6, 19, 3, 136, 3, 3, 1, 1, 1, 1}},  // two k-chunks
+    {"c3_k8_s2", {2, 9, 10, 3, 8, 3, 3, 2, 2, 1, 1}},
+    // C and K multiples of 4: the float4 paths.
+    {"c8_k12", {3, 7, 7, 8, 12, 3, 3, 1, 1, 1, 1}},
+    {"c12_k20_s2x1", {3, 7, 9, 12, 20, 3, 5, 2, 1, 1, 2}},
+    {"c16_k36_r1", {2, 11, 13, 16, 36, 1, 1, 1, 1, 0, 0}},
+    {"c96_k40_s2", {2, 9, 9, 96, 40, 3, 3, 2, 2, 1, 1}},
+    {"c68_k72", {2, 5, 5, 68, 72, 3, 3, 1, 1, 1, 1}},
+    {"c8_k130", {2, 6, 6, 8, 130, 3, 3, 1, 1, 1, 1}},
+    // Few output tiles and a long reduction: every pass splits it.
+    {"c256_k256_h4", {1, 4, 4, 256, 256, 3, 3, 1, 1, 1, 1}},
+};
+INSTANTIATE_TEST_SUITE_P(Odd, Conv2dGpu, ::testing::ValuesIn(kOddCases), case_name);
+
+// VGG-16's channel progression (3x3, stride 1, pad 1) at small batches, so that the CPU reference
+// stays fast.
+const Case kVggCases[] = {
+    {"c3_k64_h32", {2, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1}},
+    {"c64_k64_h56", {2, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1}},
+    {"c64_k128_h28", {2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1}},
+    {"c128_k256_h14", {2, 14, 14, 128, 256, 3, 3, 1, 1, 1, 1}},
+    {"c256_k512_h7", {2, 7, 7, 256, 512, 3, 3, 1, 1, 1, 1}},
+    {"c512_k512_h4", {4, 4, 4, 512, 512, 3, 3, 1, 1, 1, 1}},
+    {"c512_k512_h2", {8, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}},
+};
+INSTANTIATE_TEST_SUITE_P(Vgg, Conv2dGpu, ::testing::ValuesIn(kVggCases), case_name);
+
+// Pointers one float past a 16-byte boundary must take the single-float path and still be right.
+TEST_F(Conv2dGpuTest, MisalignedPointers) {
+  CUDP_REQUIRE_GPU();
+  const Conv2dShape s{2, 9, 9, 8, 16, 3, 3, 1, 1, 1, 1};
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const std::vector<float> x = random(s.x_size()), w = random(s.w_size()), dy = random(s.y_size());
+  Buffer bx(s.x_size(), 1), bw(s.w_size(), 1), bdy(s.y_size(), 1);
+  Buffer by(s.y_size(), 1), bdx(s.x_size(), 1), bdw(s.w_size(), 1);
+  bx.upload(x);
+  bw.upload(w);
+  bdy.upload(dy);
+  std::vector<float> expected(size_t(s.y_size()));
+  conv2d_forward_cpu(s, x.data(), w.data(), nullptr, expected.data(), false);
+  by.poison();
+  conv2d_forward(s, bx.get(), bw.get(), nullptr, by.get(), false, stream);
+  EXPECT_ALL_CLOSE(by.download(), expected, kRtol, atol_for(s.r * s.s * s.c)) << "forward";
+
+  expected.assign(size_t(s.x_size()), 0.0f);
+  conv2d_backward_data_cpu(s, dy.data(), w.data(), expected.data());
+  bdx.poison();
+  conv2d_backward_data(s, bdy.get(), bw.get(), bdx.get(), stream);
+  EXPECT_ALL_CLOSE(bdx.download(), expected, kRtol, atol_for(s.r * s.s * s.k)) << "backward-data";
+
+  expected.assign(size_t(s.w_size()), 0.0f);
+  conv2d_backward_weight_cpu(s, x.data(), dy.data(), expected.data(), 0.0f);
+  bdw.poison();
+  conv2d_backward_weight(s, bx.get(), bdy.get(), bdw.get(), 0.0f, stream);
+  EXPECT_ALL_CLOSE(bdw.download(), expected, kRtol, atol_for(s.n * s.p() * s.q()))
+      << "backward-weight";
+}
+
+// Split reductions are summed in a fixed order: two runs give the same bits.
+TEST_F(Conv2dGpuTest, Deterministic) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  for (const Conv2dShape& s : {Conv2dShape{4, 14, 14, 64, 128, 3, 3, 1, 1, 1, 1},
+                               Conv2dShape{2, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1},
+                               Conv2dShape{8, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(describe(s));
+    Buffer x(s.x_size()), w(s.w_size()), dy(s.y_size()), bias(s.k);
+    x.upload(random(s.x_size()));
+    w.upload(random(s.w_size()));
+    dy.upload(random(s.y_size()));
+    bias.upload(random(s.k));
+    const auto same_twice = [](int64_t n, const auto& run) {
+      Buffer first(n), second(n);
+      first.poison();
+      second.poison();
+      run(first.get());
+      run(second.get());
+      const std::vector<float> a = first.download(), b = second.download();
+      return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    EXPECT_TRUE(same_twice(s.y_size(), [&](float* y) {
+      conv2d_forward(s, x.get(), w.get(), bias.get(), y, true, stream);
+    })) << "forward";
+    EXPECT_TRUE(same_twice(s.x_size(), [&](float* dx) {
+      conv2d_backward_data(s, dy.get(), w.get(), dx, stream);
+    })) << "backward-data";
+    EXPECT_TRUE(same_twice(s.w_size(), [&](float* dw) {
+      conv2d_backward_weight(s, x.get(), dy.get(), dw, 0.0f, stream);
+    })) << "backward-weight";
+  }
+}
+
+}  // namespace
+}  // namespace cudp::kernels
