@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -57,6 +58,8 @@ class Module : public std::enable_shared_from_this<Module> {
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
     return children_;
   }
+  // This module (named "") and every descendant with its dotted path, parents before children.
+  std::vector<std::pair<std::string, Module*>> named_modules();
   int64_t num_parameters();
 
   // Parameters and buffers in PyTorch's layout (conv weights OIHW), as CPU tensors.
@@ -81,6 +84,8 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // Re-points every parameter's data (and every gradient) into one flat buffer each, so that one
   // all-reduce or one optimizer launch covers the whole model. Returns {flat_data, flat_grad}.
+  // Each parameter starts on a 256-byte boundary (zero padding between them). A later to() to
+  // another device or clone() gives separate tensors again: flatten after moving.
   std::pair<Tensor, Tensor> flatten_parameters();
 
  protected:
@@ -102,18 +107,44 @@ class Module : public std::enable_shared_from_this<Module> {
   // A new module of the same type and configuration with uninitialised parameters/buffers of the
   // same shapes on the CPU; clone() copies the values. Every concrete layer implements it.
   virtual std::shared_ptr<Module> make_empty_copy() const = 0;
+  // make_empty_copy() of another module (a container copying its children: C++ lets a derived class
+  // call a protected member only through its own type, so containers go through this).
+  static std::shared_ptr<Module> empty_copy_of(const Module& module) {
+    return module.make_empty_copy();
+  }
 
   // Hooks for layers whose internal layout differs from PyTorch's (Conv2d stores KRSC).
   virtual Tensor export_tensor(const std::string& local_name, const Tensor& internal) const;
   virtual Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const;
+  // The shape export_tensor gives a tensor of `internal` shape (load_state_dict checks against it and
+  // names it in errors, so they speak PyTorch's layout). Identity unless overridden.
+  virtual Shape export_shape(const std::string& local_name, const Shape& internal) const;
+
+  // Runs `cpu()` for a module on the host, or `gpu(stream)` with the module's device current and
+  // the device's current stream: the one dispatch every layer's forward and backward go through.
+  template <typename Cpu, typename Gpu>
+  void run(Cpu&& cpu, Gpu&& gpu) const {
+    if (device_.is_cpu()) {
+      cpu();
+    } else {
+      cuda::DeviceGuard guard(device_.index);
+      gpu(stream_for(device_));
+    }
+  }
 
   bool training_ = true;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
 
  private:
-  std::vector<std::pair<std::string, Parameter>> params_;
-  std::vector<std::pair<std::string, Tensor>> buffers_;
+  struct Entry;  // a parameter or buffer with its dotted name and owner (module.cpp)
+  void collect_entries(const std::string& path, std::vector<Entry>& out);
+  void check_inputs(const TensorList& tensors, const char* what, bool allow_undefined) const;
+
+  // deques: a Parameter's or buffer's address never changes once registered, so layers and
+  // optimizers may keep Parameter* and Tensor* (never the raw data pointers inside them).
+  std::deque<std::pair<std::string, Parameter>> params_;
+  std::deque<std::pair<std::string, Tensor>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
 

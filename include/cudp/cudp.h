@@ -6,3 +6,4 @@
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
 #include "engine/core/tensor.h"
+#include "engine/parallel/data_parallel.h"

@@ -1,0 +1,299 @@
+#include "engine/parallel/comm.h"
+
+#include <map>
+#include <set>
+#include <utility>
+
+#include "engine/core/vendor_check.h"
+
+namespace cudp::parallel {
+namespace {
+
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return ncclFloat32;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    case DType::u8:
+      return ncclUint8;
+  }
+  CUDP_THROW(ValueError, "no NCCL type for dtype ", dtype_name(dtype));
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Average:
+      return ncclAvg;
+    case ReduceOp::Max:
+      return ncclMax;
+    case ReduceOp::Min:
+      return ncclMin;
+    case ReduceOp::Product:
+      return ncclProd;
+  }
+  return ncclSum;
+}
+
+}  // namespace
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Average:
+      return "average";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Product:
+      return "product";
+  }
+  return "?";
+}
+
+void check_device_ids(const std::vector<int>& device_ids, const char* what) {
+  CUDP_CHECK(!device_ids.empty(), what, ": device_ids is empty; give at least one CUDA device id");
+  std::map<int, size_t> first;
+  for (size_t i = 0; i < device_ids.size(); ++i) {
+    const auto [it, fresh] = first.emplace(device_ids[i], i);
+    CUDP_CHECK(fresh, what, ": device_ids has device ", device_ids[i], " twice (at index ",
+               it->second, " and ", i, "); each device holds one replica");
+  }
+  for (size_t i = 0; i < device_ids.size(); ++i) {
+    try {
+      cuda::check_device(device_ids[i]);
+    } catch (const ValueError& e) {
+      throw ValueError(detail::str(what, ": device_ids[", i, "]: ", e.message()), e.file(),
+                       e.line());
+    }
+  }
+}
+
+// ---- creation and destruction
+// --------------------------------------------------------------------
+
+Communicator::Communicator(const std::vector<int>& device_ids)
+    : devices_(device_ids), world_size_(static_cast<int>(device_ids.size())) {
+  check_device_ids(devices_, "Communicator");
+  comms_.resize(devices_.size(), nullptr);
+  {
+    // ncclCommInitAll switches devices itself; restore the caller's.
+    cuda::DeviceGuard guard(cuda::current_device());
+    CUDP_NCCL_CHECK(ncclCommInitAll(comms_.data(), world_size_, devices_.data()));
+  }
+  create_streams();
+}
+
+Communicator::Communicator(int device, int rank, int world_size, const ncclUniqueId& id)
+    : devices_{device}, world_size_(world_size), first_rank_(rank) {
+  cuda::check_device(device);
+  CUDP_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "Communicator: rank ", rank,
+             " is outside a world of ", world_size, " ranks");
+  comms_.resize(1, nullptr);
+  {
+    cuda::DeviceGuard guard(device);
+    CUDP_NCCL_CHECK(ncclCommInitRank(&comms_[0], world_size, id, rank));
+  }
+  create_streams();
+}
+
+ncclUniqueId Communicator::unique_id() {
+  ncclUniqueId id;
+  CUDP_NCCL_CHECK(ncclGetUniqueId(&id));
+  return id;
+}
+
+void Communicator::create_streams() {
+  for (const int device : devices_) {
+    streams_.push_back(cuda::Stream::create(device));
+    ready_.push_back(cuda::Event::create(device));
+    done_.push_back(cuda::Event::create(device));
+  }
+}
+
+Communicator::~Communicator() {
+  // Finalising waits for every rank to be quiescent: with several ranks in this thread, their
+  // finalisations must be in one group, or the first would wait for the others forever. Errors
+  // are ignored: destructors never throw, and a failed teardown leaves nothing to recover.
+  ncclGroupStart();
+  for (ncclComm_t comm : comms_) {
+    if (comm) ncclCommFinalize(comm);
+  }
+  ncclGroupEnd();
+  for (ncclComm_t comm : comms_) {
+    if (comm) ncclCommDestroy(comm);
+  }
+}
+
+std::shared_ptr<Communicator> Communicator::shared(const std::vector<int>& device_ids) {
+  static std::mutex mutex;
+  static auto* cache = new std::map<std::vector<int>, std::weak_ptr<Communicator>>;  // never freed
+  std::lock_guard lock(mutex);
+  auto& slot = (*cache)[device_ids];
+  if (auto comm = slot.lock()) return comm;
+  auto comm = std::make_shared<Communicator>(device_ids);
+  slot = comm;
+  return comm;
+}
+
+// ---- collectives
+// ---------------------------------------------------------------------------------
+
+void Communicator::all_reduce(const TensorList& tensors, ReduceOp op) {
+  std::vector<TensorList> lists;
+  for (const Tensor& t : tensors) lists.push_back({t});
+  run(Kind::AllReduce, lists, nullptr, 0, op);
+}
+
+void Communicator::broadcast(const TensorList& tensors, int root) {
+  std::vector<TensorList> lists;
+  for (const Tensor& t : tensors) lists.push_back({t});
+  run(Kind::Broadcast, lists, nullptr, root, ReduceOp::Sum);
+}
+
+void Communicator::reduce(const TensorList& tensors, int root, ReduceOp op) {
+  std::vector<TensorList> lists;
+  for (const Tensor& t : tensors) lists.push_back({t});
+  run(Kind::Reduce, lists, nullptr, root, op);
+}
+
+void Communicator::all_gather(const TensorList& inputs, const TensorList& outputs) {
+  std::vector<TensorList> in, out;
+  for (const Tensor& t : inputs) in.push_back({t});
+  for (const Tensor& t : outputs) out.push_back({t});
+  run(Kind::AllGather, in, &out, 0, ReduceOp::Sum);
+}
+
+void Communicator::all_reduce_many(const std::vector<TensorList>& tensors, ReduceOp op) {
+  run(Kind::AllReduce, tensors, nullptr, 0, op);
+}
+
+void Communicator::broadcast_many(const std::vector<TensorList>& tensors, int root) {
+  run(Kind::Broadcast, tensors, nullptr, root, ReduceOp::Sum);
+}
+
+void Communicator::reduce_many(const std::vector<TensorList>& tensors, int root, ReduceOp op) {
+  run(Kind::Reduce, tensors, nullptr, root, op);
+}
+
+void Communicator::all_gather_many(const std::vector<TensorList>& inputs,
+                                   const std::vector<TensorList>& outputs) {
+  run(Kind::AllGather, inputs, &outputs, 0, ReduceOp::Sum);
+}
+
+void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
+                       const std::vector<TensorList>* outputs, int root, ReduceOp op) {
+  static constexpr const char* kNames[] = {"all_reduce", "broadcast", "reduce", "all_gather"};
+  const char* what = kNames[static_cast<int>(kind)];
+  const size_t ranks = devices_.size();
+  // Everything is checked before the group starts: a call failing half-way through a group would
+  // leave some ranks' collectives enqueued and others not.
+  CUDP_CHECK(tensors.size() == ranks, "Communicator::", what, ": got tensors for ", tensors.size(),
+             " ranks, but this process drives ", ranks, " (devices ",
+             shape_str(Shape(devices_.begin(), devices_.end())), ")");
+  const size_t count = tensors[0].size();
+  for (size_t i = 0; i < ranks; ++i) {
+    CUDP_CHECK(tensors[i].size() == count, "Communicator::", what, ": rank ", rank(int(i)), " has ",
+               tensors[i].size(), " tensors but rank ", rank(0), " has ", count);
+    if (outputs) {
+      CUDP_CHECK(outputs->size() == ranks && (*outputs)[i].size() == count, "Communicator::", what,
+                 ": the outputs do not match the inputs (one output per input and rank)");
+    }
+  }
+  if (kind == Kind::Broadcast || kind == Kind::Reduce) {
+    CUDP_CHECK(root >= 0 && root < world_size_, "Communicator::", what, ": root ", root,
+               " is outside the ", world_size_, " ranks");
+  }
+  for (size_t j = 0; j < count; ++j) {
+    const Tensor& first = tensors[0][j];
+    for (size_t i = 0; i < ranks; ++i) {
+      const Tensor& t = tensors[i][j];
+      const std::string label =
+          detail::str("Communicator::", what, ": tensor ", j, " of rank ", rank(int(i)));
+      check_device(t, Device::cuda(devices_[i]), label.c_str());
+      CUDP_CHECK(t.dtype() == first.dtype() && t.numel() == first.numel(), label, " is ", t.str(),
+                 " but rank ", rank(0), "'s is ", first.str(),
+                 "; every rank needs the same size and "
+                 "dtype");
+      if (outputs) {
+        const Tensor& out = (*outputs)[i][j];
+        const std::string out_label =
+            detail::str("Communicator::", what, ": output ", j, " of rank ", rank(int(i)));
+        check_device(out, Device::cuda(devices_[i]), out_label.c_str());
+        CUDP_CHECK(out.dtype() == t.dtype() && out.numel() == t.numel() * world_size_, out_label,
+                   " is ", out.str(), " but must hold ", world_size_, " x ", t.numel(), " ",
+                   dtype_name(t.dtype()), " elements");
+      }
+    }
+    nccl_type(first.dtype());  // throws now, not inside the group, for a type NCCL lacks
+  }
+  if (count == 0) return;
+
+  std::lock_guard lock(mutex_);
+  // 1. The comm stream waits for the compute work queued so far.
+  for (size_t i = 0; i < ranks; ++i) {
+    cuda::DeviceGuard guard(devices_[i]);
+    ready_[i].record(cuda::current_stream(devices_[i]));
+    streams_[i].wait(ready_[i]);
+  }
+  // 2. Every rank's calls in one group, issued from this thread.
+  CUDP_NCCL_CHECK(ncclGroupStart());
+  ncclResult_t status = ncclSuccess;
+  const char* failed = nullptr;
+  for (size_t i = 0; i < ranks && status == ncclSuccess; ++i) {
+    for (size_t j = 0; j < count && status == ncclSuccess; ++j) {
+      const Tensor& t = tensors[i][j];
+      if (t.numel() == 0) continue;  // the same on every rank (checked): nothing to move
+      const auto n = static_cast<size_t>(t.numel());
+      const ncclDataType_t type = nccl_type(t.dtype());
+      void* data = t.data_ptr();
+      switch (kind) {
+        case Kind::AllReduce:
+          status = ncclAllReduce(data, data, n, type, nccl_op(op), comms_[i], streams_[i]);
+          failed = "ncclAllReduce";
+          break;
+        case Kind::Broadcast:
+          status = ncclBroadcast(data, data, n, type, root, comms_[i], streams_[i]);
+          failed = "ncclBroadcast";
+          break;
+        case Kind::Reduce:
+          status = ncclReduce(data, data, n, type, nccl_op(op), root, comms_[i], streams_[i]);
+          failed = "ncclReduce";
+          break;
+        case Kind::AllGather:
+          status =
+              ncclAllGather(data, (*outputs)[i][j].data_ptr(), n, type, comms_[i], streams_[i]);
+          failed = "ncclAllGather";
+          break;
+      }
+    }
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (status != ncclSuccess) {
+    CUDP_THROW(LibraryError, "Communicator::", what, ": ", failed,
+               " failed: ", ncclGetErrorString(status), " (", ncclGetLastError(nullptr), ")");
+  }
+  if (end != ncclSuccess) {
+    CUDP_THROW(LibraryError, "Communicator::", what,
+               ": ncclGroupEnd failed: ", ncclGetErrorString(end), " (", ncclGetLastError(nullptr),
+               ")");
+  }
+  // 3. Compute waits for the collective: results are read, and memory freed, only after it.
+  for (size_t i = 0; i < ranks; ++i) {
+    cuda::DeviceGuard guard(devices_[i]);
+    done_[i].record(streams_[i]);
+    CUDP_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(devices_[i]), done_[i].get(), 0));
+  }
+}
+
+}  // namespace cudp::parallel

@@ -1,0 +1,119 @@
+// Communicator: NCCL collectives over the devices of one process (or one rank of several
+// processes), each device with its own communication stream, ordered after and before compute with
+// events.
+//
+// One process drives all GPUs of a machine (DESIGN.md §2.8): the communicators come from
+// ncclCommInitAll, and every collective is issued for all local ranks by the calling thread inside
+// one ncclGroupStart/ncclGroupEnd. That is the one safe way to drive several ranks from a process:
+// a collective launched for rank 0 but not yet for rank 1 (two threads, no group) blocks rank 0's
+// kernel until rank 1's launch, and any implicitly synchronising CUDA call on rank 1's thread in
+// between (a cudaMalloc, a cudaFree, a synchronous copy) waits for rank 0's kernel: a deadlock. One
+// thread, one group: every rank's kernel is enqueued before ncclGroupEnd returns. A mutex makes
+// each collective atomic when several threads share a communicator. The multi-process constructor
+// (ncclCommInitRank, one rank per process, the unique id shared through MPI) keeps the door open
+// for mpirun/srun launches; its collectives take one tensor, the local rank's.
+//
+// Tensors are given per local rank: `tensors[i]` lives on devices()[i]. The "compute stream" of
+// device d is the calling thread's current stream for d (cuda::current_stream): the engine's worker
+// threads run their jobs on the caller's current streams (parallel_apply.h), so both agree.
+//
+// NOTE [Comm stream ordering and memory lifetime]
+// A collective on tensors written by compute runs on the device's communication stream, so:
+//   1. before: an event recorded on the compute stream; the comm stream waits for it. The
+//      collective cannot read a gradient that a backward kernel is still writing.
+//   2. after: an event recorded on the comm stream; the compute stream waits for it. Work enqueued
+//      on compute after the call (the optimizer reading the summed gradients) runs after the
+//      collective. Nothing waits on the host: both are cudaStreamWaitEvent.
+//   3. memory: every tensor of ours is allocated and freed on its compute stream (core/memory.h,
+//      stream-ordered allocator). A tensor dropped right after the call is freed by a cudaFreeAsync
+//      enqueued on the compute stream *after* the wait of step 2, so the pool cannot hand its
+//      memory to a new allocation before the collective is done with it; without step 2, a free on
+//      compute would be ordered only after earlier compute work, not after the comm stream's use,
+//      and the block could be reused (and overwritten) while NCCL still reads or writes it. This is
+//      why step 2 is never skipped, even when no later compute work reads the result.
+#pragma once
+
+#include <nccl.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/core/stream.h"
+#include "layers/module.h"
+
+namespace cudp::parallel {
+
+enum class ReduceOp { Sum, Average, Max, Min, Product };
+
+const char* reduce_op_name(ReduceOp op);  // "sum", "average", ...
+
+// Checks a list of device ids for data parallelism, with PyTorch's wording where it has one: not
+// empty, no id repeated (checked without a GPU), then every id visible (cuda::check_device).
+// `what` names the caller in messages ("DataParallel").
+void check_device_ids(const std::vector<int>& device_ids, const char* what);
+
+class Communicator {
+ public:
+  // Rank i drives device_ids[i]; all ranks live in this process (ncclCommInitAll).
+  explicit Communicator(const std::vector<int>& device_ids);
+  // This process is rank `rank` of `world_size`, driving `device`. Every rank passes the `id` that
+  // one of them got from unique_id() (exchanged through MPI or any out-of-band channel).
+  Communicator(int device, int rank, int world_size, const ncclUniqueId& id);
+  static ncclUniqueId unique_id();
+
+  // The communicator of `device_ids` (in that order) shared by every user in the process, created
+  // on first use and destroyed with its last user: NCCL communicators cost memory and setup time,
+  // and the seed's two DataParallel members (features, classifier) need only one.
+  static std::shared_ptr<Communicator> shared(const std::vector<int>& device_ids);
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+  Communicator(Communicator&&) = delete;
+  Communicator& operator=(Communicator&&) = delete;
+
+  int size() const { return static_cast<int>(devices_.size()); }  // local ranks
+  int world_size() const { return world_size_; }
+  int rank(int i) const { return first_rank_ + i; }  // global rank of local rank i
+  const std::vector<int>& devices() const { return devices_; }
+  const cuda::Stream& stream(int i) const { return streams_[static_cast<size_t>(i)]; }
+
+  // One tensor per local rank, same shape and dtype everywhere; in place. `root` is a global rank.
+  // Average is NCCL's ncclAvg (sum divided by world_size()).
+  void all_reduce(const TensorList& tensors, ReduceOp op = ReduceOp::Sum);
+  void broadcast(const TensorList& tensors, int root = 0);
+  // Only the root's tensor receives the result; the others are left as they were.
+  void reduce(const TensorList& tensors, int root = 0, ReduceOp op = ReduceOp::Sum);
+  // outputs[i] holds world_size() * inputs[i].numel() elements: every rank's input, in rank order.
+  void all_gather(const TensorList& inputs, const TensorList& outputs);
+
+  // Lists per local rank (tensors[i][j]: rank i's tensor j, matching every rank's tensor j): one
+  // collective per tensor, all in one group (NCCL aggregates them into few launches).
+  void all_reduce_many(const std::vector<TensorList>& tensors, ReduceOp op = ReduceOp::Sum);
+  void broadcast_many(const std::vector<TensorList>& tensors, int root = 0);
+  void reduce_many(const std::vector<TensorList>& tensors, int root = 0,
+                   ReduceOp op = ReduceOp::Sum);
+  void all_gather_many(const std::vector<TensorList>& inputs,
+                       const std::vector<TensorList>& outputs);
+
+ private:
+  enum class Kind { AllReduce, Broadcast, Reduce, AllGather };
+  // Checks the lists, then runs NOTE [Comm stream ordering and memory lifetime] around one group
+  // holding every rank's calls. `outputs` is all_gather's (null for the in-place collectives).
+  void run(Kind kind, const std::vector<TensorList>& tensors,
+           const std::vector<TensorList>* outputs, int root, ReduceOp op);
+  void create_streams();
+
+  std::vector<int> devices_;
+  int world_size_ = 0;
+  int first_rank_ = 0;
+  std::vector<ncclComm_t> comms_;
+  std::vector<cuda::Stream> streams_;
+  std::vector<cuda::Event> ready_;  // recorded on compute, waited on by comm
+  std::vector<cuda::Event> done_;   // recorded on comm, waited on by compute
+  std::mutex mutex_;
+};
+
+}  // namespace cudp::parallel

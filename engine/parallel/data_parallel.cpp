@@ -1,0 +1,415 @@
+#include "engine/parallel/data_parallel.h"
+
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <numeric>
+
+namespace cudp::parallel {
+namespace {
+
+std::vector<int> all_devices() {
+  std::vector<int> ids(static_cast<size_t>(cuda::device_count()));
+  std::iota(ids.begin(), ids.end(), 0);
+  return ids;
+}
+
+// -1 (the CPU) or a visible device.
+void check_output_device(int output_device, const char* what) {
+  if (output_device == -1) return;
+  try {
+    cuda::check_device(output_device);
+  } catch (const ValueError& e) {
+    throw ValueError(detail::str(what, ": output_device: ", e.message(), "; -1 names the CPU"),
+                     e.file(), e.line());
+  }
+}
+
+// PyTorch's _check_balance, printed once per process.
+void warn_imbalance(const std::vector<int>& device_ids) {
+  if (device_ids.size() < 2) return;
+  std::vector<cuda::DeviceProperties> properties;
+  for (const int id : device_ids) properties.push_back(cuda::get_device_properties(id));
+  if (const auto warning = cuda::imbalance_warning(properties)) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] { std::cerr << "Warning: " << *warning << "\n"; });
+  }
+}
+
+// Checks inputs to be split along `dim` and returns the batch size.
+int64_t batch_size(const TensorList& inputs, int dim, const char* what) {
+  CUDP_CHECK(!inputs.empty(), what, ": forward needs at least one input");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    CUDP_CHECK(inputs[i].defined(), what, ": input ", i, " is undefined");
+    CUDP_CHECK(inputs[i].dim() >= 1, what, ": input ", i, " is ", inputs[i].str(),
+               ", a scalar; inputs are split along dim ", dim, " and need at least one dimension");
+  }
+  CUDP_CHECK(dim == 0, what, ": dim ", dim,
+             " is not supported yet: inputs are split along dim 0 "
+             "(the batch) only");
+  const int64_t batch = inputs[0].size(0);
+  CUDP_CHECK(batch > 0, what, ": input 0 (", inputs[0].str(),
+             ") is an empty batch: there is "
+             "nothing to split across devices");
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    CUDP_CHECK(inputs[i].size(0) == batch, what, ": input ", i, " (", inputs[i].str(), ") has ",
+               inputs[i].size(0), " rows along dim 0 but input 0 (", inputs[0].str(), ") has ",
+               batch, "; every input is split into the same chunks");
+  }
+  return batch;
+}
+
+// Scatters `inputs` over the set's devices (torch.chunk), runs each replica that got a chunk on its
+// worker, and, in training, synchronises buffers. Returns the outputs of those replicas; `sizes`
+// receives the chunk sizes.
+std::vector<TensorList> replicated_forward(ReplicaSet& set, const TensorList& inputs, int dim,
+                                           BufferSync sync, const char* what,
+                                           std::vector<int64_t>& sizes) {
+  const int64_t batch = batch_size(inputs, dim, what);
+  sizes = chunk_sizes(batch, static_cast<int>(set.size()));
+  const size_t used = sizes.size();
+  const std::vector<int> ids(set.devices().begin(),
+                             set.devices().begin() + static_cast<long>(used));
+  std::vector<TensorList> replica_inputs(used);
+  for (const Tensor& input : inputs) {
+    const TensorList chunks = scatter(input, ids, sizes, dim);
+    for (size_t i = 0; i < used; ++i) replica_inputs[i].push_back(chunks[i]);
+  }
+  set.keep_until_copied(inputs);  // a pinned host batch is read asynchronously
+  set.prepare_forward();
+  std::vector<TensorList> outputs(used);
+  set.workers().run(used,
+                    [&](size_t i) { outputs[i] = set.replica(i)->forward_all(replica_inputs[i]); });
+  for (size_t i = 1; i < used; ++i) {
+    CUDP_CHECK(outputs[i].size() == outputs[0].size(), what, ": replica ", i, " returned ",
+               outputs[i].size(), " outputs but replica 0 returned ", outputs[0].size());
+  }
+  if (sync == BufferSync::Broadcast && set.replica(0)->is_training()) set.broadcast_buffers();
+  return outputs;
+}
+
+TensorList gather_outputs(const std::vector<TensorList>& outputs, int output_device, int dim) {
+  TensorList gathered;
+  for (size_t j = 0; j < outputs[0].size(); ++j) {
+    TensorList parts;
+    for (const TensorList& out : outputs) parts.push_back(out[j]);
+    gathered.push_back(gather(parts, output_device, dim));
+  }
+  return gathered;
+}
+
+// The data_parallel() cache (see data_parallel.h).
+struct Cache {
+  std::mutex mutex;
+  std::map<std::pair<const Module*, std::vector<int>>, std::shared_ptr<ReplicaSet>> sets;
+};
+
+Cache& cache() {
+  static auto* c = new Cache;  // never freed: NCCL teardown at exit would race the CUDA runtime's
+  return *c;
+}
+
+}  // namespace
+
+// ---- DataParallel
+// --------------------------------------------------------------------------------
+
+DataParallel::DataParallel(std::shared_ptr<Module> module)
+    : DataParallel(std::move(module), std::nullopt, std::nullopt, 0, true) {}
+
+DataParallel::DataParallel(std::shared_ptr<Module> module, std::vector<int> device_ids,
+                           std::optional<int> output_device, int dim)
+    : DataParallel(std::move(module), std::move(device_ids), output_device, dim, true) {}
+
+DataParallel::DataParallel(std::shared_ptr<Module> module,
+                           std::optional<std::vector<int>> device_ids,
+                           std::optional<int> output_device, int dim, bool)
+    : module_(std::move(module)), dim_(dim) {
+  CUDP_CHECK(module_ != nullptr, "DataParallel: the module is null");
+  CUDP_CHECK(dynamic_cast<DataParallel*>(module_.get()) == nullptr,
+             "DataParallel: the module is a DataParallel already");
+  CUDP_CHECK(dim == 0, "DataParallel: dim ", dim,
+             " is not supported yet: inputs are split along "
+             "dim 0 (the batch) only");
+  register_module("module", module_);
+  training_ = module_->is_training();
+  if (!device_ids && cuda::device_count() == 0) {
+    device_ = module_->device();  // no GPU: run the module as it is, as PyTorch does
+    return;
+  }
+  device_ids_ = device_ids ? *device_ids : all_devices();
+  check_device_ids(device_ids_, "DataParallel");
+  output_device_ = output_device.value_or(device_ids_[0]);
+  check_output_device(output_device_, "DataParallel");
+  warn_imbalance(device_ids_);
+  set_ = replicate(module_, device_ids_);
+  ++set_->wrappers;
+  device_ = output_device_ < 0 ? Device::cpu() : Device::cuda(output_device_);
+}
+
+DataParallel::~DataParallel() {
+  if (set_) --set_->wrappers;
+}
+
+std::shared_ptr<Module> DataParallel::make_empty_copy() const {
+  CUDP_THROW(ValueError,
+             "DataParallel cannot be cloned (it owns devices, threads and a NCCL "
+             "communicator): clone its module() and wrap the copy in a new DataParallel");
+}
+
+Tensor DataParallel::forward(const Tensor& input) {
+  TensorList outputs = forward_all({input});
+  CUDP_CHECK(outputs.size() == 1, "DataParallel: forward() returns one tensor but the module has ",
+             outputs.size(), " outputs; call forward_all()");
+  return outputs[0];
+}
+
+TensorList DataParallel::forward_all(const TensorList& inputs) {
+  forward_done_ = false;
+  TensorList outputs = forward_impl(inputs);
+  forward_done_ = true;
+  return outputs;
+}
+
+std::vector<int> DataParallel::used_devices() const {
+  return {device_ids_.begin(), device_ids_.begin() + static_cast<long>(sizes_.size())};
+}
+
+std::vector<TensorList> DataParallel::run_forward(const TensorList& inputs) {
+  replicas_ran_ = false;
+  std::vector<TensorList> outputs;
+  if (!set_) {
+    sizes_ = {batch_size(inputs, dim_, "DataParallel")};
+    outputs = {module_->forward_all(inputs)};
+  } else {
+    outputs = replicated_forward(*set_, inputs, dim_, buffer_sync_, "DataParallel", sizes_);
+  }
+  input_devices_.clear();
+  for (const Tensor& input : inputs) input_devices_.push_back(input.device());
+  replica_output_shapes_.clear();
+  for (const TensorList& out : outputs) {
+    std::vector<Shape> shapes;
+    for (const Tensor& t : out) shapes.push_back(t.defined() ? t.shape() : Shape{});
+    replica_output_shapes_.push_back(std::move(shapes));
+  }
+  replicas_ran_ = true;
+  return outputs;
+}
+
+std::vector<TensorList> DataParallel::forward_replicas(const TensorList& inputs) {
+  forward_done_ = false;
+  std::vector<TensorList> outputs = run_forward(inputs);
+  forward_done_ = true;
+  return outputs;
+}
+
+TensorList DataParallel::forward_impl(const TensorList& inputs) {
+  if (!set_) return run_forward(inputs)[0];
+  return gather_outputs(run_forward(inputs), output_device_, dim_);
+}
+
+std::vector<TensorList> DataParallel::run_backward(const std::vector<TensorList>& replica_grads) {
+  if (!set_) return {module_->backward_all(replica_grads[0])};
+  const size_t used = sizes_.size();
+  set_->zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
+  std::vector<TensorList> input_grads(used);
+  set_->workers().run(
+      used, [&](size_t i) { input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]); });
+  return input_grads;
+}
+
+TensorList DataParallel::backward_impl(const TensorList& grad_outputs) {
+  CUDP_CHECK(replicas_ran_, "DataParallel: backward() called without a forward() before it");
+  if (!set_) return module_->backward_all(grad_outputs);
+  const size_t used = sizes_.size();
+  const std::vector<Shape>& shapes = replica_output_shapes_[0];
+  CUDP_CHECK(grad_outputs.size() == shapes.size(), "DataParallel: ", grad_outputs.size(),
+             " output gradients for ", shapes.size(), " outputs");
+  const std::vector<int> ids = used_devices();
+  std::vector<TensorList> replica_grads(used);
+  for (size_t j = 0; j < grad_outputs.size(); ++j) {
+    const Tensor& grad = grad_outputs[j];
+    if (!grad.defined()) {  // an unused output: undefined for every replica
+      for (TensorList& g : replica_grads) g.emplace_back();
+      continue;
+    }
+    // The gathered output's shape: rows summed over replicas (or one per replica for scalars).
+    const bool scalar = shapes[j].empty();
+    Shape expected = scalar ? Shape{static_cast<int64_t>(used)} : shapes[j];
+    if (!scalar) {
+      expected[0] = 0;
+      for (const auto& s : replica_output_shapes_) expected[0] += s[j][0];
+    }
+    CUDP_CHECK(grad.shape() == expected, "DataParallel: grad_output ", j, " has shape ",
+               shape_str(grad.shape()), " but output ", j, " of the forward had shape ",
+               shape_str(expected));
+    std::vector<int64_t> rows;
+    for (const auto& s : replica_output_shapes_) rows.push_back(scalar ? 1 : s[j][0]);
+    const TensorList parts = scatter(grad, ids, rows, dim_);
+    for (size_t i = 0; i < used; ++i)
+      replica_grads[i].push_back(scalar ? parts[i].view({}) : parts[i]);
+  }
+  set_->keep_until_copied(grad_outputs);  // output_device -1: gradients may be pinned host tensors
+  const std::vector<TensorList> input_grads = run_backward(replica_grads);
+
+  // Input gradients go back to the inputs' devices (not to the host: see the header). They are
+  // gathered before the all-reduce is enqueued, which makes every compute stream wait for it (NOTE
+  // [Comm stream ordering and memory lifetime]), so the gather's copies do not queue behind it.
+  TensorList result;
+  for (size_t j = 0; j < input_devices_.size(); ++j) {
+    TensorList parts;
+    bool defined = input_devices_[j].is_cuda();
+    for (size_t i = 0; i < used && defined; ++i) {
+      defined = j < input_grads[i].size() && input_grads[i][j].defined();
+      if (defined) parts.push_back(input_grads[i][j]);
+    }
+    result.push_back(defined ? gather(parts, input_devices_[j].index, dim_) : Tensor());
+  }
+  set_->all_reduce_gradients();
+  return result;
+}
+
+std::vector<TensorList> DataParallel::backward_replicas(
+    const std::vector<TensorList>& grad_outputs) {
+  CUDP_CHECK(forward_done_ && replicas_ran_,
+             "DataParallel: backward_replicas() called without a "
+             "forward before it");
+  CUDP_CHECK(grad_outputs.size() == sizes_.size(),
+             "DataParallel: backward_replicas got gradients for ", grad_outputs.size(),
+             " replicas, but ", sizes_.size(), " ran the forward");
+  for (size_t i = 0; i < grad_outputs.size(); ++i) {
+    const Device device = set_ ? Device::cuda(device_ids_[i]) : module_->device();
+    CUDP_CHECK(grad_outputs[i].size() == replica_output_shapes_[i].size(), "DataParallel: replica ",
+               i, " got ", grad_outputs[i].size(), " output gradients for ",
+               replica_output_shapes_[i].size(), " outputs");
+    for (size_t j = 0; j < grad_outputs[i].size(); ++j) {
+      const Tensor& g = grad_outputs[i][j];
+      if (!g.defined()) continue;
+      const std::string what =
+          detail::str("DataParallel: gradient of replica ", i, "'s output ", j);
+      check_device(g, device, what.c_str());
+      check_shape(g, replica_output_shapes_[i][j], what.c_str());
+    }
+  }
+  std::vector<TensorList> input_grads = run_backward(grad_outputs);
+  if (set_) set_->all_reduce_gradients();
+  return input_grads;
+}
+
+std::vector<double> DataParallel::chunk_weights() const {
+  const double total =
+      static_cast<double>(std::accumulate(sizes_.begin(), sizes_.end(), int64_t{0}));
+  std::vector<double> weights;
+  for (const int64_t n : sizes_) weights.push_back(static_cast<double>(n) / total);
+  return weights;
+}
+
+size_t DataParallel::num_replicas() const {
+  return set_ ? set_->size() : 1;
+}
+
+std::shared_ptr<Module> DataParallel::replica(size_t i) const {
+  if (!set_) {
+    CUDP_CHECK(i == 0, "DataParallel: replica ", i, " of 1 (no GPU: the module runs as it is)");
+    return module_;
+  }
+  CUDP_CHECK(i < set_->size(), "DataParallel: replica ", i, " of ", set_->size());
+  return set_->replica(i);
+}
+
+std::vector<std::vector<Parameter*>> DataParallel::replica_parameters() const {
+  if (!set_) return {module_->parameters()};
+  return set_->parameters();
+}
+
+void DataParallel::for_each_replica(const std::function<void(Module&, size_t, int)>& fn) {
+  if (!set_) {
+    fn(*module_, 0, module_->device().index);
+    return;
+  }
+  set_->for_each(fn);
+}
+
+void DataParallel::broadcast_parameters() {
+  if (set_) set_->broadcast_parameters();
+}
+
+std::vector<uint64_t> DataParallel::replica_checksums() const {
+  if (!set_) return {};
+  return set_->checksums();
+}
+
+void DataParallel::check_replicas_identical() const {
+  if (set_) set_->check_identical();
+}
+
+// ---- data_parallel
+// -------------------------------------------------------------------------------
+
+namespace {
+
+TensorList run_data_parallel(const std::shared_ptr<Module>& module, const TensorList& inputs,
+                             const std::optional<std::vector<int>>& device_ids,
+                             std::optional<int> output_device, int dim) {
+  CUDP_CHECK(module != nullptr, "data_parallel: the module is null");
+  CUDP_CHECK(dynamic_cast<DataParallel*>(module.get()) == nullptr,
+             "data_parallel: the module is a DataParallel already; call its forward()");
+  if (!device_ids && cuda::device_count() == 0) return module->forward_all(inputs);
+  const std::vector<int> ids = device_ids ? *device_ids : all_devices();
+  check_device_ids(ids, "data_parallel");
+  const int out = output_device.value_or(ids[0]);
+  check_output_device(out, "data_parallel");
+
+  std::shared_ptr<ReplicaSet> set;
+  {
+    Cache& c = cache();
+    std::lock_guard lock(c.mutex);
+    std::shared_ptr<ReplicaSet>& slot = c.sets[{module.get(), ids}];
+    if (!slot) slot = replicate(module, ids);
+    set = slot;
+  }
+  if (set->wrappers == 0) set->broadcast_parameters();
+  std::vector<int64_t> sizes;
+  const auto outputs =
+      replicated_forward(*set, inputs, dim, BufferSync::Broadcast, "data_parallel", sizes);
+  return gather_outputs(outputs, out, dim);
+}
+
+Tensor single_output(TensorList outputs) {
+  CUDP_CHECK(outputs.size() == 1, "data_parallel: the module has ", outputs.size(),
+             " outputs; call data_parallel_all()");
+  return outputs[0];
+}
+
+}  // namespace
+
+TensorList data_parallel_all(const std::shared_ptr<Module>& module, const TensorList& inputs) {
+  return run_data_parallel(module, inputs, std::nullopt, std::nullopt, 0);
+}
+
+TensorList data_parallel_all(const std::shared_ptr<Module>& module, const TensorList& inputs,
+                             std::vector<int> device_ids, std::optional<int> output_device,
+                             int dim) {
+  return run_data_parallel(module, inputs, device_ids, output_device, dim);
+}
+
+Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input) {
+  return single_output(data_parallel_all(module, {input}));
+}
+
+Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input,
+                     std::vector<int> device_ids, std::optional<int> output_device, int dim) {
+  return single_output(
+      data_parallel_all(module, {input}, std::move(device_ids), output_device, dim));
+}
+
+void clear_replica_cache() {
+  std::map<std::pair<const Module*, std::vector<int>>, std::shared_ptr<ReplicaSet>> dropped;
+  {
+    Cache& c = cache();
+    std::lock_guard lock(c.mutex);
+    dropped.swap(c.sets);
+  }
+}  // the sets (and their threads and communicators, when last) go here, outside the lock
+
+}  // namespace cudp::parallel

@@ -1,0 +1,66 @@
+// Conv2d: 2-D convolution over NHWC activations, PyTorch's nn.Conv2d with square kernels,
+// groups = 1, dilation = 1.
+//
+// Input [N, H, W, in_channels] -> output [N, P, Q, out_channels], P = (H + 2*padding - kernel) /
+// stride + 1 (likewise Q). The weight is stored K x R x S x C ([out, kh, kw, in]: one filter is
+// contiguous along C, what the implicit-GEMM kernels want, kernels/conv2d.h); state_dict() exports
+// it as PyTorch's OIHW [out, in, kh, kw] and load_state_dict() converts back, so torchvision
+// checkpoints load unchanged. The bias is [out].
+//
+// Backward writes dx and accumulates dW and db (DESIGN.md §2.1). The forward keeps its input for
+// the weight gradient. Parameters are initialised as torchvision's VGG does (layers/init.h).
+#pragma once
+
+#include "kernels/common.h"
+#include "kernels/conv2d.h"
+#include "layers/init.h"
+#include "layers/module.h"
+
+namespace cudp {
+
+class Conv2d : public Module {
+ public:
+  Conv2d(int in_channels, int out_channels, int kernel, int stride = 1, int padding = 0,
+         bool bias = true, uint64_t seed = 0);
+  // Parameters allocated but not initialised (to be filled by clone, load or reset_parameters).
+  Conv2d(init::SkipInit, int in_channels, int out_channels, int kernel, int stride = 1,
+         int padding = 0, bool bias = true);
+
+  std::string type_name() const override { return "Conv2d"; }
+
+  // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
+  void reset_parameters(uint64_t seed);
+
+  int in_channels() const { return in_; }
+  int out_channels() const { return out_; }
+  int kernel() const { return kernel_; }
+  int stride() const { return stride_; }
+  int padding() const { return padding_; }
+  bool has_bias() const { return bias_ != nullptr; }
+  Parameter& weight() { return *weight_; }  // [out, kernel, kernel, in] (KRSC)
+  Parameter& bias();                        // [out]; throws when built without a bias
+
+  // How the products are computed on the GPU (FP32 default; TF32/BF16 where the kernels have them).
+  void set_math(kernels::Math math) { math_ = math; }
+  kernels::Math math() const { return math_; }
+
+ protected:
+  Tensor forward_one(const Tensor& input) override;
+  Tensor backward_one(const Tensor& grad_output) override;
+  std::shared_ptr<Module> make_empty_copy() const override;
+  Tensor export_tensor(const std::string& local_name, const Tensor& internal) const override;
+  Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const override;
+  Shape export_shape(const std::string& local_name, const Shape& internal) const override;
+
+ private:
+  kernels::Conv2dShape shape_for(const Tensor& input) const;
+
+  int in_, out_, kernel_, stride_, padding_;
+  kernels::Math math_ = kernels::Math::FP32;
+  Parameter* weight_ = nullptr;
+  Parameter* bias_ = nullptr;
+  Tensor input_;  // saved for backward
+  kernels::Conv2dShape saved_shape_;
+};
+
+}  // namespace cudp

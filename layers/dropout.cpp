@@ -1,0 +1,54 @@
+#include "layers/dropout.h"
+
+#include "kernels/dropout.h"
+
+namespace cudp {
+
+Dropout::Dropout(float p, uint64_t seed) : p_(p), seed_(seed) {
+  CUDP_CHECK(p_ >= 0.0f && p_ < 1.0f, "Dropout: p must be in [0, 1), got ", p_);
+}
+
+Tensor Dropout::forward_one(const Tensor& input) {
+  CUDP_CHECK(input.dtype() == DType::f32, "Dropout: input must be f32, got ", input.str());
+  saved_shape_ = input.shape();
+  saved_active_ = training_ && p_ > 0.0f;
+  if (!saved_active_) {
+    return input;
+  }
+  saved_seed_ = seed_;
+  saved_offset_ = offset_;
+  const int64_t n = input.numel();
+  offset_ += static_cast<uint64_t>((n + 3) / 4 * 4);
+  Tensor y = Tensor::empty(input.shape(), DType::f32, device_);
+  const float* x = input.data<float>();
+  float* out = y.data<float>();
+  const float p = p_;
+  const uint64_t seed = seed_, offset = saved_offset_;
+  run([&] { kernels::dropout_forward_cpu(x, out, n, p, seed, offset); },
+      [&](cudaStream_t s) { kernels::dropout_forward(x, out, n, p, seed, offset, s); });
+  return y;
+}
+
+Tensor Dropout::backward_one(const Tensor& grad_output) {
+  check_shape(grad_output, saved_shape_, "Dropout: grad_output");
+  if (!saved_active_) {
+    return grad_output;
+  }
+  const int64_t n = grad_output.numel();
+  Tensor dx = Tensor::empty(grad_output.shape(), DType::f32, device_);
+  const float* dy = grad_output.data<float>();
+  float* out = dx.data<float>();
+  const float p = p_;
+  const uint64_t seed = saved_seed_, offset = saved_offset_;
+  run([&] { kernels::dropout_backward_cpu(dy, out, n, p, seed, offset); },
+      [&](cudaStream_t s) { kernels::dropout_backward(dy, out, n, p, seed, offset, s); });
+  return dx;
+}
+
+std::shared_ptr<Module> Dropout::make_empty_copy() const {
+  auto copy = std::make_shared<Dropout>(p_, seed_);
+  copy->offset_ = offset_;
+  return copy;
+}
+
+}  // namespace cudp

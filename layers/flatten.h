@@ -1,0 +1,28 @@
+// Flatten: [N, H, W, C] (NHWC) -> [N, C*H*W] with the features in PyTorch's order (c, h, w).
+//
+// PyTorch flattens NCHW activations, so the first Linear after torch.flatten(x, 1) expects feature
+// index c*H*W + h*W + w. Our activations are NHWC; Flatten transposes each sample to CHW first
+// (kernels/layout.h nhwc_to_nchw) so torchvision's classifier weights load unchanged. Backward is
+// the inverse transpose. When H = W = 1 (VGG's compact head on 32x32 inputs) both orders agree and
+// Flatten is a view, no copy. A 2-D input [N, F] is already flat and passes through.
+#pragma once
+
+#include "layers/module.h"
+
+namespace cudp {
+
+class Flatten : public Module {
+ public:
+  Flatten() = default;
+  std::string type_name() const override { return "Flatten"; }
+
+ protected:
+  Tensor forward_one(const Tensor& input) override;
+  Tensor backward_one(const Tensor& grad_output) override;
+  std::shared_ptr<Module> make_empty_copy() const override;
+
+ private:
+  Shape input_shape_;  // saved for backward
+};
+
+}  // namespace cudp

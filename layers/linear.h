@@ -1,0 +1,51 @@
+// Linear: y = x W^T + b, PyTorch's nn.Linear, over the last dimension of x ([*, in] -> [*, out]).
+//
+// The weight is [out, in] as PyTorch stores it (no conversion at load), the bias [out]. Forward and
+// both backward products are one GEMM each (kernels/gemm.h):
+//   y  = x W^T        (trans_b)       then y += b (kernels/bias.h)
+//   dx = dy W         written
+//   dW += dy^T x      (trans_a, beta = 1: parameter gradients accumulate, DESIGN.md §2.1)
+//   db += column sums of dy (bias_grad, beta = 1)
+// The forward keeps its input for dW. Parameters are initialised as torchvision's VGG does
+// (layers/init.h): W ~ N(0, 0.01), b = 0.
+#pragma once
+
+#include "kernels/common.h"
+#include "layers/init.h"
+#include "layers/module.h"
+
+namespace cudp {
+
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true, uint64_t seed = 0);
+  Linear(init::SkipInit, int64_t in_features, int64_t out_features, bool bias = true);
+
+  std::string type_name() const override { return "Linear"; }
+
+  // weight ~ N(0, 0.01) from derive_seed(seed, "weight"); bias = 0.
+  void reset_parameters(uint64_t seed);
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  bool has_bias() const { return bias_ != nullptr; }
+  Parameter& weight() { return *weight_; }  // [out, in]
+  Parameter& bias();                        // [out]; throws when built without a bias
+
+  void set_math(kernels::Math math) { math_ = math; }
+  kernels::Math math() const { return math_; }
+
+ protected:
+  Tensor forward_one(const Tensor& input) override;
+  Tensor backward_one(const Tensor& grad_output) override;
+  std::shared_ptr<Module> make_empty_copy() const override;
+
+ private:
+  int64_t in_, out_;
+  kernels::Math math_ = kernels::Math::FP32;
+  Parameter* weight_ = nullptr;
+  Parameter* bias_ = nullptr;
+  Tensor input_;  // saved for backward
+};
+
+}  // namespace cudp

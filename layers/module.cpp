@@ -1,0 +1,391 @@
+// Module's shared machinery: the checked forward/backward wrappers, the recursive walks over
+// parameters, buffers and children, state_dict in PyTorch's layout, device moves, cloning and
+// parameter flattening. Layers implement only their maths (forward_one/backward_one) and their
+// make_empty_copy; everything that must behave the same for every layer lives here, once.
+//
+// Conventions this file fixes for all layers:
+//   - Gradients are allocated (zeros) with the data, on the same device, and accumulate until
+//     zero_grad(); a Parameter's address never changes (module.h), its tensors may (to(), flatten).
+//   - state_dict() returns a snapshot: fresh CPU tensors that never alias the live parameters, so a
+//     checkpoint can be written while training goes on.
+//   - load_state_dict() validates every key before it copies anything: a failed load leaves the
+//     module unchanged, and its error lists every problem, not just the first.
+#include "layers/module.h"
+
+#include <set>
+#include <sstream>
+
+namespace cudp {
+
+struct Module::Entry {
+  std::string name;   // dotted PyTorch name
+  Module* owner;      // the module that registered it (for export/import hooks)
+  std::string local;  // its name inside the owner
+  Tensor* tensor;     // a parameter's data or a buffer
+};
+
+// ---- forward and backward -----------------------------------------------------------------------
+
+void Module::check_inputs(const TensorList& tensors, const char* what, bool allow_undefined) const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string label = tensors.size() == 1 ? std::string(what) : detail::str(what, " ", i);
+    const Tensor& t = tensors[i];
+    if (!t.defined()) {
+      CUDP_CHECK(allow_undefined, type_name(), ": ", label, " is undefined");
+      continue;
+    }
+    CUDP_CHECK(t.device() == device_, type_name(), ": ", label, " is on ", t.device(),
+               " but the module's parameters are on ", device_, "; move the ", what, " with .to(",
+               device_, ") or the module with .to(", t.device(), ")");
+  }
+}
+
+TensorList Module::forward_all(const TensorList& inputs) {
+  check_inputs(inputs, "input", /*allow_undefined=*/false);
+  forward_done_ = false;  // a forward that throws leaves nothing for a backward to use
+  TensorList outputs = forward_impl(inputs);
+  forward_done_ = true;
+  return outputs;
+}
+
+TensorList Module::backward_all(const TensorList& grad_outputs) {
+  CUDP_CHECK(forward_done_, type_name(),
+             ": backward() called without a forward() before it (or after the module was moved); "
+             "run forward() first: backward uses what it saved");
+  check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
+  return backward_impl(grad_outputs);
+}
+
+Tensor Module::forward(const Tensor& input) {
+  TensorList outputs = forward_all({input});
+  CUDP_CHECK(outputs.size() == 1, type_name(),
+             ": forward() returns one tensor but this module has ", outputs.size(),
+             " outputs; call forward_all()");
+  return outputs[0];
+}
+
+Tensor Module::backward(const Tensor& grad_output) {
+  CUDP_CHECK(grad_output.defined(), type_name(), ": grad_output is undefined");
+  TensorList grads = backward_all({grad_output});
+  CUDP_CHECK(grads.size() == 1, type_name(), ": backward() returns one tensor but this module has ",
+             grads.size(), " inputs; call backward_all()");
+  return grads[0];
+}
+
+TensorList Module::forward_impl(const TensorList& inputs) {
+  CUDP_CHECK(inputs.size() == 1, type_name(), " takes one input, got ", inputs.size());
+  return {forward_one(inputs[0])};
+}
+
+TensorList Module::backward_impl(const TensorList& grad_outputs) {
+  CUDP_CHECK(grad_outputs.size() == 1, type_name(), " has one output, got ", grad_outputs.size(),
+             " gradients");
+  CUDP_CHECK(grad_outputs[0].defined(), type_name(), ": grad_output is undefined");
+  return {backward_one(grad_outputs[0])};
+}
+
+Tensor Module::forward_one(const Tensor&) {
+  CUDP_THROW(ValueError, type_name(), " implements neither forward_one nor forward_impl");
+}
+
+Tensor Module::backward_one(const Tensor&) {
+  CUDP_THROW(ValueError, type_name(), " implements neither backward_one nor backward_impl");
+}
+
+// ---- registration and walks ---------------------------------------------------------------------
+
+Parameter& Module::register_parameter(const std::string& name, Tensor data) {
+  CUDP_CHECK(data.defined(), type_name(), ": parameter '", name, "' is undefined");
+  Tensor grad = Tensor::zeros(data.shape(), data.dtype(), data.device());
+  params_.emplace_back(name, Parameter{std::move(data), std::move(grad)});
+  return params_.back().second;
+}
+
+Tensor& Module::register_buffer(const std::string& name, Tensor data) {
+  CUDP_CHECK(data.defined(), type_name(), ": buffer '", name, "' is undefined");
+  buffers_.emplace_back(name, std::move(data));
+  return buffers_.back().second;
+}
+
+namespace {
+
+// PyTorch's dotted names: "features" + "0" -> "features.0"; an empty side is the root.
+std::string dotted(const std::string& parent, const std::string& name) {
+  if (parent.empty()) {
+    return name;
+  }
+  if (name.empty()) {
+    return parent;
+  }
+  std::string out = parent;
+  out += '.';
+  out += name;
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules() {
+  std::vector<std::pair<std::string, Module*>> out{{"", this}};
+  for (auto& [name, child] : children_) {
+    for (auto& [sub, module] : child->named_modules()) {
+      out.emplace_back(dotted(name, sub), module);
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Parameter*>> Module::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  for (auto& [path, module] : named_modules()) {
+    for (auto& [name, param] : module->params_) {
+      out.emplace_back(dotted(path, name), &param);
+    }
+  }
+  return out;
+}
+
+std::vector<Parameter*> Module::parameters() {
+  std::vector<Parameter*> out;
+  for (auto& [name, param] : named_parameters()) {
+    out.push_back(param);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor*>> Module::named_buffers() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (auto& [path, module] : named_modules()) {
+    for (auto& [name, buffer] : module->buffers_) {
+      out.emplace_back(dotted(path, name), &buffer);
+    }
+  }
+  return out;
+}
+
+int64_t Module::num_parameters() {
+  int64_t n = 0;
+  for (Parameter* p : parameters()) {
+    n += p->data.numel();
+  }
+  return n;
+}
+
+// PyTorch's state_dict order: a module's parameters, then its buffers, then its children's.
+void Module::collect_entries(const std::string& path, std::vector<Entry>& out) {
+  for (auto& [name, param] : params_) {
+    out.push_back({dotted(path, name), this, name, &param.data});
+  }
+  for (auto& [name, buffer] : buffers_) {
+    out.push_back({dotted(path, name), this, name, &buffer});
+  }
+  for (auto& [name, child] : children_) {
+    child->collect_entries(dotted(path, name), out);
+  }
+}
+
+// ---- state_dict ---------------------------------------------------------------------------------
+
+Tensor Module::export_tensor(const std::string&, const Tensor& internal) const {
+  return internal;
+}
+Tensor Module::import_tensor(const std::string&, const Tensor& pytorch) const {
+  return pytorch;
+}
+Shape Module::export_shape(const std::string&, const Shape& internal) const {
+  return internal;
+}
+
+namespace {
+
+// A CPU tensor holding `exported`'s values that does not alias `internal`.
+Tensor snapshot(const Tensor& exported, const Tensor& internal) {
+  if (!exported.is_cpu()) {
+    return exported.cpu();
+  }
+  return exported.shares_storage(internal) ? exported.clone() : exported;
+}
+
+std::string join(const std::vector<std::string>& lines) {
+  std::ostringstream out;
+  for (const std::string& line : lines) {
+    out << "\n  " << line;
+  }
+  return out.str();
+}
+
+}  // namespace
+
+std::map<std::string, Tensor> Module::state_dict() {
+  std::vector<Entry> entries;
+  collect_entries("", entries);
+  std::map<std::string, Tensor> state;
+  for (const Entry& e : entries) {
+    state.emplace(e.name, snapshot(e.owner->export_tensor(e.local, *e.tensor), *e.tensor));
+  }
+  return state;
+}
+
+void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
+  std::vector<Entry> entries;
+  collect_entries("", entries);
+  std::vector<std::string> problems;
+  std::vector<std::pair<const Entry*, const Tensor*>> loads;
+  std::set<std::string> known;
+  for (const Entry& e : entries) {
+    known.insert(e.name);
+    const auto it = state.find(e.name);
+    const Shape expected = e.owner->export_shape(e.local, e.tensor->shape());
+    if (it == state.end()) {
+      if (strict) {
+        problems.push_back(detail::str("missing key '", e.name, "' (", e.owner->type_name(), " ",
+                                       e.local, ", expected shape ", shape_str(expected), " ",
+                                       dtype_name(e.tensor->dtype()), ")"));
+      }
+      continue;
+    }
+    const Tensor& t = it->second;
+    if (!t.defined()) {
+      problems.push_back(detail::str("key '", e.name, "' holds an undefined tensor"));
+    } else if (t.shape() != expected) {
+      problems.push_back(detail::str("size mismatch for '", e.name, "': found shape ",
+                                     shape_str(t.shape()), ", the module expects ",
+                                     shape_str(expected)));
+    } else if (t.dtype() != e.tensor->dtype()) {
+      problems.push_back(detail::str("dtype mismatch for '", e.name, "': found ",
+                                     dtype_name(t.dtype()), ", the module expects ",
+                                     dtype_name(e.tensor->dtype())));
+    } else {
+      loads.emplace_back(&e, &t);
+    }
+  }
+  if (strict) {
+    for (const auto& [name, t] : state) {
+      if (!known.count(name)) {
+        problems.push_back(detail::str("unexpected key '", name, "'"));
+      }
+    }
+  }
+  CUDP_CHECK(problems.empty(), "Error(s) in loading state_dict for ", type_name(), ":",
+             join(problems));
+  for (const auto& [e, t] : loads) {
+    e->tensor->copy_from(e->owner->import_tensor(e->local, *t));
+  }
+}
+
+// ---- modes, gradients, devices ------------------------------------------------------------------
+
+void Module::train(bool on) {
+  for (auto& [path, module] : named_modules()) {
+    module->training_ = on;
+  }
+}
+
+void Module::zero_grad() {
+  for (Parameter* p : parameters()) {
+    p->grad.zero_();
+  }
+}
+
+Module& Module::to(Device device) {
+  if (device.is_cuda()) {
+    cuda::check_device(device.index);
+  }
+  for (auto& [path, module] : named_modules()) {
+    for (auto& [name, param] : module->params_) {
+      param.data = param.data.to(device);
+      param.grad = param.grad.to(device);
+    }
+    for (auto& [name, buffer] : module->buffers_) {
+      buffer = buffer.to(device);
+    }
+    if (module->device_ != device) {
+      module->forward_done_ = false;  // saved tensors stay behind
+    }
+    module->device_ = device;
+  }
+  return *this;
+}
+
+Module& Module::cuda(int device) {
+  return to(Device::cuda(device < 0 ? cuda::current_device() : device));
+}
+
+std::shared_ptr<Module> Module::clone(Device device) const {
+  if (device.is_cuda()) {
+    cuda::check_device(device.index);
+  }
+  std::shared_ptr<Module> copy = make_empty_copy();
+  // Walks the original and its empty copy side by side: same structure by construction.
+  auto fill = [&device](const Module& src, Module& dst, const auto& self) -> void {
+    CUDP_CHECK(src.params_.size() == dst.params_.size() &&
+                   src.buffers_.size() == dst.buffers_.size() &&
+                   src.children_.size() == dst.children_.size(),
+               src.type_name(), "::make_empty_copy() built a module of another structure");
+    for (size_t i = 0; i < src.params_.size(); ++i) {
+      const Tensor& from = src.params_[i].second.data;
+      Parameter& param = dst.params_[i].second;
+      param.data = Tensor::empty(from.shape(), from.dtype(), device);
+      param.data.copy_from(from);
+      param.grad = Tensor::zeros(from.shape(), from.dtype(), device);
+    }
+    for (size_t i = 0; i < src.buffers_.size(); ++i) {
+      const Tensor& from = src.buffers_[i].second;
+      Tensor& buffer = dst.buffers_[i].second;
+      buffer = Tensor::empty(from.shape(), from.dtype(), device);
+      buffer.copy_from(from);
+    }
+    dst.training_ = src.training_;
+    dst.device_ = device;
+    dst.forward_done_ = false;
+    for (size_t i = 0; i < src.children_.size(); ++i) {
+      self(*src.children_[i].second, *dst.children_[i].second, self);
+    }
+  };
+  fill(*this, *copy, fill);
+  return copy;
+}
+
+// ---- flat parameters ----------------------------------------------------------------------------
+
+namespace {
+
+// Each parameter starts on a 256-byte boundary of the flat buffers (what cudaMalloc guarantees a
+// fresh allocation), so a kernel that vectorises on its weights' alignment sees the same alignment
+// after flattening. The gaps are zeros in both buffers and stay zero under SGD and Adam.
+constexpr int64_t kFlatAlignFloats = 256 / sizeof(float);
+
+int64_t align_up(int64_t n) {
+  return (n + kFlatAlignFloats - 1) / kFlatAlignFloats * kFlatAlignFloats;
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> Module::flatten_parameters() {
+  const auto params = named_parameters();
+  int64_t total = 0;
+  for (const auto& [name, p] : params) {
+    CUDP_CHECK(p->data.dtype() == DType::f32, type_name(),
+               ": flatten_parameters needs f32 parameters, '", name, "' is ",
+               dtype_name(p->data.dtype()));
+    CUDP_CHECK(p->data.device() == device_, type_name(), ": parameter '", name, "' is on ",
+               p->data.device(), " but the module is on ", device_);
+    total += align_up(p->data.numel());
+  }
+  Tensor flat_data = Tensor::zeros({total}, DType::f32, device_);
+  Tensor flat_grad = Tensor::zeros({total}, DType::f32, device_);
+  int64_t offset = 0;
+  for (const auto& [name, p] : params) {
+    const int64_t n = p->data.numel();
+    Tensor data = flat_data.slice(offset, offset + n).view(p->data.shape());
+    Tensor grad = flat_grad.slice(offset, offset + n).view(p->data.shape());
+    data.copy_from(p->data);
+    grad.copy_from(p->grad);
+    p->data = data;
+    p->grad = grad;
+    offset += align_up(n);
+  }
+  return {flat_data, flat_grad};
+}
+
+}  // namespace cudp

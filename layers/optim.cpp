@@ -1,0 +1,496 @@
+#include "layers/optim.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <limits>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "kernels/optim.h"
+
+namespace cudp {
+namespace {
+
+// Runs `cpu()` for a host device, or `gpu(stream)` with `device` current and its current stream.
+template <typename Cpu, typename Gpu>
+void on_device(Device device, Cpu&& cpu, Gpu&& gpu) {
+  if (device.is_cpu()) {
+    cpu();
+  } else {
+    cuda::DeviceGuard guard(device.index);
+    gpu(stream_for(device));
+  }
+}
+
+// A snapshot on the host that never aliases the live tensor.
+Tensor snapshot(const Tensor& t) {
+  return t.is_cpu() ? t.clone() : t.cpu();
+}
+
+// Flat parameters (Module::flatten_parameters): every parameter's data is a view into one buffer,
+// in list order, and every gradient sits at the same offset of another buffer. Gaps between
+// parameters may only be alignment padding (under 256 bytes), which flatten_parameters zeroes and
+// which every update here keeps at zero, so one launch may cover the whole span.
+struct Flat {
+  Device device;
+  float* data;
+  float* grad;
+  int64_t n;                     // the span, padding included
+  std::vector<int64_t> offsets;  // of each parameter, in floats
+};
+
+constexpr int64_t kMaxPaddingFloats = 256 / sizeof(float);
+
+std::optional<Flat> find_flat(const std::vector<Parameter*>& params) {
+  if (params.size() < 2) {
+    return std::nullopt;  // nothing to gain
+  }
+  const Tensor& first = params[0]->data;
+  const Tensor& first_grad = params[0]->grad;
+  Flat flat{first.device(), first.data<float>(), first_grad.data<float>(), 0, {}};
+  int64_t end = 0;
+  for (const Parameter* p : params) {
+    if (!p->data.shares_storage(first) || !p->grad.shares_storage(first_grad)) {
+      return std::nullopt;
+    }
+    const int64_t offset = p->data.data<float>() - flat.data;
+    if (p->grad.data<float>() - flat.grad != offset) {
+      return std::nullopt;
+    }
+    if (offset < end || offset - end >= kMaxPaddingFloats) {
+      return std::nullopt;
+    }
+    flat.offsets.push_back(offset);
+    end = offset + p->data.numel();
+  }
+  flat.n = end;
+  return flat;
+}
+
+// Throws unless parameter i's gradient matches its data (fp32, same shape, same device).
+void check_parameter(const Parameter& p, size_t i, const char* op) {
+  CUDP_CHECK(p.data.defined() && p.data.dtype() == DType::f32, op, ": parameter ", i,
+             " must be a defined f32 tensor, got ", p.data.str());
+  CUDP_CHECK(p.grad.defined(), op, ": parameter ", i, " ", p.data.str(), " has no gradient");
+  CUDP_CHECK(p.grad.dtype() == DType::f32 && p.grad.shape() == p.data.shape() &&
+                 p.grad.device() == p.data.device(),
+             op, ": gradient ", p.grad.str(), " of parameter ", i, " does not match its data ",
+             p.data.str());
+}
+
+Device common_device(const std::vector<Parameter*>& params, const char* op) {
+  const Device device = params[0]->data.device();
+  for (size_t i = 0; i < params.size(); ++i) {
+    CUDP_CHECK(params[i]->data.device() == device, op, ": parameter ", i, " is on ",
+               params[i]->data.device(), " but parameter 0 is on ", device,
+               "; all parameters must be on one device");
+  }
+  return device;
+}
+
+}  // namespace
+
+// ---- Optimizer ----------------------------------------------------------------------------------
+
+Optimizer::Optimizer(std::vector<Parameter*> params, double lr)
+    : lr_(lr), params_(std::move(params)) {
+  CUDP_CHECK(!params_.empty(), "optimizer got an empty parameter list");
+  std::set<const Parameter*> seen;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    CUDP_CHECK(params_[i] != nullptr, "optimizer: parameter ", i, " is null");
+    CUDP_CHECK(seen.insert(params_[i]).second, "optimizer: parameter ", i,
+               " appears more than once in the parameter list");
+    CUDP_CHECK(params_[i]->data.defined() && params_[i]->data.dtype() == DType::f32,
+               "optimizer: parameter ", i, " must be a defined f32 tensor, got ",
+               params_[i]->data.str());
+  }
+  set_lr(lr);
+}
+
+void Optimizer::set_lr(double lr) {
+  CUDP_CHECK(lr >= 0, "Invalid learning rate: ", lr);
+  lr_ = lr;
+}
+
+void Optimizer::zero_grad() {
+  if (const std::optional<Flat> flat = find_flat(params_)) {
+    on_device(
+        flat->device, [&] { std::memset(flat->grad, 0, flat->n * sizeof(float)); },
+        [&](cudaStream_t stream) {
+          CUDP_CUDA_CHECK(cudaMemsetAsync(flat->grad, 0, flat->n * sizeof(float), stream));
+        });
+    return;
+  }
+  for (Parameter* p : params_) {
+    if (p->grad.defined()) {
+      p->grad.zero_();
+    }
+  }
+}
+
+void Optimizer::check_gradients() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    check_parameter(*params_[i], i, "optimizer step");
+  }
+}
+
+void Optimizer::allocate_state() {
+  const std::vector<std::string> names = state_names();
+  if (names.empty() || !state_.empty()) {
+    return;
+  }
+  state_.assign(names.size(), std::vector<Tensor>(params_.size()));
+  if (const std::optional<Flat> flat = find_flat(params_)) {
+    // The state mirrors the parameters' layout, so one launch covers parameters and state alike.
+    flat_offsets_ = flat->offsets;
+    for (size_t k = 0; k < names.size(); ++k) {
+      flat_state_.push_back(Tensor::zeros({flat->n}, DType::f32, flat->device));
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const Tensor& data = params_[i]->data;
+        state_[k][i] = flat_state_[k]
+                           .slice(flat->offsets[i], flat->offsets[i] + data.numel())
+                           .view(data.shape());
+      }
+    }
+    return;
+  }
+  for (size_t k = 0; k < names.size(); ++k) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Tensor& data = params_[i]->data;
+      state_[k][i] = Tensor::zeros(data.shape(), DType::f32, data.device());
+    }
+  }
+}
+
+void Optimizer::step() {
+  check_gradients();
+  allocate_state();
+  const std::optional<Flat> flat = find_flat(params_);
+  // One launch needs the parameters flat now, the state created flat in the same layout, and
+  // agreeing bookkeeping.
+  const bool together =
+      flat && (state_.empty() || flat->offsets == flat_offsets_) && uniform_state();
+  if (together) {
+    std::vector<float*> state;
+    for (Tensor& t : flat_state_) {
+      state.push_back(t.data<float>());
+    }
+    dispatch({flat->device, nullptr, flat->data, flat->grad, state, flat->n, 0, params_.size()});
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Parameter& p = *params_[i];
+      std::vector<float*> state;
+      for (auto& per_param : state_) {
+        state.push_back(per_param[i].data<float>());
+      }
+      dispatch({p.data.device(), nullptr, p.data.data<float>(), p.grad.data<float>(), state,
+                p.data.numel(), i, 1});
+    }
+  }
+  last_step_flat_ = together;
+  ++steps_;
+}
+
+void Optimizer::dispatch(Update u) {
+  on_device(
+      u.device, [&] { update(u); },
+      [&](cudaStream_t stream) {
+        u.stream = stream;
+        update(u);
+      });
+}
+
+std::string Optimizer::key_prefix(size_t i, const std::vector<std::string>& param_names) const {
+  if (param_names.empty()) {
+    return std::to_string(i) + ".";
+  }
+  CUDP_CHECK(param_names.size() == params_.size(), type_name(), ": ", param_names.size(),
+             " parameter names given for ", params_.size(), " parameters");
+  return param_names[i] + ".";
+}
+
+TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) const {
+  TensorMap out;
+  const std::vector<std::string> names = state_names();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!has_state(i)) {
+      continue;
+    }
+    const std::string prefix = key_prefix(i, param_names);
+    for (size_t k = 0; k < state_.size() && k < names.size(); ++k) {
+      out[prefix + names[k]] = snapshot(state_[k][i]);
+    }
+    for (const std::string& name : scalar_state_names()) {
+      out[prefix + name] = export_scalar_state(i, name);
+    }
+  }
+  return out;
+}
+
+void Optimizer::load_state_dict(const TensorMap& state,
+                                const std::vector<std::string>& param_names) {
+  const std::vector<std::string> names = state_names();
+  const std::vector<std::string> scalars = scalar_state_names();
+  std::map<std::string, size_t> index;  // "<i or name>." -> i
+  for (size_t i = 0; i < params_.size(); ++i) {
+    index.emplace(key_prefix(i, param_names), i);
+  }
+
+  // Validate everything first: which parameters have state, and that each tensor fits.
+  std::vector<size_t> found(params_.size(), 0);
+  for (const auto& [key, t] : state) {
+    const size_t dot = key.rfind('.');  // state names have no dots; parameter names may
+    const auto it = dot == std::string::npos ? index.end() : index.find(key.substr(0, dot + 1));
+    CUDP_CHECK(it != index.end(), type_name(), ".load_state_dict: key '", key,
+               "' does not name a parameter of this optimizer (keys are '<",
+               param_names.empty() ? "parameter index" : "parameter name", ">.<state name>')");
+    const size_t i = it->second;
+    const std::string name = key.substr(dot + 1);
+    const bool is_tensor = std::find(names.begin(), names.end(), name) != names.end();
+    const bool is_scalar = std::find(scalars.begin(), scalars.end(), name) != scalars.end();
+    CUDP_CHECK(is_tensor || is_scalar, type_name(), ".load_state_dict: key '", key,
+               "': unknown state '", name, "' for ", type_name(),
+               names.empty() && scalars.empty() ? " with these options (it keeps no state)" : "");
+    CUDP_CHECK(t.defined() && t.dtype() == DType::f32, type_name(), ".load_state_dict: key '", key,
+               "' must be an f32 tensor, got ", t.str());
+    if (is_tensor) {
+      CUDP_CHECK(t.shape() == params_[i]->data.shape(), type_name(), ".load_state_dict: key '", key,
+                 "' has shape ", shape_str(t.shape()), " but its parameter has shape ",
+                 shape_str(params_[i]->data.shape()));
+    } else {  // a step count
+      CUDP_CHECK(t.numel() == 1, type_name(), ".load_state_dict: key '", key,
+                 "' must hold one value, got ", t.str());
+      const float count = t.to_vector<float>()[0];
+      CUDP_CHECK(count >= 1 && count == std::floor(count), type_name(), ".load_state_dict: key '",
+                 key, "' must be a whole number >= 1, got ", count);
+    }
+    ++found[i];
+  }
+  const size_t per_param = names.size() + scalars.size();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    CUDP_CHECK(found[i] == 0 || found[i] == per_param, type_name(), ".load_state_dict: parameter '",
+               key_prefix(i, param_names), "..' has ", found[i], " of its ", per_param,
+               " state entries; a parameter has all of them or none");
+  }
+  allocate_state();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string prefix = key_prefix(i, param_names);
+    for (size_t k = 0; k < names.size(); ++k) {
+      if (found[i]) {
+        state_[k][i].copy_from(state.at(prefix + names[k]));
+      } else {
+        state_[k][i].zero_();
+      }
+    }
+    import_state(i, found[i] > 0, state, prefix);
+  }
+}
+
+namespace {
+
+// The number written under `key` by hyperparameters(), parsed whole (std::stod / std::stoll).
+template <typename T, typename Parse>
+T parse_entry(const Metadata& entries, const std::string& key, const std::string& owner,
+              Parse parse) {
+  const auto it = entries.find(key);
+  CUDP_CHECK(it != entries.end(), owner, ": hyperparameters lack \"", key, "\"");
+  size_t used = 0;
+  T value{};
+  try {
+    value = parse(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  CUDP_CHECK(used > 0 && used == it->second.size(), owner, ": hyperparameter \"", key,
+             "\" is not a number: '", it->second, "'");
+  return value;
+}
+
+}  // namespace
+
+void Optimizer::load_hyperparameters(const Metadata& hyperparameters) {
+  const double lr =
+      parse_entry<double>(hyperparameters, "lr", type_name(),
+                          [](const std::string& s, size_t* used) { return std::stod(s, used); });
+  const auto steps = parse_entry<int64_t>(
+      hyperparameters, "steps", type_name(),
+      [](const std::string& s, size_t* used) { return static_cast<int64_t>(std::stoll(s, used)); });
+  CUDP_CHECK(steps >= 0, type_name(), ": hyperparameter \"steps\" is negative: ", steps);
+  set_lr(lr);
+  steps_ = steps;
+}
+
+std::string Optimizer::exact(double value) {
+  std::ostringstream out;
+  out << std::setprecision(std::numeric_limits<double>::max_digits10) << value;
+  return out.str();
+}
+
+// ---- SGD ----------------------------------------------------------------------------------------
+
+SGD::SGD(std::vector<Parameter*> params, const SGDOptions& options)
+    : Optimizer(std::move(params), options.lr), options_(options), started_(this->params().size()) {
+  kernels::detail::sgd_coefficients(0, options.lr, options.momentum, options.dampening,
+                                    options.weight_decay, options.nesterov, false);
+}
+
+void SGD::set_momentum(double momentum) {
+  kernels::detail::sgd_coefficients(0, lr_, momentum, options_.dampening, options_.weight_decay,
+                                    options_.nesterov, false);
+  options_.momentum = momentum;
+}
+
+std::vector<std::string> SGD::state_names() const {
+  if (options_.momentum == 0 &&
+      std::none_of(started_.begin(), started_.end(), [](bool b) { return b; })) {
+    return {};
+  }
+  return {"momentum_buffer"};
+}
+
+bool SGD::uniform_state() const {
+  return std::all_of(started_.begin(), started_.end(), [&](bool b) { return b == started_[0]; });
+}
+
+void SGD::update(const Update& u) {
+  float* buffer = u.state.empty() ? nullptr : u.state[0];
+  const bool first = !started_[u.first];
+  if (u.device.is_cpu()) {
+    kernels::sgd_step_cpu(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
+                          options_.weight_decay, options_.nesterov, first);
+  } else {
+    kernels::sgd_step(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
+                      options_.weight_decay, options_.nesterov, first, u.stream);
+  }
+  if (options_.momentum != 0) {
+    for (size_t i = u.first; i < u.first + u.count; ++i) {
+      started_[i] = true;
+    }
+  }
+}
+
+void SGD::import_state(size_t i, bool present, const TensorMap&, const std::string&) {
+  started_[i] = present;
+}
+
+Metadata SGD::hyperparameters() const {
+  return {{"lr", exact(lr_)},
+          {"momentum", exact(options_.momentum)},
+          {"dampening", exact(options_.dampening)},
+          {"weight_decay", exact(options_.weight_decay)},
+          {"nesterov", options_.nesterov ? "true" : "false"},
+          {"steps", std::to_string(steps())}};
+}
+
+// ---- AdamW --------------------------------------------------------------------------------------
+
+AdamW::AdamW(std::vector<Parameter*> params, const AdamWOptions& options)
+    : Optimizer(std::move(params), options.lr), options_(options), step_(this->params().size(), 0) {
+  kernels::detail::adamw_coefficients(0, options.lr, options.beta1, options.beta2, options.eps,
+                                      options.weight_decay, 1);
+}
+
+void AdamW::set_momentum(double beta1) {
+  kernels::detail::adamw_coefficients(0, lr_, beta1, options_.beta2, options_.eps,
+                                      options_.weight_decay, 1);
+  options_.beta1 = beta1;
+}
+
+bool AdamW::uniform_state() const {
+  return std::all_of(step_.begin(), step_.end(), [&](int64_t s) { return s == step_[0]; });
+}
+
+void AdamW::update(const Update& u) {
+  const int64_t step = step_[u.first] + 1;
+  if (u.device.is_cpu()) {
+    kernels::adamw_step_cpu(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
+                            options_.beta2, options_.eps, options_.weight_decay, step);
+  } else {
+    kernels::adamw_step(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
+                        options_.beta2, options_.eps, options_.weight_decay, step, u.stream);
+  }
+  for (size_t i = u.first; i < u.first + u.count; ++i) {
+    step_[i] = step;
+  }
+}
+
+Tensor AdamW::export_scalar_state(size_t i, const std::string&) const {
+  // PyTorch keeps the step as a 0-d float32 tensor.
+  return Tensor::from_vector<float>({static_cast<float>(step_[i])}, {});
+}
+
+void AdamW::import_state(size_t i, bool present, const TensorMap& state,
+                         const std::string& prefix) {
+  if (!present) {
+    step_[i] = 0;
+    return;
+  }
+  // load_state_dict checked that it is a whole number >= 1.
+  step_[i] = static_cast<int64_t>(state.at(prefix + "step").to_vector<float>()[0]);
+}
+
+Metadata AdamW::hyperparameters() const {
+  return {{"lr", exact(lr_)},
+          {"beta1", exact(options_.beta1)},
+          {"beta2", exact(options_.beta2)},
+          {"eps", exact(options_.eps)},
+          {"weight_decay", exact(options_.weight_decay)},
+          {"steps", std::to_string(steps())}};
+}
+
+// ---- clipping -----------------------------------------------------------------------------------
+
+Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
+  if (params.empty()) {
+    return Tensor::zeros({});
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_parameter(*params[i], i, "clip_grad_norm");
+  }
+  const Device device = common_device(params, "clip_grad_norm");
+  const auto max = static_cast<float>(max_norm);
+  Tensor total = Tensor::empty({}, DType::f32, device);
+  float* norm = total.data<float>();
+
+  if (const std::optional<Flat> flat = find_flat(params)) {
+    on_device(
+        device, [&] { kernels::clip_grad_norm_cpu(flat->grad, flat->n, max, norm); },
+        [&](cudaStream_t stream) {
+          kernels::clip_grad_norm(flat->grad, flat->n, max, norm, stream);
+        });
+    return total;
+  }
+  // PyTorch's way: the norm of the per-parameter norms, then every gradient scaled by one factor.
+  Tensor norms = Tensor::empty({static_cast<int64_t>(params.size())}, DType::f32, device);
+  float* each = norms.data<float>();
+  const auto count = static_cast<int64_t>(params.size());
+  on_device(
+      device,
+      [&] {
+        for (int64_t i = 0; i < count; ++i) {
+          kernels::global_norm_cpu(params[i]->grad.data<float>(), params[i]->grad.numel(),
+                                   each + i);
+        }
+        kernels::global_norm_cpu(each, count, norm);
+        for (Parameter* p : params) {
+          kernels::scale_by_clip_coefficient_cpu(p->grad.data<float>(), p->grad.numel(), norm, max);
+        }
+      },
+      [&](cudaStream_t stream) {
+        for (int64_t i = 0; i < count; ++i) {
+          kernels::global_norm(params[i]->grad.data<float>(), params[i]->grad.numel(), each + i,
+                               stream);
+        }
+        kernels::global_norm(each, count, norm, stream);
+        for (Parameter* p : params) {
+          kernels::scale_by_clip_coefficient(p->grad.data<float>(), p->grad.numel(), norm, max,
+                                             stream);
+        }
+      });
+  return total;
+}
+
+}  // namespace cudp

@@ -1,0 +1,221 @@
+// Optimizers (SGD, AdamW) and gradient clipping with PyTorch's formulas (torch.optim with one
+// parameter group; kernels/optim.h reproduces the for-each path's fp32 arithmetic step by step):
+//
+//   SGD     g = grad + weight_decay * p
+//           b = g on the first step, else momentum * b + (1 - dampening) * g    (when momentum !=
+//           0) g = g + momentum * b if nesterov, else b                             (when momentum
+//           != 0) p = p - lr * g
+//   AdamW   t = t + 1
+//           p = p * (1 - lr * weight_decay)
+//           m = beta1 * m + (1 - beta1) * grad,   v = beta2 * v + (1 - beta2) * grad^2
+//           p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//
+// An optimizer holds Parameter* (whose addresses are stable, layers/module.h) and reads each
+// parameter's data and grad tensors anew at every step, because flatten_parameters() re-points
+// them. State (momentum buffers; exp_avg and exp_avg_sq) is created on the first step, as PyTorch
+// does, on the parameter's device, in fp32. CUDA parameters are updated by kernels/optim.h on the
+// device's current stream with no host synchronisation; CPU parameters by the same formulas'
+// references.
+//
+// One launch for the whole model: when the parameters are consecutive views into one buffer and so
+// are their gradients (Module::flatten_parameters), the state is allocated as one buffer too and
+// step() updates everything with one kernel launch instead of one per parameter (the alignment
+// padding between flat parameters is zero and every update keeps it zero). Otherwise (or when the
+// parameters were flattened after the state was created) it runs per parameter; the results are
+// identical either way, because every element's update depends on that element alone.
+//
+// State export (checkpoints): state_dict() returns CPU tensors named "<i>.<name>", with i the index
+// of the parameter in the list the optimizer was built with (as in PyTorch's optimizer state_dict),
+// or "<parameter name>.<name>" when the caller passes the names (layers/checkpoint.h does), and
+// PyTorch's state names: "momentum_buffer" (SGD), "exp_avg", "exp_avg_sq", "step" (AdamW, a 0-d f32
+// as PyTorch keeps it). A parameter without state has no entries (SGD before its first step or with
+// momentum 0). hyperparameters() gives the options as exact strings for a checkpoint's metadata.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "layers/module.h"
+#include "layers/safetensors.h"
+
+namespace cudp {
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+  Optimizer(Optimizer&&) = delete;  // schedules and checkpoints hold references to it
+  Optimizer& operator=(Optimizer&&) = delete;
+
+  virtual std::string type_name() const = 0;  // "SGD", "AdamW"
+
+  // Zeroes every gradient on its device's current stream (no host synchronisation); one memset for
+  // flat parameters.
+  void zero_grad();
+  // One update of every parameter. Checks first that each gradient matches its parameter.
+  void step();
+
+  double lr() const { return lr_; }
+  void set_lr(double lr);
+  // The momentum a OneCycleLR schedule cycles: SGD's momentum, AdamW's beta1.
+  virtual double momentum() const = 0;
+  virtual void set_momentum(double momentum) = 0;
+
+  const std::vector<Parameter*>& params() const { return params_; }
+  // step() calls so far (this optimizer's, or restored by load_hyperparameters).
+  int64_t steps() const { return steps_; }
+  // Whether the last step() updated every parameter with one launch (flat parameters).
+  bool last_step_was_flat() const { return last_step_flat_; }
+
+  // Snapshots (fresh CPU tensors) of the state, named "<i>.<state>" (see above), or
+  // "<param_names[i]>.<state>" when the parameters' names are given (one per parameter).
+  TensorMap state_dict(const std::vector<std::string>& param_names = {}) const;
+  // Replaces the state with `state` as state_dict(param_names) wrote it. Every key must name a
+  // parameter and a state this optimizer keeps, each tensor must have its parameter's shape (a
+  // step: one whole number >= 1), and a parameter has either all of its state or none. Everything
+  // is validated before anything changes; errors name the key. Tensors are copied to the
+  // parameters' devices.
+  void load_state_dict(const TensorMap& state, const std::vector<std::string>& param_names = {});
+  // The options ("lr", "momentum", ...) and "steps", as exact strings, for a checkpoint's metadata.
+  virtual Metadata hyperparameters() const = 0;
+  // Restores lr() and steps() from what hyperparameters() wrote, as PyTorch's load_state_dict
+  // restores a group's lr. The other options stay as constructed (they are choices of the run, and
+  // a schedule sets the momentum it cycles).
+  void load_hyperparameters(const Metadata& hyperparameters);
+
+ protected:
+  Optimizer(std::vector<Parameter*> params, double lr);
+
+  // What one update() call covers: parameters [first, first + count), as fp32 pointers over n
+  // elements: one parameter, or all of them in one flat buffer (alignment padding included, which
+  // is zero and stays zero). state[k] points at state_names()[k] over the same range. The device is
+  // current; `stream` is its current stream (null on the CPU).
+  struct Update {
+    Device device;
+    cudaStream_t stream;
+    float* param;
+    const float* grad;
+    std::vector<float*> state;
+    int64_t n;
+    size_t first, count;
+  };
+  virtual void update(const Update& u) = 0;
+
+  // The per-parameter fp32 state tensors, shaped like the parameter (none: {}). May change with the
+  // options (SGD keeps a momentum buffer only with momentum != 0).
+  virtual std::vector<std::string> state_names() const = 0;
+  // Whether parameter i has state yet (PyTorch creates it on the first step).
+  virtual bool has_state(size_t i) const = 0;
+  // Whether update() may cover parameters [0, size) at once (their bookkeeping agrees).
+  virtual bool uniform_state() const = 0;
+  // Scalar state beyond state_names(): step counts (AdamW's "step"), exported as 0-d f32 tensors;
+  // load_state_dict checks that each holds a whole number >= 1 before import_state sees it.
+  virtual std::vector<std::string> scalar_state_names() const { return {}; }
+  virtual Tensor export_scalar_state(size_t i, const std::string& name) const { return {}; }
+  // Called for every parameter by load_state_dict, after validation: `present` says whether the
+  // parameter has state in the loaded dict; `state` and `prefix` ("<i>.") give access to it.
+  virtual void import_state(size_t i, bool present, const TensorMap& state,
+                            const std::string& prefix) = 0;
+
+  // lr and the other doubles, printed so that they read back exactly.
+  static std::string exact(double value);
+
+  double lr_;
+
+ private:
+  void check_gradients() const;
+  void allocate_state();
+  std::string key_prefix(size_t i, const std::vector<std::string>& param_names) const;
+  // Runs update(u) on u.device (made current, with its current stream filled in).
+  void dispatch(Update u);
+
+  std::vector<Parameter*> params_;
+  // state_[k][i]: state tensor state_names()[k] of parameter i: its own, or a view into
+  // flat_state_[k] when the parameters were flat when the state was created.
+  std::vector<std::vector<Tensor>> state_;
+  std::vector<Tensor> flat_state_;
+  std::vector<int64_t> flat_offsets_;  // the parameters' offsets flat_state_ mirrors
+  int64_t steps_ = 0;
+  bool last_step_flat_ = false;
+};
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+class SGD : public Optimizer {
+ public:
+  // Validates as torch.optim.SGD does, with its messages ("Invalid momentum value: -1").
+  SGD(std::vector<Parameter*> params, const SGDOptions& options);
+  std::string type_name() const override { return "SGD"; }
+  double momentum() const override { return options_.momentum; }
+  void set_momentum(double momentum) override;
+  const SGDOptions& options() const { return options_; }
+  Metadata hyperparameters() const override;
+
+ protected:
+  void update(const Update& u) override;
+  std::vector<std::string> state_names() const override;
+  bool has_state(size_t i) const override { return started_[i]; }
+  bool uniform_state() const override;
+  void import_state(size_t i, bool present, const TensorMap& state,
+                    const std::string& prefix) override;
+
+ private:
+  SGDOptions options_;
+  std::vector<bool> started_;  // the momentum buffer has history (PyTorch: it is not None)
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+class AdamW : public Optimizer {
+ public:
+  // Validates as torch.optim.AdamW does, with its messages ("Invalid beta parameter at index 0").
+  AdamW(std::vector<Parameter*> params, const AdamWOptions& options);
+  std::string type_name() const override { return "AdamW"; }
+  double momentum() const override { return options_.beta1; }
+  void set_momentum(double beta1) override;
+  const AdamWOptions& options() const { return options_; }
+  Metadata hyperparameters() const override;
+
+ protected:
+  void update(const Update& u) override;
+  std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  bool has_state(size_t i) const override { return step_[i] > 0; }
+  bool uniform_state() const override;
+  std::vector<std::string> scalar_state_names() const override { return {"step"}; }
+  Tensor export_scalar_state(size_t i, const std::string& name) const override;
+  void import_state(size_t i, bool present, const TensorMap& state,
+                    const std::string& prefix) override;
+
+ private:
+  AdamWOptions options_;
+  std::vector<int64_t> step_;  // PyTorch's per-parameter "step"
+};
+
+// Scales every gradient by min(1, max_norm / (total_norm + 1e-6)) with total_norm the 2-norm of all
+// gradients together (torch.nn.utils.clip_grad_norm_ with norm_type 2), and returns total_norm as a
+// 0-d f32 tensor on the parameters' device (a CPU zero for an empty list). On CUDA nothing waits
+// for the device: the norm is reduced and the factor applied on the stream, read from device
+// memory (read the returned tensor to synchronise). All parameters must be on one device. Flat
+// parameters take one reduction over the buffer; others the norm of the per-parameter norms, as
+// PyTorch computes it (the two agree to rounding). A non-finite norm is returned as is and the
+// gradients are scaled by the factor it gives (NaN for a NaN norm), as PyTorch does with
+// error_if_nonfinite=False.
+Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm);
+
+}  // namespace cudp

@@ -1,0 +1,130 @@
+#include "layers/pooling.h"
+
+#include <limits>
+
+#include "kernels/pool.h"
+
+namespace cudp {
+
+namespace {
+
+// [N, H, W, C] as the ints the pool kernels take; names the layer in errors.
+struct Nhwc {
+  int n, h, w, c;
+};
+
+Nhwc nhwc_of(const Tensor& t, const char* layer) {
+  CUDP_CHECK(t.dim() == 4 && t.dtype() == DType::f32, layer, ": expected an NHWC f32 input ",
+             "[N, H, W, C], got ", t.str());
+  for (int64_t d : t.shape()) {
+    CUDP_CHECK(d <= std::numeric_limits<int>::max(), layer, ": dimension ", d, " of ", t.str(),
+               " is too large");
+  }
+  return {static_cast<int>(t.size(0)), static_cast<int>(t.size(1)), static_cast<int>(t.size(2)),
+          static_cast<int>(t.size(3))};
+}
+
+}  // namespace
+
+// ---- MaxPool2d ----------------------------------------------------------------------------------
+
+MaxPool2d::MaxPool2d(int kernel, int stride, int padding)
+    : kernel_(kernel), stride_(stride), padding_(padding) {
+  CUDP_CHECK(kernel_ > 0 && stride_ > 0 && padding_ >= 0 && 2 * padding_ <= kernel_,
+             "MaxPool2d: invalid kernel ", kernel_, ", stride ", stride_, " or padding ", padding_,
+             " (padding must be at most half the kernel)");
+}
+
+Tensor MaxPool2d::forward_one(const Tensor& input) {
+  const Nhwc s = nhwc_of(input, "MaxPool2d");
+  const int p = kernels::max_pool2d_output_size(s.h, kernel_, stride_, padding_);
+  const int q = kernels::max_pool2d_output_size(s.w, kernel_, stride_, padding_);
+  Tensor y = Tensor::empty({s.n, p, q, s.c}, DType::f32, device_);
+  Tensor indices = Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
+  const float* x = input.data<float>();
+  float* out = y.data<float>();
+  int32_t* idx = indices.data<int32_t>();
+  const int k = kernel_, st = stride_, pad = padding_;
+  run(
+      [&] {
+        kernels::max_pool2d_forward_cpu(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad);
+      },
+      [&](cudaStream_t stream) {
+        kernels::max_pool2d_forward(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
+                                    stream);
+      });
+  input_shape_ = input.shape();
+  indices_ = indices;
+  return y;
+}
+
+Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
+  check_shape(grad_output, indices_.shape(), "MaxPool2d: grad_output");
+  Tensor dx = Tensor::empty(input_shape_, DType::f32, device_);
+  const Nhwc s = nhwc_of(dx, "MaxPool2d");
+  const float* dy = grad_output.data<float>();
+  const int32_t* idx = indices_.data<int32_t>();
+  float* out = dx.data<float>();
+  const int k = kernel_, st = stride_, pad = padding_;
+  run(
+      [&] {
+        kernels::max_pool2d_backward_cpu(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad);
+      },
+      [&](cudaStream_t stream) {
+        kernels::max_pool2d_backward(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
+                                     stream);
+      });
+  return dx;
+}
+
+std::shared_ptr<Module> MaxPool2d::make_empty_copy() const {
+  return std::make_shared<MaxPool2d>(kernel_, stride_, padding_);
+}
+
+// ---- AdaptiveAvgPool2d --------------------------------------------------------------------------
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(int out_h, int out_w) : out_h_(out_h), out_w_(out_w) {
+  CUDP_CHECK(out_h_ > 0 && out_w_ > 0, "AdaptiveAvgPool2d: output size must be positive, got ",
+             out_h_, " x ", out_w_);
+}
+
+Tensor AdaptiveAvgPool2d::forward_one(const Tensor& input) {
+  const Nhwc s = nhwc_of(input, "AdaptiveAvgPool2d");
+  input_shape_ = input.shape();
+  if (s.h == out_h_ && s.w == out_w_) {
+    return input;
+  }
+  Tensor y = Tensor::empty({s.n, out_h_, out_w_, s.c}, DType::f32, device_);
+  const float* x = input.data<float>();
+  float* out = y.data<float>();
+  const int oh = out_h_, ow = out_w_;
+  run([&] { kernels::adaptive_avg_pool2d_forward_cpu(x, out, s.n, s.h, s.w, s.c, oh, ow); },
+      [&](cudaStream_t stream) {
+        kernels::adaptive_avg_pool2d_forward(x, out, s.n, s.h, s.w, s.c, oh, ow, stream);
+      });
+  return y;
+}
+
+Tensor AdaptiveAvgPool2d::backward_one(const Tensor& grad_output) {
+  const Shape expected = {input_shape_[0], out_h_, out_w_, input_shape_[3]};
+  check_shape(grad_output, expected, "AdaptiveAvgPool2d: grad_output");
+  if (expected == input_shape_) {
+    return grad_output;
+  }
+  Tensor dx = Tensor::empty(input_shape_, DType::f32, device_);
+  const Nhwc s = nhwc_of(dx, "AdaptiveAvgPool2d");
+  const float* dy = grad_output.data<float>();
+  float* out = dx.data<float>();
+  const int oh = out_h_, ow = out_w_;
+  run([&] { kernels::adaptive_avg_pool2d_backward_cpu(dy, out, s.n, s.h, s.w, s.c, oh, ow); },
+      [&](cudaStream_t stream) {
+        kernels::adaptive_avg_pool2d_backward(dy, out, s.n, s.h, s.w, s.c, oh, ow, stream);
+      });
+  return dx;
+}
+
+std::shared_ptr<Module> AdaptiveAvgPool2d::make_empty_copy() const {
+  return std::make_shared<AdaptiveAvgPool2d>(out_h_, out_w_);
+}
+
+}  // namespace cudp

@@ -1,0 +1,54 @@
+// Pooling over NHWC activations with PyTorch's conventions (kernels/pool.h).
+//
+// MaxPool2d(kernel, stride = kernel, padding = 0): floor mode, padding as -inf; the forward keeps
+// the argmax of every output (int32, [N, P, Q, C]) and backward routes the gradient through it. The
+// saved indices are all it needs: the input is not kept.
+//
+// AdaptiveAvgPool2d(out_h, out_w): PyTorch's overlapping windows. When the input already has the
+// output's size (VGG at 224x224: features end at 7x7) the op is the identity: forward returns its
+// input and backward its gradient, with no copy and no launch.
+#pragma once
+
+#include "layers/module.h"
+
+namespace cudp {
+
+class MaxPool2d : public Module {
+ public:
+  explicit MaxPool2d(int kernel) : MaxPool2d(kernel, kernel) {}
+  MaxPool2d(int kernel, int stride, int padding = 0);
+  std::string type_name() const override { return "MaxPool2d"; }
+  int kernel() const { return kernel_; }
+  int stride() const { return stride_; }
+  int padding() const { return padding_; }
+
+ protected:
+  Tensor forward_one(const Tensor& input) override;
+  Tensor backward_one(const Tensor& grad_output) override;
+  std::shared_ptr<Module> make_empty_copy() const override;
+
+ private:
+  int kernel_, stride_, padding_;
+  Shape input_shape_;  // saved for backward
+  Tensor indices_;
+};
+
+class AdaptiveAvgPool2d : public Module {
+ public:
+  AdaptiveAvgPool2d(int out_h, int out_w);
+  explicit AdaptiveAvgPool2d(int out_size) : AdaptiveAvgPool2d(out_size, out_size) {}
+  std::string type_name() const override { return "AdaptiveAvgPool2d"; }
+  int out_h() const { return out_h_; }
+  int out_w() const { return out_w_; }
+
+ protected:
+  Tensor forward_one(const Tensor& input) override;
+  Tensor backward_one(const Tensor& grad_output) override;
+  std::shared_ptr<Module> make_empty_copy() const override;
+
+ private:
+  int out_h_, out_w_;
+  Shape input_shape_;  // saved for backward
+};
+
+}  // namespace cudp

@@ -1,0 +1,407 @@
+#include "layers/safetensors.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <vector>
+
+namespace cudp {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; cudp writes host memory as is");
+
+// The reference implementation refuses headers above 100 MB; so do we (a corrupt length field
+// would otherwise ask for gigabytes).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct DTypeName {
+  DType dtype;
+  const char* name;
+};
+constexpr DTypeName kDTypes[] = {{DType::f32, "F32"}, {DType::bf16, "BF16"}, {DType::f16, "F16"},
+                                 {DType::i32, "I32"}, {DType::i64, "I64"},   {DType::u8, "U8"}};
+// Valid safetensors dtypes that cudp has no tensor type for: named as unsupported, not unknown.
+constexpr const char* kUnsupported[] = {"F64",     "I8",      "I16",     "U16",     "U32",
+                                        "U64",     "BOOL",    "F8_E4M3", "F8_E5M2", "F8_E8M0",
+                                        "F6_E2M3", "F6_E3M2", "F4",      "C64"};
+
+template <typename... Args>
+[[noreturn]] void fail(const std::string& path, const Args&... what) {
+  CUDP_THROW(IoError, "safetensors file '", path, "': ", what...);
+}
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+struct FileCloser {
+  void operator()(std::FILE* f) const { std::fclose(f); }
+};
+using FilePtr = std::unique_ptr<std::FILE, FileCloser>;
+
+// ---- writing ----------------------------------------------------------------------------------
+
+// A file written under a temporary name beside its destination and renamed over it by commit().
+// Until then the destination is untouched; destroying an uncommitted AtomicFile removes the
+// temporary. The temporary is created with O_EXCL and mode 0666 (less the umask), so the result has
+// the permissions an ordinary new file would have.
+class AtomicFile {
+ public:
+  explicit AtomicFile(const std::string& path) : path_(path) {
+    static std::atomic<uint64_t> counter{0};
+    const std::filesystem::path dest(path);
+    dir_ = dest.has_parent_path() ? dest.parent_path().string() : ".";
+    for (int attempt = 0;; ++attempt) {
+      const std::string name =
+          detail::str('.', dest.filename().string(), ".tmp-", ::getpid(), '-', counter++);
+      tmp_ = (std::filesystem::path(dir_) / name).string();
+      const int fd = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd >= 0) {
+        file_.reset(::fdopen(fd, "wb"));
+        if (!file_) {
+          ::close(fd);
+          discard();
+          fail(path_, "cannot open temporary file '", tmp_, "': ", errno_text());
+        }
+        return;
+      }
+      if (errno != EEXIST || attempt > 100) {
+        fail(path_, "cannot create temporary file '", tmp_, "': ", errno_text());
+      }
+    }
+  }
+  ~AtomicFile() { discard(); }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  AtomicFile(AtomicFile&&) = delete;
+  AtomicFile& operator=(AtomicFile&&) = delete;
+
+  void write(const void* data, size_t bytes) {
+    if (bytes > 0 && std::fwrite(data, 1, bytes, file_.get()) != bytes) {
+      fail(path_, "write to '", tmp_, "' failed: ", errno_text());
+    }
+  }
+
+  // Flushes and fsyncs the data, renames the temporary over the destination, fsyncs the directory.
+  void commit() {
+    if (std::fflush(file_.get()) != 0) {
+      fail(path_, "flush of '", tmp_, "' failed: ", errno_text());
+    }
+    if (::fsync(::fileno(file_.get())) != 0) {
+      fail(path_, "fsync of '", tmp_, "' failed: ", errno_text());
+    }
+    if (std::fclose(file_.release()) != 0) {
+      fail(path_, "close of '", tmp_, "' failed: ", errno_text());
+    }
+    if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      fail(path_, "rename from '", tmp_, "' failed: ", errno_text());
+    }
+    tmp_.clear();
+    // The rename is durable once the directory entry is. Some file systems cannot fsync a
+    // directory (EINVAL); there the rename is as durable as that file system makes it.
+    const int dir_fd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir_fd < 0) {
+      fail(path_, "cannot open directory '", dir_, "': ", errno_text());
+    }
+    const int status = ::fsync(dir_fd);
+    const int fsync_errno = errno;
+    ::close(dir_fd);
+    if (status != 0 && fsync_errno != EINVAL) {
+      fail(path_, "fsync of directory '", dir_, "' failed: ", std::strerror(fsync_errno));
+    }
+  }
+
+ private:
+  void discard() noexcept {
+    file_.reset();
+    if (!tmp_.empty()) {
+      ::unlink(tmp_.c_str());
+    }
+    tmp_.clear();
+  }
+
+  std::string path_, dir_, tmp_;
+  FilePtr file_;
+};
+
+}  // namespace
+
+const char* safetensors_dtype(DType dtype) {
+  for (const auto& [d, name] : kDTypes) {
+    if (d == dtype) {
+      return name;
+    }
+  }
+  CUDP_THROW(ValueError, "no safetensors name for dtype ", dtype_name(dtype));
+}
+
+void save_safetensors(const std::string& path, const TensorMap& tensors, const Metadata& metadata) {
+  // Data order: larger elements first, then by name, so each tensor is aligned to its element size.
+  std::vector<const std::pair<const std::string, Tensor>*> order;
+  for (const auto& entry : tensors) {
+    CUDP_CHECK(!entry.first.empty(), "save_safetensors('", path, "'): empty tensor name");
+    CUDP_CHECK(entry.first != "__metadata__", "save_safetensors('", path,
+               "'): '__metadata__' is reserved and cannot name a tensor");
+    CUDP_CHECK(entry.second.defined(), "save_safetensors('", path, "'): tensor '", entry.first,
+               "' is undefined");
+    order.push_back(&entry);
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
+    return element_size(a->second.dtype()) > element_size(b->second.dtype());
+  });
+
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    header["__metadata__"] = metadata;
+  }
+  uint64_t offset = 0;
+  for (const auto* entry : order) {
+    const Tensor& t = entry->second;
+    header[entry->first] = {{"dtype", safetensors_dtype(t.dtype())},
+                            {"shape", t.shape()},
+                            {"data_offsets", {offset, offset + t.nbytes()}}};
+    offset += t.nbytes();
+  }
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::exception& e) {  // a name or value that is not valid UTF-8
+    CUDP_THROW(ValueError, "save_safetensors('", path, "'): cannot encode the header: ", e.what());
+  }
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t header_bytes = text.size();
+
+  AtomicFile file(path);
+  file.write(&header_bytes, sizeof header_bytes);
+  file.write(text.data(), text.size());
+  for (const auto* entry : order) {
+    const Tensor host = entry->second.cpu();
+    file.write(host.data_ptr(), host.nbytes());
+  }
+  file.commit();
+}
+
+namespace {
+
+// One header entry, validated on its own; the byte ranges are checked together afterwards.
+struct Entry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+
+DType parse_dtype(const std::string& path, const std::string& name, const nlohmann::json& value) {
+  if (!value.is_string()) {
+    fail(path, "tensor '", name, "': \"dtype\" is not a string");
+  }
+  const std::string text = value.get<std::string>();
+  for (const auto& [d, known] : kDTypes) {
+    if (text == known) {
+      return d;
+    }
+  }
+  for (const char* unsupported : kUnsupported) {
+    if (text == unsupported) {
+      fail(path, "tensor '", name, "': dtype ", text,
+           " is not supported (cudp reads F32, BF16, F16, I32, I64 and U8)");
+    }
+  }
+  fail(path, "tensor '", name, "': unknown dtype \"", text, "\"");
+}
+
+Entry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& value,
+                  uint64_t data_bytes) {
+  if (!value.is_object()) {
+    fail(path, "tensor '", name, "': header entry is not a JSON object");
+  }
+  for (const auto& [key, _] : value.items()) {
+    if (key != "dtype" && key != "shape" && key != "data_offsets") {
+      fail(path, "tensor '", name, "': unexpected field \"", key, "\"");
+    }
+  }
+  for (const char* key : {"dtype", "shape", "data_offsets"}) {
+    if (!value.contains(key)) {
+      fail(path, "tensor '", name, "': missing field \"", key, "\"");
+    }
+  }
+  Entry e{name, parse_dtype(path, name, value["dtype"]), {}, 0, 0};
+
+  const auto& shape = value["shape"];
+  if (!shape.is_array()) {
+    fail(path, "tensor '", name, "': \"shape\" is not an array");
+  }
+  uint64_t numel = 1;
+  bool overflow = false;
+  for (const auto& d : shape) {
+    if (!d.is_number_unsigned()) {
+      fail(path, "tensor '", name, "': shape ", shape.dump(),
+           " has an entry that is not a non-negative integer");
+    }
+    const uint64_t dim = d.get<uint64_t>();
+    if (dim > static_cast<uint64_t>(INT64_MAX)) {
+      overflow = true;
+    }
+    overflow |= __builtin_mul_overflow(numel, dim, &numel);
+    e.shape.push_back(static_cast<int64_t>(dim));
+  }
+  uint64_t bytes = 0;
+  overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(element_size(e.dtype)), &bytes);
+  if (overflow) {
+    fail(path, "tensor '", name, "': shape ", shape.dump(), " is too large");
+  }
+
+  const auto& offsets = value["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    fail(path, "tensor '", name, "': \"data_offsets\" ", offsets.dump(),
+         " is not a pair of non-negative integers");
+  }
+  e.begin = offsets[0].get<uint64_t>();
+  e.end = offsets[1].get<uint64_t>();
+  if (e.begin > e.end) {
+    fail(path, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end,
+         "] end before they begin");
+  }
+  if (e.end > data_bytes) {
+    fail(path, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end,
+         "] run past the end of the data section (", data_bytes, " bytes)");
+  }
+  if (e.end - e.begin != bytes) {
+    fail(path, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] hold ",
+         e.end - e.begin, " bytes but shape ", shape_str(e.shape), " of ",
+         safetensors_dtype(e.dtype), " needs ", bytes);
+  }
+  return e;
+}
+
+// Every byte of the data section belongs to exactly one tensor, in order.
+void check_coverage(const std::string& path, std::vector<Entry>& entries, uint64_t data_bytes) {
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t covered = 0;
+  const Entry* previous = nullptr;
+  for (const Entry& e : entries) {
+    if (e.begin < covered) {
+      fail(path, "tensor '", e.name, "': data_offsets [", e.begin, ", ", e.end,
+           "] overlap those of tensor '", previous->name, "' [", previous->begin, ", ",
+           previous->end, "]");
+    }
+    if (e.begin > covered) {
+      fail(path, "tensor '", e.name, "': bytes [", covered, ", ", e.begin,
+           ") of the data section before it belong to no tensor");
+    }
+    covered = e.end;
+    previous = &e;
+  }
+  if (covered != data_bytes) {
+    fail(path, data_bytes - covered,
+         " bytes of trailing data after the last tensor (the data section is ", data_bytes,
+         " bytes, the tensors cover ", covered, ")");
+  }
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  FilePtr file(std::fopen(path.c_str(), "rb"));
+  if (!file) {
+    fail(path, "cannot open: ", errno_text());
+  }
+  std::error_code ec;
+  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
+  if (ec) {
+    fail(path, "cannot read its size: ", ec.message());
+  }
+  if (file_bytes < 8) {
+    fail(path, "the file is ", file_bytes, " bytes, shorter than the 8-byte header length");
+  }
+  uint64_t header_bytes = 0;
+  if (std::fread(&header_bytes, 1, 8, file.get()) != 8) {
+    fail(path, "cannot read the header length");
+  }
+  if (header_bytes > file_bytes - 8) {
+    fail(path, "header length ", header_bytes, " runs past the end of the file (", file_bytes,
+         " bytes)");
+  }
+  if (header_bytes > kMaxHeaderBytes) {
+    fail(path, "header length ", header_bytes, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
+  }
+  std::string text(header_bytes, '\0');
+  if (std::fread(text.data(), 1, header_bytes, file.get()) != header_bytes) {
+    fail(path, "cannot read the ", header_bytes, "-byte header");
+  }
+  const uint64_t data_bytes = file_bytes - 8 - header_bytes;
+
+  // Parsing records names repeated at the top level (JSON allows them; a tensor table must not).
+  std::set<std::string> seen;
+  std::optional<std::string> duplicate;
+  const nlohmann::json::parser_callback_t find_duplicates =
+      [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+        if (depth == 1 && event == nlohmann::json::parse_event_t::key && !duplicate) {
+          const auto name = parsed.get<std::string>();
+          if (!seen.insert(name).second) {
+            duplicate = name;
+          }
+        }
+        return true;
+      };
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text, find_duplicates);
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, "invalid JSON header: ", e.what());
+  }
+  if (!header.is_object()) {
+    fail(path, "the header is not a JSON object");
+  }
+  if (duplicate) {
+    fail(path, "tensor '", *duplicate, "' appears more than once in the header");
+  }
+
+  SafetensorsFile out;
+  std::vector<Entry> entries;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) {
+        fail(path, "\"__metadata__\" is not a JSON object");
+      }
+      for (const auto& [key, v] : value.items()) {
+        if (!v.is_string()) {
+          fail(path, "__metadata__ entry '", key, "' is not a string");
+        }
+        out.metadata[key] = v.get<std::string>();
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(path, name, value, data_bytes));
+  }
+  check_coverage(path, entries, data_bytes);
+
+  // The ranges tile the data section in order, so one sequential pass reads it.
+  for (const Entry& e : entries) {
+    Tensor t = Tensor::empty(e.shape, e.dtype);
+    const size_t bytes = e.end - e.begin;
+    if (bytes > 0 && std::fread(t.data_ptr(), 1, bytes, file.get()) != bytes) {
+      fail(path, "tensor '", e.name, "': cannot read its ", bytes, " bytes: ",
+           std::ferror(file.get()) ? errno_text() : std::string("unexpected end of file"));
+    }
+    out.tensors.emplace(e.name, std::move(t));
+  }
+  return out;
+}
+
+}  // namespace cudp

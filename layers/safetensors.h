@@ -1,0 +1,49 @@
+// safetensors files: the checkpoint format (DESIGN.md §5), readable by
+// `safetensors.torch.load_file`.
+//
+// Layout: an 8-byte little-endian header length N, N bytes of JSON, then the raw little-endian
+// data. The header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
+// (offsets into the data section) and may hold "__metadata__", a map of strings to strings.
+//
+// Writing follows the reference implementation's choices: tensors are laid out by decreasing
+// element size, then by name, so that every tensor's data is aligned to its element size; the
+// header is padded with spaces to a multiple of 8 bytes (so the data section starts 8-byte
+// aligned), and
+// "__metadata__" comes first. The write is atomic: a temporary file in the same directory is
+// written, flushed and fsync'ed, then renamed over the destination, and the directory is fsync'ed,
+// so a crash leaves either the old file or the new one, never a torn one.
+//
+// Reading trusts nothing: a short file, a header length past the end, invalid JSON, a duplicated
+// name, an unknown dtype, a shape that does not match its byte range, ranges that overlap, leave
+// gaps or leave bytes after the last tensor all throw cudp::IoError naming the file, the tensor and
+// the problem. Every byte of the data section must belong to exactly one tensor, as the reference
+// implementation requires.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "engine/core/tensor.h"
+
+namespace cudp {
+
+using TensorMap = std::map<std::string, Tensor>;
+using Metadata = std::map<std::string, std::string>;
+
+struct SafetensorsFile {
+  TensorMap tensors;  // CPU tensors
+  Metadata metadata;  // "__metadata__" (empty when the file has none)
+};
+
+// Writes `tensors` (any device; CUDA tensors are copied to the host one at a time) and `metadata`.
+// Throws ValueError for an undefined tensor or an empty name, IoError when the file system fails.
+void save_safetensors(const std::string& path, const TensorMap& tensors,
+                      const Metadata& metadata = {});
+
+// Reads and validates a whole file into CPU tensors.
+SafetensorsFile load_safetensors(const std::string& path);
+
+// The safetensors dtype string ("F32", "BF16", "F16", "I32", "I64", "U8").
+const char* safetensors_dtype(DType dtype);
+
+}  // namespace cudp

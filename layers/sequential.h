@@ -1,0 +1,39 @@
+// Sequential: children run in order in forward and in reverse order in backward, each through its
+// own checked forward()/backward(). Children are named by their index ("0", "1", ...), as in
+// PyTorch, so a torchvision state_dict's "features.10.weight" lands on the eleventh child.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "layers/module.h"
+
+namespace cudp {
+
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  explicit Sequential(const std::vector<std::shared_ptr<Module>>& modules);
+  std::string type_name() const override { return "Sequential"; }
+
+  // Appends `module` under the next index and returns it. It must be on the Sequential's device
+  // (moves are explicit: build on one device, then move the whole model with to()).
+  template <typename M>
+  std::shared_ptr<M> add(std::shared_ptr<M> module) {
+    add_module(module);
+    return module;
+  }
+
+  size_t size() const { return children().size(); }
+  const std::shared_ptr<Module>& operator[](size_t index) const;
+
+ protected:
+  Tensor forward_one(const Tensor& input) override;
+  Tensor backward_one(const Tensor& grad_output) override;
+  std::shared_ptr<Module> make_empty_copy() const override;
+
+ private:
+  void add_module(std::shared_ptr<Module> module);
+};
+
+}  // namespace cudp

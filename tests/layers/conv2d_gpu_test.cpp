@@ -1,0 +1,35 @@
+// Conv2d on CUDA against its CPU path (the reference), forward and backward, on random inputs of
+// odd sizes: outputs, input gradients, parameter gradients and buffers (layer_testing.h's
+// expect_gpu_matches_cpu). The GPU sums in fp32, in another order than the CPU's double sums; for
+// reductions of a few hundred terms of magnitude <= 1 that stays within 1e-5 relative, with 1e-4
+// absolute for outputs that cancel to near zero.
+#include <gtest/gtest.h>
+
+#include <tuple>
+
+#include "common/gpu.h"
+#include "layers/conv2d.h"
+#include "tests/layers/layer_testing.h"
+
+namespace cudp {
+namespace {
+
+using testing::expect_gpu_matches_cpu;
+using testing::random_tensor;
+
+TEST(Conv2dGpuTest, MatchesTheCpuPath) {
+  CUDP_REQUIRE_GPU();
+  for (const auto& [k, stride, pad] :
+       {std::tuple{3, 1, 1}, std::tuple{3, 2, 1}, std::tuple{1, 1, 0}, std::tuple{5, 2, 2}}) {
+    Conv2d conv(5, 7, k, stride, pad, true);
+    testing::randomize_parameters(conv, 1);
+    expect_gpu_matches_cpu(conv, random_tensor({3, 11, 9, 5}, 2), 3, 1e-5, 1e-4);
+  }
+  Conv2d first_layer(3, 64, 3, 1, 1, true);  // VGG's first layer: three input channels
+  expect_gpu_matches_cpu(first_layer, random_tensor({2, 13, 15, 3}, 4), 5, 1e-5, 1e-4);
+  Conv2d no_bias(4, 6, 3, 1, 1, false);
+  expect_gpu_matches_cpu(no_bias, random_tensor({1, 7, 7, 4}, 6), 7, 1e-5, 1e-4);
+}
+
+}  // namespace
+}  // namespace cudp

@@ -1,0 +1,117 @@
+// Conv2d on the CPU: the forward against a direct double-precision convolution written from
+// PyTorch's definition over the *exported* OIHW weight (which checks the KRSC <-> OIHW conversion
+// and the NHWC indexing together), finite-difference gradients, accumulation, and the OIHW
+// export/import round trip.
+#include <gtest/gtest.h>
+
+#include "layers/conv2d.h"
+#include "tests/layers/layer_testing.h"
+
+namespace cudp {
+namespace {
+
+using testing::random_tensor;
+using testing::values;
+
+// y[n, p, q, o] = b[o] + sum_{i, r, s} x[n, p*stride - pad + r, q*stride - pad + s, i] * w[o, i, r,
+// s]
+std::vector<double> direct_conv(const Tensor& x_nhwc, const Tensor& w_oihw, const Tensor& bias,
+                                int stride, int pad) {
+  const auto x = values(x_nhwc), w = values(w_oihw);
+  const auto b = bias.defined() ? values(bias) : std::vector<float>{};
+  const int64_t N = x_nhwc.size(0), H = x_nhwc.size(1), W = x_nhwc.size(2), C = x_nhwc.size(3);
+  const int64_t O = w_oihw.size(0), R = w_oihw.size(2), S = w_oihw.size(3);
+  const int64_t P = (H + 2 * pad - R) / stride + 1, Q = (W + 2 * pad - S) / stride + 1;
+  std::vector<double> y;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t q = 0; q < Q; ++q)
+        for (int64_t o = 0; o < O; ++o) {
+          double sum = b.empty() ? 0.0 : b[o];
+          for (int64_t i = 0; i < C; ++i)
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t s = 0; s < S; ++s) {
+                const int64_t h = p * stride - pad + r, v = q * stride - pad + s;
+                if (h < 0 || h >= H || v < 0 || v >= W) continue;
+                sum += double(x[((n * H + h) * W + v) * C + i]) * w[((o * C + i) * R + r) * S + s];
+              }
+          y.push_back(sum);
+        }
+  return y;
+}
+
+TEST(Conv2dTest, ForwardMatchesTheDefinitionOnExportedWeights) {
+  for (const auto& [stride, pad] : {std::pair{1, 1}, std::pair{2, 0}, std::pair{2, 1}}) {
+    Conv2d conv(3, 5, 3, stride, pad, true, 11);
+    testing::randomize_parameters(conv, 1);
+    const Tensor x = random_tensor({2, 7, 6, 3}, 2);
+    const Tensor y = conv.forward(x);
+    const int64_t p = (7 + 2 * pad - 3) / stride + 1, q = (6 + 2 * pad - 3) / stride + 1;
+    EXPECT_EQ(y.shape(), (Shape{2, p, q, 5}));
+    const auto state = conv.state_dict();
+    EXPECT_ALL_CLOSE(values(y), direct_conv(x, state.at("weight"), state.at("bias"), stride, pad),
+                     1e-6, 1e-6)
+        << "stride " << stride << " pad " << pad;
+  }
+}
+
+TEST(Conv2dTest, WithoutBias) {
+  Conv2d conv(4, 3, 1, 1, 0, /*bias=*/false);
+  EXPECT_FALSE(conv.has_bias());
+  EXPECT_EQ(conv.named_parameters().size(), 1u);
+  EXPECT_THROW(conv.bias(), ValueError);
+  const Tensor x = random_tensor({1, 3, 2, 4}, 3);
+  EXPECT_ALL_CLOSE(values(conv.forward(x)),
+                   direct_conv(x, conv.state_dict().at("weight"), {}, 1, 0), 1e-6, 1e-6);
+}
+
+TEST(Conv2dTest, GradientsMatchFiniteDifferences) {
+  Conv2d conv(3, 4, 3, 2, 1, true);
+  testing::randomize_parameters(conv, 4);
+  testing::check_gradients(conv, random_tensor({2, 5, 7, 3}, 5), 6, {.h = 0.25});
+}
+
+TEST(Conv2dTest, GradientsOfAPaddedStrideOneConv) {
+  Conv2d conv(2, 3, 3, 1, 1, true);
+  testing::randomize_parameters(conv, 7);
+  testing::check_gradients(conv, random_tensor({1, 4, 5, 2}, 8), 9, {.h = 0.25});
+}
+
+TEST(Conv2dTest, OihwExportImportRoundTrip) {
+  Conv2d a(3, 6, 3, 1, 1, true, 1);
+  const auto state = a.state_dict();
+  const Tensor& oihw = state.at("weight");
+  EXPECT_EQ(oihw.shape(), (Shape{6, 3, 3, 3}));
+  // Element (o, i, r, s) of the export is element (o, r, s, i) of the internal KRSC weight.
+  const auto krsc = values(a.weight().data), exported = values(oihw);
+  for (int o = 0; o < 6; ++o)
+    for (int i = 0; i < 3; ++i)
+      for (int r = 0; r < 3; ++r)
+        for (int s = 0; s < 3; ++s)
+          ASSERT_EQ(exported[((o * 3 + i) * 3 + r) * 3 + s], krsc[((o * 3 + r) * 3 + s) * 3 + i]);
+  Conv2d b(3, 6, 3, 1, 1, true, 2);
+  b.load_state_dict(state);
+  EXPECT_EQ(values(b.weight().data), krsc);
+  EXPECT_EQ(values(b.state_dict().at("weight")), exported);
+}
+
+TEST(Conv2dTest, RejectsAWrongInput) {
+  Conv2d conv(3, 4, 3);
+  EXPECT_THROW_WITH(conv.forward(random_tensor({1, 5, 5, 4}, 1)),
+                    "Conv2d: expected an NHWC f32 input [N, H, W, 3], got Tensor[1, 5, 5, 4]");
+}
+
+TEST(Conv2dTest, InitIsKaimingFanOut) {
+  Conv2d conv(16, 32, 3, 1, 1, true, 5);
+  const auto w = values(conv.weight().data);
+  double sum = 0, sq = 0;
+  for (float v : w) sum += v, sq += double(v) * v;
+  const double mean = sum / w.size(), std = std::sqrt(sq / w.size() - mean * mean);
+  const double expected = std::sqrt(2.0 / (32 * 9));  // 4608 samples: std within ~3%
+  EXPECT_NEAR(std, expected, 0.04 * expected);
+  EXPECT_NEAR(mean, 0.0, 4 * expected / std::sqrt(double(w.size())));
+  for (float v : values(conv.bias().data)) EXPECT_EQ(v, 0.0f);
+}
+
+}  // namespace
+}  // namespace cudp

@@ -1,0 +1,136 @@
+// GPU tests of the optimizers and clipping: CUDA against the CPU path over several steps, flat
+// against per-parameter on the device, state round trips through the host.
+#include <gtest/gtest.h>
+
+#include "common/compare.h"
+#include "common/gpu.h"
+#include "layers/activation.h"
+#include "layers/linear.h"
+#include "layers/optim.h"
+#include "layers/sequential.h"
+
+namespace cudp {
+namespace {
+
+using testing::all_close;
+using testing::random_vector;
+
+const Device kGpu = Device::cuda(0);
+
+std::shared_ptr<Module> model_on(Device device) {
+  auto model = std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
+      std::make_shared<Linear>(33, 17, true, 1), std::make_shared<ReLU>(),
+      std::make_shared<Linear>(17, 5, true, 2)});
+  model->to(device);
+  return model;
+}
+
+void set_grads(Module& model, int t) {
+  int k = 0;
+  for (Parameter* p : model.parameters()) {
+    p->grad.copy_from(
+        Tensor::from_vector(random_vector(p->grad.numel(), 1000 * t + k++), p->grad.shape()));
+  }
+}
+
+void expect_close(const TensorMap& actual, const TensorMap& expected, double rtol, double atol) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, t] : expected) {
+    EXPECT_TRUE(all_close(actual.at(name).to_vector<float>(), t.to_vector<float>(), rtol, atol))
+        << name;
+  }
+}
+
+// K steps of the same optimizer on the GPU and on the CPU, with the same gradients. The kernels
+// and the CPU references evaluate one shared formula per element (kernels/optim.h), so the results
+// agree to the last bits; the tolerance leaves room for a compiler's different sqrt/division only.
+template <typename Optim, typename Options>
+void expect_gpu_matches_cpu(const Options& options, bool flat) {
+  auto cpu = model_on(Device::cpu()), gpu = model_on(kGpu);
+  if (flat) gpu->flatten_parameters();
+  Optim on_cpu(cpu->parameters(), options), on_gpu(gpu->parameters(), options);
+  for (int t = 0; t < 5; ++t) {
+    set_grads(*cpu, t);
+    set_grads(*gpu, t);
+    on_cpu.step();
+    on_gpu.step();
+    EXPECT_EQ(on_gpu.last_step_was_flat(), flat);
+  }
+  expect_close(gpu->state_dict(), cpu->state_dict(), 1e-6, 1e-7);
+  expect_close(on_gpu.state_dict(), on_cpu.state_dict(), 1e-6, 1e-7);
+}
+
+TEST(OptimGpu, SgdNesterovWeightDecayMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const SGDOptions o{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true};
+  expect_gpu_matches_cpu<SGD>(o, false);
+  expect_gpu_matches_cpu<SGD>(o, true);
+}
+
+TEST(OptimGpu, SgdDampeningMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  expect_gpu_matches_cpu<SGD>(SGDOptions{.lr = 0.1, .momentum = 0.8, .dampening = 0.3}, true);
+}
+
+TEST(OptimGpu, AdamWMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const AdamWOptions o{.lr = 1e-2, .weight_decay = 0.05};
+  expect_gpu_matches_cpu<AdamW>(o, false);
+  expect_gpu_matches_cpu<AdamW>(o, true);
+}
+
+TEST(OptimGpu, StateRoundTripsThroughTheHost) {
+  CUDP_REQUIRE_GPU();
+  auto a = model_on(kGpu), b = model_on(kGpu);
+  AdamW first(a->parameters(), {.lr = 1e-2}), second(b->parameters(), {.lr = 1e-2});
+  set_grads(*a, 0);
+  first.step();
+  const TensorMap state = first.state_dict();
+  for (const auto& [name, t] : state) EXPECT_TRUE(t.is_cpu()) << name;
+  b->load_state_dict(a->state_dict());
+  second.load_state_dict(state);
+  set_grads(*a, 1);
+  set_grads(*b, 1);
+  first.step();
+  second.step();
+  expect_close(b->state_dict(), a->state_dict(), 0, 0);  // bit-identical
+}
+
+TEST(OptimGpu, ZeroGradOnTheDevice) {
+  CUDP_REQUIRE_GPU();
+  for (bool flat : {false, true}) {
+    auto model = model_on(kGpu);
+    if (flat) model->flatten_parameters();
+    SGD sgd(model->parameters(), {});
+    set_grads(*model, 0);
+    sgd.zero_grad();
+    for (Parameter* p : model->parameters()) {
+      EXPECT_EQ(p->grad.to_vector<float>(), std::vector<float>(p->grad.numel(), 0.f));
+    }
+  }
+}
+
+TEST(OptimGpu, ClipGradNormMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  for (bool flat : {false, true}) {
+    SCOPED_TRACE(flat ? "flat" : "per parameter");
+    auto cpu = model_on(Device::cpu()), gpu = model_on(kGpu);
+    if (flat) gpu->flatten_parameters();
+    set_grads(*cpu, 3);
+    set_grads(*gpu, 3);
+    const Tensor norm = clip_grad_norm(gpu->parameters(), 1.0);
+    EXPECT_EQ(norm.device(), kGpu);
+    const float expected = clip_grad_norm(cpu->parameters(), 1.0).to_vector<float>()[0];
+    EXPECT_GT(expected, 1.f);  // clipping happened
+    // fp32 reduction on the device against double accumulation on the host.
+    EXPECT_TRUE(all_close(norm.to_vector<float>(), std::vector<float>{expected}, 1e-5, 0));
+    const auto gp = gpu->parameters(), cp = cpu->parameters();
+    for (size_t i = 0; i < gp.size(); ++i) {
+      EXPECT_TRUE(
+          all_close(gp[i]->grad.to_vector<float>(), cp[i]->grad.to_vector<float>(), 1e-5, 1e-8));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cudp

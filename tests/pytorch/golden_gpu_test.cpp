@@ -1,0 +1,250 @@
+// cudp's vgg11-BN (compact head) against PyTorch: logits, loss, every parameter gradient, and the
+// state after K SGD steps, on the GPU and on the CPU, from the golden file that make_golden.py
+// writes (see README.md here). Skips with instructions when the file is absent.
+//
+// Tolerances. The golden values are computed by PyTorch in float64 (by default) from the same
+// float32 inputs and weights, so the differences measured are cudp's own fp32 rounding. Two checks
+// per tensor:
+//   - normwise: ||cudp - golden|| / ||golden|| <= kNormwise. fp32 has a unit roundoff of 6e-8; a
+//     forward through eight conv+BN layers, or a gradient back through them, sums thousands of
+//     terms per element (up to 3*3*512 = 4608 per conv output, N*H*W per weight gradient) in an
+//     order of its own and goes through BatchNorm's mean subtraction, which loses a few digits.
+//     Errors of 1e-6..1e-5 relative are expected; 1e-4 leaves room and still fails any real bug
+//     (a wrong layout, index or formula gives errors of order 1e-2 or larger).
+//   - elementwise: |cudp - golden| <= kElementwise * (max|golden| + |golden|), scaled by the
+//     tensor's largest element because BatchNorm's backward makes the gradient's small elements
+//     differences of large ones: their absolute error follows the tensor's scale, not their own.
+//     It catches a localised error (one bad channel) that a norm could average away.
+// After K steps the updated parameters are compared as updates (final - initial, the part that
+// training changed) with kSteps: each step's error feeds the next forward.
+// Vanishing references. A convolution's bias followed by BatchNorm has an exact gradient of zero
+// (BatchNorm subtracts the channel mean), so PyTorch's float64 value is ~1e-16 while an fp32
+// computation gives the rounding noise of a sum of cancelling terms, ~1e-6: relative to its own zero
+// norm any fp32 result "fails". Such a tensor's error is set by the scale of the terms it sums, that
+// is, by the model's gradients; so the norms and the elementwise bound are taken relative to at least
+// `scale`: the largest gradient norm of the model (for gradients) or the largest change (for the
+// updates after K steps). For every tensor whose reference is not vanishing this changes nothing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+
+#include "common/compare.h"
+#include "common/gpu.h"
+#include "layers/loss.h"
+#include "layers/optim.h"
+#include "layers/safetensors.h"
+#include "layers/vgg.h"
+
+namespace cudp {
+namespace {
+
+constexpr const char* kFileName = "vgg11_bn_golden.safetensors";
+constexpr double kNormwise = 1e-4;
+constexpr double kElementwise = 2e-3;
+constexpr double kSteps = 1e-3;
+
+std::string golden_path() {
+  const char* dir = std::getenv("CUDP_GOLDEN_DIR");
+  const std::filesystem::path base = dir && *dir
+                                         ? std::filesystem::path(dir)
+                                         : std::filesystem::path(__FILE__).parent_path() / "golden";
+  return (base / kFileName).string();
+}
+
+// The golden file, read once; nullptr when it does not exist.
+const SafetensorsFile* golden() {
+  static const std::optional<SafetensorsFile> file =
+      std::filesystem::exists(golden_path()) ? std::optional(load_safetensors(golden_path()))
+                                             : std::nullopt;
+  return file ? &*file : nullptr;
+}
+
+#define CUDP_REQUIRE_GOLDEN()                                                              \
+  do {                                                                                     \
+    if (!golden()) {                                                                       \
+      GTEST_SKIP()                                                                         \
+          << "golden file " << golden_path()                                               \
+          << " is absent: generate it with `python3 tests/pytorch/make_golden.py "         \
+             "--out <dir>` (needs PyTorch and safetensors) and set CUDP_GOLDEN_DIR=<dir>"; \
+    }                                                                                      \
+  } while (0)
+
+// Entries "<prefix><name>" as "<name>".
+TensorMap with_prefix(const TensorMap& all, const std::string& prefix) {
+  TensorMap out;
+  for (const auto& [key, t] : all) {
+    if (key.rfind(prefix, 0) == 0) out.emplace(key.substr(prefix.size()), t);
+  }
+  return out;
+}
+
+double metadata_number(const std::string& key) {
+  return std::stod(golden()->metadata.at(key));
+}
+
+// PyTorch's NCHW batch as cudp's NHWC.
+Tensor nchw_to_nhwc(const Tensor& x) {
+  const int64_t n = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+  const std::vector<float> in = x.to_vector<float>();
+  std::vector<float> out(in.size());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t ch = 0; ch < c; ++ch)
+      for (int64_t y = 0; y < h; ++y)
+        for (int64_t xx = 0; xx < w; ++xx)
+          out[((i * h + y) * w + xx) * c + ch] = in[((i * c + ch) * h + y) * w + xx];
+  return Tensor::from_vector(out, {n, h, w, c});
+}
+
+// Every parameter's gradient in PyTorch's layout and names. The module exports its parameters'
+// data in that layout (Conv2d: KRSC -> OIHW); a gradient has its parameter's shape and layout, so
+// swapping each parameter's data and grad for one state_dict() call exports the gradients.
+TensorMap gradients(Module& model) {
+  const auto params = model.named_parameters();
+  auto swap_all = [&] {
+    for (const auto& [name, p] : params) std::swap(p->data, p->grad);
+  };
+  swap_all();
+  TensorMap exported;
+  try {
+    exported = model.state_dict();
+  } catch (...) {
+    swap_all();
+    throw;
+  }
+  swap_all();
+  TensorMap grads;
+  for (const auto& [name, p] : params) grads.emplace(name, exported.at(name));
+  return grads;
+}
+
+std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+
+// The two checks described at the top.
+::testing::AssertionResult matches(const std::vector<float>& actual,
+                                   const std::vector<float>& expected, double normwise,
+                                   double elementwise, double scale = 0) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << actual.size() << " elements, expected " << expected.size();
+  }
+  double diff = 0, norm = 0, max = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    diff += (double(actual[i]) - expected[i]) * (double(actual[i]) - expected[i]);
+    norm += double(expected[i]) * expected[i];
+    max = std::max(max, std::fabs(double(expected[i])));
+  }
+  const double relative = std::sqrt(diff) / std::max({std::sqrt(norm), scale, 1e-30});
+  if (!(relative <= normwise)) {
+    return ::testing::AssertionFailure()
+           << "normwise relative error " << relative << " > " << normwise
+           << " (norm of the reference " << std::sqrt(norm) << ")";
+  }
+  return testing::all_close(actual, expected, elementwise, elementwise * std::max(max, scale));
+}
+
+// The largest Euclidean norm among `tensors` (the scale of vanishing references, see the top).
+double largest_norm(const TensorMap& tensors, const TensorMap* subtract = nullptr) {
+  double largest = 0;
+  for (const auto& [name, t] : tensors) {
+    if (t.dtype() != DType::f32) continue;
+    const std::vector<float> v = t.to_vector<float>();
+    const std::vector<float> base =
+        subtract ? subtract->at(name).to_vector<float>() : std::vector<float>(v.size(), 0.f);
+    double sq = 0;
+    for (size_t i = 0; i < v.size(); ++i) sq += (double(v[i]) - base[i]) * (double(v[i]) - base[i]);
+    largest = std::max(largest, std::sqrt(sq));
+  }
+  return largest;
+}
+
+// One run of the golden procedure on `device`, compared at every point the file records.
+void check_against_golden(Device device) {
+  const SafetensorsFile& g = *golden();
+  const int k_steps = static_cast<int>(metadata_number("k_steps"));
+  const TensorMap init = with_prefix(g.tensors, "init.");
+
+  auto model = vgg11({.in_channels = 1,
+                      .num_classes = 10,
+                      .batch_norm = true,
+                      .head = VggHead::Compact,
+                      .dropout = 0.f});
+  model->load_state_dict(init, /*strict=*/true);
+  model->to(device);
+  model->train();  // BatchNorm on batch statistics; dropout is p = 0
+  SGD sgd(model->parameters(), {.lr = metadata_number("lr"),
+                                .momentum = metadata_number("momentum"),
+                                .weight_decay = metadata_number("weight_decay")});
+  CrossEntropyLoss criterion;
+  const Tensor images = nchw_to_nhwc(g.tensors.at("input")).to(device);
+  const Tensor labels = g.tensors.at("labels").to(device);
+
+  std::vector<float> losses;
+  for (int step = 0; step < k_steps; ++step) {
+    sgd.zero_grad();
+    const Tensor logits = model->forward(images);
+    criterion.forward(logits, labels);
+    model->backward(criterion.backward());
+    losses.push_back(criterion.item());
+    if (step == 0) {
+      EXPECT_TRUE(matches(logits.to_vector<float>(), g.tensors.at("logits").to_vector<float>(),
+                          kNormwise, kElementwise))
+          << "logits";
+      EXPECT_TRUE(
+          matches({losses[0]}, g.tensors.at("loss").to_vector<float>(), kNormwise, kElementwise))
+          << "loss";
+      const TensorMap expected = with_prefix(g.tensors, "grad.");
+      const TensorMap grads = gradients(*model);
+      const double scale = largest_norm(expected);
+      EXPECT_EQ(grads.size(), expected.size());
+      for (const auto& [name, t] : expected) {
+        ASSERT_EQ(grads.count(name), 1u) << "cudp has no parameter " << name;
+        EXPECT_EQ(grads.at(name).shape(), t.shape()) << name;
+        EXPECT_TRUE(matches(grads.at(name).to_vector<float>(), t.to_vector<float>(), kNormwise,
+                            kElementwise, scale))
+            << "gradient of " << name;
+      }
+    }
+    sgd.step();
+  }
+  EXPECT_TRUE(matches(losses, g.tensors.at("losses").to_vector<float>(), kNormwise, kElementwise))
+      << "losses";
+
+  // Parameters and running statistics after K steps, as the change training made.
+  const TensorMap final_state = model->state_dict();
+  const TensorMap expected = with_prefix(g.tensors, "final.");
+  EXPECT_EQ(final_state.size(), expected.size());
+  const double change_scale = largest_norm(expected, &init);
+  for (const auto& [name, t] : expected) {
+    ASSERT_EQ(final_state.count(name), 1u) << "cudp has no state " << name;
+    const Tensor& ours = final_state.at(name);
+    if (t.dtype() == DType::i64) {  // num_batches_tracked
+      EXPECT_EQ(ours.to_vector<int64_t>(), t.to_vector<int64_t>()) << name;
+      continue;
+    }
+    const std::vector<float> start = init.at(name).to_vector<float>();
+    EXPECT_TRUE(matches(minus(ours.to_vector<float>(), start), minus(t.to_vector<float>(), start),
+                        kSteps, kElementwise, change_scale))
+        << "change of " << name << " over " << k_steps << " steps";
+  }
+}
+
+TEST(GoldenVgg11Bn, CudaMatchesPyTorch) {
+  CUDP_REQUIRE_GPU();
+  CUDP_REQUIRE_GOLDEN();
+  check_against_golden(Device::cuda(0));
+}
+
+TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
+  CUDP_REQUIRE_GOLDEN();
+  check_against_golden(Device::cpu());
+}
+
+}  // namespace
+}  // namespace cudp
