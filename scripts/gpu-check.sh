@@ -20,12 +20,14 @@ step() { summary+=("$(printf '%-28s %s' "$1" "$2")"); }
 start=$(date +%s)
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$out/gpus.txt" 2>&1
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCUDP_WERROR=ON > "$out/configure.log" 2>&1 \
-  && cmake --build build -j "$(nproc)" > "$out/build.log" 2>&1
+  && cmake --build build -j "$(nproc)" -- -k 0 > "$out/build.log" 2>&1
 build_rc=$?
+# With --keep-going a broken target does not stop the others: run what was built.
+if [[ $build_rc != 0 && -f build/CTestTestfile.cmake ]]; then partial=1; else partial=0; fi
 step "build" "$([[ $build_rc == 0 ]] && echo ok || echo FAILED) ($(( $(date +%s) - start )) s)"
 if [[ $build_rc != 0 ]]; then grep -E "error|FAILED" -A4 "$out/build.log" | head -60; fi
 
-if [[ $build_rc == 0 ]]; then
+if [[ $build_rc == 0 || $partial == 1 ]]; then
   if command -v python3 >/dev/null && [[ -f tests/pytorch/make_golden.py ]]; then
     mkdir -p build/golden
     python3 tests/pytorch/make_golden.py --out build/golden > "$out/golden.log" 2>&1 \

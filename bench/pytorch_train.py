@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""PyTorch side of bench_train: the same VGG configurations, the same measurement.
+
+Runs torchvision's VGG (no BatchNorm) with SGD(momentum 0.9, weight decay 5e-4), data already on
+the GPU, `--warmup` untimed steps then `--steps` timed steps between synchronisations, on one GPU,
+with nn.DataParallel, and with DistributedDataParallel (one process per GPU, NCCL). The 32x32
+configuration uses cudp's compact head (512 -> 512 -> 512 -> 10), built here from torchvision's
+features. Prints a Markdown table and writes JSON lines with --json.
+
+  python3 bench/pytorch_train.py --json out.json              # fp32, TF32 off (what cudp computes)
+  python3 bench/pytorch_train.py --tf32                       # PyTorch's default cuDNN TF32
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torchvision
+
+
+def build(arch, size):
+    if size == 32:
+        features = getattr(torchvision.models, arch)().features
+        head = nn.Sequential(nn.Flatten(), nn.Linear(512, 512), nn.ReLU(True), nn.Dropout(),
+                             nn.Linear(512, 512), nn.ReLU(True), nn.Dropout(), nn.Linear(512, 10))
+        return nn.Sequential(features, head), 10
+    return getattr(torchvision.models, arch)(), 1000
+
+
+def settings(tf32):
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = False
+
+
+def timed_steps(model, opt, x, y, warmup, steps, devices):
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return time.perf_counter() - t0
+
+
+def single_or_dp(arch, size, per_gpu, gpus, args):
+    settings(args.tf32)
+    torch.manual_seed(1)
+    model, classes = build(arch, size)
+    model = model.cuda(0)
+    for d in range(gpus):
+        torch.cuda.reset_peak_memory_stats(d)
+    if gpus > 1:
+        model = nn.DataParallel(model, device_ids=list(range(gpus)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    batch = per_gpu * gpus
+    x = torch.randn(batch, 3, size, size, device="cuda:0")
+    y = torch.arange(batch, device="cuda:0") % classes
+    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, range(gpus))
+    peak = max(torch.cuda.max_memory_allocated(d) for d in range(gpus)) / 2**30
+    return batch * args.steps / seconds, peak
+
+
+def ddp_worker(rank, world, arch, size, per_gpu, args, queue):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    settings(args.tf32)
+    torch.manual_seed(1)
+    model, classes = build(arch, size)
+    model = nn.parallel.DistributedDataParallel(model.cuda(rank), device_ids=[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    x = torch.randn(per_gpu, 3, size, size, device=rank)
+    y = torch.arange(per_gpu, device=rank) % classes
+    torch.cuda.reset_peak_memory_stats(rank)
+    dist.barrier()
+    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, [rank])
+    if rank == 0:
+        queue.put((per_gpu * world * args.steps / seconds, torch.cuda.max_memory_allocated(rank) / 2**30))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ddp(arch, size, per_gpu, gpus, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(ddp_worker, args=(gpus, arch, size, per_gpu, args, queue), nprocs=gpus,
+                       start_method="spawn")
+    return queue.get()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", nargs="+", default=["vgg16"])
+    p.add_argument("--size", nargs="+", type=int, default=[224, 32])
+    p.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--tf32", action="store_true", help="allow TF32 (PyTorch's cuDNN default)")
+    p.add_argument("--modes", nargs="+", default=["single", "dp", "ddp"])
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    print("| framework | model | image | batch/GPU | GPUs | mode | img/s | peak GiB |")
+    print("|---|---|---|---:|---:|---|---:|---:|")
+    for arch in args.arch:
+        for size in args.size:
+            per_gpu = 256 if size == 32 else 64
+            runs = [("single", 1)] if "single" in args.modes else []
+            for g in range(2, args.gpus + 1):
+                runs += [(m, g) for m in ("dp", "ddp") if m in args.modes]
+            for mode, g in runs:
+                ips, peak = (ddp if mode == "ddp" else single_or_dp)(arch, size, per_gpu, g, args)
+                row = {"framework": "pytorch " + torch.__version__, "model": arch, "size": size,
+                       "batch_per_gpu": per_gpu, "gpus": g, "mode": mode,
+                       "precision": "tf32" if args.tf32 else "fp32", "images_per_s": round(ips, 1),
+                       "peak_gib": round(peak, 3)}
+                rows.append(row)
+                print(f"| pytorch | {arch} | {size} | {per_gpu} | {g} | {mode} | {ips:.0f} | {peak:.2f} |",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

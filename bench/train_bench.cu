@@ -1,0 +1,156 @@
+// bench_train: VGG training throughput of cudp's engine: img/s on 1..N GPUs at 224^2 (batch 64 per
+// GPU, torchvision head, 1000 classes) and 32^2 (batch 256 per GPU, compact head, 10 classes), fp32,
+// SGD with momentum, the data already on the first GPU (the input pipeline is measured by cudp-vgg).
+//
+// Per configuration: build the model from a fixed seed, wrap it in DataParallel over the first g
+// GPUs, run `--warmup` steps, then `--steps` timed steps between a device synchronisation and the
+// next (host clock): img/s = global batch * steps / seconds. Also reported: peak memory per GPU and
+// the time of the gradient all-reduce alone (NCCL on the flat gradient buffer, timed separately), an
+// upper bound of the communication a step exposes since this version all-reduces after backward.
+// One JSON object per configuration with --json.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "engine/core/memory.h"
+#include "engine/core/stream.h"
+#include "engine/parallel/data_parallel.h"
+#include "layers/loss.h"
+#include "layers/optim.h"
+#include "layers/vgg.h"
+
+namespace {
+
+using namespace cudp;
+using Clock = std::chrono::steady_clock;
+
+struct Config {
+  std::string arch;
+  int size;
+  int64_t batch_per_gpu;
+  int gpus;
+};
+
+struct Result {
+  double images_per_s = 0, step_ms = 0, allreduce_ms = 0, peak_gib = 0;
+};
+
+char arch_config(const std::string& arch) {
+  return arch == "vgg11" ? 'A' : arch == "vgg13" ? 'B' : arch == "vgg16" ? 'D' : 'E';
+}
+
+Result run(const Config& c, int warmup, int steps) {
+  std::vector<int> ids;
+  for (int i = 0; i < c.gpus; ++i) ids.push_back(i);
+  for (int g : ids) {
+    cuda::synchronize(g);
+    cuda::reset_peak_memory_stats(g);
+  }
+  VggOptions o;
+  o.in_channels = 3;
+  o.batch_norm = false;
+  o.head = c.size == 32 ? VggHead::Compact : VggHead::Torchvision;
+  o.num_classes = c.size == 32 ? 10 : 1000;
+  o.seed = 1;
+  auto net = vgg(arch_config(c.arch), o);
+  net->cuda(0);
+  Result r;
+  {
+    parallel::DataParallel model(net, ids);
+    parallel::Replicated<SGD> opt(model.parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
+    CrossEntropyLoss criterion;
+    const int64_t batch = c.batch_per_gpu * c.gpus;
+    Tensor images = Tensor::empty({batch, c.size, c.size, 3}, DType::f32, Device::cuda(0));
+    images.normal_(0.f, 1.f, 7);
+    std::vector<int32_t> host_labels(batch);
+    for (int64_t i = 0; i < batch; ++i) host_labels[i] = static_cast<int32_t>(i % o.num_classes);
+    const Tensor labels = Tensor::from_vector(host_labels, {batch}, Device::cuda(0));
+    auto step = [&] {
+      const Tensor out = model.forward(images);
+      criterion.forward(out, labels);
+      opt.zero_grad();
+      model.backward(criterion.backward());
+      opt.step();
+    };
+    for (int i = 0; i < warmup; ++i) step();
+    for (int g : ids) cuda::synchronize(g);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < steps; ++i) step();
+    for (int g : ids) cuda::synchronize(g);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    r.step_ms = 1e3 * seconds / steps;
+    r.images_per_s = static_cast<double>(batch) * steps / seconds;
+    criterion.check_labels();
+
+    // The gradient all-reduce alone, on the same communicator and buffers.
+    if (c.gpus > 1) {
+      const auto t1 = Clock::now();
+      const int reps = 10;
+      for (int i = 0; i < reps; ++i) model.replicas()->all_reduce_gradients();
+      for (int g : ids) cuda::synchronize(g);
+      r.allreduce_ms = 1e3 * std::chrono::duration<double>(Clock::now() - t1).count() / reps;
+    }
+  }
+  for (int g : ids) r.peak_gib = std::max(r.peak_gib, cuda::max_memory_allocated(g) / double(1 << 30));
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_train: VGG training throughput on 1..N GPUs (fp32)"};
+  std::vector<std::string> archs = {"vgg16"};
+  std::vector<int> sizes = {224, 32};
+  int max_gpus = 0, warmup = 3, steps = 10;
+  std::string json;
+  app.add_option("--arch", archs, "vgg11 vgg13 vgg16 vgg19")->capture_default_str();
+  app.add_option("--size", sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")->capture_default_str();
+  app.add_option("--gpus", max_gpus, "largest GPU count (default: all visible)");
+  app.add_option("--warmup", warmup, "untimed steps")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--json", json, "write one JSON object per configuration here");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const int visible = cuda::device_count();
+    if (visible == 0) {
+      std::fprintf(stderr, "bench_train: no CUDA device is visible\n");
+      return 1;
+    }
+    if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
+    FILE* out = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
+    std::printf("| model | image | batch/GPU | GPUs | img/s | step ms | scaling | all-reduce ms | peak GiB |\n"
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto& arch : archs) {
+      for (int size : sizes) {
+        const int64_t per_gpu = size == 32 ? 256 : 64;
+        double one = 0;
+        for (int g = 1; g <= max_gpus; ++g) {
+          const Result r = run({arch, size, per_gpu, g}, warmup, steps);
+          if (g == 1) one = r.images_per_s;
+          const double scaling = r.images_per_s / (one * g);
+          std::printf("| %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %.2f |\n", arch.c_str(), size,
+                      static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
+                      r.allreduce_ms, r.peak_gib);
+          std::fflush(stdout);
+          if (out) {
+            std::fprintf(out,
+                         "{\"framework\": \"cudp\", \"model\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
+                         "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
+                         "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f}\n",
+                         arch.c_str(), size, static_cast<long long>(per_gpu), g, r.images_per_s,
+                         r.step_ms, scaling, r.allreduce_ms, r.peak_gib);
+          }
+        }
+      }
+    }
+    if (out) std::fclose(out);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_train: %s\n", e.what());
+    return 1;
+  }
+}
