@@ -62,24 +62,42 @@ std::vector<std::unique_ptr<Device<float>>> empty_copies(int copies, size_t n) {
   return out;
 }
 
-// |a - b| <= atol + rtol |b| everywhere? Prints the worst element either way.
+// |a - b| <= atol + rtol |b| everywhere? Prints the worst element either way (the first NaN, if
+// any). Exactly equal elements pass even with zero tolerance (atol = rtol = 0 asks for bitwise-equal
+// values: 0 / 0 must not become a NaN "excess"); a NaN on either side, or unequal infinities, fail;
+// so does a size mismatch.
 bool validate(const std::string& what, const std::vector<float>& a, const std::vector<float>& b,
               double rtol, double atol) {
+  if (a.size() != b.size()) {
+    std::printf("  validate %-40s FAIL (size %zu vs %zu)\n", what.c_str(), a.size(), b.size());
+    return false;
+  }
   double worst = 0;
   size_t at = 0;
   for (size_t i = 0; i < a.size(); ++i) {
-    const double excess = std::fabs(double(a[i]) - b[i]) / (atol + rtol * std::fabs(double(b[i])));
-    if (!(excess <= worst)) worst = excess, at = i;  // NaN counts as worst
+    if (a[i] == b[i]) continue;  // excess 0; false for NaN
+    const double diff = std::fabs(double(a[i]) - double(b[i]));  // > 0, inf or NaN here
+    const double tol = atol + rtol * std::fabs(double(b[i]));
+    // tol == 0: diff / 0 is inf (never NaN, as diff > 0 or NaN); NaN stays NaN.
+    const double excess = tol > 0 ? diff / tol : (diff > 0 ? HUGE_VAL : diff);
+    if (std::isnan(excess)) {  // NaN on either side (or inf - inf): the worst possible; stop
+      worst = excess, at = i;
+      break;
+    }
+    if (excess > worst) worst = excess, at = i;
   }
-  const bool ok = worst <= 1.0;
+  const bool ok = worst <= 1.0;  // false for NaN
   std::printf("  validate %-40s %s (worst %.3g of tolerance at %zu: %.8g vs %.8g)\n", what.c_str(),
               ok ? "ok  " : "FAIL", worst, at, a.empty() ? 0.0 : a[at], b.empty() ? 0.0 : b[at]);
   return ok;
 }
 
+// Largest finite |v| (a tolerance scale: NaN / inf elements must not make it NaN / inf and so
+// loosen every other comparison; validate fails on those elements themselves).
 double max_abs(const std::vector<float>& v) {
   double m = 0;
-  for (float f : v) m = std::max(m, double(std::fabs(f)));
+  for (float f : v)
+    if (std::isfinite(f)) m = std::max(m, double(std::fabs(f)));
   return m;
 }
 
