@@ -43,7 +43,11 @@ struct Device {
   ~Device() { cudaFree(p); }
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
+  // The passes run on a cudaStreamNonBlocking stream (ours and cuDNN's), which cudaMemcpy's
+  // legacy default stream does not wait for: without the synchronisation the copy races the
+  // kernels and reads whatever the buffer held before (zeros, or a previous layer's values).
   std::vector<float> download() const {
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> h(n);
     CUDP_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
     return h;

@@ -12,12 +12,23 @@
 // rtol = 1e-4 for the large outputs (~sqrt(n)/3). An indexing mistake (a tap missed, doubled or
 // misplaced) moves an output by ~1/3, thousands of times more. Against cuDNN, which has its own
 // rounding, the difference of two such errors: atol doubles.
+//
+// Long reductions (backward-weight at training batch sizes, N*P*Q up to 262144) need one more
+// step: a single fp32 chain of n terms would spread by u * n / (3 sqrt(2)) = 3.7e-3 at n = 262144,
+// close to atol = 5.1e-3. The kernel never sums such a chain: it cuts the reduction into `split`
+// slices, each summed on its own, and adds the partials. Independent chains of n / split terms
+// spread by u * n / (3 sqrt(2 split)) together, and choose_split fills the GPU at least once,
+// so split >= resident blocks / output tiles: about 100 or more on an H200 for the shapes below
+// (>= 16 on any GPU with 20 SMs), i.e. <= 9e-4, and atol stays >= 5 spreads; see
+// BackwardWeightLongReduction.
 #include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc's typed overload
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -36,6 +47,14 @@ constexpr int64_t kLongestReduction = 6272;  // the tolerance argument above hol
 
 double atol_for(int64_t reduction) {
   EXPECT_LE(reduction, kLongestReduction) << "extend the tolerance argument first";
+  return 1e-5 * std::sqrt(double(reduction));
+}
+
+// The same model for the split reductions of BackwardWeightLongReduction (see the top).
+constexpr int64_t kLongestSplitReduction = 262144;
+
+double atol_for_split(int64_t reduction) {
+  EXPECT_LE(reduction, kLongestSplitReduction) << "extend the tolerance argument first";
   return 1e-5 * std::sqrt(double(reduction));
 }
 
@@ -377,6 +396,88 @@ TEST_F(Conv2dGpuTest, MisalignedPointers) {
   conv2d_backward_weight(s, bx.get(), bdy.get(), bdw.get(), 0.0f, stream);
   EXPECT_ALL_CLOSE(bdw.download(), expected, kRtol, atol_for(s.n * s.p() * s.q()))
       << "backward-weight";
+}
+
+// dw[k][r][s][c] = sum over n, p, q of dy[n][p][q][k] x[n][p*stride_h - pad_h + r][...][c], in
+// double, for one element: the full CPU reference at training batch sizes would take minutes.
+double backward_weight_at(const Conv2dShape& sh, const std::vector<float>& x,
+                          const std::vector<float>& dy, int64_t index) {
+  const int c = int(index % sh.c), s = int(index / sh.c % sh.s);
+  const int r = int(index / sh.c / sh.s % sh.r), k = int(index / sh.c / sh.s / sh.r);
+  const int P = sh.p(), Q = sh.q();
+  double sum = 0;
+  for (int n = 0; n < sh.n; ++n) {
+    for (int p = 0; p < P; ++p) {
+      const int ih = p * sh.stride_h - sh.pad_h + r;
+      if (ih < 0 || ih >= sh.h) continue;
+      for (int q = 0; q < Q; ++q) {
+        const int iw = q * sh.stride_w - sh.pad_w + s;
+        if (iw < 0 || iw >= sh.w) continue;
+        sum += double(dy[size_t(((int64_t(n) * P + p) * Q + q) * sh.k + k)]) *
+               x[size_t(((int64_t(n) * sh.h + ih) * sh.w + iw) * sh.c + c)];
+      }
+    }
+  }
+  return sum;
+}
+
+// Backward-weight at full-size reductions (N*P*Q of 50k to 262k, VGG's at batch 64 to 256), where
+// the reduction is split hundreds of ways on a large GPU: every tile of every slice must be
+// written and summed once. Checked on a random sample of outputs (plus the first and the last)
+// against a double reference computed for those alone; every output must be written (no poison
+// left) for beta = 0, and beta = 1 must add onto a known dw.
+TEST_F(Conv2dGpuTest, BackwardWeightLongReduction) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  constexpr int kSamples = 512;
+  // One per backward-weight tile configuration: 64 x 128 (K <= 64), 128 x 128 (K > 64), and
+  // 64 x 32 on the single-float path (the first layer's C = 3).
+  for (const Conv2dShape& s : {Conv2dShape{64, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
+                               Conv2dShape{256, 32, 32, 64, 64, 3, 3, 1, 1, 1, 1},
+                               Conv2dShape{64, 28, 28, 128, 128, 3, 3, 1, 1, 1, 1},
+                               Conv2dShape{256, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(describe(s));
+    const std::vector<float> x = random(s.x_size()), dy = random(s.y_size());
+    const std::vector<float> old = random(s.w_size());
+    Buffer dx(s.x_size()), ddy(s.y_size()), ddw(s.w_size());
+    dx.upload(x);
+    ddy.upload(dy);
+    const double atol = atol_for_split(int64_t(s.n) * s.p() * s.q());
+
+    std::vector<int64_t> sample = {0, s.w_size() - 1};
+    std::mt19937_64 gen(uint64_t(s.w_size()));
+    std::uniform_int_distribution<int64_t> pick(0, s.w_size() - 1);
+    while (int(sample.size()) < kSamples) sample.push_back(pick(gen));
+    std::vector<double> grad(sample.size());
+    for (size_t i = 0; i < sample.size(); ++i) grad[i] = backward_weight_at(s, x, dy, sample[i]);
+    const auto at = [&](const std::vector<float>& all) {
+      std::vector<float> v(sample.size());
+      for (size_t i = 0; i < sample.size(); ++i) v[i] = all[size_t(sample[i])];
+      return v;
+    };
+    const auto written = [](const std::vector<float>& all) {
+      return std::all_of(all.begin(), all.end(),
+                         [](float v) { return std::isfinite(v) && v != testing::kPoison; });
+    };
+
+    // beta = 0: dw holds poison, which must be neither read nor left behind.
+    ddw.poison();
+    conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 0.0f, stream);
+    const std::vector<float> got = ddw.download();
+    EXPECT_TRUE(written(got)) << "beta = 0 left poison (or produced a non-finite value) in dw";
+    EXPECT_ALL_CLOSE(at(got), grad, kRtol, atol) << "beta = 0";
+
+    // beta = 1 accumulates onto a known previous gradient.
+    ddw.upload(old);
+    conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 1.0f, stream);
+    const std::vector<float> sum = ddw.download();
+    EXPECT_TRUE(written(sum)) << "beta = 1 produced a non-finite value";
+    std::vector<double> expected(sample.size());
+    for (size_t i = 0; i < sample.size(); ++i) {
+      expected[i] = double(old[size_t(sample[i])]) + grad[i];
+    }
+    EXPECT_ALL_CLOSE(at(sum), expected, kRtol, atol) << "beta = 1";
+  }
 }
 
 // Split reductions are summed in a fixed order: two runs give the same bits.
