@@ -1,0 +1,509 @@
+#!/usr/bin/env python3
+"""Builds one benchmark report from the benches' JSON outputs.
+
+Reads, from --raw DIR (each file optional; what is absent, empty or unreadable is listed in the
+report and skipped):
+
+  machine.json            scripts/bench-report.sh's collector: date, GPUs, driver, CUDA, cuDNN, NCCL, PyTorch
+  train_cudp.json         bench_train --json            (JSON lines, one object per configuration)
+  train_torch*.json       bench/pytorch_train.py --json (JSON lines; several files, e.g. fp32 and tf32)
+  comm.json               bench_comm --json             (JSON lines, one object per size)
+  gemm.json, conv2d.json, elementwise.json, norm_pool.json
+                          bench_gemm / bench_conv2d / bench_elementwise / bench_norm_pool --json
+                          (one JSON document each, {"benchmark": ..., "results": [...]})
+
+and writes, into --out DIR: report.md (Markdown tables), report.json (the same data, normalised) and
+scaling.png (img/s against GPU count per configuration, cudp and PyTorch; needs matplotlib).
+
+  python3 bench/report.py --raw bench/report/raw --out bench/report
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+
+KERNEL_BENCHES = ("gemm", "conv2d", "elementwise", "norm_pool")
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+def load_objects(path):
+    """The JSON objects of a file: a whole document (an object or a list of them), else JSON lines.
+
+    Lines that do not parse are skipped (a run killed by its timeout can leave half a line), and a
+    trailing comma is tolerated, so that the per-result lines of a truncated kernel document are
+    still read. Returns (objects, problem); problem is None, or why the file gave nothing.
+    """
+    if not os.path.exists(path):
+        return [], "absent"
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        return [], f"unreadable ({e.strerror})"
+    if not text.strip():
+        return [], "empty"
+    try:
+        doc = json.loads(text)
+        if isinstance(doc, dict):
+            return [doc], None
+        if isinstance(doc, list):
+            return [o for o in doc if isinstance(o, dict)], None
+    except ValueError:
+        pass
+    objects, header, bad = [], {}, 0
+    for line in text.splitlines():
+        line = line.strip().rstrip(",")
+        if not line or line in ("{", "}", "]", "[") or line.endswith("["):
+            continue
+        if line.startswith('"'):  # `"key": value` of a kernel document's header
+            try:
+                header.update(json.loads("{" + line + "}"))
+            except ValueError:
+                bad += 1
+            continue
+        try:
+            o = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(o, dict):
+            objects.append(o)
+        else:
+            bad += 1
+    if not objects and not header:
+        return [], "no JSON object could be read"
+    problem = f"{bad} unreadable line(s) skipped" if bad else None
+    if header:  # a document cut short (its bench killed while writing): keep what it holds
+        problem = "truncated document, " + (problem or "read") + f", {len(objects)} result(s)"
+        return [dict(header, results=objects)], problem
+    return objects, problem
+
+
+def num(o, key, default=None):
+    """o[key] as a float, or default when missing or not a finite number."""
+    v = o.get(key)
+    if isinstance(v, bool) or v is None:
+        return default
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return default
+    return v if math.isfinite(v) else default
+
+
+def ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def fmt(v, digits=1, suffix=""):
+    if v is None:
+        return "—"
+    return f"{v:,.{digits}f}{suffix}"
+
+
+def md_table(header, rows, align=None):
+    align = align or ["---"] * len(header)
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def geomean(values):
+    values = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+def training(cudp_rows, torch_rows):
+    """Rows per (model, size, batch/GPU, GPUs, PyTorch mode): img/s, scaling efficiency, ratios."""
+    configs = {}
+    for r in cudp_rows:
+        if num(r, "images_per_s") is None or num(r, "gpus") is None:
+            continue
+        key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
+        configs.setdefault(key, {"cudp": {}, "torch": {}})["cudp"][int(num(r, "gpus"))] = r
+    for r in torch_rows:
+        if num(r, "images_per_s") is None or num(r, "gpus") is None:
+            continue
+        key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
+        mode = str(r.get("mode", "single"))
+        precision = str(r.get("precision", "fp32"))
+        c = configs.setdefault(key, {"cudp": {}, "torch": {}})
+        c["torch"].setdefault(precision, {}).setdefault(mode, {})[int(num(r, "gpus"))] = r
+
+    rows = []
+    for (model, size, batch), c in sorted(configs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        cudp = c["cudp"]
+        cudp_one = num(cudp.get(1, {}), "images_per_s")
+        gpu_counts = sorted(set(cudp) | {g for p in c["torch"].values() for m in p.values() for g in m})
+        for g in gpu_counts:
+            cr = cudp.get(g)
+            ips = num(cr, "images_per_s") if cr else None
+            eff = ratio(ips, cudp_one * g) if cudp_one else None
+            step_ms = num(cr, "step_ms") if cr else None
+            ar_ms = num(cr, "allreduce_ms") if cr else None
+            base = {
+                "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
+                "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,
+                "cudp_step_ms": step_ms,
+                "cudp_allreduce_ms": ar_ms if g > 1 else None,
+                "cudp_allreduce_share_of_step": ratio(ar_ms, step_ms) if g > 1 and ar_ms else None,
+                "cudp_peak_gib": num(cr, "peak_gib") if cr else None,
+            }
+            torch_modes = []
+            for precision, modes in sorted(c["torch"].items()):
+                single = num(modes.get("single", {}).get(1, {}), "images_per_s")
+                for mode in ("single", "dp", "ddp"):
+                    tr = modes.get(mode, {}).get(g)
+                    if tr is None:
+                        continue
+                    t_ips = num(tr, "images_per_s")
+                    torch_modes.append(dict(base, **{
+                        "pytorch_mode": mode, "pytorch_precision": precision,
+                        "pytorch_framework": tr.get("framework", "pytorch"),
+                        "pytorch_images_per_s": t_ips,
+                        "pytorch_scaling_efficiency": ratio(t_ips, single * g) if single else None,
+                        "pytorch_peak_gib": num(tr, "peak_gib"),
+                        "cudp_over_pytorch": ratio(ips, t_ips),
+                    }))
+            if torch_modes:
+                rows += torch_modes
+            elif ips is not None:
+                rows.append(dict(base, pytorch_mode=None, pytorch_precision=None,
+                                 pytorch_images_per_s=None, pytorch_scaling_efficiency=None,
+                                 pytorch_peak_gib=None, cudp_over_pytorch=None))
+    return rows
+
+
+def training_md(rows):
+    if not rows:
+        return "_No training results (train_cudp.json / train_torch*.json absent)._"
+    body = []
+    for r in rows:
+        mode = "—"
+        if r.get("pytorch_mode"):
+            mode = {"single": "1 GPU", "dp": "DataParallel", "ddp": "DDP"}.get(r["pytorch_mode"], r["pytorch_mode"])
+            mode += f" ({r['pytorch_precision']})"
+        body.append([
+            r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"],
+            fmt(r["cudp_images_per_s"], 0), fmt(r["cudp_scaling_efficiency"], 2),
+            mode, fmt(r.get("pytorch_images_per_s"), 0), fmt(r.get("pytorch_scaling_efficiency"), 2),
+            fmt(r.get("cudp_over_pytorch"), 2, "×"),
+            fmt(r["cudp_allreduce_ms"], 2),
+            fmt(100 * r["cudp_allreduce_share_of_step"] if r["cudp_allreduce_share_of_step"] else None, 1, "%"),
+            fmt(r["cudp_peak_gib"], 2), fmt(r.get("pytorch_peak_gib"), 2),
+        ])
+    return md_table(
+        ["model", "image", "batch/GPU", "GPUs", "cudp img/s", "cudp scaling", "PyTorch", "PyTorch img/s",
+         "PyTorch scaling", "cudp/PyTorch", "cudp all-reduce ms", "all-reduce / step", "cudp peak GiB",
+         "PyTorch peak GiB"],
+        body, ["---", "---", "---:", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:", "---:",
+               "---:", "---:"])
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+
+def kernel_rows(bench, doc):
+    """Normalised rows {bench, op, shape, unit, ours, vendor, vendor_name, ratio, valid} of one
+    kernel bench's document."""
+    rows = []
+    results = doc.get("results") if isinstance(doc.get("results"), list) else [doc]
+    copy_gbs = num(doc, "copy_bandwidth_gbs")
+    for r in results:
+        if not isinstance(r, dict):
+            continue
+        valid = r.get("valid")
+        if bench == "gemm":
+            ours, vendor, unit, name = num(r, "ours_tflops"), num(r, "cublas_tflops"), "TFLOP/s", "cuBLAS"
+            op, shape = r.get("op", "gemm"), r.get("shape", "")
+        elif bench == "conv2d":
+            ours, vendor, unit = num(r, "ours_tflops"), num(r, "cudnn_tflops"), "TFLOP/s"
+            name = f"cuDNN algo {r.get('cudnn_algo', '?')}"
+            op = f"conv {r.get('pass', '?')}"
+            shape = (f"{r.get('input', '?')}² layer {r.get('layer', '?')}: N{r.get('n', '?')} "
+                     f"{r.get('h', '?')}x{r.get('w', '?')} {r.get('c', '?')}→{r.get('k', '?')}")
+        elif bench in ("elementwise", "norm_pool"):
+            ours, unit = num(r, "ours_gbs"), "GB/s"
+            vendor, name = num(r, "cudnn_gbs"), "cuDNN"
+            if not vendor:  # no cuDNN counterpart: the device-to-device copy is the bar
+                vendor, name = copy_gbs, "D2D copy"
+            op, shape = r.get("op", "?"), r.get("shape", "")
+            if bench == "elementwise" and r.get("floor"):
+                op += " [floor]" + ("" if r.get("meets_floor", True) else " BELOW FLOOR")
+        else:
+            continue
+        if ours is None:
+            continue
+        rows.append({"bench": bench, "op": op, "shape": shape, "unit": unit, "ours": ours,
+                     "vendor": vendor, "vendor_name": name, "ratio": ratio(ours, vendor),
+                     "valid": valid})
+    return rows
+
+
+def kernels_md(rows):
+    if not rows:
+        return "_No kernel results (gemm/conv2d/elementwise/norm_pool JSON absent)._"
+    parts = []
+    summary = []
+    for bench in KERNEL_BENCHES:
+        sub = [r for r in rows if r["bench"] == bench]
+        if not sub:
+            continue
+        ratios = [r["ratio"] for r in sub if r["ratio"]]
+        worst = min(sub, key=lambda r: r["ratio"] if r["ratio"] is not None else float("inf"))
+        summary.append([f"bench_{bench}", len(sub), fmt(geomean(ratios), 2, "×"),
+                        f"{fmt(worst['ratio'], 2, '×')} ({worst['op']}, {worst['shape']})",
+                        sum(1 for r in sub if r["valid"] is False)])
+        body = [[r["op"], r["shape"], fmt(r["ours"], 2), f"{fmt(r['vendor'], 2)} ({r['vendor_name']})",
+                 r["unit"], fmt(r["ratio"], 2, "×"),
+                 {True: "yes", False: "**NO**", None: "—"}.get(r["valid"], str(r["valid"]))]
+                for r in sub]
+        parts.append(f"#### bench_{bench}\n\n" + md_table(
+            ["op", "shape", "ours", "vendor", "unit", "ours/vendor", "valid"], body,
+            ["---", "---", "---:", "---:", "---", "---:", "---"]))
+    head = md_table(["bench", "rows", "geomean ours/vendor", "worst", "invalid rows"], summary,
+                    ["---", "---:", "---:", "---", "---:"])
+    return head + "\n\n" + "\n\n".join(parts)
+
+
+# ---- all-reduce ----------------------------------------------------------------------------------
+
+VGG16_GRAD_BYTES = 553_430_176
+
+
+def size_text(b):
+    if b == VGG16_GRAD_BYTES:
+        return "553,430,176 B (VGG-16 grads)"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:g} {unit}"
+    return f"{b} B"
+
+
+def allreduce(rows):
+    out = []
+    for r in rows:
+        if r.get("op", "allreduce") != "allreduce" or num(r, "bytes") is None:
+            continue
+        c, n = num(r, "cudp_busbw_gbs"), num(r, "nccl_busbw_gbs")
+        out.append({"gpus": int(num(r, "gpus", 0)), "bytes": int(num(r, "bytes")),
+                    "cudp_busbw_gbs": c, "nccl_busbw_gbs": n, "cudp_over_nccl": ratio(c, n),
+                    "cudp_ms": num(r, "cudp_ms"), "nccl_ms": num(r, "nccl_ms"),
+                    "valid": r.get("valid")})
+    return sorted(out, key=lambda r: (r["gpus"], r["bytes"]))
+
+
+def allreduce_md(rows):
+    if not rows:
+        return "_No all-reduce results (comm.json absent: bench_comm needs 2 GPUs)._"
+    body = [[r["gpus"], ("**" + size_text(r["bytes"]) + "**") if r["bytes"] == VGG16_GRAD_BYTES
+             else size_text(r["bytes"]), fmt(r["cudp_ms"], 3), fmt(r["nccl_ms"], 3),
+             fmt(r["cudp_busbw_gbs"], 1), fmt(r["nccl_busbw_gbs"], 1), fmt(r["cudp_over_nccl"], 3, "×"),
+             {True: "yes", False: "**NO**", None: "—"}.get(r["valid"], str(r["valid"]))] for r in rows]
+    return md_table(["GPUs", "size", "cudp ms", "NCCL ms", "cudp bus GB/s", "NCCL bus GB/s", "cudp/NCCL",
+                     "valid"], body, ["---:", "---", "---:", "---:", "---:", "---:", "---:", "---"])
+
+
+# ---- plot ----------------------------------------------------------------------------------------
+
+def plot_scaling(train_rows, path):
+    """img/s against GPU count, one panel per (model, image size): cudp, and PyTorch's DataParallel
+    and DDP lines (both starting from PyTorch's 1-GPU figure), with cudp's ideal linear scaling."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    configs = {}
+    for r in train_rows:
+        c = configs.setdefault((r["model"], r["size"], r["batch_per_gpu"]), {})
+        if r["cudp_images_per_s"] is not None:
+            c.setdefault(("cudp", None), {})[r["gpus"]] = r["cudp_images_per_s"]
+        if r.get("pytorch_images_per_s") is not None:
+            mode, prec = r["pytorch_mode"], r["pytorch_precision"]
+            if mode == "single":  # the first point of both multi-GPU lines
+                for m in ("dp", "ddp"):
+                    c.setdefault((m, prec), {})[1] = r["pytorch_images_per_s"]
+            else:
+                c.setdefault((mode, prec), {})[r["gpus"]] = r["pytorch_images_per_s"]
+    configs = {k: v for k, v in configs.items() if any(len(s) for s in v.values())}
+    if not configs:
+        return "no training results: no plot"
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.2), squeeze=False)
+    styles = {"cudp": dict(color="tab:blue", marker="o", linestyle="-", linewidth=2),
+              "dp": dict(color="tab:orange", marker="s", linestyle="--"),
+              "ddp": dict(color="tab:green", marker="^", linestyle="-.")}
+    names = {"cudp": "cudp", "dp": "PyTorch DataParallel", "ddp": "PyTorch DDP"}
+    for ax, ((model, size, batch), series) in zip(axes[0], sorted(configs.items(), key=lambda kv: (kv[0][0], -kv[0][1]))):
+        all_g = sorted({g for s in series.values() for g in s})
+        cudp = series.get(("cudp", None), {})
+        if 1 in cudp and len(all_g) > 1:
+            ax.plot(all_g, [cudp[1] * g for g in all_g], color="grey", linewidth=0.8, linestyle=":",
+                    label="cudp ideal (linear)")
+        for (kind, prec), points in sorted(series.items(), key=lambda kv: (kv[0][0] != "cudp", str(kv[0]))):
+            if kind not in styles or not points:
+                continue
+            gs = sorted(points)
+            if kind != "cudp" and gs == [1]:
+                continue  # a lone PyTorch single-GPU point: drawn once, below
+            label = names[kind] + (f" ({prec})" if prec and prec != "fp32" else "")
+            style = dict(styles[kind])
+            if prec == "tf32":
+                style["alpha"] = 0.6
+            ax.plot(gs, [points[g] for g in gs], label=label, **style)
+        lone = [(prec, p[1]) for (kind, prec), p in series.items() if kind == "dp" and list(p) == [1]]
+        for prec, v in lone:
+            ax.plot([1], [v], marker="D", color="tab:red", linestyle="none",
+                    label="PyTorch 1 GPU" + (f" ({prec})" if prec != "fp32" else ""))
+        ax.set_title(f"{model}, {size}², batch {batch}/GPU")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("images / s")
+        ax.set_xticks(all_g)
+        ax.margins(y=0.08)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Training throughput against GPU count (fp32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def machine_md(m):
+    if not m:
+        return "_No machine information (machine.json absent)._"
+    keys = [("date", "date"), ("host", "host"), ("gpus", "GPUs"), ("gpu_name", "GPU"),
+            ("gpu_memory", "GPU memory"), ("driver", "driver"), ("cuda", "CUDA (nvcc)"),
+            ("cudnn", "cuDNN (headers)"), ("nccl", "NCCL (headers)"), ("pytorch", "PyTorch"),
+            ("pytorch_cuda", "PyTorch's CUDA"), ("pytorch_cudnn", "PyTorch's cuDNN"),
+            ("pytorch_nccl", "PyTorch's NCCL"), ("git_commit", "cudp commit"), ("interconnect", "interconnect")]
+    body = [[label, m[k]] for k, label in keys if m.get(k) not in (None, "")]
+    body += [[k, v] for k, v in m.items() if k not in dict(keys) and isinstance(v, (str, int, float))]
+    return md_table(["", ""], body, ["---", "---"])
+
+
+def headline(train, comm):
+    lines = []
+    for r in train:
+        if r["gpus"] == 1 and r.get("pytorch_mode") == "single" and r.get("cudp_over_pytorch"):
+            lines.append(f"- {r['model']} {r['size']}², 1 GPU: cudp {fmt(r['cudp_images_per_s'], 0)} img/s, "
+                         f"PyTorch ({r['pytorch_precision']}) {fmt(r['pytorch_images_per_s'], 0)}: "
+                         f"**{fmt(r['cudp_over_pytorch'], 2, '×')}**")
+    seen = set()
+    for r in train:
+        key = (r["model"], r["size"], r["gpus"])
+        if r["gpus"] > 1 and r["cudp_scaling_efficiency"] is not None and key not in seen:
+            seen.add(key)
+            share = r["cudp_allreduce_share_of_step"]
+            lines.append(f"- {r['model']} {r['size']}², {r['gpus']} GPUs: cudp scaling efficiency "
+                         f"**{fmt(r['cudp_scaling_efficiency'], 2)}**"
+                         + (f", gradient all-reduce alone {fmt(100 * share, 1)}% of a step" if share else ""))
+        if r["gpus"] > 1 and r.get("pytorch_mode") == "ddp" and r.get("cudp_over_pytorch"):
+            lines.append(f"- {r['model']} {r['size']}², {r['gpus']} GPUs: cudp vs PyTorch DDP "
+                         f"({r['pytorch_precision']}) **{fmt(r['cudp_over_pytorch'], 2, '×')}**")
+    for r in comm:
+        if r["bytes"] == VGG16_GRAD_BYTES:
+            lines.append(f"- all-reduce of VGG-16's fp32 gradients on {r['gpus']} GPUs: cudp "
+                         f"{fmt(r['cudp_busbw_gbs'], 1)} GB/s, NCCL {fmt(r['nccl_busbw_gbs'], 1)} GB/s bus "
+                         f"bandwidth (**{fmt(r['cudp_over_nccl'], 3, '×')}**)")
+    return "\n".join(lines) if lines else "_Nothing to summarise._"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--raw", default="bench/report/raw", help="directory with the benches' JSON files")
+    p.add_argument("--out", default="bench/report", help="where report.md, report.json, scaling.png go")
+    p.add_argument("--machine", help="machine-info JSON (default: RAW/machine.json)")
+    p.add_argument("--title", default="cudp benchmark report")
+    args = p.parse_args()
+
+    inputs = {}
+
+    def read(name):
+        objects, problem = load_objects(os.path.join(args.raw, name))
+        inputs[name] = problem or f"{len(objects)} object(s)"
+        return objects
+
+    machine_objs, problem = load_objects(args.machine or os.path.join(args.raw, "machine.json"))
+    inputs[os.path.basename(args.machine) if args.machine else "machine.json"] = problem or "read"
+    machine = machine_objs[0] if machine_objs else {}
+
+    def read_all(pattern, default):  # every file matching, or the default name (reported absent)
+        names = sorted(os.path.basename(f) for f in glob.glob(os.path.join(args.raw, pattern)))
+        return [o for name in names or [default] for o in read(name)]
+
+    runs = read("runs.json") if os.path.exists(os.path.join(args.raw, "runs.json")) else []
+    inputs.pop("runs.json", None)
+    cudp_train = [o for o in read_all("train_cudp*.json", "train_cudp.json")
+                  if str(o.get("framework", "cudp")).startswith("cudp")]
+    torch_train = [o for o in read_all("train_torch*.json", "train_torch.json")
+                   if str(o.get("framework", "pytorch")).startswith("pytorch")]
+    comm = allreduce(read("comm.json"))
+    kernels = []
+    for bench in KERNEL_BENCHES:
+        for doc in read(f"{bench}.json"):
+            kind = doc.get("benchmark") if doc.get("benchmark") in KERNEL_BENCHES else bench
+            kernels += kernel_rows(kind, doc)
+    train = training(cudp_train, torch_train)
+
+    os.makedirs(args.out, exist_ok=True)
+    plot_problem = plot_scaling(train, os.path.join(args.out, "scaling.png"))
+    if plot_problem is not None and os.path.exists(os.path.join(args.out, "scaling.png")):
+        os.remove(os.path.join(args.out, "scaling.png"))  # an older run's plot would mislead
+
+    md = [f"# {args.title}", ""]
+    if machine.get("date"):
+        md += [f"Generated from the run of {machine['date']}.", ""]
+    md += ["## Machine", "", machine_md(machine), "",
+           "## Headline", "", headline(train, comm), "",
+           "## Training throughput (bench_train vs bench/pytorch_train.py)", "",
+           "Images per second over timed steps (data already on the GPU). Scaling = img/s on g GPUs / "
+           "(g × img/s on 1 GPU) of the same framework (PyTorch's DataParallel and DDP against PyTorch "
+           "on 1 GPU). cudp/PyTorch compares the same GPU count. The all-reduce column is cudp's "
+           "gradient all-reduce timed alone, an upper bound of the communication a step exposes.", "",
+           training_md(train), ""]
+    if plot_problem is None:
+        md += ["![img/s against GPU count](scaling.png)", ""]
+    else:
+        md += [f"_({plot_problem})_", ""]
+    md += ["## Kernels: ours vs the vendor libraries", "",
+           "TFLOP/s for GEMM and convolution (2·m·n·k and 2·N·P·Q·K·R·S·C), GB/s of the least bytes an op "
+           "must move for the memory-bound ones; the vendor is cuBLAS / cuDNN, or the measured "
+           "device-to-device copy where cuDNN has no such op. Ratio > 1: ours is faster.", "",
+           kernels_md(kernels), "",
+           "## All-reduce (bench_comm): cudp's Communicator vs raw NCCL", "",
+           "fp32 sum in place; bus bandwidth = bytes / time × 2(n−1)/n; median of repetitions.", "",
+           allreduce_md(comm), "",
+           "## Inputs", "",
+           md_table(["file", "status"], [[k, v] for k, v in inputs.items()], ["---", "---"]), ""]
+    if runs:
+        md += ["## Runs (scripts/bench-report.sh)", "",
+               md_table(["bench", "status", "seconds", "command"],
+                        [[r.get("bench", "?"), r.get("status", "?"), r.get("seconds", ""),
+                          "`" + str(r.get("command", "")) + "`"] for r in runs],
+                        ["---", "---", "---:", "---"]), ""]
+    with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+    with open(os.path.join(args.out, "report.json"), "w", encoding="utf-8") as f:
+        json.dump({"machine": machine, "training": train, "kernels": kernels, "allreduce": comm,
+                   "inputs": inputs, "runs": runs, "plot": "scaling.png" if plot_problem is None else None},
+                  f, indent=1)
+        f.write("\n")
+    print(f"report.py: wrote {os.path.join(args.out, 'report.md')}, report.json"
+          + (", scaling.png" if plot_problem is None else f" ({plot_problem})"))
+    missing = [k for k, v in inputs.items() if v in ("absent", "empty") or v.startswith("no JSON")]
+    if missing:
+        print("report.py: missing or empty: " + ", ".join(missing), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
