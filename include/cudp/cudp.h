@@ -1,9 +1,48 @@
 // cudp's umbrella header: everything a user needs, in one include.
+//
+// Devices, streams, memory and tensors; the Module base class and every layer; the loss, the
+// optimizers, learning-rate schedules and checkpoints; VGG; the data sets, the loader and the
+// device prefetcher; DataParallel and data_parallel(). All of it compiles with a plain C++20
+// compiler (the CUDA toolkit's headers come with CUDA::cudart): a program that links cudp::cudp
+// needs no CUDA language of its own. The kernels (kernels/*.h) are an internal layer and are not
+// included; a program that calls them includes them by name.
 #pragma once
 
+// Devices, streams, memory, tensors, errors.
 #include "engine/core/device.h"
 #include "engine/core/error.h"
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
 #include "engine/core/tensor.h"
+
+// Modules and layers.
+#include "layers/activation.h"
+#include "layers/batchnorm.h"
+#include "layers/conv2d.h"
+#include "layers/dropout.h"
+#include "layers/flatten.h"
+#include "layers/init.h"
+#include "layers/linear.h"
+#include "layers/module.h"
+#include "layers/pooling.h"
+#include "layers/sequential.h"
+#include "layers/vgg.h"
+
+// Training: loss, optimizers, schedules, the one-device step helpers, checkpoints.
+#include "layers/checkpoint.h"
+#include "layers/loss.h"
+#include "layers/optim.h"
+#include "layers/safetensors.h"
+#include "layers/schedule.h"
+#include "layers/train.h"
+
+// Data: IDX (MNIST, Fashion-MNIST), CIFAR-10, the synthetic set, the loader, the device prefetcher.
+#include "data/cifar.h"
+#include "data/dataset.h"
+#include "data/idx.h"
+#include "data/loader.h"
+#include "data/prefetcher.h"
+#include "data/synthetic.h"
+
+// Data parallelism: DataParallel, data_parallel(), parallel::Replicated<Opt>.
 #include "engine/parallel/data_parallel.h"

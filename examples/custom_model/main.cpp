@@ -1,0 +1,308 @@
+// custom_model: the seed program (a small CNN on Fashion-MNIST, trained data-parallel on every GPU)
+// written against an installed cudp, as a project of your own would be. It uses nothing but
+// find_package(cudp) and `#include <cudp/cudp.h>`; the model is seed_cnn.h.
+//
+//   custom_model                                   # Fashion-MNIST, all visible GPUs, 1 epoch
+//   custom_model --data synthetic --epochs 1       # no files needed; runs on the CPU without a GPU
+//   custom_model --gpus 0 --steps 50 --print-checksum
+//   custom_model --gpus 0,1 --steps 50 --print-checksum   # same checksum to fp32 rounding
+//   CUDA_VISIBLE_DEVICES=1 custom_model --save cnn.safetensors
+//
+// What happens, in the seed's order: device calls (count, current, set_device, what
+// CUDA_VISIBLE_DEVICES did), data, model, DataParallel over the GPUs, SGD on every replica, then
+// training with the test accuracy computed the seed's way: argmax of the logits, moved to the host
+// with .cpu(), compared with the labels there.
+#include <cudp/cudp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "seed_cnn.h"
+
+using namespace cudp;
+
+namespace {
+
+struct Options {
+  std::string data = "fashion-mnist";  // or "synthetic"
+  std::string data_dir;                // empty: data::kFashionMnistSystemDir
+  std::vector<int> gpus;               // empty: every visible GPU (none: the CPU)
+  int epochs = 1;
+  int64_t steps = 0;  // > 0: stop after this many steps
+  int64_t batch_size = 64;
+  int64_t synthetic_size = 2048;  // training images of the synthetic set
+  double lr = 0.05, momentum = 0.9;
+  uint64_t seed = 0;
+  std::string save;
+  bool print_checksum = false;
+};
+
+const char* kUsage =
+    "usage: custom_model [--data fashion-mnist|synthetic] [--data-dir DIR] [--gpus 0,1,...]\n"
+    "                    [--epochs N] [--steps N] [--batch-size N] [--lr X] [--momentum X]\n"
+    "                    [--seed N] [--synthetic-size N] [--save PATH] [--print-checksum]\n";
+
+// A hand-written parser (the installed cudp does not bring CLI11 along): `--name value` pairs.
+Options parse(int argc, char** argv) {
+  Options o;
+  using Set = std::function<void(const std::string&)>;
+  const std::map<std::string, Set> takes_value = {
+      {"--data", [&](const std::string& v) { o.data = v; }},
+      {"--data-dir", [&](const std::string& v) { o.data_dir = v; }},
+      {"--epochs", [&](const std::string& v) { o.epochs = std::stoi(v); }},
+      {"--steps", [&](const std::string& v) { o.steps = std::stoll(v); }},
+      {"--batch-size", [&](const std::string& v) { o.batch_size = std::stoll(v); }},
+      {"--synthetic-size", [&](const std::string& v) { o.synthetic_size = std::stoll(v); }},
+      {"--lr", [&](const std::string& v) { o.lr = std::stod(v); }},
+      {"--momentum", [&](const std::string& v) { o.momentum = std::stod(v); }},
+      {"--seed", [&](const std::string& v) { o.seed = std::stoull(v); }},
+      {"--save", [&](const std::string& v) { o.save = v; }},
+      {"--gpus",
+       [&](const std::string& v) {
+         std::stringstream list(v);
+         for (std::string id; std::getline(list, id, ',');) o.gpus.push_back(std::stoi(id));
+       }},
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (arg == "--print-checksum") {
+      o.print_checksum = true;
+    } else if (const auto it = takes_value.find(arg); it != takes_value.end()) {
+      if (i + 1 == argc) throw std::invalid_argument(arg + " needs a value");
+      try {
+        it->second(argv[++i]);
+      } catch (const std::logic_error&) {  // what std::stoi and friends throw on a bad number
+        throw std::invalid_argument(arg + ": \"" + argv[i] + "\" is not a valid value");
+      }
+    } else {
+      throw std::invalid_argument("unknown option " + arg);
+    }
+  }
+  if (o.data != "fashion-mnist" && o.data != "synthetic")
+    throw std::invalid_argument("--data is fashion-mnist or synthetic, not " + o.data);
+  if (o.batch_size <= 0 || o.epochs < 0 || o.steps < 0 || o.synthetic_size <= 0)
+    throw std::invalid_argument(
+        "--batch-size and --synthetic-size must be > 0, --epochs and --steps >= 0");
+  return o;
+}
+
+// The seed's device calls: torch.cuda.device_count(), current_device(), set_device(), and what
+// CUDA_VISIBLE_DEVICES did to the numbering.
+void show_devices() {
+  const int n = cuda::device_count();  // 0 without a GPU, never an exception
+  const cuda::VisibleDevices visible = cuda::visible_devices();
+  std::printf("devices: %d visible", n);
+  if (visible.set) std::printf(" (CUDA_VISIBLE_DEVICES=\"%s\")", visible.raw.c_str());
+  std::printf("\n");
+  for (int i = 0; i < n; ++i) {
+    // With CUDA_VISIBLE_DEVICES=0,4, visible id 1 is physical GPU 4.
+    std::printf("  cuda:%d = physical GPU %s, %s\n", i, cuda::physical_id(i).c_str(),
+                cuda::device_name(i).c_str());
+  }
+  if (n == 0) {
+    std::printf("  no GPU: the model trains on the CPU (slowly)\n");
+    return;
+  }
+  std::printf("current device: %d\n", cuda::current_device());
+  cuda::set_device(n - 1);
+  std::printf("after set_device(%d): current device %d\n", n - 1, cuda::current_device());
+  cuda::set_device(0);
+}
+
+struct Data {
+  data::Dataset train, test;
+};
+
+// Fashion-MNIST (gzip or raw IDX files) from --data-dir or where Debian/Ubuntu's package puts it,
+// or the synthetic set: asked for, or because the package's files are not there. A --data-dir that
+// does not hold the files is an error that names the missing file.
+Data load_data(const Options& o) {
+  const std::string dir = o.data_dir.empty() ? data::kFashionMnistSystemDir : o.data_dir;
+  if (o.data == "fashion-mnist" && (!o.data_dir.empty() || std::filesystem::exists(dir))) {
+    std::printf("data: Fashion-MNIST from %s\n", dir.c_str());
+    return {data::load_mnist_like(dir, true), data::load_mnist_like(dir, false)};
+  }
+  if (o.data == "fashion-mnist") {
+    std::printf(
+        "data: %s is absent (install dataset-fashion-mnist or pass --data-dir): "
+        "using the synthetic set\n",
+        dir.c_str());
+  }
+  data::SyntheticOptions s;  // 28x28x1, 10 classes, like Fashion-MNIST
+  s.n_train = o.synthetic_size;
+  s.n_test = 2000;
+  s.seed = o.seed;
+  std::printf("data: synthetic, %lld training images\n", static_cast<long long>(s.n_train));
+  return {data::make_synthetic(s, true), data::make_synthetic(s, false)};
+}
+
+// The seed's accuracy on the first 2000 test images: forward, argmax of the logits, .cpu(), and
+// a comparison with the labels on the host (torch.max(test_output, 1)[1].data.cpu() == test_y).
+double test_accuracy(DataParallel& model, data::Loader& test, Device device) {
+  model.eval();
+  int64_t correct = 0, seen = 0;
+  test.start_epoch(0);
+  data::Batch b;
+  while (seen < 2000 && test.next(b)) {
+    const Tensor images = b.images.to(device);               // an explicit copy (none on the CPU)
+    const TensorList outputs = model.forward_all({images});  // {logits, features}
+    const std::vector<int32_t> predicted = argmax(outputs[0], 1).cpu().to_vector<int32_t>();
+    const std::vector<int32_t> labels = b.labels.to_vector<int32_t>();  // host labels
+    for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
+    seen += static_cast<int64_t>(labels.size());
+  }
+  model.train();
+  return static_cast<double>(correct) / static_cast<double>(seen);
+}
+
+// sum and sum of squares of every parameter, in double (a 1-GPU and a 2-GPU run agree to fp32
+// rounding: the order of the gradient sums is all that differs).
+void print_checksum(Module& net) {
+  double sum = 0, sum_sq = 0;
+  for (Parameter* p : net.parameters()) {
+    for (const float v : p->data.cpu().to_vector<float>()) {
+      sum += v;
+      sum_sq += static_cast<double>(v) * v;
+    }
+  }
+  std::printf("checksum: sum %.17g sum_sq %.17g\n", sum, sum_sq);
+}
+
+int run(const Options& o) {
+  show_devices();
+
+  // The GPUs to use: --gpus, or all of them; none at all on a machine without a GPU.
+  std::vector<int> gpus = o.gpus;
+  if (gpus.empty()) {
+    for (int i = 0; i < cuda::device_count(); ++i) gpus.push_back(i);
+  }
+  for (int g : gpus) cuda::check_device(g);  // an invalid id: an error naming the valid ones
+  const Device device = gpus.empty() ? Device::cpu() : Device::cuda(gpus[0]);
+
+  const Data d = load_data(o);
+  data::LoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.seed = o.seed;
+  lo.normalization = data::compute_normalization(d.train);  // per-channel mean/std of train
+  data::Loader train_loader(d.train, lo);
+  data::LoaderOptions test_options = lo;
+  test_options.shuffle = false;
+  test_options.batch_size = 500;
+  data::Loader test_loader(d.test, test_options);
+
+  // The model, built on the CPU and moved to the first GPU: DataParallel wants the parameters on
+  // device_ids[0] (as PyTorch does) and copies them once to the other GPUs.
+  auto net = std::make_shared<seed::SeedCnn>(
+      seed::SeedCnnOptions{.in_channels = static_cast<int>(d.train.channels),
+                           .n_classes = d.train.num_classes,
+                           .image_size = static_cast<int>(d.train.height),
+                           .seed = o.seed});
+  net->to(device);
+  // (Conv2d keeps its weights as [out, kh, kw, in] for the NHWC kernels; state_dict() and the
+  // checkpoints export PyTorch's [out, in, kh, kw].)
+  std::printf("model: SeedCnn, %lld parameters:", static_cast<long long>(net->num_parameters()));
+  for (const auto& [name, p] : net->named_parameters()) {
+    std::printf(" %s%s", name.c_str(), shape_str(p->data.shape()).c_str());
+  }
+  std::printf("\n");
+
+  // Every GPU in `gpus` gets a replica; without a GPU, DataParallel runs the model as it is.
+  std::unique_ptr<DataParallel> wrapped = gpus.empty() ? std::make_unique<DataParallel>(net)
+                                                       : std::make_unique<DataParallel>(net, gpus);
+  DataParallel& model = *wrapped;
+  std::printf("DataParallel over %zu replica(s) on %s\n", model.num_replicas(),
+              device.str().c_str());
+
+  // One SGD per replica, stepped together: every replica applies the same summed gradient, so they
+  // stay identical without re-broadcasting weights.
+  parallel::Replicated<SGD> opt(model.parameters(), {.lr = o.lr, .momentum = o.momentum});
+  CrossEntropyLoss criterion;
+
+  int64_t step = 0;
+  bool done = false;
+  for (int epoch = 0; epoch < o.epochs && !done; ++epoch) {
+    // On a GPU the prefetcher copies the next pinned batch to the first GPU while this one trains;
+    // DataParallel then scatters it to the replicas. On the CPU the loader's batches are used as
+    // is.
+    std::unique_ptr<data::DevicePrefetcher> prefetch;
+    if (device.is_cuda()) {
+      prefetch = std::make_unique<data::DevicePrefetcher>(train_loader, std::vector<int>{gpus[0]});
+      prefetch->start_epoch(epoch);
+    } else {
+      train_loader.start_epoch(epoch);
+    }
+    for (;;) {
+      Tensor images, labels;
+      if (prefetch) {
+        data::DeviceBatch db;
+        if (!prefetch->next(db)) break;
+        images = db.images[0];
+        labels = db.labels[0];
+      } else {
+        data::Batch b;
+        if (!train_loader.next(b)) break;
+        images = b.images;
+        labels = b.labels;
+      }
+      // Two outputs come back, gathered on the first GPU: the logits and the features.
+      const TensorList outputs = model.forward_all({images});
+      const Tensor& logits = outputs[0];
+      if (step == 0) {
+        std::printf("outputs: logits %s, features %s\n", shape_str(logits.shape()).c_str(),
+                    shape_str(outputs[1].shape()).c_str());
+      }
+      criterion.forward(logits, labels);
+      opt.zero_grad();
+      // The features are not used by the loss: their gradient is an undefined Tensor (zero).
+      model.backward_all({criterion.backward(), Tensor()});
+      opt.step();
+      ++step;
+      if (step % 10 == 0) {
+        std::printf("epoch %d step %lld: loss %.4f\n", epoch + 1, static_cast<long long>(step),
+                    criterion.item());  // reading the loss is the one wait for the GPUs
+      }
+      if (o.steps > 0 && step >= o.steps) {
+        done = true;
+        break;
+      }
+    }
+    std::printf("epoch %d: %lld steps, last loss %.4f, test accuracy %.2f%%\n", epoch + 1,
+                static_cast<long long>(step), criterion.item(),
+                100 * test_accuracy(model, test_loader, device));
+  }
+
+  if (!o.save.empty()) {
+    // The model file holds exactly net->state_dict() with PyTorch's names (conv1.0.weight, ...):
+    // safetensors.torch.load_file() + load_state_dict() read it. The optimizer state goes beside
+    // it.
+    save_checkpoint(o.save, *net, &opt.primary(), {{"step", std::to_string(step)}});
+    std::printf("saved %s and %s\n", o.save.c_str(), optimizer_state_path(o.save).c_str());
+  }
+  if (o.print_checksum) print_checksum(*net);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "custom_model: %s\n%s", e.what(), kUsage);
+    return 2;
+  } catch (const std::exception& e) {  // cudp::Error names the file, line and what went wrong
+    std::fprintf(stderr, "custom_model: %s\n", e.what());
+    return 1;
+  }
+}
