@@ -123,7 +123,10 @@ bool validate(const Shape& s, const std::vector<float>& got, const std::vector<f
   for (size_t i = 0; i < got.size(); ++i) {
     const double excess =
         std::fabs(double(got[i]) - want[i]) / (atol + rtol * std::fabs(double(want[i])));
-    if (!(excess <= worst)) worst = excess, at = i;  // NaN counts as worst
+    if (!(excess <= worst)) {  // NaN counts as worst
+      worst = excess;
+      at = i;
+    }
   }
   const bool ok = worst <= 1.0;
   std::printf("  validate %-28s %-22s %s (worst %.3g of tolerance at %zu: %.8g vs %.8g)\n",

@@ -5,6 +5,26 @@
 //   cudp-vgg --gpus 0 --epochs 2 --checkpoint run.safetensors
 //   cudp-vgg --resume run.safetensors --epochs 4   # continues exactly where the checkpoint stopped
 //   cudp-vgg --data synthetic --epochs 1           # no files needed (CPU too, slowly)
+//   cudp-vgg --data synthetic --arch vgg11 --epochs 1 --limit-train 64 --limit-test 32
+//            --batch-size 32                         # a CI smoke run on the CPU (~20 s: the CPU
+//                                                    # references train a few images per second)
+//
+// Exact resume: a checkpoint written after epoch e holds the model (weights and BatchNorm buffers),
+// the optimizer's momentum buffers, step count and rate, the global step (the schedule's position),
+// the Dropout seeds and offsets (not part of a state dict) and the settings that shape the run
+// (data, --limit-train, --batch-size, --seed, --arch, --bn, schedule, rates, --epochs). The data
+// order is a pure function of (seed, epoch), so `--resume` replays epoch e + 1 onwards exactly:
+// resuming with the same settings gives bit-identical weights to the run that was not stopped.
+// On --resume, settings left off the command line are taken from the checkpoint; those that would
+// make it another run (data, limits, batch size, seed, arch, bn) are refused when given with
+// another value, and the others (rates, schedule, --epochs, --augment) are accepted with a note
+// that the continuation then differs from the checkpointed run. The optimizer state goes into every
+// replica's optimizer (Replicated::load_state_dict) and the replicas' Dropout seeds derive from
+// replica 0's, restored before the replicas are made. Note that a onecycle/cosine/step schedule
+// spans --epochs: `--epochs 2` then `--resume --epochs 4` is exact only with --schedule constant;
+// `--epochs 4 --stop-after 2` then `--resume` (an interrupted run) is exact with any schedule.
+// --print-checksum prints an FNV-1a hash of state_dict() (and checks that the replicas are
+// bit-identical), so scripts and tests can compare runs.
 //
 // The loop, per step: the loader's next pinned batch is copied to the first GPU on a copy stream
 // (overlapping the previous step), DataParallel scatters it to the replicas, runs forward, gathers
@@ -16,6 +36,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,7 +44,10 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "data/cifar.h"
@@ -64,6 +88,10 @@ struct Options {
   std::string checkpoint, resume, json;
   bool eval_only = false;
   int workers = 4;
+  int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all)
+  int stop_after = 0;                       // stop after this epoch (0: run to --epochs)
+  bool print_checksum = false;
+  std::set<std::string> given;              // options given on the command line ("--seed", ...)
 };
 
 double seconds_since(Clock::time_point t) {
@@ -108,6 +136,16 @@ Data load_data(const Options& o) {
       d.description = o.data + " from " + dir;
     }
   }
+  // --limit-train / --limit-test: the first N images of each set (tests, CI, quick experiments).
+  const auto limit = [](data::Dataset& set, int64_t n, const char* which) -> std::string {
+    if (n <= 0 || n >= set.size()) return "";
+    const std::string note = detail::str(", first ", n, " of ", set.size(), " ", which, " images");
+    set.labels.resize(static_cast<size_t>(n));
+    set.images.resize(static_cast<size_t>(n * set.image_bytes()));
+    return note;
+  };
+  d.description += limit(d.train, o.limit_train, "train");
+  d.description += limit(d.test, o.limit_test, "test");
   return d;
 }
 
@@ -135,19 +173,136 @@ std::unique_ptr<LRScheduler> make_schedule(const Options& o, Optimizer& opt, int
   return nullptr;  // constant
 }
 
-// Dropout offsets are part of an exact resume but not of the state dict (torchvision's Dropout has
-// no state): they travel in the checkpoint's metadata.
-void save_dropout_offsets(Module& model, Metadata& meta) {
+// Dropout seeds and offsets are part of an exact resume but not of the state dict (torchvision's
+// Dropout has no state): they travel in the checkpoint's metadata. Replica 0's are the ones saved
+// and restored; the other replicas' seeds derive from them when DataParallel makes the replicas
+// (engine/parallel/replicate.h), so they must be restored before that.
+void save_dropout_state(Module& model, Metadata& meta) {
   for (auto& [name, m] : model.named_modules()) {
-    if (auto* d = dynamic_cast<Dropout*>(m)) meta["dropout_offset." + name] = std::to_string(d->offset());
+    if (auto* d = dynamic_cast<Dropout*>(m)) {
+      meta["dropout_seed." + name] = std::to_string(d->seed());
+      meta["dropout_offset." + name] = std::to_string(d->offset());
+    }
   }
 }
-void load_dropout_offsets(Module& model, const Metadata& meta) {
+void load_dropout_state(Module& model, const Metadata& meta) {
   for (auto& [name, m] : model.named_modules()) {
     auto* d = dynamic_cast<Dropout*>(m);
-    const auto it = meta.find("dropout_offset." + name);
-    if (d && it != meta.end()) d->set_seed(d->seed(), std::stoull(it->second));
+    if (!d) continue;
+    const auto seed = meta.find("dropout_seed." + name);
+    const auto offset = meta.find("dropout_offset." + name);
+    d->set_seed(seed != meta.end() ? std::stoull(seed->second) : d->seed(),
+                offset != meta.end() ? std::stoull(offset->second) : 0);
   }
+}
+
+// --print-checksum: FNV-1a (64 bit) over every state_dict() entry in key order, name and bytes, so
+// two runs compare with one line.
+uint64_t model_checksum(Module& model) {
+  uint64_t h = 14695981039346656037ull;
+  const auto mix = [&h](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& [name, tensor] : model.state_dict()) {
+    mix(name.data(), name.size());
+    const Tensor host = tensor.cpu();
+    mix(host.data_ptr(), host.nbytes());
+  }
+  return h;
+}
+
+// The settings that shape a run, as exact strings in the checkpoint's metadata.
+std::string text(const std::string& v) { return v; }
+std::string text(bool v) { return v ? "1" : "0"; }
+std::string text(double v) {  // the shortest form that reads back exactly
+  char buf[64];
+  const auto end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+  return std::string(buf, end);
+}
+template <class T>
+  requires std::is_integral_v<T>
+std::string text(T v) {
+  return std::to_string(v);
+}
+
+template <class T>
+T parse(const std::string& s) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return s;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return s == "1";
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return std::stod(s);
+  } else if constexpr (std::is_unsigned_v<T>) {
+    return static_cast<T>(std::stoull(s));
+  } else {
+    return static_cast<T>(std::stoll(s));
+  }
+}
+
+// Calls fn(option, metadata key, value, strict) for every setting a checkpoint records. strict:
+// another value makes it another run (different data, order, model), so a resume refuses it.
+template <class Fn>
+void for_each_setting(Options& o, Fn&& fn) {
+  fn("--data", "data", o.data, true);
+  fn("--limit-train", "limit_train", o.limit_train, true);
+  fn("--batch-size", "batch_size", o.batch_size, true);
+  fn("--seed", "seed", o.seed, true);
+  fn("--arch", "arch", o.arch, true);
+  fn("--bn", "bn", o.bn, true);
+  fn("--augment", "augment", o.augment, false);
+  fn("--schedule", "schedule", o.schedule, false);
+  fn("--lr", "lr", o.lr, false);
+  fn("--momentum", "momentum", o.momentum, false);
+  fn("--weight-decay", "weight_decay", o.weight_decay, false);
+  fn("--epochs", "epochs", o.epochs, false);
+}
+
+Metadata settings_metadata(Options o) {
+  Metadata meta;
+  for_each_setting(o, [&](const char*, const char* key, const auto& value, bool) {
+    meta[key] = text(value);
+  });
+  return meta;
+}
+
+// On --resume: settings left off the command line take the checkpoint's values; strict ones given
+// with another value are refused (ValueError: exit code 2); others are kept with a note.
+void adopt_settings(Options& o, const Metadata& meta) {
+  for_each_setting(o, [&](const char* option, const char* key, auto& value, bool strict) {
+    using T = std::remove_cvref_t<decltype(value)>;
+    const auto it = meta.find(key);
+    if (it == meta.end() || it->second == text(value)) return;
+    const bool given = o.given.count(option) > 0 ||
+                       (std::string(option) == "--bn" && o.given.count("--no-bn") > 0);
+    if (!given) {
+      value = parse<T>(it->second);
+      return;
+    }
+    if (strict) {
+      throw ValueError(detail::str("--resume ", o.resume, ": the checkpoint was written with ",
+                                   option, " ", it->second, ", this run has ", option, " ",
+                                   text(value), "; resuming needs the same value (leave ", option,
+                                   " out to take the checkpoint's)"),
+                       __FILE__, __LINE__);
+    }
+    if (std::string(option) == "--epochs") {
+      if (o.schedule != "constant") {
+        std::printf(
+            "note: the checkpointed run planned %s epochs; the %s schedule now spans %d, so the "
+            "rates from here on are those of a %d-epoch run\n",
+            it->second.c_str(), o.schedule.c_str(), o.epochs, o.epochs);
+      }
+      return;
+    }
+    std::printf("note: %s %s differs from the checkpoint's %s: training continues with it, not as "
+                "the checkpointed run would have\n",
+                option, text(value).c_str(), it->second.c_str());
+  });
 }
 
 class JsonLog {
@@ -178,7 +333,7 @@ void progress(bool tty, int epoch, int epochs, int64_t step, int64_t steps, doub
   std::fflush(stdout);
 }
 
-int run(const Options& o) {
+int run(Options o) {
   if (o.precision != "fp32") {
     throw ValueError(detail::str("--precision ", o.precision,
                                  " is not implemented yet: the tensor-core kernels are a later "
@@ -194,6 +349,12 @@ int run(const Options& o) {
   const cuda::VisibleDevices vis = cuda::visible_devices();
   std::printf("cudp-vgg: %d visible GPU(s)%s\n", visible,
               vis.set ? (" (CUDA_VISIBLE_DEVICES=\"" + vis.raw + "\")").c_str() : "");
+
+  // A resumed run takes the checkpoint's settings before anything depends on them (the data and
+  // its order depend on the seed and the limits).
+  if (!o.resume.empty()) {
+    adopt_settings(o, load_safetensors(optimizer_state_path(o.resume)).metadata);
+  }
 
   const Data d = load_data(o);
   std::printf("data: %s: %lld train, %lld test images\n", d.description.c_str(),
@@ -233,7 +394,7 @@ int run(const Options& o) {
     resumed = load_checkpoint(o.resume, *net, nullptr);
     start_epoch = std::stoi(resumed.at("epoch"));
     global_step = std::stoll(resumed.at("step"));
-    load_dropout_offsets(*net, resumed);
+    load_dropout_state(*net, resumed);  // before the replicas are made: their seeds derive from it
     std::printf("resumed from %s at epoch %d (step %lld)\n", o.resume.c_str(), start_epoch,
                 static_cast<long long>(global_step));
   }
@@ -254,13 +415,55 @@ int run(const Options& o) {
   }
   parallel::Replicated<SGD> opt(model.parameters(), {.lr = o.lr, .momentum = o.momentum,
                                                      .weight_decay = o.weight_decay});
-  if (!o.resume.empty()) {
-    for (size_t r = 0; r < opt.size(); ++r) load_checkpoint(o.resume, *net, &opt.replica(r));
-    model.broadcast_parameters();
-  }
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
-  auto schedule = make_schedule(o, opt.primary(), steps_per_epoch * o.epochs);
-  if (schedule) schedule->set_step(global_step);
+  if (!o.resume.empty()) {
+    // Replica 0's optimizer from the checkpoint (its parameters are the model's, which names its
+    // state; the model is loaded again on the way), then the same momentum buffers and step count
+    // into every other replica's optimizer, and replica 0's weights and buffers to the replicas.
+    load_checkpoint(o.resume, *net, &opt.primary());
+    opt.load_state_dict(opt.primary().state_dict());
+    for (size_t r = 1; r < opt.size(); ++r) {
+      opt.replica(r).load_hyperparameters(opt.primary().hyperparameters());
+    }
+    model.broadcast_parameters();
+    if (global_step != start_epoch * steps_per_epoch) {
+      throw ValueError(detail::str("--resume ", o.resume, ": the checkpoint is at step ",
+                                   global_step, " after epoch ", start_epoch, ", but this run has ",
+                                   steps_per_epoch, " steps per epoch; resume with the data, "
+                                   "--limit-train and --batch-size it was written with"),
+                       __FILE__, __LINE__);
+    }
+    if (!o.eval_only && o.epochs < start_epoch) {
+      throw ValueError(detail::str("--epochs ", o.epochs, " is less than the checkpoint's epoch ",
+                                   start_epoch, ": nothing to train (--eval-only evaluates it)"),
+                       __FILE__, __LINE__);
+    }
+  }
+  // The epochs this run trains: [start_epoch, end_epoch). The schedule spans --epochs whatever
+  // --stop-after says, so a stopped run resumes on the same schedule.
+  const int end_epoch = o.stop_after > 0 ? std::min(o.epochs, o.stop_after) : o.epochs;
+  std::unique_ptr<LRScheduler> schedule;
+  if (!o.eval_only && start_epoch < end_epoch) {
+    // The checkpoint restored the rate of its last step; the schedules compute every rate from
+    // the base rate (StepLR and CosineAnnealingLR take the optimizer's at construction), and a
+    // constant schedule runs at --lr.
+    opt.primary().set_lr(o.lr);
+    schedule = make_schedule(o, opt.primary(), steps_per_epoch * o.epochs);
+    if (schedule) schedule->set_step(global_step);
+  } else if (!o.eval_only) {
+    std::printf("nothing to train: the model is at epoch %d and this run stops at epoch %d\n",
+                start_epoch, end_epoch);
+  }
+
+  const auto print_checksum = [&] {
+    if (!o.print_checksum) return;
+    if (model.num_replicas() > 1) {
+      model.check_replicas_identical();  // throws naming the first difference
+      std::printf("replicas: %zu, bit-identical\n", model.num_replicas());
+    }
+    std::printf("checksum %016llx\n", static_cast<unsigned long long>(model_checksum(*net)));
+    std::fflush(stdout);
+  };
 
   CrossEntropyLoss criterion;
   JsonLog json(o.json);
@@ -290,13 +493,14 @@ int run(const Options& o) {
     const auto [loss, acc] = evaluate();
     std::printf("test loss %.4f, test accuracy %.2f%%\n", loss, 100 * acc);
     json.write({{"event", "eval"}, {"test_loss", loss}, {"test_accuracy", acc}});
+    print_checksum();
     return 0;
   }
 
   for (int g : gpus) cuda::reset_peak_memory_stats(g);
   const auto run_start = Clock::now();
   double train_seconds = 0, best_acc = 0;
-  for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
+  for (int epoch = start_epoch; epoch < end_epoch; ++epoch) {
     const auto epoch_start = Clock::now();
     std::unique_ptr<data::DevicePrefetcher> prefetch;
     if (!feed.empty()) {
@@ -358,11 +562,16 @@ int run(const Options& o) {
                 {"test_loss", test_loss}, {"test_accuracy", test_acc}, {"seconds", epoch_seconds},
                 {"elapsed", seconds_since(run_start)}, {"input_wait", train_loader.wait_seconds()}});
     if (!o.checkpoint.empty()) {
-      Metadata meta = {{"epoch", std::to_string(epoch + 1)}, {"step", std::to_string(global_step)},
-                       {"arch", o.arch}, {"seed", std::to_string(o.seed)}};
-      save_dropout_offsets(*net, meta);
+      Metadata meta = settings_metadata(o);
+      meta["epoch"] = std::to_string(epoch + 1);
+      meta["step"] = std::to_string(global_step);
+      save_dropout_state(*net, meta);
       save_checkpoint(o.checkpoint, *net, &opt.primary(), meta);
     }
+  }
+  if (start_epoch >= end_epoch) {
+    print_checksum();
+    return 0;
   }
   std::printf("done: best test accuracy %.2f%%, training time %.1f s, total %.1f s\n", 100 * best_acc,
               train_seconds, seconds_since(run_start));
@@ -372,6 +581,7 @@ int run(const Options& o) {
   }
   json.write({{"event", "done"}, {"best_test_accuracy", best_acc}, {"train_seconds", train_seconds},
               {"total_seconds", seconds_since(run_start)}});
+  print_checksum();
   return 0;
 }
 
@@ -409,7 +619,22 @@ int main(int argc, char** argv) {
   app.add_flag("--eval-only", o.eval_only, "evaluate the --resume checkpoint and stop");
   app.add_option("--json", o.json, "append one JSON object per progress line and epoch to this file");
   app.add_option("--workers", o.workers, "host threads preparing batches")->check(CLI::PositiveNumber);
+  app.add_option("--limit-train", o.limit_train, "use only the first N training images (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--limit-test", o.limit_test, "use only the first N test images (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--stop-after", o.stop_after,
+                 "stop after this epoch, as if interrupted (the schedule still spans --epochs; "
+                 "--resume continues)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--print-checksum", o.print_checksum,
+               "print a checksum of the model's parameters and buffers at the end (compares runs)");
   CLI11_PARSE(app, argc, argv);
+  for (const CLI::Option* option : app.get_options()) {
+    if (option->count() > 0) {
+      for (const std::string& name : option->get_lnames()) o.given.insert("--" + name);
+    }
+  }
   try {
     std::stringstream ss(gpus);
     for (std::string id; std::getline(ss, id, ',');) {

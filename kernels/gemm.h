@@ -1,9 +1,8 @@
 // fp32 matrix product, row-major, BLAS semantics: C = alpha * op(A) * op(B) + beta * C.
 //
-//   op(A) is m x k: A itself (stored m x k, lda >= k) or, with trans_a, A^T (A stored k x m, lda >=
-//   m). op(B) is k x n: B itself (stored k x n, ldb >= n) or, with trans_b, B^T (B stored n x k,
-//   ldb >= k). C is m x n with ldc >= n. Leading dimensions count elements between consecutive
-//   rows.
+//   op(A) is m x k: A (stored m x k, lda >= k), or with trans_a A^T (A stored k x m, lda >= m).
+//   op(B) is k x n: B (stored k x n, ldb >= n), or with trans_b B^T (B stored n x k, ldb >= k).
+//   C is m x n with ldc >= n. A leading dimension counts the elements from one row to the next.
 //
 // As in BLAS, beta == 0 does not read C (it may hold NaN or garbage) and alpha == 0 (or k == 0)
 // does not read A and B. m, n or k may be 0. A and B must not overlap C.
@@ -39,10 +38,9 @@ void gemm_cpu(bool trans_a, bool trans_b, int m, int n, int k, float alpha, cons
 namespace detail {
 
 // How gemm() runs a product: C is cut into tile_m x 128 tiles (tile_m is 128 or 64), and k into
-// `splits` chunks of k_chunk (a multiple of 8 when splits > 1; only the last chunk may be shorter,
-// none is empty).
-// With splits > 1 each chunk's partial product goes to a workspace and a second kernel sums the
-// chunks in a fixed order, so split-K stays deterministic.
+// `splits` chunks of k_chunk (a multiple of 8 when splits > 1; only the last chunk may be shorter;
+// none is empty). With splits > 1 each chunk's partial product goes to a workspace and a second
+// kernel sums the chunks in a fixed order, so split-K stays deterministic.
 struct GemmPlan {
   int tile_m = 128;
   int splits = 1;

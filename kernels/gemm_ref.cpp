@@ -1,9 +1,9 @@
 // The CPU reference of gemm() (kernels/gemm.h) and the argument checks both paths share.
 //
-// The reference accumulates in double and rounds once, so it is the tests' oracle. Its loop order
-// keeps the innermost loop on contiguous memory for either layout of B (a row update when B is k x
-// n, a dot product when B is stored n x k), which keeps the VGG-sized references of the GPU tests
-// to seconds.
+// The reference accumulates in double and rounds once, so it is the tests' oracle. Its innermost
+// loop runs over contiguous memory for either layout of B (a row update when B is stored k x n, a
+// dot product when B is stored n x k), which keeps the VGG-sized references of the GPU tests to
+// seconds.
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -1,0 +1,169 @@
+// cudp-vgg's exact resume on GPUs: the trainer run as a user runs it (CUDP_VGG_BINARY, set by
+// tests/CMakeLists.txt), comparing --print-checksum (FNV-1a over the final state_dict) bitwise.
+//
+//   A  = 4 epochs straight, writing a checkpoint every epoch
+//   B  = 2 epochs with --checkpoint b, then --resume b --epochs 4
+// A and B must end with bit-identical weights and BatchNorm buffers, with --schedule constant
+// (a schedule over --epochs would differ between a 2- and a 4-epoch run), and with the onecycle
+// (default) and cosine schedules interrupted by --stop-after 2 (what a killed run resumes).
+// On 1 GPU (--gpus 0) and on 2 (--gpus 0,1, where --print-checksum also checks that the replicas
+// are bit-identical: momentum buffers on every replica, Dropout seeds derived from replica 0's).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#include "common/gpu.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+#ifdef CUDP_VGG_BINARY
+#define CUDP_REQUIRE_VGG() (void)0
+const char* const kVgg = CUDP_VGG_BINARY;
+#else
+#define CUDP_REQUIRE_VGG() GTEST_SKIP() << "cudp-vgg is not built (CUDP_BUILD_EXAMPLES=OFF)"
+const char* const kVgg = "";
+#endif
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = fs::temp_directory_path() /
+            (std::string("cudp_vgg_gpu_") + info->name() + "_" + std::to_string(::getpid()));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+Result run_vgg(const TempDir& dir, const std::string& args) {
+  const std::string log = dir / "output.txt";
+  const std::string command = std::string("'") + kVgg + "' " + args + " > '" + log + "' 2>&1";
+  const int status = std::system(command.c_str());
+  Result r;
+  r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.output = ss.str();
+  return r;
+}
+
+std::string checksum_of(const Result& r) {
+  std::smatch m;
+  if (std::regex_search(r.output, m, std::regex("checksum ([0-9a-f]{16})"))) return m[1];
+  return "";
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// Runs A and B (see the header) on `gpus` with `schedule` and expects the same checksum.
+void expect_exact_resume(const std::string& gpus, const std::string& schedule, size_t replicas) {
+  SCOPED_TRACE("--gpus " + gpus + " --schedule " + schedule);
+  TempDir dir;
+  const std::string common =
+      "--data synthetic --limit-train 2048 --limit-test 512 --arch vgg11 "
+      "--batch-size 128 --print-checksum --gpus " +
+      gpus + " --schedule " + schedule + " ";
+  const std::string replica_line = "replicas: " + std::to_string(replicas) + ", bit-identical";
+
+  const Result a =
+      run_vgg(dir, common + "--epochs 4 --checkpoint '" + (dir / "a.safetensors") + "'");
+  ASSERT_EQ(a.code, 0) << a.output;
+  const std::string sum_a = checksum_of(a);
+  ASSERT_NE(sum_a, "") << a.output;
+  if (replicas > 1) {
+    EXPECT_TRUE(contains(a.output, replica_line)) << a.output;
+  }
+
+  if (schedule == "constant") {
+    // The same run again: if this differs, the trainer is not deterministic run to run (a kernel's
+    // atomics, an all-reduce's order) and the resume comparison below cannot pass either.
+    const Result again = run_vgg(dir, common + "--epochs 4");
+    ASSERT_EQ(again.code, 0) << again.output;
+    ASSERT_EQ(checksum_of(again), sum_a) << "two identical runs differ:\n" << again.output;
+  }
+
+  const std::string first = schedule == "constant" ? "--epochs 2 " : "--epochs 4 --stop-after 2 ";
+  const Result b1 = run_vgg(dir, common + first + "--checkpoint '" + (dir / "b.safetensors") + "'");
+  ASSERT_EQ(b1.code, 0) << b1.output;
+  EXPECT_TRUE(contains(b1.output, schedule == "constant" ? "epoch 2/2:" : "epoch 2/4:"))
+      << b1.output;
+  EXPECT_NE(checksum_of(b1), sum_a) << "2 epochs left the weights as 4 did";
+
+  const Result b2 = run_vgg(dir, common + "--epochs 4 --resume '" + (dir / "b.safetensors") +
+                                     "' --checkpoint '" + (dir / "b.safetensors") + "'");
+  ASSERT_EQ(b2.code, 0) << b2.output;
+  EXPECT_TRUE(contains(b2.output, "resumed from")) << b2.output;
+  EXPECT_FALSE(contains(b2.output, "epoch 2/4:")) << b2.output;
+  EXPECT_TRUE(contains(b2.output, "epoch 4/4:")) << b2.output;
+  if (replicas > 1) {
+    EXPECT_TRUE(contains(b2.output, replica_line)) << b2.output;
+  }
+  EXPECT_EQ(checksum_of(b2), sum_a) << "4 epochs straight:\n"
+                                    << a.output << "\n2 + 2 epochs (second half):\n"
+                                    << b2.output;
+
+  // The checkpoint after epoch 4 holds the model bit for bit: evaluating it prints the checksum.
+  const Result eval = run_vgg(dir, "--eval-only --print-checksum --limit-test 512 --gpus " + gpus +
+                                       " --resume '" + (dir / "b.safetensors") + "'");
+  ASSERT_EQ(eval.code, 0) << eval.output;
+  EXPECT_EQ(checksum_of(eval), sum_a) << eval.output;
+}
+
+TEST(VggTrainerGpu, ResumeIsBitIdenticalOnOneGpu) {
+  CUDP_REQUIRE_GPU();
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0", "constant", 1);
+}
+
+TEST(VggTrainerGpu, InterruptedOneCycleRunResumesBitIdenticallyOnOneGpu) {
+  CUDP_REQUIRE_GPU();
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0", "onecycle", 1);
+}
+
+// Cosine takes its base rate from the optimizer: a resume must not start it from the checkpoint's
+// last rate.
+TEST(VggTrainerGpu, InterruptedCosineRunResumesBitIdenticallyOnOneGpu) {
+  CUDP_REQUIRE_GPU();
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0", "cosine", 1);
+}
+
+TEST(VggTrainerGpu, ResumeIsBitIdenticalOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0,1", "constant", 2);
+}
+
+TEST(VggTrainerGpu, InterruptedOneCycleRunResumesBitIdenticallyOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0,1", "onecycle", 2);
+}
+
+}  // namespace
