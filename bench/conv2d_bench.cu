@@ -22,37 +22,19 @@
 #include <string>
 #include <vector>
 
+#include "common/device_buffer.h"
 #include "common/timing.h"
 #include "engine/core/error.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/conv2d.h"
 #include "kernels/init.h"
+#include "tests/common/cudnn_conv2d.h"
 
 namespace {
 
 using namespace cudp;
 using namespace cudp::kernels;
-
-// Device memory for the benchmark, freed at scope exit.
-struct Device {
-  float* p = nullptr;
-  size_t n = 0;
-  explicit Device(size_t count) : n(count) {
-    CUDP_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(float)));
-  }
-  ~Device() { cudaFree(p); }
-  Device(const Device&) = delete;
-  Device& operator=(const Device&) = delete;
-  // The passes run on a cudaStreamNonBlocking stream (ours and cuDNN's), which cudaMemcpy's
-  // legacy default stream does not wait for: without the synchronisation the copy races the
-  // kernels and reads whatever the buffer held before (zeros, or a previous layer's values).
-  std::vector<float> download() const {
-    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> h(n);
-    CUDP_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using bench::DeviceBuffer;
 
 enum class Pass { Forward, BackwardData, BackwardWeight };
 constexpr Pass kPasses[] = {Pass::Forward, Pass::BackwardData, Pass::BackwardWeight};
@@ -112,34 +94,10 @@ struct Algo {
   size_t workspace = 0;
 };
 
-// cuDNN descriptors for one shape: NHWC tensors, KRSC filters (filter format CUDNN_TENSOR_NHWC),
-// cross-correlation, fp32 with CUDNN_FMA_MATH.
+// cuDNN on one shape, on our layouts (tests/common/cudnn_conv2d.h): finds and runs its algorithms.
 class CudnnConv {
  public:
-  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle) {
-    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x_));
-    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y_));
-    CUDP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w_));
-    CUDP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv_));
-    CUDP_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(x_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.c, s.h, s.w));
-    CUDP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(y_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.k,
-                                                s.p(), s.q()));
-    CUDP_CUDNN_CHECK(
-        cudnnSetFilter4dDescriptor(w_, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NHWC, s.k, s.c, s.r, s.s));
-    CUDP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv_, s.pad_h, s.pad_w, s.stride_h,
-                                                     s.stride_w, 1, 1, CUDNN_CROSS_CORRELATION,
-                                                     CUDNN_DATA_FLOAT));
-    CUDP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv_, CUDNN_FMA_MATH));
-  }
-  ~CudnnConv() {
-    cudnnDestroyConvolutionDescriptor(conv_);
-    cudnnDestroyFilterDescriptor(w_);
-    cudnnDestroyTensorDescriptor(y_);
-    cudnnDestroyTensorDescriptor(x_);
-  }
-  CudnnConv(const CudnnConv&) = delete;
-  CudnnConv& operator=(const CudnnConv&) = delete;
+  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle), d_(s) {}
 
   // Every algorithm that ran within the workspace, fastest first (cuDNN times them).
   std::vector<Algo> find(Pass pass, const float* in0, const float* in1, float* out, void* ws,
@@ -149,24 +107,24 @@ class CudnnConv {
         cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
         int count = 0;
         CUDP_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(
-            handle_, x_, in0, w_, in1, conv_, y_, out, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count,
-            perf, ws, ws_bytes));
+            handle_, d_.x, in0, d_.w, in1, d_.conv, d_.y, out, CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+            &count, perf, ws, ws_bytes));
         return usable(perf, count);
       }
       case Pass::BackwardData: {
         cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
         int count = 0;
         CUDP_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(
-            handle_, w_, in1, y_, in0, conv_, x_, out, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
-            &count, perf, ws, ws_bytes));
+            handle_, d_.w, in1, d_.y, in0, d_.conv, d_.x, out,
+            CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &count, perf, ws, ws_bytes));
         return usable(perf, count);
       }
       case Pass::BackwardWeight: {
         cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
         int count = 0;
         CUDP_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(
-            handle_, x_, in0, y_, in1, conv_, w_, out, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
-            &count, perf, ws, ws_bytes));
+            handle_, d_.x, in0, d_.y, in1, d_.conv, d_.w, out,
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &count, perf, ws, ws_bytes));
         return usable(perf, count);
       }
     }
@@ -177,19 +135,19 @@ class CudnnConv {
     const float one = 1.0f, zero = 0.0f;
     switch (pass) {
       case Pass::Forward:
-        CUDP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, x_, in0, w_, in1, conv_,
+        CUDP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, d_.x, in0, d_.w, in1, d_.conv,
                                                  cudnnConvolutionFwdAlgo_t(algo.id), ws,
-                                                 algo.workspace, &zero, y_, out));
+                                                 algo.workspace, &zero, d_.y, out));
         return;
       case Pass::BackwardData:
-        CUDP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, w_, in1, y_, in0, conv_,
+        CUDP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, d_.w, in1, d_.y, in0, d_.conv,
                                                       cudnnConvolutionBwdDataAlgo_t(algo.id), ws,
-                                                      algo.workspace, &zero, x_, out));
+                                                      algo.workspace, &zero, d_.x, out));
         return;
       case Pass::BackwardWeight:
-        CUDP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, x_, in0, y_, in1, conv_,
-                                                        cudnnConvolutionBwdFilterAlgo_t(algo.id),
-                                                        ws, algo.workspace, &zero, w_, out));
+        CUDP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+            handle_, &one, d_.x, in0, d_.y, in1, d_.conv, cudnnConvolutionBwdFilterAlgo_t(algo.id),
+            ws, algo.workspace, &zero, d_.w, out));
         return;
     }
   }
@@ -206,9 +164,7 @@ class CudnnConv {
   }
 
   cudnnHandle_t handle_;
-  cudnnTensorDescriptor_t x_ = nullptr, y_ = nullptr;
-  cudnnFilterDescriptor_t w_ = nullptr;
-  cudnnConvolutionDescriptor_t conv_ = nullptr;
+  testing::CudnnConv2dDescriptors d_;
 };
 
 // The algorithms that compute each output as one dot product, as ours does (no Winograd, FFT).
@@ -284,11 +240,11 @@ void bench_layer(std::vector<Result>& results, int input_size, int layer, const 
   const CudnnConv cudnn(handle, s);
   const size_t inputs_bytes = size_t(s.x_size() + s.w_size() + s.y_size()) * sizeof(float);
   const int copies = cudp::bench::rotation_copies(inputs_bytes);
-  std::vector<std::unique_ptr<Device>> x, w, dy;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> x, w, dy;
   for (int i = 0; i < copies; ++i) {
-    x.push_back(std::make_unique<Device>(s.x_size()));
-    w.push_back(std::make_unique<Device>(s.w_size()));
-    dy.push_back(std::make_unique<Device>(s.y_size()));
+    x.push_back(std::make_unique<DeviceBuffer<float>>(s.x_size()));
+    w.push_back(std::make_unique<DeviceBuffer<float>>(s.w_size()));
+    dy.push_back(std::make_unique<DeviceBuffer<float>>(s.y_size()));
     const uint64_t seed = 1000 * uint64_t(layer) + 10 * uint64_t(i);
     uniform(x[i]->p, s.x_size(), -1.f, 1.f, seed, 0, stream);
     uniform(w[i]->p, s.w_size(), -1.f, 1.f, seed + 1, 0, stream);
@@ -305,7 +261,7 @@ void bench_layer(std::vector<Result>& results, int input_size, int layer, const 
     const auto in1 = [&](int i) -> const float* {
       return pass == Pass::BackwardWeight ? dy[i]->p : w[i]->p;
     };
-    Device ours(ops.out), theirs(ops.out);
+    DeviceBuffer<float> ours(ops.out), theirs(ops.out);
     CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<Algo> algos =
         cudnn.find(pass, in0(0), in1(0), theirs.p, workspace, kWorkspaceBytes);
@@ -459,7 +415,7 @@ int main(int argc, char** argv) {
     cudnnHandle_t handle = nullptr;
     CUDP_CUDNN_CHECK(cudnnCreate(&handle));
     CUDP_CUDNN_CHECK(cudnnSetStream(handle, stream));
-    const Device workspace(kWorkspaceBytes / sizeof(float));
+    const DeviceBuffer<float> workspace(kWorkspaceBytes / sizeof(float));
     const Machine machine = measure_machine(stream);
     std::printf("fp32 FMA peak %.1f TFLOP/s, device-to-device copy %.0f GB/s\n",
                 machine.peak_tflops, machine.copy_gbs);

@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/device_buffer.h"
 #include "common/timing.h"
 #include "engine/core/error.h"
 #include "engine/core/vendor_check.h"
@@ -28,23 +29,7 @@ namespace {
 
 using namespace cudp;
 using namespace cudp::kernels;
-
-// Device floats, freed at scope exit.
-struct Device {
-  float* p = nullptr;
-  size_t n = 0;
-  explicit Device(size_t count) : n(count) {
-    CUDP_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(float)));
-  }
-  ~Device() { cudaFree(p); }
-  Device(const Device&) = delete;
-  Device& operator=(const Device&) = delete;
-  std::vector<float> download() const {
-    std::vector<float> h(n);
-    CUDP_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using bench::DeviceBuffer;
 
 // One product C = op(A) op(B) + beta C, row-major with tight leading dimensions.
 struct Shape {
@@ -147,11 +132,11 @@ struct Result {
 Result run(const Shape& s, int reps, int sm_count, Cublas& cublas, cudaStream_t stream) {
   const size_t bytes = (s.a_size() + s.b_size() + s.c_size()) * sizeof(float);
   const int copies = cudp::bench::rotation_copies(bytes);
-  std::vector<std::unique_ptr<Device>> a, b, c;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> a, b, c;
   for (int i = 0; i < copies; ++i) {
-    a.push_back(std::make_unique<Device>(s.a_size()));
-    b.push_back(std::make_unique<Device>(s.b_size()));
-    c.push_back(std::make_unique<Device>(s.c_size()));
+    a.push_back(std::make_unique<DeviceBuffer<float>>(s.a_size()));
+    b.push_back(std::make_unique<DeviceBuffer<float>>(s.b_size()));
+    c.push_back(std::make_unique<DeviceBuffer<float>>(s.c_size()));
     uniform(a[i]->p, int64_t(s.a_size()), -1.f, 1.f, 10 + i, 0, stream);
     uniform(b[i]->p, int64_t(s.b_size()), -1.f, 1.f, 20 + i, 0, stream);
     uniform(c[i]->p, int64_t(s.c_size()), -1.f, 1.f, 30 + i, 0, stream);
@@ -159,7 +144,7 @@ Result run(const Shape& s, int reps, int sm_count, Cublas& cublas, cudaStream_t 
 
   Result r{s, kernels::detail::plan_gemm(s.m, s.n, s.k, sm_count)};
   {
-    Device reference(s.c_size());
+    DeviceBuffer<float> reference(s.c_size());
     CUDP_CUDA_CHECK(cudaMemcpyAsync(reference.p, c[0]->p, s.c_size() * sizeof(float),
                                     cudaMemcpyDeviceToDevice, stream));
     ours(s, a[0]->p, b[0]->p, c[0]->p, stream);

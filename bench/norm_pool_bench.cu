@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/device_buffer.h"
 #include "common/timing.h"
 #include "engine/core/error.h"
 #include "engine/core/vendor_check.h"
@@ -26,39 +27,23 @@ namespace {
 
 using namespace cudp;
 using namespace cudp::kernels;
-
-// Device memory for the benchmark, freed at scope exit.
-template <typename T>
-struct Device {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Device(size_t count) : n(count) {
-    CUDP_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~Device() { cudaFree(p); }
-  Device(const Device&) = delete;
-  Device& operator=(const Device&) = delete;
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    CUDP_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using bench::DeviceBuffer;
 
 // `copies` random buffers of n floats each.
-std::vector<std::unique_ptr<Device<float>>> random_copies(int copies, size_t n, float lo, float hi,
-                                                          uint64_t seed, cudaStream_t stream) {
-  std::vector<std::unique_ptr<Device<float>>> out;
+std::vector<std::unique_ptr<DeviceBuffer<float>>> random_copies(int copies, size_t n, float lo,
+                                                                float hi, uint64_t seed,
+                                                                cudaStream_t stream) {
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> out;
   for (int i = 0; i < copies; ++i) {
-    out.push_back(std::make_unique<Device<float>>(n));
+    out.push_back(std::make_unique<DeviceBuffer<float>>(n));
     uniform(out.back()->p, int64_t(n), lo, hi, seed + i, 0, stream);
   }
   return out;
 }
 
-std::vector<std::unique_ptr<Device<float>>> empty_copies(int copies, size_t n) {
-  std::vector<std::unique_ptr<Device<float>>> out;
-  for (int i = 0; i < copies; ++i) out.push_back(std::make_unique<Device<float>>(n));
+std::vector<std::unique_ptr<DeviceBuffer<float>>> empty_copies(int copies, size_t n) {
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> out;
+  for (int i = 0; i < copies; ++i) out.push_back(std::make_unique<DeviceBuffer<float>>(n));
   return out;
 }
 
@@ -155,8 +140,8 @@ void bench_max_pool(std::vector<Result>& results, cudaStream_t stream, Cudnn& cu
   auto dy = random_copies(copies, out, -1.f, 1.f, 100, stream);
   auto y = empty_copies(copies, out), y_ref = empty_copies(copies, out);
   auto dx = empty_copies(copies, in), dx_ref = empty_copies(copies, in);
-  std::vector<std::unique_ptr<Device<int32_t>>> idx;
-  for (int i = 0; i < copies; ++i) idx.push_back(std::make_unique<Device<int32_t>>(out));
+  std::vector<std::unique_ptr<DeviceBuffer<int32_t>>> idx;
+  for (int i = 0; i < copies; ++i) idx.push_back(std::make_unique<DeviceBuffer<int32_t>>(out));
   const TensorDesc xd(n, c, h, w), yd(n, c, oh, ow);
   const PoolDesc pd(CUDNN_POOLING_MAX_DETERMINISTIC, k, k, pad, pad, s, s);
 
@@ -263,12 +248,12 @@ void bench_batchnorm(std::vector<Result>& results, cudaStream_t stream, Cudnn& c
   auto dy = random_copies(copies, size, -1.f, 1.f, 500, stream);
   auto y = empty_copies(copies, size), y_ref = empty_copies(copies, size);
   auto dx = empty_copies(copies, size), dx_ref = empty_copies(copies, size);
-  Device<float> gamma(c), beta(c), rm(c), rv(c), rm_ref(c), rv_ref(c), dgamma(c), dbeta(c),
+  DeviceBuffer<float> gamma(c), beta(c), rm(c), rv(c), rm_ref(c), rv_ref(c), dgamma(c), dbeta(c),
       dgamma_ref(c), dbeta_ref(c);
   uniform(gamma.p, c, 0.5f, 1.5f, 600, 0, stream);
   uniform(beta.p, c, -1.f, 1.f, 601, 0, stream);
-  for (Device<float>* b : {&rm, &rm_ref}) fill(b->p, c, 0.f, stream);
-  for (Device<float>* b : {&rv, &rv_ref}) fill(b->p, c, 1.f, stream);
+  for (DeviceBuffer<float>* b : {&rm, &rm_ref}) fill(b->p, c, 0.f, stream);
+  for (DeviceBuffer<float>* b : {&rv, &rv_ref}) fill(b->p, c, 1.f, stream);
   auto save_mean = empty_copies(copies, c), save_invstd = empty_copies(copies, c);
   auto save_mean_ref = empty_copies(copies, c), save_invstd_ref = empty_copies(copies, c);
   TensorDesc xd(n, c, h, w), bnd;

@@ -9,76 +9,15 @@
 // On 1 GPU (--gpus 0) and on 2 (--gpus 0,1, where --print-checksum also checks that the replicas
 // are bit-identical: momentum buffers on every replica, Dropout seeds derived from replica 0's).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <regex>
-#include <sstream>
 #include <string>
 
 #include "common/gpu.h"
+#include "examples/run_binary.h"
 
 namespace {
 
-namespace fs = std::filesystem;
-
-#ifdef CUDP_VGG_BINARY
-#define CUDP_REQUIRE_VGG() (void)0
-const char* const kVgg = CUDP_VGG_BINARY;
-#else
-#define CUDP_REQUIRE_VGG() GTEST_SKIP() << "cudp-vgg is not built (CUDP_BUILD_EXAMPLES=OFF)"
-const char* const kVgg = "";
-#endif
-
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            (std::string("cudp_vgg_gpu_") + info->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-Result run_vgg(const TempDir& dir, const std::string& args) {
-  const std::string log = dir / "output.txt";
-  const std::string command = std::string("'") + kVgg + "' " + args + " > '" + log + "' 2>&1";
-  const int status = std::system(command.c_str());
-  Result r;
-  r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(log);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  r.output = ss.str();
-  return r;
-}
-
-std::string checksum_of(const Result& r) {
-  std::smatch m;
-  if (std::regex_search(r.output, m, std::regex("checksum ([0-9a-f]{16})"))) return m[1];
-  return "";
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using namespace cudp::testing;
 
 // Runs A and B (see the header) on `gpus` with `schedule` and expects the same checksum.
 void expect_exact_resume(const std::string& gpus, const std::string& schedule, size_t replicas) {
@@ -90,7 +29,7 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
       gpus + " --schedule " + schedule + " ";
   const std::string replica_line = "replicas: " + std::to_string(replicas) + ", bit-identical";
 
-  const Result a =
+  const RunResult a =
       run_vgg(dir, common + "--epochs 4 --checkpoint '" + (dir / "a.safetensors") + "'");
   ASSERT_EQ(a.code, 0) << a.output;
   const std::string sum_a = checksum_of(a);
@@ -102,20 +41,21 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
   if (schedule == "constant") {
     // The same run again: if this differs, the trainer is not deterministic run to run (a kernel's
     // atomics, an all-reduce's order) and the resume comparison below cannot pass either.
-    const Result again = run_vgg(dir, common + "--epochs 4");
+    const RunResult again = run_vgg(dir, common + "--epochs 4");
     ASSERT_EQ(again.code, 0) << again.output;
     ASSERT_EQ(checksum_of(again), sum_a) << "two identical runs differ:\n" << again.output;
   }
 
   const std::string first = schedule == "constant" ? "--epochs 2 " : "--epochs 4 --stop-after 2 ";
-  const Result b1 = run_vgg(dir, common + first + "--checkpoint '" + (dir / "b.safetensors") + "'");
+  const RunResult b1 =
+      run_vgg(dir, common + first + "--checkpoint '" + (dir / "b.safetensors") + "'");
   ASSERT_EQ(b1.code, 0) << b1.output;
   EXPECT_TRUE(contains(b1.output, schedule == "constant" ? "epoch 2/2:" : "epoch 2/4:"))
       << b1.output;
   EXPECT_NE(checksum_of(b1), sum_a) << "2 epochs left the weights as 4 did";
 
-  const Result b2 = run_vgg(dir, common + "--epochs 4 --resume '" + (dir / "b.safetensors") +
-                                     "' --checkpoint '" + (dir / "b.safetensors") + "'");
+  const RunResult b2 = run_vgg(dir, common + "--epochs 4 --resume '" + (dir / "b.safetensors") +
+                                        "' --checkpoint '" + (dir / "b.safetensors") + "'");
   ASSERT_EQ(b2.code, 0) << b2.output;
   EXPECT_TRUE(contains(b2.output, "resumed from")) << b2.output;
   EXPECT_FALSE(contains(b2.output, "epoch 2/4:")) << b2.output;
@@ -128,8 +68,8 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
                                     << b2.output;
 
   // The checkpoint after epoch 4 holds the model bit for bit: evaluating it prints the checksum.
-  const Result eval = run_vgg(dir, "--eval-only --print-checksum --limit-test 512 --gpus " + gpus +
-                                       " --resume '" + (dir / "b.safetensors") + "'");
+  const RunResult eval = run_vgg(dir, "--eval-only --print-checksum --limit-test 512 --gpus " +
+                                          gpus + " --resume '" + (dir / "b.safetensors") + "'");
   ASSERT_EQ(eval.code, 0) << eval.output;
   EXPECT_EQ(checksum_of(eval), sum_a) << eval.output;
 }

@@ -12,80 +12,20 @@
 //     id (the message names the valid range, or says no GPU is visible), --eval-only without
 //     --resume, a resume with another --seed or --batch-size.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <regex>
-#include <sstream>
 #include <string>
 
 #include "engine/core/device.h"
+#include "examples/run_binary.h"
 
 namespace {
 
-namespace fs = std::filesystem;
+using namespace cudp::testing;
 
-#ifdef CUDP_VGG_BINARY
-#define CUDP_REQUIRE_VGG() (void)0
-const char* const kVgg = CUDP_VGG_BINARY;
-#else
-#define CUDP_REQUIRE_VGG() GTEST_SKIP() << "cudp-vgg is not built (CUDP_BUILD_EXAMPLES=OFF)"
-const char* const kVgg = "";
-#endif
-
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-// A fresh folder per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            (std::string("cudp_vgg_") + info->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const fs::path& path() const { return path_; }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-// Runs cudp-vgg with `args` on the CPU (no GPU visible), output captured in a file of `dir`.
-Result run_vgg(const TempDir& dir, const std::string& args, bool cpu = true) {
-  const std::string log = dir / "output.txt";
-  const std::string command = std::string(cpu ? "CUDA_VISIBLE_DEVICES= " : "") + "'" + kVgg + "' " +
-                              args + " > '" + log + "' 2>&1";
-  const int status = std::system(command.c_str());
-  Result r;
-  r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(log);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  r.output = ss.str();
-  return r;
-}
-
-std::string checksum_of(const Result& r) {
-  std::smatch m;
-  if (std::regex_search(r.output, m, std::regex("checksum ([0-9a-f]{16})"))) return m[1];
-  return "";
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
+// Runs cudp-vgg with `args` on the CPU: no GPU visible.
+RunResult run_on_cpu(const TempDir& dir, const std::string& args) {
+  return run_vgg(dir, args, "CUDA_VISIBLE_DEVICES= ");
 }
 
 // The smallest setting that trains a real VGG (VGG-11-BN, compact head) on the CPU references,
@@ -95,9 +35,9 @@ const std::string kSmall = "--data synthetic --arch vgg11 --workers 2 ";
 TEST(VggTrainer, TrainsOneEpochOnTheCpu) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const Result r = run_vgg(dir, kSmall +
-                                    "--epochs 1 --limit-train 64 --limit-test 32 "
-                                    "--batch-size 32 --print-checksum");
+  const RunResult r = run_on_cpu(dir, kSmall +
+                                          "--epochs 1 --limit-train 64 --limit-test 32 "
+                                          "--batch-size 32 --print-checksum");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "0 visible GPU(s)")) << r.output;
   EXPECT_TRUE(contains(r.output, "first 64 of 10000 train images")) << r.output;
@@ -131,22 +71,25 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
                            "--limit-train 32 --limit-test 16 --batch-size 16 "
                            "--print-checksum ";
   const std::string common = base + "--schedule onecycle ";
-  const Result a =
-      run_vgg(dir, common + "--epochs 2 --checkpoint '" + (dir / "a.safetensors") + "'");
+  const RunResult a =
+      run_on_cpu(dir, common + "--epochs 2 --checkpoint '" + (dir / "a.safetensors") + "'");
   ASSERT_EQ(a.code, 0) << a.output;
   const std::string sum_a = checksum_of(a);
   ASSERT_NE(sum_a, "") << a.output;
 
-  const Result eval = run_vgg(dir, base + "--eval-only --resume '" + (dir / "a.safetensors") + "'");
+  const RunResult eval =
+      run_on_cpu(dir, base + "--eval-only --resume '" + (dir / "a.safetensors") + "'");
   ASSERT_EQ(eval.code, 0) << eval.output;
   EXPECT_TRUE(contains(eval.output, "test accuracy")) << eval.output;
   EXPECT_EQ(checksum_of(eval), sum_a) << eval.output;
 
   const std::string first = "--epochs 2 --stop-after 1 ";
-  const Result b1 = run_vgg(dir, common + first + "--checkpoint '" + (dir / "b.safetensors") + "'");
+  const RunResult b1 =
+      run_on_cpu(dir, common + first + "--checkpoint '" + (dir / "b.safetensors") + "'");
   ASSERT_EQ(b1.code, 0) << b1.output;
   EXPECT_NE(checksum_of(b1), sum_a) << "one epoch left the weights as two did";
-  const Result b2 = run_vgg(dir, common + "--epochs 2 --resume '" + (dir / "b.safetensors") + "'");
+  const RunResult b2 =
+      run_on_cpu(dir, common + "--epochs 2 --resume '" + (dir / "b.safetensors") + "'");
   ASSERT_EQ(b2.code, 0) << b2.output;
   EXPECT_TRUE(contains(b2.output, "resumed from")) << b2.output;
   EXPECT_TRUE(contains(b2.output, "epoch 2/2:")) << b2.output;
@@ -155,14 +98,14 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
 
   // A resume that would be another run is refused; settings left out come from the checkpoint.
   const std::string ckpt = "--resume '" + (dir / "b.safetensors") + "' ";
-  Result r = run_vgg(dir, base + ckpt + "--seed 7");
+  RunResult r = run_on_cpu(dir, base + ckpt + "--seed 7");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "written with --seed 0, this run has --seed 7")) << r.output;
-  r = run_vgg(dir, kSmall + "--limit-test 16 --batch-size 32 " + ckpt);
+  r = run_on_cpu(dir, kSmall + "--limit-test 16 --batch-size 32 " + ckpt);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--batch-size 16, this run has --batch-size 32")) << r.output;
   // data, arch, --limit-train, --batch-size, --seed: taken from the checkpoint
-  r = run_vgg(dir, "--eval-only --print-checksum --limit-test 16 " + ckpt);
+  r = run_on_cpu(dir, "--eval-only --print-checksum --limit-test 16 " + ckpt);
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "vgg11-bn")) << r.output;
   EXPECT_TRUE(contains(r.output, "first 32 of 10000 train images")) << r.output;
@@ -172,7 +115,7 @@ TEST(VggTrainer, RefusesTensorCorePrecisions) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
   for (const std::string precision : {"tf32", "bf16"}) {
-    const Result r = run_vgg(dir, "--data synthetic --precision " + precision);
+    const RunResult r = run_on_cpu(dir, "--data synthetic --precision " + precision);
     EXPECT_EQ(r.code, 2) << r.output;
     EXPECT_TRUE(contains(r.output, "--precision " + precision + " is not implemented yet"))
         << r.output;
@@ -183,22 +126,22 @@ TEST(VggTrainer, RefusesTensorCorePrecisions) {
 TEST(VggTrainer, UsageErrors) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  Result r = run_vgg(dir, "--no-such-option");
+  RunResult r = run_on_cpu(dir, "--no-such-option");
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "no-such-option")) << r.output;
-  r = run_vgg(dir, "--arch vgg99");
+  r = run_on_cpu(dir, "--arch vgg99");
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--arch")) << r.output;
-  r = run_vgg(dir, "--batch-size 0");
+  r = run_on_cpu(dir, "--batch-size 0");
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--batch-size")) << r.output;
-  r = run_vgg(dir, "--epochs many");
+  r = run_on_cpu(dir, "--epochs many");
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--epochs")) << r.output;
-  r = run_vgg(dir, "--gpus x");
+  r = run_on_cpu(dir, "--gpus x");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "\"x\" is not a device id")) << r.output;
-  r = run_vgg(dir, "--help");
+  r = run_on_cpu(dir, "--help");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--limit-train")) << r.output;
   EXPECT_TRUE(contains(r.output, "--print-checksum")) << r.output;
@@ -208,12 +151,12 @@ TEST(VggTrainer, InvalidGpuIdNamesTheValidRange) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
   // Without a GPU (forced), then with the machine's GPUs as they are.
-  Result r = run_vgg(dir, "--data synthetic --gpus 0");
+  RunResult r = run_on_cpu(dir, "--data synthetic --gpus 0");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "invalid device id 0: no CUDA device is visible")) << r.output;
 
   const int count = cudp::cuda::device_count();
-  r = run_vgg(dir, "--data synthetic --gpus 99", /*cpu=*/false);
+  r = run_vgg(dir, "--data synthetic --gpus 99");
   EXPECT_EQ(r.code, 2) << r.output;
   if (count == 0) {
     EXPECT_TRUE(contains(r.output, "invalid device id 99: no CUDA device is visible")) << r.output;
@@ -227,7 +170,7 @@ TEST(VggTrainer, InvalidGpuIdNamesTheValidRange) {
 TEST(VggTrainer, EvalOnlyNeedsResume) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const Result r = run_vgg(dir, "--data synthetic --eval-only");
+  const RunResult r = run_on_cpu(dir, "--data synthetic --eval-only");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--eval-only needs --resume")) << r.output;
 }
@@ -235,7 +178,8 @@ TEST(VggTrainer, EvalOnlyNeedsResume) {
 TEST(VggTrainer, MissingCheckpointIsAnError) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const Result r = run_vgg(dir, "--data synthetic --resume '" + (dir / "absent.safetensors") + "'");
+  const RunResult r =
+      run_on_cpu(dir, "--data synthetic --resume '" + (dir / "absent.safetensors") + "'");
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "absent")) << r.output;
 }

@@ -9,7 +9,7 @@
 // is 3.2M rows: ~200 per thread + lanes + chunks); we allow 512. That bound cannot see a single
 // element missing from a long sum, so a second test sums small integers, where every partial sum
 // is exact in fp32 whatever the order: there the GPU must equal the reference exactly.
-#include <cuda_runtime.h>  // before device_buffer.h: its cudaMalloc(T**) overload
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "common/compare.h"
-#include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/guarded_buffer.h"
 #include "engine/core/stream.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/bias.h"
@@ -45,44 +45,8 @@ const Shape kShapes[] = {{1, 1},
                          {(1 << 20) + 3, 3},
                          {(1 << 12) + 5, 1028}};
 
-constexpr int kGuard = 5;
-
-// n floats starting `shift` elements into a poisoned device allocation.
-class Slice {
- public:
-  Slice(int64_t n, int shift)
-      : n_(n), shift_(shift), buffer_(static_cast<size_t>(n + shift + kGuard)) {
-    buffer_.fill(testing::kPoison);
-  }
-  float* get() const { return buffer_.get() + shift_; }
-  void upload(const std::vector<float>& v) {
-    ASSERT_EQ(static_cast<int64_t>(v.size()), n_);
-    CUDP_CUDA_CHECK(cudaMemcpy(get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
-    CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels run on a non-blocking stream
-  }
-  std::vector<float> download() const {
-    const std::vector<float> all = buffer_.download();
-    return {all.begin() + shift_, all.begin() + shift_ + n_};
-  }
-  ::testing::AssertionResult guards_intact() const {
-    const std::vector<float> all = buffer_.download();
-    for (int64_t i = 0; i < static_cast<int64_t>(all.size()); ++i) {
-      if (i >= shift_ && i < shift_ + n_) {
-        continue;
-      }
-      if (std::memcmp(&all[i], &testing::kPoison, sizeof(float)) != 0) {
-        return ::testing::AssertionFailure()
-               << "element " << i - shift_ << " outside the " << n_ << " elements was written";
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-
- private:
-  int64_t n_;
-  int shift_;
-  testing::DeviceBuffer<float> buffer_;
-};
+// n floats `shift` elements into a poisoned allocation, guard band checked.
+using Slice = testing::GuardedBuffer<float>;
 
 std::string where(const Shape& s, int shift_a, int shift_b, float beta = 0.0f) {
   return "rows = " + std::to_string(s.rows) + ", cols = " + std::to_string(s.cols) + ", shifts " +

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "common/compare.h"
+#include "common/cudnn_conv2d.h"
 #include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "engine/core/stream.h"
@@ -82,43 +83,19 @@ class Buffer {
   testing::DeviceBuffer<float> buffer_;
 };
 
-// cuDNN on the same layouts: NHWC tensors, KRSC filters (filter format CUDNN_TENSOR_NHWC),
-// cross-correlation, fp32 with CUDNN_FMA_MATH (no TF32). It runs one of its GEMM-like algorithms,
+// cuDNN on the same layouts (common/cudnn_conv2d.h). It runs one of its GEMM-like algorithms,
 // which compute the same dot products as ours, never Winograd or FFT, whose different arithmetic
 // would need a different tolerance.
 class CudnnConv {
  public:
-  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle) {
-    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x_));
-    CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y_));
-    CUDP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w_));
-    CUDP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv_));
-    CUDP_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(x_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.c, s.h, s.w));
-    CUDP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(y_, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.k,
-                                                s.p(), s.q()));
-    CUDP_CUDNN_CHECK(
-        cudnnSetFilter4dDescriptor(w_, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NHWC, s.k, s.c, s.r, s.s));
-    CUDP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv_, s.pad_h, s.pad_w, s.stride_h,
-                                                     s.stride_w, 1, 1, CUDNN_CROSS_CORRELATION,
-                                                     CUDNN_DATA_FLOAT));
-    CUDP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv_, CUDNN_FMA_MATH));
-  }
-  ~CudnnConv() {
-    cudnnDestroyConvolutionDescriptor(conv_);
-    cudnnDestroyFilterDescriptor(w_);
-    cudnnDestroyTensorDescriptor(y_);
-    cudnnDestroyTensorDescriptor(x_);
-  }
-  CudnnConv(const CudnnConv&) = delete;
-  CudnnConv& operator=(const CudnnConv&) = delete;
+  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle), d_(s) {}
 
   void forward(const float* x, const float* w, float* y) {
     constexpr int kMax = CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
     cudnnConvolutionFwdAlgoPerf_t perf[kMax];
     int count = 0;
-    CUDP_CUDNN_CHECK(
-        cudnnGetConvolutionForwardAlgorithm_v7(handle_, x_, w_, conv_, y_, kMax, &count, perf));
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle_, d_.x, d_.w, d_.conv, d_.y,
+                                                            kMax, &count, perf));
     const auto algo =
         pick(perf, count,
              {CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
@@ -126,11 +103,11 @@ class CudnnConv {
              "forward");
     size_t bytes = 0;
     CUDP_CUDNN_CHECK(
-        cudnnGetConvolutionForwardWorkspaceSize(handle_, x_, w_, conv_, y_, algo, &bytes));
+        cudnnGetConvolutionForwardWorkspaceSize(handle_, d_.x, d_.w, d_.conv, d_.y, algo, &bytes));
     testing::DeviceBuffer<unsigned char> workspace(bytes);
     const float one = 1.0f, zero = 0.0f;
-    CUDP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, x_, x, w_, w, conv_, algo,
-                                             workspace.get(), bytes, &zero, y_, y));
+    CUDP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, d_.x, x, d_.w, w, d_.conv, algo,
+                                             workspace.get(), bytes, &zero, d_.y, y));
     CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // before the workspace is freed
   }
 
@@ -138,18 +115,18 @@ class CudnnConv {
     constexpr int kMax = CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
     cudnnConvolutionBwdDataAlgoPerf_t perf[kMax];
     int count = 0;
-    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle_, w_, y_, conv_, x_, kMax,
-                                                                 &count, perf));
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle_, d_.w, d_.y, d_.conv, d_.x,
+                                                                 kMax, &count, perf));
     const auto algo =
         pick(perf, count, {CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, CUDNN_CONVOLUTION_BWD_DATA_ALGO_0},
              "backward-data");
     size_t bytes = 0;
-    CUDP_CUDNN_CHECK(
-        cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, w_, y_, conv_, x_, algo, &bytes));
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, d_.w, d_.y, d_.conv,
+                                                                  d_.x, algo, &bytes));
     testing::DeviceBuffer<unsigned char> workspace(bytes);
     const float one = 1.0f, zero = 0.0f;
-    CUDP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, w_, w, y_, dy, conv_, algo,
-                                                  workspace.get(), bytes, &zero, x_, dx));
+    CUDP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, d_.w, w, d_.y, dy, d_.conv, algo,
+                                                  workspace.get(), bytes, &zero, d_.x, dx));
     CUDP_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
@@ -157,20 +134,20 @@ class CudnnConv {
     constexpr int kMax = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
     cudnnConvolutionBwdFilterAlgoPerf_t perf[kMax];
     int count = 0;
-    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle_, x_, y_, conv_, w_, kMax,
-                                                                   &count, perf));
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle_, d_.x, d_.y, d_.conv,
+                                                                   d_.w, kMax, &count, perf));
     const auto algo =
         pick(perf, count,
              {CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
               CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3},
              "backward-filter");
     size_t bytes = 0;
-    CUDP_CUDNN_CHECK(
-        cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, x_, y_, conv_, w_, algo, &bytes));
+    CUDP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, d_.x, d_.y, d_.conv,
+                                                                    d_.w, algo, &bytes));
     testing::DeviceBuffer<unsigned char> workspace(bytes);
     const float one = 1.0f, zero = 0.0f;
-    CUDP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, x_, x, y_, dy, conv_, algo,
-                                                    workspace.get(), bytes, &zero, w_, dw));
+    CUDP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, d_.x, x, d_.y, dy, d_.conv, algo,
+                                                    workspace.get(), bytes, &zero, d_.w, dw));
     CUDP_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
@@ -196,9 +173,7 @@ class CudnnConv {
   }
 
   cudnnHandle_t handle_;
-  cudnnTensorDescriptor_t x_ = nullptr, y_ = nullptr;
-  cudnnFilterDescriptor_t w_ = nullptr;
-  cudnnConvolutionDescriptor_t conv_ = nullptr;
+  testing::CudnnConv2dDescriptors d_;
 };
 
 std::string describe(const Conv2dShape& s) {

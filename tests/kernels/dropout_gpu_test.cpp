@@ -2,7 +2,7 @@
 // mask and the same single multiply) for odd sizes, every alignment case (float4 body with one
 // Philox call per float4, body straddling two counters, all scalar), offsets around multiples of 4
 // and across the 64-bit wrap; backward regenerates the forward's mask; p == 0 is the identity.
-#include <cuda_runtime.h>  // before device_buffer.h: its cudaMalloc(T**) overload
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "common/compare.h"
-#include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/guarded_buffer.h"
 #include "engine/core/stream.h"
 #include "kernels/dropout.h"
 
@@ -25,44 +25,9 @@ const int64_t kSizes[] = {1, 3, 5, 7, 1023, 1025, (int64_t(1) << 20) + 3};
 const std::pair<int, int> kShifts[] = {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {1, 0}, {0, 3}};
 const uint64_t kOffsets[] = {
     0, 1, 2, 3, 5, (uint64_t(1) << 40) + 2, std::numeric_limits<uint64_t>::max() - 5};
-constexpr int kGuard = 5;
 
-// n floats starting `shift` elements into a poisoned device allocation.
-class Slice {
- public:
-  Slice(int64_t n, int shift)
-      : n_(n), shift_(shift), buffer_(static_cast<size_t>(n + shift + kGuard)) {
-    buffer_.fill(testing::kPoison);
-  }
-  float* get() const { return buffer_.get() + shift_; }
-  void upload(const std::vector<float>& v) {
-    ASSERT_EQ(static_cast<int64_t>(v.size()), n_);
-    CUDP_CUDA_CHECK(cudaMemcpy(get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
-    CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels run on a non-blocking stream
-  }
-  std::vector<float> download() const {
-    const std::vector<float> all = buffer_.download();
-    return {all.begin() + shift_, all.begin() + shift_ + n_};
-  }
-  ::testing::AssertionResult guards_intact() const {
-    const std::vector<float> all = buffer_.download();
-    for (int64_t i = 0; i < static_cast<int64_t>(all.size()); ++i) {
-      if (i >= shift_ && i < shift_ + n_) {
-        continue;
-      }
-      if (std::memcmp(&all[i], &testing::kPoison, sizeof(float)) != 0) {
-        return ::testing::AssertionFailure()
-               << "element " << i - shift_ << " outside the " << n_ << " elements was written";
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-
- private:
-  int64_t n_;
-  int shift_;
-  testing::DeviceBuffer<float> buffer_;
-};
+// n floats `shift` elements into a poisoned allocation, guard band checked.
+using Slice = testing::GuardedBuffer<float>;
 
 std::string where(int64_t n, std::pair<int, int> shifts, uint64_t offset, float p) {
   return "n = " + std::to_string(n) + ", shifts " + std::to_string(shifts.first) + "/" +

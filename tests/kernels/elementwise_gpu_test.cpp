@@ -3,16 +3,15 @@
 // pointers aligned, misaligned alike (scalar head + float4 body + scalar tail) and misaligned
 // differently (all scalar); in place where the API allows it; outputs poisoned first, and the
 // poisoned elements around each output checked untouched. ReLU is also checked against cuDNN.
-#include <cuda_runtime.h>  // before device_buffer.h: its cudaMalloc(T**) overload
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/compare.h"
-#include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/guarded_buffer.h"
 #include "engine/core/stream.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/elementwise.h"
@@ -29,44 +28,8 @@ struct Shifts {
 };
 const Shifts kShifts[] = {{0, 0, 0}, {1, 1, 1}, {3, 3, 3}, {1, 0, 0}, {0, 2, 1}};
 
-constexpr int kGuard = 5;  // poisoned elements after every array
-
-// n floats starting `shift` elements into a device allocation that is poisoned throughout.
-class Slice {
- public:
-  Slice(int64_t n, int shift)
-      : n_(n), shift_(shift), buffer_(static_cast<size_t>(n + shift + kGuard)) {
-    buffer_.fill(testing::kPoison);
-  }
-  float* get() const { return buffer_.get() + shift_; }
-  void upload(const std::vector<float>& v) {
-    ASSERT_EQ(static_cast<int64_t>(v.size()), n_);
-    CUDP_CUDA_CHECK(cudaMemcpy(get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
-    CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels run on another (non-blocking) stream
-  }
-  std::vector<float> download() const {
-    const std::vector<float> all = buffer_.download();  // synchronises the device
-    return {all.begin() + shift_, all.begin() + shift_ + n_};
-  }
-  ::testing::AssertionResult guards_intact() const {
-    const std::vector<float> all = buffer_.download();
-    for (int64_t i = 0; i < static_cast<int64_t>(all.size()); ++i) {
-      if (i >= shift_ && i < shift_ + n_) {
-        continue;
-      }
-      if (std::memcmp(&all[i], &testing::kPoison, sizeof(float)) != 0) {
-        return ::testing::AssertionFailure()
-               << "element " << i - shift_ << " outside the " << n_ << " elements was written";
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-
- private:
-  int64_t n_;
-  int shift_;
-  testing::DeviceBuffer<float> buffer_;
-};
+// n floats `shift` elements into a poisoned allocation, guard band checked.
+using Slice = testing::GuardedBuffer<float>;
 
 std::string where(int64_t n, const Shifts& s) {
   return "n = " + std::to_string(n) + ", shifts (" + std::to_string(s.a) + ", " +

@@ -3,7 +3,7 @@
 // and misaligned pointers; round trips; outputs poisoned and their surroundings checked untouched.
 // f32_to_bf16 is fed random bit patterns (every exponent, subnormals, inf, NaN) plus the rounding
 // ties; a NaN must stay a NaN (its bf16 payload is the hardware's, so only NaN-ness is compared).
-#include <cuda_runtime.h>  // before device_buffer.h: its cudaMalloc(T**) overload
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <array>
@@ -14,54 +14,17 @@
 #include <vector>
 
 #include "common/compare.h"
-#include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/guarded_buffer.h"
 #include "engine/core/stream.h"
 #include "kernels/layout.h"
 
 namespace cudp::kernels {
 namespace {
 
-constexpr int kGuard = 5;
-
-// n elements of T starting `shift` elements into a device allocation filled with `poison`.
+// n elements of T `shift` elements into a poisoned allocation, guard band checked.
 template <typename T>
-class Slice {
- public:
-  Slice(int64_t n, int shift, T poison)
-      : n_(n), shift_(shift), poison_(poison), buffer_(static_cast<size_t>(n + shift + kGuard)) {
-    buffer_.fill(poison);
-  }
-  T* get() const { return buffer_.get() + shift_; }
-  void upload(const std::vector<T>& v) {
-    ASSERT_EQ(static_cast<int64_t>(v.size()), n_);
-    CUDP_CUDA_CHECK(cudaMemcpy(get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    CUDP_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels run on a non-blocking stream
-  }
-  std::vector<T> download() const {
-    const std::vector<T> all = buffer_.download();
-    return {all.begin() + shift_, all.begin() + shift_ + n_};
-  }
-  ::testing::AssertionResult guards_intact() const {
-    const std::vector<T> all = buffer_.download();
-    for (int64_t i = 0; i < static_cast<int64_t>(all.size()); ++i) {
-      if (i >= shift_ && i < shift_ + n_) {
-        continue;
-      }
-      if (std::memcmp(&all[i], &poison_, sizeof(T)) != 0) {
-        return ::testing::AssertionFailure()
-               << "element " << i - shift_ << " outside the " << n_ << " elements was written";
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-
- private:
-  int64_t n_;
-  int shift_;
-  T poison_;
-  testing::DeviceBuffer<T> buffer_;
-};
+using Slice = testing::GuardedBuffer<T>;
 
 using Dims = std::array<int64_t, 4>;
 

@@ -1,0 +1,87 @@
+// Runs the built cudp-vgg trainer as a user runs it, for the host and GPU tests of examples/vgg:
+// the binary's path comes from CUDP_VGG_BINARY (set by tests/CMakeLists.txt), each test gets a
+// fresh temporary folder, and a run's exit code and output (stdout and stderr together) are
+// returned for the test to check.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#ifdef CUDP_VGG_BINARY
+#define CUDP_REQUIRE_VGG() (void)0
+#else
+#define CUDP_REQUIRE_VGG() GTEST_SKIP() << "cudp-vgg is not built (CUDP_BUILD_EXAMPLES=OFF)"
+#endif
+
+namespace cudp::testing {
+
+#ifdef CUDP_VGG_BINARY
+inline constexpr const char* kVgg = CUDP_VGG_BINARY;
+#else
+inline constexpr const char* kVgg = "";
+#endif
+
+struct RunResult {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// A fresh folder per test (named after the test and the process), removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = std::filesystem::temp_directory_path() /
+            (std::string("cudp_") + info->test_suite_name() + "_" + info->name() + "_" +
+             std::to_string(::getpid()));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Runs `env` cudp-vgg `args` through the shell (env: variable assignments such as
+// "CUDA_VISIBLE_DEVICES= ", or empty), its output captured in a file of `dir`.
+inline RunResult run_vgg(const TempDir& dir, const std::string& args, const std::string& env = "") {
+  const std::string log = dir / "output.txt";
+  const std::string command = env + "'" + kVgg + "' " + args + " > '" + log + "' 2>&1";
+  const int status = std::system(command.c_str());
+  RunResult r;
+  r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.output = ss.str();
+  return r;
+}
+
+// The state_dict checksum a run printed with --print-checksum, or "" if it printed none.
+inline std::string checksum_of(const RunResult& r) {
+  std::smatch m;
+  if (std::regex_search(r.output, m, std::regex("checksum ([0-9a-f]{16})"))) return m[1];
+  return "";
+}
+
+inline bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+}  // namespace cudp::testing
