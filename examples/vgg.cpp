@@ -305,6 +305,42 @@ void adopt_settings(Options& o, const Metadata& meta) {
   });
 }
 
+// Batches of one loader on the first GPU (copied ahead on a copy stream by DevicePrefetcher, so the
+// copy of batch i+1 overlaps compute on batch i), or on the host when there is no GPU. Training and
+// evaluation both read through it.
+class BatchFeed {
+ public:
+  // device: a CUDA device id, or -1 for the host.
+  BatchFeed(data::Loader& loader, int device) : loader_(loader) {
+    if (device >= 0) prefetch_ = std::make_unique<data::DevicePrefetcher>(loader, std::vector<int>{device});
+  }
+  void start_epoch(int epoch) {
+    if (prefetch_) {
+      prefetch_->start_epoch(epoch);
+    } else {
+      loader_.start_epoch(epoch);
+    }
+  }
+  bool next(Tensor& images, Tensor& labels) {
+    if (prefetch_) {
+      data::DeviceBatch db;
+      if (!prefetch_->next(db)) return false;
+      images = db.images[0];
+      labels = db.labels[0];
+      return true;
+    }
+    if (!loader_.next(host_)) return false;  // valid until the next call, as the loader promises
+    images = host_.images;
+    labels = host_.labels;
+    return true;
+  }
+
+ private:
+  data::Loader& loader_;
+  std::unique_ptr<data::DevicePrefetcher> prefetch_;
+  data::Batch host_;
+};
+
 class JsonLog {
  public:
   explicit JsonLog(const std::string& path) {
@@ -468,25 +504,31 @@ int run(Options o) {
   CrossEntropyLoss criterion;
   JsonLog json(o.json);
   const bool tty = isatty(fileno(stdout));
-  const std::vector<int> feed = gpus.empty() ? std::vector<int>{} : std::vector<int>{gpus[0]};
 
+  const int feed_device = main_device.is_cuda() ? main_device.index : -1;
+  BatchFeed test_feed(test_loader, feed_device);
+  // The test set's mean loss and accuracy. Per-batch losses and counts stay on the device and are
+  // read once at the end: no host synchronisation per batch.
   auto evaluate = [&]() {
     model.eval();
-    double loss_sum = 0;
-    int64_t correct = 0, count = 0;
-    test_loader.start_epoch(0);
-    data::Batch b;
-    while (test_loader.next(b)) {
-      const Tensor images = main_device.is_cuda() ? b.images.to(main_device) : b.images;
-      const Tensor labels = main_device.is_cuda() ? b.labels.to(main_device) : b.labels;
+    std::vector<std::pair<Tensor, int64_t>> losses;  // (0-d loss, batch size)
+    std::vector<Tensor> corrects;
+    test_feed.start_epoch(0);
+    for (Tensor images, labels; test_feed.next(images, labels);) {
       const Tensor out = model.forward(images);
-      const Tensor loss = criterion.forward(out, labels);
-      loss_sum += static_cast<double>(criterion.item()) * labels.numel();
-      correct += num_correct(out, labels);
-      count += labels.numel();
+      losses.emplace_back(criterion.forward(out, labels), labels.numel());
+      corrects.push_back(count_correct(argmax(out, 1), labels));
     }
     model.train();
-    return std::pair{loss_sum / std::max<int64_t>(count, 1), static_cast<double>(correct) / std::max<int64_t>(count, 1)};
+    double loss_sum = 0;
+    int64_t correct = 0, count = 0;
+    for (const auto& [loss, n] : losses) {
+      loss_sum += static_cast<double>(loss.to_vector<float>()[0]) * n;
+      count += n;
+    }
+    for (const Tensor& c : corrects) correct += c.to_vector<int32_t>()[0];
+    return std::pair{loss_sum / std::max<int64_t>(count, 1),
+                     static_cast<double>(correct) / std::max<int64_t>(count, 1)};
   };
 
   if (o.eval_only) {
@@ -498,34 +540,17 @@ int run(Options o) {
   }
 
   for (int g : gpus) cuda::reset_peak_memory_stats(g);
+  BatchFeed train_feed(train_loader, feed_device);
   const auto run_start = Clock::now();
   double train_seconds = 0, best_acc = 0;
   for (int epoch = start_epoch; epoch < end_epoch; ++epoch) {
     const auto epoch_start = Clock::now();
-    std::unique_ptr<data::DevicePrefetcher> prefetch;
-    if (!feed.empty()) {
-      prefetch = std::make_unique<data::DevicePrefetcher>(train_loader, feed);
-      prefetch->start_epoch(epoch);
-    } else {
-      train_loader.start_epoch(epoch);
-    }
+    train_feed.start_epoch(epoch);
     int64_t step = 0, images_seen = 0;
     std::vector<Tensor> corrects;
     float last_loss = 0;
     const int64_t print_every = tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
-    for (;;) {
-      Tensor images, labels;
-      if (prefetch) {
-        data::DeviceBatch db;
-        if (!prefetch->next(db)) break;
-        images = db.images[0];
-        labels = db.labels[0];
-      } else {
-        data::Batch b;
-        if (!train_loader.next(b)) break;
-        images = b.images;
-        labels = b.labels;
-      }
+    for (Tensor images, labels; train_feed.next(images, labels);) {
       const Tensor out = model.forward(images);
       criterion.forward(out, labels);
       opt.zero_grad();

@@ -97,11 +97,16 @@ thread_local std::unordered_map<int, cudaStream_t> t_current;
 }  // namespace
 
 const Stream& default_stream(int device) {
-  check_device(device);
   DefaultStreams& d = default_streams();
   std::lock_guard lock(d.mutex);
+  // A stream exists only for a device that was valid when it was made: only creation validates, so
+  // the lookup every tensor operation does (current_stream) costs no driver call.
+  if (device >= 0 && static_cast<size_t>(device) < d.streams.size() && d.streams[device]) {
+    return *d.streams[device];
+  }
+  check_device(device);
   if (d.streams.size() <= static_cast<size_t>(device)) d.streams.resize(device + 1, nullptr);
-  if (!d.streams[device]) d.streams[device] = new Stream(Stream::create(device));
+  d.streams[device] = new Stream(Stream::create(device));
   return *d.streams[device];
 }
 
