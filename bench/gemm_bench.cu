@@ -7,6 +7,14 @@
 // counts 2·m·n·k per product. The roofline is the fp32 FMA peak: SMs x clock x 128 FMA per SM and
 // cycle x 2.
 // --json PATH writes the rows as JSON.
+//
+// --math tf32|bf16 times the tensor-core matmul (kernels/matmul.h) instead: both operands K-major
+// (C = A B^T, the layout the tensor cores read) in the math's type (bf16, or fp32 for TF32), against
+// cublasGemmEx with the same operand types, fp32 accumulation and fp32 C (CUBLAS_COMPUTE_32F, or
+// CUBLAS_COMPUTE_32F_FAST_TF32). Shapes: 4096^3, 8192^3 and every product of the VGG-16 classifier
+// at batch 64 as an (m, n, k) of that form. Validation: ours against cuBLAS with the bound of the
+// precision (tests/kernels/matmul_gpu_test.cpp derives it), relative L2 error printed. The roofline is
+// the datasheet's dense tensor-core rate (H100/H200 SXM: 989 bf16, 495 TF32 TFLOP/s).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -24,6 +32,8 @@
 #include "engine/core/vendor_check.h"
 #include "kernels/gemm.h"
 #include "kernels/init.h"
+#include "kernels/layout.h"
+#include "kernels/matmul.h"
 
 namespace {
 
@@ -215,6 +225,165 @@ void write_json(const std::string& path, const DeviceInfo& d, const std::vector<
   std::fclose(f);
 }
 
+
+// ---- tensor-core products (--math tf32|bf16) ------------------------------------------------------
+
+struct TcShape {
+  std::string op;
+  int m, n, k;
+  double flops() const { return 2.0 * m * n * k; }
+  std::string text() const {
+    return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  }
+};
+
+std::vector<TcShape> tc_shapes() {
+  std::vector<TcShape> s = {{"gemm", 4096, 4096, 4096}, {"gemm", 8192, 8192, 8192}};
+  for (const auto& [name, in, out] : {std::tuple{"fc1", 25088, 4096}, std::tuple{"fc2", 4096, 4096},
+                                      std::tuple{"fc3", 4096, 1000}}) {
+    const std::string layer = name;
+    s.push_back({layer + " forward", 64, out, in});
+    s.push_back({layer + " backward-data", 64, in, out});
+    s.push_back({layer + " backward-weight", out, in, 64});
+  }
+  return s;
+}
+
+struct TcResult {
+  TcShape shape;
+  MatmulPlan plan;
+  double ours_ms = 0, cublas_ms = 0, rel_l2 = 0;
+  bool valid = true;
+  double ours_tflops() const { return shape.flops() / (ours_ms * 1e-3) / 1e12; }
+  double cublas_tflops() const { return shape.flops() / (cublas_ms * 1e-3) / 1e12; }
+};
+
+TcResult run_tc(const TcShape& s, Math math, int reps, cublasHandle_t handle, cudaStream_t stream) {
+  const bool bf16 = math == Math::BF16;
+  const size_t esize = bf16 ? 2 : 4;
+  const size_t a_n = size_t(s.m) * s.k, b_n = size_t(s.n) * s.k, c_n = size_t(s.m) * s.n;
+  const int copies = cudp::bench::rotation_copies((a_n + b_n) * esize + c_n * 4);
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> a32, b32, c;
+  std::vector<std::unique_ptr<DeviceBuffer<__nv_bfloat16>>> a16, b16;
+  for (int i = 0; i < copies; ++i) {
+    a32.push_back(std::make_unique<DeviceBuffer<float>>(a_n));
+    b32.push_back(std::make_unique<DeviceBuffer<float>>(b_n));
+    c.push_back(std::make_unique<DeviceBuffer<float>>(c_n));
+    uniform(a32[i]->p, int64_t(a_n), -1.f, 1.f, 10 + i, 0, stream);
+    uniform(b32[i]->p, int64_t(b_n), -1.f, 1.f, 20 + i, 0, stream);
+    if (bf16) {
+      a16.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(a_n));
+      b16.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(b_n));
+      f32_to_bf16(a32[i]->p, a16[i]->p, int64_t(a_n), stream);
+      f32_to_bf16(b32[i]->p, b16[i]->p, int64_t(b_n), stream);
+    }
+  }
+  const auto a = [&](int j) -> const void* { return bf16 ? (const void*)a16[j]->p : a32[j]->p; };
+  const auto b = [&](int j) -> const void* { return bf16 ? (const void*)b16[j]->p : b32[j]->p; };
+  const auto problem = [&](int j) {
+    MatmulProblem p;
+    p.m = s.m;
+    p.n = s.n;
+    p.k = s.k;
+    p.math = math;
+    p.a = a(j);
+    p.lda = s.k;
+    p.b = b(j);
+    p.ldb = s.k;
+    p.c = c[j]->p;
+    p.ldc = s.n;
+    return p;
+  };
+  // cuBLAS, column-major: row-major C (m x n) is column-major C^T = B A^T with B (n x k row-major =
+  // k x n column-major, op T) and A likewise.
+  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasComputeType_t compute = bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+  const auto vendor = [&](int j, float* out) {
+    const float alpha = 1.f, beta = 0.f;
+    CUDP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.n, s.m, s.k, &alpha, b(j),
+                                   type, s.k, a(j), type, s.k, &beta, out, CUDA_R_32F, s.n, compute,
+                                   CUBLAS_GEMM_DEFAULT));
+  };
+  TcResult r{s, plan_matmul(problem(0))};
+  {
+    DeviceBuffer<float> reference(c_n);
+    matmul(problem(0), stream);
+    vendor(0, reference.p);
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> got = c[0]->download(), want = reference.download();
+    double err2 = 0, ref2 = 0;
+    for (size_t i = 0; i < c_n; ++i) {
+      const double e = double(got[i]) - want[i];
+      err2 += e * e;
+      ref2 += double(want[i]) * want[i];
+    }
+    r.rel_l2 = std::sqrt(err2 / std::max(ref2, 1e-300));
+    // Both sides err by at most the precision's bound of matmul_gpu_test.cpp (2^-9 relative in
+    // TF32; fp32 accumulation in bf16): twice that bounds their difference. NaN fails.
+    const double bound = bf16 ? std::ldexp(2.0, -14) : std::ldexp(2.0, -9);
+    r.valid = r.rel_l2 <= bound;
+    std::printf("  validate %-24s %-16s %s (relative L2 vs cuBLAS %.3g, bound %.3g)\n",
+                s.op.c_str(), s.text().c_str(), r.valid ? "ok  " : "FAIL", r.rel_l2, bound);
+  }
+  const auto run_ours = [&](int i) { matmul(problem(i % copies), stream); };
+  const auto run_cublas = [&](int i) { vendor(i % copies, c[i % copies]->p); };
+  r.ours_ms = cudp::bench::time_on_stream(stream, run_ours, 5, reps).median_ms;
+  r.cublas_ms = cudp::bench::time_on_stream(stream, run_cublas, 5, reps).median_ms;
+  return r;
+}
+
+int run_tensor_cores(Math math, int reps, const std::string& json, cudaStream_t stream) {
+  const DeviceInfo d = device_info();
+  const double peak = math == Math::BF16 ? 989.0 : 494.7;
+  std::printf("%s: %d SMs; %s tensor-core peak %.0f TFLOP/s (datasheet, dense)\n", d.name.c_str(),
+              d.sm_count, math_name(math), peak);
+  cublasHandle_t handle = nullptr;
+  CUDP_CUBLAS_CHECK(cublasCreate(&handle));
+  CUDP_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  std::vector<TcResult> results;
+  for (const TcShape& s : tc_shapes()) results.push_back(run_tc(s, math, reps, handle, stream));
+  cublasDestroy(handle);
+  std::vector<cudp::bench::Row> rows;
+  bool all_valid = true;
+  for (const TcResult& r : results) {
+    rows.push_back({r.shape.op + (r.valid ? "" : " (INVALID)"), r.shape.text(), r.ours_tflops(),
+                    r.cublas_tflops(), "TFLOP/s", "cuBLAS"});
+    all_valid &= r.valid;
+  }
+  std::printf("\n");
+  cudp::bench::print_table(rows);
+  std::printf("\n| op | shape | plan | ours ms | cuBLAS ms | ours of peak | cuBLAS of peak |\n"
+              "|---|---|---|---:|---:|---:|---:|\n");
+  for (const TcResult& r : results) {
+    std::printf("| %s | %s | 128x%d, split %d | %.4f | %.4f | %.0f%% | %.0f%% |\n",
+                r.shape.op.c_str(), r.shape.text().c_str(), r.plan.tile_n, r.plan.splits,
+                r.ours_ms, r.cublas_ms, 100 * r.ours_tflops() / peak,
+                100 * r.cublas_tflops() / peak);
+  }
+  if (!json.empty()) {
+    std::FILE* f = std::fopen(json.c_str(), "w");
+    if (!f) CUDP_THROW(IoError, "cannot write ", json);
+    std::fprintf(f, "{\n  \"benchmark\": \"gemm\",\n  \"math\": \"%s\",\n  \"device\": \"%s\",\n"
+                 "  \"sm_count\": %d,\n  \"peak_tflops\": %.1f,\n  \"results\": [\n",
+                 math_name(math), d.name.c_str(), d.sm_count, peak);
+    for (size_t i = 0; i < results.size(); ++i) {
+      const TcResult& r = results[i];
+      std::fprintf(f,
+                   "    {\"op\": \"%s\", \"shape\": \"%s\", \"math\": \"%s\", \"m\": %d, \"n\": %d, "
+                   "\"k\": %d, \"tile_n\": %d, \"splits\": %d, \"ours_ms\": %.6f, \"cublas_ms\": "
+                   "%.6f, \"ours_tflops\": %.3f, \"cublas_tflops\": %.3f, \"ours_over_cublas\": "
+                   "%.4f, \"rel_l2_vs_cublas\": %.3g, \"valid\": %s}%s\n",
+                   r.shape.op.c_str(), r.shape.text().c_str(), math_name(math), r.shape.m,
+                   r.shape.n, r.shape.k, r.plan.tile_n, r.plan.splits, r.ours_ms, r.cublas_ms,
+                   r.ours_tflops(), r.cublas_tflops(), r.cublas_ms / r.ours_ms, r.rel_l2,
+                   r.valid ? "true" : "false", i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+  return all_valid ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -226,6 +395,10 @@ int main(int argc, char** argv) {
                  "all: also 4096^3 transposed and 8192^3")
       ->check(CLI::IsMember({"standard", "all"}));
   app.add_option("--json", json, "write the results to this JSON file");
+  std::string math_text = "fp32";
+  app.add_option("--math", math_text,
+                 "fp32: the SIMT kernel vs SGEMM; tf32 / bf16: the tensor-core matmul vs cublasGemmEx")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
   app.add_option("--reps", reps, "timed repetitions per measurement (median reported)")
       ->check(CLI::Range(1, 10000));
   CLI11_PARSE(app, argc, argv);
@@ -241,6 +414,9 @@ int main(int argc, char** argv) {
     uint64_t threshold = UINT64_MAX;
     CUDP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
 
+    if (math_text != "fp32") {
+      return run_tensor_cores(math_text == "bf16" ? Math::BF16 : Math::TF32, reps, json, stream);
+    }
     const DeviceInfo d = device_info();
     std::printf("%s: %d SMs at %.2f GHz; fp32 FMA peak %.1f TFLOP/s (SMs x clock x 128 FMA x 2)\n",
                 d.name.c_str(), d.sm_count, d.clock_ghz, d.peak_tflops);

@@ -33,6 +33,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/gemm.h"
+#include "kernels/matmul.h"
 
 namespace cudp::kernels {
 namespace {
@@ -463,14 +464,17 @@ void gemm_with_plan(const GemmPlan& plan, bool trans_a, bool trans_b, int m, int
 
 void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc, cudaStream_t stream, Math math) {
-  CUDP_CHECK(math == Math::FP32, "gemm: math ", math_name(math),
-             " is not implemented yet; use Math::FP32");
   detail::check_gemm_args(trans_a, trans_b, m, n, k, alpha, A, lda, B, ldb, C, ldc);
   if (m == 0 || n == 0) return;
-  int device = 0, sm_count = 0;
+  if (math != Math::FP32) {
+    detail::gemm_tensor_cores(trans_a, trans_b, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc,
+                              stream, math);
+    return;
+  }
+  int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  const GemmPlan plan = detail::plan_gemm(m, n, alpha == 0.f ? 0 : k, sm_count);
+  const GemmPlan plan =
+      detail::plan_gemm(m, n, alpha == 0.f ? 0 : k, detail::multiprocessor_count(device));
   run_plan(plan, trans_a, trans_b, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, stream);
 }
 

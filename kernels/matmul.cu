@@ -1,0 +1,346 @@
+// Validation, planning, dispatch and the split-K reduction of the tensor-core matmul
+// (kernels/matmul.h). The mainloops live in kernels/sm90/ and are compiled for sm_90a only; this
+// file is built for every architecture the library targets and calls them only on an sm_90 device.
+//
+// The plan: tile_m is 128 (two consumer warpgroups); tile_n 256 or 128; splits 1..16. A small
+// model estimates each candidate's time on a GPU with `sms` multiprocessors, each running one
+// persistent block: the busiest block's work items times the MMA time of one item (plus a fixed
+// cost per item for pipeline fill and epilogue), plus the split-K reduction's memory traffic.
+// Narrow tiles lose some efficiency (B is re-read for every 128 rows of A instead of 256). The
+// model only has to rank candidates; its constants were set from the H200 (see bench/README-gemm.md).
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "engine/core/launch.cuh"
+#include "kernels/matmul.h"
+#include "kernels/matmul_epilogue.cuh"
+#ifdef CUDP_HAVE_SM90
+#include "kernels/sm90/matmul_sm90.h"
+#endif
+
+namespace cudp::kernels {
+namespace {
+
+constexpr int kTileM = 128;
+constexpr int kMaxSplits = 16;
+
+struct DeviceInfo {
+  int major = 0, minor = 0, sms = 0;
+};
+
+// Read once per device: the launch path makes no property queries.
+const DeviceInfo& device_info(int device) {
+  static std::mutex mutex;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it == cache.end()) {
+    DeviceInfo info;
+    CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
+    CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device));
+    CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+    it = cache.emplace(device, info).first;
+  }
+  return it->second;
+}
+
+int current_device() {
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+int k_block(Math math) { return math == Math::BF16 ? 64 : 32; }
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Estimated seconds for (tile_n, splits); see the file comment.
+double estimate(const MatmulProblem& p, int tile_n, int splits, int sms) {
+  const int kb = ceil_div(p.k, k_block(p.math));
+  const int per_split = ceil_div(kb, splits);
+  const int64_t items = int64_t(ceil_div(p.m, kTileM)) * ceil_div(p.n, tile_n) * splits;
+  const int64_t per_block = (items + sms - 1) / sms;
+  const double peak = (p.math == Math::BF16 ? 790e12 : 400e12) / sms;  // FLOP/s per SM
+  const double efficiency = tile_n == 256 ? 1.0 : 0.88;
+  const double item_flops = 2.0 * kTileM * tile_n * double(per_split) * k_block(p.math);
+  const double item_overhead = 1.5e-6;  // fill, drain, epilogue
+  double seconds = per_block * (item_flops / (peak * efficiency) + item_overhead);
+  if (splits > 1) {
+    const double bytes = double(p.m) * p.n * (4.0 * splits + dtype_size(p.c_type));
+    seconds += bytes / 3.0e12 + 3e-6;
+  }
+  return seconds;
+}
+
+__global__ void splitk_reduce_kernel(const float* __restrict__ ws, int splits, int m, int n,
+                                     void* c, int64_t ldc, int c_is_bf16, EpilogueArgs e) {
+  const int64_t total = int64_t(m) * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / n);
+    const int col = static_cast<int>(i - int64_t(row) * n);
+    float sum = 0.f;
+    for (int s = 0; s < splits; ++s) sum += ws[int64_t(s) * total + i];  // fixed order
+    if (c_is_bf16) {
+      auto* dst = static_cast<__nv_bfloat16*>(c) + int64_t(row) * ldc + col;
+      const float old = e.beta != 0.f ? __bfloat162float(*dst) : 0.f;
+      *dst = __float2bfloat16_rn(apply_epilogue(e, sum, old, col));
+    } else {
+      float* dst = static_cast<float*>(c) + int64_t(row) * ldc + col;
+      *dst = apply_epilogue(e, sum, e.beta != 0.f ? *dst : 0.f, col);
+    }
+  }
+}
+
+void splitk_reduce(const MatmulProblem& p, const float* ws, int splits, cudaStream_t stream) {
+  const int64_t total = int64_t(p.m) * p.n;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65536));
+  launch("splitk_reduce_kernel", splitk_reduce_kernel, dim3(blocks), dim3(256), 0, stream, ws,
+         splits, p.m, p.n, p.c, p.ldc, int(p.c_type == DType::BF16),
+         EpilogueArgs{p.alpha, p.beta, p.bias, int(p.relu)});
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// dst (rows x k, K-major, row stride ldd, fp32 or bf16) = op(src): src[r*ld + c], or with
+// `transposed` src[c*ld + r]. 32 x 32 tiles through shared memory so that both the reads and the
+// writes are coalesced whichever way src runs; the pad column avoids bank conflicts.
+template <typename Out>
+__global__ void pack_k_major_kernel(const float* __restrict__ src, int64_t ld, int transposed,
+                                    int rows, int k, Out* __restrict__ dst, int64_t ldd) {
+  __shared__ float tile[32][33];
+  const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    // Read along src's contiguous dimension.
+    const int a = (transposed ? c0 : r0) + i, b = (transposed ? r0 : c0) + threadIdx.x;
+    const int r = transposed ? b : a, c = transposed ? a : b;
+    float v = 0.f;
+    if (r < rows && c < k) v = src[int64_t(a) * ld + b];
+    if (transposed) {
+      tile[threadIdx.x][i] = v;
+    } else {
+      tile[i][threadIdx.x] = v;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int r = r0 + i, c = c0 + threadIdx.x;
+    if (r < rows && c < ldd) {
+      // Columns between k and ldd are the padding of the row: zero, never garbage.
+      const float v = c < k ? tile[i][threadIdx.x] : 0.f;
+      if constexpr (sizeof(Out) == 2) {
+        dst[int64_t(r) * ldd + c] = __float2bfloat16_rn(v);
+      } else {
+        dst[int64_t(r) * ldd + c] = v;
+      }
+    }
+  }
+}
+
+void pack_k_major(const float* src, int64_t ld, bool transposed, int rows, int k, void* dst,
+                  int64_t ldd, DType type, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(ldd, 32)), static_cast<unsigned>(ceil_div(rows, 32)));
+  const dim3 block(32, 8);
+  if (type == DType::BF16) {
+    launch("pack_k_major_kernel<bf16>", pack_k_major_kernel<__nv_bfloat16>, grid, block, 0, stream,
+           src, ld, int(transposed), rows, k, static_cast<__nv_bfloat16*>(dst), ldd);
+  } else {
+    launch("pack_k_major_kernel<fp32>", pack_k_major_kernel<float>, grid, block, 0, stream, src, ld,
+           int(transposed), rows, k, static_cast<float*>(dst), ldd);
+  }
+}
+
+}  // namespace
+
+const char* dtype_name(DType dtype) { return dtype == DType::BF16 ? "bf16" : "fp32"; }
+int dtype_size(DType dtype) { return dtype == DType::BF16 ? 2 : 4; }
+
+bool tensor_cores_available(int device) {
+#ifdef CUDP_HAVE_SM90
+  const DeviceInfo& info = device_info(device);
+  return info.major == 9 && info.minor == 0;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
+  using cudp::detail::str;
+  if (p.math == Math::FP32) {
+    return "Math::FP32 products run on the SIMT kernels (kernels/gemm.h), not on tensor cores";
+  }
+  if (!tensor_cores_available(device)) {
+    const DeviceInfo& info = device_info(device);
+#ifdef CUDP_HAVE_SM90
+    return str("tensor-core math (", math_name(p.math), ") needs an sm_90 GPU (H100/H200); device ",
+               device, " is sm_", info.major, info.minor, ": use Math::FP32 on it");
+#else
+    return str("this build of cudp has no sm_90a kernels, so ", math_name(p.math),
+               " is unavailable on device ", device, " (sm_", info.major, info.minor,
+               "): use Math::FP32");
+#endif
+  }
+  if (p.m < 0 || p.n < 0 || p.k < 0) return str("negative size m=", p.m, " n=", p.n, " k=", p.k);
+  if (p.m == 0 || p.n == 0) return "";
+  if (p.c == nullptr) return "C is null";
+  if (p.ldc < p.n) return str("ldc=", p.ldc, " is smaller than n=", p.n);
+  if (p.k == 0) return "";
+  const int esize = p.math == Math::BF16 ? 2 : 4;
+  const char* want = p.math == Math::BF16 ? "bf16" : "fp32";
+  if (p.a == nullptr || p.b == nullptr) return "A or B is null";
+  if (p.lda < p.k) return str("lda=", p.lda, " is smaller than k=", p.k);
+  if (p.ldb < p.k) return str("ldb=", p.ldb, " is smaller than k=", p.k);
+  if (!aligned16(p.a) || !aligned16(p.b)) {
+    return str("A and B must be 16-byte aligned for the tensor-core loads (", want,
+               " operands); copy them into aligned buffers");
+  }
+  if ((p.lda * esize) % 16 != 0 || (p.ldb * esize) % 16 != 0) {
+    return str("the row strides lda=", p.lda, " and ldb=", p.ldb, " must be multiples of ",
+               16 / esize, " ", want, " elements (16 bytes) for the tensor-core loads; pad the rows");
+  }
+  return "";
+}
+
+int64_t matmul_workspace_bytes(const MatmulProblem& p, const MatmulPlan& plan) {
+  return plan.splits > 1 ? int64_t(plan.splits) * p.m * p.n * int64_t(sizeof(float)) : 0;
+}
+
+MatmulPlan make_matmul_plan(const MatmulProblem& p, int tile_n, int splits, int sm_count) {
+  CUDP_CHECK(tile_n == 128 || tile_n == 256, "matmul: tile_n must be 128 or 256, got ", tile_n);
+  CUDP_CHECK(splits >= 1, "matmul: splits must be >= 1, got ", splits);
+  MatmulPlan plan;
+  plan.tile_m = kTileM;
+  plan.tile_n = tile_n;
+  const int kb = std::max(1, ceil_div(p.k, k_block(p.math)));
+  plan.k_blocks_per_split = ceil_div(kb, std::min(splits, kb));
+  plan.splits = p.k == 0 ? 1 : ceil_div(kb, plan.k_blocks_per_split);  // none empty
+  const int64_t items =
+      int64_t(ceil_div(p.m, kTileM)) * ceil_div(p.n, tile_n) * plan.splits;
+  plan.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, sm_count)));
+  return plan;
+}
+
+MatmulPlan plan_matmul(const MatmulProblem& p, int device) {
+  if (device < 0) device = current_device();
+  using Key = std::tuple<int, int, int, int, int>;
+  static std::mutex mutex;
+  static std::map<Key, MatmulPlan> cache;
+  const Key key{device, int(p.math), p.m, p.n, p.k};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  const int sms = device_info(device).sms;
+  MatmulPlan best;
+  double best_time = INFINITY;
+  for (int tile_n : {256, 128}) {
+    for (int splits = 1; splits <= kMaxSplits; ++splits) {
+      const MatmulPlan plan = make_matmul_plan(p, tile_n, splits, sms);
+      if (plan.splits != splits) break;  // more splits than k blocks
+      const double t = estimate(p, tile_n, splits, sms);
+      if (t < best_time) {
+        best_time = t;
+        best = plan;
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace(key, best);
+  return best;
+}
+
+void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream_t stream) {
+  const int device = current_device();
+  const std::string why = matmul_unsupported_reason(p, device);
+  CUDP_CHECK(why.empty(), "matmul: ", why);
+  if (p.m == 0 || p.n == 0) return;
+  if (p.k == 0) {  // no products: C = epilogue(0)
+    splitk_reduce(p, nullptr, 0, stream);
+    return;
+  }
+#ifdef CUDP_HAVE_SM90
+  float* ws = nullptr;
+  const int64_t ws_bytes = matmul_workspace_bytes(p, plan);
+  if (ws_bytes > 0) {
+    CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), size_t(ws_bytes), stream));
+  }
+  try {
+    if (p.math == Math::BF16) {
+      sm90::matmul_bf16(p, plan, ws, stream);
+    } else {
+      sm90::matmul_tf32(p, plan, ws, stream);
+    }
+    if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
+  } catch (...) {
+    if (ws != nullptr) cudaFreeAsync(ws, stream);
+    throw;
+  }
+  if (ws != nullptr) CUDP_CUDA_CHECK(cudaFreeAsync(ws, stream));
+#else
+  (void)plan;
+  (void)stream;
+#endif
+}
+
+void matmul(const MatmulProblem& p, cudaStream_t stream) {
+  const int device = current_device();
+  const std::string why = matmul_unsupported_reason(p, device);
+  CUDP_CHECK(why.empty(), "matmul: ", why);
+  matmul_with_plan(p, plan_matmul(p, device), stream);
+}
+
+namespace detail {
+
+int multiprocessor_count(int device) { return device_info(device).sms; }
+
+void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                       const float* A, int lda, const float* B, int ldb, float beta, float* C,
+                       int ldc, cudaStream_t stream, Math math) {
+  const DType type = math == Math::BF16 ? DType::BF16 : DType::F32;
+  const int esize = dtype_size(type);
+  if (alpha == 0.f) k = 0;  // BLAS: A and B are not read
+  // An operand is used in place when it already is a K-major fp32 matrix that TMA can load.
+  const bool a_direct = type == DType::F32 && !trans_a && aligned16(A) && (lda * 4) % 16 == 0;
+  const bool b_direct = type == DType::F32 && trans_b && aligned16(B) && (ldb * 4) % 16 == 0;
+  const int64_t ldp = (int64_t(k) * esize + 15) / 16 * 16 / esize;  // packed row stride
+  const int64_t a_bytes = a_direct || k == 0 ? 0 : (int64_t(m) * ldp * esize + 255) / 256 * 256;
+  const int64_t b_bytes = b_direct || k == 0 ? 0 : int64_t(n) * ldp * esize;
+  uint8_t* ws = nullptr;
+  if (a_bytes + b_bytes > 0) {
+    CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), size_t(a_bytes + b_bytes), stream));
+  }
+  MatmulProblem p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.math = math;
+  p.a = a_direct ? static_cast<const void*>(A) : ws;
+  p.lda = a_direct ? lda : ldp;
+  p.b = b_direct ? static_cast<const void*>(B) : ws + a_bytes;
+  p.ldb = b_direct ? ldb : ldp;
+  p.c = C;
+  p.ldc = ldc;
+  p.c_type = DType::F32;
+  p.alpha = alpha;
+  p.beta = beta;
+  try {
+    if (k > 0 && !a_direct) pack_k_major(A, lda, trans_a, m, k, ws, ldp, type, stream);
+    // op(B) is k x n; its K-major form is n x k: B itself when trans_b, else B transposed.
+    if (k > 0 && !b_direct) pack_k_major(B, ldb, !trans_b, n, k, ws + a_bytes, ldp, type, stream);
+    matmul(p, stream);
+  } catch (...) {
+    if (ws != nullptr) cudaFreeAsync(ws, stream);
+    throw;
+  }
+  if (ws != nullptr) CUDP_CUDA_CHECK(cudaFreeAsync(ws, stream));
+}
+
+}  // namespace detail
+}  // namespace cudp::kernels

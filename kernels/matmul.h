@@ -1,0 +1,102 @@
+// Typed matrix products on tensor cores: problem -> plan -> launch.
+//
+//   C (m x n, row-major) = epilogue(A (m x k) * B^T),  B stored n x k,
+//
+// i.e. both operands are K-major (row-major with k contiguous), the layout Hopper's wgmma reads for
+// every precision (TF32 accepts no other) and the one a Linear layer's forward already has
+// (Y = X W^T). gemm() (kernels/gemm.h) takes BLAS-style fp32 operands in any transpose and packs
+// them into this form when needed.
+//
+// The epilogue, applied once per element in fp32 before the single rounding to C's type:
+//   v = alpha * acc  (+ beta * C_old when beta != 0; C is then read, else never)
+//   v += bias[col]   (when bias is given: one float per column of C)
+//   v = max(v, 0)    (when relu)
+//
+// A plan (tile shape, split-K) is chosen once per (device model, shape) and cached; the launch does
+// no driver queries. With split-K, each split writes its fp32 partial tile to a workspace taken
+// from the stream-ordered allocator and one reduction kernel sums the splits in a fixed order and
+// applies the epilogue, so results are deterministic: the same call gives bitwise the same C.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/common.h"
+
+namespace cudp::kernels {
+
+enum class DType { F32, BF16 };
+
+const char* dtype_name(DType dtype);
+int dtype_size(DType dtype);
+
+struct MatmulProblem {
+  int m = 0, n = 0, k = 0;
+  Math math = Math::BF16;  // BF16: A and B are bf16. TF32: A and B are fp32, rounded by the MMA.
+  const void* a = nullptr;  // m x k, row stride lda (elements)
+  int64_t lda = 0;
+  const void* b = nullptr;  // n x k, row stride ldb (elements)
+  int64_t ldb = 0;
+  void* c = nullptr;  // m x n, row stride ldc (elements)
+  int64_t ldc = 0;
+  DType c_type = DType::F32;
+  float alpha = 1.f, beta = 0.f;
+  const float* bias = nullptr;  // n floats, or null
+  bool relu = false;
+};
+
+// How a product runs: C is cut into tile_m x tile_n tiles and k into `splits` chunks of
+// `k_blocks_per_split` blocks of k_block elements (128 bytes of the operand type).
+struct MatmulPlan {
+  int tile_m = 128;
+  int tile_n = 256;
+  int splits = 1;
+  int k_blocks_per_split = 0;
+  int grid = 0;  // persistent blocks
+};
+
+// Bytes of split-K workspace `plan` needs for `problem` (0 without split-K).
+int64_t matmul_workspace_bytes(const MatmulProblem& problem, const MatmulPlan& plan);
+
+// Why `problem` cannot run on tensor cores on `device`, or "" when it can: the device must be
+// sm_90 and the library built with its sm_90a kernels; math TF32 or BF16; pointers 16-byte
+// aligned and lda, ldb multiples of 16 bytes (TMA's rule); ldc >= n; no overlap checks.
+std::string matmul_unsupported_reason(const MatmulProblem& problem, int device);
+
+// True when the library holds the sm_90a kernels and `device` is compute capability 9.0.
+bool tensor_cores_available(int device);
+
+// The cached plan for `problem` on `device` (the current device when -1).
+MatmulPlan plan_matmul(const MatmulProblem& problem, int device = -1);
+
+// Validates (throws ValueError naming the bad argument and what to do), plans and enqueues.
+void matmul(const MatmulProblem& problem, cudaStream_t stream);
+
+// matmul() with an explicit plan (tests run every tile shape and split count through it).
+void matmul_with_plan(const MatmulProblem& problem, const MatmulPlan& plan, cudaStream_t stream);
+
+// Normalises a requested (tile_n, splits) for `problem`: drops splits that would be empty.
+MatmulPlan make_matmul_plan(const MatmulProblem& problem, int tile_n, int splits, int sm_count);
+
+// The CPU reference: the same contract, products of the operands as stored (bf16 values exactly;
+// fp32 values unrounded, so the TF32 rounding is part of the measured error) accumulated in
+// double, C rounded to its type once.
+void matmul_cpu(const MatmulProblem& problem);
+
+namespace detail {
+
+// The multiprocessor count of `device`, read once and cached (launch paths make no driver queries).
+int multiprocessor_count(int device);
+
+// gemm()'s tensor-core path (kernels/gemm.h, math TF32 or BF16): packs op(A) and op(B) into K-major
+// operands of the math's type where they are not already usable as they are (a transpose, a cast
+// to bf16, an unaligned row), in one workspace from the stream-ordered allocator, then runs
+// matmul() with alpha and beta. Arguments are checked by the caller.
+void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                       const float* A, int lda, const float* B, int ldb, float beta, float* C,
+                       int ldc, cudaStream_t stream, Math math);
+
+}  // namespace detail
+}  // namespace cudp::kernels

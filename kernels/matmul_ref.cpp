@@ -1,0 +1,56 @@
+// The CPU reference of kernels/matmul.h: double accumulation of the operands as stored.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "engine/core/error.h"
+#include "kernels/layout.h"
+#include "kernels/matmul.h"
+
+namespace cudp::kernels {
+namespace {
+
+double load(const void* base, int64_t index, bool bf16) {
+  if (bf16) {
+    uint16_t bits;
+    std::memcpy(&bits, static_cast<const uint16_t*>(base) + index, sizeof bits);
+    const uint32_t wide = uint32_t(bits) << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof value);
+    return value;
+  }
+  return static_cast<const float*>(base)[index];
+}
+
+}  // namespace
+
+void matmul_cpu(const MatmulProblem& p) {
+  CUDP_CHECK(p.math != Math::FP32, "matmul_cpu: Math::FP32 products are gemm_cpu's");
+  CUDP_CHECK(p.m >= 0 && p.n >= 0 && p.k >= 0, "matmul_cpu: negative size");
+  if (p.m == 0 || p.n == 0) return;
+  CUDP_CHECK(p.c != nullptr && p.ldc >= p.n, "matmul_cpu: bad C");
+  CUDP_CHECK(p.k == 0 || (p.a != nullptr && p.b != nullptr && p.lda >= p.k && p.ldb >= p.k),
+             "matmul_cpu: bad A or B");
+  const bool bf16 = p.math == Math::BF16;
+  const bool c_bf16 = p.c_type == DType::BF16;
+  for (int i = 0; i < p.m; ++i) {
+    for (int j = 0; j < p.n; ++j) {
+      double acc = 0;
+      for (int l = 0; l < p.k; ++l) {
+        acc += load(p.a, int64_t(i) * p.lda + l, bf16) * load(p.b, int64_t(j) * p.ldb + l, bf16);
+      }
+      const int64_t at = int64_t(i) * p.ldc + j;
+      double v = double(p.alpha) * acc;
+      if (p.beta != 0.f) v += double(p.beta) * load(p.c, at, c_bf16);
+      if (p.bias != nullptr) v += p.bias[j];
+      if (p.relu) v = std::max(v, 0.0);
+      if (c_bf16) {
+        static_cast<uint16_t*>(p.c)[at] = detail::f32_to_bf16_bits(static_cast<float>(v));
+      } else {
+        static_cast<float*>(p.c)[at] = static_cast<float>(v);
+      }
+    }
+  }
+}
+
+}  // namespace cudp::kernels

@@ -1,0 +1,353 @@
+// The Hopper tensor-core mainloop (sm_90a): C = epilogue(A * B^T), A m x k and B n x k K-major.
+//
+// Structure (one thread block per SM, persistent):
+// - Warpgroup 0 is the producer: one thread walks the block's tiles and issues TMA loads of A and
+//   B k-blocks (128 bytes of k per row, 128-byte swizzle, zero fill past the matrix edges) into a
+//   ring of kStages shared-memory stages. Each stage has a "full" mbarrier (the TMA completes its
+//   transaction bytes on it) and an "empty" one (the consumers arrive when they no longer read it).
+//   The producer gives most of its registers back (setmaxnreg) to the consumers.
+// - Warpgroups 1 and 2 are consumers: each owns 64 rows of the 128-row tile and issues
+//   wgmma m64nNk{16,8} straight from shared memory, keeping one wgmma group in flight: a stage is
+//   released as soon as the group after it has been issued and the one reading it has completed.
+// - While the consumers run a tile's epilogue (registers -> global, with alpha, beta, bias, ReLU and
+//   the cast), the producer already loads the next tile's first stages.
+// - Tiles are visited in groups of kGroupM tile rows, so that the blocks running at one time share
+//   A rows and B columns in L2. With split-K a work item is (tile, split); partial sums go to a
+//   workspace and kernels/matmul.cu's reduction applies the epilogue.
+//
+// Phases: a stage's barriers flip parity each time the ring wraps; the producer waits on "empty"
+// with the opposite parity so that its first pass through a fresh ring does not wait.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "engine/core/error.h"
+#include "kernels/matmul.h"
+#include "kernels/matmul_epilogue.cuh"
+#include "kernels/sm90/wgmma.cuh"
+
+namespace cudp::kernels::sm90 {
+
+constexpr int kTileM = 128;        // two consumer warpgroups of 64 rows
+constexpr int kRowBytes = 128;     // one k-block row: the 128-byte swizzle span
+constexpr int kGroupM = 8;         // tile rows per L2 group
+constexpr int kConsumers = 2;      // consumer warpgroups
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kSharedBudget = 227 * 1024;
+
+// What the kernel needs besides the two tensor maps.
+struct MainloopParams {
+  int m, n, k;
+  int tiles_m, tiles_n, splits;
+  int k_blocks;             // k blocks in all
+  int k_blocks_per_split;
+  // Epilogue (splits == 1) or the workspace (splits > 1: fp32, [split][m][n]).
+  void* c;
+  int64_t ldc;
+  int c_is_bf16;
+  EpilogueArgs epilogue;
+  float* workspace;
+};
+
+template <typename Elem, int kTileN>
+struct Config {
+  static constexpr int kBlockK = kRowBytes / int(sizeof(Elem));  // 64 bf16 or 32 fp32
+  static constexpr int kStageBytesA = kTileM * kRowBytes;
+  static constexpr int kStageBytesB = kTileN * kRowBytes;
+  static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+  static constexpr int kStages = (kSharedBudget - 4096) / kStageBytes;
+  static constexpr int kSharedBytes = kStages * kStageBytes + 1024 /* alignment */ + 1024 /* barriers */;
+  static constexpr int kAccumulators = kTileN / 2;  // fp32 per thread for m64nN
+  static_assert(kStages >= 3, "too few pipeline stages");
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// A shared-memory matrix descriptor for a K-major operand in 128-byte-swizzled 8-row atoms:
+// start address, leading-byte offset 16 (unused by this layout), stride-byte offset 1024 (from one
+// 8-row atom to the next), swizzle mode 1 (128 B).
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the accumulators in registers across the asynchronous wgmma (the compiler must not move
+// reads or writes of them across the fence/wait points).
+template <int kCount>
+__device__ __forceinline__ void keep_in_registers(float* acc) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+template <typename Elem, int kTileN>
+struct Mma;
+template <int kTileN>
+struct Mma<__nv_bfloat16, kTileN> : WgmmaBf16<kTileN> {};
+template <int kTileN>
+struct Mma<float, kTileN> : WgmmaTf32<kTileN> {};
+
+struct WorkItem {
+  int tile_m, tile_n, split;
+};
+
+__device__ __forceinline__ WorkItem work_item(const MainloopParams& p, int index) {
+  const int tile = index / p.splits;
+  const int split = index - tile * p.splits;
+  const int per_group = kGroupM * p.tiles_n;
+  const int group = tile / per_group;
+  const int first_m = group * kGroupM;
+  const int group_rows = min(p.tiles_m - first_m, kGroupM);
+  const int in_group = tile - group * per_group;
+  return {first_m + in_group % group_rows, in_group / group_rows, split};
+}
+
+// Writes one consumer warpgroup's 64 x kTileN accumulators: the final C (one split) or the split's
+// slice of the workspace. Thread t of the warpgroup holds rows warp*16 + lane/4 (+8) and column
+// pairs 8j + 2*(lane%4) (+1): d[4j + 2h + e] is (row + 8h, col + e).
+template <int kTileN>
+__device__ __forceinline__ void store_tile(const MainloopParams& p, const float* acc, int row0,
+                                           int col0, int split) {
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x % 128) / 32;
+  const int base_row = row0 + warp * 16 + lane / 4;
+  const int base_col = col0 + 2 * (lane % 4);
+  const bool partial = p.splits > 1;
+  float* ws = partial ? p.workspace + int64_t(split) * p.m * p.n : nullptr;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = base_row + 8 * h;
+    if (row >= p.m) continue;
+#pragma unroll
+    for (int j = 0; j < kTileN / 8; ++j) {
+      const int col = base_col + 8 * j;
+      if (col >= p.n) continue;
+      const float a0 = acc[4 * j + 2 * h], a1 = acc[4 * j + 2 * h + 1];
+      const bool pair = col + 1 < p.n;
+      if (partial) {
+        float* dst = ws + int64_t(row) * p.n + col;
+        if (pair && (p.n % 2 == 0)) {
+          *reinterpret_cast<float2*>(dst) = make_float2(a0, a1);
+        } else {
+          dst[0] = a0;
+          if (pair) dst[1] = a1;
+        }
+      } else if (p.c_is_bf16) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.c) + int64_t(row) * p.ldc + col;
+        const float o0 = p.epilogue.beta != 0.f ? __bfloat162float(dst[0]) : 0.f;
+        const float v0 = apply_epilogue(p.epilogue, a0, o0, col);
+        if (pair) {
+          const float o1 = p.epilogue.beta != 0.f ? __bfloat162float(dst[1]) : 0.f;
+          const float v1 = apply_epilogue(p.epilogue, a1, o1, col + 1);
+          if (p.ldc % 2 == 0) {
+            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            dst[0] = __float2bfloat16_rn(v0);
+            dst[1] = __float2bfloat16_rn(v1);
+          }
+        } else {
+          dst[0] = __float2bfloat16_rn(v0);
+        }
+      } else {
+        float* dst = static_cast<float*>(p.c) + int64_t(row) * p.ldc + col;
+        const float v0 = apply_epilogue(p.epilogue, a0, p.epilogue.beta != 0.f ? dst[0] : 0.f, col);
+        if (pair) {
+          const float v1 = apply_epilogue(p.epilogue, a1, p.epilogue.beta != 0.f ? dst[1] : 0.f, col + 1);
+          if (p.ldc % 2 == 0) {
+            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+          } else {
+            dst[0] = v0;
+            dst[1] = v1;
+          }
+        } else {
+          dst[0] = v0;
+        }
+      }
+    }
+  }
+}
+
+template <typename Elem, int kTileN>
+__global__ void __launch_bounds__(kThreads, 1)
+    matmul_kernel(const __grid_constant__ CUtensorMap map_a,
+                  const __grid_constant__ CUtensorMap map_b, const MainloopParams p) {
+  using Cfg = Config<Elem, kTileN>;
+  extern __shared__ uint8_t shared_raw[];
+  // 128-byte swizzle atoms must start on a 1024-byte boundary.
+  const uint32_t raw = smem_addr(shared_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  const uint32_t stages_a = base;
+  const uint32_t stages_b = base + Cfg::kStages * Cfg::kStageBytesA;
+  const uint32_t bars = base + Cfg::kStages * Cfg::kStageBytes;  // full[s], then empty[s]
+  auto full_bar = [&](int s) { return bars + 8 * s; };
+  auto empty_bar = [&](int s) { return bars + 8 * (Cfg::kStages + s); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbar_init(full_bar(s), 1);
+      mbar_init(empty_bar(s), kConsumers * 4);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int work_items = p.tiles_m * p.tiles_n * p.splits;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0, phase = 0;
+      for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+        const WorkItem w = work_item(p, index);
+        const int kb_begin = w.split * p.k_blocks_per_split;
+        const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+        for (int kb = kb_begin; kb < kb_end; ++kb) {
+          mbar_wait(empty_bar(stage), phase ^ 1);
+          mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
+          tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
+                      kb * Cfg::kBlockK, w.tile_m * kTileM);
+          tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
+                      kb * Cfg::kBlockK, w.tile_n * kTileN);
+          if (++stage == Cfg::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    const bool arrives = threadIdx.x % 32 == 0;
+    int stage = 0, phase = 0;
+    float acc[Cfg::kAccumulators];
+    for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+      const WorkItem w = work_item(p, index);
+      const int kb_begin = w.split * p.k_blocks_per_split;
+      const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+      int previous = -1;
+      for (int kb = kb_begin; kb < kb_end; ++kb) {
+        mbar_wait(full_bar(stage), phase);
+        const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
+        const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
+          Mma<Elem, kTileN>::mma(acc, smem_descriptor(a + 32 * kk), smem_descriptor(b + 32 * kk),
+                                 kb > kb_begin || kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        keep_in_registers<Cfg::kAccumulators>(acc);
+        if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
+        previous = stage;
+        if (++stage == Cfg::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      wgmma_wait<0>();
+      keep_in_registers<Cfg::kAccumulators>(acc);
+      if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
+      if (kb_end <= kb_begin) {
+#pragma unroll
+        for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
+      }
+      store_tile<kTileN>(p, acc, w.tile_m * kTileM + consumer * 64, w.tile_n * kTileN, w.split);
+    }
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+
+// cuTensorMapEncodeTiled, found through the runtime (no link against libcuda, so that the library
+// loads on machines without a driver and reports "no device" there instead of failing to load).
+CUtensorMap encode_k_major(const void* ptr, CUtensorMapDataType type, int elem_bytes, int rows,
+                           int cols, int64_t ld, int box_rows);
+
+// Raises the kernel's shared-memory limit once per device.
+void allow_shared_memory(const void* kernel, int bytes);
+
+template <typename Elem, int kTileN>
+void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
+                     cudaStream_t stream) {
+  using Cfg = Config<Elem, kTileN>;
+  constexpr bool kBf16 = sizeof(Elem) == 2;
+  constexpr CUtensorMapDataType kType =
+      kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const CUtensorMap map_a =
+      encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+  const CUtensorMap map_b =
+      encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+  MainloopParams p{};
+  p.m = prob.m;
+  p.n = prob.n;
+  p.k = prob.k;
+  p.tiles_m = (prob.m + kTileM - 1) / kTileM;
+  p.tiles_n = (prob.n + kTileN - 1) / kTileN;
+  p.splits = plan.splits;
+  p.k_blocks = (prob.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
+  p.k_blocks_per_split = plan.k_blocks_per_split;
+  p.c = prob.c;
+  p.ldc = prob.ldc;
+  p.c_is_bf16 = prob.c_type == DType::BF16;
+  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
+  p.workspace = workspace;
+  auto* kernel = &matmul_kernel<Elem, kTileN>;
+  allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
+  kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p);
+  CUDP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace cudp::kernels::sm90

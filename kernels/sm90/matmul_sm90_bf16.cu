@@ -1,0 +1,16 @@
+// The bf16 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh), one per tile width.
+#include "kernels/sm90/matmul_sm90.cuh"
+#include "kernels/sm90/matmul_sm90.h"
+
+namespace cudp::kernels::sm90 {
+
+void matmul_bf16(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
+                 cudaStream_t stream) {
+  switch (plan.tile_n) {
+    case 128: return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream);
+    case 256: return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream);
+    default: CUDP_CHECK(false, "matmul: no bf16 kernel with tile width ", plan.tile_n);
+  }
+}
+
+}  // namespace cudp::kernels::sm90

@@ -1,0 +1,406 @@
+// GPU tests of the tensor-core matmul (kernels/matmul.h) and of gemm()'s TF32/BF16 path: against
+// the double-precision CPU reference on fresh random inputs, odd shapes (no multiple of any tile),
+// every tile width and forced split counts, the epilogue (alpha, beta, bias, ReLU, bf16 output),
+// poisoned outputs, bitwise determinism, and the errors for what the kernels cannot take.
+//
+// Error bounds, per element, with p_l = a_l * b_l the k products of an output (|a|, |b| < 1):
+// - BF16 operands are exact bf16 values, so the products are exact and only the fp32 accumulation
+//   errs: at most u·(|s_1| + ... + |s_k|) for the running sums s_i, u = 2^-24. We bound it by
+//   64u·Σ|p_l|, which is about 50 standard deviations of the random-sign walk (its standard
+//   deviation is ~u·Σ|p|) and leaves room for an accumulator that rounds less carefully than IEEE.
+// - TF32 keeps 10 of fp32's 23 mantissa bits of each operand (rounded or truncated: relative error
+//   below 2^-10 each, so below 2^-9 per product). The errors of the k products are independent: a
+//   random part with standard deviation below 2^-10·sqrt(Σp²) and, if the hardware truncates, a
+//   bias toward zero of at most 2^-9·|c|. tol = 2^-9·|c| + 6·2^-10·sqrt(Σp²) + the bf16 bound.
+// - A bf16 output adds its rounding: 2^-8·|c|.
+// One wrong or missing product (|p| ~ 0.25 on average) exceeds these bounds for k up to ~10^4 in
+// BF16; in TF32 a missing product is ~ sqrt(k) times smaller than |c| and the relative L2 error,
+// checked too (bound 2^-9), catches a missing k-block or a wrong row.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "kernels/gemm.h"
+#include "kernels/layout.h"
+#include "kernels/matmul.h"
+
+namespace cudp::kernels {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::kPoison;
+
+float bf16_value(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+// A host matrix of rows x ld elements in the math's operand type, with its float values.
+struct Operand {
+  std::vector<float> values;  // as the kernel sees them (bf16-rounded for BF16)
+  std::vector<uint16_t> bf16;
+  int64_t ld = 0;
+
+  Operand(int rows, int cols, int64_t ld_, Math math, uint64_t seed) : ld(ld_) {
+    values = testing::random_vector(size_t(rows) * ld, seed);
+    if (math == Math::BF16) {
+      bf16.resize(values.size());
+      for (size_t i = 0; i < values.size(); ++i) {
+        bf16[i] = detail::f32_to_bf16_bits(values[i]);
+        values[i] = bf16_value(bf16[i]);
+      }
+    }
+    (void)cols;
+  }
+  size_t bytes() const { return bf16.empty() ? values.size() * 4 : bf16.size() * 2; }
+  const void* host() const {
+    return bf16.empty() ? static_cast<const void*>(values.data()) : bf16.data();
+  }
+};
+
+struct Case {
+  int m, n, k;
+  Math math = Math::BF16;
+  DType c_type = DType::F32;
+  float alpha = 1.f, beta = 0.f;
+  bool bias = false, relu = false;
+  int pad = 0;  // extra elements per row (kept a multiple of 16 bytes for A and B)
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream s;
+  s << math_name(c.math) << " m " << c.m << " n " << c.n << " k " << c.k << " C "
+    << dtype_name(c.c_type) << " alpha " << c.alpha << " beta " << c.beta << " bias " << c.bias
+    << " relu " << c.relu << " pad " << c.pad;
+  return s.str();
+}
+
+class Product {
+ public:
+  explicit Product(const Case& c, uint64_t seed)
+      : c_(c),
+        esize_(c.math == Math::BF16 ? 2 : 4),
+        lda_((c.k + 16 / esize_ - 1) / (16 / esize_) * (16 / esize_) + 16 / esize_ * c.pad),
+        a_(c.m, c.k, lda_, c.math, seed),
+        b_(c.n, c.k, lda_, c.math, seed + 1),
+        ldc_(c.n + c.pad) {
+    bias_ = testing::random_vector(size_t(c.n), seed + 2);
+    c0_ = testing::random_vector(size_t(c.m) * ldc_, seed + 3);
+    if (c.c_type == DType::BF16) {
+      for (float& v : c0_) v = bf16_value(detail::f32_to_bf16_bits(v));
+    }
+  }
+
+  MatmulProblem problem(const void* a, const void* b, void* cbuf, const float* bias) const {
+    MatmulProblem p;
+    p.m = c_.m;
+    p.n = c_.n;
+    p.k = c_.k;
+    p.math = c_.math;
+    p.a = a;
+    p.lda = lda_;
+    p.b = b;
+    p.ldb = lda_;
+    p.c = cbuf;
+    p.ldc = ldc_;
+    p.c_type = c_.c_type;
+    p.alpha = c_.alpha;
+    p.beta = c_.beta;
+    p.bias = c_.bias ? bias : nullptr;
+    p.relu = c_.relu;
+    return p;
+  }
+
+  // C as float after the GPU run (poisoned first when beta == 0: every element must be written).
+  std::vector<float> gpu(const std::optional<MatmulPlan>& plan) const {
+    DeviceBuffer<uint8_t> da(a_.bytes()), db(b_.bytes());
+    CUDP_CUDA_CHECK(cudaMemcpy(da.get(), a_.host(), a_.bytes(), cudaMemcpyHostToDevice));
+    CUDP_CUDA_CHECK(cudaMemcpy(db.get(), b_.host(), b_.bytes(), cudaMemcpyHostToDevice));
+    DeviceBuffer<float> dbias(bias_);
+    const size_t count = size_t(c_.m) * ldc_;
+    std::vector<float> start = c_.beta != 0.f ? c0_ : std::vector<float>(count, kPoison);
+    std::vector<float> out(count);
+    if (c_.c_type == DType::F32) {
+      DeviceBuffer<float> dc(start);
+      launch(da.get(), db.get(), dc.get(), dbias.get(), plan);
+      out = dc.download();
+    } else {
+      std::vector<uint16_t> bits(count);
+      for (size_t i = 0; i < count; ++i) bits[i] = detail::f32_to_bf16_bits(start[i]);
+      DeviceBuffer<uint16_t> dc(bits);
+      launch(da.get(), db.get(), dc.get(), dbias.get(), plan);
+      bits = dc.download();
+      for (size_t i = 0; i < count; ++i) out[i] = bf16_value(bits[i]);
+    }
+    return out;
+  }
+
+  // Per-element reference (double) and bound; checks both and the relative L2 error.
+  void check(const std::vector<float>& got) const {
+    double err2 = 0, ref2 = 0, worst = 0;
+    int64_t bad = 0, worst_at = -1;
+    double worst_ref = 0, worst_tol = 0;
+    for (int i = 0; i < c_.m; ++i) {
+      for (int j = 0; j < c_.n; ++j) {
+        double sum = 0, abs_sum = 0, sq_sum = 0;
+        for (int l = 0; l < c_.k; ++l) {
+          const double p = double(a_.values[size_t(i) * lda_ + l]) * b_.values[size_t(j) * lda_ + l];
+          sum += p;
+          abs_sum += std::fabs(p);
+          sq_sum += p * p;
+        }
+        const size_t at = size_t(i) * ldc_ + j;
+        double ref = double(c_.alpha) * sum;
+        if (c_.beta != 0.f) ref += double(c_.beta) * c0_[at];
+        if (c_.bias) ref += bias_[j];
+        if (c_.relu) ref = std::max(ref, 0.0);
+        double tol = std::ldexp(64.0, -24) * std::fabs(c_.alpha) * abs_sum +
+                     std::ldexp(1.0, -22) * (std::fabs(ref) + 1.0);
+        if (c_.math == Math::TF32) {
+          tol += std::fabs(c_.alpha) *
+                 (std::ldexp(1.0, -9) * std::fabs(sum) + 6 * std::ldexp(1.0, -10) * std::sqrt(sq_sum));
+        }
+        if (c_.c_type == DType::BF16) tol += std::ldexp(1.0, -8) * std::fabs(ref);
+        const double e = std::fabs(double(got[at]) - ref);
+        err2 += e * e;
+        ref2 += ref * ref;
+        if (!(e <= tol)) ++bad;
+        if (!(e <= worst) || std::isnan(e)) {
+          worst = std::isnan(e) ? INFINITY : e;
+          worst_at = int64_t(at);
+          worst_ref = ref;
+          worst_tol = tol;
+        }
+      }
+      // Padding columns of C are never written.
+      for (int j = c_.n; j < ldc_; ++j) {
+        const size_t at = size_t(i) * ldc_ + j;
+        const float expect = c_.beta != 0.f ? c0_[at] : kPoison;
+        if (c_.c_type == DType::F32) {
+          ASSERT_EQ(got[at], expect) << describe(c_) << ": padding column " << j << " was written";
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << describe(c_) << ": " << bad << " elements off; worst at row "
+                      << worst_at / ldc_ << " col " << worst_at % ldc_ << ": got "
+                      << (worst_at >= 0 ? got[size_t(worst_at)] : 0.f) << " want " << worst_ref
+                      << " (tolerance " << worst_tol << ")";
+    const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+    const double rel_bound = c_.math == Math::TF32 ? std::ldexp(1.0, -9)
+                             : c_.c_type == DType::BF16 ? std::ldexp(1.0, -8)
+                                                        : std::ldexp(1.0, -14);
+    EXPECT_LE(rel, rel_bound) << describe(c_) << ": relative L2 error";
+  }
+
+ private:
+  template <typename C>
+  void launch(const void* a, const void* b, C* cbuf, const float* bias,
+              const std::optional<MatmulPlan>& plan) const {
+    const MatmulProblem p = problem(a, b, cbuf, bias);
+    if (plan) {
+      matmul_with_plan(p, *plan, nullptr);
+    } else {
+      matmul(p, nullptr);
+    }
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  Case c_;
+  int esize_;
+  int64_t lda_;
+  Operand a_, b_;
+  int64_t ldc_;
+  std::vector<float> bias_, c0_;
+};
+
+#define CUDP_REQUIRE_TENSOR_CORES()                                                        \
+  do {                                                                                     \
+    CUDP_REQUIRE_GPU();                                                                    \
+    int dev_ = 0;                                                                          \
+    CUDP_CUDA_CHECK(cudaGetDevice(&dev_));                                                 \
+    if (!tensor_cores_available(dev_)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma"; \
+  } while (0)
+
+class MatmulGpu : public ::testing::TestWithParam<Math> {};
+
+TEST_P(MatmulGpu, OddShapesMatchTheCpuReference) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  uint64_t seed = 100;
+  for (const Case& c : {Case{1, 1, 1}, Case{127, 129, 67}, Case{130, 257, 200}, Case{300, 77, 333},
+                        Case{64, 4096, 72}, Case{259, 515, 1031}, Case{5, 3, 2000}}) {
+    Case cc = c;
+    cc.math = math;
+    const Product product(cc, seed += 10);
+    product.check(product.gpu(std::nullopt));
+  }
+}
+
+TEST_P(MatmulGpu, EveryTileWidthAndSplitCount) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  Case c{200, 300, 777};
+  c.math = math;
+  c.beta = 0.5f;
+  c.bias = true;
+  const Product run(c, 7);
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int sms = detail::multiprocessor_count(device);
+  for (int tile_n : {128, 256}) {
+    for (int splits : {1, 2, 3, 7, 16}) {
+      const MatmulPlan plan = make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr),
+                                               tile_n, splits, sms);
+      SCOPED_TRACE(::testing::Message() << "tile_n " << tile_n << " splits " << plan.splits);
+      run.check(run.gpu(plan));
+    }
+  }
+  // A grid smaller than the work: each persistent block walks several tiles.
+  MatmulPlan few = make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), 128, 2, 3);
+  SCOPED_TRACE("grid of 3 blocks");
+  run.check(run.gpu(few));
+}
+
+TEST_P(MatmulGpu, Epilogues) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  uint64_t seed = 500;
+  for (DType c_type : {DType::F32, DType::BF16}) {
+    for (float beta : {0.f, 1.f, -0.75f}) {
+      for (bool relu : {false, true}) {
+        Case c{131, 190, 150, math, c_type, 0.5f, beta, true, relu, 1};
+        const Product product(c, seed += 10);
+        product.check(product.gpu(std::nullopt));
+      }
+    }
+  }
+}
+
+TEST_P(MatmulGpu, VggClassifierShapes) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  // Batch 64: forward of classifier.0/3/6 and their weight gradients (k = batch).
+  for (const Case& c : {Case{64, 4096, 25088}, Case{64, 4096, 4096}, Case{64, 1000, 4096},
+                        Case{4096, 4096, 64}}) {
+    Case cc = c;
+    cc.math = math;
+    const Product product(cc, 900);
+    product.check(product.gpu(std::nullopt));
+  }
+}
+
+TEST_P(MatmulGpu, Deterministic) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  Case c{333, 517, 3000};
+  c.math = GetParam();
+  const Product run(c, 42);
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const MatmulPlan split =
+      make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), 256, 5,
+                       detail::multiprocessor_count(device));
+  for (const std::optional<MatmulPlan>& plan : {std::optional<MatmulPlan>{}, std::optional{split}}) {
+    const std::vector<float> first = run.gpu(plan), second = run.gpu(plan);
+    ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size() * 4), 0)
+        << "two runs differ (splits " << (plan ? plan->splits : 0) << ")";
+  }
+}
+
+// gemm() in every transpose combination with tensor-core math, packed or direct operands,
+// misaligned pointers and padded leading dimensions: the BLAS contract on top of matmul().
+TEST_P(MatmulGpu, GemmAllTransposes) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  uint64_t seed = 1000;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (int offset : {0, 1}) {
+        const int m = 133, n = 70, k = 301, pad = 3;
+        const int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad, ldc = n + pad;
+        std::vector<float> a = testing::random_vector(offset + size_t(ta ? k : m) * lda, seed++);
+        std::vector<float> b = testing::random_vector(offset + size_t(tb ? n : k) * ldb, seed++);
+        std::vector<float> c0 = testing::random_vector(offset + size_t(m) * ldc, seed++);
+        if (math == Math::BF16) {  // the reference multiplies what the kernel multiplies
+          for (float& v : a) v = bf16_value(detail::f32_to_bf16_bits(v));
+          for (float& v : b) v = bf16_value(detail::f32_to_bf16_bits(v));
+        }
+        const float alpha = 1.5f, beta = 0.25f;
+        std::vector<float> want = c0;
+        gemm_cpu(ta, tb, m, n, k, alpha, a.data() + offset, lda, b.data() + offset, ldb, beta,
+                 want.data() + offset, ldc);
+        DeviceBuffer<float> da(a), db(b), dc(c0);
+        gemm(ta, tb, m, n, k, alpha, da.get() + offset, lda, db.get() + offset, ldb, beta,
+             dc.get() + offset, ldc, nullptr, math);
+        const std::vector<float> got = dc.download();
+        // Products of |a|,|b| < 1: Σ|p| <= k, sqrt(Σp²) <= sqrt(k); the bounds of the file comment.
+        const double tol = alpha * (std::ldexp(64.0, -24) * k +
+                                    (math == Math::TF32 ? std::ldexp(1.0, -9) * k +
+                                                              6 * std::ldexp(1.0, -10) * std::sqrt(k)
+                                                        : 0.0)) +
+                           1e-6;
+        SCOPED_TRACE(::testing::Message() << "trans_a " << ta << " trans_b " << tb << " offset "
+                                          << offset);
+        EXPECT_ALL_CLOSE(got, want, 0.0, tol);
+      }
+    }
+  }
+}
+
+TEST_P(MatmulGpu, ZeroKAndZeroAlphaApplyOnlyTheEpilogue) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  const int m = 20, n = 30, k = 40;
+  std::vector<float> a(size_t(m) * k, std::nanf("")), b(size_t(k) * n, std::nanf(""));
+  std::vector<float> c0 = testing::random_vector(size_t(m) * n, 5);
+  DeviceBuffer<float> da(a), db(b), dc(c0);
+  gemm(false, false, m, n, k, 0.f, da.get(), k, db.get(), n, 2.f, dc.get(), n, nullptr, math);
+  std::vector<float> want = c0;
+  for (float& v : want) v *= 2.f;
+  EXPECT_ALL_CLOSE(dc.download(), want, 0.0, 0.0);
+}
+
+TEST_P(MatmulGpu, RefusesWhatTheLoadsCannotTake) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  DeviceBuffer<float> buf(4096);
+  MatmulProblem p;
+  p.m = 8;
+  p.n = 8;
+  p.k = 8;
+  p.math = math;
+  p.a = buf.get() + 1;  // 4-byte aligned only
+  p.b = buf.get();
+  p.c = buf.get() + 1024;
+  p.lda = p.ldb = 16;
+  p.ldc = 8;
+  try {
+    matmul(p, nullptr);
+    FAIL() << "an unaligned A was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.message()).find("16-byte aligned"), std::string::npos) << e.message();
+  }
+  p.a = buf.get();
+  p.lda = 9;
+  p.k = 9;
+  try {
+    matmul(p, nullptr);
+    FAIL() << "a row stride of 9 elements was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.message()).find("multiples of"), std::string::npos) << e.message();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Math, MatmulGpu, ::testing::Values(Math::BF16, Math::TF32),
+                         [](const auto& info) { return std::string(math_name(info.param)); });
+
+}  // namespace
+}  // namespace cudp::kernels
