@@ -1,0 +1,86 @@
+// Host tests of the tensor-core matmul's CPU side (kernels/matmul.h): the reference against products
+// worked out by hand, and the plan arithmetic (no empty split, a grid no larger than the work).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "engine/core/error.h"
+#include "kernels/layout.h"
+#include "kernels/matmul.h"
+
+namespace cudp::kernels {
+namespace {
+
+TEST(MatmulCpu, SmallProductWithEveryEpilogueTerm) {
+  // A = [[1, 2], [3, 4]], B = [[1, 0], [-1, 1]] (n x k): A B^T = [[1, 1], [3, 1]].
+  const std::vector<float> a = {1, 2, 3, 4}, b = {1, 0, -1, 1}, bias = {10, -20};
+  std::vector<float> c = {1, 2, 3, 4};
+  MatmulProblem p;
+  p.m = p.n = p.k = 2;
+  p.math = Math::TF32;
+  p.a = a.data();
+  p.lda = 2;
+  p.b = b.data();
+  p.ldb = 2;
+  p.c = c.data();
+  p.ldc = 2;
+  p.alpha = 2.f;
+  p.beta = 0.5f;
+  p.bias = bias.data();
+  p.relu = true;
+  matmul_cpu(p);
+  // 2*[[1,1],[3,1]] + 0.5*[[1,2],[3,4]] + [10,-20] -> [[12.5, -17], [17.5, -16]] -> relu.
+  EXPECT_EQ(c, (std::vector<float>{12.5f, 0.f, 17.5f, 0.f}));
+}
+
+TEST(MatmulCpu, Bf16OperandsAndOutput) {
+  const std::vector<float> values = {1.5f, -2.f, 0.25f, 3.f};
+  std::vector<uint16_t> a(4), b(4), c(4, 0xFFFF);  // C starts as NaN: beta = 0 must not read it
+  for (int i = 0; i < 4; ++i) a[i] = b[i] = detail::f32_to_bf16_bits(values[i]);
+  MatmulProblem p;
+  p.m = p.n = p.k = 2;
+  p.math = Math::BF16;
+  p.a = a.data();
+  p.lda = 2;
+  p.b = b.data();
+  p.ldb = 2;
+  p.c = c.data();
+  p.ldc = 2;
+  p.c_type = DType::BF16;
+  matmul_cpu(p);
+  // [[1.5,-2],[0.25,3]] times its transpose: [[6.25, -5.625], [-5.625, 9.0625]] (exact in bf16).
+  const std::vector<float> want = {6.25f, -5.625f, -5.625f, 9.0625f};
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(c[i], detail::f32_to_bf16_bits(want[i])) << i;
+}
+
+TEST(MatmulPlan, SplitsAreNeverEmptyAndTheGridFitsTheWork) {
+  for (Math math : {Math::BF16, Math::TF32}) {
+    for (int k : {1, 31, 32, 64, 65, 1000, 25088}) {
+      for (int splits : {1, 2, 7, 16, 100}) {
+        MatmulProblem p;
+        p.m = 300;
+        p.n = 200;
+        p.k = k;
+        p.math = math;
+        const MatmulPlan plan = make_matmul_plan(p, 128, splits, 132);
+        const int k_block = math == Math::BF16 ? 64 : 32;
+        const int blocks = (k + k_block - 1) / k_block;
+        EXPECT_GE(plan.splits, 1);
+        EXPECT_LE(plan.splits, splits);
+        EXPECT_LT((plan.splits - 1) * plan.k_blocks_per_split, blocks) << "an empty split";
+        EXPECT_GE(plan.splits * plan.k_blocks_per_split, blocks) << "k not covered";
+        EXPECT_LE(plan.grid, 3 * 2 * plan.splits);
+        EXPECT_EQ(matmul_workspace_bytes(p, plan),
+                  plan.splits > 1 ? int64_t(plan.splits) * 300 * 200 * 4 : 0);
+      }
+    }
+  }
+  MatmulProblem p;
+  p.k = 10;
+  EXPECT_THROW(make_matmul_plan(p, 96, 1, 132), ValueError);
+  EXPECT_THROW(make_matmul_plan(p, 128, 0, 132), ValueError);
+}
+
+}  // namespace
+}  // namespace cudp::kernels
