@@ -24,7 +24,8 @@ void read_cifar_batch(const std::string& path, Dataset& out) {
                "https://www.cs.toronto.edu/~kriz/cifar.html, extract it and pass --data-dir "
                "<the cifar-10-batches-bin directory>");
   }
-  const std::vector<uint8_t> bytes = read_file(path);
+  const std::vector<uint8_t> bytes =
+      read_file(path, static_cast<size_t>(kCifarMaxRecords * kCifarRecordBytes));
   if (bytes.empty() || bytes.size() % kCifarRecordBytes != 0) {
     CUDP_THROW(IoError, path, " is not a CIFAR-10 batch: its ", bytes.size(),
                " bytes are not a whole number of ", kCifarRecordBytes, "-byte records (",

@@ -1,5 +1,6 @@
 #include "data/dataset.h"
 
+#include "engine/core/checked.h"
 #include "engine/core/error.h"
 
 namespace cudp::data {
@@ -8,9 +9,13 @@ void Dataset::validate() const {
   CUDP_CHECK(height > 0 && width > 0 && channels > 0, name, ": invalid image size ", height, "x",
              width, "x", channels);
   CUDP_CHECK(num_classes > 0, name, ": num_classes must be positive, got ", num_classes);
-  CUDP_CHECK(static_cast<int64_t>(images.size()) == size() * image_bytes(), name, ": ",
-             images.size(), " pixels do not make ", size(), " images of ", height, "x", width, "x",
-             channels);
+  // Checked: a hand-built or corrupt size must not wrap into a match.
+  const int64_t pixels = checked_mul(
+      size(), checked_mul(checked_mul(height, width, name + ": image size"), channels,
+                          name + ": image size"),
+      name + ": pixel count");
+  CUDP_CHECK(static_cast<int64_t>(images.size()) == pixels, name, ": ", images.size(),
+             " pixels do not make ", size(), " images of ", height, "x", width, "x", channels);
   for (size_t i = 0; i < labels.size(); ++i) {
     CUDP_CHECK(labels[i] >= 0 && labels[i] < num_classes, name, ": label ", labels[i],
                " at index ", i, " is out of range [0, ", num_classes, ")");

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "engine/core/error.h"
+#include "engine/core/file.h"
 
 namespace cudp::data {
 namespace {
@@ -28,81 +29,110 @@ File open(const std::string& path, const char* mode) {
   return f;
 }
 
-std::vector<uint8_t> read_raw(const std::string& path) {
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  File f = open(path, "rb");
-  if (ec) CUDP_THROW(IoError, "cannot get the size of ", path, ": ", ec.message());
-  std::vector<uint8_t> bytes(size);
-  if (size > 0 && std::fread(bytes.data(), 1, size, f.get()) != size) {
-    CUDP_THROW(IoError, "cannot read the ", size, " bytes of ", path, ": ", std::strerror(errno));
-  }
-  return bytes;
-}
-
-// The gzip trailer's ISIZE (uncompressed size mod 2^32) of the last member: a good first guess for
-// the output buffer, which grows if it is wrong. A truncated file's "trailer" is arbitrary bytes, so
-// the guess is trusted only up to deflate's largest possible ratio (1032:1).
-size_t size_hint(std::span<const uint8_t> gz) {
-  const size_t fallback = std::max<size_t>(4 * gz.size(), 1024);
-  if (gz.size() < 18) return fallback;
-  const uint8_t* t = gz.data() + gz.size() - 4;
-  const size_t isize = t[0] | (t[1] << 8) | (t[2] << 16) | (size_t{t[3]} << 24);
-  return isize > 0 && isize <= 1032 * gz.size() ? isize : fallback;
-}
-
 }  // namespace
 
 bool is_gzip(std::span<const uint8_t> bytes) {
   return bytes.size() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b;
 }
 
-std::vector<uint8_t> gunzip(std::span<const uint8_t> compressed, const std::string& path) {
-  z_stream z{};
-  if (inflateInit2(&z, 15 + 16) != Z_OK) {  // 15-bit window, gzip wrapper only
-    CUDP_THROW(IoError, "cannot decompress ", path, ": zlib's inflateInit2 failed");
-  }
-  const std::unique_ptr<z_stream, int (*)(z_stream*)> end_guard(&z, inflateEnd);
+void Gunzip::End::operator()(z_stream_s* z) const {
+  inflateEnd(z);
+  delete z;
+}
 
-  const uint8_t* const end = compressed.data() + compressed.size();
-  z.next_in = const_cast<Bytef*>(compressed.data());
-  std::vector<uint8_t> out(size_hint(compressed));
+Gunzip::Gunzip(std::span<const uint8_t> compressed, std::string path)
+    : in_(compressed), path_(std::move(path)) {
+  auto z = std::make_unique<z_stream>();
+  if (inflateInit2(z.get(), 15 + 16) != Z_OK) {  // 15-bit window, gzip wrapper only
+    CUDP_THROW(IoError, "cannot decompress ", path_, ": zlib's inflateInit2 failed");
+  }
+  z_.reset(z.release());
+  z_->next_in = const_cast<Bytef*>(in_.data());
+}
+
+size_t Gunzip::read(std::vector<uint8_t>& out, size_t bytes) {
+  const uint8_t* const end = in_.data() + in_.size();
+  // Grow as data arrives, never by more than a chunk ahead: `bytes` may be a corrupt header's
+  // promise of gigabytes that the stream does not hold.
+  constexpr size_t kGrow = size_t{1} << 20;
   size_t produced = 0;
-  for (;;) {
-    if (z.avail_in == 0) z.avail_in = static_cast<uInt>(std::min<size_t>(end - z.next_in, kZlibChunk));
-    if (produced == out.size()) out.resize(out.size() * 2);
-    z.next_out = out.data() + produced;
-    z.avail_out = static_cast<uInt>(std::min(out.size() - produced, kZlibChunk));
-    const uInt space = z.avail_out;
-    const int status = inflate(&z, Z_NO_FLUSH);
-    produced += space - z.avail_out;
+  while (produced < bytes && !done_) {
+    if (z_->avail_in == 0) {
+      z_->avail_in = static_cast<uInt>(std::min<size_t>(end - z_->next_in, kZlibChunk));
+    }
+    const size_t want = std::min({bytes - produced, kGrow, kZlibChunk});
+    const size_t base = out.size();
+    out.resize(base + want);
+    z_->next_out = out.data() + base;
+    z_->avail_out = static_cast<uInt>(want);
+    const int status = inflate(z_.get(), Z_NO_FLUSH);
+    const size_t got = want - z_->avail_out;
+    out.resize(base + got);
+    produced += got;
+    total_ += got;
     if (status == Z_STREAM_END) {
-      const std::span<const uint8_t> rest(z.next_in, end);
-      if (rest.empty()) break;
+      const std::span<const uint8_t> rest(z_->next_in, end);
+      if (rest.empty()) {
+        done_ = true;
+        break;
+      }
       if (!is_gzip(rest)) {
-        CUDP_THROW(IoError, "corrupt gzip file ", path, ": ", rest.size(),
+        CUDP_THROW(IoError, "corrupt gzip file ", path_, ": ", rest.size(),
                    " bytes of trailing data after the compressed stream");
       }
-      inflateReset(&z);  // a further gzip member (as `cat a.gz b.gz` makes)
-      z.avail_in = 0;
+      inflateReset(z_.get());  // a further gzip member (as `cat a.gz b.gz` makes)
+      z_->avail_in = 0;
       continue;
     }
-    if (status == Z_BUF_ERROR && z.next_in == end) {
-      CUDP_THROW(IoError, "corrupt gzip file ", path, ": the compressed stream ends early after ",
-                 compressed.size(), " bytes (truncated download?)");
+    if (status == Z_BUF_ERROR && z_->next_in == end && z_->avail_out > 0) {
+      CUDP_THROW(IoError, "corrupt gzip file ", path_, ": the compressed stream ends early after ",
+                 in_.size(), " bytes (truncated download?)");
     }
     if (status != Z_OK && status != Z_BUF_ERROR) {
-      CUDP_THROW(IoError, "corrupt gzip file ", path, ": ", z.msg ? z.msg : zError(status),
-                 " at compressed byte ", z.next_in - compressed.data());
+      CUDP_THROW(IoError, "corrupt gzip file ", path_, ": ", z_->msg ? z_->msg : zError(status),
+                 " at compressed byte ", z_->next_in - in_.data());
     }
   }
-  out.resize(produced);
+  return produced;
+}
+
+std::vector<uint8_t> gunzip(std::span<const uint8_t> compressed, const std::string& path,
+                            size_t max_bytes) {
+  Gunzip z(compressed, path);
+  std::vector<uint8_t> out;
+  // One byte more than allowed tells "exactly the limit" from "more".
+  z.read(out, max_bytes == SIZE_MAX ? max_bytes : max_bytes + 1);
+  if (out.size() > max_bytes) {
+    CUDP_THROW(IoError, path, " decompresses to more than ", max_bytes,
+               " bytes, more than a file of its kind can hold (a corrupt file or a gzip bomb?)");
+  }
   return out;
 }
 
-std::vector<uint8_t> read_file(const std::string& path) {
-  std::vector<uint8_t> bytes = read_raw(path);
-  return is_gzip(bytes) ? gunzip(bytes, path) : bytes;
+std::vector<uint8_t> read_file(const std::string& path, size_t max_bytes) {
+  InputFile file(path, "data file");
+  // gzip never grows incompressible data by more than a small fraction: a file bigger than this
+  // cannot hold max_bytes of content, compressed or not, and is refused before it is read.
+  const uint64_t slack = max_bytes / 64 + 4096;
+  if (file.size() > max_bytes && file.size() - max_bytes > slack) {
+    CUDP_THROW(IoError, path, " is ", file.size(), " bytes, more than the ", max_bytes,
+               " bytes a file of its kind can hold");
+  }
+  std::vector<uint8_t> bytes(file.size());
+  file.read_exact(bytes.data(), bytes.size(), "its bytes");
+  if (is_gzip(bytes)) return gunzip(bytes, path, max_bytes);
+  if (bytes.size() > max_bytes) {
+    CUDP_THROW(IoError, path, " is ", bytes.size(), " bytes, more than the ", max_bytes,
+               " bytes a file of its kind can hold");
+  }
+  return bytes;
+}
+
+std::vector<uint8_t> read_compressed(const std::string& path) {
+  InputFile file(path, "data file");
+  std::vector<uint8_t> bytes(file.size());
+  file.read_exact(bytes.data(), bytes.size(), "its bytes");
+  return bytes;
 }
 
 void write_file(const std::string& path, std::span<const uint8_t> bytes, bool gzip) {

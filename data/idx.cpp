@@ -1,7 +1,11 @@
 #include "data/idx.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
+#include <string>
 
 #include "data/file_io.h"
 #include "engine/core/error.h"
@@ -29,11 +33,25 @@ struct IdxFile {
   std::vector<int64_t> sizes;  // the header's dimensions
 };
 
+// deflate cannot compress better than about 1032:1: a promise beyond that cannot be kept.
+constexpr int64_t kMaxDeflateRatio = 1032;
+
 // Reads an IDX file of `dims` dimensions, checking its magic and that it holds exactly the header
-// plus the bytes its dimensions promise. `what` ("images", "labels") names it in errors.
+// plus the bytes its dimensions promise. `what` ("images", "labels") names it in errors. A gzip file
+// is decompressed header first and then only as far as the header promises (plus one byte, to tell
+// a file that is too long), so a gzip bomb costs no more than its header admits to.
 IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* what) {
-  IdxFile f{read_file(path), {}};
+  const std::vector<uint8_t> raw = read_compressed(path);
+  const bool gz = is_gzip(raw);
+  std::optional<Gunzip> z;
+  IdxFile f;
   const size_t header = 4 + 4 * static_cast<size_t>(dims);
+  if (gz) {
+    z.emplace(raw, path);
+    z->read(f.bytes, header);
+  } else {
+    f.bytes.assign(raw.begin(), raw.begin() + static_cast<std::ptrdiff_t>(std::min(header, raw.size())));
+  }
   const auto too_short = [&] {
     CUDP_THROW(IoError, path, " is truncated: it has ", f.bytes.size(), " bytes, less than the ",
                header, "-byte header of an IDX ", what, " file");
@@ -53,12 +71,26 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
     if (__builtin_mul_overflow(data_bytes, f.sizes.back(), &data_bytes)) data_bytes = INT64_MAX / 2;
   }
   const int64_t expected = static_cast<int64_t>(header) + data_bytes;
+  const std::string shape = dims == 3 ? detail::str(" of ", f.sizes[1], "x", f.sizes[2]) : "";
+  if (gz) {
+    const int64_t possible = static_cast<int64_t>(raw.size()) * kMaxDeflateRatio;
+    if (data_bytes > possible) {
+      CUDP_THROW(IoError, path, " cannot be an IDX ", what, " file: its header promises ",
+                 f.sizes[0], " ", what, shape, " (", expected, " bytes with the header), more than ",
+                 raw.size(), " bytes of gzip can hold (truncated or corrupt?)");
+    }
+    z->read(f.bytes, static_cast<size_t>(data_bytes) + 1);
+  } else {
+    f.bytes = raw;
+  }
   const int64_t actual = static_cast<int64_t>(f.bytes.size());
   if (actual != expected) {
-    const std::string shape = dims == 3 ? detail::str(" of ", f.sizes[1], "x", f.sizes[2]) : "";
     CUDP_THROW(IoError, path, (actual < expected ? " is truncated" : " is too long"),
                ": its header promises ", f.sizes[0], " ", what, shape, " (", expected,
-               " bytes with the header), the file has ", actual, " bytes");
+               " bytes with the header), the file has ",
+               gz && actual > expected ? "more than " + std::to_string(expected)
+                                       : std::to_string(actual),
+               gz ? " bytes after decompression" : " bytes");
   }
   return f;
 }
@@ -85,6 +117,12 @@ std::string find_idx_file(const std::string& dir, const std::string& stem, const
 
 IdxImages read_idx_images(const std::string& path) {
   IdxFile f = read_idx(path, kIdxImagesMagic, 3, "images");
+  // The loader multiplies these by the batch size: keep them to what an image can sensibly be.
+  if (f.sizes[1] < 1 || f.sizes[2] < 1 || f.sizes[1] > kMaxIdxSide || f.sizes[2] > kMaxIdxSide) {
+    CUDP_THROW(IoError, path, ": images of ", f.sizes[1], "x", f.sizes[2],
+               " pixels; an IDX image must have between 1 and ", kMaxIdxSide,
+               " rows and columns");
+  }
   IdxImages images{f.sizes[0], f.sizes[1], f.sizes[2], {}};
   images.pixels.assign(f.bytes.begin() + 16, f.bytes.end());
   return images;

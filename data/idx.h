@@ -5,7 +5,8 @@
 // unsigned bytes. Files may be gzipped (the usual distribution) or raw; data/file_io.h tells them
 // apart by content, not by name. Every check names the file and says what is wrong: wrong magic,
 // a size that does not match the header (expected and actual bytes), images and labels that do not
-// pair up, a label out of range (its index and value).
+// pair up, a label out of range (its index and value), an image side of 0 or more than
+// kMaxIdxSide. A gzipped file is decompressed only as far as its header promises.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@ namespace cudp::data {
 
 inline constexpr uint32_t kIdxImagesMagic = 0x00000803;  // unsigned bytes, 3 dimensions
 inline constexpr uint32_t kIdxLabelsMagic = 0x00000801;  // unsigned bytes, 1 dimension
+inline constexpr int64_t kMaxIdxSide = 16384;  // rows and columns of an image, at most
 
 struct IdxImages {
   int64_t count = 0, rows = 0, cols = 0;

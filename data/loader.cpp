@@ -10,7 +10,9 @@
 #include <mutex>
 #include <thread>
 
+#include "engine/core/checked.h"
 #include "engine/core/device.h"
+#include "engine/core/memory.h"
 #include "engine/core/stream.h"
 #include "kernels/philox.h"
 
@@ -111,6 +113,7 @@ class Loader::Impl {
   const int64_t out_h, out_w, channels, batches;
 
  private:
+  const int64_t rows_;  // the rows of a batch buffer
   using BufferPtr = std::shared_ptr<detail::BatchBuffer>;
   // A batch a worker was given: what it needs to fill it without holding the lock.
   struct Task {
@@ -145,21 +148,43 @@ class Loader::Impl {
   std::vector<std::thread> threads_;
 };
 
-Loader::Impl::Impl(const Dataset& data, LoaderOptions opts)
-    : dataset(data),
-      options(std::move(opts)),
-      out_h(data.height + 2 * options.pad),
-      out_w(data.width + 2 * options.pad),
-      channels(data.channels),
-      batches(options.batch_size <= 0 ? 0
-              : options.drop_last   ? data.size() / options.batch_size
-                                    : (data.size() + options.batch_size - 1) / options.batch_size) {
-  dataset.validate();
-  const Normalization& norm = options.normalization;
+namespace {
+
+// Bounds that keep a typo from starting a million threads or allocating a million buffers.
+constexpr int kMaxWorkers = 1024;
+constexpr int kMaxPrefetch = 1024;
+
+// Checks the options before anything is computed from them (the sizes below multiply them).
+const LoaderOptions& checked(const Dataset& data, const LoaderOptions& options) {
+  data.validate();
   CUDP_CHECK(options.batch_size > 0, "batch_size must be positive, got ", options.batch_size);
   CUDP_CHECK(options.pad >= 0 && options.random_crop >= 0, "pad and random_crop must not be negative");
-  CUDP_CHECK(options.workers >= 1 && options.prefetch >= 1, "workers and prefetch must be >= 1, got ",
-             options.workers, " and ", options.prefetch);
+  return options;
+}
+
+int64_t padded(int64_t side, int pad) {
+  return checked_add(side, checked_mul(2, pad, "loader: 2 x pad"), "loader: image side + 2 x pad");
+}
+
+}  // namespace
+
+Loader::Impl::Impl(const Dataset& data, LoaderOptions opts)
+    : dataset(data),
+      options(checked(data, opts)),
+      out_h(padded(data.height, options.pad)),
+      out_w(padded(data.width, options.pad)),
+      channels(data.channels),
+      // Written so that no intermediate overflows, whatever batch_size is.
+      batches(options.drop_last ? data.size() / options.batch_size
+                                : data.size() / options.batch_size +
+                                      (data.size() % options.batch_size != 0)),
+      // A batch never holds more rows than the data set: a batch size beyond it costs no memory.
+      rows_(std::max<int64_t>(std::min(options.batch_size, data.size()), 1)) {
+  const Normalization& norm = options.normalization;
+  CUDP_CHECK(options.workers >= 1 && options.workers <= kMaxWorkers, "workers must be in [1, ",
+             kMaxWorkers, "], got ", options.workers);
+  CUDP_CHECK(options.prefetch >= 1 && options.prefetch <= kMaxPrefetch, "prefetch must be in [1, ",
+             kMaxPrefetch, "], got ", options.prefetch);
   CUDP_CHECK(norm.mean.size() == norm.std.size(), "normalization: ", norm.mean.size(), " means but ",
              norm.std.size(), " standard deviations");
   CUDP_CHECK(norm.mean.size() <= 1 || static_cast<int64_t>(norm.mean.size()) == channels,
@@ -176,11 +201,22 @@ Loader::Impl::Impl(const Dataset& data, LoaderOptions opts)
 
   // prefetch buffers being filled or ready, plus the consumer's.
   const bool pinned = options.pin_memory && cuda::is_available();
+  const Shape image_shape{rows_, out_h, out_w, channels};
+  const int64_t buffer_bytes = checked_mul(
+      checked_add(static_cast<int64_t>(shape_nbytes(image_shape, DType::f32)),
+                  checked_mul(rows_, 4, "loader: label bytes"), "loader: batch buffer bytes"),
+      int64_t{options.prefetch} + 1, "loader: batch buffer bytes");
+  cuda::AllocationPurpose purpose(
+      cudp::detail::str("the data loader's ", int64_t{options.prefetch} + 1, " batch buffers (prefetch ",
+                  options.prefetch, " + 1) of ", rows_, " images of ", out_h, "x", out_w, "x",
+                  channels, " f32, ", buffer_bytes, " bytes in all"),
+      cudp::detail::str("Reduce the batch size (--batch-size, now ", options.batch_size,
+                  ") or the loader's prefetch depth (now ", options.prefetch, ")",
+                  pinned ? ", or turn pin_memory off" : ""));
   for (int i = 0; i <= options.prefetch; ++i) {
     auto buffer = std::make_shared<detail::BatchBuffer>();
-    buffer->images = Tensor::empty({options.batch_size, out_h, out_w, channels}, DType::f32,
-                                   Device::cpu(), pinned);
-    buffer->labels = Tensor::empty({options.batch_size}, DType::i32, Device::cpu(), pinned);
+    buffer->images = Tensor::empty(image_shape, DType::f32, Device::cpu(), pinned);
+    buffer->labels = Tensor::empty({rows_}, DType::i32, Device::cpu(), pinned);
     free_.push_back(std::move(buffer));
   }
   for (int i = 0; i < options.workers; ++i) threads_.emplace_back([this] { work(); });

@@ -55,7 +55,8 @@ enum class PadFill {
 };
 
 struct LoaderOptions {
-  int64_t batch_size = 256;  // the global batch: data parallelism splits it later
+  int64_t batch_size = 256;  // the global batch: data parallelism splits it later. Buffers hold
+                             // at most the data set's size, whatever batch_size says
   bool shuffle = true;
   bool drop_last = false;    // drop a last batch smaller than batch_size
   uint64_t seed = 0;
@@ -65,8 +66,8 @@ struct LoaderOptions {
   uint8_t pad_pixel = 0;
   int random_crop = 0;       // augmentation: move the image by up to this many pixels (CIFAR: 4)
   bool horizontal_flip = false;  // augmentation: flip half the samples left-right
-  int workers = 2;           // host threads preparing batches
-  int prefetch = 4;          // batches prepared ahead of the consumer
+  int workers = 2;           // host threads preparing batches, at most 1024
+  int prefetch = 4;          // batches prepared ahead of the consumer, at most 1024
   bool pin_memory = true;    // pinned buffers (only where a CUDA device is visible)
 };
 

@@ -4,6 +4,7 @@
 
 #include "engine/core/device.h"
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 
 namespace cudp::data {
 
@@ -60,6 +61,9 @@ bool DevicePrefetcher::stage() {
   const int64_t chunk = split_ ? (rows + n - 1) / n : rows;  // torch.chunk's chunk size
   for (int64_t j = 0; j < n; ++j) {
     const int device = devices_[static_cast<size_t>(j)];
+    cuda::AllocationPurpose purpose(
+        cudp::detail::str("the device prefetcher's copy of batch ", host_.index, " on cuda:", device),
+        "Reduce the batch size (--batch-size): each device holds its share of two batches at once.");
     const int64_t begin = split_ ? std::min(j * chunk, rows) : 0;
     const int64_t end = split_ ? std::min(begin + chunk, rows) : rows;
     const cuda::Stream& stream = copy_streams_[static_cast<size_t>(j)];

@@ -1,9 +1,16 @@
 #include "layers/checkpoint.h"
 
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
 #include <iomanip>
 #include <random>
 #include <unordered_map>
+#include <utility>
 #include <vector>
+
+#include "engine/core/file.h"
 
 namespace cudp {
 namespace {
@@ -42,13 +49,197 @@ std::vector<std::string> parameter_names(Module& model, const Optimizer& optimiz
   return out;
 }
 
-}  // namespace
-
-std::string optimizer_state_path(const std::string& path) {
+// `path` without a ".safetensors" suffix.
+std::string stem(const std::string& path) {
   const std::string suffix = ".safetensors";
   const bool has_suffix = path.size() > suffix.size() &&
                           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
-  return (has_suffix ? path.substr(0, path.size() - suffix.size()) : path) + ".train.safetensors";
+  return has_suffix ? path.substr(0, path.size() - suffix.size()) : path;
+}
+
+void (*fault_hook)(const char*) = nullptr;
+
+// A point between two steps of a save where the kill test stops the process.
+void fault(const char* stage) {
+  if (fault_hook) fault_hook(stage);
+}
+
+// One file of a possible pair: its checkpoint id, or why it has none.
+struct Candidate {
+  std::string path;
+  std::string id;     // empty when the file is absent, unreadable or has no id
+  std::string error;  // why
+};
+
+Candidate read_id(const std::string& path) {
+  Candidate c{path, {}, {}};
+  try {
+    const Metadata metadata = load_safetensors_metadata(path);
+    const auto it = metadata.find(kIdKey);
+    if (it == metadata.end() || it->second.empty()) {
+      c.error =
+          detail::str("'", path, "' has no checkpoint id (it was not written by save_checkpoint)");
+    } else {
+      c.id = it->second;
+    }
+  } catch (const IoError& e) {
+    c.error = e.message();
+  }
+  return c;
+}
+
+bool matches(const Candidate& model, const Candidate& train) {
+  return !model.id.empty() && model.id == train.id;
+}
+
+// Why two files are not a pair.
+std::string describe(const Candidate& model, const Candidate& train) {
+  if (!model.error.empty() || !train.error.empty()) {
+    std::string out;
+    if (!model.error.empty()) out = detail::str("the model file: ", model.error);
+    if (!train.error.empty()) {
+      out += detail::str(out.empty() ? "" : "; ", "the training-state file: ", train.error);
+    }
+    return out;
+  }
+  return detail::str("the model file '", model.path, "' and the training-state file '", train.path,
+                     "' do not belong to the same save (checkpoint ids ", model.id, " and ",
+                     train.id, " differ)");
+}
+
+// The caller's entries of a training-state file's metadata.
+Metadata user_metadata(const Metadata& metadata) {
+  Metadata user;
+  for (const auto& [key, value] : metadata) {
+    if (!starts_with(key, "cudp.") && !starts_with(key, kOptimizerPrefix)) {
+      user.emplace(key, value);
+    }
+  }
+  return user;
+}
+
+// Runs `load`; a ValueError or IoError it throws (a shape that does not fit the model, a damaged
+// optimizer tensor) comes back as the same type with the file it came from named in front.
+template <typename F>
+void naming_file(const std::string& file, F&& load) {
+  try {
+    load();
+  } catch (const IoError& e) {
+    throw IoError(detail::str("checkpoint file '", file, "': ", e.message()), e.file(), e.line());
+  } catch (const ValueError& e) {
+    throw ValueError(detail::str("checkpoint file '", file, "': ", e.message()), e.file(), e.line());
+  }
+}
+
+[[noreturn]] void bad_metadata(const Metadata& metadata, const std::string& key,
+                               const std::string& file, const std::string& expected) {
+  const auto it = metadata.find(key);
+  if (it == metadata.end()) {
+    CUDP_THROW(IoError, "checkpoint '", file, "': metadata \"", key, "\" is missing (expected ",
+               expected, ")");
+  }
+  const std::string shown = it->second.size() <= 64 ? it->second : it->second.substr(0, 61) + "...";
+  CUDP_THROW(IoError, "checkpoint '", file, "': metadata \"", key, "\" is '", shown, "', not ",
+             expected);
+}
+
+}  // namespace
+
+int64_t metadata_int(const Metadata& metadata, const std::string& key, int64_t min, int64_t max,
+                     const std::string& file) {
+  const auto it = metadata.find(key);
+  const std::string expected = detail::str("an integer in [", min, ", ", max, "]");
+  if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
+  const std::string& text = it->second;
+  int64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < min ||
+      value > max) {
+    bad_metadata(metadata, key, file, expected);
+  }
+  return value;
+}
+
+uint64_t metadata_uint(const Metadata& metadata, const std::string& key, const std::string& file) {
+  const auto it = metadata.find(key);
+  const char* expected = "an integer in [0, 2^64 - 1]";
+  if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
+  const std::string& text = it->second;
+  uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+    bad_metadata(metadata, key, file, expected);
+  }
+  return value;
+}
+
+double metadata_double(const Metadata& metadata, const std::string& key, double min, double max,
+                       const std::string& file) {
+  const auto it = metadata.find(key);
+  const std::string expected = detail::str("a finite number in [", min, ", ", max, "]");
+  if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
+  const std::string& text = it->second;
+  double value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() ||
+      !std::isfinite(value) || value < min || value > max) {
+    bad_metadata(metadata, key, file, expected);
+  }
+  return value;
+}
+
+const std::string& metadata_choice(const Metadata& metadata, const std::string& key,
+                                   std::initializer_list<std::string_view> allowed,
+                                   const std::string& file) {
+  std::string expected = "one of";
+  for (std::string_view a : allowed) expected += detail::str(" '", a, "'");
+  const auto it = metadata.find(key);
+  if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
+  for (std::string_view a : allowed) {
+    if (it->second == a) return it->second;
+  }
+  bad_metadata(metadata, key, file, expected);
+}
+
+std::string optimizer_state_path(const std::string& path) {
+  return stem(path) + ".train.safetensors";
+}
+
+std::string previous_checkpoint_path(const std::string& path) {
+  return stem(path) + ".prev.safetensors";
+}
+
+namespace detail {
+void set_checkpoint_fault_hook(void (*hook)(const char* stage)) { fault_hook = hook; }
+}  // namespace detail
+
+CheckpointFiles find_checkpoint(const std::string& path) {
+  const std::string prev = previous_checkpoint_path(path);
+  const Candidate model = read_id(path), train = read_id(optimizer_state_path(path));
+  const Candidate prev_model = read_id(prev), prev_train = read_id(optimizer_state_path(prev));
+  if (matches(model, train)) {
+    return {model.path, train.path, false, {}};
+  }
+  const std::string why = detail::str("checkpoint '", path, "' is incomplete: ",
+                                      describe(model, train), " (was a save interrupted?)");
+  // The pairs a save can leave behind, newest first (save_checkpoint's steps, in checkpoint.h).
+  for (const auto& [m, t] : {std::pair{&model, &prev_train}, std::pair{&prev_model, &prev_train}}) {
+    if (matches(*m, *t)) {
+      return {m->path, t->path, true,
+              detail::str(why, "; using the last complete save, '", m->path, "' with '", t->path,
+                          "'")};
+    }
+  }
+  CUDP_THROW(IoError, why, ", and no complete earlier save is beside it (", prev_model.path, ": ",
+             prev_model.error.empty() ? "id " + prev_model.id : prev_model.error, "; ",
+             prev_train.path, ": ",
+             prev_train.error.empty() ? "id " + prev_train.id : prev_train.error,
+             "). Resume from another checkpoint or start afresh");
+}
+
+Metadata load_checkpoint_metadata(const std::string& path) {
+  const CheckpointFiles files = find_checkpoint(path);
+  return user_metadata(load_safetensors_metadata(files.train));
 }
 
 void save_checkpoint(const std::string& path, Module& model, const Optimizer* optimizer,
@@ -58,6 +249,8 @@ void save_checkpoint(const std::string& path, Module& model, const Optimizer* op
                "save_checkpoint: metadata key '", key,
                "' uses a reserved prefix (\"cudp.\" or \"optimizer.\")");
   }
+  const std::string train_path = optimizer_state_path(path);
+  const std::string prev = previous_checkpoint_path(path), prev_train = optimizer_state_path(prev);
   const std::string id = new_checkpoint_id();
   Metadata train_metadata = metadata;
   train_metadata[kIdKey] = id;
@@ -69,26 +262,53 @@ void save_checkpoint(const std::string& path, Module& model, const Optimizer* op
       train_metadata[kOptimizerPrefix + key] = value;
     }
   }
-  save_safetensors(optimizer_state_path(path), train_tensors, train_metadata);
-  save_safetensors(path, model.state_dict(), {{"format", "pt"}, {kIdKey, id}});
+  for (const std::string& file : {path, train_path, prev, prev_train}) {
+    remove_stale_temporaries(file);
+  }
+
+  // 1. Both new files, complete and durable under temporary names. A failure here (a full disk)
+  //    throws with nothing replaced; the temporaries go with the StagedFiles.
+  const auto new_train = stage_safetensors(train_path, train_tensors, train_metadata);
+  const auto new_model = stage_safetensors(path, model.state_dict(), {{"format", "pt"}, {kIdKey, id}});
+  fault("staged");
+
+  // 2. The last complete save moves to the .prev names, training state first, so that at every
+  //    moment one complete pair exists: (path, train) -> (path, prev train) -> (prev, prev train).
+  //    Where it already is at .prev (the last save was interrupted) or there is none, nothing moves.
+  const Candidate model_now = read_id(path), train_now = read_id(train_path);
+  const Candidate prev_train_now = read_id(prev_train);
+  if (matches(model_now, train_now)) {
+    rename_durably(train_path, prev_train, "checkpoint");
+    fault("moved training state");
+    rename_durably(path, prev, "checkpoint");
+    fault("moved model");
+  } else if (matches(model_now, prev_train_now)) {
+    rename_durably(path, prev, "checkpoint");
+    fault("moved model");
+  }
+
+  // 3. The new pair goes in, training state first: until the model follows, the pair at `path` is
+  //    torn and find_checkpoint uses the .prev pair.
+  new_train->publish();
+  fault("published training state");
+  new_model->publish();
+  fault("published model");
 }
 
 Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* optimizer) {
-  const std::string train_path = optimizer_state_path(path);
-  const SafetensorsFile model_file = load_safetensors(path);
+  const CheckpointFiles files = find_checkpoint(path);
+  if (files.fallback) {
+    std::fprintf(stderr, "warning: %s\n", files.note.c_str());
+  }
+  const std::string& train_path = files.train;
+  const SafetensorsFile model_file = load_safetensors(files.model);
   const SafetensorsFile train_file = load_safetensors(train_path);
-
   const auto model_id = model_file.metadata.find(kIdKey);
   const auto train_id = train_file.metadata.find(kIdKey);
   if (model_id == model_file.metadata.end() || train_id == train_file.metadata.end() ||
-      model_id->second != train_id->second) {
-    CUDP_THROW(IoError, "checkpoint '", path, "': the model file and the training-state file '",
-               train_path, "' do not belong to the same save (",
-               model_id == model_file.metadata.end() ? "no checkpoint id in the model file"
-               : train_id == train_file.metadata.end()
-                   ? "no checkpoint id in the training-state file"
-                   : "checkpoint ids " + model_id->second + " and " + train_id->second + " differ",
-               "); was a save interrupted?");
+      model_id->second != train_id->second) {  // replaced since find_checkpoint looked
+    CUDP_THROW(IoError, "checkpoint '", path, "': '", files.model, "' and '", train_path,
+               "' changed while being read (is another process saving this checkpoint?)");
   }
 
   // Check that the training state fits the optimizer before loading anything.
@@ -113,18 +333,14 @@ Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* opti
     }
   }
 
-  model.load_state_dict(model_file.tensors, /*strict=*/true);
+  naming_file(files.model, [&] { model.load_state_dict(model_file.tensors, /*strict=*/true); });
   if (optimizer) {
-    optimizer->load_state_dict(train_file.tensors, names);
-    optimizer->load_hyperparameters(hyperparameters);
+    naming_file(train_path, [&] {
+      optimizer->load_state_dict(train_file.tensors, names);
+      optimizer->load_hyperparameters(hyperparameters);
+    });
   }
-  Metadata user;
-  for (const auto& [key, value] : train_file.metadata) {
-    if (!starts_with(key, "cudp.") && !starts_with(key, kOptimizerPrefix)) {
-      user.emplace(key, value);
-    }
-  }
-  return user;
+  return user_metadata(train_file.metadata);
 }
 
 void save_weights(const std::string& path, Module& model, const Metadata& metadata) {
@@ -134,7 +350,8 @@ void save_weights(const std::string& path, Module& model, const Metadata& metada
 }
 
 void load_weights(const std::string& path, Module& model, bool strict) {
-  model.load_state_dict(load_safetensors(path).tensors, strict);
+  const SafetensorsFile file = load_safetensors(path);
+  naming_file(path, [&] { model.load_state_dict(file.tensors, strict); });
 }
 
 }  // namespace cudp

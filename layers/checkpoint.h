@@ -22,13 +22,27 @@
 // training-state file is always written (the caller's metadata lives there), with no optimizer
 // entries when no optimizer is given.
 //
-// Both files are written atomically (layers/safetensors.h), the training state first. A crash
-// between the two leaves the new training state beside the old model; the shared random
-// checkpoint id tells load_checkpoint that they do not belong together, and it refuses the pair
-// instead of resuming a model with another step's optimizer state.
+// Crash safety (why the save is several steps): a save must never destroy the last complete
+// checkpoint, yet two files cannot be replaced in one atomic step. So a save
+//   1. writes both new files under temporary names and fsyncs them (a full disk fails here, with
+//      nothing replaced, and the temporaries removed);
+//   2. moves the last complete pair to <stem>.prev.safetensors and <stem>.prev.train.safetensors
+//      (previous_checkpoint_path), training state first;
+//   3. renames the new training state, then the new model, into place.
+// Every rename is followed by an fsync of the directory, so each step is durable before the next.
+// At every moment some pair of files with the same checkpoint id exists: the one at `path`, the one
+// at the .prev names, or, for the instant between the two moves of step 2, the model at `path`
+// with the training state at the .prev name. find_checkpoint() looks for them in that order, so a
+// save killed at any point, or failing on a full disk, leaves a loadable checkpoint: the new one,
+// or the previous one, which load_checkpoint() then uses and says so (a warning on stderr). The
+// previous pair is kept after a successful save (one generation; it costs the disk space of one
+// more checkpoint). Temporary files of killed saves are removed by the next save.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "layers/module.h"
 #include "layers/optim.h"
@@ -41,20 +55,55 @@ namespace cudp {
 void save_checkpoint(const std::string& path, Module& model, const Optimizer* optimizer,
                      const Metadata& metadata = {});
 
-// Loads the model strictly (every key, no extra: Module::load_state_dict, errors name the tensor)
-// and, when `optimizer` is given, its state and lr/steps (the checkpoint must hold state of the
-// same optimizer type; errors name the tensor). Returns the caller's metadata as saved. Both files
-// are read and checked against each other before anything is loaded; the model is loaded before the
-// optimizer, so an error in the optimizer state leaves the model loaded and the optimizer as it
-// was.
+// Loads the last complete save of the checkpoint at `path` (find_checkpoint): the model strictly
+// (every key, no extra: Module::load_state_dict) and, when `optimizer` is given, its state and
+// lr/steps (the checkpoint must hold state of the same optimizer type). Errors name the file and the
+// tensor. Returns the caller's metadata as saved. Both files are read and checked against each
+// other before anything is loaded; the model is loaded before the optimizer, so an error in the
+// optimizer state leaves the model loaded and the optimizer as it was.
 Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* optimizer = nullptr);
+
+// Where the last complete save of the checkpoint at `path` is.
+struct CheckpointFiles {
+  std::string model, train;  // its two files
+  bool fallback = false;     // not the pair at `path`: the last save there did not complete
+  std::string note;          // when fallback: what was wrong and which pair is used instead
+};
+// Reads only the headers. Throws IoError naming every file when no complete pair exists.
+CheckpointFiles find_checkpoint(const std::string& path);
+// The caller's metadata of the last complete save, without loading tensors (a trainer reads its
+// settings before it builds the model). Validate the values with the metadata_* getters below.
+Metadata load_checkpoint_metadata(const std::string& path);
 
 // The training-state file that belongs to a checkpoint at `path`.
 std::string optimizer_state_path(const std::string& path);
+// Where a save keeps the previous complete checkpoint (its model file; optimizer_state_path of it
+// is its training state): <stem>.prev.safetensors.
+std::string previous_checkpoint_path(const std::string& path);
+
+// Validated reads of checkpoint metadata: a missing key or a value that is not what is expected
+// throws IoError naming `file`, the key and the value (never std::invalid_argument from stoi or
+// std::out_of_range from map::at, which would end a program that catches cudp::Error only).
+int64_t metadata_int(const Metadata& metadata, const std::string& key, int64_t min, int64_t max,
+                     const std::string& file);
+uint64_t metadata_uint(const Metadata& metadata, const std::string& key, const std::string& file);
+double metadata_double(const Metadata& metadata, const std::string& key, double min, double max,
+                       const std::string& file);
+// The value, which must be one of `allowed`.
+const std::string& metadata_choice(const Metadata& metadata, const std::string& key,
+                                   std::initializer_list<std::string_view> allowed,
+                                   const std::string& file);
 
 // Just the model: the model file alone, as PyTorch reads and writes it (e.g. weights exported by
 // `safetensors.torch.save_file(model.state_dict(), path)`). Atomic; strict unless told otherwise.
 void save_weights(const std::string& path, Module& model, const Metadata& metadata = {});
 void load_weights(const std::string& path, Module& model, bool strict = true);
+
+namespace detail {
+// Test hook: called at each step of save_checkpoint with the step's name ("staged", "moved
+// training state", "moved model", "published training state", "published model"), so the kill test
+// can stop a process between any two of them. Null (the default) calls nothing.
+void set_checkpoint_fault_hook(void (*hook)(const char* stage));
+}  // namespace detail
 
 }  // namespace cudp

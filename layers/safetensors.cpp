@@ -1,20 +1,15 @@
 #include "layers/safetensors.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
 #include <bit>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <utility>
 #include <vector>
+
+#include "engine/core/file.h"
 
 namespace cudp {
 namespace {
@@ -42,99 +37,18 @@ template <typename... Args>
   CUDP_THROW(IoError, "safetensors file '", path, "': ", what...);
 }
 
-std::string errno_text() {
-  return std::strerror(errno);
+// A JSON value for an error message, bounded: a corrupt header may hold megabytes or deep nesting.
+std::string preview(const nlohmann::json& value) {
+  std::string text;
+  if (value.is_primitive() ||
+      (value.is_array() && value.size() <= 8 &&
+       std::none_of(value.begin(), value.end(), [](const auto& v) { return v.is_structured(); }))) {
+    text = value.dump();
+  } else {
+    return detail::str("(a JSON ", value.type_name(), " of ", value.size(), " entries)");
+  }
+  return text.size() <= 80 ? text : text.substr(0, 77) + "...";
 }
-
-struct FileCloser {
-  void operator()(std::FILE* f) const { std::fclose(f); }
-};
-using FilePtr = std::unique_ptr<std::FILE, FileCloser>;
-
-// ---- writing ----------------------------------------------------------------------------------
-
-// A file written under a temporary name beside its destination and renamed over it by commit().
-// Until then the destination is untouched; destroying an uncommitted AtomicFile removes the
-// temporary. The temporary is created with O_EXCL and mode 0666 (less the umask), so the result has
-// the permissions an ordinary new file would have.
-class AtomicFile {
- public:
-  explicit AtomicFile(const std::string& path) : path_(path) {
-    static std::atomic<uint64_t> counter{0};
-    const std::filesystem::path dest(path);
-    dir_ = dest.has_parent_path() ? dest.parent_path().string() : ".";
-    for (int attempt = 0;; ++attempt) {
-      const std::string name =
-          detail::str('.', dest.filename().string(), ".tmp-", ::getpid(), '-', counter++);
-      tmp_ = (std::filesystem::path(dir_) / name).string();
-      const int fd = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      if (fd >= 0) {
-        file_.reset(::fdopen(fd, "wb"));
-        if (!file_) {
-          ::close(fd);
-          discard();
-          fail(path_, "cannot open temporary file '", tmp_, "': ", errno_text());
-        }
-        return;
-      }
-      if (errno != EEXIST || attempt > 100) {
-        fail(path_, "cannot create temporary file '", tmp_, "': ", errno_text());
-      }
-    }
-  }
-  ~AtomicFile() { discard(); }
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-  AtomicFile(AtomicFile&&) = delete;
-  AtomicFile& operator=(AtomicFile&&) = delete;
-
-  void write(const void* data, size_t bytes) {
-    if (bytes > 0 && std::fwrite(data, 1, bytes, file_.get()) != bytes) {
-      fail(path_, "write to '", tmp_, "' failed: ", errno_text());
-    }
-  }
-
-  // Flushes and fsyncs the data, renames the temporary over the destination, fsyncs the directory.
-  void commit() {
-    if (std::fflush(file_.get()) != 0) {
-      fail(path_, "flush of '", tmp_, "' failed: ", errno_text());
-    }
-    if (::fsync(::fileno(file_.get())) != 0) {
-      fail(path_, "fsync of '", tmp_, "' failed: ", errno_text());
-    }
-    if (std::fclose(file_.release()) != 0) {
-      fail(path_, "close of '", tmp_, "' failed: ", errno_text());
-    }
-    if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
-      fail(path_, "rename from '", tmp_, "' failed: ", errno_text());
-    }
-    tmp_.clear();
-    // The rename is durable once the directory entry is. Some file systems cannot fsync a
-    // directory (EINVAL); there the rename is as durable as that file system makes it.
-    const int dir_fd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir_fd < 0) {
-      fail(path_, "cannot open directory '", dir_, "': ", errno_text());
-    }
-    const int status = ::fsync(dir_fd);
-    const int fsync_errno = errno;
-    ::close(dir_fd);
-    if (status != 0 && fsync_errno != EINVAL) {
-      fail(path_, "fsync of directory '", dir_, "' failed: ", std::strerror(fsync_errno));
-    }
-  }
-
- private:
-  void discard() noexcept {
-    file_.reset();
-    if (!tmp_.empty()) {
-      ::unlink(tmp_.c_str());
-    }
-    tmp_.clear();
-  }
-
-  std::string path_, dir_, tmp_;
-  FilePtr file_;
-};
 
 }  // namespace
 
@@ -147,7 +61,8 @@ const char* safetensors_dtype(DType dtype) {
   CUDP_THROW(ValueError, "no safetensors name for dtype ", dtype_name(dtype));
 }
 
-void save_safetensors(const std::string& path, const TensorMap& tensors, const Metadata& metadata) {
+std::unique_ptr<StagedFile> stage_safetensors(const std::string& path, const TensorMap& tensors,
+                                              const Metadata& metadata) {
   // Data order: larger elements first, then by name, so each tensor is aligned to its element size.
   std::vector<const std::pair<const std::string, Tensor>*> order;
   for (const auto& entry : tensors) {
@@ -183,14 +98,20 @@ void save_safetensors(const std::string& path, const TensorMap& tensors, const M
   text.append((8 - text.size() % 8) % 8, ' ');
   const uint64_t header_bytes = text.size();
 
-  AtomicFile file(path);
-  file.write(&header_bytes, sizeof header_bytes);
-  file.write(text.data(), text.size());
+  remove_stale_temporaries(path);
+  auto file = std::make_unique<StagedFile>(path, "safetensors file");
+  file->write(&header_bytes, sizeof header_bytes);
+  file->write(text.data(), text.size());
   for (const auto* entry : order) {
     const Tensor host = entry->second.cpu();
-    file.write(host.data_ptr(), host.nbytes());
+    file->write(host.data_ptr(), host.nbytes());
   }
-  file.commit();
+  file->finish();
+  return file;
+}
+
+void save_safetensors(const std::string& path, const TensorMap& tensors, const Metadata& metadata) {
+  stage_safetensors(path, tensors, metadata)->publish();
 }
 
 namespace {
@@ -247,7 +168,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
   bool overflow = false;
   for (const auto& d : shape) {
     if (!d.is_number_unsigned()) {
-      fail(path, "tensor '", name, "': shape ", shape.dump(),
+      fail(path, "tensor '", name, "': shape ", preview(shape),
            " has an entry that is not a non-negative integer");
     }
     const uint64_t dim = d.get<uint64_t>();
@@ -260,13 +181,13 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
   uint64_t bytes = 0;
   overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(element_size(e.dtype)), &bytes);
   if (overflow) {
-    fail(path, "tensor '", name, "': shape ", shape.dump(), " is too large");
+    fail(path, "tensor '", name, "': shape ", preview(shape), " is too large");
   }
 
   const auto& offsets = value["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned()) {
-    fail(path, "tensor '", name, "': \"data_offsets\" ", offsets.dump(),
+    fail(path, "tensor '", name, "': \"data_offsets\" ", preview(offsets),
          " is not a pair of non-negative integers");
   }
   e.begin = offsets[0].get<uint64_t>();
@@ -316,23 +237,22 @@ void check_coverage(const std::string& path, std::vector<Entry>& entries, uint64
 
 }  // namespace
 
-SafetensorsFile load_safetensors(const std::string& path) {
-  FilePtr file(std::fopen(path.c_str(), "rb"));
-  if (!file) {
-    fail(path, "cannot open: ", errno_text());
-  }
-  std::error_code ec;
-  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
-  if (ec) {
-    fail(path, "cannot read its size: ", ec.message());
-  }
+namespace {
+
+// The validated header of an open file, positioned at the start of the data section.
+struct Header {
+  Metadata metadata;
+  std::vector<Entry> entries;  // in data order, tiling the data section
+};
+
+Header read_header(InputFile& file) {
+  const std::string& path = file.path();
+  const uint64_t file_bytes = file.size();
   if (file_bytes < 8) {
     fail(path, "the file is ", file_bytes, " bytes, shorter than the 8-byte header length");
   }
   uint64_t header_bytes = 0;
-  if (std::fread(&header_bytes, 1, 8, file.get()) != 8) {
-    fail(path, "cannot read the header length");
-  }
+  file.read_exact(&header_bytes, 8, "the header length");
   if (header_bytes > file_bytes - 8) {
     fail(path, "header length ", header_bytes, " runs past the end of the file (", file_bytes,
          " bytes)");
@@ -341,20 +261,24 @@ SafetensorsFile load_safetensors(const std::string& path) {
     fail(path, "header length ", header_bytes, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
   }
   std::string text(header_bytes, '\0');
-  if (std::fread(text.data(), 1, header_bytes, file.get()) != header_bytes) {
-    fail(path, "cannot read the ", header_bytes, "-byte header");
-  }
+  file.read_exact(text.data(), header_bytes, "the header");
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
 
-  // Parsing records names repeated at the top level (JSON allows them; a tensor table must not).
-  std::set<std::string> seen;
-  std::optional<std::string> duplicate;
+  // JSON allows a name twice in one object; a tensor table or an entry must not have it (which one
+  // would count?). Parsing records the first repeat at any depth.
+  std::vector<std::set<std::string>> open_objects;
+  std::optional<std::pair<std::string, size_t>> duplicate;  // the name and its depth
   const nlohmann::json::parser_callback_t find_duplicates =
       [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-        if (depth == 1 && event == nlohmann::json::parse_event_t::key && !duplicate) {
-          const auto name = parsed.get<std::string>();
-          if (!seen.insert(name).second) {
-            duplicate = name;
+        using Event = nlohmann::json::parse_event_t;
+        if (event == Event::object_start) {
+          open_objects.emplace_back();
+        } else if (event == Event::object_end && !open_objects.empty()) {
+          open_objects.pop_back();
+        } else if (event == Event::key && !open_objects.empty() && !duplicate) {
+          auto name = parsed.get<std::string>();
+          if (!open_objects.back().insert(name).second) {
+            duplicate.emplace(std::move(name), static_cast<size_t>(depth));
           }
         }
         return true;
@@ -369,11 +293,13 @@ SafetensorsFile load_safetensors(const std::string& path) {
     fail(path, "the header is not a JSON object");
   }
   if (duplicate) {
-    fail(path, "tensor '", *duplicate, "' appears more than once in the header");
+    if (duplicate->second == 1) {
+      fail(path, "tensor '", duplicate->first, "' appears more than once in the header");
+    }
+    fail(path, "the name '", duplicate->first, "' appears more than once in one object of the header");
   }
 
-  SafetensorsFile out;
-  std::vector<Entry> entries;
+  Header out;
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
       if (!value.is_object()) {
@@ -387,21 +313,34 @@ SafetensorsFile load_safetensors(const std::string& path) {
       }
       continue;
     }
-    entries.push_back(parse_entry(path, name, value, data_bytes));
-  }
-  check_coverage(path, entries, data_bytes);
-
-  // The ranges tile the data section in order, so one sequential pass reads it.
-  for (const Entry& e : entries) {
-    Tensor t = Tensor::empty(e.shape, e.dtype);
-    const size_t bytes = e.end - e.begin;
-    if (bytes > 0 && std::fread(t.data_ptr(), 1, bytes, file.get()) != bytes) {
-      fail(path, "tensor '", e.name, "': cannot read its ", bytes, " bytes: ",
-           std::ferror(file.get()) ? errno_text() : std::string("unexpected end of file"));
+    if (name.empty()) {
+      fail(path, "a tensor has an empty name");
     }
+    out.entries.push_back(parse_entry(path, name, value, data_bytes));
+  }
+  check_coverage(path, out.entries, data_bytes);
+  return out;
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  InputFile file(path, "safetensors file");
+  Header header = read_header(file);
+  SafetensorsFile out;
+  out.metadata = std::move(header.metadata);
+  // The ranges tile the data section in order, so one sequential pass reads it.
+  for (const Entry& e : header.entries) {
+    Tensor t = Tensor::empty(e.shape, e.dtype);
+    file.read_exact(t.data_ptr(), e.end - e.begin, "tensor '" + e.name + "'");
     out.tensors.emplace(e.name, std::move(t));
   }
   return out;
+}
+
+Metadata load_safetensors_metadata(const std::string& path) {
+  InputFile file(path, "safetensors file");
+  return read_header(file).metadata;
 }
 
 }  // namespace cudp

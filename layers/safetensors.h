@@ -8,21 +8,24 @@
 // Writing follows the reference implementation's choices: tensors are laid out by decreasing
 // element size, then by name, so that every tensor's data is aligned to its element size; the
 // header is padded with spaces to a multiple of 8 bytes (so the data section starts 8-byte
-// aligned), and
-// "__metadata__" comes first. The write is atomic: a temporary file in the same directory is
-// written, flushed and fsync'ed, then renamed over the destination, and the directory is fsync'ed,
-// so a crash leaves either the old file or the new one, never a torn one.
+// aligned), and "__metadata__" comes first. The write is atomic (engine/core/file.h's StagedFile):
+// a temporary file in the same directory is written and fsync'ed, then renamed over the
+// destination, and the directory is fsync'ed, so a crash leaves either the old file or the new one,
+// never a torn one; temporaries of killed writers are removed by the next save of the same file.
 //
-// Reading trusts nothing: a short file, a header length past the end, invalid JSON, a duplicated
-// name, an unknown dtype, a shape that does not match its byte range, ranges that overlap, leave
-// gaps or leave bytes after the last tensor all throw cudp::IoError naming the file, the tensor and
-// the problem. Every byte of the data section must belong to exactly one tensor, as the reference
+// Reading trusts nothing: anything but a regular file (a FIFO would hang), a short file, a header
+// length past the end, invalid JSON, a name repeated in any object, an empty tensor name, an unknown
+// dtype, a shape that overflows or does not match its byte range, ranges that overlap, leave gaps or
+// leave bytes after the last tensor all throw cudp::IoError naming the file, the tensor and the
+// problem. Every byte of the data section must belong to exactly one tensor, as the reference
 // implementation requires.
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 
+#include "engine/core/file.h"
 #include "engine/core/tensor.h"
 
 namespace cudp {
@@ -40,8 +43,16 @@ struct SafetensorsFile {
 void save_safetensors(const std::string& path, const TensorMap& tensors,
                       const Metadata& metadata = {});
 
+// The same file, complete and durable under a temporary name but not yet at `path`: publish() puts
+// it there. Checkpoints stage both of their files before either replaces anything.
+std::unique_ptr<StagedFile> stage_safetensors(const std::string& path, const TensorMap& tensors,
+                                              const Metadata& metadata = {});
+
 // Reads and validates a whole file into CPU tensors.
 SafetensorsFile load_safetensors(const std::string& path);
+// Reads and validates the header only (every check above, without reading the tensors' bytes) and
+// returns its "__metadata__".
+Metadata load_safetensors_metadata(const std::string& path);
 
 // The safetensors dtype string ("F32", "BF16", "F16", "I32", "I64", "U8").
 const char* safetensors_dtype(DType dtype);

@@ -1,8 +1,10 @@
 #include "engine/core/memory.h"
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "engine/core/device.h"
@@ -15,6 +17,22 @@ std::string bytes_str(size_t bytes) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
   return buf;
+}
+
+thread_local const AllocationPurpose* innermost = nullptr;
+
+// " for <purpose> (<what>)", " (<what>)" or "".
+std::string purpose_str(std::string_view what) {
+  const std::string purpose = AllocationPurpose::current_what();
+  std::string out;
+  if (!purpose.empty()) out += " for " + purpose;
+  if (!what.empty()) out += detail::str(" (", what, ")");
+  return out;
+}
+
+std::string advice_str(const char* fallback) {
+  const std::string advice = AllocationPurpose::current_advice();
+  return advice.empty() ? fallback : advice;
 }
 
 // The device's pool, configured once: keep freed memory reserved (release threshold = max).
@@ -42,7 +60,29 @@ uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
 
 }  // namespace
 
-void* device_allocate(size_t bytes, int device, cudaStream_t stream) {
+AllocationPurpose::AllocationPurpose(std::string what, std::string advice)
+    : what_(std::move(what)), advice_(std::move(advice)), outer_(innermost) {
+  innermost = this;
+}
+
+AllocationPurpose::~AllocationPurpose() { innermost = outer_; }
+
+std::string AllocationPurpose::current_what() {
+  std::string out;
+  for (const AllocationPurpose* p = innermost; p; p = p->outer_) {
+    out = out.empty() ? p->what_ : p->what_ + ": " + out;
+  }
+  return out;
+}
+
+std::string AllocationPurpose::current_advice() {
+  for (const AllocationPurpose* p = innermost; p; p = p->outer_) {
+    if (!p->advice_.empty()) return p->advice_;
+  }
+  return {};
+}
+
+void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string_view what) {
   check_device(device);
   if (bytes == 0) return nullptr;
   void* ptr = nullptr;
@@ -57,10 +97,11 @@ void* device_allocate(size_t bytes, int device, cudaStream_t stream) {
     throw OutOfMemoryError(
         status,
         detail::str("CUDA out of memory on cuda:", device, ": tried to allocate ", bytes_str(bytes),
-                    " (", bytes, " bytes); ", bytes_str(memory_allocated(device)),
-                    " allocated by cudp, ", bytes_str(memory_reserved(device)), " reserved, ",
-                    bytes_str(free_bytes), " free of ", bytes_str(total),
-                    ". Reduce the batch size or free tensors."),
+                    " (", bytes, " bytes)", purpose_str(what), "; ",
+                    bytes_str(memory_allocated(device)), " allocated by cudp, ",
+                    bytes_str(memory_reserved(device)), " reserved, ", bytes_str(free_bytes),
+                    " free of ", bytes_str(total), " on the device. ",
+                    advice_str("Reduce the batch size (--batch-size) or free tensors.")),
         __FILE__, __LINE__);
   }
   CUDP_CUDA_CHECK(status);
@@ -71,16 +112,34 @@ void device_free(void* ptr, cudaStream_t stream) noexcept {
   if (ptr) cudaFreeAsync(ptr, stream);
 }
 
-void* host_allocate(size_t bytes, bool pinned) {
+void* host_allocate(size_t bytes, bool pinned, std::string_view what) {
   if (bytes == 0) return nullptr;
   void* ptr = nullptr;
+  const char* kind = pinned ? "pinned (page-locked) host memory" : "host memory";
+  const auto fail = [&](cudaError_t status, const std::string& cause) {
+    throw OutOfMemoryError(
+        status,
+        detail::str("out of ", kind, ": tried to allocate ", bytes_str(bytes), " (", bytes,
+                    " bytes)", purpose_str(what), ": ", cause, ". ",
+                    advice_str(pinned ? "Reduce the batch size (--batch-size), the loader's "
+                                        "workers or prefetch depth, or turn pin_memory off."
+                                      : "Reduce the batch size (--batch-size) or free tensors.")),
+        __FILE__, __LINE__);
+  };
   if (pinned) {
-    CUDP_CUDA_CHECK(cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable));
+    const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+    // A size beyond what the driver can pin comes back as an invalid value, not as no memory.
+    if (status == cudaErrorMemoryAllocation || status == cudaErrorInvalidValue) {
+      cudaGetLastError();
+      fail(cudaErrorMemoryAllocation, detail::str("cudaHostAlloc reports ", cudaGetErrorName(status)));
+    }
+    CUDP_CUDA_CHECK(status);
     return ptr;
   }
+  if (bytes > SIZE_MAX - 63) fail(cudaErrorMemoryAllocation, "more than the address space");
   const size_t rounded = (bytes + 63) / 64 * 64;
   ptr = std::aligned_alloc(64, rounded);
-  if (!ptr) CUDP_THROW(Error, "host out of memory: tried to allocate ", bytes, " bytes");
+  if (!ptr) fail(cudaErrorMemoryAllocation, "the system allocator returned nothing");
   return ptr;
 }
 

@@ -6,22 +6,50 @@
 // going back to the driver (DESIGN.md §2.4). That is the caching allocator; cudp does not write its
 // own. An allocation is ordered on a stream and freed on the same stream; memory used on another
 // stream must be ordered with an event before it is freed (the engine does this).
+//
+// Out of memory must explain itself: "cudaHostAlloc failed: cudaErrorMemoryAllocation" tells a user
+// nothing. An allocation knows its bytes and device but not what it is for, so callers that make
+// big allocations (the loader's batch buffers, the prefetcher's device copies, a model's parameters)
+// name their purpose and the setting to change with an AllocationPurpose on their thread; the
+// OutOfMemoryError then carries the purpose, the tensor, the bytes, the device and that advice.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <string>
+#include <string_view>
 
 namespace cudp::cuda {
 
+// Names what the allocations made on this thread, while it lives, are for, and what the user can
+// change when they fail ("the data loader's 5 batch buffers", "reduce --batch-size or the loader's
+// prefetch depth"). Nested purposes add up, outermost first. Not copyable; destroy in reverse order.
+class AllocationPurpose {
+ public:
+  AllocationPurpose(std::string what, std::string advice = {});
+  ~AllocationPurpose();
+  AllocationPurpose(const AllocationPurpose&) = delete;
+  AllocationPurpose& operator=(const AllocationPurpose&) = delete;
+
+  // "for <outer>: <inner>" and the innermost advice given; empty without a purpose.
+  static std::string current_what();
+  static std::string current_advice();
+
+ private:
+  std::string what_, advice_;
+  const AllocationPurpose* outer_;
+};
+
 // Allocates `bytes` on `device`, ordered on `stream`. Throws OutOfMemoryError naming the device, the
-// bytes asked for, and what is allocated and reserved.
-void* device_allocate(size_t bytes, int device, cudaStream_t stream);
+// bytes asked for, `what` (the tensor), the current AllocationPurpose, what is allocated and reserved,
+// and what to change.
+void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string_view what = {});
 void device_free(void* ptr, cudaStream_t stream) noexcept;
 
 // Host memory aligned to 64 bytes; pinned (page-locked, portable across devices) when asked, which
-// asynchronous host-to-device copies need.
-void* host_allocate(size_t bytes, bool pinned);
+// asynchronous host-to-device copies need. Throws OutOfMemoryError like device_allocate.
+void* host_allocate(size_t bytes, bool pinned, std::string_view what = {});
 void host_free(void* ptr, bool pinned) noexcept;
 
 // Statistics of `device`'s pool, in bytes: what tensors hold now, the peak since the last reset,

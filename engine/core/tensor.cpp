@@ -41,22 +41,38 @@ std::string shape_str(const Shape& shape) {
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    CUDP_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
+    if (__builtin_mul_overflow(n, d, &n)) {
+      CUDP_THROW(ValueError, "shape ", shape_str(shape),
+                 " has more elements than 64-bit sizes can count");
+    }
+  }
   return n;
+}
+
+size_t shape_nbytes(const Shape& shape, DType dtype) {
+  const int64_t numel = shape_numel(shape);
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(numel, static_cast<int64_t>(element_size(dtype)), &bytes)) {
+    CUDP_THROW(ValueError, "a tensor of shape ", shape_str(shape), " and dtype ", dtype_name(dtype),
+               " needs more bytes than 64-bit sizes can count");
+  }
+  return static_cast<size_t>(bytes);
 }
 
 cudaStream_t stream_for(Device device) {
   return device.is_cuda() ? cuda::current_stream(device.index) : nullptr;
 }
 
-Storage::Storage(size_t bytes_, Device device_, bool pinned_)
+Storage::Storage(size_t bytes_, Device device_, bool pinned_, std::string_view what)
     : bytes(bytes_), device(device_), pinned(pinned_) {
   if (device.is_cuda()) {
     cuda::DeviceGuard guard(device.index);
     stream = cuda::current_stream(device.index);
-    ptr = cuda::device_allocate(bytes, device.index, stream);
+    ptr = cuda::device_allocate(bytes, device.index, stream, what);
   } else {
-    ptr = cuda::host_allocate(bytes, pinned);
+    ptr = cuda::host_allocate(bytes, pinned, what);
   }
 }
 
@@ -69,11 +85,11 @@ Storage::~Storage() {
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, bool pinned) {
-  for (int64_t d : shape) CUDP_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
   CUDP_CHECK(!(pinned && device.is_cuda()), "pinned memory is host memory; asked for ", device);
+  const size_t bytes = shape_nbytes(shape, dtype);
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(static_cast<size_t>(shape_numel(shape)) * element_size(dtype),
-                                         device, pinned);
+  t.storage_ = std::make_shared<Storage>(
+      bytes, device, pinned, detail::str("a tensor ", shape_str(shape), " ", dtype_name(dtype)));
   t.shape_ = shape;
   t.dtype_ = dtype;
   return t;
@@ -119,7 +135,8 @@ Tensor Tensor::view(const Shape& shape) const {
       infer = static_cast<int>(i);
     } else {
       CUDP_CHECK(shape[i] >= 0, "view: invalid shape ", shape_str(shape));
-      known *= shape[i];
+      CUDP_CHECK(!__builtin_mul_overflow(known, shape[i], &known), "view: shape ", shape_str(shape),
+                 " has more elements than 64-bit sizes can count");
     }
   }
   if (infer >= 0) {

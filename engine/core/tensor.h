@@ -18,6 +18,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/core/device.h"
@@ -41,7 +42,11 @@ template <> constexpr DType dtype_of<uint8_t>() { return DType::u8; }
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& shape);  // "[3, 4]"
+// The number of elements; throws ValueError for a negative dimension or a product that overflows
+// int64 (shapes read from files or built from command-line sizes must not wrap).
 int64_t shape_numel(const Shape& shape);
+// The bytes of a tensor of `shape` and `dtype`, checked the same way.
+size_t shape_nbytes(const Shape& shape, DType dtype);
 
 // The memory behind one or more tensors. Freed when the last tensor using it goes.
 struct Storage {
@@ -51,7 +56,8 @@ struct Storage {
   bool pinned = false;
   cudaStream_t stream = nullptr;  // the stream a CUDA allocation is ordered on and freed on
 
-  Storage(size_t bytes, Device device, bool pinned);
+  // `what` names the memory in an out-of-memory error ("a tensor [256, 32, 32, 1] f32").
+  Storage(size_t bytes, Device device, bool pinned, std::string_view what = {});
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;

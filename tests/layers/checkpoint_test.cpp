@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 
@@ -139,14 +140,41 @@ void expect_load_error(const std::string& path, Module& model, Optimizer* optimi
   }
 }
 
-TEST_F(Checkpoint, RefusesFilesFromDifferentSaves) {
+TEST_F(Checkpoint, ATornPairFallsBackToThePreviousSave) {
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "1"}});
+  const std::string train = optimizer_state_path(path_), old = dir_.file("old.train");
+  std::filesystem::copy_file(train, old);
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "2"}});
+  EXPECT_EQ(dir_.entries(),
+            (std::vector<std::string>{"ckpt.prev.safetensors", "ckpt.prev.train.safetensors",
+                                      "ckpt.safetensors", "ckpt.train.safetensors", "old.train"}));
+  EXPECT_EQ(load_checkpoint(path_, *model_, &sgd_).at("step"), "2");
+  // As if a save had died between its two renames: new model, another save's training state.
+  std::filesystem::rename(old, train);
+  const CheckpointFiles files = find_checkpoint(path_);
+  EXPECT_TRUE(files.fallback);
+  EXPECT_EQ(files.model, previous_checkpoint_path(path_));
+  EXPECT_EQ(files.train, optimizer_state_path(previous_checkpoint_path(path_)));
+  EXPECT_NE(files.note.find("do not belong to the same save"), std::string::npos) << files.note;
+  EXPECT_EQ(load_checkpoint(path_, *model_, &sgd_).at("step"), "1");
+  EXPECT_EQ(load_checkpoint_metadata(path_).at("step"), "1");
+
+  // The next save replaces the torn pair and keeps the complete one as the previous save.
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "3"}});
+  EXPECT_FALSE(find_checkpoint(path_).fallback);
+  EXPECT_EQ(load_checkpoint(path_, *model_, &sgd_).at("step"), "3");
+  EXPECT_EQ(load_checkpoint(previous_checkpoint_path(path_), *model_, &sgd_).at("step"), "1");
+}
+
+TEST_F(Checkpoint, RefusesATornPairWithNoEarlierSave) {
   save_checkpoint(path_, *model_, &sgd_, metadata_);
   const std::string train = optimizer_state_path(path_), old = dir_.file("old.train");
   std::filesystem::copy_file(train, old);
   save_checkpoint(path_, *model_, &sgd_, metadata_);
-  // As if the second save had died between its two renames: new model, old training state.
   std::filesystem::rename(old, train);
+  std::filesystem::remove(previous_checkpoint_path(path_));
   expect_load_error<IoError>(path_, *model_, &sgd_, "do not belong to the same save");
+  expect_load_error<IoError>(path_, *model_, &sgd_, "no complete earlier save");
 }
 
 TEST_F(Checkpoint, RefusesAnotherOptimizerOrNone) {
@@ -191,6 +219,62 @@ TEST_F(Checkpoint, RejectsReservedMetadataAndForeignParameters) {
 TEST_F(Checkpoint, MissingTrainingStateIsAnIoError) {
   save_weights(path_, *model_);
   expect_load_error<IoError>(path_, *model_, nullptr, "ckpt.train.safetensors");
+}
+
+TEST_F(Checkpoint, ModelErrorsNameTheFile) {
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  auto other = std::make_shared<Sequential>(
+      std::vector<std::shared_ptr<Module>>{std::make_shared<Linear>(2, 2, true, 1)});
+  expect_load_error<ValueError>(path_, *other, nullptr, "checkpoint file '" + path_ + "'");
+  try {
+    load_weights(path_, *other);
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + path_ + "'"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(Checkpoint, ATornPairWithOnlyOneSaveBeforeItLoadsThatSave) {
+  // Killed in the middle of step 2 (training state moved, model not yet): the model at `path` and
+  // the training state at the .prev name are the last complete save.
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "1"}});
+  std::filesystem::rename(optimizer_state_path(path_),
+                          optimizer_state_path(previous_checkpoint_path(path_)));
+  const CheckpointFiles files = find_checkpoint(path_);
+  EXPECT_TRUE(files.fallback);
+  EXPECT_EQ(files.model, path_);
+  EXPECT_EQ(load_checkpoint(path_, *model_, &sgd_).at("step"), "1");
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "2"}});  // and a save after it repairs the pair
+  EXPECT_FALSE(find_checkpoint(path_).fallback);
+  EXPECT_EQ(load_checkpoint(previous_checkpoint_path(path_), *model_, &sgd_).at("step"), "1");
+}
+
+TEST(CheckpointMetadata, ValidatedGettersNameTheKeyAndTheFile) {
+  const Metadata m = {{"epoch", "3"},       {"seed", "18446744073709551615"}, {"lr", "0.05"},
+                      {"bad", "12abc"},     {"big", "99999999999999999999"},  {"nan", "nan"},
+                      {"data", "cifar10"},  {"empty", ""}};
+  EXPECT_EQ(metadata_int(m, "epoch", 0, 1000, "c.safetensors"), 3);
+  EXPECT_EQ(metadata_uint(m, "seed", "c.safetensors"), UINT64_MAX);
+  EXPECT_EQ(metadata_double(m, "lr", 0, 10, "c.safetensors"), 0.05);
+  EXPECT_EQ(metadata_choice(m, "data", {"mnist", "cifar10"}, "c.safetensors"), "cifar10");
+  const auto fails = [](auto&& f, const std::string& part) {
+    try {
+      f();
+      ADD_FAILURE() << "expected IoError containing " << part;
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("'c.safetensors'"), std::string::npos) << e.what();
+    }
+  };
+  fails([&] { metadata_int(m, "bad", 0, 100, "c.safetensors"); }, "\"bad\" is '12abc'");
+  fails([&] { metadata_int(m, "big", 0, INT64_MAX, "c.safetensors"); }, "not an integer in");
+  fails([&] { metadata_int(m, "epoch", 4, 10, "c.safetensors"); }, "in [4, 10]");
+  fails([&] { metadata_int(m, "absent", 0, 1, "c.safetensors"); }, "\"absent\" is missing");
+  fails([&] { metadata_int(m, "empty", 0, 1, "c.safetensors"); }, "\"empty\" is ''");
+  fails([&] { metadata_uint(m, "bad", "c.safetensors"); }, "not an integer");
+  fails([&] { metadata_double(m, "nan", -1, 1, "c.safetensors"); }, "a finite number");
+  fails([&] { metadata_double(m, "lr", 1, 2, "c.safetensors"); }, "in [1, 2]");
+  fails([&] { metadata_choice(m, "data", {"mnist"}, "c.safetensors"); }, "one of 'mnist'");
 }
 
 TEST(CheckpointPaths, WeightsAloneRoundTrip) {

@@ -2,9 +2,13 @@
 // of corrupt file (built by hand here), and the atomic write.
 #include "layers/safetensors.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 
@@ -262,6 +266,86 @@ TEST_F(CorruptSafetensors, TruncatedData) {
   const std::string raw = read_file(path_);
   std::ofstream(path_, std::ios::binary | std::ios::trunc) << raw.substr(0, raw.size() - 3);
   expect_io_error(path_, {"tensor 'w'", "run past the end of the data section"});
+}
+
+// ---- hostile files (issue: nothing silently accepted, nothing hung) ----------------------------
+
+TEST_F(CorruptSafetensors, EmptyTensorName) {
+  expect_rejected(R"({"": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}})", "ab",
+                  {"a tensor has an empty name"});
+}
+
+TEST_F(CorruptSafetensors, DuplicateFieldInsideAnEntry) {
+  expect_rejected(R"({"w": {"dtype": "U8", "dtype": "F32", "shape": [2], "data_offsets": [0, 2]}})",
+                  "ab", {"'dtype' appears more than once"});
+}
+
+TEST_F(CorruptSafetensors, DuplicateMetadataKey) {
+  expect_rejected(R"({"__metadata__": {"step": "1", "step": "2"}})", "",
+                  {"'step' appears more than once"});
+}
+
+TEST_F(CorruptSafetensors, ShapeWhoseProductOverflows) {
+  // 2^32 x 2^32 x 0 holds no element, but only after a product that wraps: refused, not wrapped.
+  expect_rejected(
+      R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296, 0], "data_offsets": [0, 0]}})",
+      "", {"tensor 'w'", "is too large"});
+  expect_rejected(
+      R"({"w": {"dtype": "F32", "shape": [9223372036854775808], "data_offsets": [0, 0]}})", "",
+      {"tensor 'w'", "is too large"});
+}
+
+TEST_F(CorruptSafetensors, DeeplyNestedValuesAreNotEchoedWhole) {
+  const std::string nested = std::string(5000, '[') + std::string(5000, ']');
+  write_raw(path_, R"({"w": {"dtype": "F32", "shape": )" + nested + R"(, "data_offsets": [0, 0]}})",
+            "");
+  try {
+    load_safetensors(path_);
+    ADD_FAILURE() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_LT(std::string(e.what()).size(), 1000u) << e.what();
+  }
+}
+
+TEST_F(CorruptSafetensors, AFifoIsRefusedNotWaitedOn) {
+  const std::string fifo = dir_.file("fifo.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ::alarm(30);  // a reader that blocks would otherwise hang until ctest's timeout
+  expect_io_error(fifo, {"a FIFO", "not a safetensors file"});
+  try {
+    load_safetensors_metadata(fifo);
+    ADD_FAILURE() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("FIFO"), std::string::npos) << e.what();
+  }
+  ::alarm(0);
+}
+
+TEST_F(CorruptSafetensors, ADirectoryIsNotAFile) {
+  expect_io_error(dir_.path(), {"a directory"});
+}
+
+TEST(SafetensorsHeader, MetadataAloneMatchesTheFullLoad) {
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  save_safetensors(path, {{"w", patterned({3}, DType::f32, 1)}}, {{"k", "v"}});
+  EXPECT_EQ(load_safetensors_metadata(path), load_safetensors(path).metadata);
+}
+
+TEST(SafetensorsStaged, NothingAppearsAtThePathUntilPublished) {
+  TempDir dir;
+  const std::string path = dir.file("s.safetensors");
+  {
+    auto staged = stage_safetensors(path, {{"w", patterned({3}, DType::f32, 1)}});
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_TRUE(std::filesystem::exists(staged->temp_path()));
+  }  // dropped unpublished: the temporary goes too
+  EXPECT_TRUE(dir.entries().empty());
+  auto staged = stage_safetensors(path, {{"w", patterned({3}, DType::f32, 1)}});
+  staged->publish();
+  EXPECT_EQ(dir.entries(), (std::vector<std::string>{"s.safetensors"}));
+  EXPECT_EQ(bytes_of(load_safetensors(path).tensors.at("w")),
+            bytes_of(patterned({3}, DType::f32, 1)));
 }
 
 }  // namespace

@@ -1,0 +1,88 @@
+// Files from outside and files that must survive a crash.
+//
+// Reading: files that come from outside (checkpoints, data sets) are read without hanging on what is
+// not a file.
+// Why: open(2) of a FIFO for reading blocks until a writer appears, and /dev/zero never ends; a
+// path mistyped or planted where a checkpoint or a data file is expected must give an error, not a
+// hung trainer. InputFile opens with O_NONBLOCK (so the open itself cannot block), refuses anything
+// that fstat does not call a regular file, and only then reads, blocking as usual. Errors are IoError
+// naming the path and what the file was expected to be.
+//
+// Writing: a StagedFile is written under a temporary name beside its destination, made durable
+// (fsync), and only then renamed over the destination (and the directory fsync'ed), so a crash or a
+// full disk leaves the old file or the new one, never a torn one. Staging and publishing are separate
+// steps so that a checkpoint can make both of its files durable before it replaces either. The
+// temporary is ".<name>.tmp-<pid>-<n>": a process killed mid-write leaves one, and the next save of
+// the same file removes those whose process is gone (remove_stale_temporaries).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace cudp {
+
+class InputFile {
+ public:
+  // `what` names the expected kind in errors ("safetensors file", "IDX file").
+  InputFile(const std::string& path, std::string_view what);
+  ~InputFile();
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+
+  // The size fstat reported when the file was opened.
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+  // Reads up to `bytes` at the current position; fewer only at the end of the file. Retries EINTR.
+  size_t read_some(void* out, size_t bytes);
+  // Reads exactly `bytes` or throws IoError ("... ends after N bytes" / the system's error), naming
+  // the file and `what` ("the header", "tensor 'w'").
+  void read_exact(void* out, size_t bytes, std::string_view what);
+
+ private:
+  std::string path_, kind_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  uint64_t position_ = 0;
+};
+
+class StagedFile {
+ public:
+  // Creates the temporary beside `path` (O_EXCL, mode 0666 less the umask: the permissions of an
+  // ordinary new file). `what` names the file in errors ("safetensors file").
+  StagedFile(const std::string& path, std::string_view what);
+  // Removes the temporary unless it was published.
+  ~StagedFile();
+  StagedFile(const StagedFile&) = delete;
+  StagedFile& operator=(const StagedFile&) = delete;
+
+  // Appends; throws IoError naming the destination, the temporary and the system's error (a full
+  // disk, a file-size limit) after removing nothing: the destructor does.
+  void write(const void* data, size_t bytes);
+  // Flushes, fsyncs and closes the temporary: complete and durable, not yet visible at path().
+  void finish();
+  // finish() if needed, renames the temporary over path(), fsyncs the directory.
+  void publish();
+
+  const std::string& path() const { return path_; }
+  const std::string& temp_path() const { return tmp_; }
+
+ private:
+  [[noreturn]] void fail(std::string_view step, int error);
+  std::string path_, kind_, tmp_;
+  int fd_ = -1;
+  uint64_t written_ = 0;
+};
+
+// Renames `from` over `to` and fsyncs their directory (both must be in the same one), so the new
+// name survives a crash. Throws IoError naming `what` and both paths.
+void rename_durably(const std::string& from, const std::string& to, std::string_view what);
+// fsyncs the directory holding `path` (file systems that cannot fsync a directory are accepted).
+void sync_directory_of(const std::string& path);
+// Removes the temporaries StagedFile(path) left behind in processes that no longer run. Returns
+// how many it removed.
+int remove_stale_temporaries(const std::string& path);
+
+}  // namespace cudp

@@ -1,0 +1,117 @@
+// Host tests of size arithmetic and out-of-memory messages: shapes whose element or byte counts
+// overflow are errors, never wrapped sizes; a failed host allocation names what it was for, the
+// bytes and what to change (the GPU twin, memory_gpu_test, does the same for device and pinned
+// memory).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "engine/core/checked.h"
+#include "engine/core/memory.h"
+#include "engine/core/tensor.h"
+
+namespace cudp {
+namespace {
+
+// Succeeds when `f()` throws E whose message holds every one of `parts`.
+template <typename E, typename F>
+::testing::AssertionResult throws_with(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+  } catch (const E& e) {
+    for (const std::string& part : parts) {
+      if (std::string(e.what()).find(part) == std::string::npos) {
+        return ::testing::AssertionFailure() << "message lacks \"" << part << "\": " << e.what();
+      }
+    }
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "threw another exception: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "did not throw";
+}
+
+TEST(CheckedSizes, ProductsAndSumsThatOverflowThrow) {
+  EXPECT_EQ(checked_mul(int64_t{1} << 31, int64_t{1} << 31, "x"), int64_t{1} << 62);
+  EXPECT_EQ(checked_add(INT64_MAX - 1, 1, "x"), INT64_MAX);
+  EXPECT_TRUE(throws_with<ValueError>([] { checked_mul(int64_t{1} << 32, int64_t{1} << 31, "rows"); },
+                                      {"rows", "4294967296 x 2147483648", "overflows"}));
+  EXPECT_TRUE(throws_with<ValueError>([] { checked_add(INT64_MAX, 1, "bytes"); }, {"bytes", "overflows"}));
+  EXPECT_TRUE(throws_with<ValueError>([] { checked_mul(-1, 2, "n"); }, {"n", "negative"}));
+}
+
+TEST(CheckedSizes, ShapesThatOverflowAreErrors) {
+  const Shape wraps = {int64_t{1} << 32, int64_t{1} << 32};  // 2^64 elements: 0 if wrapped
+  EXPECT_TRUE(throws_with<ValueError>([&] { shape_numel(wraps); },
+                                      {"[4294967296, 4294967296]", "64-bit"}));
+  EXPECT_TRUE(throws_with<ValueError>([&] { Tensor::empty(wraps); }, {"64-bit"}));
+  // 2^62 elements fit, but not 2^62 x 4 bytes.
+  EXPECT_TRUE(throws_with<ValueError>([] { Tensor::empty({int64_t{1} << 62}); },
+                                      {"f32", "needs more bytes than 64-bit"}));
+  EXPECT_TRUE(throws_with<ValueError>([] { shape_numel({3, -1}); }, {"negative", "[3, -1]"}));
+  const Tensor t = Tensor::zeros({4});
+  EXPECT_THROW(t.view({int64_t{1} << 32, int64_t{1} << 32, -1}), ValueError);
+  EXPECT_EQ(shape_nbytes({3, 5}, DType::i64), 120u);
+}
+
+// ASan's allocator aborts on an absurd request unless told to return null.
+bool allocator_aborts_on_huge_requests() {
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr bool asan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  constexpr bool asan = true;
+#else
+  constexpr bool asan = false;
+#endif
+#else
+  constexpr bool asan = false;
+#endif
+  const char* options = std::getenv("ASAN_OPTIONS");
+  return asan && !(options && std::strstr(options, "allocator_may_return_null=1"));
+}
+
+TEST(OutOfMemory, AHostAllocationFailureSaysWhatItWasForAndWhatToChange) {
+  if (allocator_aborts_on_huge_requests()) {
+    GTEST_SKIP() << "under AddressSanitizer without ASAN_OPTIONS=allocator_may_return_null=1";
+  }
+  // 2^61 bytes: more than any machine's address space, so the allocation fails for certain.
+  const Shape shape = {int64_t{1} << 30, int64_t{1} << 29};
+  cuda::AllocationPurpose outer("the test's buffers");
+  cuda::AllocationPurpose inner("batch buffer 3", "Reduce the test's batch size.");
+  EXPECT_TRUE(throws_with<OutOfMemoryError>(
+      [&] { Tensor::empty(shape, DType::f32); },
+      {"out of host memory", "2305843009213693952 bytes", "for the test's buffers: batch buffer 3",
+       "(a tensor [1073741824, 536870912] f32)", "Reduce the test's batch size."}));
+}
+
+TEST(OutOfMemory, WithoutAPurposeTheTensorAndGeneralAdviceAreNamed) {
+  if (allocator_aborts_on_huge_requests()) {
+    GTEST_SKIP() << "under AddressSanitizer without ASAN_OPTIONS=allocator_may_return_null=1";
+  }
+  EXPECT_TRUE(throws_with<OutOfMemoryError>(
+      [] { Tensor::empty({int64_t{1} << 59}, DType::u8); },
+      {"(a tensor [576460752303423488] u8)", "Reduce the batch size (--batch-size)"}));
+  EXPECT_TRUE(cuda::AllocationPurpose::current_what().empty());
+}
+
+TEST(OutOfMemory, PurposesNestAndUnwind) {
+  EXPECT_EQ(cuda::AllocationPurpose::current_what(), "");
+  {
+    cuda::AllocationPurpose a("model parameters", "Use a smaller model.");
+    {
+      cuda::AllocationPurpose b("conv1.weight");
+      EXPECT_EQ(cuda::AllocationPurpose::current_what(), "model parameters: conv1.weight");
+      EXPECT_EQ(cuda::AllocationPurpose::current_advice(), "Use a smaller model.");
+    }
+    EXPECT_EQ(cuda::AllocationPurpose::current_what(), "model parameters");
+  }
+  EXPECT_EQ(cuda::AllocationPurpose::current_what(), "");
+  EXPECT_EQ(cuda::AllocationPurpose::current_advice(), "");
+}
+
+}  // namespace
+}  // namespace cudp
