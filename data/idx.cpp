@@ -65,13 +65,20 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
                swapped ? " (this is the other kind of IDX file: images and labels swapped?)" : "");
   }
   if (f.bytes.size() < header) too_short();
-  int64_t data_bytes = 1;  // saturating: a garbage header must not overflow
+  // Three 32-bit sizes can promise 2^96 bytes: checked, since no file holds more than 2^63.
+  int64_t data_bytes = 1, expected = 0;
+  bool overflow = false;
   for (int d = 0; d < dims; ++d) {
     f.sizes.push_back(read_be32(f.bytes.data() + 4 + 4 * d));
-    if (__builtin_mul_overflow(data_bytes, f.sizes.back(), &data_bytes)) data_bytes = INT64_MAX / 2;
+    overflow = overflow || __builtin_mul_overflow(data_bytes, f.sizes.back(), &data_bytes);
   }
-  const int64_t expected = static_cast<int64_t>(header) + data_bytes;
+  overflow = overflow || __builtin_add_overflow(static_cast<int64_t>(header), data_bytes, &expected);
   const std::string shape = dims == 3 ? detail::str(" of ", f.sizes[1], "x", f.sizes[2]) : "";
+  if (overflow) {
+    CUDP_THROW(IoError, path, " is truncated: its header promises ", f.sizes[0], " ", what, shape,
+               ", more than 2^63 bytes, and the file has ", raw.size(),
+               gz ? " bytes of gzip" : " bytes");
+  }
   if (gz) {
     const int64_t possible = static_cast<int64_t>(raw.size()) * kMaxDeflateRatio;
     if (data_bytes > possible) {

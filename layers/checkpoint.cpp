@@ -59,6 +59,11 @@ std::string stem(const std::string& path) {
 
 void (*fault_hook)(const char*) = nullptr;
 
+void print_warning(const std::string& message) {
+  std::fprintf(stderr, "warning: %s\n", message.c_str());
+}
+void (*warning_handler)(const std::string&) = print_warning;
+
 // A point between two steps of a save where the kill test stops the process.
 void fault(const char* stage) {
   if (fault_hook) fault_hook(stage);
@@ -211,6 +216,9 @@ std::string previous_checkpoint_path(const std::string& path) {
 
 namespace detail {
 void set_checkpoint_fault_hook(void (*hook)(const char* stage)) { fault_hook = hook; }
+void set_checkpoint_warning_handler(void (*handler)(const std::string& message)) {
+  warning_handler = handler ? handler : print_warning;
+}
 }  // namespace detail
 
 CheckpointFiles find_checkpoint(const std::string& path) {
@@ -298,7 +306,7 @@ void save_checkpoint(const std::string& path, Module& model, const Optimizer* op
 Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* optimizer) {
   const CheckpointFiles files = find_checkpoint(path);
   if (files.fallback) {
-    std::fprintf(stderr, "warning: %s\n", files.note.c_str());
+    warning_handler(files.note);
   }
   const std::string& train_path = files.train;
   const SafetensorsFile model_file = load_safetensors(files.model);

@@ -104,6 +104,9 @@ namespace detail {
 // training state", "moved model", "published training state", "published model"), so the kill test
 // can stop a process between any two of them. Null (the default) calls nothing.
 void set_checkpoint_fault_hook(void (*hook)(const char* stage));
+// Where load_checkpoint's fallback warning goes: stderr ("warning: ...") by default and after
+// set_checkpoint_warning_handler(nullptr); tests and the fuzzer catch or silence it.
+void set_checkpoint_warning_handler(void (*handler)(const std::string& message));
 }  // namespace detail
 
 }  // namespace cudp

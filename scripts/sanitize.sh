@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the kernel GPU tests: memcheck (out-of-bounds and misaligned accesses,
-# leaks) and racecheck (shared-memory hazards). VGG-sized and vendor-comparison cases are filtered out:
-# under the sanitizer they take minutes and add nothing (same kernels, larger grids; vendor code).
-#   scripts/sanitize.sh [build-dir]     (prints one line per test and tool, then a summary)
+# compute-sanitizer over the GPU tests: memcheck (out-of-bounds and misaligned accesses, leaks),
+# racecheck (shared-memory hazards), synccheck (illegal barriers) and initcheck (reads of
+# uninitialised device memory). Vendor-comparison cases (cuBLAS, cuDNN: not our code) and the
+# VGG-sized and deliberately large cases are filtered out by default: under the sanitizer they take
+# minutes and add nothing (same kernels, larger grids); set FILTER to choose others.
+#   scripts/sanitize.sh [build-dir] [test-glob]      e.g. scripts/sanitize.sh build-ci 'kernels_*'
+#   TOOLS="memcheck initcheck" scripts/sanitize.sh build-ci
+# Prints one line per test and tool, the logs go to $OUT (or /tmp); exits 1 if any run failed.
 set -uo pipefail
 build=${1:-build}
+glob=${2:-*}
+tools=${TOOLS:-memcheck racecheck synccheck initcheck}
 export PATH=/usr/local/cuda/bin:$PATH
-filter='-*Vgg*:*vgg*:*Large*:*Cudnn*:*Cublas*:*cudnn*:*cublas*:*Deterministic*'
+filter=${FILTER:--*Vgg*:*vgg*:*Large*:*Cudnn*:*Cublas*:*cudnn*:*cublas*:*Deterministic*}
 failed=0
-for t in "$build"/tests/kernels_*_gpu_test; do
+shopt -s nullglob
+tests=("$build"/tests/${glob}_gpu_test)
+if ((${#tests[@]} == 0)); then
+  echo "sanitize: no GPU tests match $build/tests/${glob}_gpu_test" >&2
+  exit 1
+fi
+for t in "${tests[@]}"; do
   name=$(basename "$t")
-  for tool in memcheck racecheck; do
+  for tool in $tools; do
     log=${OUT:-/tmp}/sanitize-$name-$tool.log
-    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" --gtest_filter="$filter" \
-      --gtest_brief=1 > "$log" 2>&1
+    extra=()
+    [[ $tool == memcheck ]] && extra=(--leak-check full)
+    timeout 900 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 "$t" \
+      --gtest_filter="$filter" --gtest_brief=1 > "$log" 2>&1
     rc=$?
     summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)
-    printf '%-36s %-9s rc=%-3s %s\n' "$name" "$tool" "$rc" "$summary"
+    printf '%-40s %-9s rc=%-3s %s\n' "$name" "$tool" "$rc" "$summary"
     [[ $rc == 0 ]] || failed=1
   done
 done

@@ -108,6 +108,13 @@ TEST(HostileInput, IdxSizesThatOverflowOrMakeNoImageAreErrors) {
   // 2^32-1 cubed overflows 64 bits: the saturated expectation still says "truncated".
   write_file(path, images_header(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu));
   EXPECT_TRUE(throws_with<IoError>([&] { read_idx_images(path); }, {path, "is truncated"}));
+  // Found by the IDX fuzzer: a product that overflows only in its last factor, and then the
+  // header's 16 bytes on top, used to be signed-overflow UB (a saturated size times 2).
+  for (const bool gzip : {false, true}) {
+    write_file(path, images_header(0xFFFFFF1Fu, 0x8B080000u, 2), gzip);
+    EXPECT_TRUE(throws_with<IoError>([&] { read_idx_images(path); },
+                                     {path, "is truncated", "more than 2^63 bytes"}));
+  }
   // No images of 2^32-1 x 2^32-1: the file is consistent, the image size is not.
   write_file(path, images_header(0, 0xFFFFFFFFu, 0xFFFFFFFFu));
   EXPECT_TRUE(throws_with<IoError>([&] { read_idx_images(path); },

@@ -156,7 +156,11 @@ TEST_F(Checkpoint, ATornPairFallsBackToThePreviousSave) {
   EXPECT_EQ(files.model, previous_checkpoint_path(path_));
   EXPECT_EQ(files.train, optimizer_state_path(previous_checkpoint_path(path_)));
   EXPECT_NE(files.note.find("do not belong to the same save"), std::string::npos) << files.note;
+  static std::string warned;
+  detail::set_checkpoint_warning_handler([](const std::string& m) { warned = m; });
   EXPECT_EQ(load_checkpoint(path_, *model_, &sgd_).at("step"), "1");
+  detail::set_checkpoint_warning_handler(nullptr);
+  EXPECT_EQ(warned, files.note);  // the load says which save it used and why
   EXPECT_EQ(load_checkpoint_metadata(path_).at("step"), "1");
 
   // The next save replaces the torn pair and keeps the complete one as the previous save.

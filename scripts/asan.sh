@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The host test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan. Uses the
+# `asan` workflow preset where CMakePresets.json has one; otherwise configures the same build
+# directly. GPU tests are not run (CI has no GPU; compute-sanitizer covers device code).
+#   scripts/asan.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if cmake --workflow --list-presets 2>/dev/null | grep -q '"asan"'; then
+  exec cmake --workflow --preset asan
+fi
+
+sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCUDP_BUILD_EXAMPLES=OFF -DCUDP_BUILD_BENCH=OFF \
+  -DCMAKE_CXX_FLAGS="$sanitize" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
+  -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined"
+cmake --build build-asan -j"${CUDP_JOBS:-2}"
+ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan -L host --output-on-failure -j2
