@@ -6,6 +6,7 @@
 //   CUDA_VISIBLE_DEVICES=1 cudp-devices      # one device: id 0 is physical GPU 1
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include <cudp/cudp.h>
@@ -53,9 +54,26 @@ void print_peer_matrix(int count) {
   }
 }
 
+const char* const kUsage =
+    "Usage: cudp-devices [-h|--help]\n"
+    "Lists the CUDA devices this process sees (id, physical GPU, name, memory, SMs, compute\n"
+    "capability, PCI bus id), the CUDA_VISIBLE_DEVICES mapping and the peer-access matrix, switches\n"
+    "the current device once to show set_device, and warns when the GPUs are imbalanced.\n"
+    "  CUDA_VISIBLE_DEVICES=1 cudp-devices    # one device: id 0 is physical GPU 1\n"
+    "Exit status: 0 success; 1 a CUDA error; 2 the command line is wrong.\n";
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    std::fprintf(stderr, "cudp-devices: unexpected argument \"%s\"\n%s", arg.c_str(), kUsage);
+    return 2;
+  }
   try {
     const int count = cuda::device_count();
     std::printf("cudp sees %d CUDA device(s); CUDA available: %s\n", count,
@@ -78,7 +96,7 @@ int main() {
     if (auto warning = cuda::imbalance_warning(devices)) std::printf("warning: %s\n", warning->c_str());
     return 0;
   } catch (const Error& e) {
-    std::fprintf(stderr, "cudp-devices: %s\n", e.what());
+    std::fprintf(stderr, "cudp-devices: %s\n", e.message().c_str());
     return 1;
   }
 }

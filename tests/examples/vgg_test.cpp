@@ -8,16 +8,40 @@
 //   - a checkpoint round trip: --eval-only --resume prints the checksum the training run printed;
 //   - an exact resume on the CPU: 2 epochs straight and 1 + 1 give the same checksum (the GPU test
 //     does the same at a larger scale on 1 and 2 GPUs);
-//   - refusals: --precision tf32/bf16 (exit 2), CLI11 usage errors (exit != 0), an invalid --gpus
+//   - refusals: --precision tf32/bf16 (exit 2), CLI11 usage errors (exit 2), an invalid --gpus
 //     id (the message names the valid range, or says no GPU is visible), --eval-only without
-//     --resume, a resume with another --seed or --batch-size.
+//     --resume, a resume with another --seed or --batch-size;
+//   - no silent surprises (issue 17): an absent data set asked for is an error, every output path
+//     is checked before training, a resume keeps the checkpoint path and --limit-test, messages in
+//     words and without source paths, one exit-code convention, the epoch's mean loss, the JSON
+//     log's epochs from 1;
+//   - the divergence guard and hostile settings (issue 16): an absurd learning rate ends with the
+//     named error and the checkpoint untouched; damaged checkpoint metadata, --seed and
+//     --stop-after out of range end in clean messages;
+//   - the run folder (--output): metrics.csv, curves.png, last and best checkpoints, and a resume
+//     that continues in it.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/core/device.h"
+#include "data/image_folder.h"
+#include "examples/image_files.h"
 #include "examples/run_binary.h"
+#include "layers/checkpoint.h"
+#include "layers/safetensors.h"
 
 namespace {
 
@@ -95,6 +119,8 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
   EXPECT_TRUE(contains(b2.output, "epoch 2/2:")) << b2.output;
   EXPECT_FALSE(contains(b2.output, "epoch 1/2:")) << b2.output;
   EXPECT_EQ(checksum_of(b2), sum_a) << "resumed run differs from the straight one:\n" << b2.output;
+  // b2 gave no --checkpoint: it kept the checkpoint's own path and saved epoch 2 there.
+  EXPECT_EQ(cudp::load_checkpoint_metadata(dir / "b.safetensors").at("epoch"), "2") << b2.output;
 
   // A resume that would be another run is refused; settings left out come from the checkpoint.
   const std::string ckpt = "--resume '" + (dir / "b.safetensors") + "' ";
@@ -104,11 +130,12 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
   r = run_on_cpu(dir, kSmall + "--limit-test 16 --batch-size 32 " + ckpt);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--batch-size 16, this run has --batch-size 32")) << r.output;
-  // data, arch, --limit-train, --batch-size, --seed: taken from the checkpoint
-  r = run_on_cpu(dir, "--eval-only --print-checksum --limit-test 16 " + ckpt);
+  // data, arch, --limit-train, --limit-test, --batch-size, --seed: taken from the checkpoint
+  r = run_on_cpu(dir, "--eval-only --print-checksum " + ckpt);
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "vgg11-bn")) << r.output;
   EXPECT_TRUE(contains(r.output, "first 32 of 10000 train images")) << r.output;
+  EXPECT_TRUE(contains(r.output, "first 16 of 2000 test images")) << r.output;
 }
 
 TEST(VggTrainer, RefusesTensorCorePrecisions) {
@@ -126,17 +153,18 @@ TEST(VggTrainer, RefusesTensorCorePrecisions) {
 TEST(VggTrainer, UsageErrors) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
+  // One exit code for every usage error (CLI11's own codes were 105, 109, ...).
   RunResult r = run_on_cpu(dir, "--no-such-option");
-  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "no-such-option")) << r.output;
   r = run_on_cpu(dir, "--arch vgg99");
-  EXPECT_NE(r.code, 0) << r.output;
-  EXPECT_TRUE(contains(r.output, "--arch")) << r.output;
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--arch: must be one of vgg11, vgg13, vgg16, vgg19")) << r.output;
   r = run_on_cpu(dir, "--batch-size 0");
-  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--batch-size")) << r.output;
   r = run_on_cpu(dir, "--epochs many");
-  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--epochs")) << r.output;
   r = run_on_cpu(dir, "--gpus x");
   EXPECT_EQ(r.code, 2) << r.output;
@@ -145,6 +173,138 @@ TEST(VggTrainer, UsageErrors) {
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--limit-train")) << r.output;
   EXPECT_TRUE(contains(r.output, "--print-checksum")) << r.output;
+  // The exit codes are documented, and --bn's default reads sanely (not "--bn,--no-bn{false}").
+  EXPECT_TRUE(contains(r.output, "Exit status: 0 success; 1 ")) << r.output;
+  EXPECT_TRUE(contains(r.output, "2 the command line is wrong")) << r.output;
+  EXPECT_FALSE(contains(r.output, "{false}")) << r.output;
+  EXPECT_TRUE(contains(r.output, "BatchNorm after every convolution (the default)")) << r.output;
+  r = run_on_cpu(dir, "--bn --no-bn --data synthetic");
+  EXPECT_EQ(r.code, 2) << r.output;
+}
+
+// Validators say what is wrong in words: "--lr 0" once printed the smallest double in 300 digits.
+TEST(VggTrainer, ValidatorMessagesAreWords) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  RunResult r = run_on_cpu(dir, "--lr 0");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--lr: must be a number greater than 0 (got \"0\")")) << r.output;
+  EXPECT_FALSE(std::regex_search(r.output, std::regex("[0-9]{20}"))) << r.output;
+  r = run_on_cpu(dir, "--momentum 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--momentum: must be a number from 0 to 0.999")) << r.output;
+  EXPECT_FALSE(std::regex_search(r.output, std::regex("[0-9]{20}"))) << r.output;
+  r = run_on_cpu(dir, "--weight-decay -1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--weight-decay: must be a number at least 0")) << r.output;
+}
+
+// Issue 16: --seed -1 and --seed 2^64 both became 2^64-1; --stop-after past --epochs was accepted.
+TEST(VggTrainer, CommandLineRangesAreChecked) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  for (const std::string seed : {"-1", "18446744073709551616", "1e3", "x"}) {
+    const RunResult r = run_on_cpu(dir, "--data synthetic --seed " + seed);
+    EXPECT_EQ(r.code, 2) << seed << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, "--seed: must be a whole number from 0 to 18446744073709551615"))
+        << r.output;
+  }
+  RunResult r = run_on_cpu(dir, "--data synthetic --epochs 2 --stop-after 3");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--stop-after 3 is more than --epochs 2")) << r.output;
+  r = run_on_cpu(dir, "--data synthetic --image-size 48");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "not a multiple of 32")) << r.output;
+  r = run_on_cpu(dir, "--data synthetic --schedule onecycle --warmup-epochs 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "onecycle warms up by itself")) << r.output;
+}
+
+// Issue 17: "--data mnist" with the files absent trained on synthetic data and exited 0.
+TEST(VggTrainer, AbsentDataSetIsAnError) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  RunResult r = run_on_cpu(dir, "--data mnist --data-dir '" + (dir / "nothing-here") + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "nothing-here does not exist")) << r.output;
+  EXPECT_TRUE(contains(r.output, "--data synthetic")) << r.output;
+  EXPECT_FALSE(contains(r.output, "synthetic (")) << "trained on generated data:\n" << r.output;
+  if (!std::filesystem::exists("/usr/share/datasets/mnist")) {
+    r = run_on_cpu(dir, "--data mnist");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_TRUE(contains(r.output, "/usr/share/datasets/mnist does not exist")) << r.output;
+    EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
+  }
+}
+
+// Issue 17: --json to an unwritable path wrote nothing and exited 0; a bad --checkpoint path failed
+// only after the first epoch. Every output is checked before training: no epoch runs.
+TEST(VggTrainer, OutputPathsAreCheckedBeforeTraining) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string run = kSmall + "--epochs 1 --limit-train 16 --limit-test 8 --batch-size 8 ";
+  const std::string missing = dir / "no-such-folder";
+  RunResult r = run_on_cpu(dir, run + "--json '" + missing + "/log.json'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "--json " + missing + "/log.json: the folder " + missing +
+                                     " does not exist"))
+      << r.output;
+  EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
+  r = run_on_cpu(dir, run + "--checkpoint '" + missing + "/c.safetensors'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "--checkpoint " + missing + "/c.safetensors")) << r.output;
+  EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
+  r = run_on_cpu(dir, run + "--checkpoint '" + (dir / "") + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "is a folder")) << r.output;
+  // A FIFO where a file is expected: refused at once, not a hang.
+  const std::string fifo = dir / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  r = run_on_cpu(dir, run + "--json '" + fifo + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "is not a regular file")) << r.output;
+  // A file where the run folder should be.
+  { std::ofstream(dir / "plain") << "x"; }
+  r = run_on_cpu(dir, run + "--output '" + (dir / "plain") + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "is not a folder")) << r.output;
+  EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
+}
+
+// Errors print what went wrong without our source paths ("/.../layers/safetensors.cpp:76: ...");
+// --verbose adds them.
+TEST(VggTrainer, MessagesCarryNoSourcePaths) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  for (const char* name : {"junk.safetensors", "junk.train.safetensors"}) {
+    std::ofstream(dir / name) << "this is not a safetensors file";
+  }
+  const std::string args = "--data synthetic --resume '" + (dir / "junk.safetensors") + "'";
+  RunResult r = run_on_cpu(dir, args);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "junk")) << r.output;
+  EXPECT_FALSE(std::regex_search(r.output, std::regex(R"(\.(cpp|cu|h):[0-9]+)"))) << r.output;
+  r = run_on_cpu(dir, args + " --verbose");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(\.(cpp|cu|h):[0-9]+)"))) << r.output;
+}
+
+// cudp-devices --help printed the devices instead of its usage.
+TEST(VggTrainer, DevicesHelp) {
+  CUDP_REQUIRE_VGG();
+  const std::string devices =
+      (std::filesystem::path(cudp::testing::kVgg).parent_path() / "cudp-devices").string();
+  if (!std::filesystem::exists(devices)) GTEST_SKIP() << devices << " is not built";
+  TempDir dir;
+  const std::string log = dir / "out.txt";
+  int status = std::system(("'" + devices + "' --help > '" + log + "' 2>&1").c_str());
+  std::stringstream out;
+  out << std::ifstream(log).rdbuf();
+  EXPECT_EQ(WEXITSTATUS(status), 0) << out.str();
+  EXPECT_TRUE(contains(out.str(), "Usage: cudp-devices")) << out.str();
+  EXPECT_FALSE(contains(out.str(), "CUDA device(s)")) << out.str();
+  status = std::system(("'" + devices + "' --bogus > '" + log + "' 2>&1").c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 2);
 }
 
 TEST(VggTrainer, InvalidGpuIdNamesTheValidRange) {
@@ -183,5 +343,267 @@ TEST(VggTrainer, MissingCheckpointIsAnError) {
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "absent")) << r.output;
 }
+
+std::string read_text(const std::string& path) {
+  std::stringstream ss;
+  ss << std::ifstream(path, std::ios::binary).rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::stringstream ss(text);
+  for (std::string line; std::getline(ss, line);) lines.push_back(line);
+  return lines;
+}
+
+// The PNG's chunks checked against the format (signature, IHDR, CRC-32 of every chunk computed
+// here, independently of the writer's zlib), returning width and height.
+std::pair<uint32_t, uint32_t> check_png(const std::string& png) {
+  const auto u32 = [&](size_t at) {
+    return (uint32_t(uint8_t(png.at(at))) << 24) | (uint32_t(uint8_t(png.at(at + 1))) << 16) |
+           (uint32_t(uint8_t(png.at(at + 2))) << 8) | uint32_t(uint8_t(png.at(at + 3)));
+  };
+  const auto crc32 = [](const std::string& bytes) {
+    uint32_t c = 0xffffffffu;
+    for (char ch : bytes) {
+      c ^= uint8_t(ch);
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1u)));
+    }
+    return c ^ 0xffffffffu;
+  };
+  EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  std::vector<std::string> types;
+  uint32_t width = 0, height = 0;
+  size_t idat = 0;
+  for (size_t at = 8; at + 12 <= png.size();) {
+    const uint32_t length = u32(at);
+    const std::string type = png.substr(at + 4, 4);
+    EXPECT_EQ(crc32(png.substr(at + 4, 4 + length)), u32(at + 8 + length)) << type;
+    if (type == "IHDR") {
+      width = u32(at + 8);
+      height = u32(at + 12);
+      EXPECT_EQ(png.substr(at + 16, 5), std::string("\x08\x02\x00\x00\x00", 5));  // 8-bit RGB
+    }
+    if (type == "IDAT") idat += length;
+    types.push_back(type);
+    at += 12 + length;
+  }
+  EXPECT_EQ(types.front(), "IHDR");
+  EXPECT_EQ(types.back(), "IEND");
+  EXPECT_GT(idat, 100u);
+  return {width, height};
+}
+
+// --output: the run folder (command line, settings, metrics.csv with epochs from 1, curves.png,
+// last and best checkpoints), the JSON log (epochs from 1, train accuracy, learning rate), the
+// epoch's train loss as the mean of its steps, and a resume that continues in the same folder
+// with --json and --output taken from the checkpoint.
+TEST(VggTrainer, RunFolderMetricsAndResumeInPlace) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string out = dir / "run", json = dir / "log.json";
+  const std::string small = kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 ";
+  RunResult r = run_on_cpu(dir, small + "--epochs 2 --stop-after 1 --print-freq 1 --output '" +
+                                    out + "' --json '" + json + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* name : {"command.txt", "settings.txt", "metrics.csv", "curves.png",
+                           "last.safetensors", "last.train.safetensors", "best.safetensors"}) {
+    EXPECT_TRUE(std::filesystem::exists(out + "/" + name)) << name << "\n" << r.output;
+  }
+  EXPECT_TRUE(contains(read_text(out + "/command.txt"), "--stop-after 1")) << r.output;
+  EXPECT_TRUE(contains(read_text(out + "/settings.txt"), "--lr 0.05\n"));
+  EXPECT_TRUE(contains(read_text(out + "/settings.txt"), "--head compact\n"));
+
+  // The JSON log: steps and epochs counted from 1; the epoch's train loss is its steps' mean.
+  std::vector<double> step_losses;
+  nlohmann::json epoch1;
+  for (const std::string& line : lines_of(read_text(json))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["event"] == "step") {
+      EXPECT_EQ(j["epoch"], 1) << line;
+      step_losses.push_back(j["loss"].get<double>());
+    } else if (j["event"] == "epoch") {
+      epoch1 = j;
+    }
+  }
+  ASSERT_EQ(step_losses.size(), 2u) << read_text(json);
+  ASSERT_TRUE(epoch1.is_object()) << read_text(json);
+  EXPECT_EQ(epoch1["epoch"], 1);
+  EXPECT_TRUE(epoch1.contains("train_accuracy") && epoch1.contains("lr")) << epoch1.dump();
+  EXPECT_GT(epoch1["lr"].get<double>(), 0.0);
+  const double mean = (step_losses[0] + step_losses[1]) / 2;  // two batches of 8
+  EXPECT_NEAR(epoch1["train_loss"].get<double>(), mean, 1e-6) << epoch1.dump();
+  EXPECT_NE(step_losses[0], step_losses[1]);  // else the last batch's loss would pass as the mean
+
+  // metrics.csv: the header and a row for epoch 1 that agrees with the log.
+  std::vector<std::string> csv = lines_of(read_text(out + "/metrics.csv"));
+  ASSERT_EQ(csv.size(), 2u) << read_text(out + "/metrics.csv");
+  EXPECT_EQ(csv[0],
+            "epoch,train_loss,train_top1,train_top5,test_loss,test_top1,test_top5,lr,img_per_s,"
+            "seconds");
+  double e = 0, loss = 0, top1 = 0, top5 = 0;
+  ASSERT_EQ(std::sscanf(csv[1].c_str(), "%lf,%lf,%lf,%lf", &e, &loss, &top1, &top5), 4) << csv[1];
+  EXPECT_EQ(e, 1);
+  EXPECT_NEAR(loss, mean, 1e-5);
+  EXPECT_NEAR(top1, 100 * epoch1["train_accuracy"].get<double>(), 1e-3);
+  EXPECT_GE(top5, top1);
+  const auto [w, h] = check_png(read_text(out + "/curves.png"));
+  EXPECT_EQ(w, 960u);
+  EXPECT_EQ(h, 400u);
+
+  // Resume from the folder: --output and --json come from the checkpoint; epoch 2 is added.
+  r = run_on_cpu(dir, "--print-freq 1 --resume '" + out + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "epoch 2/2:")) << r.output;
+  csv = lines_of(read_text(out + "/metrics.csv"));
+  ASSERT_EQ(csv.size(), 3u) << read_text(out + "/metrics.csv");
+  EXPECT_EQ(csv[2].substr(0, 2), "2,");
+  EXPECT_EQ(cudp::load_checkpoint_metadata(out + "/last.safetensors").at("epoch"), "2");
+  EXPECT_TRUE(contains(read_text(json), "\"epoch\":2")) << read_text(json);
+  EXPECT_EQ(lines_of(read_text(out + "/command.txt")).size(), 2u);
+}
+
+// --opt adamw, --warmup-epochs, --schedule cosine and --clip-grad wired through: the rate of every
+// step against the formulas (linear warm-up over epoch 1's two steps, then cosine over the last
+// two), AdamW's state in the checkpoint, and the gradient norm the guard reads in the log.
+TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string json = dir / "log.json", ckpt = dir / "c.safetensors";
+  const RunResult r = run_on_cpu(
+      dir, kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 2 --opt adamw "
+                    "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 "
+                    "--print-freq 1 --json '" + json + "' --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<double> rates, norms;
+  for (const std::string& line : lines_of(read_text(json))) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["event"] != "step") continue;
+    rates.push_back(j["lr"].get<double>());
+    norms.push_back(j["grad_norm"].get<double>());
+  }
+  ASSERT_EQ(rates.size(), 4u) << read_text(json);
+  const double pi = std::acos(-1.0);
+  const double expected[4] = {0.001 * 1 / 2, 0.001 * 2 / 2, 0.001 * (1 + std::cos(0.0)) / 2,
+                              0.001 * (1 + std::cos(pi / 2)) / 2};
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(rates[i], expected[i], 1e-12) << "step " << i + 1;
+  for (double n : norms) EXPECT_TRUE(std::isfinite(n) && n > 0) << n;
+  const cudp::Metadata state =
+      cudp::load_safetensors(cudp::find_checkpoint(ckpt).train).metadata;
+  EXPECT_EQ(state.at("optimizer.type"), "AdamW");
+  EXPECT_EQ(state.at("opt"), "adamw");
+  EXPECT_EQ(state.at("weight_decay"), "0.05");  // AdamW's default
+  EXPECT_EQ(state.at("clip_grad"), "0.5");
+}
+
+
+// Issue 16: a diverged run went on and saved NaN weights over the last good checkpoint. Now the
+// first non-finite loss stops it with the step, the epoch and the last good checkpoint, and the
+// checkpoint stays byte for byte as it was.
+TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string small = kSmall +
+                            "--limit-train 16 --limit-test 8 --batch-size 8 --schedule constant ";
+  const std::string ckpt = dir / "c.safetensors";
+  RunResult r = run_on_cpu(dir, small + "--epochs 1 --lr 0.01 --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string model = read_text(ckpt), state = read_text(dir / "c.train.safetensors");
+
+  // lr 1e30: the first step of epoch 2 is finite, its update is absurd, the next loss is not.
+  r = run_on_cpu(dir, "--resume '" + ckpt + "' --epochs 3 --lr 1e30");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex(R"(training diverged at step [34] \(epoch 2, batch [12] of 2\): the )"
+                           R"((loss|gradient norm) is (NaN|[+-]inf))")))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt + " (after epoch 1")) << r.output;
+  EXPECT_FALSE(contains(r.output, "epoch 2/3:")) << r.output;
+  EXPECT_TRUE(read_text(ckpt) == model) << "the model file changed";
+  EXPECT_TRUE(read_text(dir / "c.train.safetensors") == state) << "the training state changed";
+
+  // skip-step skips the non-finite steps; the BatchNorm statistics their forwards spoilt still keep
+  // the checkpoint from being written.
+  r = run_on_cpu(dir, "--resume '" + ckpt + "' --epochs 3 --lr 1e30 --on-nan skip-step");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "update skipped (--on-nan skip-step)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "no checkpoint was written")) << r.output;
+  EXPECT_TRUE(read_text(ckpt) == model) << "the model file changed";
+  EXPECT_TRUE(read_text(dir / "c.train.safetensors") == state) << "the training state changed";
+
+  // Issue 16: damaged metadata in the training state ended in std::terminate (stoi, map::at), and
+  // unknown values for the data set or the schedule changed the run silently. Each now ends with a
+  // message naming the key and the file, exit 1, before anything trains.
+  const cudp::CheckpointFiles files = cudp::find_checkpoint(ckpt);
+  const cudp::SafetensorsFile original = cudp::load_safetensors(files.train);
+  const auto damaged = [&](const std::string& key, const std::optional<std::string>& value) {
+    cudp::Metadata meta = original.metadata;
+    if (value) {
+      meta[key] = *value;
+    } else {
+      meta.erase(key);
+    }
+    cudp::save_safetensors(files.train, original.tensors, meta);
+    const RunResult d = run_on_cpu(dir, "--resume '" + ckpt + "' --epochs 3");
+    EXPECT_EQ(d.code, 1) << key << ": " << d.output;
+    EXPECT_TRUE(contains(d.output, "\"" + key + "\"")) << d.output;
+    EXPECT_TRUE(contains(d.output, "c.train.safetensors")) << d.output;
+    EXPECT_FALSE(contains(d.output, "epoch 2/3")) << d.output;
+  };
+  damaged("epoch", "one");
+  damaged("epoch", "99999999999999999999");
+  damaged("step", "-4");
+  damaged("epoch", std::nullopt);
+  damaged("schedule", "banana");
+  damaged("data", "imagenet");
+  damaged("seed", "-1");
+  damaged("lr", "nan");
+  damaged("dropout_seed.classifier.2", "x");
+}
+
+
+// --data folder: an ImageFolder of generated PNGs (and JPEGs where libjpeg-turbo is installed) with
+// train/ and val/, trained for an epoch on the CPU; --save-test-set writes the test images as the
+// model sees them.
+TEST(VggTrainer, TrainsOnAnImageFolder) {
+  CUDP_REQUIRE_VGG();
+  std::string why;
+  if (!cudp::data::png_available(&why)) GTEST_SKIP() << why;
+  TempDir dir;
+  const std::string root = dir / "images";
+  for (const std::string split : {"train", "val"}) {
+    for (int c = 0; c < 3; ++c) {
+      const std::string folder = root + "/" + split + "/class" + std::to_string(c);
+      std::filesystem::create_directories(folder);
+      for (int i = 0; i < (split == "train" ? 4 : 2); ++i) {
+        std::vector<uint8_t> rgb;
+        for (int p = 0; p < 40 * 36; ++p) {
+          rgb.insert(rgb.end(), {uint8_t(80 * c + 3 * i), uint8_t(p % 40 * 6), uint8_t(p / 40 * 7)});
+        }
+        const std::string name = folder + "/" + std::to_string(i);
+        if (i % 2 == 1 && write_jpeg(name + ".jpg", 40, 36, rgb)) continue;
+        write_png(name + ".png", 40, 36, rgb);
+      }
+    }
+  }
+  const RunResult r = run_on_cpu(
+      dir, "--data folder --data-dir '" + root + "' --arch vgg11 -j 2 --epochs 1 --batch-size 6 " +
+               "--save-test-set '" + (dir / "test.safetensors") + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "images from " + root + " (3 classes")) << r.output;
+  EXPECT_TRUE(contains(r.output, ": 12 train, 6 test images")) << r.output;
+  EXPECT_TRUE(contains(r.output, "epoch 1/1:")) << r.output;
+  const cudp::SafetensorsFile test = cudp::load_safetensors(dir / "test.safetensors");
+  EXPECT_EQ(test.tensors.at("images").shape(), (cudp::Shape{6, 32, 32, 3}));
+  EXPECT_EQ(test.tensors.at("labels").to_vector<int32_t>(),
+            (std::vector<int32_t>{0, 0, 1, 1, 2, 2}));
+  EXPECT_EQ(std::count(test.metadata.at("mean").begin(), test.metadata.at("mean").end(), ','), 2);
+
+  const RunResult missing = run_on_cpu(dir, "--data folder --data-dir '" + (dir / "nope") + "'");
+  EXPECT_EQ(missing.code, 1) << missing.output;
+  EXPECT_TRUE(contains(missing.output, "needs the sub-folders train/ and val/")) << missing.output;
+}
+
 
 }  // namespace

@@ -1,0 +1,920 @@
+// cudp-vgg: trains a VGG on Fashion-MNIST (the default), MNIST, CIFAR-10 or generated data, on every
+// visible GPU (or the ones given), with the data-parallel engine. The program most users run first.
+//
+//   cudp-vgg                                       # VGG-16-BN, Fashion-MNIST, all GPUs, 10 epochs
+//   cudp-vgg --gpus 0 --epochs 2 --output runs/a   # run folder: metrics.csv, curves.png, checkpoints
+//   cudp-vgg --resume runs/a --epochs 4            # continues exactly where the checkpoint stopped
+//   cudp-vgg --data synthetic --arch vgg11 --epochs 1 --limit-train 64 --limit-test 32
+//            --batch-size 32                       # a CI smoke run on the CPU (the CPU references
+//                                                  # train a few images per second)
+//
+// Settings (examples/vgg/options.h): one table read by the command line and by --resume, so a
+// checkpoint's settings come back validated, and every recorded one comes back.
+//
+// Exact resume: a checkpoint written after epoch e holds the model (weights and BatchNorm buffers),
+// the optimizer's state, step count and rate, the global step (the schedule's position), the
+// Dropout seeds and offsets (not part of a state dict) and the settings. The data order is a pure
+// function of (seed, epoch), so `--resume` replays epoch e + 1 onwards exactly. A onecycle, cosine
+// or step schedule spans --epochs: `--epochs 4 --stop-after 2` then `--resume` (an interrupted run)
+// is exact with any schedule.
+//
+// The loop, per step: the loader's next pinned batch is copied to the first GPU on a copy stream,
+// DataParallel scatters it, runs forward, gathers the logits on the first GPU, the loss and its
+// gradient are computed there, backward runs on the replicas with an NCCL all-reduce, the gradients'
+// global norm is reduced on the device (clipped with --clip-grad) and the optimizer updates every
+// replica. The step's loss, gradient norm, logits and labels stay on the device (the logits and
+// labels are copied to pinned host buffers on the stream); the host reads them only at a read point
+// (a progress line, every 64 steps, the end of the epoch), which is where the divergence guard looks
+// at them: no host synchronisation per step. --on-nan skip-step must decide before each update, so
+// it reads the loss and the norm every step.
+//
+// The divergence guard: a non-finite loss or gradient norm stops the run (exit 1) with the step, the
+// epoch and the last good checkpoint; before any checkpoint is written the model's state is checked
+// to be finite, so a diverged run never overwrites good weights.
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "data/cifar.h"
+#include "data/idx.h"
+#include "data/image_folder.h"
+#include "data/loader.h"
+#include "data/prefetcher.h"
+#include "data/synthetic.h"
+#include "engine/core/device.h"
+#include "engine/core/memory.h"
+#include "engine/core/stream.h"
+#include "engine/parallel/data_parallel.h"
+#include "examples/vgg/options.h"
+#include "examples/vgg/run_folder.h"
+#include "layers/checkpoint.h"
+#include "layers/dropout.h"
+#include "layers/loss.h"
+#include "layers/optim.h"
+#include "layers/schedule.h"
+#include "layers/vgg.h"
+
+namespace cudp::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// "NaN", "+inf", "-inf" or the value (printf's "-nan" says nothing useful about a NaN's sign bit).
+std::string number_text(float v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "+inf" : "-inf";
+  return detail::str(v);
+}
+
+// A run that diverged (or would save non-finite weights): a runtime failure, exit 1.
+class DivergenceError : public Error {
+ public:
+  explicit DivergenceError(const std::string& message) : Error(message, __FILE__, __LINE__) {}
+};
+
+// ---- data ---------------------------------------------------------------------------------------
+
+struct Data {
+  data::Dataset train, test;
+  int pad = 0;
+  std::string description;
+};
+
+// Where a data set's files are expected, and what to do when they are not there.
+[[noreturn]] void absent(const Options& o, const std::string& dir) {
+  std::string how = o.data == "fashion-mnist"
+                        ? "install the Debian/Ubuntu package dataset-fashion-mnist or pass "
+                          "--data-dir DIR (a folder with Fashion-MNIST's IDX files)"
+                    : o.data == "mnist" ? "pass --data-dir DIR (a folder with MNIST's IDX files)"
+                                        : "pass --data-dir DIR (the folder cifar-10-batches-bin of "
+                                          "CIFAR-10's binary version)";
+  CUDP_THROW(IoError, "--data ", o.data, (o.was_given("--data") ? "" : " (the default)"), ": ",
+             dir, " does not exist; ", how, ", or train on generated images with --data synthetic");
+}
+
+Data load_data(const Options& o) {
+  Data d;
+  if (o.data == "synthetic") {
+    data::SyntheticOptions s;
+    s.seed = o.seed;
+    if (o.image_size != 32) {  // photographs' shape: 3 channels at the size asked for
+      s.h = s.w = o.image_size;
+      s.c = 3;
+      // Samples are independent draws: generate only the ones used (a 224x224x3 set is large).
+      if (o.limit_train > 0) s.n_train = std::min(s.n_train, o.limit_train);
+      if (o.limit_test > 0) s.n_test = std::min(s.n_test, o.limit_test);
+    } else {
+      d.pad = 2;  // 28x28x1 like Fashion-MNIST, padded to 32x32
+    }
+    d.train = data::make_synthetic(s, true);
+    d.test = data::make_synthetic(s, false);
+    d.description = detail::str("synthetic (", s.h, "x", s.w, "x", s.c, ", 10 classes)");
+  } else if (o.data == "folder") {
+    const fs::path root(o.data_dir);
+    const fs::path train = root / "train", test = fs::is_directory(root / "val") ? root / "val"
+                                                                                : root / "test";
+    if (!fs::is_directory(train) || !fs::is_directory(test)) {
+      CUDP_THROW(IoError, "--data folder: ", o.data_dir, " needs the sub-folders train/ and val/ "
+                 "(or test/), each with one folder of images per class");
+    }
+    data::ImageFolderOptions f;
+    f.size = o.image_size;
+    f.workers = static_cast<int>(o.workers);
+    const auto start = Clock::now();
+    d.train = data::load_image_folder(train.string(), f, "folder/train");
+    f.classes = data::image_folder_classes(train.string());  // the test labels follow train's
+    d.test = data::load_image_folder(test.string(), f, "folder/" + test.filename().string());
+    d.description = detail::str("images from ", o.data_dir, " (", d.train.num_classes,
+                                " classes, decoded and resized to ", o.image_size, "x",
+                                o.image_size, " in ", seconds_since(start), " s)");
+  } else if (o.data == "cifar10") {
+    const std::string dir = o.data_dir.empty() ? "cifar-10-batches-bin" : o.data_dir;
+    if (!fs::is_directory(dir)) absent(o, dir);
+    d.train = data::load_cifar10(dir, true);
+    d.test = data::load_cifar10(dir, false);
+    d.description = "CIFAR-10 from " + dir;
+  } else {
+    const std::string dir = !o.data_dir.empty()         ? o.data_dir
+                            : o.data == "fashion-mnist" ? "/usr/share/datasets/fashion-mnist"
+                                                        : "/usr/share/datasets/mnist";
+    if (!fs::is_directory(dir)) absent(o, dir);
+    d.train = data::load_mnist_like(dir, true, o.data);
+    d.test = data::load_mnist_like(dir, false, o.data);
+    d.pad = 2;
+    d.description = o.data + " from " + dir;
+  }
+  // --limit-train / --limit-test: the first N images of each set (tests, CI, quick experiments).
+  const auto limit = [](data::Dataset& set, int64_t n, const char* which) -> std::string {
+    if (n <= 0 || n >= set.size()) return "";
+    const std::string note = detail::str(", first ", n, " of ", set.size(), " ", which, " images");
+    set.labels.resize(static_cast<size_t>(n));
+    set.images.resize(static_cast<size_t>(n * set.image_bytes()));
+    return note;
+  };
+  d.description += limit(d.train, o.limit_train, "train");
+  d.description += limit(d.test, o.limit_test, "test");
+  return d;
+}
+
+std::shared_ptr<Vgg> build_model(const Options& o, const Data& d) {
+  VggOptions v;
+  v.in_channels = static_cast<int>(d.train.channels);
+  v.num_classes = d.train.num_classes;
+  v.batch_norm = o.bn;
+  v.head = o.head == "compact" ? VggHead::Compact : VggHead::Torchvision;
+  v.seed = o.seed;
+  const std::string& a = o.arch;
+  const char config = a == "vgg11" ? 'A' : a == "vgg13" ? 'B' : a == "vgg16" ? 'D' : 'E';
+  return vgg(config, v);
+}
+
+// --save-test-set: the test images exactly as the loader reads them (before normalisation), their
+// labels and the normalisation, so that another framework can evaluate a checkpoint on the very
+// same inputs (scripts/imagefolder-check.sh does, in PyTorch).
+void save_test_set(const std::string& path, const Data& d, const data::Normalization& norm) {
+  check_output_file(path, "--save-test-set");
+  const data::Dataset& t = d.test;
+  TensorMap tensors;
+  tensors["images"] = Tensor::from_vector<uint8_t>(t.images, {t.size(), t.height, t.width, t.channels});
+  tensors["labels"] = Tensor::from_vector<int32_t>(t.labels, {t.size()});
+  Metadata meta;
+  const auto join = [](const std::vector<float>& v) {
+    std::string s;
+    for (float x : v) {
+      if (!s.empty()) s += ',';
+      s += detail::str(x);
+    }
+    return s;
+  };
+  meta["mean"] = join(norm.mean);
+  meta["std"] = join(norm.std);
+  meta["pad"] = std::to_string(d.pad);
+  meta["layout"] = "NHWC uint8; model input = NCHW of (pad(images) / 255 - mean) / std";
+  save_safetensors(path, tensors, meta);
+  std::printf("test set written to %s (%lld images)\n", path.c_str(),
+              static_cast<long long>(t.size()));
+}
+
+// ---- optimizer and schedule ---------------------------------------------------------------------
+
+// parallel::Replicated<Opt> behind one interface, so --opt picks SGD or AdamW at run time.
+class TrainOptimizer {
+ public:
+  virtual ~TrainOptimizer() = default;
+  virtual void zero_grad() = 0;
+  virtual void step() = 0;
+  virtual Tensor clip_grad_norm(double max_norm) = 0;
+  virtual Optimizer& primary() = 0;
+  virtual Optimizer& replica(size_t r) = 0;
+  virtual size_t size() const = 0;
+  virtual void load_state_dict(const TensorMap& state) = 0;
+};
+
+template <class Opt>
+class ReplicatedOptimizer final : public TrainOptimizer {
+ public:
+  ReplicatedOptimizer(const std::vector<Parameter*>& params,
+                      const typename parallel::Replicated<Opt>::Options& options)
+      : r_(params, options) {}
+  void zero_grad() override { r_.zero_grad(); }
+  void step() override { r_.step(); }
+  Tensor clip_grad_norm(double max_norm) override { return r_.clip_grad_norm(max_norm); }
+  Optimizer& primary() override { return r_.primary(); }
+  Optimizer& replica(size_t r) override { return r_.replica(r); }
+  size_t size() const override { return r_.size(); }
+  void load_state_dict(const TensorMap& state) override { r_.load_state_dict(state); }
+
+ private:
+  parallel::Replicated<Opt> r_;
+};
+
+std::unique_ptr<TrainOptimizer> make_optimizer(const Options& o,
+                                               const std::vector<Parameter*>& params) {
+  if (o.opt == "adamw") {
+    return std::make_unique<ReplicatedOptimizer<AdamW>>(
+        params, AdamWOptions{.lr = o.lr, .beta1 = o.momentum, .weight_decay = o.weight_decay});
+  }
+  return std::make_unique<ReplicatedOptimizer<SGD>>(
+      params, SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+}
+
+// Linear warm-up over the first `warmup` steps (lr * (n + 1) / warmup), then `after` shifted by
+// them (or the base rate). Closed form in the step like every schedule, so a resume's set_step
+// lands on the same rate.
+class WarmupLR final : public LRScheduler {
+ public:
+  WarmupLR(Optimizer& optimizer, int64_t warmup, std::unique_ptr<LRScheduler> after)
+      : LRScheduler(optimizer), warmup_(warmup), after_(std::move(after)) {
+    set_step(0);
+  }
+  double lr_at(int64_t n) const override {
+    if (n < warmup_) return base_lr_ * static_cast<double>(n + 1) / static_cast<double>(warmup_);
+    return after_ ? after_->lr_at(n - warmup_) : base_lr_;
+  }
+  std::optional<double> momentum_at(int64_t n) const override {
+    return after_ && n >= warmup_ ? after_->momentum_at(n - warmup_) : std::nullopt;
+  }
+
+ private:
+  int64_t warmup_;
+  std::unique_ptr<LRScheduler> after_;
+};
+
+std::unique_ptr<LRScheduler> make_schedule(const Options& o, Optimizer& opt,
+                                           int64_t steps_per_epoch) {
+  const int64_t warmup = o.warmup_epochs * steps_per_epoch;
+  const int64_t steps = std::max<int64_t>(steps_per_epoch * o.epochs - warmup, 1);
+  std::unique_ptr<LRScheduler> s;
+  if (o.schedule == "onecycle") {
+    OneCycleOptions c;
+    c.max_lr = o.lr;
+    c.total_steps = steps;
+    s = std::make_unique<OneCycleLR>(opt, c);
+  } else if (o.schedule == "cosine") {
+    s = std::make_unique<CosineAnnealingLR>(opt, steps);
+  } else if (o.schedule == "step") {
+    s = std::make_unique<StepLR>(opt, std::max<int64_t>(steps / 3, 1), 0.1);
+  }
+  if (warmup == 0) return s;
+  opt.set_lr(o.lr);  // the warm-up's base rate (the schedule above set its step-0 rate)
+  return std::make_unique<WarmupLR>(opt, warmup, std::move(s));
+}
+
+// ---- checkpoint metadata ------------------------------------------------------------------------
+
+// Dropout seeds and offsets are part of an exact resume but not of the state dict (torchvision's
+// Dropout has no state): they travel in the metadata. Replica 0's are saved and restored before the
+// replicas are made (their seeds derive from it, engine/parallel/replicate.h).
+void save_dropout_state(Module& model, Metadata& meta) {
+  for (auto& [name, m] : model.named_modules()) {
+    if (auto* d = dynamic_cast<Dropout*>(m)) {
+      meta["dropout_seed." + name] = std::to_string(d->seed());
+      meta["dropout_offset." + name] = std::to_string(d->offset());
+    }
+  }
+}
+void load_dropout_state(Module& model, const Metadata& meta, const std::string& file) {
+  for (auto& [name, m] : model.named_modules()) {
+    if (auto* d = dynamic_cast<Dropout*>(m)) {
+      const std::string seed = "dropout_seed." + name, offset = "dropout_offset." + name;
+      d->set_seed(meta.count(seed) ? metadata_uint(meta, seed, file) : d->seed(),
+                  meta.count(offset) ? metadata_uint(meta, offset, file) : 0);
+    }
+  }
+}
+
+// The first state_dict() entry holding a NaN or infinity, or "" (host copies).
+std::string first_non_finite(Module& model) {
+  for (const auto& [name, tensor] : model.state_dict()) {
+    if (tensor.dtype() != DType::f32) continue;
+    for (float v : tensor.to_vector<float>()) {
+      if (!std::isfinite(v)) return name;
+    }
+  }
+  return "";
+}
+
+// --print-checksum: FNV-1a (64 bit) over every state_dict() entry in key order, name and bytes.
+uint64_t model_checksum(Module& model) {
+  uint64_t h = 14695981039346656037ull;
+  const auto mix = [&h](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& [name, tensor] : model.state_dict()) {
+    mix(name.data(), name.size());
+    const Tensor host = tensor.cpu();
+    mix(host.data_ptr(), host.nbytes());
+  }
+  return h;
+}
+
+// ---- batches and step results -------------------------------------------------------------------
+
+// Batches of one loader on the first GPU (copied ahead by DevicePrefetcher), or on the host.
+class BatchFeed {
+ public:
+  BatchFeed(data::Loader& loader, int device) : loader_(loader) {
+    if (device >= 0) {
+      prefetch_ = std::make_unique<data::DevicePrefetcher>(loader, std::vector<int>{device});
+    }
+  }
+  void start_epoch(int epoch) {
+    if (prefetch_) {
+      prefetch_->start_epoch(epoch);
+    } else {
+      loader_.start_epoch(epoch);
+    }
+  }
+  bool next(Tensor& images, Tensor& labels) {
+    if (prefetch_) {
+      data::DeviceBatch db;
+      if (!prefetch_->next(db)) return false;
+      images = db.images[0];
+      labels = db.labels[0];
+      return true;
+    }
+    if (!loader_.next(host_)) return false;
+    images = host_.images;
+    labels = host_.labels;
+    return true;
+  }
+
+ private:
+  data::Loader& loader_;
+  std::unique_ptr<data::DevicePrefetcher> prefetch_;
+  data::Batch host_;
+};
+
+// What a step or an evaluation batch left behind, read later in one go: the 0-d loss and gradient
+// norm stay on the device, the logits and labels are copied to pinned host buffers on the compute
+// stream (reused: no allocation per step). read() waits for the device once, then adds the steps
+// to the sums (mean loss, top-1, top-5) and returns the first non-finite one, if any.
+class StepResults {
+ public:
+  struct Bad {
+    int64_t step;  // the global step (1-based), or the batch index in an evaluation
+    int64_t batch;
+    std::string what;  // "the loss is nan"
+  };
+
+  explicit StepResults(int device) : device_(device) {}
+
+  void add(int64_t step, int64_t batch, const Tensor& loss, const Tensor& norm,
+           const Tensor& logits, const Tensor& labels) {
+    Pending p{step, batch, loss, norm, {}, {}, labels.numel(), {}};
+    if (device_ < 0) {
+      p.logits = logits.clone();
+      p.labels = labels.clone();
+    } else {
+      const cudaStream_t stream = cuda::current_stream(device_);
+      Buffers b = take(logits.shape(), labels.numel());
+      p.logits = b.logits.slice(0, p.n);
+      p.labels = b.labels.slice(0, p.n);
+      p.logits.copy_from(logits, stream);
+      p.labels.copy_from(labels, stream);
+      p.buffers = b;
+    }
+    pending_.push_back(std::move(p));
+  }
+  size_t pending() const { return pending_.size(); }
+
+  std::optional<Bad> read() {
+    if (device_ >= 0 && !pending_.empty()) cuda::synchronize(device_);
+    std::optional<Bad> bad;
+    for (Pending& p : pending_) {
+      const float loss = p.loss.to_vector<float>()[0];
+      const float norm = p.norm.defined() ? p.norm.to_vector<float>()[0] : 0.f;
+      if (!bad && (!std::isfinite(loss) || !std::isfinite(norm))) {
+        bad = Bad{p.step, p.batch,
+                  !std::isfinite(loss) ? "the loss is " + number_text(loss)
+                                       : "the gradient norm is " + number_text(norm)};
+      }
+      last_loss_ = loss;
+      last_norm_ = norm;
+      loss_sum_ += static_cast<double>(loss) * static_cast<double>(p.n);
+      count_ += p.n;
+      count_top_k(p);
+      if (p.buffers.logits.defined()) free_.push_back(p.buffers);
+    }
+    pending_.clear();
+    return bad;
+  }
+
+  void reset() {
+    read();
+    loss_sum_ = 0;
+    count_ = top1_ = top5_ = 0;
+  }
+  int64_t count() const { return count_; }
+  double mean_loss() const { return count_ ? loss_sum_ / static_cast<double>(count_) : 0.0; }
+  double top1() const { return count_ ? 100.0 * static_cast<double>(top1_) / count_ : 0.0; }
+  double top5() const { return count_ ? 100.0 * static_cast<double>(top5_) / count_ : 0.0; }
+  float last_loss() const { return last_loss_; }
+  float last_norm() const { return last_norm_; }  // the gradient norm before clipping
+
+ private:
+  struct Buffers {
+    Tensor logits, labels;  // pinned, [capacity, classes] and [capacity]
+  };
+  struct Pending {
+    int64_t step, batch;
+    Tensor loss, norm, logits, labels;
+    int64_t n;
+    Buffers buffers;
+  };
+
+  Buffers take(const Shape& logits_shape, int64_t n) {
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].logits.shape()[0] >= n && free_[i].logits.shape()[1] == logits_shape[1]) {
+        Buffers b = free_[i];
+        free_.erase(free_.begin() + static_cast<ptrdiff_t>(i));
+        return b;
+      }
+    }
+    return {Tensor::empty(logits_shape, DType::f32, Device::cpu(), true),
+            Tensor::empty({n}, DType::i32, Device::cpu(), true)};
+  }
+
+  // Top-k as torch.topk / torch.max count it: the label's logit ranks k-th or better, ties going
+  // to the lower index (torch.max(x, 1)[1] returns the first maximum).
+  void count_top_k(const Pending& p) {
+    const std::vector<float> x = p.logits.to_vector<float>();
+    const std::vector<int32_t> y = p.labels.to_vector<int32_t>();
+    const int64_t k = p.logits.shape()[1];
+    for (int64_t i = 0; i < p.n; ++i) {
+      const float* row = x.data() + i * k;
+      const int32_t label = y[static_cast<size_t>(i)];
+      if (label < 0 || label >= k || std::isnan(row[label])) continue;
+      int64_t rank = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        rank += row[j] > row[label] || (row[j] == row[label] && j < label) || std::isnan(row[j]);
+      }
+      top1_ += rank == 0;
+      top5_ += rank < 5;
+    }
+  }
+
+  int device_;
+  std::vector<Pending> pending_;
+  std::vector<Buffers> free_;
+  double loss_sum_ = 0;
+  int64_t count_ = 0, top1_ = 0, top5_ = 0;
+  float last_loss_ = 0, last_norm_ = 0;
+};
+
+class JsonLog {
+ public:
+  explicit JsonLog(const std::string& path) : path_(path) {
+    if (path.empty()) return;
+    check_output_file(path, "--json");
+    out_.open(path, std::ios::app);
+    if (!out_) CUDP_THROW(IoError, "--json ", path, " cannot be opened for appending");
+  }
+  void write(const nlohmann::json& j) {
+    if (path_.empty()) return;
+    out_ << j.dump() << '\n' << std::flush;
+    if (!out_) CUDP_THROW(IoError, "--json ", path_, ": writing failed (is the disk full?)");
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+void progress(bool tty, int64_t epoch, int64_t epochs, int64_t step, int64_t steps,
+              double images_per_s, float loss, double mean_loss, double eta) {
+  if (tty) {
+    const int width = 30;
+    const int filled = static_cast<int>(width * step / std::max<int64_t>(steps, 1));
+    std::printf("\repoch %lld/%lld [%-*s] %lld/%lld  %8.0f img/s  loss %.4f (mean %.4f)  ETA %5.1f s ",
+                static_cast<long long>(epoch + 1), static_cast<long long>(epochs), width,
+                std::string(filled, '=').c_str(), static_cast<long long>(step),
+                static_cast<long long>(steps), images_per_s, loss, mean_loss, eta);
+  } else {
+    std::printf("epoch %lld/%lld step %lld/%lld  %.0f img/s  loss %.4f (mean %.4f)\n",
+                static_cast<long long>(epoch + 1), static_cast<long long>(epochs),
+                static_cast<long long>(step), static_cast<long long>(steps), images_per_s, loss,
+                mean_loss);
+  }
+  std::fflush(stdout);
+}
+
+// The checkpoint of --resume: a run folder means its last checkpoint.
+std::string resume_path(const std::string& given) {
+  if (fs::is_directory(given)) return (fs::path(given) / "last.safetensors").string();
+  return given;
+}
+
+int run(Options o) {
+  const int visible = cuda::device_count();
+  std::vector<int> gpus = o.gpus;
+  if (gpus.empty()) {
+    for (int i = 0; i < visible; ++i) gpus.push_back(i);
+  }
+  for (int g : gpus) {
+    try {
+      cuda::check_device(g);
+    } catch (const ValueError& e) {
+      throw UsageError("--gpus: " + e.message());
+    }
+  }
+  const cuda::VisibleDevices vis = cuda::visible_devices();
+  std::printf("cudp-vgg: %d visible GPU(s)%s\n", visible,
+              vis.set ? (" (CUDA_VISIBLE_DEVICES=\"" + vis.raw + "\")").c_str() : "");
+
+  // A resumed run takes the checkpoint's settings before anything depends on them.
+  std::string resume_file, state_file;
+  Metadata resumed_meta;
+  if (!o.resume.empty()) {
+    resume_file = resume_path(o.resume);
+    // The last complete save (a torn pair falls back to the previous one, layers/checkpoint.h).
+    state_file = find_checkpoint(resume_file).train;
+    resumed_meta = load_checkpoint_metadata(resume_file);
+    adopt_settings(o, resumed_meta, state_file);
+  }
+  resolve_and_check(o);
+  int64_t start_epoch = 0, global_step = 0;
+  if (!resume_file.empty()) {
+    start_epoch = metadata_int(resumed_meta, "epoch", 0, 1000000, state_file);
+    global_step = metadata_int(resumed_meta, "step", 0, std::numeric_limits<int64_t>::max(),
+                               state_file);
+    if (!o.eval_only && o.epochs < start_epoch) {
+      throw UsageError(detail::str("--epochs ", o.epochs, " is less than the checkpoint's epoch ",
+                                   start_epoch, ": nothing to train (--eval-only evaluates it)"));
+    }
+    if (!o.eval_only && o.stop_after > 0 && o.stop_after <= start_epoch) {
+      throw UsageError(detail::str("--stop-after ", o.stop_after, ": the checkpoint is already at "
+                                   "epoch ", start_epoch, "; give a later epoch or leave it out"));
+    }
+  }
+
+  // Every output is checked before anything is loaded or trained.
+  const bool training = !o.eval_only;
+  std::unique_ptr<RunFolder> folder;
+  if (training && !o.checkpoint.empty()) check_output_file(o.checkpoint, "--checkpoint");
+  if (training && !o.checkpoint.empty()) {
+    check_output_file(optimizer_state_path(o.checkpoint), "--checkpoint");
+  }
+  JsonLog json(o.json);
+  if (training && !o.output.empty()) {
+    folder = std::make_unique<RunFolder>(o.output, start_epoch, o.command_line, settings_text(o));
+  }
+
+  const Data d = load_data(o);
+  std::printf("data: %s: %lld train, %lld test images\n", d.description.c_str(),
+              static_cast<long long>(d.train.size()), static_cast<long long>(d.test.size()));
+
+  data::LoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.seed = o.seed;
+  lo.normalization = data::compute_normalization(d.train);
+  lo.pad = d.pad;
+  lo.workers = static_cast<int>(o.workers);
+  if (o.augment) {
+    lo.random_crop = 4;
+    lo.horizontal_flip = o.data == "cifar10" || o.data == "folder" ||
+                         (o.data == "synthetic" && o.image_size != 32);
+    if (o.data == "folder") lo.random_crop = static_cast<int>(o.image_size / 8);
+  }
+  data::Loader train_loader(d.train, lo);
+  data::LoaderOptions to = lo;
+  to.shuffle = false;
+  to.random_crop = 0;
+  to.horizontal_flip = false;
+  data::Loader test_loader(d.test, to);
+  if (!o.save_test_set.empty()) save_test_set(o.save_test_set, d, lo.normalization);
+
+  auto net = build_model(o, d);
+  const Device main_device = gpus.empty() ? Device::cpu() : Device::cuda(gpus[0]);
+  std::string where = "the CPU (no GPU visible)";
+  if (!gpus.empty()) {
+    where = "GPUs ";
+    for (size_t i = 0; i < gpus.size(); ++i) where += (i ? "," : "") + std::to_string(gpus[i]);
+  }
+  std::printf("model: %s%s (%s head, %lldx%lld input), %lld parameters, on %s\n", o.arch.c_str(),
+              o.bn ? "-bn" : "", o.head.c_str(), static_cast<long long>(o.image_size),
+              static_cast<long long>(o.image_size), static_cast<long long>(net->num_parameters()),
+              where.c_str());
+
+  if (!resume_file.empty()) {
+    load_checkpoint(resume_file, *net, nullptr);
+    load_dropout_state(*net, resumed_meta, state_file);
+    std::printf("resumed from %s at epoch %lld (step %lld)\n", resume_file.c_str(),
+                static_cast<long long>(start_epoch), static_cast<long long>(global_step));
+  }
+  net->to(main_device);
+
+  // Without a GPU, DataParallel runs the module as it is (PyTorch's behaviour).
+  auto wrapped = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
+                              : std::make_unique<parallel::DataParallel>(net, gpus);
+  parallel::DataParallel& model = *wrapped;
+  if (!gpus.empty()) {
+    std::printf("batch %lld split over %zu GPU(s):", static_cast<long long>(o.batch_size),
+                gpus.size());
+    const auto n_gpus = static_cast<int64_t>(gpus.size());
+    const int64_t chunk = (o.batch_size + n_gpus - 1) / n_gpus;
+    for (int64_t i = 0; i < n_gpus; ++i) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(chunk, o.batch_size - chunk * i));
+      std::printf(" %lld on cuda:%d", static_cast<long long>(n), gpus[static_cast<size_t>(i)]);
+    }
+    std::printf("\n");
+  }
+  std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model.parameters());
+  const int64_t steps_per_epoch = train_loader.batches_per_epoch();
+  if (!resume_file.empty()) {
+    // Replica 0's optimizer from the checkpoint, then its state into every replica's.
+    load_checkpoint(resume_file, *net, &opt->primary());
+    opt->load_state_dict(opt->primary().state_dict());
+    for (size_t r = 1; r < opt->size(); ++r) {
+      opt->replica(r).load_hyperparameters(opt->primary().hyperparameters());
+    }
+    model.broadcast_parameters();
+    if (global_step != start_epoch * steps_per_epoch) {
+      throw UsageError(detail::str("--resume ", o.resume, ": the checkpoint is at step ",
+                                   global_step, " after epoch ", start_epoch, ", but this run has ",
+                                   steps_per_epoch, " steps per epoch; resume with the data, "
+                                   "--limit-train and --batch-size it was written with"));
+    }
+  }
+  // The epochs this run trains: [start_epoch, end_epoch). The schedule spans --epochs whatever
+  // --stop-after says, so a stopped run resumes on the same schedule.
+  const int64_t end_epoch = o.stop_after > 0 ? std::min(o.epochs, o.stop_after) : o.epochs;
+  std::unique_ptr<LRScheduler> schedule;
+  if (training && start_epoch < end_epoch) {
+    // The checkpoint restored the rate of its last step; the schedules compute every rate from
+    // the base rate, and a constant schedule runs at --lr.
+    opt->primary().set_lr(o.lr);
+    schedule = make_schedule(o, opt->primary(), steps_per_epoch);
+    if (schedule) schedule->set_step(global_step);
+  } else if (training) {
+    std::printf("nothing to train: the model is at epoch %lld and this run stops at epoch %lld\n",
+                static_cast<long long>(start_epoch), static_cast<long long>(end_epoch));
+  }
+
+  const auto print_checksum = [&] {
+    if (!o.print_checksum) return;
+    if (model.num_replicas() > 1) {
+      model.check_replicas_identical();
+      std::printf("replicas: %zu, bit-identical\n", model.num_replicas());
+    }
+    std::printf("checksum %016llx\n", static_cast<unsigned long long>(model_checksum(*net)));
+    std::fflush(stdout);
+  };
+
+  CrossEntropyLoss criterion;
+  const bool tty = isatty(fileno(stdout));
+  const int feed_device = main_device.is_cuda() ? main_device.index : -1;
+  BatchFeed test_feed(test_loader, feed_device);
+
+  struct Eval {
+    double loss, top1, top5;
+  };
+  StepResults eval_results(feed_device);
+  const auto evaluate = [&]() {
+    model.eval();
+    eval_results.reset();
+    test_feed.start_epoch(0);
+    int64_t batch = 0;
+    for (Tensor images, labels; test_feed.next(images, labels); ++batch) {
+      const Tensor out = model.forward(images);
+      eval_results.add(batch + 1, batch + 1, criterion.forward(out, labels), Tensor(), out, labels);
+      if (eval_results.pending() >= 64) eval_results.read();
+    }
+    eval_results.read();
+    model.train();
+    return Eval{eval_results.mean_loss(), eval_results.top1(), eval_results.top5()};
+  };
+
+  if (o.eval_only) {
+    const Eval e = evaluate();
+    std::printf("test loss %.4f, test accuracy %.2f%% (top-5 %.2f%%)\n", e.loss, e.top1, e.top5);
+    json.write({{"event", "eval"}, {"test_loss", e.loss}, {"test_accuracy", e.top1 / 100},
+                {"test_top5", e.top5 / 100}});
+    print_checksum();
+    return 0;
+  }
+
+  // The last checkpoint known to hold finite weights: what the divergence error points at.
+  std::string last_good = resume_file.empty()
+                              ? std::string("none (no checkpoint was written before it)")
+                              : detail::str(resume_file, " (after epoch ", start_epoch,
+                                            ", the checkpoint this run resumed from)");
+  if (resume_file.empty() && o.checkpoint.empty() && o.output.empty()) {
+    last_good = "none (give --checkpoint or --output to keep one)";
+  }
+  const auto diverged = [&](int64_t epoch, const StepResults::Bad& bad) {
+    throw DivergenceError(detail::str(
+        "training diverged at step ", bad.step, " (epoch ", epoch + 1, ", batch ", bad.batch, " of ",
+        steps_per_epoch, "): ", bad.what, ". No checkpoint was written after it; the last good "
+        "checkpoint is ", last_good, ". Lower --lr (", o.lr, "), clip the gradients with "
+        "--clip-grad, or pass --on-nan skip-step to skip such steps."));
+  };
+  double best_top1 = -1;
+  if (const auto it = resumed_meta.find("best_test_top1"); it != resumed_meta.end()) {
+    best_top1 = std::strtod(it->second.c_str(), nullptr);  // only decides when best is replaced
+  }
+  const bool skip_bad_steps = o.on_nan == "skip-step";
+  const double no_clip = std::numeric_limits<double>::infinity();
+
+  for (int g : gpus) cuda::reset_peak_memory_stats(g);
+  BatchFeed train_feed(train_loader, feed_device);
+  StepResults results(feed_device);
+  const auto run_start = Clock::now();
+  double train_seconds = 0;
+  for (int64_t epoch = start_epoch; epoch < end_epoch; ++epoch) {
+    const auto epoch_start = Clock::now();
+    train_feed.start_epoch(static_cast<int>(epoch));
+    results.reset();
+    int64_t step = 0, images_seen = 0, skipped = 0;
+    double lr = opt->primary().lr();  // the rate of the epoch's last step
+    const int64_t print_every =
+        o.print_freq > 0 ? o.print_freq : tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
+    for (Tensor images, labels; train_feed.next(images, labels);) {
+      const Tensor out = model.forward(images);
+      const Tensor loss = criterion.forward(out, labels);
+      opt->zero_grad();
+      model.backward(criterion.backward());
+      // The gradients' global norm, reduced on the device; with an infinite bound the gradients are
+      // scaled by exactly 1 (unchanged), so the norm comes for one reduction and no host read.
+      const Tensor norm = opt->clip_grad_norm(o.clip_grad > 0 ? o.clip_grad : no_clip);
+      const double step_lr = opt->primary().lr();
+      ++global_step;
+      ++step;
+      bool take = true;
+      if (skip_bad_steps) {
+        const float l = loss.to_vector<float>()[0], n = norm.to_vector<float>()[0];
+        if (!std::isfinite(l) || !std::isfinite(n)) {
+          take = false;
+          ++skipped;
+          std::printf("step %lld (epoch %lld, batch %lld): %s; update skipped (--on-nan skip-step)\n",
+                      static_cast<long long>(global_step), static_cast<long long>(epoch + 1),
+                      static_cast<long long>(step),
+                      (!std::isfinite(l) ? "the loss is " + number_text(l)
+                                         : "the gradient norm is " + number_text(n))
+                          .c_str());
+        }
+      }
+      if (take) {
+        opt->step();
+        results.add(global_step, step, loss, norm, out, labels);
+        images_seen += labels.numel();
+      }
+      lr = step_lr;
+      if (schedule) schedule->step();
+      if (step % print_every == 0 || step == steps_per_epoch || results.pending() >= 64) {
+        if (const auto bad = results.read()) diverged(epoch, *bad);
+      }
+      if (step % print_every == 0 || step == steps_per_epoch) {
+        const double t = seconds_since(epoch_start);
+        progress(tty, epoch, o.epochs, step, steps_per_epoch, images_seen / t, results.last_loss(),
+                 results.mean_loss(), t / static_cast<double>(step) * (steps_per_epoch - step));
+        json.write({{"event", "step"}, {"epoch", epoch + 1}, {"step", global_step},
+                    {"loss", results.last_loss()}, {"mean_loss", results.mean_loss()},
+                    {"grad_norm", results.last_norm()},
+                    {"lr", step_lr}, {"images_per_s", images_seen / t}});
+      }
+    }
+    if (const auto bad = results.read()) diverged(epoch, *bad);
+    if (skipped == steps_per_epoch) {
+      throw DivergenceError(detail::str(
+          "every step of epoch ", epoch + 1, " was skipped (--on-nan skip-step): the run has "
+          "diverged. No checkpoint was written after it; the last good checkpoint is ", last_good,
+          ". Lower --lr (", o.lr, ") or clip the gradients with --clip-grad."));
+    }
+    if (main_device.is_cuda()) cuda::synchronize(main_device.index);
+    const double epoch_seconds = seconds_since(epoch_start);
+    train_seconds += epoch_seconds;
+    const double train_loss = results.mean_loss(), train_top1 = results.top1(),
+                 train_top5 = results.top5();
+    const Eval test = evaluate();
+    if (tty) std::printf("\n");
+    std::printf("epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "
+                "accuracy %.2f%% (top-5 %.2f%%), lr %.4g, %.1f s (%.0f img/s, input wait %.2f s), "
+                "%.1f s so far%s\n",
+                static_cast<long long>(epoch + 1), static_cast<long long>(o.epochs), train_loss,
+                train_top1, test.loss, test.top1, test.top5, lr, epoch_seconds,
+                images_seen / epoch_seconds, train_loader.wait_seconds(), seconds_since(run_start),
+                skipped ? detail::str(", ", skipped, " step(s) skipped").c_str() : "");
+    json.write({{"event", "epoch"}, {"epoch", epoch + 1}, {"train_loss", train_loss},
+                {"train_accuracy", train_top1 / 100}, {"train_top5", train_top5 / 100},
+                {"test_loss", test.loss}, {"test_accuracy", test.top1 / 100},
+                {"test_top5", test.top5 / 100}, {"lr", lr}, {"seconds", epoch_seconds},
+                {"images_per_s", images_seen / epoch_seconds}, {"skipped_steps", skipped},
+                {"elapsed", seconds_since(run_start)}, {"input_wait", train_loader.wait_seconds()}});
+
+    const bool best = test.top1 > best_top1;
+    if (best) best_top1 = test.top1;
+    std::vector<std::string> targets;
+    if (!o.checkpoint.empty()) targets.push_back(o.checkpoint);
+    if (folder) targets.push_back(folder->last_checkpoint());
+    if (folder && best) targets.push_back(folder->best_checkpoint());
+    if (!targets.empty()) {
+      if (const std::string bad = first_non_finite(*net); !bad.empty()) {
+        throw DivergenceError(detail::str(
+            "after epoch ", epoch + 1, " the model's ", bad, " holds non-finite values (an update, "
+            "or a skipped step's BatchNorm statistics, overflowed), so no checkpoint was written. "
+            "The last good checkpoint is ", last_good, ". Lower --lr (", o.lr,
+            ") or clip the gradients with --clip-grad."));
+      }
+      Metadata meta = settings_metadata(o);
+      meta["epoch"] = std::to_string(epoch + 1);
+      meta["step"] = std::to_string(global_step);
+      meta["best_test_top1"] = detail::str(best_top1);
+      save_dropout_state(*net, meta);
+      for (const std::string& path : targets) save_checkpoint(path, *net, &opt->primary(), meta);
+      last_good = detail::str(targets.front(), " (after epoch ", epoch + 1, ")");
+    }
+    if (folder) {
+      folder->add({epoch + 1, train_loss, train_top1, train_top5, test.loss, test.top1, test.top5,
+                   lr, images_seen / epoch_seconds, epoch_seconds});
+    }
+  }
+  if (start_epoch >= end_epoch) {
+    print_checksum();
+    return 0;
+  }
+  std::printf("done: best test accuracy %.2f%%, training time %.1f s, total %.1f s\n", best_top1,
+              train_seconds, seconds_since(run_start));
+  for (int g : gpus) {
+    std::printf("  cuda:%d peak memory %.2f GiB\n", g,
+                static_cast<double>(cuda::max_memory_allocated(g)) / (1 << 30));
+  }
+  if (folder) std::printf("run folder: %s (metrics.csv, curves.png, last and best checkpoints)\n",
+                          folder->dir().c_str());
+  json.write({{"event", "done"}, {"best_test_accuracy", best_top1 / 100},
+              {"train_seconds", train_seconds}, {"total_seconds", seconds_since(run_start)}});
+  print_checksum();
+  return 0;
+}
+
+}  // namespace
+}  // namespace cudp::trainer
+
+int main(int argc, char** argv) {
+  using namespace cudp::trainer;
+  Options o;
+  if (const int code = parse_command_line(argc, argv, o); code >= 0) return code;
+  const char* env = std::getenv("CUDP_VERBOSE");
+  const bool verbose = o.verbose || (env && std::string(env) == "1");
+  try {
+    return run(o);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "cudp-vgg: %s\n", e.what());
+    return kExitUsage;
+  } catch (const cudp::Error& e) {
+    // Source locations only when asked for: a user needs what went wrong, not our file names.
+    std::fprintf(stderr, "cudp-vgg: %s\n", verbose ? e.what() : e.message().c_str());
+    return kExitFailure;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "cudp-vgg: out of host memory; lower --batch-size or -j/--workers\n");
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cudp-vgg: %s\n", e.what());
+    return kExitFailure;
+  } catch (...) {
+    std::fprintf(stderr, "cudp-vgg: an unknown error ended the run\n");
+    return kExitFailure;
+  }
+}
