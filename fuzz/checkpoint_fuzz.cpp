@@ -1,8 +1,8 @@
 // Fuzz target: the checkpoint loader. An input is up to four files separated by "@@FILE@@": the
 // model file, the training-state file, and the previous save's two (absent when the input has fewer
 // parts); its last byte picks the optimizer (SGD, AdamW, none). Loading must succeed or throw IoError (a damaged or mismatched file) or ValueError (a
-// tensor that does not fit the model or the optimizer), never anything else, never crash. Metadata
-// read through the validated getters must throw IoError only.
+// tensor that does not fit the model or the optimizer), never anything else, never crash. The
+// metadata of what loads, read through the validated getters, must throw IoError only.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -63,13 +63,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The last byte picks the optimizer to load into (the seeds hold SGD, AdamW and no state).
   Optimizer* const optimizers[] = {&sgd, &adamw, nullptr};
   Optimizer* optimizer = size > 0 ? optimizers[data[size - 1] % 3] : nullptr;
+  Metadata metadata;
   try {
-    load_checkpoint(path, *model, optimizer);
+    metadata = load_checkpoint(path, *model, optimizer);
   } catch (const IoError&) {
+    return 0;
   } catch (const ValueError&) {
+    return 0;
   }
+  // What a trainer does next: read its settings through the validated getters.
   try {
-    const Metadata metadata = load_checkpoint_metadata(path);
     metadata_int(metadata, "epoch", 0, 1 << 20, path);
     metadata_uint(metadata, "seed", path);
     metadata_double(metadata, "lr", 0, 1e3, path);

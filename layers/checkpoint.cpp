@@ -270,12 +270,9 @@ void save_checkpoint(const std::string& path, Module& model, const Optimizer* op
       train_metadata[kOptimizerPrefix + key] = value;
     }
   }
-  for (const std::string& file : {path, train_path, prev, prev_train}) {
-    remove_stale_temporaries(file);
-  }
-
-  // 1. Both new files, complete and durable under temporary names. A failure here (a full disk)
-  //    throws with nothing replaced; the temporaries go with the StagedFiles.
+  // 1. Both new files, complete and durable under temporary names (staging first removes what
+  //    killed saves left behind). A failure here (a full disk) throws with nothing replaced; the
+  //    temporaries go with the StagedFiles.
   const auto new_train = stage_safetensors(train_path, train_tensors, train_metadata);
   const auto new_model = stage_safetensors(path, model.state_dict(), {{"format", "pt"}, {kIdKey, id}});
   fault("staged");

@@ -49,7 +49,9 @@ class CudaError : public Error {
   cudaError_t code_;
 };
 
-// Device memory could not be allocated. The message names the device and the bytes asked for.
+// Device, pinned or host memory could not be allocated. The message names the device, the bytes
+// asked for (where the allocation went through engine/core/memory.h), what the memory was for (the
+// thread's cuda::AllocationPurpose) and what to change.
 class OutOfMemoryError : public CudaError {
  public:
   using CudaError::CudaError;

@@ -98,6 +98,15 @@ TEST(OutOfMemory, WithoutAPurposeTheTensorAndGeneralAdviceAreNamed) {
   EXPECT_TRUE(cuda::AllocationPurpose::current_what().empty());
 }
 
+TEST(OutOfMemory, AFailedCudaAllocationCallNamesThePurposeAndTheAdvice) {
+  // What a kernel's workspace allocation (CUDP_CUDA_CHECK(cudaMallocAsync(...))) throws.
+  cuda::AllocationPurpose purpose("conv2d's split-K workspace", "Use a smaller batch.");
+  EXPECT_TRUE(throws_with<OutOfMemoryError>(
+      [] { detail::throw_cuda(cudaErrorMemoryAllocation, "cudaMallocAsync(&p, n, s)", "x.cu", 1); },
+      {"cudaMallocAsync(&p, n, s) failed: cudaErrorMemoryAllocation",
+       "for conv2d's split-K workspace", "Use a smaller batch."}));
+}
+
 TEST(OutOfMemory, PurposesNestAndUnwind) {
   EXPECT_EQ(cuda::AllocationPurpose::current_what(), "");
   {
