@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building cudp needs on Debian or Ubuntu, in one apt-get run: the build tools, the
-# libraries cmake/Dependencies.cmake looks for, and the Fashion-MNIST files cudp-vgg trains on by
-# default. Packages already installed are skipped, so on a ready machine it changes nothing and
-# needs no network. cuDNN, NCCL and the CUDA toolkit come from NVIDIA's CUDA repository; where
-# that repository is not configured the script says how to add it instead of guessing.
+# libraries cmake/Dependencies.cmake looks for, the image decoders cudp opens at run time for
+# `--data folder`, and the Fashion-MNIST files cudp-vgg trains on by default. Packages already
+# installed are skipped, so on a ready machine it changes nothing and needs no network. cuDNN, NCCL
+# and the CUDA toolkit come from NVIDIA's CUDA repository; where that repository is not configured
+# the script says how to add it instead of guessing.
 #
 #   scripts/setup-debian.sh            install what is missing (uses sudo when not root)
 #   scripts/setup-debian.sh --check    only list what is missing; exit 1 if anything is
@@ -16,15 +17,16 @@ for arg in "$@"; do
   case $arg in
     --check) check_only=1 ;;
     --no-data) with_data=0 ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup-debian.sh: unknown option '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
 
 # From Debian/Ubuntu: build tools, then the libraries (tests: GoogleTest; programs: CLI11;
-# benchmarks: Google Benchmark; library: zlib and nlohmann-json).
+# benchmarks: Google Benchmark; library: zlib and nlohmann-json; JPEG and PNG decoding, opened at
+# run time by data/image_folder.cpp: libjpeg-turbo and libpng).
 packages=(cmake ninja-build g++ zlib1g-dev nlohmann-json3-dev libgtest-dev libcli11-dev
-          libbenchmark-dev)
+          libbenchmark-dev libturbojpeg0 libpng16-16)
 ((with_data)) && packages+=(dataset-fashion-mnist)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
