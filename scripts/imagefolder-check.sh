@@ -64,6 +64,8 @@ import torch, torchvision
 from safetensors import safe_open
 from safetensors.torch import load_file
 run, test = sys.argv[1], sys.argv[2]
+torch.backends.cudnn.allow_tf32 = False  # cudp-vgg computes in fp32: compare like with like
+torch.backends.cuda.matmul.allow_tf32 = False
 rows = list(csv.DictReader(open(f"{run}/metrics.csv")))
 best = max(rows, key=lambda r: float(r["test_top1"]))  # the first epoch with the best top-1
 model = torchvision.models.vgg16_bn(num_classes=10)

@@ -58,6 +58,7 @@
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
+#include "kernels/elementwise.h"
 #include "examples/vgg/options.h"
 #include "examples/vgg/run_folder.h"
 #include "layers/checkpoint.h"
@@ -350,6 +351,26 @@ uint64_t model_checksum(Module& model) {
   return h;
 }
 
+// The gradient of PyTorch's CrossEntropyLoss(label_smoothing=e) for the last criterion.forward:
+// (softmax - onehot) / N + e (onehot - 1/K) / N. The library's loss has no smoothing; its
+// gradient on all-zero logits is exactly (1/K - onehot) / N (a uniform softmax), so the second
+// term is that gradient scaled by -e, added on the logits' device.
+Tensor smoothed_gradient(const CrossEntropyLoss& criterion, const Tensor& logits,
+                         const Tensor& labels, double smoothing) {
+  Tensor grad = criterion.backward();
+  CrossEntropyLoss uniform;
+  uniform.forward(Tensor::zeros(logits.shape(), DType::f32, logits.device()), labels);
+  const Tensor extra = uniform.backward(-smoothing);
+  if (logits.device().is_cuda()) {
+    const cuda::DeviceGuard guard(logits.device().index);
+    kernels::axpy(1.0f, extra.data<float>(), grad.data<float>(), grad.numel(),
+                  cuda::current_stream(logits.device().index));
+  } else {
+    kernels::axpy_cpu(1.0f, extra.data<float>(), grad.data<float>(), grad.numel());
+  }
+  return grad;
+}
+
 // ---- batches and step results -------------------------------------------------------------------
 
 // Batches of one loader on the first GPU (copied ahead by DevicePrefetcher), or on the host.
@@ -399,7 +420,9 @@ class StepResults {
     std::string what;  // "the loss is nan"
   };
 
-  explicit StepResults(int device) : device_(device) {}
+  // smoothing: the loss summed is the label-smoothed one, computed here from the logits (the device
+  // loss, plain cross-entropy, still decides whether a step is finite).
+  StepResults(int device, double smoothing = 0) : device_(device), smoothing_(smoothing) {}
 
   void add(int64_t step, int64_t batch, const Tensor& loss, const Tensor& norm,
            const Tensor& logits, const Tensor& labels) {
@@ -431,11 +454,13 @@ class StepResults {
                   !std::isfinite(loss) ? "the loss is " + number_text(loss)
                                        : "the gradient norm is " + number_text(norm)};
       }
-      last_loss_ = loss;
+      const double smoothed_sum = count_top_k(p);
       last_norm_ = norm;
-      loss_sum_ += static_cast<double>(loss) * static_cast<double>(p.n);
+      const double mean_loss =
+          smoothing_ > 0 ? smoothed_sum / static_cast<double>(p.n) : static_cast<double>(loss);
+      last_loss_ = static_cast<float>(mean_loss);
+      loss_sum_ += mean_loss * static_cast<double>(p.n);
       count_ += p.n;
-      count_top_k(p);
       if (p.buffers.logits.defined()) free_.push_back(p.buffers);
     }
     pending_.clear();
@@ -478,15 +503,30 @@ class StepResults {
   }
 
   // Top-k as torch.topk / torch.max count it: the label's logit ranks k-th or better, ties going
-  // to the lower index (torch.max(x, 1)[1] returns the first maximum).
-  void count_top_k(const Pending& p) {
+  // to the lower index (torch.max(x, 1)[1] returns the first maximum). Returns the batch's summed
+  // label-smoothed loss, (1 - e) (lse - x_label) + e (lse - mean x), in double.
+  double count_top_k(const Pending& p) {
     const std::vector<float> x = p.logits.to_vector<float>();
     const std::vector<int32_t> y = p.labels.to_vector<int32_t>();
     const int64_t k = p.logits.shape()[1];
+    double smoothed = 0;
     for (int64_t i = 0; i < p.n; ++i) {
       const float* row = x.data() + i * k;
       const int32_t label = y[static_cast<size_t>(i)];
-      if (label < 0 || label >= k || std::isnan(row[label])) continue;
+      if (label < 0 || label >= k || std::isnan(row[label])) {
+        smoothed += std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      if (smoothing_ > 0) {
+        double max = row[0], sum = 0, mean = 0;
+        for (int64_t j = 0; j < k; ++j) max = std::max(max, static_cast<double>(row[j]));
+        for (int64_t j = 0; j < k; ++j) {
+          sum += std::exp(row[j] - max);
+          mean += row[j];
+        }
+        const double lse = max + std::log(sum);
+        smoothed += (1 - smoothing_) * (lse - row[label]) + smoothing_ * (lse - mean / k);
+      }
       int64_t rank = 0;
       for (int64_t j = 0; j < k; ++j) {
         rank += row[j] > row[label] || (row[j] == row[label] && j < label) || std::isnan(row[j]);
@@ -494,9 +534,11 @@ class StepResults {
       top1_ += rank == 0;
       top5_ += rank < 5;
     }
+    return smoothed;
   }
 
   int device_;
+  double smoothing_;
   std::vector<Pending> pending_;
   std::vector<Buffers> free_;
   double loss_sum_ = 0;
@@ -760,7 +802,7 @@ int run(Options o) {
 
   for (int g : gpus) cuda::reset_peak_memory_stats(g);
   BatchFeed train_feed(train_loader, feed_device);
-  StepResults results(feed_device);
+  StepResults results(feed_device, o.label_smoothing);
   const auto run_start = Clock::now();
   double train_seconds = 0;
   for (int64_t epoch = start_epoch; epoch < end_epoch; ++epoch) {
@@ -775,10 +817,14 @@ int run(Options o) {
       const Tensor out = model.forward(images);
       const Tensor loss = criterion.forward(out, labels);
       opt->zero_grad();
-      model.backward(criterion.backward());
-      // The gradients' global norm, reduced on the device; with an infinite bound the gradients are
-      // scaled by exactly 1 (unchanged), so the norm comes for one reduction and no host read.
-      const Tensor norm = opt->clip_grad_norm(o.clip_grad > 0 ? o.clip_grad : no_clip);
+      model.backward(o.label_smoothing > 0
+                         ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
+                         : criterion.backward());
+      // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
+      // only replica 0's is needed (all hold the same all-reduced gradients), and an infinite bound
+      // scales them by exactly 1: unchanged, so the replicas stay bit-identical.
+      const Tensor norm = o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad)
+                                          : clip_grad_norm(opt->primary().params(), no_clip);
       const double step_lr = opt->primary().lr();
       ++global_step;
       ++step;

@@ -168,6 +168,10 @@ const std::vector<Setting>& settings() {
         &Options::warmup_epochs, integer(&Options::warmup_epochs, 0));
     add("--clip-grad", "clip_grad", false, "clip the gradients' global 2-norm to this (0: off)",
         &Options::clip_grad, real(&Options::clip_grad, 0, false));
+    add("--label-smoothing", "label_smoothing", false,
+        "train on targets 1 - e on the label and e / classes spread over all (PyTorch's "
+        "label_smoothing); the test loss stays plain cross-entropy",
+        &Options::label_smoothing, real(&Options::label_smoothing, 0, false, 1));
     add("--batch-size", "batch_size", true, "global batch size (split over the GPUs)",
         &Options::batch_size, integer(&Options::batch_size, 1, 1 << 20));
     add("--epochs", "epochs", false, "epochs (the schedule spans them)", &Options::epochs,

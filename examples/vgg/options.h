@@ -48,6 +48,7 @@ struct Options {
   std::string schedule = "onecycle";
   int64_t warmup_epochs = 0;
   double clip_grad = 0;  // 0: off
+  double label_smoothing = 0;
   int64_t batch_size = 256;
   int64_t epochs = 10;
   std::string precision = "fp32";

@@ -464,16 +464,17 @@ TEST(VggTrainer, RunFolderMetricsAndResumeInPlace) {
   EXPECT_EQ(lines_of(read_text(out + "/command.txt")).size(), 2u);
 }
 
-// --opt adamw, --warmup-epochs, --schedule cosine and --clip-grad wired through: the rate of every
-// step against the formulas (linear warm-up over epoch 1's two steps, then cosine over the last
-// two), AdamW's state in the checkpoint, and the gradient norm the guard reads in the log.
+// --opt adamw, --warmup-epochs, --schedule cosine, --clip-grad and --label-smoothing wired through:
+// the rate of every step against the formulas (linear warm-up over epoch 1's two steps, then cosine
+// over the last two), AdamW's state and the settings in the checkpoint, and the gradient norm the
+// guard reads in the log. (Label smoothing's values are not checked against PyTorch here.)
 TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
   const std::string json = dir / "log.json", ckpt = dir / "c.safetensors";
   const RunResult r = run_on_cpu(
       dir, kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 2 --opt adamw "
-                    "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 "
+                    "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 --label-smoothing 0.1 "
                     "--print-freq 1 --json '" + json + "' --checkpoint '" + ckpt + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   std::vector<double> rates, norms;
@@ -482,6 +483,7 @@ TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
     if (j["event"] != "step") continue;
     rates.push_back(j["lr"].get<double>());
     norms.push_back(j["grad_norm"].get<double>());
+    EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << line;
   }
   ASSERT_EQ(rates.size(), 4u) << read_text(json);
   const double pi = std::acos(-1.0);
@@ -495,6 +497,29 @@ TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
   EXPECT_EQ(state.at("opt"), "adamw");
   EXPECT_EQ(state.at("weight_decay"), "0.05");  // AdamW's default
   EXPECT_EQ(state.at("clip_grad"), "0.5");
+  EXPECT_EQ(state.at("label_smoothing"), "0.1");
+}
+
+
+// --label-smoothing's loss, (1 - e) (lse - x_label) + e (lse - mean x) per sample, computed on the
+// host, against the library's cross-entropy kernel: on the same first step (same weights, same
+// batch) e = 0.5 must give the mean of e = 0 (the kernel's loss) and e = 1, and e = 1 is at least
+// ln(10) (Jensen: lse - mean x >= ln K).
+TEST(VggTrainer, LabelSmoothingLoss) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  std::vector<double> first;
+  for (const std::string e : {"0", "1", "0.5"}) {
+    const std::string json = dir / ("log" + e + ".json");
+    const RunResult r = run_on_cpu(dir, kSmall + "--limit-train 8 --limit-test 8 --batch-size 8 "
+                                                 "--epochs 1 --print-freq 1 --label-smoothing " +
+                                            e + " --json '" + json + "'");
+    ASSERT_EQ(r.code, 0) << r.output;
+    first.push_back(nlohmann::json::parse(lines_of(read_text(json)).at(0))["loss"].get<double>());
+  }
+  EXPECT_NEAR(first[2], (first[0] + first[1]) / 2, 2e-6);
+  EXPECT_GE(first[1], std::log(10.0) - 1e-6);
+  EXPECT_NE(first[0], first[1]);
 }
 
 
