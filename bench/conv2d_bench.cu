@@ -2,6 +2,13 @@
 // NHWC/KRSC, on VGG-16's convolution shapes at 224² batch 64 and 32² batch 256, for the forward,
 // backward-data and backward-weight passes.
 //
+// --math bf16|tf32: our tensor-core convolutions (conv2d_forward_tc, conv2d_backward_data_tc) on
+// operands of the math's type (bf16 tensors with a bf16 output; fp32 tensors for TF32) against
+// cuDNN on the same types with CUDNN_TENSOR_OP_MATH, its fastest algorithm from cudnnFind*Ex. The
+// first layer's 3 input channels are padded to 8 (bf16) or 4 (fp32) for ours, as a layer does;
+// cuDNN reads 3. Backward-weight is not on tensor cores yet: its rows are skipped. Validation:
+// relative L2 distance to cuDNN within 2^-7 (bf16 output: both round to bf16) or 2^-8 (TF32).
+//
 // For every (layer, pass): cuDNN times all its algorithms (cudnnFind*AlgorithmEx, math
 // CUDNN_FMA_MATH, 1 GiB of workspace) and its fastest is the bar. First we validate: ours against a
 // cuDNN GEMM-like algorithm (same dot products) with the GPU tests' tolerance, and ours against the
@@ -17,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -28,6 +36,7 @@
 #include "engine/core/vendor_check.h"
 #include "kernels/conv2d.h"
 #include "kernels/init.h"
+#include "kernels/layout.h"
 #include "tests/common/cudnn_conv2d.h"
 
 namespace {
@@ -97,10 +106,12 @@ struct Algo {
 // cuDNN on one shape, on our layouts (tests/common/cudnn_conv2d.h): finds and runs its algorithms.
 class CudnnConv {
  public:
-  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s) : handle_(handle), d_(s) {}
+  CudnnConv(cudnnHandle_t handle, const Conv2dShape& s, cudnnDataType_t data = CUDNN_DATA_FLOAT,
+            cudnnMathType_t math = CUDNN_FMA_MATH)
+      : handle_(handle), d_(s, data, math) {}
 
   // Every algorithm that ran within the workspace, fastest first (cuDNN times them).
-  std::vector<Algo> find(Pass pass, const float* in0, const float* in1, float* out, void* ws,
+  std::vector<Algo> find(Pass pass, const void* in0, const void* in1, void* out, void* ws,
                          size_t ws_bytes) const {
     switch (pass) {
       case Pass::Forward: {
@@ -131,7 +142,7 @@ class CudnnConv {
     return {};
   }
 
-  void run(Pass pass, Algo algo, const float* in0, const float* in1, float* out, void* ws) const {
+  void run(Pass pass, Algo algo, const void* in0, const void* in1, void* out, void* ws) const {
     const float one = 1.0f, zero = 0.0f;
     switch (pass) {
       case Pass::Forward:
@@ -209,7 +220,7 @@ double normwise(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 std::string shape_text(int layer, const Conv2dShape& s) {
-  return detail::str("L", layer, " b", s.n, " ", s.h, "x", s.w, " ", s.c, "->", s.k);
+  return cudp::detail::str("L", layer, " b", s.n, " ", s.h, "x", s.w, " ", s.c, "->", s.k);
 }
 
 struct Result {
@@ -219,6 +230,7 @@ struct Result {
   double flops = 0, bytes = 0, ours_ms = 0, cudnn_ms = 0, roofline_tflops = 0;
   Algo algo;
   bool valid = true;
+  Math math = Math::FP32;
 
   double ours_tflops() const { return flops / (ours_ms * 1e-3) / 1e12; }
   double cudnn_tflops() const { return flops / (cudnn_ms * 1e-3) / 1e12; }
@@ -277,7 +289,7 @@ void bench_layer(std::vector<Result>& results, int input_size, int layer, const 
     if (exact != algos.end()) {
       cudnn.run(pass, *exact, in0(0), in1(0), theirs.p, workspace);
       const double atol = 2e-5 * std::sqrt(double(ops.reduction));
-      valid &= validate(detail::str(pass_name(pass), " vs cuDNN algo ", exact->id), got,
+      valid &= validate(cudp::detail::str(pass_name(pass), " vs cuDNN algo ", exact->id), got,
                         theirs.download(), kRtol, atol);
     } else {
       std::printf("  validate: cuDNN offers no GEMM-like %s algorithm here\n", pass_name(pass));
@@ -323,12 +335,12 @@ void write_json(const std::string& path, const Machine& machine,
     const Result& r = results[i];
     const Conv2dShape& s = r.shape;
     std::fprintf(f,
-                 "    {\"input\": %d, \"layer\": %d, \"pass\": \"%s\", \"n\": %d, \"h\": %d, "
+                 "    {\"math\": \"%s\", \"input\": %d, \"layer\": %d, \"pass\": \"%s\", \"n\": %d, \"h\": %d, "
                  "\"w\": %d, \"c\": %d, \"k\": %d, \"r\": %d, \"s\": %d, \"flops\": %.0f, "
                  "\"bytes\": %.0f, \"ours_ms\": %.6f, \"cudnn_ms\": %.6f, \"ours_tflops\": %.3f, "
                  "\"cudnn_tflops\": %.3f, \"ours_over_cudnn\": %.4f, \"roofline_tflops\": %.3f, "
                  "\"cudnn_algo\": %d, \"cudnn_workspace_bytes\": %zu, \"valid\": %s}%s\n",
-                 r.input_size, r.layer, pass_name(r.pass), s.n, s.h, s.w, s.c, s.k, s.r, s.s,
+                 math_name(r.math), r.input_size, r.layer, pass_name(r.pass), s.n, s.h, s.w, s.c, s.k, s.r, s.s,
                  r.flops, r.bytes, r.ours_ms, r.cudnn_ms, r.ours_tflops(), r.cudnn_tflops(),
                  r.cudnn_ms / r.ours_ms, r.roofline_tflops, r.algo.id, r.algo.workspace,
                  r.valid ? "true" : "false", i + 1 < results.size() ? "," : "");
@@ -340,9 +352,9 @@ void write_json(const std::string& path, const Machine& machine,
 void print_tables(const Machine& machine, const std::vector<Result>& results) {
   std::vector<cudp::bench::Row> rows;
   for (const Result& r : results) {
-    rows.push_back({detail::str("conv ", pass_name(r.pass), r.valid ? "" : " (INVALID)"),
-                    detail::str(r.input_size, "²: ", r.shape_text()), r.ours_tflops(),
-                    r.cudnn_tflops(), "TFLOP/s", detail::str("cuDNN algo ", r.algo.id)});
+    rows.push_back({cudp::detail::str("conv ", pass_name(r.pass), r.valid ? "" : " (INVALID)"),
+                    cudp::detail::str(r.input_size, "²: ", r.shape_text()), r.ours_tflops(),
+                    r.cudnn_tflops(), "TFLOP/s", cudp::detail::str("cuDNN algo ", r.algo.id)});
   }
   std::printf("\n");
   cudp::bench::print_table(rows);
@@ -359,8 +371,24 @@ void print_tables(const Machine& machine, const std::vector<Result>& results) {
                 100 * r.cudnn_tflops() / r.roofline_tflops, double(r.algo.workspace) / (1 << 20));
   }
 
-  // The floor is 50% of cuDNN on every (layer, pass): the worst of each pass says whether it holds.
+  // The worst and the geometric mean of ours/cuDNN per pass and input size.
   std::printf("\n");
+  for (const Pass pass : kPasses) {
+    for (const int input : {224, 32}) {
+      double log_sum = 0;
+      int count = 0;
+      for (const Result& r : results) {
+        if (r.pass == pass && r.input_size == input) {
+          log_sum += std::log(r.cudnn_ms / r.ours_ms);
+          ++count;
+        }
+      }
+      if (count > 0) {
+        std::printf("geomean ours/cuDNN for %s at %d²: %.2f over %d layers\n", pass_name(pass),
+                    input, std::exp(log_sum / count), count);
+      }
+    }
+  }
   for (const Pass pass : kPasses) {
     const Result* worst = nullptr;
     for (const Result& r : results) {
@@ -385,6 +413,134 @@ Machine measure_machine(cudaStream_t stream) {
           cudp::bench::measure_copy_bandwidth_gbs(stream)};
 }
 
+
+// ---- tensor cores (--math bf16|tf32) --------------------------------------------------------------
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double e = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    r += double(b[i]) * b[i];
+  }
+  return r > 0 ? std::sqrt(e / r) : std::sqrt(e);
+}
+
+// A device tensor of n elements of the math's type (bf16 or fp32), uniform in [-1, 1).
+struct TypedTensor {
+  std::unique_ptr<DeviceBuffer<float>> buf;  // fp32 storage, large enough for either type
+  bool bf16;
+  int64_t n;
+  TypedTensor(int64_t count, bool is_bf16, uint64_t seed, cudaStream_t stream)
+      : buf(std::make_unique<DeviceBuffer<float>>(size_t(count))), bf16(is_bf16), n(count) {
+    if (seed == 0) return;
+    if (bf16) {
+      DeviceBuffer<float> tmp{size_t(count)};
+      uniform(tmp.p, count, -1.f, 1.f, seed, 0, stream);
+      f32_to_bf16(tmp.p, reinterpret_cast<__nv_bfloat16*>(buf->p), count, stream);
+      CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    } else {
+      uniform(buf->p, count, -1.f, 1.f, seed, 0, stream);
+    }
+  }
+  void* get() const { return buf->p; }
+  std::vector<float> download() const {
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> out(static_cast<size_t>(n));
+    if (!bf16) {
+      CUDP_CUDA_CHECK(cudaMemcpy(out.data(), buf->p, out.size() * 4, cudaMemcpyDeviceToHost));
+      return out;
+    }
+    std::vector<uint16_t> bits(static_cast<size_t>(n));
+    CUDP_CUDA_CHECK(cudaMemcpy(bits.data(), buf->p, bits.size() * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < bits.size(); ++i) {
+      const uint32_t wide = uint32_t(bits[i]) << 16;
+      std::memcpy(&out[i], &wide, 4);
+    }
+    return out;
+  }
+};
+
+void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, const Conv2dShape& s,
+                    Math math, cudaStream_t stream, cudnnHandle_t handle, void* workspace,
+                    const Machine& machine) {
+  const bool bf16 = math == Math::BF16;
+  const CudnnConv cudnn(handle, s, bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT,
+                        CUDNN_TENSOR_OP_MATH);
+  // Ours reads C padded to 16 bytes' worth (the first layer only).
+  Conv2dShape padded = s;
+  padded.c = (s.c + (bf16 ? 7 : 3)) / (bf16 ? 8 : 4) * (bf16 ? 8 : 4);
+  const int64_t esize = bf16 ? 2 : 4;
+  const int copies = cudp::bench::rotation_copies(size_t(s.x_size() + s.w_size() + s.y_size()) * esize);
+  std::vector<TypedTensor> x, w, dy, xp, wp;
+  for (int i = 0; i < copies; ++i) {
+    const uint64_t seed = 1000 * uint64_t(layer) + 10 * uint64_t(i) + 1;
+    x.emplace_back(s.x_size(), bf16, seed, stream);
+    w.emplace_back(s.w_size(), bf16, seed + 1, stream);
+    dy.emplace_back(s.y_size(), bf16, seed + 2, stream);
+    if (padded.c != s.c) {  // zero-padded copies of x and w for ours
+      xp.emplace_back(padded.x_size(), bf16, 0, stream);
+      wp.emplace_back(padded.w_size(), bf16, 0, stream);
+      CUDP_CUDA_CHECK(cudaMemset(xp.back().get(), 0, size_t(padded.x_size() * esize)));
+      CUDP_CUDA_CHECK(cudaMemset(wp.back().get(), 0, size_t(padded.w_size() * esize)));
+      CUDP_CUDA_CHECK(cudaMemcpy2D(xp.back().get(), padded.c * esize, x.back().get(), s.c * esize,
+                                   s.c * esize, size_t(s.n) * s.h * s.w, cudaMemcpyDeviceToDevice));
+      CUDP_CUDA_CHECK(cudaMemcpy2D(wp.back().get(), padded.c * esize, w.back().get(), s.c * esize,
+                                   s.c * esize, size_t(s.k) * s.r * s.s, cudaMemcpyDeviceToDevice));
+    }
+  }
+  const auto our_x = [&](int i) { return padded.c != s.c ? xp[i].get() : x[i].get(); };
+  const auto our_w = [&](int i) { return padded.c != s.c ? wp[i].get() : w[i].get(); };
+  std::printf("layer %d at %d²: %s, %s (%d input copies)\n", layer, input_size,
+              shape_text(layer, s).c_str(), math_name(math), copies);
+  const DType out_type = bf16 ? DType::BF16 : DType::F32;
+  for (const Pass pass : {Pass::Forward, Pass::BackwardData}) {
+    if (pass == Pass::BackwardData && layer == 1) continue;  // the first layer needs no dx
+    const int64_t out_n = pass == Pass::Forward ? s.y_size() : s.x_size();
+    TypedTensor ours(pass == Pass::Forward ? out_n : padded.x_size(), bf16, 0, stream);
+    TypedTensor theirs(out_n, bf16, 0, stream);
+    const auto run_ours = [&](int i) {
+      if (pass == Pass::Forward) {
+        conv2d_forward_tc(padded, {math, our_x(i), our_w(i), ours.get(), out_type, nullptr, false},
+                          stream);
+      } else {
+        conv2d_backward_data_tc(s, {math, dy[i].get(), w[i].get(), ours.get(), out_type, nullptr,
+                                    false}, stream);
+      }
+    };
+    const auto in0 = [&](int i) { return pass == Pass::Forward ? x[i].get() : dy[i].get(); };
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<Algo> algos =
+        cudnn.find(pass, in0(0), w[0].get(), theirs.get(), workspace, kWorkspaceBytes);
+    CUDP_CHECK(!algos.empty(), "cuDNN has no ", pass_name(pass), " algorithm for ",
+               shape_text(layer, s));
+    run_ours(0);
+    cudnn.run(pass, algos.front(), in0(0), w[0].get(), theirs.get(), workspace);
+    const double apart = rel_l2(ours.download(), theirs.download());
+    const double bound = bf16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -8);
+    const bool valid = apart <= bound;
+    std::printf("  %s vs cuDNN algo %d: relative L2 %.2e (bound %.2e) %s\n", pass_name(pass),
+                algos.front().id, apart, bound, valid ? "ok" : "FAIL");
+    const auto cudnn_run = [&](int i) {
+      cudnn.run(pass, algos.front(), in0(i % copies), w[i % copies].get(), theirs.get(), workspace);
+    };
+    Result r;
+    r.input_size = input_size;
+    r.layer = layer;
+    r.pass = pass;
+    r.shape = s;
+    r.flops = s.flops();
+    r.bytes = double(s.x_size() + s.w_size() + s.y_size()) * double(esize);
+    // The datasheet's dense tensor-core rate (H100/H200 SXM), or the memory bound.
+    r.roofline_tflops = std::min(bf16 ? 989.0 : 494.7, r.flops / r.bytes * machine.copy_gbs / 1e3);
+    r.ours_ms = cudp::bench::time_on_stream(stream, [&](int i) { run_ours(i % copies); }).median_ms;
+    r.cudnn_ms = cudp::bench::time_on_stream(stream, cudnn_run).median_ms;
+    r.algo = algos.front();
+    r.valid = valid;
+    r.math = math;
+    results.push_back(r);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -397,7 +553,14 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::Range(1, 9));
   app.add_option("--json", json, "write the results to this JSON file");
+  std::string math_text = "fp32";
+  app.add_option("--math", math_text,
+                 "fp32: the SIMT kernels vs cuDNN FMA math; bf16 / tf32: the tensor-core kernels vs "
+                 "cuDNN tensor-op math")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
   CLI11_PARSE(app, argc, argv);
+  const bool tensor_cores = math_text != "fp32";
+  const Math math = math_text == "bf16" ? Math::BF16 : math_text == "tf32" ? Math::TF32 : Math::FP32;
   if (layers.empty()) layers = {1, 2, 3, 4, 5, 6, 7, 8, 9};
 
   try {
@@ -428,7 +591,11 @@ int main(int argc, char** argv) {
         const Layer& l = kVgg[layer - 1];
         const int spatial = input == 224 ? l.at224 : l.at32;
         const Conv2dShape shape{batch, spatial, spatial, l.c, l.k, 3, 3, 1, 1, 1, 1};
-        bench_layer(results, input, layer, shape, stream, handle, workspace.p, machine);
+        if (tensor_cores) {
+          bench_layer_tc(results, input, layer, shape, math, stream, handle, workspace.p, machine);
+        } else {
+          bench_layer(results, input, layer, shape, stream, handle, workspace.p, machine);
+        }
       }
     }
     print_tables(machine, results);

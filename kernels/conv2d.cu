@@ -686,7 +686,7 @@ bool aligned16(const void* p) {
 void check_call(const char* name, const Conv2dShape& shape, Math math) {
   shape.validate();
   CUDP_CHECK(math == Math::FP32, name, ": math ", math_name(math),
-             " is not implemented yet; use Math::FP32");
+             " is not implemented for this pass yet; use Math::FP32");
 }
 
 int multiprocessors() {
@@ -787,6 +787,10 @@ GemmArgs gemm_args(const Conv2dShape& shape, const float* a, const float* b, flo
 
 void conv2d_forward(const Conv2dShape& shape, const float* x, const float* w, const float* bias,
                     float* y, bool relu, cudaStream_t stream, Math math) {
+  if (math != Math::FP32) {
+    detail::conv2d_forward_tc_f32(shape, x, w, bias, y, relu, stream, math);
+    return;
+  }
   check_call("conv2d_forward", shape, math);
   CUDP_CHECK(x && w && y, "conv2d_forward: x, w and y must not be null");
   const GemmArgs args =
@@ -803,6 +807,10 @@ void conv2d_forward(const Conv2dShape& shape, const float* x, const float* w, co
 
 void conv2d_backward_data(const Conv2dShape& shape, const float* dy, const float* w, float* dx,
                           cudaStream_t stream, Math math) {
+  if (math != Math::FP32) {
+    detail::conv2d_backward_data_tc_f32(shape, dy, w, dx, stream, math);
+    return;
+  }
   check_call("conv2d_backward_data", shape, math);
   CUDP_CHECK(dy && w && dx, "conv2d_backward_data: dy, w and dx must not be null");
   if (shape.c <= 4 && shape.s == 3 && shape.stride_h == 1 && shape.stride_w == 1 &&

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kernels/common.h"
+#include "kernels/matmul.h"
 
 namespace cudp::kernels {
 
@@ -61,5 +62,43 @@ void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const floa
                             float beta, cudaStream_t stream, Math math = Math::FP32);
 void conv2d_backward_weight_cpu(const Conv2dShape& shape, const float* x, const float* dy,
                                 float* dw, float beta);
+
+// ---- tensor cores (Math::TF32, Math::BF16; sm_90) ---------------------------------------------
+//
+// The float launchers above take Math::TF32 and Math::BF16 too: they run these kernels on fp32
+// tensors, converting x and w to bf16 (BF16) or padding their channels (TF32) in a workspace where
+// the kernels need it. The typed entry points below take operands already in the math's type (bf16
+// for BF16, fp32 for TF32): what a bf16 training step and the benchmarks use.
+//
+// Requirements: an sm_90 GPU (tensor_cores_available()); forward and backward-data with any
+// channel counts (they are padded to 16 bytes' worth when they are not); backward-data with stride 1
+// only (it runs as the forward convolution of dy with the filters rotated by 180 degrees and K and C
+// swapped); backward-weight on tensor cores is not implemented yet and throws ValueError.
+struct ConvOperands {
+  Math math = Math::BF16;
+  const void* x = nullptr;  // NHWC input (dy for backward-data)
+  const void* w = nullptr;  // KRSC filters
+  void* y = nullptr;        // NHWC output (dx for backward-data)
+  DType y_type = DType::F32;
+  const float* bias = nullptr;  // forward only: K floats, or null
+  bool relu = false;            // forward only
+};
+
+// y = relu?(conv(x, w) + bias), typed operands. x and w must be 16-byte aligned with C a multiple
+// of 8 (bf16) or 4 (fp32).
+void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream);
+
+// dx = conv^T(dy, w), typed operands: ops.x is dy (N x P x Q x K), ops.y is dx. K a multiple of
+// 8 (bf16) or 4 (fp32); stride 1.
+void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
+                             cudaStream_t stream);
+
+namespace detail {
+// The float launchers' tensor-core paths (kernels/conv2d_tc.cu).
+void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float* w,
+                           const float* bias, float* y, bool relu, cudaStream_t stream, Math math);
+void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, const float* w,
+                                 float* dx, cudaStream_t stream, Math math);
+}  // namespace detail
 
 }  // namespace cudp::kernels

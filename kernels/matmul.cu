@@ -20,9 +20,7 @@
 #include "engine/core/launch.cuh"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
-#ifdef CUDP_HAVE_SM90
 #include "kernels/sm90/matmul_sm90.h"
-#endif
 
 namespace cudp::kernels {
 namespace {
@@ -67,7 +65,7 @@ double estimate(const MatmulProblem& p, int tile_n, int splits, int sms) {
   const int64_t items = int64_t(ceil_div(p.m, kTileM)) * ceil_div(p.n, tile_n) * splits;
   const int64_t per_block = (items + sms - 1) / sms;
   const double peak = (p.math == Math::BF16 ? 790e12 : 400e12) / sms;  // FLOP/s per SM
-  const double efficiency = tile_n == 256 ? 1.0 : 0.88;
+  const double efficiency = tile_n == 256 ? 1.0 : tile_n == 128 ? 0.88 : 0.7;
   const double item_flops = 2.0 * kTileM * tile_n * double(per_split) * k_block(p.math);
   const double item_overhead = 1.5e-6;  // fill, drain, epilogue
   double seconds = per_block * (item_flops / (peak * efficiency) + item_overhead);
@@ -213,7 +211,8 @@ int64_t matmul_workspace_bytes(const MatmulProblem& p, const MatmulPlan& plan) {
 }
 
 MatmulPlan make_matmul_plan(const MatmulProblem& p, int tile_n, int splits, int sm_count) {
-  CUDP_CHECK(tile_n == 128 || tile_n == 256, "matmul: tile_n must be 128 or 256, got ", tile_n);
+  CUDP_CHECK(tile_n == 64 || tile_n == 128 || tile_n == 256,
+             "matmul: tile_n must be 64, 128 or 256, got ", tile_n);
   CUDP_CHECK(splits >= 1, "matmul: splits must be >= 1, got ", splits);
   MatmulPlan plan;
   plan.tile_m = kTileM;
@@ -240,7 +239,7 @@ MatmulPlan plan_matmul(const MatmulProblem& p, int device) {
   const int sms = device_info(device).sms;
   MatmulPlan best;
   double best_time = INFINITY;
-  for (int tile_n : {256, 128}) {
+  for (int tile_n : {256, 128, 64}) {
     for (int splits = 1; splits <= kMaxSplits; ++splits) {
       const MatmulPlan plan = make_matmul_plan(p, tile_n, splits, sms);
       if (plan.splits != splits) break;  // more splits than k blocks
@@ -260,6 +259,13 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
   const int device = current_device();
   const std::string why = matmul_unsupported_reason(p, device);
   CUDP_CHECK(why.empty(), "matmul: ", why);
+  detail::run_mainloop(p, plan, nullptr, stream);
+}
+
+namespace detail {
+
+void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::ConvGather* conv,
+                  cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
   if (p.k == 0) {  // no products: C = epilogue(0)
     splitk_reduce(p, nullptr, 0, stream);
@@ -272,10 +278,11 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
     CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), size_t(ws_bytes), stream));
   }
   try {
-    if (p.math == Math::BF16) {
-      sm90::matmul_bf16(p, plan, ws, stream);
+    const bool bf16 = p.math == Math::BF16;
+    if (conv != nullptr) {
+      bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
     } else {
-      sm90::matmul_tf32(p, plan, ws, stream);
+      bf16 ? sm90::matmul_bf16(p, plan, ws, stream) : sm90::matmul_tf32(p, plan, ws, stream);
     }
     if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
   } catch (...) {
@@ -285,9 +292,12 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
   if (ws != nullptr) CUDP_CUDA_CHECK(cudaFreeAsync(ws, stream));
 #else
   (void)plan;
-  (void)stream;
+  (void)conv;
+  CUDP_CHECK(false, "this build of cudp has no sm_90a kernels");
 #endif
 }
+
+}  // namespace detail
 
 void matmul(const MatmulProblem& p, cudaStream_t stream) {
   const int device = current_device();

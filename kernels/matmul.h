@@ -85,7 +85,16 @@ MatmulPlan make_matmul_plan(const MatmulProblem& problem, int tile_n, int splits
 // double, C rounded to its type once.
 void matmul_cpu(const MatmulProblem& problem);
 
+namespace sm90 {
+struct ConvGather;
+}
+
 namespace detail {
+
+// Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop (A by TMA, or
+// gathered as im2col when `conv` is given), the split-K reduction.
+void run_mainloop(const MatmulProblem& problem, const MatmulPlan& plan,
+                  const sm90::ConvGather* conv, cudaStream_t stream);
 
 // The multiprocessor count of `device`, read once and cached (launch paths make no driver queries).
 int multiprocessor_count(int device);

@@ -28,6 +28,7 @@
 #include "engine/core/error.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
+#include "kernels/sm90/matmul_sm90.h"
 #include "kernels/sm90/wgmma.cuh"
 
 namespace cudp::kernels::sm90 {
@@ -52,6 +53,7 @@ struct MainloopParams {
   EpilogueArgs epilogue;
   float* workspace;
 };
+
 
 template <typename Elem, int kTileN>
 struct Config {
@@ -217,10 +219,66 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
   }
 }
 
-template <typename Elem, int kTileN>
+// One producer thread's share of an im2col k-block: row `row` of the A tile (an output pixel), its
+// 128 bytes of k as 8 chunks of 16 bytes (8 bf16 or 4 fp32 channels of one input pixel: C is a
+// multiple of that), each copied with cp.async into its 128-byte-swizzled place (chunk j of row
+// r lands at chunk j ^ (r % 8), the layout TMA writes and wgmma reads), zero-filled where the
+// filter hangs over the padding, past the last pixel or past R*S*C. (r, s, c) is where the k-block
+// starts; it is advanced here, chunk by chunk, so the loop needs no division.
+template <typename Elem>
+struct Im2colRow {
+  static constexpr int kChunk = 16 / int(sizeof(Elem));  // elements per 16-byte chunk
+  const Elem* pixel0;  // x + image offset, or null for a row past the end
+  int h0, w0;          // the input position of filter tap (0, 0)
+  int r, s, c;         // the current reduction position
+
+  __device__ __forceinline__ void init(const ConvGather& g, int row, int m, int k_begin) {
+    if (row < m) {
+      const int pq = g.p * g.q;
+      const int img = row / pq;
+      const int rem = row - img * pq;
+      const int op = rem / g.q, oq = rem - op * g.q;
+      pixel0 = static_cast<const Elem*>(g.x) + int64_t(img) * g.h * g.w * g.c;
+      h0 = op * g.stride_h - g.pad_h;
+      w0 = oq * g.stride_w - g.pad_w;
+    } else {
+      pixel0 = nullptr;
+      h0 = w0 = 0;
+    }
+    const int rs = k_begin / g.c;
+    c = k_begin - rs * g.c;
+    r = rs / g.s;
+    s = rs - r * g.s;
+  }
+
+  __device__ __forceinline__ void load(const ConvGather& g, uint32_t dst_row, int row_in_tile) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int h = h0 + r, w = w0 + s;
+      const bool inside = pixel0 != nullptr && r < g.r && h >= 0 && h < g.h && w >= 0 && w < g.w;
+      const Elem* src = inside ? pixel0 + (int64_t(h) * g.w + w) * g.c + c
+                               : static_cast<const Elem*>(g.x);
+      const uint32_t dst = dst_row + ((j ^ (row_in_tile & 7)) << 4);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                   "r"(inside ? 16 : 0)
+                   : "memory");
+      c += kChunk;
+      if (c >= g.c) {
+        c = 0;
+        if (++s == g.s) {
+          s = 0;
+          ++r;
+        }
+      }
+    }
+  }
+};
+
+template <typename Elem, int kTileN, bool kConv>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_kernel(const __grid_constant__ CUtensorMap map_a,
-                  const __grid_constant__ CUtensorMap map_b, const MainloopParams p) {
+                  const __grid_constant__ CUtensorMap map_b, const MainloopParams p,
+                  const ConvGather g) {
   using Cfg = Config<Elem, kTileN>;
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
@@ -234,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      mbar_init(full_bar(s), 1);
+      mbar_init(full_bar(s), kConv ? 1 + 128 : 1);  // + one cp.async arrival per producer thread
       mbar_init(empty_bar(s), kConsumers * 4);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -244,7 +302,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int work_items = p.tiles_m * p.tiles_n * p.splits;
   const int warpgroup = threadIdx.x / 128;
 
-  if (warpgroup == 0) {
+  if (warpgroup == 0 && kConv) {
+    // All 128 producer threads gather A, one row each; thread 0 also loads B with TMA.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    const int row_in_tile = threadIdx.x;
+    int stage = 0, phase = 0;
+    for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+      const WorkItem w = work_item(p, index);
+      const int kb_begin = w.split * p.k_blocks_per_split;
+      const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+      Im2colRow<Elem> row;
+      row.init(g, w.tile_m * kTileM + row_in_tile, p.m, kb_begin * Cfg::kBlockK);
+      for (int kb = kb_begin; kb < kb_end; ++kb) {
+        mbar_wait(empty_bar(stage), phase ^ 1);
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(full_bar(stage), Cfg::kStageBytesB);
+          tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
+                      kb * Cfg::kBlockK, w.tile_n * kTileN);
+        }
+        row.load(g, stages_a + stage * Cfg::kStageBytesA + row_in_tile * kRowBytes, row_in_tile);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_bar(stage))
+                     : "memory");
+        if (++stage == Cfg::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int stage = 0, phase = 0;
@@ -267,7 +353,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    if constexpr (kConv) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    }
     const int consumer = warpgroup - 1;
     const bool arrives = threadIdx.x % 32 == 0;
     int stage = 0, phase = 0;
@@ -279,6 +369,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       int previous = -1;
       for (int kb = kb_begin; kb < kb_end; ++kb) {
         mbar_wait(full_bar(stage), phase);
+        // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
+        if constexpr (kConv) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
         const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
         wgmma_fence();
@@ -319,15 +411,18 @@ CUtensorMap encode_k_major(const void* ptr, CUtensorMapDataType type, int elem_b
 // Raises the kernel's shared-memory limit once per device.
 void allow_shared_memory(const void* kernel, int bytes);
 
+// Enqueues the mainloop. With a ConvGather (`conv` non-null) A is the im2col view of conv->x and
+// prob.a / prob.lda are unused; prob.m must be n*P*Q and prob.k R*S*C.
 template <typename Elem, int kTileN>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const ConvGather* conv = nullptr) {
   using Cfg = Config<Elem, kTileN>;
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
       kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   const CUtensorMap map_a =
-      encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      conv ? CUtensorMap{}
+           : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
       encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
   MainloopParams p{};
@@ -344,9 +439,15 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.c_is_bf16 = prob.c_type == DType::BF16;
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
   p.workspace = workspace;
-  auto* kernel = &matmul_kernel<Elem, kTileN>;
-  allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
-  kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p);
+  if (conv) {
+    auto* kernel = &matmul_kernel<Elem, kTileN, true>;
+    allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
+    kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, *conv);
+  } else {
+    auto* kernel = &matmul_kernel<Elem, kTileN, false>;
+    allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
+    kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, ConvGather{});
+  }
   CUDP_CUDA_CHECK(cudaGetLastError());
 }
 

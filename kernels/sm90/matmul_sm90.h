@@ -9,8 +9,13 @@
 
 namespace cudp::kernels::sm90 {
 
-// The tile widths a plan may choose (tile_m is always 128).
-constexpr int kTileWidths[] = {128, 256};
+// The implicit-GEMM view of a convolution (kernels/conv2d.h): A is im2col(x), m = n*P*Q output
+// pixels by k = R*S*C, gathered by the producer warpgroup; B is the K x RSC weight matrix.
+struct ConvGather {
+  const void* x;  // NHWC, in the math's operand type; C a multiple of 16 bytes' worth
+  int n, h, w, c, p, q, r, s;
+  int stride_h, stride_w, pad_h, pad_w;
+};
 
 // Enqueues the mainloop for `plan`; with plan.splits > 1 it writes fp32 partial tiles to
 // `workspace` ([split][m][n]) instead of C, and the caller runs the split-K reduction.
@@ -18,6 +23,13 @@ void matmul_bf16(const MatmulProblem& problem, const MatmulPlan& plan, float* wo
                  cudaStream_t stream);
 void matmul_tf32(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
                  cudaStream_t stream);
+
+// The convolution on the same mainloop: `problem` is the GEMM view (m = n*P*Q, n = K, k = R*S*C,
+// B = the weights, C = y as an (n*P*Q) x K matrix); A comes from `conv` instead of problem.a.
+void conv_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
+               float* workspace, cudaStream_t stream);
+void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
+               float* workspace, cudaStream_t stream);
 
 // Blocks that fit on one SM for the kernels above (1: they use most of the shared memory).
 constexpr int kBlocksPerSm = 1;

@@ -1,4 +1,5 @@
-// The tf32 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh), one per tile width.
+// The tf32 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh): one per tile width,
+// for products (A by TMA) and for convolutions (A gathered as im2col).
 #include "kernels/sm90/matmul_sm90.cuh"
 #include "kernels/sm90/matmul_sm90.h"
 
@@ -7,9 +8,20 @@ namespace cudp::kernels::sm90 {
 void matmul_tf32(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
                  cudaStream_t stream) {
   switch (plan.tile_n) {
+    case 64: return launch_mainloop<float, 64>(problem, plan, workspace, stream);
     case 128: return launch_mainloop<float, 128>(problem, plan, workspace, stream);
     case 256: return launch_mainloop<float, 256>(problem, plan, workspace, stream);
     default: CUDP_CHECK(false, "matmul: no tf32 kernel with tile width ", plan.tile_n);
+  }
+}
+
+void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
+               float* workspace, cudaStream_t stream) {
+  switch (plan.tile_n) {
+    case 64: return launch_mainloop<float, 64>(problem, plan, workspace, stream, &conv);
+    case 128: return launch_mainloop<float, 128>(problem, plan, workspace, stream, &conv);
+    case 256: return launch_mainloop<float, 256>(problem, plan, workspace, stream, &conv);
+    default: CUDP_CHECK(false, "conv: no tf32 kernel with tile width ", plan.tile_n);
   }
 }
 

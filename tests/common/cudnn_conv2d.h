@@ -14,21 +14,25 @@ struct CudnnConv2dDescriptors {
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
 
-  explicit CudnnConv2dDescriptors(const kernels::Conv2dShape& s) {
+  // fp32 with FMA math by default; the tensor-core benchmarks pass CUDNN_DATA_BFLOAT16 or
+  // CUDNN_DATA_FLOAT with CUDNN_TENSOR_OP_MATH (fp32 accumulation either way).
+  explicit CudnnConv2dDescriptors(const kernels::Conv2dShape& s,
+                                  cudnnDataType_t data = CUDNN_DATA_FLOAT,
+                                  cudnnMathType_t math = CUDNN_FMA_MATH) {
     CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&x));
     CUDP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&y));
     CUDP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&w));
     CUDP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&conv));
     CUDP_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.c, s.h, s.w));
+        cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NHWC, data, s.n, s.c, s.h, s.w));
     CUDP_CUDNN_CHECK(
-        cudnnSetTensor4dDescriptor(y, CUDNN_TENSOR_NHWC, CUDNN_DATA_FLOAT, s.n, s.k, s.p(), s.q()));
+        cudnnSetTensor4dDescriptor(y, CUDNN_TENSOR_NHWC, data, s.n, s.k, s.p(), s.q()));
     CUDP_CUDNN_CHECK(
-        cudnnSetFilter4dDescriptor(w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NHWC, s.k, s.c, s.r, s.s));
+        cudnnSetFilter4dDescriptor(w, data, CUDNN_TENSOR_NHWC, s.k, s.c, s.r, s.s));
     CUDP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(conv, s.pad_h, s.pad_w, s.stride_h, s.stride_w,
                                                      1, 1, CUDNN_CROSS_CORRELATION,
                                                      CUDNN_DATA_FLOAT));
-    CUDP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, CUDNN_FMA_MATH));
+    CUDP_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, math));
   }
   ~CudnnConv2dDescriptors() {
     cudnnDestroyConvolutionDescriptor(conv);

@@ -159,7 +159,7 @@ class CudnnConv {
     std::string offered;
     for (int i = 0; i < count; ++i) {
       if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
-      offered += detail::str(' ', int(perf[i].algo));
+      offered += cudp::detail::str(' ', int(perf[i].algo));
       if (perf[i].mathType == CUDNN_TENSOR_OP_MATH ||
           perf[i].mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) {
         continue;
@@ -177,7 +177,7 @@ class CudnnConv {
 };
 
 std::string describe(const Conv2dShape& s) {
-  return detail::str("n", s.n, " h", s.h, " w", s.w, " c", s.c, " k", s.k, " r", s.r, " s", s.s,
+  return cudp::detail::str("n", s.n, " h", s.h, " w", s.w, " c", s.c, " k", s.k, " r", s.r, " s", s.s,
                      " stride ", s.stride_h, "x", s.stride_w, " pad ", s.pad_h, "x", s.pad_w);
 }
 
@@ -221,7 +221,7 @@ TEST_P(Conv2dGpu, Forward) {
   std::vector<float> plain;
   for (const bool with_bias : {false, true}) {
     for (const bool relu : {false, true}) {
-      SCOPED_TRACE(detail::str("bias ", with_bias, " relu ", relu));
+      SCOPED_TRACE(cudp::detail::str("bias ", with_bias, " relu ", relu));
       std::vector<float> expected(size_t(s.y_size()));
       conv2d_forward_cpu(s, x.data(), w.data(), with_bias ? bias.data() : nullptr, expected.data(),
                          relu);

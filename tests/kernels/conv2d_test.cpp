@@ -23,7 +23,7 @@ namespace cudp::kernels {
 namespace {
 
 std::string describe(const Conv2dShape& s) {
-  return detail::str("n", s.n, " h", s.h, " w", s.w, " c", s.c, " k", s.k, " r", s.r, " s", s.s,
+  return cudp::detail::str("n", s.n, " h", s.h, " w", s.w, " c", s.c, " k", s.k, " r", s.r, " s", s.s,
                      " stride ", s.stride_h, "x", s.stride_w, " pad ", s.pad_h, "x", s.pad_w);
 }
 

@@ -1,0 +1,272 @@
+// Convolutions on tensor cores (kernels/conv2d.h, Math::TF32 / Math::BF16): the implicit GEMM runs
+// on the sm_90a matmul mainloop (kernels/sm90/), with A = im2col(x) gathered by the producer
+// warpgroup and B = the KRSC filters read as a K x RSC matrix by TMA. This file prepares operands:
+//   - channel padding: the gather moves 16-byte chunks of one pixel, so C must be a multiple of 8
+//     (bf16) or 4 (fp32); VGG's first layer (3 channels) is padded with zeros to 8 or 4, which adds
+//     products of zero and changes no sum;
+//   - bf16 conversion of fp32 tensors (the float launchers with Math::BF16);
+//   - the 180-degree rotation of the filters for backward-data: with stride 1,
+//       dx = conv(dy, w'),  w'[c][r][s][k] = w[k][R-1-r][S-1-s][c],  padding R-1-pad,
+//     so backward-data is the forward kernel. The rotated copy costs one pass over the weights
+//     (14.7 M values for VGG-16: tens of microseconds), far below the convolution.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "engine/core/launch.cuh"
+#include "kernels/conv2d.h"
+#include "kernels/matmul.h"
+#include "kernels/sm90/matmul_sm90.h"
+
+namespace cudp::kernels {
+namespace {
+
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  if constexpr (sizeof(T) == 2) {
+    return __bfloat162float(v);
+  } else {
+    return v;
+  }
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (sizeof(T) == 2) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return v;
+  }
+}
+
+// dst[i][j] = j < c ? src[i][j] : 0 for `rows` rows of c (src) and cp (dst) elements.
+template <typename In, typename Out>
+__global__ void pad_channels_kernel(const In* __restrict__ src, int64_t rows, int c, int cp,
+                                    Out* __restrict__ dst) {
+  const int64_t total = rows * cp;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / cp;
+    const int j = static_cast<int>(i - row * cp);
+    dst[i] = from_float<Out>(j < c ? to_float(src[row * c + j]) : 0.f);
+  }
+}
+
+// w' (C x R x S x kp) from w (K x R x S x C): w'[c][r][s][k] = w[k][R-1-r][S-1-s][c], 0 for k >= K.
+template <typename In, typename Out>
+__global__ void rotate_filters_kernel(const In* __restrict__ w, int k, int r, int s, int c, int kp,
+                                      Out* __restrict__ out) {
+  const int64_t total = int64_t(c) * r * s * kp;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rest = i;
+    const int kk = static_cast<int>(rest % kp);
+    rest /= kp;
+    const int ss = static_cast<int>(rest % s);
+    rest /= s;
+    const int rr = static_cast<int>(rest % r);
+    const int cc = static_cast<int>(rest / r);
+    const float v =
+        kk < k ? to_float(w[((int64_t(kk) * r + (r - 1 - rr)) * s + (s - 1 - ss)) * c + cc]) : 0.f;
+    out[i] = from_float<Out>(v);
+  }
+}
+
+unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 65536));
+}
+
+template <typename In>
+void pad_channels(const In* src, int64_t rows, int c, int cp, void* dst, DType out,
+                  cudaStream_t stream) {
+  if (out == DType::BF16) {
+    launch("pad_channels_kernel", pad_channels_kernel<In, __nv_bfloat16>, blocks_for(rows * cp),
+           256, 0, stream, src, rows, c, cp, static_cast<__nv_bfloat16*>(dst));
+  } else {
+    launch("pad_channels_kernel", pad_channels_kernel<In, float>, blocks_for(rows * cp), 256, 0,
+           stream, src, rows, c, cp, static_cast<float*>(dst));
+  }
+}
+
+template <typename In>
+void rotate_filters(const In* w, const Conv2dShape& s, int kp, void* dst, DType out,
+                    cudaStream_t stream) {
+  const int64_t n = int64_t(s.c) * s.r * s.s * kp;
+  if (out == DType::BF16) {
+    launch("rotate_filters_kernel", rotate_filters_kernel<In, __nv_bfloat16>, blocks_for(n), 256,
+           0, stream, w, s.k, s.r, s.s, s.c, kp, static_cast<__nv_bfloat16*>(dst));
+  } else {
+    launch("rotate_filters_kernel", rotate_filters_kernel<In, float>, blocks_for(n), 256, 0, stream,
+           w, s.k, s.r, s.s, s.c, kp, static_cast<float*>(dst));
+  }
+}
+
+// Stream-ordered scratch for packed operands, returned to the pool on every path.
+class Scratch {
+ public:
+  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
+  ~Scratch() {
+    for (void* p : blocks_) cudaFreeAsync(p, stream_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get(int64_t bytes) {
+    void* p = nullptr;
+    CUDP_CUDA_CHECK(cudaMallocAsync(&p, size_t(std::max<int64_t>(bytes, 16)), stream_));
+    blocks_.push_back(p);
+    return p;
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<void*> blocks_;
+};
+
+DType operand_type(Math math) { return math == Math::BF16 ? DType::BF16 : DType::F32; }
+int chunk_elements(Math math) { return math == Math::BF16 ? 8 : 4; }
+
+void check_tc(const char* name, const Conv2dShape& shape, Math math) {
+  shape.validate();
+  CUDP_CHECK(math != Math::FP32, name, ": Math::FP32 runs on the SIMT kernels");
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CHECK(tensor_cores_available(device), name, ": ", math_name(math),
+             " convolutions need an sm_90 GPU (H100/H200) and a build with its sm_90a kernels; "
+             "device ", device, " has none: use Math::FP32");
+}
+
+// The forward convolution of typed operands whose channel count suits the gather (checked).
+void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
+  const int chunk = chunk_elements(ops.math);
+  CUDP_CHECK(s.c % chunk == 0, "conv (tensor cores): C = ", s.c, " must be a multiple of ", chunk,
+             " for ", math_name(ops.math), " operands; pad the channels with zeros");
+  CUDP_CHECK(ops.x && ops.w && ops.y, "conv (tensor cores): x, w and y must not be null");
+  CUDP_CHECK(aligned16(ops.x) && aligned16(ops.w),
+             "conv (tensor cores): x and w must be 16-byte aligned");
+  MatmulProblem p;
+  p.m = s.n * s.p() * s.q();
+  p.n = s.k;
+  p.k = s.r * s.s * s.c;
+  p.math = ops.math;
+  p.a = ops.x;  // unused by the gather, but keeps the problem's checks meaningful
+  p.lda = p.k;
+  p.b = ops.w;
+  p.ldb = p.k;
+  p.c = ops.y;
+  p.ldc = s.k;
+  p.c_type = ops.y_type;
+  p.bias = ops.bias;
+  p.relu = ops.relu;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const std::string why = matmul_unsupported_reason(p, device);
+  CUDP_CHECK(why.empty(), "conv (tensor cores): ", why);
+  const sm90::ConvGather gather{ops.x,    s.n,        s.h,        s.w,     s.c,    s.p(),
+                                s.q(),    s.r,        s.s,        s.stride_h, s.stride_w,
+                                s.pad_h,  s.pad_w};
+  detail::run_mainloop(p, plan_matmul(p, device), &gather, stream);
+}
+
+// The forward view of backward-data: input dy (c = K padded), k = C, rotated filters.
+Conv2dShape backward_data_view(const Conv2dShape& s, int kp) {
+  CUDP_CHECK(s.stride_h == 1 && s.stride_w == 1,
+             "conv2d_backward_data (tensor cores): only stride 1 is implemented (it runs as the "
+             "forward convolution of dy with rotated filters); use Math::FP32 for strided layers");
+  CUDP_CHECK(s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1,
+             "conv2d_backward_data (tensor cores): padding larger than the filter minus one is not "
+             "implemented; use Math::FP32");
+  Conv2dShape v;
+  v.n = s.n;
+  v.h = s.p();
+  v.w = s.q();
+  v.c = kp;
+  v.k = s.c;
+  v.r = s.r;
+  v.s = s.s;
+  v.pad_h = s.r - 1 - s.pad_h;
+  v.pad_w = s.s - 1 - s.pad_w;
+  return v;
+}
+
+}  // namespace
+
+void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream) {
+  check_tc("conv2d_forward_tc", shape, ops.math);
+  run_forward(shape, ops, stream);
+}
+
+void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
+                             cudaStream_t stream) {
+  check_tc("conv2d_backward_data_tc", shape, ops.math);
+  const int chunk = chunk_elements(ops.math);
+  CUDP_CHECK(shape.k % chunk == 0, "conv2d_backward_data_tc: K = ", shape.k,
+             " must be a multiple of ", chunk, " for ", math_name(ops.math), " operands");
+  CUDP_CHECK(ops.w != nullptr, "conv2d_backward_data_tc: w must not be null");
+  const Conv2dShape view = backward_data_view(shape, shape.k);
+  Scratch scratch(stream);
+  const DType type = operand_type(ops.math);
+  void* rotated = scratch.get(shape.w_size() * dtype_size(type));
+  if (type == DType::BF16) {
+    rotate_filters(static_cast<const __nv_bfloat16*>(ops.w), shape, shape.k, rotated, type, stream);
+  } else {
+    rotate_filters(static_cast<const float*>(ops.w), shape, shape.k, rotated, type, stream);
+  }
+  ConvOperands v = ops;
+  v.w = rotated;
+  v.bias = nullptr;
+  v.relu = false;
+  run_forward(view, v, stream);
+}
+
+namespace detail {
+
+void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float* w,
+                           const float* bias, float* y, bool relu, cudaStream_t stream,
+                           Math math) {
+  check_tc("conv2d_forward", shape, math);
+  CUDP_CHECK(x && w && y, "conv2d_forward: x, w and y must not be null");
+  const DType type = operand_type(math);
+  const int cp = static_cast<int>(round_up(shape.c, chunk_elements(math)));
+  // fp32 operands are used in place when the gather and TMA can read them as they are.
+  const bool direct = type == DType::F32 && cp == shape.c && aligned16(x) && aligned16(w);
+  Scratch scratch(stream);
+  ConvOperands ops{math, x, w, y, DType::F32, bias, relu};
+  if (!direct) {
+    void* xp = scratch.get(int64_t(shape.n) * shape.h * shape.w * cp * dtype_size(type));
+    void* wp = scratch.get(int64_t(shape.k) * shape.r * shape.s * cp * dtype_size(type));
+    pad_channels(x, int64_t(shape.n) * shape.h * shape.w, shape.c, cp, xp, type, stream);
+    pad_channels(w, int64_t(shape.k) * shape.r * shape.s, shape.c, cp, wp, type, stream);
+    ops.x = xp;
+    ops.w = wp;
+  }
+  Conv2dShape padded = shape;
+  padded.c = cp;
+  run_forward(padded, ops, stream);
+}
+
+void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, const float* w,
+                                 float* dx, cudaStream_t stream, Math math) {
+  check_tc("conv2d_backward_data", shape, math);
+  CUDP_CHECK(dy && w && dx, "conv2d_backward_data: dy, w and dx must not be null");
+  const DType type = operand_type(math);
+  const int kp = static_cast<int>(round_up(shape.k, chunk_elements(math)));
+  const Conv2dShape view = backward_data_view(shape, kp);
+  Scratch scratch(stream);
+  void* rotated = scratch.get(int64_t(shape.c) * shape.r * shape.s * kp * dtype_size(type));
+  rotate_filters(w, shape, kp, rotated, type, stream);
+  ConvOperands ops{math, dy, rotated, dx, DType::F32, nullptr, false};
+  if (!(type == DType::F32 && kp == shape.k && aligned16(dy))) {
+    const int64_t pixels = int64_t(shape.n) * shape.p() * shape.q();
+    void* dyp = scratch.get(pixels * kp * dtype_size(type));
+    pad_channels(dy, pixels, shape.k, kp, dyp, type, stream);
+    ops.x = dyp;
+  }
+  run_forward(view, ops, stream);
+}
+
+}  // namespace detail
+}  // namespace cudp::kernels

@@ -1,0 +1,247 @@
+// GPU tests of the tensor-core convolutions (kernels/conv2d.h, Math::BF16 and Math::TF32): forward
+// (with bias and ReLU) and backward-data against the double CPU references on odd shapes (filter
+// sizes, strides, paddings, C = 1 and 3, channel counts that are not multiples of anything) and on
+// VGG-16's layers at small batch; the typed bf16 entry points; poisoned outputs; bitwise
+// determinism; the errors for what is not implemented.
+//
+// Error bound per output, with p_l the R*S*C products of one output (|x|, |w| < 1), the same
+// argument as tests/kernels/matmul_gpu_test.cpp: BF16 products are exact (the CPU reference is fed
+// the bf16-rounded operands), so only the fp32 accumulation errs: 64u·Σ|p| (u = 2^-24). TF32 adds
+// the operand rounding: 2^-9·|Σp| (a possible bias of truncation) + 6·2^-10·sqrt(Σp²), and
+// sqrt(Σp²) <= sqrt(Σ|p|) since |p| < 1. Σ|p| comes from the CPU reference run on |x| and |w|.
+// The relative L2 error over the whole output must also stay within 2^-9 (TF32) or 2^-14 (BF16).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/device_buffer.h"
+#include "common/gpu.h"
+#include "kernels/conv2d.h"
+#include "kernels/layout.h"
+#include "kernels/matmul.h"
+
+namespace cudp::kernels {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::kPoison;
+
+float round_bf16(float v) {
+  const uint32_t wide = uint32_t(detail::f32_to_bf16_bits(v)) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof out);
+  return out;
+}
+
+std::vector<float> operand(size_t n, uint64_t seed, Math math) {
+  std::vector<float> v = testing::random_vector(n, seed);
+  if (math == Math::BF16) {
+    for (float& x : v) x = round_bf16(x);
+  }
+  return v;
+}
+
+std::vector<float> absolute(std::vector<float> v) {
+  for (float& x : v) x = std::fabs(x);
+  return v;
+}
+
+// Checks got against ref elementwise with the bound of the file comment, and the relative L2 error.
+void expect_within_bound(const std::vector<float>& got, const std::vector<float>& ref,
+                         const std::vector<float>& abs_sum, Math math, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  double err2 = 0, ref2 = 0;
+  int64_t bad = 0, worst_at = 0;
+  double worst = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double tol = std::ldexp(64.0, -24) * abs_sum[i] + std::ldexp(1.0, -22) * (std::fabs(ref[i]) + 1);
+    if (math == Math::TF32) {
+      tol += std::ldexp(1.0, -9) * std::fabs(ref[i]) + 6 * std::ldexp(1.0, -10) * std::sqrt(abs_sum[i]);
+    }
+    const double e = std::fabs(double(got[i]) - ref[i]);
+    err2 += e * e;
+    ref2 += double(ref[i]) * ref[i];
+    const double excess = std::isnan(e) ? INFINITY : e / tol;
+    if (excess > 1) ++bad;
+    if (excess > worst) {
+      worst = excess;
+      worst_at = int64_t(i);
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " outputs off; worst at "
+                    << worst_at << ": got " << got[worst_at] << " want " << ref[worst_at] << " ("
+                    << worst << " x tolerance)";
+  const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
+  EXPECT_LE(rel, math == Math::TF32 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -14))
+      << what << ": relative L2 error";
+}
+
+struct Case {
+  const char* name;
+  Conv2dShape shape;
+};
+
+const Case kCases[] = {
+    {"r1_p0", {3, 7, 7, 5, 9, 1, 1, 1, 1, 0, 0}},
+    {"r3_p1", {3, 7, 7, 5, 9, 3, 3, 1, 1, 1, 1}},
+    {"r5_p2", {3, 7, 7, 5, 9, 5, 5, 1, 1, 2, 2}},
+    {"r3_p0", {3, 7, 7, 5, 9, 3, 3, 1, 1, 0, 0}},
+    {"r3_s2_p1", {3, 7, 7, 5, 9, 3, 3, 2, 2, 1, 1}},
+    {"nonsquare", {3, 7, 9, 5, 9, 3, 5, 1, 1, 2, 1}},
+    {"c1", {3, 7, 7, 1, 9, 3, 3, 1, 1, 1, 1}},
+    {"c3_k64", {2, 9, 10, 3, 64, 3, 3, 1, 1, 1, 1}},
+    {"c24_k136", {2, 6, 19, 24, 136, 3, 3, 1, 1, 1, 1}},
+    {"c68_k72", {2, 5, 5, 68, 72, 3, 3, 1, 1, 1, 1}},
+    {"c96_k300", {2, 9, 9, 96, 300, 3, 3, 1, 1, 1, 1}},
+    {"c256_k256_h4", {1, 4, 4, 256, 256, 3, 3, 1, 1, 1, 1}},
+    // VGG-16's channel progression at small batch.
+    {"vgg_c3_k64_h32", {2, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1}},
+    {"vgg_c64_k64_h56", {2, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1}},
+    {"vgg_c64_k128_h28", {2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1}},
+    {"vgg_c128_k256_h14", {2, 14, 14, 128, 256, 3, 3, 1, 1, 1, 1}},
+    {"vgg_c256_k512_h7", {2, 7, 7, 256, 512, 3, 3, 1, 1, 1, 1}},
+    {"vgg_c512_k512_h4", {4, 4, 4, 512, 512, 3, 3, 1, 1, 1, 1}},
+    {"vgg_c512_k512_h2", {8, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}},
+};
+
+struct Param {
+  Case c;
+  Math math;
+};
+
+class Conv2dTcGpu : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    CUDP_REQUIRE_GPU();
+    int device = 0;
+    CUDP_CUDA_CHECK(cudaGetDevice(&device));
+    if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+  }
+};
+
+TEST_P(Conv2dTcGpu, ForwardWithBiasAndRelu) {
+  const auto& [c, math] = GetParam();
+  const Conv2dShape& s = c.shape;
+  const std::vector<float> x = operand(size_t(s.x_size()), 1, math);
+  const std::vector<float> w = operand(size_t(s.w_size()), 2, math);
+  const std::vector<float> bias = testing::random_vector(size_t(s.k), 3);
+  std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
+  conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), ref.data(), true);
+  conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
+  DeviceBuffer<float> dx(x), dw(w), db(bias), dy(size_t(s.y_size()));
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    dy.fill(kPoison);
+    conv2d_forward(s, dx.get(), dw.get(), db.get(), dy.get(), true, nullptr, math);
+    const std::vector<float> got = dy.download();
+    if (run == 0) {
+      expect_within_bound(got, ref, abs_sum, math, std::string("forward ") + c.name);
+      first = got;
+    } else {
+      EXPECT_EQ(std::memcmp(first.data(), got.data(), got.size() * 4), 0) << "not deterministic";
+    }
+  }
+}
+
+TEST_P(Conv2dTcGpu, BackwardData) {
+  const auto& [c, math] = GetParam();
+  const Conv2dShape& s = c.shape;
+  const std::vector<float> dy = operand(size_t(s.y_size()), 4, math);
+  const std::vector<float> w = operand(size_t(s.w_size()), 5, math);
+  DeviceBuffer<float> ddy(dy), dw(w), ddx(size_t(s.x_size()));
+  ddx.fill(kPoison);
+  if (s.stride_h != 1 || s.stride_w != 1) {
+    EXPECT_THROW(conv2d_backward_data(s, ddy.get(), dw.get(), ddx.get(), nullptr, math),
+                 ValueError);
+    return;
+  }
+  std::vector<float> ref(size_t(s.x_size())), abs_sum(size_t(s.x_size()));
+  conv2d_backward_data_cpu(s, dy.data(), w.data(), ref.data());
+  conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), abs_sum.data());
+  conv2d_backward_data(s, ddy.get(), dw.get(), ddx.get(), nullptr, math);
+  expect_within_bound(ddx.download(), ref, abs_sum, math, std::string("backward-data ") + c.name);
+}
+
+std::vector<Param> params() {
+  std::vector<Param> out;
+  for (const Case& c : kCases) {
+    for (Math m : {Math::BF16, Math::TF32}) out.push_back({c, m});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTcGpu, ::testing::ValuesIn(params()), [](const auto& info) {
+  return std::string(info.param.c.name) + "_" + math_name(info.param.math);
+});
+
+// The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
+TEST(Conv2dTcTyped, Bf16InBf16Out) {
+  CUDP_REQUIRE_GPU();
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+  const Conv2dShape s{2, 12, 12, 64, 128, 3, 3, 1, 1, 1, 1};
+  const std::vector<float> x = operand(size_t(s.x_size()), 7, Math::BF16);
+  const std::vector<float> w = operand(size_t(s.w_size()), 8, Math::BF16);
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
+    return b;
+  };
+  DeviceBuffer<uint16_t> dx(bits(x)), dw(bits(w)), dy(size_t(s.y_size())), ddx(size_t(s.x_size()));
+  dy.fill(0xFFFF);
+  ddx.fill(0xFFFF);
+  ConvOperands ops{Math::BF16, dx.get(), dw.get(), dy.get(), DType::BF16, nullptr, false};
+  conv2d_forward_tc(s, ops, nullptr);
+  std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
+  conv2d_forward_cpu(s, x.data(), w.data(), nullptr, ref.data(), false);
+  conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
+  std::vector<float> got;
+  for (uint16_t b : dy.download()) {
+    const uint32_t wide = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    got.push_back(f);
+  }
+  // A bf16 output adds its rounding, 2^-8 relative: compare with that on top of the fp32 bound.
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_LE(std::fabs(got[i] - ref[i]),
+              std::ldexp(1.0, -8) * std::fabs(ref[i]) + std::ldexp(64.0, -24) * abs_sum[i] + 1e-6)
+        << "output " << i;
+  }
+  // Backward-data, typed: dy here is the bf16 y just computed.
+  ConvOperands back{Math::BF16, dy.get(), dw.get(), ddx.get(), DType::BF16, nullptr, false};
+  conv2d_backward_data_tc(s, back, nullptr);
+  std::vector<float> dy_f = got, dref(size_t(s.x_size())), dabs(size_t(s.x_size()));
+  conv2d_backward_data_cpu(s, dy_f.data(), w.data(), dref.data());
+  conv2d_backward_data_cpu(s, absolute(dy_f).data(), absolute(w).data(), dabs.data());
+  const std::vector<uint16_t> dxb = ddx.download();
+  for (size_t i = 0; i < dxb.size(); ++i) {
+    const uint32_t wide = uint32_t(dxb[i]) << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    ASSERT_LE(std::fabs(f - dref[i]),
+              std::ldexp(1.0, -8) * std::fabs(dref[i]) + std::ldexp(64.0, -24) * dabs[i] + 1e-6)
+        << "dx " << i;
+  }
+}
+
+TEST(Conv2dTcTyped, BackwardWeightOnTensorCoresSaysItIsNotImplemented) {
+  CUDP_REQUIRE_GPU();
+  const Conv2dShape s{1, 4, 4, 8, 8, 3, 3, 1, 1, 1, 1};
+  DeviceBuffer<float> x(size_t(s.x_size())), dy(size_t(s.y_size())), dw(size_t(s.w_size()));
+  try {
+    conv2d_backward_weight(s, x.get(), dy.get(), dw.get(), 0.f, nullptr, Math::BF16);
+    FAIL() << "backward-weight with Math::BF16 did not throw";
+  } catch (const ValueError& e) {
+    EXPECT_NE(e.message().find("use Math::FP32"), std::string::npos) << e.message();
+  }
+}
+
+}  // namespace
+}  // namespace cudp::kernels
