@@ -6,7 +6,8 @@
 // operands of the math's type (bf16 tensors with a bf16 output; fp32 tensors for TF32) against
 // cuDNN on the same types with CUDNN_TENSOR_OP_MATH, its fastest algorithm from cudnnFind*Ex. The
 // first layer's 3 input channels are padded to 8 (bf16) or 4 (fp32) for ours, as a layer does;
-// cuDNN reads 3. Backward-weight is not on tensor cores yet: its rows are skipped. Validation:
+// cuDNN reads 3. Backward-weight runs in bf16 only (ours writes fp32 dw, cuDNN bf16); TF32
+// backward-weight is not on tensor cores, so its rows are skipped. Validation:
 // relative L2 distance to cuDNN within 2^-7 (bf16 output: both round to bf16) or 2^-8 (TF32).
 //
 // For every (layer, pass): cuDNN times all its algorithms (cudnnFind*AlgorithmEx, math
@@ -493,35 +494,53 @@ void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, con
   std::printf("layer %d at %d²: %s, %s (%d input copies)\n", layer, input_size,
               shape_text(layer, s).c_str(), math_name(math), copies);
   const DType out_type = bf16 ? DType::BF16 : DType::F32;
-  for (const Pass pass : {Pass::Forward, Pass::BackwardData}) {
+  for (const Pass pass : kPasses) {
     if (pass == Pass::BackwardData && layer == 1) continue;  // the first layer needs no dx
-    const int64_t out_n = pass == Pass::Forward ? s.y_size() : s.x_size();
-    TypedTensor ours(pass == Pass::Forward ? out_n : padded.x_size(), bf16, 0, stream);
+    if (pass == Pass::BackwardWeight && !bf16) continue;    // TF32 backward-weight: not on TCs
+    const int64_t out_n = pass == Pass::Forward ? s.y_size()
+                          : pass == Pass::BackwardData ? s.x_size()
+                                                       : s.w_size();
+    // Ours: y and dx in the math's type; dw in fp32 (weight gradients accumulate in fp32), while
+    // cuDNN's legacy API writes dw in the tensors' type.
+    TypedTensor ours(pass == Pass::BackwardWeight ? padded.w_size() : pass == Pass::Forward ? out_n : padded.x_size(),
+                     pass == Pass::BackwardWeight ? false : bf16, 0, stream);
     TypedTensor theirs(out_n, bf16, 0, stream);
     const auto run_ours = [&](int i) {
       if (pass == Pass::Forward) {
         conv2d_forward_tc(padded, {math, our_x(i), our_w(i), ours.get(), out_type, nullptr, false},
                           stream);
-      } else {
+      } else if (pass == Pass::BackwardData) {
         conv2d_backward_data_tc(s, {math, dy[i].get(), w[i].get(), ours.get(), out_type, nullptr,
                                     false}, stream);
+      } else {
+        conv2d_backward_weight_tc(padded, our_x(i), dy[i].get(), static_cast<float*>(ours.get()),
+                                  0.f, stream);
       }
     };
-    const auto in0 = [&](int i) { return pass == Pass::Forward ? x[i].get() : dy[i].get(); };
+    const auto in0 = [&](int i) { return pass == Pass::BackwardData ? dy[i].get() : x[i].get(); };
+    const auto in1 = [&](int i) { return pass == Pass::BackwardWeight ? dy[i].get() : w[i].get(); };
     CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<Algo> algos =
-        cudnn.find(pass, in0(0), w[0].get(), theirs.get(), workspace, kWorkspaceBytes);
+        cudnn.find(pass, in0(0), in1(0), theirs.get(), workspace, kWorkspaceBytes);
     CUDP_CHECK(!algos.empty(), "cuDNN has no ", pass_name(pass), " algorithm for ",
                shape_text(layer, s));
     run_ours(0);
-    cudnn.run(pass, algos.front(), in0(0), w[0].get(), theirs.get(), workspace);
-    const double apart = rel_l2(ours.download(), theirs.download());
+    cudnn.run(pass, algos.front(), in0(0), in1(0), theirs.get(), workspace);
+    std::vector<float> got = ours.download();
+    if (pass == Pass::BackwardWeight && padded.c != s.c) {  // drop the padding channels
+      std::vector<float> kept;
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (int(i % padded.c) < s.c) kept.push_back(got[i]);
+      }
+      got = kept;
+    }
+    const double apart = rel_l2(got, theirs.download());
     const double bound = bf16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -8);
     const bool valid = apart <= bound;
     std::printf("  %s vs cuDNN algo %d: relative L2 %.2e (bound %.2e) %s\n", pass_name(pass),
                 algos.front().id, apart, bound, valid ? "ok" : "FAIL");
     const auto cudnn_run = [&](int i) {
-      cudnn.run(pass, algos.front(), in0(i % copies), w[i % copies].get(), theirs.get(), workspace);
+      cudnn.run(pass, algos.front(), in0(i % copies), in1(i % copies), theirs.get(), workspace);
     };
     Result r;
     r.input_size = input_size;

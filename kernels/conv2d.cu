@@ -834,6 +834,10 @@ void conv2d_backward_data(const Conv2dShape& shape, const float* dy, const float
 
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
                             float beta, cudaStream_t stream, Math math) {
+  if (math != Math::FP32) {
+    detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math);
+    return;
+  }
   check_call("conv2d_backward_weight", shape, math);
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
   const GemmArgs args = gemm_args(shape, dy, x, dw, {nullptr, beta, false}, shape.k,

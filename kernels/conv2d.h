@@ -70,10 +70,11 @@ void conv2d_backward_weight_cpu(const Conv2dShape& shape, const float* x, const 
 // the kernels need it. The typed entry points below take operands already in the math's type (bf16
 // for BF16, fp32 for TF32): what a bf16 training step and the benchmarks use.
 //
-// Requirements: an sm_90 GPU (tensor_cores_available()); forward and backward-data with any
-// channel counts (they are padded to 16 bytes' worth when they are not); backward-data with stride 1
-// only (it runs as the forward convolution of dy with the filters rotated by 180 degrees and K and C
-// swapped); backward-weight on tensor cores is not implemented yet and throws ValueError.
+// Requirements: an sm_90 GPU (tensor_cores_available()); any channel counts (they are padded to
+// 16 bytes' worth when they are not); backward-data with stride 1 only (it runs as the forward
+// convolution of dy with the filters rotated by 180 degrees and K and C swapped); backward-weight
+// in BF16 only: TF32 wgmma reads only K-major operands, and backward-weight's reduction runs along
+// the rows of x and dy (MN-major), so Math::TF32 throws ValueError there (use BF16 or FP32).
 struct ConvOperands {
   Math math = Math::BF16;
   const void* x = nullptr;  // NHWC input (dy for backward-data)
@@ -93,12 +94,22 @@ void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaSt
 void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
                              cudaStream_t stream);
 
+// dw = beta*dw + dy^T (*) x on tensor cores, bf16 x (C a multiple of 8) and dy (K a multiple of 8),
+// fp32 dw (weight gradients accumulate in fp32); deterministic split over the n*P*Q pixels.
+void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
+                               float beta, cudaStream_t stream);
+
 namespace detail {
 // The float launchers' tensor-core paths (kernels/conv2d_tc.cu).
 void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float* w,
                            const float* bias, float* y, bool relu, cudaStream_t stream, Math math);
 void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, const float* w,
                                  float* dx, cudaStream_t stream, Math math);
+void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
+                                   float* dw, float beta, cudaStream_t stream, Math math);
+// The MN-major descriptor layout the backward-weight kernels use: 0 or 1 forces one for the tests
+// that establish which is right; -1 (the default) is the established one.
+void set_wgrad_descriptor_variant(int variant);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -192,6 +193,54 @@ Conv2dShape backward_data_view(const Conv2dShape& s, int kp) {
   return v;
 }
 
+std::atomic<int> g_wgrad_variant{-1};
+
+// The established MN-major descriptor assignment (see kernels/sm90/matmul_sm90.cuh, kWgrad).
+constexpr bool kWgradAltByDefault = false;
+
+// dw (fp32, K x R x S x C, row stride R*S*C) = beta*dw + dy^T im2col(x), bf16 x and dy.
+void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, float* dw,
+                         float beta, cudaStream_t stream) {
+  CUDP_CHECK(s.c % 8 == 0, "conv2d_backward_weight_tc: C = ", s.c, " must be a multiple of 8");
+  CUDP_CHECK(s.k % 8 == 0, "conv2d_backward_weight_tc: K = ", s.k,
+             " must be a multiple of 8 (16-byte rows of dy for TMA)");
+  CUDP_CHECK(x && dy && dw, "conv2d_backward_weight_tc: x, dy and dw must not be null");
+  CUDP_CHECK(aligned16(x) && aligned16(dy),
+             "conv2d_backward_weight_tc: x and dy must be 16-byte aligned");
+  MatmulProblem p;
+  p.m = s.k;
+  p.n = s.r * s.s * s.c;
+  p.k = s.n * s.p() * s.q();
+  p.math = Math::BF16;
+  p.a = dy;
+  p.lda = s.k;
+  p.c = dw;
+  p.ldc = p.n;
+  p.c_type = DType::F32;
+  p.beta = beta;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const sm90::ConvGather gather{x, s.n, s.h, s.w, s.c, s.p(), s.q(), s.r, s.s,
+                                s.stride_h, s.stride_w, s.pad_h, s.pad_w};
+  const int variant = g_wgrad_variant.load();
+  const bool alt = variant < 0 ? kWgradAltByDefault : variant == 1;
+  detail::run_mainloop(p, plan_matmul(p, device), &gather, stream,
+                       alt ? detail::Feed::WgradAlt : detail::Feed::Wgrad);
+}
+
+// dw[k][r][s][c] = beta*dw + part[k][r][s][c] for c < C, from a part computed with cp channels.
+__global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t rows, int c, int cp,
+                                        float beta, float* __restrict__ dw) {
+  const int64_t total = rows * c;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / c;
+    const int j = static_cast<int>(i - row * c);
+    const float v = part[row * cp + j];
+    dw[i] = beta == 0.f ? v : fmaf(beta, dw[i], v);
+  }
+}
+
 }  // namespace
 
 void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream) {
@@ -222,7 +271,49 @@ void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
   run_forward(view, v, stream);
 }
 
+void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
+                               float beta, cudaStream_t stream) {
+  check_tc("conv2d_backward_weight_tc", shape, Math::BF16);
+  run_backward_weight(shape, x, dy, dw, beta, stream);
+}
+
 namespace detail {
+
+void set_wgrad_descriptor_variant(int variant) { g_wgrad_variant.store(variant); }
+
+void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
+                                   float* dw, float beta, cudaStream_t stream, Math math) {
+  check_tc("conv2d_backward_weight", shape, math);
+  CUDP_CHECK(math == Math::BF16,
+             "conv2d_backward_weight: Math::TF32 is not implemented on tensor cores (TF32 wgmma "
+             "reads only K-major operands; backward-weight's are MN-major): use Math::BF16 or "
+             "Math::FP32");
+  CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
+  const int cp = static_cast<int>(round_up(shape.c, 8));
+  const int kp = static_cast<int>(round_up(shape.k, 8));
+  Scratch scratch(stream);
+  const int64_t pixels_in = int64_t(shape.n) * shape.h * shape.w;
+  const int64_t pixels_out = int64_t(shape.n) * shape.p() * shape.q();
+  void* xb = scratch.get(pixels_in * cp * 2);
+  void* dyb = scratch.get(pixels_out * kp * 2);
+  pad_channels(x, pixels_in, shape.c, cp, xb, DType::BF16, stream);
+  pad_channels(dy, pixels_out, shape.k, kp, dyb, DType::BF16, stream);
+  Conv2dShape padded = shape;
+  padded.c = cp;
+  padded.k = kp;
+  if (cp == shape.c && kp == shape.k) {
+    run_backward_weight(padded, xb, dyb, dw, beta, stream);
+    return;
+  }
+  // Padded channels: compute the padded gradient, then keep its first C channels of the first K
+  // filters.
+  const int64_t rows = int64_t(kp) * shape.r * shape.s;
+  float* part = static_cast<float*>(scratch.get(rows * cp * 4));
+  run_backward_weight(padded, xb, dyb, part, 0.f, stream);
+  const int64_t keep = int64_t(shape.k) * shape.r * shape.s;
+  launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(keep * shape.c), 256, 0,
+         stream, part, keep, shape.c, cp, beta, dw);
+}
 
 void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float* w,
                            const float* bias, float* y, bool relu, cudaStream_t stream,

@@ -27,6 +27,8 @@ namespace {
 
 constexpr int kTileM = 128;
 constexpr int kMaxSplits = 16;
+constexpr int kMaxSplitsLongK = 128;  // when k is far longer than m and n (backward-weight)
+constexpr int64_t kMaxWorkspaceBytes = int64_t(256) << 20;
 
 struct DeviceInfo {
   int major = 0, minor = 0, sms = 0;
@@ -239,10 +241,12 @@ MatmulPlan plan_matmul(const MatmulProblem& p, int device) {
   const int sms = device_info(device).sms;
   MatmulPlan best;
   double best_time = INFINITY;
+  const int max_splits = int64_t(p.k) > 16 * int64_t(std::max(p.m, p.n)) ? kMaxSplitsLongK : kMaxSplits;
   for (int tile_n : {256, 128, 64}) {
-    for (int splits = 1; splits <= kMaxSplits; ++splits) {
+    for (int splits = 1; splits <= max_splits; ++splits) {
       const MatmulPlan plan = make_matmul_plan(p, tile_n, splits, sms);
       if (plan.splits != splits) break;  // more splits than k blocks
+      if (matmul_workspace_bytes(p, plan) > kMaxWorkspaceBytes) break;
       const double t = estimate(p, tile_n, splits, sms);
       if (t < best_time) {
         best_time = t;
@@ -265,7 +269,7 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
 namespace detail {
 
 void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::ConvGather* conv,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, Feed feed) {
   if (p.m == 0 || p.n == 0) return;
   if (p.k == 0) {  // no products: C = epilogue(0)
     splitk_reduce(p, nullptr, 0, stream);
@@ -279,7 +283,10 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   }
   try {
     const bool bf16 = p.math == Math::BF16;
-    if (conv != nullptr) {
+    if (feed == Feed::Wgrad || feed == Feed::WgradAlt) {
+      CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
+      sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt);
+    } else if (conv != nullptr) {
       bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
     } else {
       bf16 ? sm90::matmul_bf16(p, plan, ws, stream) : sm90::matmul_tf32(p, plan, ws, stream);
@@ -293,6 +300,7 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
 #else
   (void)plan;
   (void)conv;
+  (void)feed;
   CUDP_CHECK(false, "this build of cudp has no sm_90a kernels");
 #endif
 }

@@ -91,10 +91,18 @@ struct ConvGather;
 
 namespace detail {
 
-// Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop (A by TMA, or
-// gathered as im2col when `conv` is given), the split-K reduction.
+// How the mainloop's operands are fed (kernels/sm90/matmul_sm90.cuh):
+//   Tma      A and B by TMA, K-major (matmul);
+//   Im2col   A gathered as im2col of conv->x, B (filters) by TMA (forward, backward-data);
+//   Wgrad    backward-weight, bf16: A = dy (problem.a, pixels x K) by TMA, B = im2col(conv->x)
+//            gathered, both MN-major; WgradAlt swaps the MN-major descriptor offsets (a test of
+//            which layout the hardware wants; see the tests).
+enum class Feed { Tma, Im2col, Wgrad, WgradAlt };
+
+// Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
+// reduction.
 void run_mainloop(const MatmulProblem& problem, const MatmulPlan& plan,
-                  const sm90::ConvGather* conv, cudaStream_t stream);
+                  const sm90::ConvGather* conv, cudaStream_t stream, Feed feed = Feed::Tma);
 
 // The multiprocessor count of `device`, read once and cached (launch paths make no driver queries).
 int multiprocessor_count(int device);

@@ -108,10 +108,19 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 // A shared-memory matrix descriptor for a K-major operand in 128-byte-swizzled 8-row atoms:
 // start address, leading-byte offset 16 (unused by this layout), stride-byte offset 1024 (from one
 // 8-row atom to the next), swizzle mode 1 (128 B).
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) |
-         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t leading = 16,
+                                                    uint32_t stride = 1024) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(leading >> 4) << 16) |
+         (uint64_t(stride >> 4) << 32) | (uint64_t(1) << 62);
 }
+
+// What feeds A and B:
+//   kGemm   A and B by TMA, both K-major;
+//   kConv_  A gathered as im2col by the producer warpgroup (forward, backward-data), B by TMA;
+//   kWgrad  backward-weight: A = dy^T by TMA and B = im2col(x)^T gathered, both MN-major (the
+//           reduction runs over output pixels, which are the rows of both tensors); bf16 only.
+// kWgradAlt swaps the two byte offsets of the MN-major descriptors (see wgrad_descriptor).
+enum Mode : int { kGemm = 0, kConv_ = 1, kWgrad = 2, kWgradAlt = 3 };
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -219,67 +228,145 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
   }
 }
 
-// One producer thread's share of an im2col k-block: row `row` of the A tile (an output pixel), its
-// 128 bytes of k as 8 chunks of 16 bytes (8 bf16 or 4 fp32 channels of one input pixel: C is a
-// multiple of that), each copied with cp.async into its 128-byte-swizzled place (chunk j of row
-// r lands at chunk j ^ (r % 8), the layout TMA writes and wgmma reads), zero-filled where the
-// filter hangs over the padding, past the last pixel or past R*S*C. (r, s, c) is where the k-block
-// starts; it is advanced here, chunk by chunk, so the loop needs no division.
+// The producer warpgroup's im2col gather of one A k-block: 128 rows (output pixels) of 128 bytes
+// (8 chunks of 16 bytes: 8 bf16 or 4 fp32 channels of one input pixel, C being a multiple of that).
+// Thread t copies chunk j = t % 8 of rows t / 8 + 16 i (i = 0..7), so the 8 threads of a row read
+// its 128 contiguous bytes together and a warp's copy touches 4 cache lines, not 32. Each chunk
+// goes with cp.async to its 128-byte-swizzled place (chunk j of row r at j ^ (r % 8): the layout
+// TMA writes and wgmma reads), zero-filled where the filter hangs over the padding, past the last
+// pixel or past R*S*C. The thread's chunk has one reduction position (r, s, c) for all its rows,
+// advanced by a k-block per call without division.
 template <typename Elem>
-struct Im2colRow {
+struct Im2colGather {
   static constexpr int kChunk = 16 / int(sizeof(Elem));  // elements per 16-byte chunk
-  const Elem* pixel0;  // x + image offset, or null for a row past the end
-  int h0, w0;          // the input position of filter tap (0, 0)
-  int r, s, c;         // the current reduction position
+  static constexpr int kBlockK = kRowBytes / int(sizeof(Elem));
+  int nh[8], h0[8], w0[8];  // per row: image * H + h0, and the input position of tap (0, 0)
+  int r, s, c;              // this thread's chunk's reduction position
 
-  __device__ __forceinline__ void init(const ConvGather& g, int row, int m, int k_begin) {
-    if (row < m) {
-      const int pq = g.p * g.q;
-      const int img = row / pq;
-      const int rem = row - img * pq;
-      const int op = rem / g.q, oq = rem - op * g.q;
-      pixel0 = static_cast<const Elem*>(g.x) + int64_t(img) * g.h * g.w * g.c;
-      h0 = op * g.stride_h - g.pad_h;
-      w0 = oq * g.stride_w - g.pad_w;
-    } else {
-      pixel0 = nullptr;
-      h0 = w0 = 0;
+  __device__ __forceinline__ void init(const ConvGather& g, int tile_row0, int m, int k_begin) {
+    const int pq = g.p * g.q;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int row = tile_row0 + threadIdx.x / 8 + 16 * i;
+      if (row < m) {
+        const int img = row / pq;
+        const int rem = row - img * pq;
+        const int op = rem / g.q, oq = rem - op * g.q;
+        h0[i] = op * g.stride_h - g.pad_h;
+        w0[i] = oq * g.stride_w - g.pad_w;
+        nh[i] = img * g.h + h0[i];
+      } else {
+        h0[i] = -(1 << 30);  // every tap falls outside: zeros
+        w0[i] = 0;
+        nh[i] = 0;
+      }
     }
-    const int rs = k_begin / g.c;
-    c = k_begin - rs * g.c;
+    const int k = k_begin + (threadIdx.x % 8) * kChunk;
+    const int rs = k / g.c;
+    c = k - rs * g.c;
     r = rs / g.s;
     s = rs - r * g.s;
   }
 
-  __device__ __forceinline__ void load(const ConvGather& g, uint32_t dst_row, int row_in_tile) {
+  __device__ __forceinline__ void load(const ConvGather& g, uint32_t stage) {
+    const int j = threadIdx.x % 8;
+    const int row0 = threadIdx.x / 8;
+    const uint32_t dst0 = stage + row0 * kRowBytes + ((j ^ (row0 & 7)) << 4);  // rows differ by 16
+    const Elem* x = static_cast<const Elem*>(g.x);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int h = h0 + r, w = w0 + s;
-      const bool inside = pixel0 != nullptr && r < g.r && h >= 0 && h < g.h && w >= 0 && w < g.w;
-      const Elem* src = inside ? pixel0 + (int64_t(h) * g.w + w) * g.c + c
-                               : static_cast<const Elem*>(g.x);
-      const uint32_t dst = dst_row + ((j ^ (row_in_tile & 7)) << 4);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                   "r"(inside ? 16 : 0)
+    for (int i = 0; i < 8; ++i) {
+      const int h = h0[i] + r, w = w0[i] + s;
+      const bool inside = r < g.r && unsigned(h) < unsigned(g.h) && unsigned(w) < unsigned(g.w);
+      const Elem* src = inside ? x + (int64_t(nh[i] + r) * g.w + w) * g.c + c : x;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst0 + i * 16 * kRowBytes),
+                   "l"(src), "r"(inside ? 16 : 0)
                    : "memory");
-      c += kChunk;
-      if (c >= g.c) {
-        c = 0;
-        if (++s == g.s) {
-          s = 0;
-          ++r;
-        }
+    }
+    c += kBlockK;
+    while (c >= g.c) {
+      c -= g.c;
+      if (++s == g.s) {
+        s = 0;
+        ++r;
       }
     }
   }
 };
 
-template <typename Elem, int kTileN, bool kConv>
+// The producer warpgroup's gather of one B k-block for backward-weight: 64 reduction rows (output
+// pixels m) by kTileN columns (taps (r, s) x channels c, c fastest), stored MN-major as kTileN / 64
+// slabs of 64 rows x 128 bytes, each row 64 consecutive columns, 128-byte swizzled. Thread t copies
+// chunk j = t % 8 of rows t / 8 + 16 i (i = 0..3) of every slab; its chunk's columns, hence taps,
+// are fixed for the tile, and only the pixels move with the k-block.
+template <int kTileN>
+struct WgradGather {
+  static constexpr int kSlabs = kTileN / 64;
+  int r[kSlabs], s[kSlabs], c[kSlabs];  // this thread's chunk's tap and channel per slab (r = big:
+                                        // the column is past R*S*C)
+
+  __device__ __forceinline__ void init(const ConvGather& g, int col0) {
+    const int j = threadIdx.x % 8;
+#pragma unroll
+    for (int b = 0; b < kSlabs; ++b) {
+      const int col = col0 + 64 * b + 8 * j;
+      const int rs = col / g.c;
+      c[b] = col - rs * g.c;
+      r[b] = rs / g.s;
+      s[b] = rs - r[b] * g.s;
+      if (r[b] >= g.r) r[b] = 1 << 29;
+    }
+  }
+
+  __device__ __forceinline__ void load(const ConvGather& g, uint32_t stage, int m0, int m) {
+    const int j = threadIdx.x % 8;
+    const int row0 = threadIdx.x / 8;
+    const uint32_t dst0 = stage + row0 * kRowBytes + ((j ^ (row0 & 7)) << 4);
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(g.x);
+    const int pq = g.p * g.q;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = m0 + row0 + 16 * i;
+      int img = 0, h0 = -(1 << 30), w0 = 0;
+      if (row < m) {
+        img = row / pq;
+        const int rem = row - img * pq;
+        const int op = rem / g.q, oq = rem - op * g.q;
+        h0 = op * g.stride_h - g.pad_h;
+        w0 = oq * g.stride_w - g.pad_w;
+      }
+#pragma unroll
+      for (int b = 0; b < kSlabs; ++b) {
+        const int h = h0 + r[b], w = w0 + s[b];
+        const bool inside = unsigned(h) < unsigned(g.h) && unsigned(w) < unsigned(g.w);
+        const __nv_bfloat16* src =
+            inside ? x + ((int64_t(img) * g.h + h) * g.w + w) * g.c + c[b] : x;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                         dst0 + b * 64 * kRowBytes + i * 16 * kRowBytes),
+                     "l"(src), "r"(inside ? 16 : 0)
+                     : "memory");
+      }
+    }
+  }
+};
+
+// MN-major descriptors of backward-weight: 8-row groups along k are 1024 bytes apart and 64-wide
+// slabs along m/n 8 KiB apart. Which of the descriptor's two offsets holds which stride for
+// MN-major operands is the question kWgradAlt answers on the device (the tests run both).
+template <int kMode>
+__device__ __forceinline__ uint64_t wgrad_descriptor(uint32_t addr) {
+  return kMode == kWgrad ? smem_descriptor(addr, 64 * kRowBytes, 1024)
+                         : smem_descriptor(addr, 1024, 64 * kRowBytes);
+}
+
+template <typename Elem, int kTileN, int kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_kernel(const __grid_constant__ CUtensorMap map_a,
                   const __grid_constant__ CUtensorMap map_b, const MainloopParams p,
                   const ConvGather g) {
   using Cfg = Config<Elem, kTileN>;
+  constexpr bool kConv = kMode == kConv_;
+  constexpr bool kWgradMode = kMode == kWgrad || kMode == kWgradAlt;
+  constexpr bool kGathers = kConv || kWgradMode;
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
   const uint32_t raw = smem_addr(shared_raw);
@@ -292,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      mbar_init(full_bar(s), kConv ? 1 + 128 : 1);  // + one cp.async arrival per producer thread
+      mbar_init(full_bar(s), kGathers ? 1 + 128 : 1);  // + a cp.async arrival per producer thread
       mbar_init(empty_bar(s), kConsumers * 4);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -302,17 +389,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int work_items = p.tiles_m * p.tiles_n * p.splits;
   const int warpgroup = threadIdx.x / 128;
 
-  if (warpgroup == 0 && kConv) {
-    // All 128 producer threads gather A, one row each; thread 0 also loads B with TMA.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    const int row_in_tile = threadIdx.x;
+  if (warpgroup == 0 && kWgradMode) {
+    // Thread 0 loads A (dy: 64 pixels x 64 output channels per consumer) with TMA; all 128 gather B.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
     int stage = 0, phase = 0;
     for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
       const WorkItem w = work_item(p, index);
       const int kb_begin = w.split * p.k_blocks_per_split;
       const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
-      Im2colRow<Elem> row;
-      row.init(g, w.tile_m * kTileM + row_in_tile, p.m, kb_begin * Cfg::kBlockK);
+      WgradGather<kTileN> gather;
+      gather.init(g, w.tile_n * kTileN);
+      for (int kb = kb_begin; kb < kb_end; ++kb) {
+        mbar_wait(empty_bar(stage), phase ^ 1);
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(full_bar(stage), Cfg::kStageBytesA);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            tma_load_2d(stages_a + stage * Cfg::kStageBytesA + half * 64 * kRowBytes, &map_a,
+                        full_bar(stage), w.tile_m * kTileM + 64 * half, kb * 64);
+          }
+        }
+        gather.load(g, stages_b + stage * Cfg::kStageBytesB, kb * 64, p.k);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_bar(stage))
+                     : "memory");
+        if (++stage == Cfg::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else if (warpgroup == 0 && kConv) {
+    // All 128 producer threads gather A, one row each; thread 0 also loads B with TMA.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
+    int stage = 0, phase = 0;
+    for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+      const WorkItem w = work_item(p, index);
+      const int kb_begin = w.split * p.k_blocks_per_split;
+      const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+      Im2colGather<Elem> gather;
+      gather.init(g, w.tile_m * kTileM, p.m, kb_begin * Cfg::kBlockK);
       for (int kb = kb_begin; kb < kb_end; ++kb) {
         mbar_wait(empty_bar(stage), phase ^ 1);
         if (threadIdx.x == 0) {
@@ -320,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                       kb * Cfg::kBlockK, w.tile_n * kTileN);
         }
-        row.load(g, stages_a + stage * Cfg::kStageBytesA + row_in_tile * kRowBytes, row_in_tile);
+        gather.load(g, stages_a + stage * Cfg::kStageBytesA);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full_bar(stage))
                      : "memory");
         if (++stage == Cfg::kStages) {
@@ -353,8 +469,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    if constexpr (kConv) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    if constexpr (kGathers) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     }
@@ -370,14 +486,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kb = kb_begin; kb < kb_end; ++kb) {
         mbar_wait(full_bar(stage), phase);
         // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
-        if constexpr (kConv) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
         const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
         wgmma_fence();
+        if constexpr (kWgradMode) {
+          // MN-major: a k16 step is 16 rows of 128 bytes further.
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
-          Mma<Elem, kTileN>::mma(acc, smem_descriptor(a + 32 * kk), smem_descriptor(b + 32 * kk),
-                                 kb > kb_begin || kk > 0);
+          for (int kk = 0; kk < 4; ++kk) {
+            WgmmaBf16MN<kTileN>::mma(acc, wgrad_descriptor<kMode>(a + 16 * kRowBytes * kk),
+                                     wgrad_descriptor<kMode>(b + 16 * kRowBytes * kk),
+                                     kb > kb_begin || kk > 0);
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
+            Mma<Elem, kTileN>::mma(acc, smem_descriptor(a + 32 * kk), smem_descriptor(b + 32 * kk),
+                                   kb > kb_begin || kk > 0);
+          }
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -408,6 +534,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 CUtensorMap encode_k_major(const void* ptr, CUtensorMapDataType type, int elem_bytes, int rows,
                            int cols, int64_t ld, int box_rows);
 
+inline void check_launch() { CUDP_CUDA_CHECK(cudaGetLastError()); }
+
 // Raises the kernel's shared-memory limit once per device.
 void allow_shared_memory(const void* kernel, int bytes);
 
@@ -415,16 +543,21 @@ void allow_shared_memory(const void* kernel, int bytes);
 // prob.a / prob.lda are unused; prob.m must be n*P*Q and prob.k R*S*C.
 template <typename Elem, int kTileN>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
-                     cudaStream_t stream, const ConvGather* conv = nullptr) {
+                     cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm) {
   using Cfg = Config<Elem, kTileN>;
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
       kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  // Backward-weight reads A = dy as it lies (pixels x output channels): 64 x 64 boxes.
   const CUtensorMap map_a =
-      conv ? CUtensorMap{}
-           : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      mode == kWgrad || mode == kWgradAlt
+          ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
+      : conv ? CUtensorMap{}
+             : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
-      encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+      mode == kWgrad || mode == kWgradAlt
+          ? CUtensorMap{}
+          : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -439,16 +572,21 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.c_is_bf16 = prob.c_type == DType::BF16;
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
   p.workspace = workspace;
-  if (conv) {
-    auto* kernel = &matmul_kernel<Elem, kTileN, true>;
+  const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
-    kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, *conv);
-  } else {
-    auto* kernel = &matmul_kernel<Elem, kTileN, false>;
-    allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
-    kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, ConvGather{});
+    kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, g);
+  };
+  if constexpr (kBf16) {
+    if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
+    if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
   }
-  CUDP_CUDA_CHECK(cudaGetLastError());
+  CUDP_CHECK(mode == kGemm || mode == kConv_, "matmul: mode ", mode, " needs bf16 operands");
+  if (conv) {
+    run(&matmul_kernel<Elem, kTileN, kConv_>, *conv);
+  } else {
+    run(&matmul_kernel<Elem, kTileN, kGemm>, ConvGather{});
+  }
+  check_launch();
 }
 
 }  // namespace cudp::kernels::sm90

@@ -31,6 +31,11 @@ void conv_bf16(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
                float* workspace, cudaStream_t stream);
 
+// Backward-weight (bf16): problem is dw = dy^T im2col(x) (m = K, n = R*S*C, k = n*P*Q, A = dy
+// with lda = K); `alt` selects the other assignment of the MN-major descriptor offsets.
+void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
+                     float* workspace, cudaStream_t stream, bool alt);
+
 // Blocks that fit on one SM for the kernels above (1: they use most of the shared memory).
 constexpr int kBlocksPerSm = 1;
 

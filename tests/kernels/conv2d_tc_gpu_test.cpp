@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -231,16 +232,79 @@ TEST(Conv2dTcTyped, Bf16InBf16Out) {
   }
 }
 
-TEST(Conv2dTcTyped, BackwardWeightOnTensorCoresSaysItIsNotImplemented) {
-  CUDP_REQUIRE_GPU();
-  const Conv2dShape s{1, 4, 4, 8, 8, 3, 3, 1, 1, 1, 1};
-  DeviceBuffer<float> x(size_t(s.x_size())), dy(size_t(s.y_size())), dw(size_t(s.w_size()));
-  try {
-    conv2d_backward_weight(s, x.get(), dy.get(), dw.get(), 0.f, nullptr, Math::BF16);
-    FAIL() << "backward-weight with Math::BF16 did not throw";
-  } catch (const ValueError& e) {
-    EXPECT_NE(e.message().find("use Math::FP32"), std::string::npos) << e.message();
+// Backward-weight (bf16): dw = beta*dw + dy^T (*) x, compared like the other passes (the reduction
+// runs over the n*P*Q pixels; Σ|p| from the reference on |x| and |dy|), with beta = 0 and 1.
+void check_backward_weight(const Conv2dShape& s, float beta, const std::string& what) {
+  const std::vector<float> x = operand(size_t(s.x_size()), 11, Math::BF16);
+  const std::vector<float> dy = operand(size_t(s.y_size()), 12, Math::BF16);
+  const std::vector<float> dw0 = testing::random_vector(size_t(s.w_size()), 13);
+  std::vector<float> ref = dw0, abs_sum(size_t(s.w_size()));
+  conv2d_backward_weight_cpu(s, x.data(), dy.data(), ref.data(), beta);
+  conv2d_backward_weight_cpu(s, absolute(x).data(), absolute(dy).data(), abs_sum.data(), 0.f);
+  for (size_t i = 0; i < abs_sum.size(); ++i) abs_sum[i] += std::fabs(beta * dw0[i]);
+  DeviceBuffer<float> dx(x), ddy(dy), ddw(beta != 0.f ? dw0 : std::vector<float>(dw0.size(), kPoison));
+  conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), beta, nullptr, Math::BF16);
+  expect_within_bound(ddw.download(), ref, abs_sum, Math::BF16, what);
+}
+
+TEST_P(Conv2dTcGpu, BackwardWeight) {
+  const auto& [c, math] = GetParam();
+  const Conv2dShape& s = c.shape;
+  if (math == Math::TF32) {
+    DeviceBuffer<float> x(size_t(s.x_size())), dy(size_t(s.y_size())), dw(size_t(s.w_size()));
+    try {
+      conv2d_backward_weight(s, x.get(), dy.get(), dw.get(), 0.f, nullptr, Math::TF32);
+      FAIL() << "backward-weight with Math::TF32 did not throw";
+    } catch (const ValueError& e) {
+      EXPECT_NE(e.message().find("use Math::BF16 or Math::FP32"), std::string::npos) << e.message();
+    }
+    return;
   }
+  check_backward_weight(s, 0.f, std::string("backward-weight ") + c.name);
+  check_backward_weight(s, 1.f, std::string("backward-weight beta 1 ") + c.name);
+}
+
+// Which byte offset of an MN-major wgmma descriptor holds the stride between 8-row groups along k
+// and which the stride between 64-wide slabs along m/n: the kernels assume one assignment
+// (kWgradAltByDefault in kernels/conv2d_tc.cu); this test shows that exactly that one computes
+// the right product on this GPU, so a wrong assumption cannot pass silently.
+TEST(Conv2dTcTyped, WgradDescriptorLayout) {
+  CUDP_REQUIRE_GPU();
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+  const Conv2dShape s{2, 12, 12, 128, 128, 3, 3, 1, 1, 1, 1};
+  const std::vector<float> x = operand(size_t(s.x_size()), 21, Math::BF16);
+  const std::vector<float> dy = operand(size_t(s.y_size()), 22, Math::BF16);
+  std::vector<float> ref(size_t(s.w_size()));
+  conv2d_backward_weight_cpu(s, x.data(), dy.data(), ref.data(), 0.f);
+  DeviceBuffer<float> dx(x), ddy(dy), ddw(size_t(s.w_size()));
+  double rel[2];
+  for (int variant : {0, 1}) {
+    detail::set_wgrad_descriptor_variant(variant);
+    ddw.fill(kPoison);
+    conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 0.f, nullptr, Math::BF16);
+    const std::vector<float> got = ddw.download();
+    double e = 0, r = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      e += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+      r += double(ref[i]) * ref[i];
+    }
+    rel[variant] = std::sqrt(e / r);
+  }
+  detail::set_wgrad_descriptor_variant(-1);
+  std::printf("relative L2 error of backward-weight: descriptor variant 0 %.3g, variant 1 %.3g\n",
+              rel[0], rel[1]);
+  EXPECT_TRUE((rel[0] < 1e-4) != (rel[1] < 1e-4)) << "exactly one layout should be right";
+  DeviceBuffer<float> again(size_t(s.w_size()));
+  conv2d_backward_weight(s, dx.get(), ddy.get(), again.get(), 0.f, nullptr, Math::BF16);
+  const std::vector<float> got = again.download();
+  double e = 0, r = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    e += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+    r += double(ref[i]) * ref[i];
+  }
+  EXPECT_LT(std::sqrt(e / r), 1e-4) << "the default descriptor layout is the wrong one";
 }
 
 }  // namespace
