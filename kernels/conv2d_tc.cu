@@ -133,11 +133,7 @@ int chunk_elements(Math math) { return math == Math::BF16 ? 8 : 4; }
 void check_tc(const char* name, const Conv2dShape& shape, Math math) {
   shape.validate();
   CUDP_CHECK(math != Math::FP32, name, ": Math::FP32 runs on the SIMT kernels");
-  int device = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  CUDP_CHECK(tensor_cores_available(device), name, ": ", math_name(math),
-             " convolutions need an sm_90 GPU (H100/H200) and a build with its sm_90a kernels; "
-             "device ", device, " has none: use Math::FP32");
+  detail::require_tensor_cores(name, math);
 }
 
 // The forward convolution of typed operands whose channel count suits the gather (checked).

@@ -318,9 +318,30 @@ namespace detail {
 
 int multiprocessor_count(int device) { return device_info(device).sms; }
 
+int require_tensor_cores(const char* what, Math math) {
+  int device = 0;
+  const cudaError_t status = cudaGetDevice(&device);
+  int count = 0;
+  if (status != cudaSuccess || cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    CUDP_CHECK(false, what, ": Math::", math_name(math),
+               " runs on tensor cores and needs an sm_90 GPU (H100/H200), but no CUDA device is "
+               "usable here (", cudaGetErrorString(status), "); use Math::FP32");
+  }
+  if (!tensor_cores_available(device)) {
+    const DeviceInfo& info = device_info(device);
+    CUDP_CHECK(false, what, ": Math::", math_name(math),
+               " runs on tensor cores and needs an sm_90 GPU (H100/H200) and a build with its "
+               "sm_90a kernels; device ", device, " is sm_", info.major, info.minor,
+               ": use Math::FP32");
+  }
+  return device;
+}
+
 void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                        const float* A, int lda, const float* B, int ldb, float beta, float* C,
                        int ldc, cudaStream_t stream, Math math) {
+  require_tensor_cores("gemm", math);
   const DType type = math == Math::BF16 ? DType::BF16 : DType::F32;
   const int esize = dtype_size(type);
   if (alpha == 0.f) k = 0;  // BLAS: A and B are not read

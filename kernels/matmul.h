@@ -104,6 +104,11 @@ enum class Feed { Tma, Im2col, Wgrad, WgradAlt };
 void run_mainloop(const MatmulProblem& problem, const MatmulPlan& plan,
                   const sm90::ConvGather* conv, cudaStream_t stream, Feed feed = Feed::Tma);
 
+// Throws ValueError unless the current device can run tensor-core math (an sm_90 GPU and a build
+// with the sm_90a kernels): "<what>: <math> runs on tensor cores and needs an sm_90 GPU ...; use
+// Math::FP32". Returns the current device.
+int require_tensor_cores(const char* what, Math math);
+
 // The multiprocessor count of `device`, read once and cached (launch paths make no driver queries).
 int multiprocessor_count(int device);
 

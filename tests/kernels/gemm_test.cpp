@@ -1,6 +1,7 @@
 // Host tests of the GEMM (kernels/gemm.h) that need no GPU: the CPU reference against hand-computed
 // values and an independent triple loop, the argument checks of gemm_cpu() and gemm(), and the
 // plans (tile height, split-K) that gemm() would choose.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -179,21 +180,27 @@ TEST(GemmCpu, ArgumentErrorsThrowValueError) {
                      "gemm: C is null");
 }
 
-// gemm() checks everything before it touches the GPU, so these run on machines without one.
-TEST(Gemm, RejectsUnimplementedMathModes) {
+// Tensor-core math (TF32, BF16) needs an sm_90 GPU: without one, gemm() says so and what to use
+// instead, before touching memory. (With one, tests/kernels/matmul_gpu_test.cpp runs it.)
+TEST(Gemm, TensorCoreMathWithoutAnSm90GpuSaysWhatToUse) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0) {
+      GTEST_SKIP() << "an sm_90 GPU is present: the GPU tests cover tensor-core math";
+    }
+  }
+  cudaGetLastError();
   std::vector<float> a(4, 1.f), b(4, 1.f), c(4, 0.f);
-  expect_value_error(
-      [&] {
-        gemm(false, false, 2, 2, 2, 1.f, a.data(), 2, b.data(), 2, 0.f, c.data(), 2, nullptr,
-             Math::TF32);
-      },
-      "gemm: math tf32 is not implemented yet; use Math::FP32");
-  expect_value_error(
-      [&] {
-        gemm(false, false, 2, 2, 2, 1.f, a.data(), 2, b.data(), 2, 0.f, c.data(), 2, nullptr,
-             Math::BF16);
-      },
-      "gemm: math bf16 is not implemented yet; use Math::FP32");
+  for (const Math math : {Math::TF32, Math::BF16}) {
+    try {
+      gemm(false, false, 2, 2, 2, 1.f, a.data(), 2, b.data(), 2, 0.f, c.data(), 2, nullptr, math);
+      ADD_FAILURE() << "no error for math " << math_name(math);
+    } catch (const ValueError& e) {
+      EXPECT_NE(e.message().find("needs an sm_90 GPU"), std::string::npos) << e.message();
+      EXPECT_NE(e.message().find("use Math::FP32"), std::string::npos) << e.message();
+    }
+  }
 }
 
 TEST(Gemm, ChecksArgumentsBeforeLaunching) {
