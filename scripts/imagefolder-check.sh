@@ -98,4 +98,4 @@ for j in 1 $(nproc); do
     --batch-size 128 --gpus 0 -j "$j" --limit-train 1024 --limit-test 128 | tee "$work/train224-j$j.log" |
     grep -E "^data:|^epoch 1/1:" | sed "s/^/-j $j: /"
 done
-echo "decoded img/s = 2200 images / the seconds on each 'data:' line (one worker, then all)"
+echo "decoding speed: the img/s on each data: line above (one worker, then all)"

@@ -1,9 +1,11 @@
-// cudp-vgg: trains a VGG on Fashion-MNIST (the default), MNIST, CIFAR-10 or generated data, on every
-// visible GPU (or the ones given), with the data-parallel engine. The program most users run first.
+// cudp-vgg: trains a VGG on Fashion-MNIST (the default), MNIST, CIFAR-10, an ImageFolder of your own
+// JPEGs and PNGs (data/image_folder.h) or generated data, on every visible GPU (or the ones given),
+// with the data-parallel engine. The program most users run first.
 //
 //   cudp-vgg                                       # VGG-16-BN, Fashion-MNIST, all GPUs, 10 epochs
 //   cudp-vgg --gpus 0 --epochs 2 --output runs/a   # run folder: metrics.csv, curves.png, checkpoints
 //   cudp-vgg --resume runs/a --epochs 4            # continues exactly where the checkpoint stopped
+//   cudp-vgg --data folder --data-dir pets --image-size 224   # pets/train/<class>/, pets/val/...
 //   cudp-vgg --data synthetic --arch vgg11 --epochs 1 --limit-train 64 --limit-test 32
 //            --batch-size 32                       # a CI smoke run on the CPU (the CPU references
 //                                                  # train a few images per second)
@@ -143,9 +145,14 @@ Data load_data(const Options& o) {
     d.train = data::load_image_folder(train.string(), f, "folder/train");
     f.classes = data::image_folder_classes(train.string());  // the test labels follow train's
     d.test = data::load_image_folder(test.string(), f, "folder/" + test.filename().string());
+    const double seconds = seconds_since(start);
+    char rate[96];
+    std::snprintf(rate, sizeof rate, "%.1f s, %.0f img/s on %lld worker(s)", seconds,
+                  static_cast<double>(d.train.size() + d.test.size()) / seconds,
+                  static_cast<long long>(o.workers));
     d.description = detail::str("images from ", o.data_dir, " (", d.train.num_classes,
                                 " classes, decoded and resized to ", o.image_size, "x",
-                                o.image_size, " in ", seconds_since(start), " s)");
+                                o.image_size, " in ", rate, ")");
   } else if (o.data == "cifar10") {
     const std::string dir = o.data_dir.empty() ? "cifar-10-batches-bin" : o.data_dir;
     if (!fs::is_directory(dir)) absent(o, dir);

@@ -8,8 +8,18 @@
 // (default) and cosine schedules interrupted by --stop-after 2 (what a killed run resumes).
 // On 1 GPU (--gpus 0) and on 2 (--gpus 0,1, where --print-checksum also checks that the replicas
 // are bit-identical: momentum buffers on every replica, Dropout seeds derived from replica 0's).
+//
+// Also on the device path: the divergence guard (the step's loss and gradient norm read from the
+// device at the read points) stops an absurd learning rate with the named error and leaves the
+// checkpoint untouched; and a run folder with AdamW, warm-up, clipping and label smoothing on two
+// GPUs keeps the replicas bit-identical and its metrics agree with the console.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
 #include <string>
 
 #include "common/gpu.h"
@@ -105,5 +115,66 @@ TEST(VggTrainerGpu, InterruptedOneCycleRunResumesBitIdenticallyOnTwoGpus) {
   CUDP_REQUIRE_VGG();
   expect_exact_resume("0,1", "onecycle", 2);
 }
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(VggTrainerGpu, DivergenceStopsAndKeepsTheCheckpoint) {
+  CUDP_REQUIRE_GPU();
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string common =
+      "--data synthetic --arch vgg11 --limit-train 512 --limit-test 128 --batch-size 64 "
+      "--schedule constant --gpus 0 ";
+  const std::string ckpt = dir / "c.safetensors";
+  RunResult r = run_vgg(dir, common + "--epochs 1 --lr 0.01 --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string model = read_bytes(ckpt), state = read_bytes(dir / "c.train.safetensors");
+  r = run_vgg(dir, "--resume '" + ckpt + "' --epochs 3 --lr 1e30 --gpus 0");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(training diverged at step \d+ \(epoch 2, )"
+                                                     R"(batch \d+ of 8\): the (loss|gradient norm))")))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt)) << r.output;
+  EXPECT_TRUE(read_bytes(ckpt) == model) << "the model file changed";
+  EXPECT_TRUE(read_bytes(dir / "c.train.safetensors") == state) << "the training state changed";
+}
+
+TEST(VggTrainerGpu, RunFolderWithAdamWOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string out = dir / "run";
+  const RunResult r = run_vgg(
+      dir, "--data synthetic --arch vgg11 --limit-train 1024 --limit-test 256 --batch-size 128 "
+           "--gpus 0,1 --epochs 3 --opt adamw --lr 0.001 --warmup-epochs 1 --schedule cosine "
+           "--clip-grad 1 --label-smoothing 0.1 --print-checksum --output '" + out + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "replicas: 2, bit-identical")) << r.output;
+  std::ifstream csv(out + "/metrics.csv");
+  std::string line;
+  std::getline(csv, line);
+  int rows = 0;
+  while (std::getline(csv, line)) {
+    ++rows;
+    double epoch = 0, loss = 0, top1 = 0, top5 = 0;
+    ASSERT_EQ(std::sscanf(line.c_str(), "%lf,%lf,%lf,%lf", &epoch, &loss, &top1, &top5), 4);
+    EXPECT_EQ(epoch, rows);
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(
+        r.output, m, std::regex("epoch " + std::to_string(rows) + "/3: train loss ([0-9.]+)")))
+        << r.output;
+    EXPECT_NEAR(std::stod(m[1]), loss, 6e-5) << line;
+    EXPECT_GE(top5, top1);
+  }
+  EXPECT_EQ(rows, 3);
+  EXPECT_TRUE(std::filesystem::exists(out + "/best.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(out + "/curves.png"));
+}
+
 
 }  // namespace
