@@ -330,8 +330,8 @@ void resolve_and_check(Options& o) {
   if (o.weight_decay < 0) o.weight_decay = o.opt == "adamw" ? 0.05 : 5e-4;
   if (o.precision != "fp32") {
     throw UsageError("--precision " + o.precision +
-                     " is not implemented yet: the tensor-core kernels are a later version; use "
-                     "--precision fp32");
+                     " is not implemented in cudp-vgg yet (it trains in fp32; the library's "
+                     "tensor-core math is not wired into the trainer); use --precision fp32");
   }
   if (o.eval_only && o.resume.empty()) {
     throw UsageError("--eval-only needs --resume CHECKPOINT (the checkpoint to evaluate)");
