@@ -20,8 +20,16 @@ python3 -c "import numpy, PIL, torch, torchvision, safetensors" || {
   exit 1
 }
 mkdir -p "$work"
+# cudp reads JPEG through libturbojpeg.so.0 (Debian/Ubuntu libturbojpeg0), loaded at run time;
+# without it the images are all PNG (and the check says so).
+jpeg=1
+if ! ldconfig -p | grep -q 'libturbojpeg\.so\.0'; then
+  jpeg=0
+  echo "imagefolder-check: libturbojpeg.so.0 is absent (apt-get install libturbojpeg0): PNG only"
+fi
+export CUDP_CHECK_JPEG=$jpeg
 
-# 10 classes told apart by colour and stripe frequency, with random shifts and noise; 300 train
+# 10 classes told apart by colour and stripe frequency, with random phases and noise; 300 train
 # and 60 val images per class at 80x72 (resized and cropped by the reader), half JPEG, half PNG.
 make_images() {  # dir side-length images-per-class-train images-per-class-val
   python3 - "$@" <<'EOF'
@@ -43,7 +51,7 @@ for split, n in (("train", n_train), ("val", n_val)):
             img = hue + 60 * stripes + rng.normal(0, 25, (h, w, 3))
             img = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
             name = os.path.join(folder, f"{i:04d}")
-            if i % 2:
+            if i % 2 and os.environ.get("CUDP_CHECK_JPEG") == "1":
                 img.save(name + ".jpg", quality=90)
             else:
                 img.save(name + ".png")
