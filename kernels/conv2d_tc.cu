@@ -136,6 +136,36 @@ void check_tc(const char* name, const Conv2dShape& shape, Math math) {
   detail::require_tensor_cores(name, math);
 }
 
+std::atomic<bool> g_patch_feed{true};
+
+// The largest power of two that divides v, at most `cap`.
+int pow2_divisor(int v, int cap) {
+  int d = 1;
+  while (d < cap && v % (2 * d) == 0) d *= 2;
+  return d;
+}
+
+// Output tiles as patches of wb x hb x nb = 128 pixels: as wide as Q allows (a power of two that
+// divides it), then as tall as P allows, then across images; for VGG's sizes (224 .. 2) the
+// patches tile the output exactly.
+sm90::PatchTiles patch_tiles(const Conv2dShape& s, int k_block) {
+  sm90::PatchTiles t;
+  t.wb = pow2_divisor(s.q(), 128);
+  t.hb = pow2_divisor(s.p(), 128 / t.wb);
+  t.nb = 128 / (t.wb * t.hb);
+  t.q = s.q();
+  t.p = s.p();
+  t.n = s.n;
+  t.tiles_q = (t.q + t.wb - 1) / t.wb;
+  t.tiles_p = (t.p + t.hb - 1) / t.hb;
+  t.tiles_n = (t.n + t.nb - 1) / t.nb;
+  t.s = s.s;
+  t.pad_h = s.pad_h;
+  t.pad_w = s.pad_w;
+  t.c_blocks = s.c / k_block;
+  return t;
+}
+
 // The forward convolution of typed operands whose channel count suits the gather (checked).
 void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
   const int chunk = chunk_elements(ops.math);
@@ -165,6 +195,12 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   const sm90::ConvGather gather{ops.x,    s.n,        s.h,        s.w,     s.c,    s.p(),
                                 s.q(),    s.r,        s.s,        s.stride_h, s.stride_w,
                                 s.pad_h,  s.pad_w};
+  const int k_block = ops.math == Math::BF16 ? 64 : 32;
+  if (g_patch_feed.load() && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
+    const sm90::PatchTiles patch = patch_tiles(s, k_block);
+    detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::ConvTma, &patch);
+    return;
+  }
   detail::run_mainloop(p, plan_matmul(p, device), &gather, stream);
 }
 
@@ -276,6 +312,7 @@ void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const vo
 namespace detail {
 
 void set_wgrad_descriptor_variant(int variant) { g_wgrad_variant.store(variant); }
+void set_conv_patch_feed(bool enabled) { g_patch_feed.store(enabled); }
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
                                    float* dw, float beta, cudaStream_t stream, Math math) {

@@ -269,7 +269,7 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
 namespace detail {
 
 void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::ConvGather* conv,
-                  cudaStream_t stream, Feed feed) {
+                  cudaStream_t stream, Feed feed, const sm90::PatchTiles* patch) {
   if (p.m == 0 || p.n == 0) return;
   if (p.k == 0) {  // no products: C = epilogue(0)
     splitk_reduce(p, nullptr, 0, stream);
@@ -283,7 +283,11 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   }
   try {
     const bool bf16 = p.math == Math::BF16;
-    if (feed == Feed::Wgrad || feed == Feed::WgradAlt) {
+    if (feed == Feed::ConvTma) {
+      CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
+      bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream)
+           : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
+    } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt) {
       CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
       sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt);
     } else if (conv != nullptr) {
@@ -301,6 +305,7 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   (void)plan;
   (void)conv;
   (void)feed;
+  (void)patch;
   CUDP_CHECK(false, "this build of cudp has no sm_90a kernels");
 #endif
 }

@@ -87,6 +87,7 @@ void matmul_cpu(const MatmulProblem& problem);
 
 namespace sm90 {
 struct ConvGather;
+struct PatchTiles;
 }
 
 namespace detail {
@@ -97,12 +98,14 @@ namespace detail {
 //   Wgrad    backward-weight, bf16: A = dy (problem.a, pixels x K) by TMA, B = im2col(conv->x)
 //            gathered, both MN-major; WgradAlt swaps the MN-major descriptor offsets (a test of
 //            which layout the hardware wants; see the tests).
-enum class Feed { Tma, Im2col, Wgrad, WgradAlt };
+//   ConvTma  forward / backward-data with A as 4-D TMA boxes of conv->x over `patch` tiles.
+enum class Feed { Tma, Im2col, Wgrad, WgradAlt, ConvTma };
 
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
 // reduction.
 void run_mainloop(const MatmulProblem& problem, const MatmulPlan& plan,
-                  const sm90::ConvGather* conv, cudaStream_t stream, Feed feed = Feed::Tma);
+                  const sm90::ConvGather* conv, cudaStream_t stream, Feed feed = Feed::Tma,
+                  const sm90::PatchTiles* patch = nullptr);
 
 // Throws ValueError unless the current device can run tensor-core math (an sm_90 GPU and a build
 // with the sm_90a kernels): "<what>: <math> runs on tensor cores and needs an sm_90 GPU ...; use

@@ -52,6 +52,7 @@ struct MainloopParams {
   int c_is_bf16;
   EpilogueArgs epilogue;
   float* workspace;
+  PatchTiles patch;  // kConvTma: how a tile of 128 rows maps to output pixels
 };
 
 
@@ -105,6 +106,15 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 // A shared-memory matrix descriptor for a K-major operand in 128-byte-swizzled 8-row atoms:
 // start address, leading-byte offset 16 (unused by this layout), stride-byte offset 1024 (from one
 // 8-row atom to the next), swizzle mode 1 (128 B).
@@ -120,7 +130,11 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //   kWgrad  backward-weight: A = dy^T by TMA and B = im2col(x)^T gathered, both MN-major (the
 //           reduction runs over output pixels, which are the rows of both tensors); bf16 only.
 // kWgradAlt swaps the two byte offsets of the MN-major descriptors (see wgrad_descriptor).
-enum Mode : int { kGemm = 0, kConv_ = 1, kWgrad = 2, kWgradAlt = 3 };
+//   kConvTma forward/backward-data of stride-1 layers whose C is a multiple of the k-block: a tile's
+//           128 rows are a patch of wb x hb x nb output pixels, and each k-block of A (one tap,
+//           one block of channels) is one 4-D TMA box of x shifted by the tap; the padding is
+//           TMA's zero fill. One producer thread, as for kGemm.
+enum Mode : int { kGemm = 0, kConv_ = 1, kWgrad = 2, kWgradAlt = 3, kConvTma = 4 };
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -163,22 +177,37 @@ __device__ __forceinline__ WorkItem work_item(const MainloopParams& p, int index
   return {first_m + in_group % group_rows, in_group / group_rows, split};
 }
 
+// The row of C (an output pixel, in n, p, q order) that row `local` of patch tile `tile` holds, or
+// -1 when the patch hangs over the edge of the output.
+__device__ __forceinline__ int patch_row(const PatchTiles& t, int tile, int local) {
+  const int tq = tile % t.tiles_q;
+  const int rest = tile / t.tiles_q;
+  const int tp = rest % t.tiles_p, tn = rest / t.tiles_p;
+  const int q = tq * t.wb + local % t.wb;
+  const int pp = tp * t.hb + (local / t.wb) % t.hb;
+  const int n = tn * t.nb + local / (t.wb * t.hb);
+  if (q >= t.q || pp >= t.p || n >= t.n) return -1;
+  return (n * t.p + pp) * t.q + q;
+}
+
 // Writes one consumer warpgroup's 64 x kTileN accumulators: the final C (one split) or the split's
 // slice of the workspace. Thread t of the warpgroup holds rows warp*16 + lane/4 (+8) and column
-// pairs 8j + 2*(lane%4) (+1): d[4j + 2h + e] is (row + 8h, col + e).
+// pairs 8j + 2*(lane%4) (+1): d[4j + 2h + e] is (row + 8h, col + e). Rows are tile-local
+// (local0 = the warpgroup's first) and mapped to C's rows here (patch tiles or plain blocks).
 template <int kTileN>
-__device__ __forceinline__ void store_tile(const MainloopParams& p, const float* acc, int row0,
-                                           int col0, int split) {
+__device__ __forceinline__ void store_tile(const MainloopParams& p, const float* acc, int tile_m,
+                                           int local0, int col0, int split) {
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
-  const int base_row = row0 + warp * 16 + lane / 4;
+  const int local_row = local0 + warp * 16 + lane / 4;
+  const int base_row = tile_m * kTileM + local_row;
   const int base_col = col0 + 2 * (lane % 4);
   const bool partial = p.splits > 1;
   float* ws = partial ? p.workspace + int64_t(split) * p.m * p.n : nullptr;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = base_row + 8 * h;
-    if (row >= p.m) continue;
+    const int row = p.patch.wb > 0 ? patch_row(p.patch, tile_m, local_row + 8 * h) : base_row + 8 * h;
+    if (row < 0 || row >= p.m) continue;
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
       const int col = base_col + 8 * j;
@@ -278,7 +307,7 @@ struct Im2colGather {
       const int h = h0[i] + r, w = w0[i] + s;
       const bool inside = r < g.r && unsigned(h) < unsigned(g.h) && unsigned(w) < unsigned(g.w);
       const Elem* src = inside ? x + (int64_t(nh[i] + r) * g.w + w) * g.c + c : x;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst0 + i * 16 * kRowBytes),
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst0 + i * 16 * kRowBytes),
                    "l"(src), "r"(inside ? 16 : 0)
                    : "memory");
     }
@@ -340,7 +369,7 @@ struct WgradGather {
         const bool inside = unsigned(h) < unsigned(g.h) && unsigned(w) < unsigned(g.w);
         const __nv_bfloat16* src =
             inside ? x + ((int64_t(img) * g.h + h) * g.w + w) * g.c + c[b] : x;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(
                          dst0 + b * 64 * kRowBytes + i * 16 * kRowBytes),
                      "l"(src), "r"(inside ? 16 : 0)
                      : "memory");
@@ -454,11 +483,29 @@ __global__ void __launch_bounds__(kThreads, 1)
         const WorkItem w = work_item(p, index);
         const int kb_begin = w.split * p.k_blocks_per_split;
         const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+        // kConvTma: where the tile's patch starts, and the tap / channel block of each k-block.
+        int q0 = 0, p0 = 0, n0 = 0;
+        if constexpr (kMode == kConvTma) {
+          const PatchTiles& t = p.patch;
+          q0 = (w.tile_m % t.tiles_q) * t.wb;
+          const int rest = w.tile_m / t.tiles_q;
+          p0 = (rest % t.tiles_p) * t.hb;
+          n0 = (rest / t.tiles_p) * t.nb;
+        }
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
           mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
-          tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
-                      kb * Cfg::kBlockK, w.tile_m * kTileM);
+          if constexpr (kMode == kConvTma) {
+            const PatchTiles& t = p.patch;
+            const int rs = kb / t.c_blocks;
+            const int cb = kb - rs * t.c_blocks;
+            const int r = rs / t.s, s = rs - r * t.s;
+            tma_load_4d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
+                        cb * Cfg::kBlockK, q0 + s - t.pad_w, p0 + r - t.pad_h, n0);
+          } else {
+            tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
+                        kb * Cfg::kBlockK, w.tile_m * kTileM);
+          }
           tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                       kb * Cfg::kBlockK, w.tile_n * kTileN);
           if (++stage == Cfg::kStages) {
@@ -522,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
       }
-      store_tile<kTileN>(p, acc, w.tile_m * kTileM + consumer * 64, w.tile_n * kTileN, w.split);
+      store_tile<kTileN>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN, w.split);
     }
   }
 }
@@ -541,9 +588,13 @@ void allow_shared_memory(const void* kernel, int bytes);
 
 // Enqueues the mainloop. With a ConvGather (`conv` non-null) A is the im2col view of conv->x and
 // prob.a / prob.lda are unused; prob.m must be n*P*Q and prob.k R*S*C.
+CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int elem_bytes,
+                             const PatchTiles& t);
+
 template <typename Elem, int kTileN>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
-                     cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm) {
+                     cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm,
+                     const PatchTiles* patch = nullptr) {
   using Cfg = Config<Elem, kTileN>;
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
@@ -552,8 +603,9 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   const CUtensorMap map_a =
       mode == kWgrad || mode == kWgradAlt
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
-      : conv ? CUtensorMap{}
-             : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      : mode == kConvTma ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : conv             ? CUtensorMap{}
+                         : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
       mode == kWgrad || mode == kWgradAlt
           ? CUtensorMap{}
@@ -572,6 +624,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.c_is_bf16 = prob.c_type == DType::BF16;
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
   p.workspace = workspace;
+  p.patch = mode == kConvTma ? *patch : PatchTiles{};
+  if (mode == kConvTma) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
     kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, g);
@@ -580,8 +634,11 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
     if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
     if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
   }
-  CUDP_CHECK(mode == kGemm || mode == kConv_, "matmul: mode ", mode, " needs bf16 operands");
-  if (conv) {
+  CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode,
+             " needs bf16 operands");
+  if (mode == kConvTma) {
+    run(&matmul_kernel<Elem, kTileN, kConvTma>, *conv);
+  } else if (conv) {
     run(&matmul_kernel<Elem, kTileN, kConv_>, *conv);
   } else {
     run(&matmul_kernel<Elem, kTileN, kGemm>, ConvGather{});

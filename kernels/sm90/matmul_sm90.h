@@ -11,6 +11,16 @@ namespace cudp::kernels::sm90 {
 
 // The implicit-GEMM view of a convolution (kernels/conv2d.h): A is im2col(x), m = n*P*Q output
 // pixels by k = R*S*C, gathered by the producer warpgroup; B is the K x RSC weight matrix.
+// kConvTma's tiling of the output pixels: a tile is a patch of wb x hb x nb pixels (q, p, n; the
+// product is the tile's 128 rows); tiles_q * tiles_p * tiles_n patches cover the output. wb = 0
+// means rows are not patches (every other mode).
+struct PatchTiles {
+  int wb = 0, hb = 0, nb = 0;
+  int tiles_q = 0, tiles_p = 0, tiles_n = 0;
+  int q = 0, p = 0, n = 0;  // output extent
+  int s = 0, pad_h = 0, pad_w = 0, c_blocks = 0;  // filter width, padding, C / k-block
+};
+
 struct ConvGather {
   const void* x;  // NHWC, in the math's operand type; C a multiple of 16 bytes' worth
   int n, h, w, c, p, q, r, s;
@@ -30,6 +40,12 @@ void conv_bf16(const MatmulProblem& problem, const ConvGather& conv, const Matmu
                float* workspace, cudaStream_t stream);
 void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
                float* workspace, cudaStream_t stream);
+
+// The forward convolution with A by 4-D TMA boxes (stride 1, C a multiple of the k-block).
+void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream);
+void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream);
 
 // Backward-weight (bf16): problem is dw = dy^T im2col(x) (m = K, n = R*S*C, k = n*P*Q, A = dy
 // with lda = K); `alt` selects the other assignment of the MN-major descriptor offsets.

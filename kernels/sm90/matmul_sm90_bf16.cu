@@ -36,4 +36,14 @@ void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const
   }
 }
 
+void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream) {
+  switch (plan.tile_n) {
+    case 64: return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    case 128: return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    case 256: return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    default: CUDP_CHECK(false, "conv: no bf16 kernel with tile width ", plan.tile_n);
+  }
+}
+
 }  // namespace cudp::kernels::sm90

@@ -43,6 +43,25 @@ CUtensorMap encode_k_major(const void* ptr, CUtensorMapDataType type, int elem_b
   return map;
 }
 
+CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int elem_bytes,
+                             const PatchTiles& t) {
+  CUtensorMap map{};
+  const cuuint64_t dims[4] = {cuuint64_t(g.c), cuuint64_t(g.w), cuuint64_t(g.h), cuuint64_t(g.n)};
+  const cuuint64_t row = cuuint64_t(g.c) * elem_bytes;
+  const cuuint64_t strides[3] = {row, row * g.w, row * g.w * g.h};
+  const cuuint32_t box[4] = {cuuint32_t(kRowBytes / elem_bytes), cuuint32_t(t.wb), cuuint32_t(t.hb),
+                             cuuint32_t(t.nb)};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = encode_tiled()(
+      &map, type, 4, const_cast<void*>(g.x), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  CUDP_CHECK(status == CUDA_SUCCESS, "conv: cuTensorMapEncodeTiled failed (CUresult ", int(status),
+             ") for an NHWC tensor of ", g.n, " x ", g.h, " x ", g.w, " x ", g.c,
+             " with a ", t.wb, " x ", t.hb, " x ", t.nb, " box");
+  return map;
+}
+
 void allow_shared_memory(const void* kernel, int bytes) {
   // One flag per (kernel, device): the attribute belongs to the function on the current device.
   static std::mutex mutex;

@@ -25,4 +25,14 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
   }
 }
 
+void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream) {
+  switch (plan.tile_n) {
+    case 64: return launch_mainloop<float, 64>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    case 128: return launch_mainloop<float, 128>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    case 256: return launch_mainloop<float, 256>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    default: CUDP_CHECK(false, "conv: no tf32 kernel with tile width ", plan.tile_n);
+  }
+}
+
 }  // namespace cudp::kernels::sm90

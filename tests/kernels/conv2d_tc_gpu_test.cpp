@@ -108,11 +108,15 @@ const Case kCases[] = {
     {"vgg_c256_k512_h7", {2, 7, 7, 256, 512, 3, 3, 1, 1, 1, 1}},
     {"vgg_c512_k512_h4", {4, 4, 4, 512, 512, 3, 3, 1, 1, 1, 1}},
     {"vgg_c512_k512_h2", {8, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}},
+    // Patches that hang over the output's edges (Q = 12: wb 4; P = 10: hb 2; n = 3: nb 16).
+    {"c64_k64_h10w12_n3", {3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1}},
+    {"c128_k192_r5_p2", {2, 9, 13, 128, 192, 5, 5, 1, 1, 2, 2}},
 };
 
 struct Param {
   Case c;
   Math math;
+  bool patch_feed;  // stride-1 layers with C a multiple of the k-block: TMA boxes, or the gather
 };
 
 class Conv2dTcGpu : public ::testing::TestWithParam<Param> {
@@ -122,11 +126,13 @@ class Conv2dTcGpu : public ::testing::TestWithParam<Param> {
     int device = 0;
     CUDP_CUDA_CHECK(cudaGetDevice(&device));
     if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+    detail::set_conv_patch_feed(GetParam().patch_feed);
   }
+  void TearDown() override { detail::set_conv_patch_feed(true); }
 };
 
 TEST_P(Conv2dTcGpu, ForwardWithBiasAndRelu) {
-  const auto& [c, math] = GetParam();
+  const auto& [c, math, patch_feed] = GetParam();
   const Conv2dShape& s = c.shape;
   const std::vector<float> x = operand(size_t(s.x_size()), 1, math);
   const std::vector<float> w = operand(size_t(s.w_size()), 2, math);
@@ -150,7 +156,7 @@ TEST_P(Conv2dTcGpu, ForwardWithBiasAndRelu) {
 }
 
 TEST_P(Conv2dTcGpu, BackwardData) {
-  const auto& [c, math] = GetParam();
+  const auto& [c, math, patch_feed] = GetParam();
   const Conv2dShape& s = c.shape;
   const std::vector<float> dy = operand(size_t(s.y_size()), 4, math);
   const std::vector<float> w = operand(size_t(s.w_size()), 5, math);
@@ -171,13 +177,16 @@ TEST_P(Conv2dTcGpu, BackwardData) {
 std::vector<Param> params() {
   std::vector<Param> out;
   for (const Case& c : kCases) {
-    for (Math m : {Math::BF16, Math::TF32}) out.push_back({c, m});
+    for (Math m : {Math::BF16, Math::TF32}) {
+      for (bool patch : {true, false}) out.push_back({c, m, patch});
+    }
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTcGpu, ::testing::ValuesIn(params()), [](const auto& info) {
-  return std::string(info.param.c.name) + "_" + math_name(info.param.math);
+  return std::string(info.param.c.name) + "_" + math_name(info.param.math) +
+         (info.param.patch_feed ? "_patch" : "_gather");
 });
 
 // The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
@@ -248,7 +257,7 @@ void check_backward_weight(const Conv2dShape& s, float beta, const std::string& 
 }
 
 TEST_P(Conv2dTcGpu, BackwardWeight) {
-  const auto& [c, math] = GetParam();
+  const auto& [c, math, patch_feed] = GetParam();
   const Conv2dShape& s = c.shape;
   if (math == Math::TF32) {
     DeviceBuffer<float> x(size_t(s.x_size())), dy(size_t(s.y_size())), dw(size_t(s.w_size()));
