@@ -196,12 +196,19 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
                                 s.q(),    s.r,        s.s,        s.stride_h, s.stride_w,
                                 s.pad_h,  s.pad_w};
   const int k_block = ops.math == Math::BF16 ? 64 : 32;
-  if (g_patch_feed.load() && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
+  const MatmulPlan plan = plan_matmul(p, device);
+  // Which A feed: measured on the H200 over VGG-16's layers (bench/NOTES-tensor-cores.md), the
+  // TMA patches win everywhere except on 28x28 to 56x56 outputs with 256-wide tiles, where the
+  // gather was 10-30% faster; why is not established yet. An empirical rule, until the plan can
+  // time both feeds once per shape.
+  const bool patch_wins = !(plan.tile_n == 256 && s.q() >= 28 && s.q() <= 56);
+  if (g_patch_feed.load() && patch_wins && s.stride_h == 1 && s.stride_w == 1 &&
+      s.c % k_block == 0) {
     const sm90::PatchTiles patch = patch_tiles(s, k_block);
-    detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::ConvTma, &patch);
+    detail::run_mainloop(p, plan, &gather, stream, detail::Feed::ConvTma, &patch);
     return;
   }
-  detail::run_mainloop(p, plan_matmul(p, device), &gather, stream);
+  detail::run_mainloop(p, plan, &gather, stream);
 }
 
 // The forward view of backward-data: input dy (c = K padded), k = C, rotated filters.
