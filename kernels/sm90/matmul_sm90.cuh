@@ -190,71 +190,99 @@ __device__ __forceinline__ int patch_row(const PatchTiles& t, int tile, int loca
   return (n * t.p + pp) * t.q + q;
 }
 
+// Calls store(row, col, a0, a1) for each pair of adjacent accumulators a thread holds whose row is
+// in C (rows[h] >= 0) and whose first column is below n. Thread t of a warpgroup holds rows
+// warp*16 + lane/4 (+8) and column pairs 8j + 2*(lane%4) (+1): d[4j + 2h + e] is (row + 8h,
+// col + e).
+template <int kTileN, typename Store>
+__device__ __forceinline__ void for_each_pair(const float* acc, const int (&rows)[2], int base_col,
+                                              int n, Store store) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rows[h] < 0) continue;
+#pragma unroll
+    for (int j = 0; j < kTileN / 8; ++j) {
+      const int col = base_col + 8 * j;
+      if (col < n) store(rows[h], col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
+}
+
 // Writes one consumer warpgroup's 64 x kTileN accumulators: the final C (one split) or the split's
-// slice of the workspace. Thread t of the warpgroup holds rows warp*16 + lane/4 (+8) and column
-// pairs 8j + 2*(lane%4) (+1): d[4j + 2h + e] is (row + 8h, col + e). Rows are tile-local
-// (local0 = the warpgroup's first) and mapped to C's rows here (patch tiles or plain blocks).
-template <int kTileN>
+// slice of the workspace. Rows are tile-local (local0 = the warpgroup's first) and mapped to C's
+// rows here (patch tiles or plain blocks). The output path is chosen once, before the unrolled
+// loop, so that each path's code is compact: the three paths interleaved in one unrolled loop made
+// the epilogue ~140 KB of straight-line code and cost a third of a 4096^3 product's time (the
+// instruction cache; bench/NOTES-tensor-cores.md).
+template <int kTileN, bool kPatch>
 __device__ __forceinline__ void store_tile(const MainloopParams& p, const float* acc, int tile_m,
                                            int local0, int col0, int split) {
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
   const int local_row = local0 + warp * 16 + lane / 4;
-  const int base_row = tile_m * kTileM + local_row;
   const int base_col = col0 + 2 * (lane % 4);
-  const bool partial = p.splits > 1;
-  float* ws = partial ? p.workspace + int64_t(split) * p.m * p.n : nullptr;
+  int rows[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = p.patch.wb > 0 ? patch_row(p.patch, tile_m, local_row + 8 * h) : base_row + 8 * h;
-    if (row < 0 || row >= p.m) continue;
-#pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-      const int col = base_col + 8 * j;
-      if (col >= p.n) continue;
-      const float a0 = acc[4 * j + 2 * h], a1 = acc[4 * j + 2 * h + 1];
-      const bool pair = col + 1 < p.n;
-      if (partial) {
-        float* dst = ws + int64_t(row) * p.n + col;
-        if (pair && (p.n % 2 == 0)) {
-          *reinterpret_cast<float2*>(dst) = make_float2(a0, a1);
-        } else {
-          dst[0] = a0;
-          if (pair) dst[1] = a1;
-        }
-      } else if (p.c_is_bf16) {
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.c) + int64_t(row) * p.ldc + col;
-        const float o0 = p.epilogue.beta != 0.f ? __bfloat162float(dst[0]) : 0.f;
-        const float v0 = apply_epilogue(p.epilogue, a0, o0, col);
-        if (pair) {
-          const float o1 = p.epilogue.beta != 0.f ? __bfloat162float(dst[1]) : 0.f;
-          const float v1 = apply_epilogue(p.epilogue, a1, o1, col + 1);
-          if (p.ldc % 2 == 0) {
-            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            dst[0] = __float2bfloat16_rn(v0);
-            dst[1] = __float2bfloat16_rn(v1);
-          }
-        } else {
-          dst[0] = __float2bfloat16_rn(v0);
-        }
-      } else {
-        float* dst = static_cast<float*>(p.c) + int64_t(row) * p.ldc + col;
-        const float v0 = apply_epilogue(p.epilogue, a0, p.epilogue.beta != 0.f ? dst[0] : 0.f, col);
-        if (pair) {
-          const float v1 = apply_epilogue(p.epilogue, a1, p.epilogue.beta != 0.f ? dst[1] : 0.f, col + 1);
-          if (p.ldc % 2 == 0) {
-            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-          } else {
-            dst[0] = v0;
-            dst[1] = v1;
-          }
-        } else {
-          dst[0] = v0;
-        }
-      }
-    }
+    int row = tile_m * kTileM + local_row + 8 * h;
+    if constexpr (kPatch) row = patch_row(p.patch, tile_m, local_row + 8 * h);
+    rows[h] = row < p.m ? row : -1;
   }
+  const int n = p.n;
+  if (p.splits > 1) {
+    float* ws = p.workspace + int64_t(split) * p.m * p.n;
+    const bool vec = n % 2 == 0;
+    for_each_pair<kTileN>(acc, rows, base_col, n, [&](int row, int col, float a0, float a1) {
+      float* dst = ws + int64_t(row) * n + col;
+      if (vec && col + 1 < n) {
+        *reinterpret_cast<float2*>(dst) = make_float2(a0, a1);
+      } else {
+        dst[0] = a0;
+        if (col + 1 < n) dst[1] = a1;
+      }
+    });
+    return;
+  }
+  const EpilogueArgs& e = p.epilogue;
+  const bool vec = p.ldc % 2 == 0;
+  if (p.c_is_bf16) {
+    __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c);
+    for_each_pair<kTileN>(acc, rows, base_col, n, [&](int row, int col, float a0, float a1) {
+      __nv_bfloat16* dst = c + int64_t(row) * p.ldc + col;
+      const bool pair = col + 1 < n;
+      const float v0 = apply_epilogue(e, a0, e.beta != 0.f ? __bfloat162float(dst[0]) : 0.f, col);
+      if (!pair) {
+        dst[0] = __float2bfloat16_rn(v0);
+        return;
+      }
+      const float v1 =
+          apply_epilogue(e, a1, e.beta != 0.f ? __bfloat162float(dst[1]) : 0.f, col + 1);
+      if (vec) {
+        *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        dst[0] = __float2bfloat16_rn(v0);
+        dst[1] = __float2bfloat16_rn(v1);
+      }
+    });
+    return;
+  }
+  float* c = static_cast<float*>(p.c);
+  for_each_pair<kTileN>(acc, rows, base_col, n, [&](int row, int col, float a0, float a1) {
+    float* dst = c + int64_t(row) * p.ldc + col;
+    const bool pair = col + 1 < n;
+    const float v0 = apply_epilogue(e, a0, e.beta != 0.f ? dst[0] : 0.f, col);
+    if (!pair) {
+      dst[0] = v0;
+      return;
+    }
+    const float v1 = apply_epilogue(e, a1, e.beta != 0.f ? dst[1] : 0.f, col + 1);
+    if (vec) {
+      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+    } else {
+      dst[0] = v0;
+      dst[1] = v1;
+    }
+  });
 }
 
 // The producer warpgroup's im2col gather of one A k-block: 128 rows (output pixels) of 128 bytes
@@ -569,7 +597,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
       }
-      store_tile<kTileN>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN, w.split);
+      store_tile<kTileN, kMode == kConvTma>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN,
+                                            w.split);
     }
   }
 }
