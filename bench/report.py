@@ -238,9 +238,11 @@ def kernel_rows(bench, doc):
             continue
         if ours is None:
             continue
-        rows.append({"bench": bench, "op": op, "shape": shape, "unit": unit, "ours": ours,
-                     "vendor": vendor, "vendor_name": name, "ratio": ratio(ours, vendor),
-                     "valid": valid})
+        # The arithmetic: fp32 unless the row or its document says tf32 / bf16 (tensor cores).
+        math_mode = r.get("math") or doc.get("math") or "fp32"
+        rows.append({"bench": bench, "math": math_mode, "op": op, "shape": shape, "unit": unit,
+                     "ours": ours, "vendor": vendor, "vendor_name": name,
+                     "ratio": ratio(ours, vendor), "valid": valid})
     return rows
 
 
@@ -249,20 +251,21 @@ def kernels_md(rows):
         return "_No kernel results (gemm/conv2d/elementwise/norm_pool JSON absent)._"
     parts = []
     summary = []
-    for bench in KERNEL_BENCHES:
-        sub = [r for r in rows if r["bench"] == bench]
+    groups = [(bench, m) for bench in KERNEL_BENCHES for m in ("fp32", "tf32", "bf16")]
+    for bench, math_mode in groups:
+        sub = [r for r in rows if r["bench"] == bench and r["math"] == math_mode]
         if not sub:
             continue
         ratios = [r["ratio"] for r in sub if r["ratio"]]
         worst = min(sub, key=lambda r: r["ratio"] if r["ratio"] is not None else float("inf"))
-        summary.append([f"bench_{bench}", len(sub), fmt(geomean(ratios), 2, "×"),
+        summary.append([f"bench_{bench} {math_mode}", len(sub), fmt(geomean(ratios), 2, "×"),
                         f"{fmt(worst['ratio'], 2, '×')} ({worst['op']}, {worst['shape']})",
                         sum(1 for r in sub if r["valid"] is False)])
         body = [[r["op"], r["shape"], fmt(r["ours"], 2), f"{fmt(r['vendor'], 2)} ({r['vendor_name']})",
                  r["unit"], fmt(r["ratio"], 2, "×"),
                  {True: "yes", False: "**NO**", None: "—"}.get(r["valid"], str(r["valid"]))]
                 for r in sub]
-        parts.append(f"#### bench_{bench}\n\n" + md_table(
+        parts.append(f"#### bench_{bench}, {math_mode}\n\n" + md_table(
             ["op", "shape", "ours", "vendor", "unit", "ours/vendor", "valid"], body,
             ["---", "---", "---:", "---:", "---", "---:", "---"]))
     head = md_table(["bench", "rows", "geomean ours/vendor", "worst", "invalid rows"], summary,
@@ -449,7 +452,7 @@ def main():
     comm = allreduce(read("comm.json"))
     kernels = []
     for bench in KERNEL_BENCHES:
-        for doc in read(f"{bench}.json"):
+        for doc in read_all(f"{bench}*.json", f"{bench}.json"):  # gemm.json, gemm_bf16.json, ...
             kind = doc.get("benchmark") if doc.get("benchmark") in KERNEL_BENCHES else bench
             kernels += kernel_rows(kind, doc)
     train = training(cudp_train, torch_train)

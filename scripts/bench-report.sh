@@ -10,7 +10,7 @@
 #   scripts/bench-report.sh --report-only        # rebuild the report from the JSON already there
 #
 # Options: --build DIR (default build), --gpus N (default: all visible), --budget SEC (total for the
-# benches, default 450; a bench whose turn comes with under 20 s left is skipped), --tf32 (also
+# benches, default 750; a bench whose turn comes with under 20 s left is skipped), --tf32 (also
 # PyTorch with TF32, PyTorch's default, as train_torch_*_tf32.json), --quick, --only LIST,
 # --report-only.
 # Raw JSON and each bench's log go to $OUT when set (the device tool's output folder), else
@@ -23,7 +23,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 
 build=build
 gpus=""
-budget=450
+budget=750
 quick=0
 tf32=0
 report_only=0
@@ -184,9 +184,16 @@ if [[ $report_only == 0 ]]; then
   fi
   if wants gemm && have bench_gemm; then
     run gemm 90 "$bin/bench_gemm" --json "$raw/gemm.json" "${gemm_args[@]}"
+    # The tensor-core products (bf16, TF32) against cublasGemmEx (sm_90 only: elsewhere they fail).
+    for m in bf16 tf32; do
+      run gemm_$m 90 "$bin/bench_gemm" --math $m --json "$raw/gemm_$m.json" "${gemm_args[@]}"
+    done
   fi
   if wants conv2d && have bench_conv2d; then
     run conv2d 180 "$bin/bench_conv2d" --json "$raw/conv2d.json" "${conv_args[@]}"
+    for m in bf16 tf32; do
+      run conv2d_$m 180 "$bin/bench_conv2d" --math $m --json "$raw/conv2d_$m.json" "${conv_args[@]}"
+    done
   fi
   if wants norm_pool && have bench_norm_pool; then
     run norm_pool 90 "$bin/bench_norm_pool" --json "$raw/norm_pool.json" "${norm_args[@]}"
