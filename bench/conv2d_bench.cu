@@ -585,7 +585,7 @@ int main(int argc, char** argv) {
   try {
     cudaStream_t stream = nullptr;
     CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    // As the engine does (DESIGN.md §2.4): the pool keeps freed memory, so the split reduction's
+    // As the engine does (docs/architecture.md §2.4): the pool keeps freed memory, so the split reduction's
     // workspace does not go back to the driver at every synchronisation.
     int device = 0;
     CUDP_CUDA_CHECK(cudaGetDevice(&device));

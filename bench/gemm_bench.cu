@@ -406,7 +406,7 @@ int main(int argc, char** argv) {
   try {
     CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     // Split-K takes its workspace from the stream-ordered allocator; keep freed memory in the pool,
-    // as the engine does (DESIGN.md §2.4), so that the timing sees reuse, not driver allocations.
+    // as the engine does (docs/architecture.md §2.4), so that the timing sees reuse, not driver allocations.
     int device = 0;
     CUDP_CUDA_CHECK(cudaGetDevice(&device));
     cudaMemPool_t pool = nullptr;

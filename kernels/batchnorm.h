@@ -13,7 +13,7 @@
 // - gamma == nullptr means 1 and beta == nullptr means 0 (affine=False); running_mean/running_var
 //   nullptr means track_running_stats=False; save_mean/save_invstd may be nullptr when no backward
 //   follows. In backward dgamma/dbeta may be nullptr (affine=False).
-// - Backward writes dx (=). Parameter gradients accumulate (DESIGN.md §2.1):
+// - Backward writes dx (=). Parameter gradients accumulate (docs/architecture.md §2.1):
 //   dparam = beta_accumulate * dparam + grad, and beta_accumulate == 0 never reads dparam (so a NaN
 //   there does not leak).
 //

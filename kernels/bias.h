@@ -12,7 +12,7 @@
 //   stage 2: one thread per column and lane sums the G partials in a fixed order, the lanes are
 //            summed in order, and beta * dbias is added.
 // No atomics anywhere: the result depends only on (rows, cols, whether dy is 16-byte aligned with
-// cols % 4 == 0) and the data, never on scheduling. Sums are fp32 (DESIGN.md §2.3); the longest
+// cols % 4 == 0) and the data, never on scheduling. Sums are fp32 (docs/architecture.md §2.3); the longest
 // chain of additions any element goes through is about rows / (G * lanes) + lanes + G / 32 + 32,
 // under 300 for every shape the tests use. The workspace (G * cols floats) comes from
 // cudaMallocAsync on the stream and is freed with cudaFreeAsync right after; with G == 1 there is
@@ -30,7 +30,7 @@ void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStrea
 void bias_add_cpu(float* y, const float* bias, int64_t rows, int64_t cols);
 
 // dbias[c] = beta * dbias[c] + sum_r dy[r * cols + c]. beta = 1 accumulates parameter gradients
-// (DESIGN.md §2.1); beta = 0 overwrites and never reads dbias (it may hold garbage or NaN). The
+// (docs/architecture.md §2.1); beta = 0 overwrites and never reads dbias (it may hold garbage or NaN). The
 // CPU reference accumulates in double.
 void bias_grad(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
                cudaStream_t stream);

@@ -1,4 +1,4 @@
-// What every kernel file shares. kernels/ is the bottom layer (DESIGN.md §1): raw pointers, shapes
+// What every kernel file shares. kernels/ is the bottom layer (docs/architecture.md §1): raw pointers, shapes
 // and a stream in, no Tensor. Each op has
 //   - a CUDA launcher      `op_forward(..., cudaStream_t stream)`  (kernels/op.cu, through launch())
 //   - a CPU reference      `op_forward_cpu(...)`                    (kernels/op_ref.cpp, double accumulation)

@@ -1,6 +1,6 @@
 // 2-D convolution (cross-correlation, as PyTorch's Conv2d), fp32, forward and both backward passes.
 //
-// Layouts (DESIGN.md §2.2): activations x, y, dx, dy are NHWC; weights w, dw are KRSC (K output
+// Layouts (docs/architecture.md §2.2): activations x, y, dx, dy are NHWC; weights w, dw are KRSC (K output
 // channels, an R x S filter, C input channels), so one output channel's filter is R*S*C contiguous
 // floats. PyTorch's OIHW checkpoints are converted at load time, not here.
 //
@@ -9,7 +9,7 @@
 //   backward_data    dx = dy (*) w^T   M = N*H*W  GEMM-N = C  reduction = R*S*K
 //   backward_weight  dw = dy^T (*) x   M = K      GEMM-N = R*S*C  reduction = N*P*Q
 // Activation gradients are written (dx =), parameter gradients accumulate when asked (dw = beta*dw
-// + grad), following DESIGN.md §2.1. The bias gradient is a reduction of dy and lives with the bias
+// + grad), following docs/architecture.md §2.1. The bias gradient is a reduction of dy and lives with the bias
 // kernels, not here.
 //
 // Every launcher validates the shape and throws ValueError before touching the GPU. Results are

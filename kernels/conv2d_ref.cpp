@@ -1,4 +1,4 @@
-// CPU references for conv2d (DESIGN.md §2.5): straight loops over the definition, in double.
+// CPU references for conv2d (docs/architecture.md §2.5): straight loops over the definition, in double.
 // The backward passes are written as the adjoint of the forward loop nest (scatter each dy element
 // back along the taps that produced it), not as the gathers the GPU kernels use, so the two do not
 // share a mistake about which input pixel a padded, strided tap reads.

@@ -8,10 +8,10 @@
 // does not read A and B. m, n or k may be 0. A and B must not overlap C.
 //
 // The CUDA path is our own SIMT kernel (kernels/gemm.cu); cuBLAS is only the tests' oracle and the
-// benchmark's bar (DESIGN.md §2.6). Results are deterministic: the same call on the same GPU model
+// benchmark's bar (docs/architecture.md §2.6). Results are deterministic: the same call on the same GPU model
 // gives bitwise the same C, run after run. When the plan splits k (see GemmPlan), gemm() takes a
 // temporary workspace from the stream-ordered allocator (cudaMallocAsync/cudaFreeAsync on
-// `stream`); keep the device's memory pool release threshold raised (DESIGN.md §2.4) so that this
+// `stream`); keep the device's memory pool release threshold raised (docs/architecture.md §2.4) so that this
 // is a reuse, not an allocation from the driver.
 //
 // Linear layers use it as: forward Y = X W^T (trans_b), backward-data dX = dY W, backward-weight

@@ -1,7 +1,7 @@
 // Layout and dtype conversions.
 //
 // Activations live in NHWC on the GPU and conv weights in KRSC, while checkpoints and PyTorch use
-// NCHW and OIHW (DESIGN.md §2.2). Each of the four conversions is a batch of 2-D transposes:
+// NCHW and OIHW (docs/architecture.md §2.2). Each of the four conversions is a batch of 2-D transposes:
 //   nchw_to_nhwc: n matrices [c][h*w] -> [h*w][c]
 //   nhwc_to_nchw: n matrices [h*w][c] -> [c][h*w]
 //   oihw_to_krsc: k matrices [c][r*s] -> [r*s][c]

@@ -10,7 +10,7 @@
 // replica that computes the loss on its own chunk of the batch (the fast data-parallel path, no
 // gather) weight the chunk by its share: with n_i of N samples on replica i, grad_scale = n_i / N
 // gives dlogits = (probs - onehot) / N, so the gradients summed over replicas are exactly those of
-// the mean loss over the whole batch, uneven chunks included (DESIGN.md §3). dlogits may be the
+// the mean loss over the whole batch, uneven chunks included (docs/architecture.md §3). dlogits may be the
 // same buffer as probs (in place); logits and probs must not overlap.
 //
 // A label outside [0, classes) cannot be trusted and must not be read past: its row's loss and

@@ -22,7 +22,7 @@
 // a formula shared by the CUDA kernel and the CPU reference (detail:: below), so the two agree
 // bitwise; nothing is left for the compiler to contract differently on either side.
 //
-// Norms: sum_of_squares and global_norm reduce in fp32 (DESIGN.md §2.3) in two stages in a fixed
+// Norms: sum_of_squares and global_norm reduce in fp32 (docs/architecture.md §2.3) in two stages in a fixed
 // order; the partition depends only on n, so every replica, on any GPU model, gets the same bits
 // from the same gradients and clips identically. Clipping reads the norm from device memory: no
 // host synchronisation in the step. Like torch.nn.utils.clip_grad_norm_, it multiplies by

@@ -1,4 +1,4 @@
-// Max pooling and adaptive average pooling over NHWC activations (DESIGN.md §2.2).
+// Max pooling and adaptive average pooling over NHWC activations (docs/architecture.md §2.2).
 //
 // The conventions are PyTorch's, so that a torchvision model behaves the same here:
 // - Max pooling's output size is floor((H + 2*pad_h - kernel_h) / stride_h) + 1 (ceil_mode=False,

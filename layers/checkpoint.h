@@ -1,5 +1,5 @@
 // Checkpoints: a model, its optimizer and the training position, in safetensors files that PyTorch
-// reads (DESIGN.md §5).
+// reads (docs/architecture.md §5).
 //
 // A checkpoint at `path` is two files:
 //

@@ -7,7 +7,7 @@
 // it as PyTorch's OIHW [out, in, kh, kw] and load_state_dict() converts back, so torchvision
 // checkpoints load unchanged. The bias is [out].
 //
-// Backward writes dx and accumulates dW and db (DESIGN.md §2.1). The forward keeps its input for
+// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its input for
 // the weight gradient. Parameters are initialised as torchvision's VGG does (layers/init.h).
 #pragma once
 

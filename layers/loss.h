@@ -10,7 +10,7 @@
 // Logits are [N, classes] f32 and labels [N] i32 on the same device. The loss tensor has shape {}
 // (PyTorch's 0-d scalar; numel() is 1, to_vector<float>() gives one value).
 //
-// Data parallel without a gather (DESIGN.md §3): a replica holding chunk i (n_i samples) of a batch
+// Data parallel without a gather (docs/architecture.md §3): a replica holding chunk i (n_i samples) of a batch
 // of B passes weight = n_i / B (chunk_weight(n_i, B)). Its loss is then mean_i * n_i / B, so the
 // replicas' losses sum to the batch mean, and its dlogits are (softmax - onehot) / B, so the summed
 // parameter gradients are exactly the single-device gradients, uneven chunks included.

@@ -1,4 +1,4 @@
-// Module: the unit of a model (DESIGN.md §2.1: explicit forward and backward, no tape).
+// Module: the unit of a model (docs/architecture.md §2.1: explicit forward and backward, no tape).
 //
 // A module owns named parameters (each with its gradient), named buffers (BatchNorm's running
 // statistics) and named children, with PyTorch's names so that state_dict() keys match torchvision

@@ -1,4 +1,4 @@
-// safetensors files: the checkpoint format (DESIGN.md §5), readable by
+// safetensors files: the checkpoint format (docs/architecture.md §5), readable by
 // `safetensors.torch.load_file`.
 //
 // Layout: an 8-byte little-endian header length N, N bytes of JSON, then the raw little-endian

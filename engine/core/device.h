@@ -1,4 +1,4 @@
-// Devices: which GPUs the program sees, which one is current, and what they are (DESIGN.md §4).
+// Devices: which GPUs the program sees, which one is current, and what they are (docs/architecture.md §4).
 //
 // cudp follows CUDA's numbering. With CUDA_VISIBLE_DEVICES=0,4 the program sees two devices, ids 0
 // and 1, and id 1 is physical GPU 4; `physical_id(1)` says so. Set CUDA_DEVICE_ORDER=PCI_BUS_ID for

@@ -3,7 +3,7 @@
 //
 // Device memory comes from each device's default memory pool through cudaMallocAsync, with the
 // pool's release threshold raised to "never", so freed blocks stay reserved and are reused without
-// going back to the driver (DESIGN.md §2.4). That is the caching allocator; cudp does not write its
+// going back to the driver (docs/architecture.md §2.4). That is the caching allocator; cudp does not write its
 // own. An allocation is ordered on a stream and freed on the same stream; memory used on another
 // stream must be ordered with an event before it is freed (the engine does this).
 //

@@ -1,4 +1,4 @@
-// Check macros for the vendor libraries. cuBLAS and cuDNN are oracles and benchmarks only (DESIGN.md
+// Check macros for the vendor libraries. cuBLAS and cuDNN are oracles and benchmarks only (docs/architecture.md
 // §2.6), so only tests and bench/ include this header with them; NCCL is the engine's transport.
 #pragma once
 

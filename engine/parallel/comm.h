@@ -2,7 +2,7 @@
 // processes), each device with its own communication stream, ordered after and before compute with
 // events.
 //
-// One process drives all GPUs of a machine (DESIGN.md §2.8): the communicators come from
+// One process drives all GPUs of a machine (docs/architecture.md §2.8): the communicators come from
 // ncclCommInitAll, and every collective is issued for all local ranks by the calling thread inside
 // one ncclGroupStart/ncclGroupEnd. That is the one safe way to drive several ranks from a process:
 // a collective launched for rank 0 but not yet for rank 1 (two threads, no group) blocks rank 0's

@@ -1,4 +1,4 @@
-// DataParallel: PyTorch's nn.DataParallel (DESIGN.md §3) on persistent replicas and NCCL.
+// DataParallel: PyTorch's nn.DataParallel (docs/architecture.md §3) on persistent replicas and NCCL.
 //
 //   forward   scatter the batch along dim 0 (torch.chunk rules) -> each replica's forward on its
 //             device's worker thread -> (training) broadcast replica 0's buffers -> gather the
@@ -23,11 +23,11 @@
 // with replica 0's learning rate and momentum (what schedulers change), so replicas stay
 // bit-identical without any re-broadcast. check_replicas_identical() verifies it. A plain SGD on
 // model.parameters() would update replica 0 only and the replicas would drift apart. (A departure
-// from DESIGN.md §3a, which writes `SGD opt(model.parameters(), ...)`: layers/optim.h's Optimizer
+// from docs/architecture.md §3a, which writes `SGD opt(model.parameters(), ...)`: layers/optim.h's Optimizer
 // has no hook through which the engine could add the replicas' parameters, so the replicated
 // optimizer is a wrapper; with such a hook it could become transparent.)
 //
-// Usage (DESIGN.md §3a):
+// Usage (docs/architecture.md §3a):
 //   auto net = vgg16({...});  net->cuda(0);
 //   DataParallel model(net, {0, 1});
 //   parallel::Replicated<SGD> opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
@@ -149,7 +149,7 @@ class DataParallel : public Module {
   bool replicas_ran_ = false;
 };
 
-// One forward on the persistent replicas of `module` (evaluation, inference; DESIGN.md §3a). The
+// One forward on the persistent replicas of `module` (evaluation, inference; docs/architecture.md §3a). The
 // replicas are those of a live DataParallel of the same module and device_ids, else made once and
 // cached until clear_replica_cache() (the cache holds the module). Without a DataParallel keeping
 // them in step, replica 0's parameters and buffers are broadcast before each call, since the module
@@ -164,7 +164,7 @@ TensorList data_parallel_all(const std::shared_ptr<Module>& module, const Tensor
                              std::optional<int> output_device = std::nullopt, int dim = 0);
 void clear_replica_cache();
 
-// One optimizer per replica, stepped together (DESIGN.md §2.7). Built on parameters of replica 0
+// One optimizer per replica, stepped together (docs/architecture.md §2.7). Built on parameters of replica 0
 // (model.parameters() of a DataParallel, or of a bigger model holding DataParallel members), it
 // builds Opt on them and one more Opt on each replica's matching parameters
 // (replica_parameter_lists). Every replica starts from identical parameters and state and receives

@@ -1,4 +1,4 @@
-// parallel_apply: one job per device, each on that device's persistent host thread (DESIGN.md
+// parallel_apply: one job per device, each on that device's persistent host thread (docs/architecture.md
 // §2.8).
 //
 // Threads. The process has at most one worker thread per device, started the first time a

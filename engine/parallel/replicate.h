@@ -1,4 +1,4 @@
-// replicate: persistent replicas of a module, one per device (DESIGN.md §2.7).
+// replicate: persistent replicas of a module, one per device (docs/architecture.md §2.7).
 //
 // Replica 0 is the module itself (its parameters and buffers must already be on device_ids[0], as
 // PyTorch requires); replica i is a deep copy (Module::clone) on device_ids[i], made once and kept.
@@ -12,7 +12,7 @@
 //   the
 //     parameters stay bit-identical; checksums() and check_identical() verify it;
 //   - buffers (BatchNorm running statistics) are broadcast from replica 0 after each training
-//     forward (BufferSync::Broadcast, DESIGN.md §3): replica 0's are PyTorch's, the others follow.
+//     forward (BufferSync::Broadcast, docs/architecture.md §3): replica 0's are PyTorch's, the others follow.
 //
 // NOTE [Replica gradients are scratch]
 // PyTorch's DataParallel accumulates gradients in the original module only; replicas are rebuilt at

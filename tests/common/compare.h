@@ -1,4 +1,4 @@
-// Tolerance comparison for tests (DESIGN.md §7): |a - b| <= atol + rtol * |b| element-wise, with b
+// Tolerance comparison for tests (docs/architecture.md §7): |a - b| <= atol + rtol * |b| element-wise, with b
 // the reference. On failure the message names the worst element, its index, both values, the count
 // of mismatches and the first few of them.
 #pragma once
