@@ -52,7 +52,4 @@ void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const P
 void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
                      float* workspace, cudaStream_t stream, bool alt);
 
-// Blocks that fit on one SM for the kernels above (1: they use most of the shared memory).
-constexpr int kBlocksPerSm = 1;
-
 }  // namespace cudp::kernels::sm90
