@@ -14,6 +14,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/batchnorm.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -453,23 +454,6 @@ Plan make_plan(Kernel kernel, int64_t rows, int c, int v, size_t shared_per_thre
   return plan;
 }
 
-// Device scratch memory for one call, stream-ordered: freed on the stream when the scope ends (also
-// when a launch throws), so it is reused by later work on the stream without a synchronisation.
-class Workspace {
- public:
-  Workspace(size_t floats, cudaStream_t stream) : stream_(stream) {
-    CUDP_CUDA_CHECK(
-        cudaMallocAsync(reinterpret_cast<void**>(&ptr_), floats * sizeof(float), stream));
-  }
-  ~Workspace() { cudaFreeAsync(ptr_, stream_); }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  float* get() const { return ptr_; }
-
- private:
-  float* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 dim3 finalize_grid(int c) {
   return dim3((c + kFinalLanes - 1) / kFinalLanes);
@@ -483,7 +467,7 @@ void forward_train(const float* x, float* y, const float* gamma, const float* be
   // Shared memory per thread: its count and V means and M2s.
   const Plan stats = make_plan(bn_stats_kernel<V>, rows, c, V, (1 + 2 * V) * sizeof(float));
   const int parts = int(stats.grid.y);
-  Workspace ws(size_t(parts) * (2 * c + 1) + 4 * size_t(c), stream);
+  Workspace ws((size_t(parts) * (2 * c + 1) + 4 * size_t(c)) * sizeof(float), stream);
   float* part_mean = ws.get();
   float* part_m2 = part_mean + size_t(parts) * c;
   float* part_n = part_m2 + size_t(parts) * c;
@@ -505,7 +489,7 @@ void backward(const float* x, const float* dy, const float* gamma, const float* 
               float beta_accumulate, cudaStream_t stream) {
   const Plan reduce = make_plan(bn_backward_reduce_kernel<V>, rows, c, V, 2 * V * sizeof(float));
   const int parts = int(reduce.grid.y);
-  Workspace ws(size_t(parts) * 2 * c + 3 * size_t(c), stream);
+  Workspace ws((size_t(parts) * 2 * c + 3 * size_t(c)) * sizeof(float), stream);
   float* part_dy = ws.get();
   float* part_dy_xmu = part_dy + size_t(parts) * c;
   float* coef = part_dy_xmu + size_t(parts) * c;

@@ -43,6 +43,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/conv2d.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 
@@ -719,21 +720,6 @@ int choose_split(int tiles, int slices, int resident, int64_t partial_bytes) {
   return split;
 }
 
-// Stream-ordered scratch memory, returned to the pool even when a launch in between throws.
-class Workspace {
- public:
-  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    CUDP_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
-  }
-  ~Workspace() { cudaFreeAsync(ptr_, stream_); }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  float* get() const { return static_cast<float*>(ptr_); }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 template <class Pass, int BM, int BN, bool Vec>
 void run_gemm(GemmArgs args, cudaStream_t stream) {

@@ -20,6 +20,7 @@
 #include "kernels/conv2d.h"
 #include "kernels/matmul.h"
 #include "kernels/sm90/matmul_sm90.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -106,26 +107,6 @@ void rotate_filters(const In* w, const Conv2dShape& s, int kp, void* dst, DType 
   }
 }
 
-// Stream-ordered scratch for packed operands, returned to the pool on every path.
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
-  ~Scratch() {
-    for (void* p : blocks_) cudaFreeAsync(p, stream_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  void* get(int64_t bytes) {
-    void* p = nullptr;
-    CUDP_CUDA_CHECK(cudaMallocAsync(&p, size_t(std::max<int64_t>(bytes, 16)), stream_));
-    blocks_.push_back(p);
-    return p;
-  }
-
- private:
-  cudaStream_t stream_;
-  std::vector<void*> blocks_;
-};
 
 DType operand_type(Math math) { return math == Math::BF16 ? DType::BF16 : DType::F32; }
 int chunk_elements(Math math) { return math == Math::BF16 ? 8 : 4; }
@@ -295,9 +276,9 @@ void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
              " must be a multiple of ", chunk, " for ", math_name(ops.math), " operands");
   CUDP_CHECK(ops.w != nullptr, "conv2d_backward_data_tc: w must not be null");
   const Conv2dShape view = backward_data_view(shape, shape.k);
-  Scratch scratch(stream);
   const DType type = operand_type(ops.math);
-  void* rotated = scratch.get(shape.w_size() * dtype_size(type));
+  Workspace rotated_ws(size_t(shape.w_size() * dtype_size(type)), stream);
+  void* rotated = rotated_ws.get<void>();
   if (type == DType::BF16) {
     rotate_filters(static_cast<const __nv_bfloat16*>(ops.w), shape, shape.k, rotated, type, stream);
   } else {
@@ -331,11 +312,11 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
   const int cp = static_cast<int>(round_up(shape.c, 8));
   const int kp = static_cast<int>(round_up(shape.k, 8));
-  Scratch scratch(stream);
   const int64_t pixels_in = int64_t(shape.n) * shape.h * shape.w;
   const int64_t pixels_out = int64_t(shape.n) * shape.p() * shape.q();
-  void* xb = scratch.get(pixels_in * cp * 2);
-  void* dyb = scratch.get(pixels_out * kp * 2);
+  Workspace xb_ws(size_t(pixels_in * cp * 2), stream), dyb_ws(size_t(pixels_out * kp * 2), stream);
+  void* xb = xb_ws.get<void>();
+  void* dyb = dyb_ws.get<void>();
   pad_channels(x, pixels_in, shape.c, cp, xb, DType::BF16, stream);
   pad_channels(dy, pixels_out, shape.k, kp, dyb, DType::BF16, stream);
   Conv2dShape padded = shape;
@@ -348,7 +329,8 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
   // Padded channels: compute the padded gradient, then keep its first C channels of the first K
   // filters.
   const int64_t rows = int64_t(kp) * shape.r * shape.s;
-  float* part = static_cast<float*>(scratch.get(rows * cp * 4));
+  Workspace part_ws(size_t(rows * cp * 4), stream);
+  float* part = part_ws.get();
   run_backward_weight(padded, xb, dyb, part, 0.f, stream);
   const int64_t keep = int64_t(shape.k) * shape.r * shape.s;
   launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(keep * shape.c), 256, 0,
@@ -364,15 +346,15 @@ void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float
   const int cp = static_cast<int>(round_up(shape.c, chunk_elements(math)));
   // fp32 operands are used in place when the gather and TMA can read them as they are.
   const bool direct = type == DType::F32 && cp == shape.c && aligned16(x) && aligned16(w);
-  Scratch scratch(stream);
   ConvOperands ops{math, x, w, y, DType::F32, bias, relu};
+  const int64_t pixels = int64_t(shape.n) * shape.h * shape.w, taps = int64_t(shape.k) * shape.r * shape.s;
+  Workspace xp(direct ? 0 : size_t(pixels * cp * dtype_size(type)), stream);
+  Workspace wp(direct ? 0 : size_t(taps * cp * dtype_size(type)), stream);
   if (!direct) {
-    void* xp = scratch.get(int64_t(shape.n) * shape.h * shape.w * cp * dtype_size(type));
-    void* wp = scratch.get(int64_t(shape.k) * shape.r * shape.s * cp * dtype_size(type));
-    pad_channels(x, int64_t(shape.n) * shape.h * shape.w, shape.c, cp, xp, type, stream);
-    pad_channels(w, int64_t(shape.k) * shape.r * shape.s, shape.c, cp, wp, type, stream);
-    ops.x = xp;
-    ops.w = wp;
+    pad_channels(x, pixels, shape.c, cp, xp.get<void>(), type, stream);
+    pad_channels(w, taps, shape.c, cp, wp.get<void>(), type, stream);
+    ops.x = xp.get<void>();
+    ops.w = wp.get<void>();
   }
   Conv2dShape padded = shape;
   padded.c = cp;
@@ -386,15 +368,15 @@ void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, cons
   const DType type = operand_type(math);
   const int kp = static_cast<int>(round_up(shape.k, chunk_elements(math)));
   const Conv2dShape view = backward_data_view(shape, kp);
-  Scratch scratch(stream);
-  void* rotated = scratch.get(int64_t(shape.c) * shape.r * shape.s * kp * dtype_size(type));
-  rotate_filters(w, shape, kp, rotated, type, stream);
-  ConvOperands ops{math, dy, rotated, dx, DType::F32, nullptr, false};
-  if (!(type == DType::F32 && kp == shape.k && aligned16(dy))) {
-    const int64_t pixels = int64_t(shape.n) * shape.p() * shape.q();
-    void* dyp = scratch.get(pixels * kp * dtype_size(type));
-    pad_channels(dy, pixels, shape.k, kp, dyp, type, stream);
-    ops.x = dyp;
+  Workspace rotated(size_t(int64_t(shape.c) * shape.r * shape.s * kp * dtype_size(type)), stream);
+  rotate_filters(w, shape, kp, rotated.get<void>(), type, stream);
+  ConvOperands ops{math, dy, rotated.get<void>(), dx, DType::F32, nullptr, false};
+  const bool direct = type == DType::F32 && kp == shape.k && aligned16(dy);
+  const int64_t pixels = int64_t(shape.n) * shape.p() * shape.q();
+  Workspace dyp(direct ? 0 : size_t(pixels * kp * dtype_size(type)), stream);
+  if (!direct) {
+    pad_channels(dy, pixels, shape.k, kp, dyp.get<void>(), type, stream);
+    ops.x = dyp.get<void>();
   }
   run_forward(view, ops, stream);
 }

@@ -34,6 +34,7 @@
 #include "engine/core/launch.cuh"
 #include "kernels/gemm.h"
 #include "kernels/matmul.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -298,25 +299,6 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// The split-K partial products: stream-ordered, freed on the stream after the reduction has read
-// them (or, if a launch threw, by the destructor).
-class Workspace {
- public:
-  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), bytes, stream));
-  }
-  ~Workspace() {
-    if (ptr_) static_cast<void>(cudaFreeAsync(ptr_, stream_));  // an error here already surfaced
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  float* get() const { return ptr_; }
-  void release() { CUDP_CUDA_CHECK(cudaFreeAsync(std::exchange(ptr_, nullptr), stream_)); }
-
- private:
-  float* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 // The cost model's constants, in the unit "FMAs of one SM" (H100/H200-like parts): this kernel
 // sustains ~96 FMA per SM and cycle, DRAM delivers ~15 bytes per SM and cycle, so a byte of

@@ -20,6 +20,7 @@
 #include "engine/core/launch.cuh"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
+#include "kernels/workspace.h"
 #include "kernels/sm90/matmul_sm90.h"
 
 namespace cudp::kernels {
@@ -276,31 +277,22 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     return;
   }
 #ifdef CUDP_HAVE_SM90
-  float* ws = nullptr;
-  const int64_t ws_bytes = matmul_workspace_bytes(p, plan);
-  if (ws_bytes > 0) {
-    CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), size_t(ws_bytes), stream));
+  Workspace partials(size_t(matmul_workspace_bytes(p, plan)), stream);
+  float* ws = partials.get();
+  const bool bf16 = p.math == Math::BF16;
+  if (feed == Feed::ConvTma) {
+    CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
+    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream)
+         : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
+  } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt) {
+    CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
+    sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt);
+  } else if (conv != nullptr) {
+    bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
+  } else {
+    bf16 ? sm90::matmul_bf16(p, plan, ws, stream) : sm90::matmul_tf32(p, plan, ws, stream);
   }
-  try {
-    const bool bf16 = p.math == Math::BF16;
-    if (feed == Feed::ConvTma) {
-      CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
-      bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream)
-           : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
-    } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt) {
-      CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
-      sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt);
-    } else if (conv != nullptr) {
-      bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
-    } else {
-      bf16 ? sm90::matmul_bf16(p, plan, ws, stream) : sm90::matmul_tf32(p, plan, ws, stream);
-    }
-    if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
-  } catch (...) {
-    if (ws != nullptr) cudaFreeAsync(ws, stream);
-    throw;
-  }
-  if (ws != nullptr) CUDP_CUDA_CHECK(cudaFreeAsync(ws, stream));
+  if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
 #else
   (void)plan;
   (void)conv;
@@ -325,10 +317,9 @@ int multiprocessor_count(int device) { return device_info(device).sms; }
 
 int require_tensor_cores(const char* what, Math math) {
   int device = 0;
-  const cudaError_t status = cudaGetDevice(&device);
-  int count = 0;
-  if (status != cudaSuccess || cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+  const cudaError_t status = cudaGetDevice(&device);  // fails without a driver or a device
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // the error is not sticky: clear it so later calls start clean
     CUDP_CHECK(false, what, ": Math::", math_name(math),
                " runs on tensor cores and needs an sm_90 GPU (H100/H200), but no CUDA device is "
                "usable here (", cudaGetErrorString(status), "); use Math::FP32");
@@ -356,10 +347,8 @@ void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float al
   const int64_t ldp = (int64_t(k) * esize + 15) / 16 * 16 / esize;  // packed row stride
   const int64_t a_bytes = a_direct || k == 0 ? 0 : (int64_t(m) * ldp * esize + 255) / 256 * 256;
   const int64_t b_bytes = b_direct || k == 0 ? 0 : int64_t(n) * ldp * esize;
-  uint8_t* ws = nullptr;
-  if (a_bytes + b_bytes > 0) {
-    CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), size_t(a_bytes + b_bytes), stream));
-  }
+  Workspace packed(size_t(a_bytes + b_bytes), stream);
+  uint8_t* ws = packed.get<uint8_t>();
   MatmulProblem p;
   p.m = m;
   p.n = n;
@@ -374,16 +363,10 @@ void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float al
   p.c_type = DType::F32;
   p.alpha = alpha;
   p.beta = beta;
-  try {
-    if (k > 0 && !a_direct) pack_k_major(A, lda, trans_a, m, k, ws, ldp, type, stream);
-    // op(B) is k x n; its K-major form is n x k: B itself when trans_b, else B transposed.
-    if (k > 0 && !b_direct) pack_k_major(B, ldb, !trans_b, n, k, ws + a_bytes, ldp, type, stream);
-    matmul(p, stream);
-  } catch (...) {
-    if (ws != nullptr) cudaFreeAsync(ws, stream);
-    throw;
-  }
-  if (ws != nullptr) CUDP_CUDA_CHECK(cudaFreeAsync(ws, stream));
+  if (k > 0 && !a_direct) pack_k_major(A, lda, trans_a, m, k, ws, ldp, type, stream);
+  // op(B) is k x n; its K-major form is n x k: B itself when trans_b, else B transposed.
+  if (k > 0 && !b_direct) pack_k_major(B, ldb, !trans_b, n, k, ws + a_bytes, ldp, type, stream);
+  matmul(p, stream);
 }
 
 }  // namespace detail

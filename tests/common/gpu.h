@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/core/device.h"
+#include "kernels/matmul.h"
 
 // Skips the test unless at least n CUDA devices are visible. The first message is what ctest's
 // SKIP_REGULAR_EXPRESSION matches, so a GPU-less machine reports these tests as skipped.
@@ -15,3 +16,13 @@
   } while (0)
 
 #define CUDP_REQUIRE_GPU() CUDP_REQUIRE_GPUS(1)
+
+// Skips the test unless the current device runs the sm_90 tensor-core kernels.
+#define CUDP_REQUIRE_TENSOR_CORES()                                                        \
+  do {                                                                                     \
+    CUDP_REQUIRE_GPU();                                                                    \
+    int cudp_device_ = 0;                                                                  \
+    CUDP_CUDA_CHECK(cudaGetDevice(&cudp_device_));                                         \
+    if (!::cudp::kernels::tensor_cores_available(cudp_device_))                            \
+      GTEST_SKIP() << "the GPU is not sm_90: no wgmma";                                    \
+  } while (0)

@@ -122,10 +122,7 @@ struct Param {
 class Conv2dTcGpu : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
-    CUDP_REQUIRE_GPU();
-    int device = 0;
-    CUDP_CUDA_CHECK(cudaGetDevice(&device));
-    if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+    CUDP_REQUIRE_TENSOR_CORES();
     detail::set_conv_patch_feed(GetParam().patch_feed);
   }
   void TearDown() override { detail::set_conv_patch_feed(true); }
@@ -191,10 +188,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTcGpu, ::testing::ValuesIn(params()), [](
 
 // The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
 TEST(Conv2dTcTyped, Bf16InBf16Out) {
-  CUDP_REQUIRE_GPU();
-  int device = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+  CUDP_REQUIRE_TENSOR_CORES();
   const Conv2dShape s{2, 12, 12, 64, 128, 3, 3, 1, 1, 1, 1};
   const std::vector<float> x = operand(size_t(s.x_size()), 7, Math::BF16);
   const std::vector<float> w = operand(size_t(s.w_size()), 8, Math::BF16);
@@ -278,10 +272,7 @@ TEST_P(Conv2dTcGpu, BackwardWeight) {
 // (kWgradAltByDefault in kernels/conv2d_tc.cu); this test shows that exactly that one computes
 // the right product on this GPU, so a wrong assumption cannot pass silently.
 TEST(Conv2dTcTyped, WgradDescriptorLayout) {
-  CUDP_REQUIRE_GPU();
-  int device = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  if (!tensor_cores_available(device)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma";
+  CUDP_REQUIRE_TENSOR_CORES();
   const Conv2dShape s{2, 12, 12, 128, 128, 3, 3, 1, 1, 1, 1};
   const std::vector<float> x = operand(size_t(s.x_size()), 21, Math::BF16);
   const std::vector<float> dy = operand(size_t(s.y_size()), 22, Math::BF16);

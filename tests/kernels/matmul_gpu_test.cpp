@@ -222,13 +222,6 @@ class Product {
   std::vector<float> bias_, c0_;
 };
 
-#define CUDP_REQUIRE_TENSOR_CORES()                                                        \
-  do {                                                                                     \
-    CUDP_REQUIRE_GPU();                                                                    \
-    int dev_ = 0;                                                                          \
-    CUDP_CUDA_CHECK(cudaGetDevice(&dev_));                                                 \
-    if (!tensor_cores_available(dev_)) GTEST_SKIP() << "the GPU is not sm_90: no wgmma"; \
-  } while (0)
 
 class MatmulGpu : public ::testing::TestWithParam<Math> {};
 
