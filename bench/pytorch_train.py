@@ -7,8 +7,11 @@ with nn.DataParallel, and with DistributedDataParallel (one process per GPU, NCC
 configuration uses cudp's compact head (512 -> 512 -> 512 -> 10), built here from torchvision's
 features. Prints a Markdown table and writes JSON lines with --json.
 
-  python3 bench/pytorch_train.py --json out.json              # fp32, TF32 off (what cudp computes)
+  python3 bench/pytorch_train.py --json out.json              # fp32, TF32 off
   python3 bench/pytorch_train.py --tf32                       # PyTorch's default cuDNN TF32
+  python3 bench/pytorch_train.py --precision bf16 --channels-last [--compile]
+                                                              # PyTorch's fastest settings: bf16
+                                                              # autocast, NHWC, torch.compile
 """
 import argparse
 import json
@@ -31,18 +34,29 @@ def build(arch, size):
     return getattr(torchvision.models, arch)(), 1000
 
 
-def settings(tf32):
+def settings(args):
+    # bf16 autocast runs convolutions and matmuls in bf16; what stays fp32 under it follows TF32.
+    tf32 = args.tf32 or args.precision in ("tf32", "bf16")
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.benchmark = args.channels_last or args.precision != "fp32"
 
 
-def timed_steps(model, opt, x, y, warmup, steps, devices):
+def prepare(model, x, args):
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    return model, x
+
+
+def timed_steps(model, opt, x, y, warmup, steps, devices, args):
     loss_fn = nn.CrossEntropyLoss()
+    forward = torch.compile(model) if args.compile else model
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = loss_fn(forward(x), y)
         loss.backward()
         opt.step()
 
@@ -59,7 +73,7 @@ def timed_steps(model, opt, x, y, warmup, steps, devices):
 
 
 def single_or_dp(arch, size, per_gpu, gpus, args):
-    settings(args.tf32)
+    settings(args)
     torch.manual_seed(1)
     model, classes = build(arch, size)
     model = model.cuda(0)
@@ -71,7 +85,8 @@ def single_or_dp(arch, size, per_gpu, gpus, args):
     batch = per_gpu * gpus
     x = torch.randn(batch, 3, size, size, device="cuda:0")
     y = torch.arange(batch, device="cuda:0") % classes
-    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, range(gpus))
+    model, x = prepare(model, x, args)
+    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, range(gpus), args)
     peak = max(torch.cuda.max_memory_allocated(d) for d in range(gpus)) / 2**30
     return batch * args.steps / seconds, peak
 
@@ -81,16 +96,20 @@ def ddp_worker(rank, world, arch, size, per_gpu, args, queue):
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=rank, world_size=world)
     torch.cuda.set_device(rank)
-    settings(args.tf32)
+    settings(args)
     torch.manual_seed(1)
     model, classes = build(arch, size)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     model = nn.parallel.DistributedDataParallel(model.cuda(rank), device_ids=[rank])
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     x = torch.randn(per_gpu, 3, size, size, device=rank)
     y = torch.arange(per_gpu, device=rank) % classes
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     torch.cuda.reset_peak_memory_stats(rank)
     dist.barrier()
-    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, [rank])
+    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, [rank], args)
     if rank == 0:
         queue.put((per_gpu * world * args.steps / seconds, torch.cuda.max_memory_allocated(rank) / 2**30))
     dist.barrier()
@@ -113,9 +132,15 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tf32", action="store_true", help="allow TF32 (PyTorch's cuDNN default)")
+    p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default=None,
+                   help="fp32 (TF32 off), tf32, or bf16 autocast (TF32 for what stays fp32)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC activations and weights")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--modes", nargs="+", default=["single", "dp", "ddp"])
     p.add_argument("--json")
     args = p.parse_args()
+    if args.precision is None:
+        args.precision = "tf32" if args.tf32 else "fp32"
     rows = []
     print("| framework | model | image | batch/GPU | GPUs | mode | img/s | peak GiB |")
     print("|---|---|---|---:|---:|---|---:|---:|")
@@ -129,11 +154,14 @@ def main():
                 ips, peak = (ddp if mode == "ddp" else single_or_dp)(arch, size, per_gpu, g, args)
                 row = {"framework": "pytorch " + torch.__version__, "model": arch, "size": size,
                        "batch_per_gpu": per_gpu, "gpus": g, "mode": mode,
-                       "precision": "tf32" if args.tf32 else "fp32", "images_per_s": round(ips, 1),
+                       "precision": args.precision, "channels_last": args.channels_last,
+                       "compile": args.compile, "images_per_s": round(ips, 1),
                        "peak_gib": round(peak, 3)}
                 rows.append(row)
-                print(f"| pytorch | {arch} | {size} | {per_gpu} | {g} | {mode} | {ips:.0f} | {peak:.2f} |",
-                      flush=True)
+                setting = args.precision + (" NHWC" if args.channels_last else "") + (
+                    " compiled" if args.compile else "")
+                print(f"| pytorch {setting} | {arch} | {size} | {per_gpu} | {g} | {mode} | {ips:.0f} | "
+                      f"{peak:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             for r in rows:

@@ -118,64 +118,77 @@ def geomean(values):
 
 # ---- training ------------------------------------------------------------------------------------
 
+def torch_setting(r):
+    """PyTorch's settings as one label: precision, then NHWC and compiled when used."""
+    label = str(r.get("precision", "fp32"))
+    if r.get("channels_last"):
+        label += " NHWC"
+    if r.get("compile"):
+        label += " compiled"
+    return label
+
+
 def training(cudp_rows, torch_rows):
-    """Rows per (model, size, batch/GPU, GPUs, PyTorch mode): img/s, scaling efficiency, ratios."""
+    """Rows per (model, size, batch/GPU, cudp precision, GPUs, PyTorch setting and mode): img/s,
+    scaling efficiency, ratios. Every row carries cudp_precision (fp32 for rows written before
+    bench_train had --precision)."""
     configs = {}
     for r in cudp_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
             continue
         key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
-        configs.setdefault(key, {"cudp": {}, "torch": {}})["cudp"][int(num(r, "gpus"))] = r
+        c = configs.setdefault(key, {"cudp": {}, "torch": {}})
+        c["cudp"].setdefault(str(r.get("cudp_precision", "fp32")), {})[int(num(r, "gpus"))] = r
     for r in torch_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
             continue
         key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
         mode = str(r.get("mode", "single"))
-        precision = str(r.get("precision", "fp32"))
         c = configs.setdefault(key, {"cudp": {}, "torch": {}})
-        c["torch"].setdefault(precision, {}).setdefault(mode, {})[int(num(r, "gpus"))] = r
+        c["torch"].setdefault(torch_setting(r), {}).setdefault(mode, {})[int(num(r, "gpus"))] = r
 
     rows = []
     for (model, size, batch), c in sorted(configs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
-        cudp = c["cudp"]
-        cudp_one = num(cudp.get(1, {}), "images_per_s")
-        gpu_counts = sorted(set(cudp) | {g for p in c["torch"].values() for m in p.values() for g in m})
-        for g in gpu_counts:
-            cr = cudp.get(g)
-            ips = num(cr, "images_per_s") if cr else None
-            eff = ratio(ips, cudp_one * g) if cudp_one else None
-            step_ms = num(cr, "step_ms") if cr else None
-            ar_ms = num(cr, "allreduce_ms") if cr else None
-            base = {
-                "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
-                "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,
-                "cudp_step_ms": step_ms,
-                "cudp_allreduce_ms": ar_ms if g > 1 else None,
-                "cudp_allreduce_share_of_step": ratio(ar_ms, step_ms) if g > 1 and ar_ms else None,
-                "cudp_peak_gib": num(cr, "peak_gib") if cr else None,
-            }
-            torch_modes = []
-            for precision, modes in sorted(c["torch"].items()):
-                single = num(modes.get("single", {}).get(1, {}), "images_per_s")
-                for mode in ("single", "dp", "ddp"):
-                    tr = modes.get(mode, {}).get(g)
-                    if tr is None:
-                        continue
-                    t_ips = num(tr, "images_per_s")
-                    torch_modes.append(dict(base, **{
-                        "pytorch_mode": mode, "pytorch_precision": precision,
-                        "pytorch_framework": tr.get("framework", "pytorch"),
-                        "pytorch_images_per_s": t_ips,
-                        "pytorch_scaling_efficiency": ratio(t_ips, single * g) if single else None,
-                        "pytorch_peak_gib": num(tr, "peak_gib"),
-                        "cudp_over_pytorch": ratio(ips, t_ips),
-                    }))
-            if torch_modes:
-                rows += torch_modes
-            elif ips is not None:
-                rows.append(dict(base, pytorch_mode=None, pytorch_precision=None,
-                                 pytorch_images_per_s=None, pytorch_scaling_efficiency=None,
-                                 pytorch_peak_gib=None, cudp_over_pytorch=None))
+        torch_gpus = {g for p in c["torch"].values() for m in p.values() for g in m}
+        for cudp_precision, cudp in sorted(c["cudp"].items()) or [(None, {})]:
+            cudp_one = num(cudp.get(1, {}), "images_per_s")
+            for g in sorted(set(cudp) | torch_gpus):
+                cr = cudp.get(g)
+                ips = num(cr, "images_per_s") if cr else None
+                eff = ratio(ips, cudp_one * g) if cudp_one else None
+                step_ms = num(cr, "step_ms") if cr else None
+                ar_ms = num(cr, "allreduce_ms") if cr else None
+                base = {
+                    "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
+                    "cudp_precision": cudp_precision,
+                    "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,
+                    "cudp_step_ms": step_ms,
+                    "cudp_allreduce_ms": ar_ms if g > 1 else None,
+                    "cudp_allreduce_share_of_step": ratio(ar_ms, step_ms) if g > 1 and ar_ms else None,
+                    "cudp_peak_gib": num(cr, "peak_gib") if cr else None,
+                }
+                torch_modes = []
+                for setting, modes in sorted(c["torch"].items()):
+                    single = num(modes.get("single", {}).get(1, {}), "images_per_s")
+                    for mode in ("single", "dp", "ddp"):
+                        tr = modes.get(mode, {}).get(g)
+                        if tr is None:
+                            continue
+                        t_ips = num(tr, "images_per_s")
+                        torch_modes.append(dict(base, **{
+                            "pytorch_mode": mode, "pytorch_precision": setting,
+                            "pytorch_framework": tr.get("framework", "pytorch"),
+                            "pytorch_images_per_s": t_ips,
+                            "pytorch_scaling_efficiency": ratio(t_ips, single * g) if single else None,
+                            "pytorch_peak_gib": num(tr, "peak_gib"),
+                            "cudp_over_pytorch": ratio(ips, t_ips),
+                        }))
+                if torch_modes:
+                    rows += torch_modes
+                elif ips is not None:
+                    rows.append(dict(base, pytorch_mode=None, pytorch_precision=None,
+                                     pytorch_images_per_s=None, pytorch_scaling_efficiency=None,
+                                     pytorch_peak_gib=None, cudp_over_pytorch=None))
     return rows
 
 
@@ -189,7 +202,7 @@ def training_md(rows):
             mode = {"single": "1 GPU", "dp": "DataParallel", "ddp": "DDP"}.get(r["pytorch_mode"], r["pytorch_mode"])
             mode += f" ({r['pytorch_precision']})"
         body.append([
-            r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"],
+            r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], r.get("cudp_precision") or "—",
             fmt(r["cudp_images_per_s"], 0), fmt(r["cudp_scaling_efficiency"], 2),
             mode, fmt(r.get("pytorch_images_per_s"), 0), fmt(r.get("pytorch_scaling_efficiency"), 2),
             fmt(r.get("cudp_over_pytorch"), 2, "×"),
@@ -198,11 +211,11 @@ def training_md(rows):
             fmt(r["cudp_peak_gib"], 2), fmt(r.get("pytorch_peak_gib"), 2),
         ])
     return md_table(
-        ["model", "image", "batch/GPU", "GPUs", "cudp img/s", "cudp scaling", "PyTorch", "PyTorch img/s",
-         "PyTorch scaling", "cudp/PyTorch", "cudp all-reduce ms", "all-reduce / step", "cudp peak GiB",
-         "PyTorch peak GiB"],
-        body, ["---", "---", "---:", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:", "---:",
-               "---:", "---:"])
+        ["model", "image", "batch/GPU", "GPUs", "cudp precision", "cudp img/s", "cudp scaling", "PyTorch",
+         "PyTorch img/s", "PyTorch scaling", "cudp/PyTorch", "cudp all-reduce ms", "all-reduce / step",
+         "cudp peak GiB", "PyTorch peak GiB"],
+        body, ["---", "---", "---:", "---:", "---", "---:", "---:", "---", "---:", "---:", "---:", "---:",
+               "---:", "---:", "---:"])
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -397,7 +410,8 @@ def headline(train, comm):
     lines = []
     for r in train:
         if r["gpus"] == 1 and r.get("pytorch_mode") == "single" and r.get("cudp_over_pytorch"):
-            lines.append(f"- {r['model']} {r['size']}², 1 GPU: cudp {fmt(r['cudp_images_per_s'], 0)} img/s, "
+            lines.append(f"- {r['model']} {r['size']}², 1 GPU: cudp ({r.get('cudp_precision') or 'fp32'}) "
+                         f"{fmt(r['cudp_images_per_s'], 0)} img/s, "
                          f"PyTorch ({r['pytorch_precision']}) {fmt(r['pytorch_images_per_s'], 0)}: "
                          f"**{fmt(r['cudp_over_pytorch'], 2, '×')}**")
     seen = set()

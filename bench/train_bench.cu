@@ -1,6 +1,7 @@
 // bench_train: VGG training throughput of cudp's engine: img/s on 1..N GPUs at 224^2 (batch 64 per
-// GPU, torchvision head, 1000 classes) and 32^2 (batch 256 per GPU, compact head, 10 classes), fp32,
-// SGD with momentum, the data already on the first GPU (the input pipeline is measured by cudp-vgg).
+// GPU, torchvision head, 1000 classes) and 32^2 (batch 256 per GPU, compact head, 10 classes), with
+// the products in fp32 or bf16 (--precision; layers/precision.h), SGD with momentum, the data
+// already on the first GPU (the input pipeline is measured by cudp-vgg).
 //
 // Per configuration: build the model from a fixed seed, wrap it in DataParallel over the first g
 // GPUs, run `--warmup` steps, then `--steps` timed steps between a device synchronisation and the
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/core/memory.h"
@@ -33,6 +35,7 @@ struct Config {
   int size;
   int64_t batch_per_gpu;
   int gpus;
+  Precision precision;
 };
 
 struct Result {
@@ -57,6 +60,7 @@ Result run(const Config& c, int warmup, int steps) {
   o.num_classes = c.size == 32 ? 10 : 1000;
   o.seed = 1;
   auto net = vgg(arch_config(c.arch), o);
+  net->set_precision(c.precision);
   net->cuda(0);
   Result r;
   {
@@ -102,13 +106,19 @@ Result run(const Config& c, int warmup, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"bench_train: VGG training throughput on 1..N GPUs (fp32)"};
+  CLI::App app{"bench_train: VGG training throughput on 1..N GPUs"};
   std::vector<std::string> archs = {"vgg16"};
+  std::vector<std::string> precisions = {"fp32"};
   std::vector<int> sizes = {224, 32};
   int max_gpus = 0, warmup = 3, steps = 10;
   std::string json;
   app.add_option("--arch", archs, "vgg11 vgg13 vgg16 vgg19")->capture_default_str();
   app.add_option("--size", sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")->capture_default_str();
+  app.add_option("--precision", precisions,
+                 "fp32 and/or bf16 (bf16 operands on tensor cores, sm_90; tf32 trains no "
+                 "convolution yet)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   app.add_option("--gpus", max_gpus, "largest GPU count (default: all visible)");
   app.add_option("--warmup", warmup, "untimed steps")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
@@ -122,26 +132,31 @@ int main(int argc, char** argv) {
     }
     if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
     FILE* out = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
-    std::printf("| model | image | batch/GPU | GPUs | img/s | step ms | scaling | all-reduce ms | peak GiB |\n"
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (const auto& arch : archs) {
+    std::printf("| model | precision | image | batch/GPU | GPUs | img/s | step ms | scaling | all-reduce ms | peak GiB |\n"
+                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    std::vector<std::pair<std::string, std::string>> runs;  // (precision, arch)
+    for (const auto& name : precisions) {
+      for (const auto& arch : archs) runs.emplace_back(name, arch);
+    }
+    for (const auto& [name, arch] : runs) {
+      const Precision precision = parse_precision(name);
       for (int size : sizes) {
         const int64_t per_gpu = size == 32 ? 256 : 64;
         double one = 0;
         for (int g = 1; g <= max_gpus; ++g) {
-          const Result r = run({arch, size, per_gpu, g}, warmup, steps);
+          const Result r = run({arch, size, per_gpu, g, precision}, warmup, steps);
           if (g == 1) one = r.images_per_s;
           const double scaling = r.images_per_s / (one * g);
-          std::printf("| %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %.2f |\n", arch.c_str(), size,
+          std::printf("| %s | %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %.2f |\n", arch.c_str(), name.c_str(), size,
                       static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
                       r.allreduce_ms, r.peak_gib);
           std::fflush(stdout);
           if (out) {
             std::fprintf(out,
-                         "{\"framework\": \"cudp\", \"model\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
+                         "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
                          "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
                          "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f}\n",
-                         arch.c_str(), size, static_cast<long long>(per_gpu), g, r.images_per_s,
+                         arch.c_str(), name.c_str(), size, static_cast<long long>(per_gpu), g, r.images_per_s,
                          r.step_ms, scaling, r.allreduce_ms, r.peak_gib);
           }
         }

@@ -60,8 +60,14 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   const float* w = weight_->data.data<float>();
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   float* out = y.data<float>();
-  run([&] { kernels::conv2d_forward_cpu(s, x, w, b, out, /*relu=*/false); },
-      [&](cudaStream_t stream) { kernels::conv2d_forward(s, x, w, b, out, false, stream, math_); });
+  run(
+      [&] {
+        const OperandView xr(x, s.x_size(), precision_), wr(w, s.w_size(), precision_);
+        kernels::conv2d_forward_cpu(s, xr.get(), wr.get(), b, out, /*relu=*/false);
+      },
+      [&](cudaStream_t stream) {
+        kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
+      });
   input_ = input;
   saved_shape_ = s;
   return y;
@@ -70,6 +76,10 @@ Tensor Conv2d::forward_one(const Tensor& input) {
 Tensor Conv2d::backward_one(const Tensor& grad_output) {
   const kernels::Conv2dShape& s = saved_shape_;
   check_shape(grad_output, {s.n, s.p(), s.q(), s.k}, "Conv2d: grad_output");
+  CUDP_CHECK(precision_ != Precision::tf32,
+             "Conv2d: backward under the tf32 precision policy is not available: the weight "
+             "gradient has no TF32 tensor-core kernel yet; train with bf16 or fp32 "
+             "(set_precision(Precision::bf16)), tf32 serves forward passes");
   Tensor dx = Tensor::empty(input_.shape(), DType::f32, device_);
   const float* x = input_.data<float>();
   const float* dy = grad_output.data<float>();
@@ -80,15 +90,17 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   const int64_t rows = s.y_size() / s.k;
   run(
       [&] {
-        kernels::conv2d_backward_data_cpu(s, dy, w, out);
-        kernels::conv2d_backward_weight_cpu(s, x, dy, dw, /*beta=*/1.0f);
+        const OperandView xr(x, s.x_size(), precision_), wr(w, s.w_size(), precision_);
+        const OperandView dyr(dy, s.y_size(), precision_);
+        kernels::conv2d_backward_data_cpu(s, dyr.get(), wr.get(), out);
+        kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
         if (db) {
           kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
         }
       },
       [&](cudaStream_t stream) {
-        kernels::conv2d_backward_data(s, dy, w, out, stream, math_);
-        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math_);
+        kernels::conv2d_backward_data(s, dy, w, out, stream, math());
+        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math());
         if (db) {
           kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
         }
@@ -99,7 +111,6 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
 std::shared_ptr<Module> Conv2d::make_empty_copy() const {
   auto copy = std::make_shared<Conv2d>(init::skip_init, in_, out_, kernel_, stride_, padding_,
                                        bias_ != nullptr);
-  copy->math_ = math_;
   return copy;
 }
 

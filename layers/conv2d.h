@@ -7,6 +7,11 @@
 // it as PyTorch's OIHW [out, in, kh, kw] and load_state_dict() converts back, so torchvision
 // checkpoints load unchanged. The bias is [out].
 //
+// Products follow the model's precision policy (layers/precision.h): fp32, or bf16 operands on
+// tensor cores (the fp32 input and weight are converted per product); tf32 runs the forward only
+// (backward-weight has no TF32 kernel yet: backward throws, naming bf16 and fp32). Under bf16 the
+// CPU path rounds the operands as the GPU does, so it stays the GPU's reference.
+//
 // Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its input for
 // the weight gradient. Parameters are initialised as torchvision's VGG does (layers/init.h).
 #pragma once
@@ -40,9 +45,8 @@ class Conv2d : public Module {
   Parameter& weight() { return *weight_; }  // [out, kernel, kernel, in] (KRSC)
   Parameter& bias();                        // [out]; throws when built without a bias
 
-  // How the products are computed on the GPU (FP32 default; TF32/BF16 where the kernels have them).
-  void set_math(kernels::Math math) { math_ = math; }
-  kernels::Math math() const { return math_; }
+  // The GEMM math of the products, from the precision policy (Module::set_precision).
+  kernels::Math math() const { return precision_math(precision_); }
 
  protected:
   Tensor forward_one(const Tensor& input) override;
@@ -56,7 +60,6 @@ class Conv2d : public Module {
   kernels::Conv2dShape shape_for(const Tensor& input) const;
 
   int in_, out_, kernel_, stride_, padding_;
-  kernels::Math math_ = kernels::Math::FP32;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   Tensor input_;  // saved for backward

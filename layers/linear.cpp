@@ -61,13 +61,14 @@ Tensor Linear::forward_one(const Tensor& input) {
   float* out = y.data<float>();
   run(
       [&] {
-        kernels::gemm_cpu(false, true, rows, n, k, 1.0f, x, k, w, k, 0.0f, out, n);
+        const OperandView xr(x, int64_t{rows} * k, precision_), wr(w, int64_t{n} * k, precision_);
+        kernels::gemm_cpu(false, true, rows, n, k, 1.0f, xr.get(), k, wr.get(), k, 0.0f, out, n);
         if (b) {
           kernels::bias_add_cpu(out, b, rows, n);
         }
       },
       [&](cudaStream_t s) {
-        kernels::gemm(false, true, rows, n, k, 1.0f, x, k, w, k, 0.0f, out, n, s, math_);
+        kernels::gemm(false, true, rows, n, k, 1.0f, x, k, w, k, 0.0f, out, n, s, math());
         if (b) {
           kernels::bias_add(out, b, rows, n, s);
         }
@@ -91,15 +92,17 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   float* out = dx.data<float>();
   run(
       [&] {
-        kernels::gemm_cpu(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k);
-        kernels::gemm_cpu(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k);
+        const OperandView xr(x, int64_t{rows} * k, precision_), wr(w, int64_t{n} * k, precision_);
+        const OperandView dyr(dy, int64_t{rows} * n, precision_);
+        kernels::gemm_cpu(false, false, rows, k, n, 1.0f, dyr.get(), n, wr.get(), k, 0.0f, out, k);
+        kernels::gemm_cpu(true, false, n, k, rows, 1.0f, dyr.get(), n, xr.get(), k, 1.0f, dw, k);
         if (db) {
           kernels::bias_grad_cpu(dy, db, rows, n, 1.0f);
         }
       },
       [&](cudaStream_t s) {
-        kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math_);
-        kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k, s, math_);
+        kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
+        kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k, s, math());
         if (db) {
           kernels::bias_grad(dy, db, rows, n, 1.0f, s);
         }
@@ -109,7 +112,6 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
 
 std::shared_ptr<Module> Linear::make_empty_copy() const {
   auto copy = std::make_shared<Linear>(init::skip_init, in_, out_, bias_ != nullptr);
-  copy->math_ = math_;
   return copy;
 }
 

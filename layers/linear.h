@@ -32,8 +32,10 @@ class Linear : public Module {
   Parameter& weight() { return *weight_; }  // [out, in]
   Parameter& bias();                        // [out]; throws when built without a bias
 
-  void set_math(kernels::Math math) { math_ = math; }
-  kernels::Math math() const { return math_; }
+  // The GEMM math of the products, from the precision policy (Module::set_precision): fp32, TF32
+  // or bf16 operands with fp32 accumulation (layers/precision.h); the CPU path rounds bf16
+  // operands as the GPU does.
+  kernels::Math math() const { return precision_math(precision_); }
 
  protected:
   Tensor forward_one(const Tensor& input) override;
@@ -42,7 +44,6 @@ class Linear : public Module {
 
  private:
   int64_t in_, out_;
-  kernels::Math math_ = kernels::Math::FP32;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   Tensor input_;  // saved for backward

@@ -281,6 +281,12 @@ void Module::train(bool on) {
   }
 }
 
+void Module::set_precision(Precision precision) {
+  for (auto& [path, module] : named_modules()) {
+    module->precision_ = precision;
+  }
+}
+
 void Module::zero_grad() {
   for (Parameter* p : parameters()) {
     p->grad.zero_();
@@ -336,6 +342,7 @@ std::shared_ptr<Module> Module::clone(Device device) const {
       buffer.copy_from(from);
     }
     dst.training_ = src.training_;
+    dst.precision_ = src.precision_;
     dst.device_ = device;
     dst.forward_done_ = false;
     for (size_t i = 0; i < src.children_.size(); ++i) {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/core/tensor.h"
+#include "layers/precision.h"
 
 namespace cudp {
 
@@ -66,6 +67,12 @@ class Module : public std::enable_shared_from_this<Module> {
   std::map<std::string, Tensor> state_dict();
   // Loads PyTorch-layout tensors; strict: every key present and no extra key. Errors name the key.
   void load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
+
+  // The precision policy (layers/precision.h) of this module and every descendant: how Conv2d and
+  // Linear compute their products. Clones and replicas inherit it; set it before data_parallel
+  // or DataParallel makes replicas (they copy the model as it is then).
+  void set_precision(Precision precision);
+  Precision precision() const { return precision_; }
 
   void train(bool on = true);
   void eval() { train(false); }
@@ -133,6 +140,7 @@ class Module : public std::enable_shared_from_this<Module> {
   }
 
   bool training_ = true;
+  Precision precision_ = Precision::fp32;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
 

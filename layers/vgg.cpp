@@ -178,15 +178,4 @@ std::shared_ptr<Vgg> vgg19(const VggOptions& options) {
   return vgg('E', options);
 }
 
-void set_math(Module& root, kernels::Math math) {
-  for (auto& [path, module] : root.named_modules()) {
-    if (auto* conv = dynamic_cast<Conv2d*>(module)) {
-      conv->set_math(math);
-    }
-    if (auto* linear = dynamic_cast<Linear*>(module)) {
-      linear->set_math(math);
-    }
-  }
-}
-
 }  // namespace cudp

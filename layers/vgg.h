@@ -87,7 +87,4 @@ std::shared_ptr<Vgg> vgg13(const VggOptions& options = {});
 std::shared_ptr<Vgg> vgg16(const VggOptions& options = {});
 std::shared_ptr<Vgg> vgg19(const VggOptions& options = {});
 
-// Sets the GEMM math (FP32, TF32, BF16) of every Conv2d and Linear in `root`.
-void set_math(Module& root, kernels::Math math);
-
 }  // namespace cudp

@@ -61,6 +61,7 @@
 #include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
 #include "kernels/elementwise.h"
+#include "kernels/matmul.h"
 #include "examples/vgg/options.h"
 #include "examples/vgg/run_folder.h"
 #include "layers/checkpoint.h"
@@ -676,15 +677,26 @@ int run(Options o) {
   if (!o.save_test_set.empty()) save_test_set(o.save_test_set, d, lo.normalization);
 
   auto net = build_model(o, d);
+  const Precision precision = parse_precision(o.precision);
+  net->set_precision(precision);
+  for (int g : gpus) {
+    if (precision != Precision::fp32 && !kernels::tensor_cores_available(g)) {
+      throw UsageError(detail::str("--precision ", o.precision, " needs the tensor-core kernels of "
+                                   "an sm_90 GPU (H100, H200); GPU ", g, " is not one: use "
+                                   "--precision fp32 there"));
+    }
+  }
   const Device main_device = gpus.empty() ? Device::cpu() : Device::cuda(gpus[0]);
   std::string where = "the CPU (no GPU visible)";
   if (!gpus.empty()) {
     where = "GPUs ";
     for (size_t i = 0; i < gpus.size(); ++i) where += (i ? "," : "") + std::to_string(gpus[i]);
   }
-  std::printf("model: %s%s (%s head, %lldx%lld input), %lld parameters, on %s\n", o.arch.c_str(),
-              o.bn ? "-bn" : "", o.head.c_str(), static_cast<long long>(o.image_size),
-              static_cast<long long>(o.image_size), static_cast<long long>(net->num_parameters()),
+  std::printf("model: %s%s (%s head, %lldx%lld input), %lld parameters, %s products%s, on %s\n",
+              o.arch.c_str(), o.bn ? "-bn" : "", o.head.c_str(),
+              static_cast<long long>(o.image_size), static_cast<long long>(o.image_size),
+              static_cast<long long>(net->num_parameters()), o.precision.c_str(),
+              gpus.empty() && precision != Precision::fp32 ? " (emulated on the CPU)" : "",
               where.c_str());
 
   if (!resume_file.empty()) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/core/device.h"
+#include "engine/core/error.h"
 #include "kernels/matmul.h"
 
 // Skips the test unless at least n CUDA devices are visible. The first message is what ctest's

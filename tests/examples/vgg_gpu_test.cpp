@@ -30,18 +30,20 @@ namespace {
 using namespace cudp::testing;
 
 // Runs A and B (see the header) on `gpus` with `schedule` and expects the same checksum.
-void expect_exact_resume(const std::string& gpus, const std::string& schedule, size_t replicas) {
-  SCOPED_TRACE("--gpus " + gpus + " --schedule " + schedule);
+void expect_exact_resume(const std::string& gpus, const std::string& schedule, size_t replicas,
+                         const std::string& precision = "fp32") {
+  SCOPED_TRACE("--gpus " + gpus + " --schedule " + schedule + " --precision " + precision);
   TempDir dir;
   const std::string common =
       "--data synthetic --limit-train 2048 --limit-test 512 --arch vgg11 "
       "--batch-size 128 --print-checksum --gpus " +
-      gpus + " --schedule " + schedule + " ";
+      gpus + " --schedule " + schedule + " --precision " + precision + " ";
   const std::string replica_line = "replicas: " + std::to_string(replicas) + ", bit-identical";
 
   const RunResult a =
       run_vgg(dir, common + "--epochs 4 --checkpoint '" + (dir / "a.safetensors") + "'");
   ASSERT_EQ(a.code, 0) << a.output;
+  EXPECT_TRUE(contains(a.output, precision + " products")) << a.output;
   const std::string sum_a = checksum_of(a);
   ASSERT_NE(sum_a, "") << a.output;
   if (replicas > 1) {
@@ -77,7 +79,8 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
                                     << a.output << "\n2 + 2 epochs (second half):\n"
                                     << b2.output;
 
-  // The checkpoint after epoch 4 holds the model bit for bit: evaluating it prints the checksum.
+  // The checkpoint after epoch 4 holds the model bit for bit: evaluating it prints the checksum
+  // (with the precision the checkpoint saved: the evaluation below does not repeat it).
   const RunResult eval = run_vgg(dir, "--eval-only --print-checksum --limit-test 512 --gpus " +
                                           gpus + " --resume '" + (dir / "b.safetensors") + "'");
   ASSERT_EQ(eval.code, 0) << eval.output;
@@ -102,6 +105,20 @@ TEST(VggTrainerGpu, InterruptedCosineRunResumesBitIdenticallyOnOneGpu) {
   CUDP_REQUIRE_GPU();
   CUDP_REQUIRE_VGG();
   expect_exact_resume("0", "cosine", 1);
+}
+
+// bf16 products on tensor cores: deterministic, resumed bit for bit, replicas bit-identical.
+TEST(VggTrainerGpu, Bf16ResumeIsBitIdenticalOnOneGpu) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0", "constant", 1, "bf16");
+}
+
+TEST(VggTrainerGpu, Bf16ResumeIsBitIdenticalOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0,1", "onecycle", 2, "bf16");
 }
 
 TEST(VggTrainerGpu, ResumeIsBitIdenticalOnTwoGpus) {

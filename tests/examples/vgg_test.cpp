@@ -8,7 +8,9 @@
 //   - a checkpoint round trip: --eval-only --resume prints the checksum the training run printed;
 //   - an exact resume on the CPU: 2 epochs straight and 1 + 1 give the same checksum (the GPU test
 //     does the same at a larger scale on 1 and 2 GPUs);
-//   - refusals: --precision tf32/bf16 (exit 2), CLI11 usage errors (exit 2), an invalid --gpus
+//   - precision policies: bf16 emulated on the CPU trains and is remembered by the checkpoint;
+//     tf32 training is refused (exit 2);
+//   - refusals: CLI11 usage errors (exit 2), an invalid --gpus
 //     id (the message names the valid range, or says no GPU is visible), --eval-only without
 //     --resume, a resume with another --seed or --batch-size;
 //   - no silent surprises (issue 17): an absent data set asked for is an error, every output path
@@ -138,16 +140,34 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
   EXPECT_TRUE(contains(r.output, "first 16 of 2000 test images")) << r.output;
 }
 
-TEST(VggTrainer, RefusesTensorCorePrecisions) {
+// --precision bf16 on the CPU emulates the GPU's operand rounding (layers/precision.h): it trains,
+// says so, gives other weights than fp32, and the checkpoint remembers it. tf32 trains no
+// convolution yet: refused with the way out, unless evaluating.
+TEST(VggTrainer, PrecisionPolicies) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  for (const std::string precision : {"tf32", "bf16"}) {
-    const RunResult r = run_on_cpu(dir, "--data synthetic --precision " + precision);
-    EXPECT_EQ(r.code, 2) << r.output;
-    EXPECT_TRUE(contains(r.output, "--precision " + precision + " is not implemented in cudp-vgg"))
-        << r.output;
-    EXPECT_TRUE(contains(r.output, "use --precision fp32")) << r.output;
-  }
+  const std::string run = kSmall + "--limit-train 32 --limit-test 16 --batch-size 16 --epochs 1 "
+                                   "--print-checksum ";
+  const RunResult fp32 = run_on_cpu(dir, run);
+  ASSERT_EQ(fp32.code, 0) << fp32.output;
+  EXPECT_TRUE(contains(fp32.output, "fp32 products")) << fp32.output;
+  const RunResult bf16 = run_on_cpu(
+      dir, run + "--precision bf16 --checkpoint '" + (dir / "bf16.safetensors") + "'");
+  ASSERT_EQ(bf16.code, 0) << bf16.output;
+  EXPECT_TRUE(contains(bf16.output, "bf16 products (emulated on the CPU)")) << bf16.output;
+  EXPECT_NE(checksum_of(bf16), "");
+  EXPECT_NE(checksum_of(bf16), checksum_of(fp32)) << "bf16 trained the same weights as fp32";
+  EXPECT_EQ(cudp::load_checkpoint_metadata(dir / "bf16.safetensors").at("precision"), "bf16");
+  const RunResult eval = run_on_cpu(
+      dir, "--eval-only --print-checksum --resume '" + (dir / "bf16.safetensors") + "'");
+  ASSERT_EQ(eval.code, 0) << eval.output;
+  EXPECT_TRUE(contains(eval.output, "bf16 products")) << eval.output;
+
+  const RunResult tf32 = run_on_cpu(dir, kSmall + "--precision tf32");
+  EXPECT_EQ(tf32.code, 2) << tf32.output;
+  EXPECT_TRUE(contains(tf32.output, "--precision tf32 evaluates (--eval-only) but does not train"))
+      << tf32.output;
+  EXPECT_TRUE(contains(tf32.output, "train with --precision bf16")) << tf32.output;
 }
 
 TEST(VggTrainer, UsageErrors) {

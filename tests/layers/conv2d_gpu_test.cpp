@@ -31,5 +31,23 @@ TEST(Conv2dGpuTest, MatchesTheCpuPath) {
   expect_gpu_matches_cpu(no_bias, random_tensor({1, 7, 7, 4}, 6), 7, 1e-5, 1e-4);
 }
 
+// Under the bf16 policy the GPU runs the tensor-core kernels on bf16 copies of x, w and dy, and the
+// CPU path rounds the same operands the same way (layers/precision.h): the products are then exact
+// on both sides and only the summation differs (fp32 on tensor cores, whose accumulation may drop
+// low bits of the addends, against double), so 1e-4 holds. Skipping the rounding on either side
+// changes results by about 2^-9 relative per product, tens of times more: this test tells.
+TEST(Conv2dGpuTest, Bf16MatchesTheCpuPathWithRoundedOperands) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const auto& [c, k, kernel, pad] :
+       {std::tuple{5, 7, 3, 1}, std::tuple{3, 64, 3, 1}, std::tuple{64, 64, 3, 1},
+        std::tuple{16, 24, 1, 0}, std::tuple{8, 12, 5, 2}}) {
+    Conv2d conv(c, k, kernel, 1, pad, true);
+    testing::randomize_parameters(conv, 11);
+    conv.set_precision(Precision::bf16);
+    SCOPED_TRACE(::testing::Message() << "c " << c << " k " << k << " kernel " << kernel);
+    expect_gpu_matches_cpu(conv, random_tensor({2, 9, 11, c}, 12), 13, 1e-4, 1e-4);
+  }
+}
+
 }  // namespace
 }  // namespace cudp

@@ -4,6 +4,10 @@
 // export/import round trip.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
+#include "engine/core/error.h"
+#include "kernels/layout.h"
 #include "layers/conv2d.h"
 #include "tests/layers/layer_testing.h"
 
@@ -99,6 +103,50 @@ TEST(Conv2dTest, RejectsAWrongInput) {
   Conv2d conv(3, 4, 3);
   EXPECT_THROW_WITH(conv.forward(random_tensor({1, 5, 5, 4}, 1)),
                     "Conv2d: expected an NHWC f32 input [N, H, W, 3], got Tensor[1, 5, 5, 4]");
+}
+
+// The CPU path under bf16 is the GPU's reference: it must compute with the operands rounded to bf16
+// (round to nearest even), nothing else. Checked against a convolution of pre-rounded tensors in
+// fp32, and against the fp32 result, which it must differ from (the rounding is not skipped).
+TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsOnTheCpu) {
+  Conv2d conv(6, 5, 3, 1, 1, true);
+  testing::randomize_parameters(conv, 21);
+  const Tensor x = random_tensor({2, 5, 6, 6}, 22);
+  auto rounded = [](const Tensor& t) {
+    std::vector<float> v = t.to_vector<float>();
+    for (float& f : v) {
+      const uint32_t bits = uint32_t{kernels::detail::f32_to_bf16_bits(f)} << 16;
+      std::memcpy(&f, &bits, sizeof bits);
+    }
+    return Tensor::from_vector(v, t.shape());
+  };
+  Conv2d reference(6, 5, 3, 1, 1, true);
+  reference.weight().data.copy_from(rounded(conv.weight().data));
+  reference.bias().data.copy_from(conv.bias().data);  // the bias is added in fp32
+  const std::vector<float> expected = values(reference.forward(rounded(x)));
+  const std::vector<float> fp32 = values(conv.forward(x));
+  conv.set_precision(Precision::bf16);
+  const std::vector<float> bf16 = values(conv.forward(x));
+  EXPECT_EQ(bf16, expected);
+  EXPECT_NE(bf16, fp32);
+  // Gradients: dx from rounded dy and w, dW from rounded x and dy.
+  const Tensor g = random_tensor({2, 5, 6, 5}, 23);
+  conv.zero_grad();
+  reference.zero_grad();
+  EXPECT_EQ(values(conv.backward(g)), values(reference.backward(rounded(g))));
+  EXPECT_EQ(values(conv.weight().grad), values(reference.weight().grad));
+}
+
+TEST(Conv2dTest, Tf32TrainingIsRefusedWithAWayOut) {
+  Conv2d conv(4, 4, 3, 1, 1);
+  conv.set_precision(Precision::tf32);
+  const Tensor y = conv.forward(random_tensor({1, 5, 5, 4}, 24));  // forward is fine (on the CPU)
+  try {
+    conv.backward(random_tensor({1, 5, 5, 4}, 25));
+    FAIL() << "backward under tf32 should throw";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("train with bf16 or fp32"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Conv2dTest, InitIsKaimingFanOut) {

@@ -25,5 +25,25 @@ TEST(LinearGpuTest, MatchesTheCpuPath) {
   expect_gpu_matches_cpu(wide, random_tensor({3, 5, 515}, 5), 6, 1e-5, 1e-4);
 }
 
+// bf16 and TF32 products on tensor cores. bf16: the CPU path rounds the operands as the GPU does,
+// so the products agree exactly and 1e-4 covers the summation order (see conv2d_gpu_test.cpp).
+// TF32: the CPU computes with the unrounded fp32 operands, so the difference is TF32's operand
+// rounding, up to 2^-10 relative per operand: over 515 random-signed products of mean magnitude
+// 1/4 that is a random walk of standard deviation about 4e-3, so 3e-2 absolute (7 sigma) holds;
+// the fp32 kernels would pass it too, which the bf16 cases and the kernel tests rule out.
+TEST(LinearGpuTest, TensorCorePrecisionsMatchTheCpuPath) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  Linear linear(515, 129, true);
+  testing::randomize_parameters(linear, 7);
+  linear.set_precision(Precision::bf16);
+  expect_gpu_matches_cpu(linear, random_tensor({3, 5, 515}, 8), 9, 1e-4, 1e-4);
+  Linear small(37, 23, false);
+  testing::randomize_parameters(small, 10);
+  small.set_precision(Precision::bf16);
+  expect_gpu_matches_cpu(small, random_tensor({13, 37}, 11), 12, 1e-4, 1e-4);
+  linear.set_precision(Precision::tf32);
+  expect_gpu_matches_cpu(linear, random_tensor({3, 5, 515}, 8), 9, 1e-3, 3e-2);
+}
+
 }  // namespace
 }  // namespace cudp

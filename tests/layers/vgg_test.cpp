@@ -176,24 +176,30 @@ TEST(VggTest, CloneKeepsValuesAndDropoutState) {
   EXPECT_EQ(values(copy->forward(x)), values(net->forward(x)));  // same masks too
 }
 
-TEST(VggTest, SetMathReachesEveryConvAndLinear) {
+TEST(VggTest, SetPrecisionReachesEveryLayerAndItsClones) {
   auto net = std::make_shared<Vgg>(init::skip_init, 'A',
                                    VggOptions{.num_classes = 10, .head = VggHead::Compact});
-  set_math(*net, kernels::Math::TF32);
+  EXPECT_EQ(net->precision(), Precision::fp32);
+  net->set_precision(Precision::bf16);
+  int products = 0;
   for (auto& [path, m] : net->named_modules()) {
+    EXPECT_EQ(m->precision(), Precision::bf16) << path;
     if (auto* conv = dynamic_cast<Conv2d*>(m)) {
-      EXPECT_EQ(conv->math(), kernels::Math::TF32) << path;
+      EXPECT_EQ(conv->math(), kernels::Math::BF16) << path;
+      ++products;
     }
     if (auto* linear = dynamic_cast<Linear*>(m)) {
-      EXPECT_EQ(linear->math(), kernels::Math::TF32) << path;
+      EXPECT_EQ(linear->math(), kernels::Math::BF16) << path;
+      ++products;
     }
   }
+  EXPECT_EQ(products, 8 + 3);  // VGG-11: 8 convolutions; the compact head: 3 linear layers
   auto copy = net->clone(Device::cpu());
   for (auto& [path, m] : copy->named_modules()) {
-    if (auto* conv = dynamic_cast<Conv2d*>(m)) {
-      EXPECT_EQ(conv->math(), kernels::Math::TF32) << path;
-    }
+    EXPECT_EQ(m->precision(), Precision::bf16) << path;
   }
+  net->set_precision(Precision::tf32);
+  EXPECT_EQ(std::static_pointer_cast<Conv2d>((*net->features())[0])->math(), kernels::Math::TF32);
 }
 
 }  // namespace

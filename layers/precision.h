@@ -1,0 +1,49 @@
+// The precision policy of a model: how its products are computed, chosen once for the whole model
+// with Module::set_precision (replicas and clones inherit it).
+//
+//   fp32  fp32 storage, fp32 products (the SIMT kernels; every GPU).
+//   tf32  fp32 storage, TF32 tensor-core products (10-bit mantissa operands, fp32 accumulation).
+//         Convolution backward-weight has no TF32 kernel yet, so a model with a Conv2d trains in
+//         bf16 or fp32; tf32 serves evaluation (forward passes) and Linear-only models.
+//   bf16  bf16 operands for every Conv2d and Linear product (rounded to nearest even), fp32
+//         accumulation, fp32 weight gradients; the fp32 master weights stay the parameters.
+//         Activations are still stored in fp32 between layers in this version (each product
+//         converts its operands); BatchNorm, softmax / cross-entropy and the loss are fp32.
+//
+// tf32 and bf16 need an sm_90 GPU (kernels/matmul.h); on another GPU their first product throws
+// ValueError saying so (no silent fallback to fp32). On the CPU, layers emulate the policy's
+// operand rounding (operand_view below) so that the CPU path is the GPU path's reference: bf16
+// operands are rounded exactly as the GPU rounds them; TF32's rounding happens inside the tensor
+// core and is not emulated (the CPU computes with the fp32 operands).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/common.h"
+
+namespace cudp {
+
+enum class Precision : uint8_t { fp32, tf32, bf16 };
+
+// "fp32", "tf32", "bf16".
+const char* precision_name(Precision precision);
+// The inverse of precision_name; throws ValueError naming the accepted values.
+Precision parse_precision(const std::string& name);
+// The GEMM math a Conv2d or Linear runs under the policy.
+kernels::Math precision_math(Precision precision);
+
+// An fp32 operand as the policy's products see it, for the CPU path: under bf16 a rounded copy
+// (round to nearest even, what the GPU's conversion does), otherwise the data itself.
+class OperandView {
+ public:
+  OperandView(const float* data, int64_t n, Precision precision);
+  const float* get() const { return rounded_.empty() ? data_ : rounded_.data(); }
+
+ private:
+  const float* data_;
+  std::vector<float> rounded_;
+};
+
+}  // namespace cudp
