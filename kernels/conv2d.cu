@@ -690,6 +690,12 @@ void check_call(const char* name, const Conv2dShape& shape, Math math) {
              " is not implemented for this pass yet; use Math::FP32");
 }
 
+void check_converted(const char* name, Math math, const Bf16Operands& converted) {
+  CUDP_CHECK(math == Math::BF16 || (!converted.x && !converted.dy), name,
+             ": converted operands are bf16 copies and go with Math::BF16 only, got Math::",
+             math_name(math));
+}
+
 int multiprocessors() {
   int device = 0, count = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
@@ -772,9 +778,11 @@ GemmArgs gemm_args(const Conv2dShape& shape, const float* a, const float* b, flo
 }  // namespace
 
 void conv2d_forward(const Conv2dShape& shape, const float* x, const float* w, const float* bias,
-                    float* y, bool relu, cudaStream_t stream, Math math) {
+                    float* y, bool relu, cudaStream_t stream, Math math,
+                    const Bf16Operands& converted) {
+  check_converted("conv2d_forward", math, converted);
   if (math != Math::FP32) {
-    detail::conv2d_forward_tc_f32(shape, x, w, bias, y, relu, stream, math);
+    detail::conv2d_forward_tc_f32(shape, x, w, bias, y, relu, stream, math, converted);
     return;
   }
   check_call("conv2d_forward", shape, math);
@@ -792,9 +800,10 @@ void conv2d_forward(const Conv2dShape& shape, const float* x, const float* w, co
 }
 
 void conv2d_backward_data(const Conv2dShape& shape, const float* dy, const float* w, float* dx,
-                          cudaStream_t stream, Math math) {
+                          cudaStream_t stream, Math math, const Bf16Operands& converted) {
+  check_converted("conv2d_backward_data", math, converted);
   if (math != Math::FP32) {
-    detail::conv2d_backward_data_tc_f32(shape, dy, w, dx, stream, math);
+    detail::conv2d_backward_data_tc_f32(shape, dy, w, dx, stream, math, converted);
     return;
   }
   check_call("conv2d_backward_data", shape, math);
@@ -819,9 +828,11 @@ void conv2d_backward_data(const Conv2dShape& shape, const float* dy, const float
 }
 
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
-                            float beta, cudaStream_t stream, Math math) {
+                            float beta, cudaStream_t stream, Math math,
+                            const Bf16Operands& converted) {
+  check_converted("conv2d_backward_weight", math, converted);
   if (math != Math::FP32) {
-    detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math);
+    detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math, converted);
     return;
   }
   check_call("conv2d_backward_weight", shape, math);

@@ -45,21 +45,37 @@ struct Conv2dShape {
   double flops() const { return 2.0 * double(n) * p() * q() * k * r * s * c; }
 };
 
+// Operands a caller already converted for Math::BF16 (conv2d_to_bf16: bf16, channels padded with
+// zeros to bf16_channels), so that each is converted once: a layer keeps x from the forward for
+// backward-weight and converts dy once for both backward passes. A null member is converted by
+// the call that needs it; the other maths take none.
+struct Bf16Operands {
+  const void* x = nullptr;   // n x h x w x bf16_channels(c)
+  const void* dy = nullptr;  // n x p x q x bf16_channels(k)
+};
+// Channels of a converted operand: c rounded up to a multiple of 8 (16-byte rows).
+int bf16_channels(int c);
+// dst (pixels x bf16_channels(c) bf16) = src (pixels x c floats), rounded to nearest even.
+void conv2d_to_bf16(const float* src, int64_t pixels, int c, void* dst, cudaStream_t stream);
+
 // y = relu?(conv(x, w) + bias). bias (K floats) may be null; relu applies max(., 0) after the bias.
 void conv2d_forward(const Conv2dShape& shape, const float* x, const float* w, const float* bias,
-                    float* y, bool relu, cudaStream_t stream, Math math = Math::FP32);
+                    float* y, bool relu, cudaStream_t stream, Math math = Math::FP32,
+                    const Bf16Operands& converted = {});
 void conv2d_forward_cpu(const Conv2dShape& shape, const float* x, const float* w, const float* bias,
                         float* y, bool relu);
 
 // dx = d(sum y*dy)/dx, written (not accumulated).
 void conv2d_backward_data(const Conv2dShape& shape, const float* dy, const float* w, float* dx,
-                          cudaStream_t stream, Math math = Math::FP32);
+                          cudaStream_t stream, Math math = Math::FP32,
+                          const Bf16Operands& converted = {});
 void conv2d_backward_data_cpu(const Conv2dShape& shape, const float* dy, const float* w, float* dx);
 
 // dw = beta*dw + d(sum y*dy)/dw. beta = 1 accumulates parameter gradients; beta = 0 overwrites dw
 // without reading it (so dw may hold garbage, even NaN).
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
-                            float beta, cudaStream_t stream, Math math = Math::FP32);
+                            float beta, cudaStream_t stream, Math math = Math::FP32,
+                            const Bf16Operands& converted = {});
 void conv2d_backward_weight_cpu(const Conv2dShape& shape, const float* x, const float* dy,
                                 float* dw, float beta);
 
@@ -102,11 +118,14 @@ void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const vo
 namespace detail {
 // The float launchers' tensor-core paths (kernels/conv2d_tc.cu).
 void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float* w,
-                           const float* bias, float* y, bool relu, cudaStream_t stream, Math math);
+                           const float* bias, float* y, bool relu, cudaStream_t stream, Math math,
+                           const Bf16Operands& converted);
 void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, const float* w,
-                                 float* dx, cudaStream_t stream, Math math);
+                                 float* dx, cudaStream_t stream, Math math,
+                                 const Bf16Operands& converted);
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
-                                   float* dw, float beta, cudaStream_t stream, Math math);
+                                   float* dw, float beta, cudaStream_t stream, Math math,
+                                   const Bf16Operands& converted);
 // The MN-major descriptor layout the backward-weight kernels use: 0 or 1 forces one for the tests
 // that establish which is right; -1 (the default) is the established one.
 void set_wgrad_descriptor_variant(int variant);

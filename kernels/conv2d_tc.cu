@@ -14,10 +14,12 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/core/launch.cuh"
 #include "kernels/conv2d.h"
+#include "kernels/layout.h"
 #include "kernels/matmul.h"
 #include "kernels/sm90/matmul_sm90.h"
 #include "kernels/workspace.h"
@@ -85,6 +87,13 @@ unsigned blocks_for(int64_t n) {
 template <typename In>
 void pad_channels(const In* src, int64_t rows, int c, int cp, void* dst, DType out,
                   cudaStream_t stream) {
+  if constexpr (std::is_same_v<In, float>) {
+    if (out == DType::BF16 && cp == c) {
+      // Nothing to pad: the vectorised conversion (the general kernel below divides per element).
+      f32_to_bf16(src, static_cast<__nv_bfloat16*>(dst), rows * c, stream);
+      return;
+    }
+  }
   if (out == DType::BF16) {
     launch("pad_channels_kernel", pad_channels_kernel<In, __nv_bfloat16>, blocks_for(rows * cp),
            256, 0, stream, src, rows, c, cp, static_cast<__nv_bfloat16*>(dst));
@@ -297,28 +306,46 @@ void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const vo
   run_backward_weight(shape, x, dy, dw, beta, stream);
 }
 
+int bf16_channels(int c) { return static_cast<int>(round_up(c, 8)); }
+
+void conv2d_to_bf16(const float* src, int64_t pixels, int c, void* dst, cudaStream_t stream) {
+  CUDP_CHECK(pixels >= 0 && c > 0, "conv2d_to_bf16: invalid size ", pixels, " x ", c);
+  CUDP_CHECK(pixels == 0 || (src && dst), "conv2d_to_bf16: src and dst must not be null");
+  if (pixels == 0) return;
+  pad_channels(src, pixels, c, bf16_channels(c), dst, DType::BF16, stream);
+}
+
 namespace detail {
 
 void set_wgrad_descriptor_variant(int variant) { g_wgrad_variant.store(variant); }
 void set_conv_patch_feed(bool enabled) { g_patch_feed.store(enabled); }
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
-                                   float* dw, float beta, cudaStream_t stream, Math math) {
+                                   float* dw, float beta, cudaStream_t stream, Math math,
+                                   const Bf16Operands& converted) {
   check_tc("conv2d_backward_weight", shape, math);
   CUDP_CHECK(math == Math::BF16,
              "conv2d_backward_weight: Math::TF32 is not implemented on tensor cores (TF32 wgmma "
              "reads only K-major operands; backward-weight's are MN-major): use Math::BF16 or "
              "Math::FP32");
-  CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
-  const int cp = static_cast<int>(round_up(shape.c, 8));
-  const int kp = static_cast<int>(round_up(shape.k, 8));
+  CUDP_CHECK((x || converted.x) && (dy || converted.dy) && dw,
+             "conv2d_backward_weight: x, dy and dw must not be null");
+  const int cp = bf16_channels(shape.c);
+  const int kp = bf16_channels(shape.k);
   const int64_t pixels_in = int64_t(shape.n) * shape.h * shape.w;
   const int64_t pixels_out = int64_t(shape.n) * shape.p() * shape.q();
-  Workspace xb_ws(size_t(pixels_in * cp * 2), stream), dyb_ws(size_t(pixels_out * kp * 2), stream);
-  void* xb = xb_ws.get<void>();
-  void* dyb = dyb_ws.get<void>();
-  pad_channels(x, pixels_in, shape.c, cp, xb, DType::BF16, stream);
-  pad_channels(dy, pixels_out, shape.k, kp, dyb, DType::BF16, stream);
+  Workspace xb_ws(converted.x ? 0 : size_t(pixels_in * cp * 2), stream);
+  Workspace dyb_ws(converted.dy ? 0 : size_t(pixels_out * kp * 2), stream);
+  const void* xb = converted.x;
+  const void* dyb = converted.dy;
+  if (!xb) {
+    conv2d_to_bf16(x, pixels_in, shape.c, xb_ws.get<void>(), stream);
+    xb = xb_ws.get<void>();
+  }
+  if (!dyb) {
+    conv2d_to_bf16(dy, pixels_out, shape.k, dyb_ws.get<void>(), stream);
+    dyb = dyb_ws.get<void>();
+  }
   Conv2dShape padded = shape;
   padded.c = cp;
   padded.k = kp;
@@ -339,21 +366,25 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
 
 void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float* w,
                            const float* bias, float* y, bool relu, cudaStream_t stream,
-                           Math math) {
+                           Math math, const Bf16Operands& converted) {
   check_tc("conv2d_forward", shape, math);
-  CUDP_CHECK(x && w && y, "conv2d_forward: x, w and y must not be null");
+  CUDP_CHECK((x || converted.x) && w && y, "conv2d_forward: x, w and y must not be null");
   const DType type = operand_type(math);
   const int cp = static_cast<int>(round_up(shape.c, chunk_elements(math)));
   // fp32 operands are used in place when the gather and TMA can read them as they are.
   const bool direct = type == DType::F32 && cp == shape.c && aligned16(x) && aligned16(w);
   ConvOperands ops{math, x, w, y, DType::F32, bias, relu};
   const int64_t pixels = int64_t(shape.n) * shape.h * shape.w, taps = int64_t(shape.k) * shape.r * shape.s;
-  Workspace xp(direct ? 0 : size_t(pixels * cp * dtype_size(type)), stream);
+  Workspace xp(direct || converted.x ? 0 : size_t(pixels * cp * dtype_size(type)), stream);
   Workspace wp(direct ? 0 : size_t(taps * cp * dtype_size(type)), stream);
   if (!direct) {
-    pad_channels(x, pixels, shape.c, cp, xp.get<void>(), type, stream);
+    if (converted.x) {
+      ops.x = converted.x;
+    } else {
+      pad_channels(x, pixels, shape.c, cp, xp.get<void>(), type, stream);
+      ops.x = xp.get<void>();
+    }
     pad_channels(w, taps, shape.c, cp, wp.get<void>(), type, stream);
-    ops.x = xp.get<void>();
     ops.w = wp.get<void>();
   }
   Conv2dShape padded = shape;
@@ -362,9 +393,11 @@ void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float
 }
 
 void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, const float* w,
-                                 float* dx, cudaStream_t stream, Math math) {
+                                 float* dx, cudaStream_t stream, Math math,
+                                 const Bf16Operands& converted) {
   check_tc("conv2d_backward_data", shape, math);
-  CUDP_CHECK(dy && w && dx, "conv2d_backward_data: dy, w and dx must not be null");
+  CUDP_CHECK((dy || converted.dy) && w && dx,
+             "conv2d_backward_data: dy, w and dx must not be null");
   const DType type = operand_type(math);
   const int kp = static_cast<int>(round_up(shape.k, chunk_elements(math)));
   const Conv2dShape view = backward_data_view(shape, kp);
@@ -373,8 +406,10 @@ void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, cons
   ConvOperands ops{math, dy, rotated.get<void>(), dx, DType::F32, nullptr, false};
   const bool direct = type == DType::F32 && kp == shape.k && aligned16(dy);
   const int64_t pixels = int64_t(shape.n) * shape.p() * shape.q();
-  Workspace dyp(direct ? 0 : size_t(pixels * kp * dtype_size(type)), stream);
-  if (!direct) {
+  Workspace dyp(direct || converted.dy ? 0 : size_t(pixels * kp * dtype_size(type)), stream);
+  if (converted.dy) {
+    ops.x = converted.dy;
+  } else if (!direct) {
     pad_channels(dy, pixels, shape.k, kp, dyp.get<void>(), type, stream);
     ops.x = dyp.get<void>();
   }

@@ -60,15 +60,27 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   const float* w = weight_->data.data<float>();
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   float* out = y.data<float>();
+  // Under bf16 on the GPU the layer converts x itself and keeps the bf16 copy (not x) for the
+  // weight gradient, so x is converted once per step, not twice.
+  const bool keep_bf16 = device_.is_cuda() && precision_ == Precision::bf16;
+  input_bf16_ = Tensor();
   run(
       [&] {
         const OperandView xr(x, s.x_size(), precision_), wr(w, s.w_size(), precision_);
         kernels::conv2d_forward_cpu(s, xr.get(), wr.get(), b, out, /*relu=*/false);
       },
       [&](cudaStream_t stream) {
-        kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
+        kernels::Bf16Operands converted;
+        if (keep_bf16) {
+          input_bf16_ = Tensor::empty({s.n, s.h, s.w, kernels::bf16_channels(s.c)}, DType::bf16,
+                                      device_);
+          kernels::conv2d_to_bf16(x, int64_t{s.n} * s.h * s.w, s.c, input_bf16_.data_ptr(),
+                                  stream);
+          converted.x = input_bf16_.data_ptr();
+        }
+        kernels::conv2d_forward(s, x, w, b, out, false, stream, math(), converted);
       });
-  input_ = input;
+  input_ = keep_bf16 ? Tensor() : input;
   saved_shape_ = s;
   return y;
 }
@@ -80,8 +92,8 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
              "Conv2d: backward under the tf32 precision policy is not available: the weight "
              "gradient has no TF32 tensor-core kernel yet; train with bf16 or fp32 "
              "(set_precision(Precision::bf16)), tf32 serves forward passes");
-  Tensor dx = Tensor::empty(input_.shape(), DType::f32, device_);
-  const float* x = input_.data<float>();
+  Tensor dx = Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_);
+  const float* x = input_.defined() ? input_.data<float>() : nullptr;
   const float* dy = grad_output.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
@@ -99,8 +111,17 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         }
       },
       [&](cudaStream_t stream) {
-        kernels::conv2d_backward_data(s, dy, w, out, stream, math());
-        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math());
+        // bf16: dy converted once for both products, x from the forward's copy.
+        kernels::Bf16Operands converted;
+        Tensor dy_bf16;
+        if (input_bf16_.defined()) {
+          dy_bf16 = Tensor::empty({s.n, s.p(), s.q(), kernels::bf16_channels(s.k)}, DType::bf16,
+                                  device_);
+          kernels::conv2d_to_bf16(dy, rows, s.k, dy_bf16.data_ptr(), stream);
+          converted = {input_bf16_.data_ptr(), dy_bf16.data_ptr()};
+        }
+        kernels::conv2d_backward_data(s, dy, w, out, stream, math(), converted);
+        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math(), converted);
         if (db) {
           kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
         }

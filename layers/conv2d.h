@@ -62,7 +62,8 @@ class Conv2d : public Module {
   int in_, out_, kernel_, stride_, padding_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
-  Tensor input_;  // saved for backward
+  Tensor input_;       // saved for backward (fp32, tf32 and the CPU)
+  Tensor input_bf16_;  // instead of input_ under bf16 on the GPU: its bf16 copy (kernels/conv2d.h)
   kernels::Conv2dShape saved_shape_;
 };
 

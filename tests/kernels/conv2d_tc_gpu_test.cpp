@@ -267,6 +267,53 @@ TEST_P(Conv2dTcGpu, BackwardWeight) {
   check_backward_weight(s, 1.f, std::string("backward-weight beta 1 ") + c.name);
 }
 
+// Operands converted by the caller (Bf16Operands, what Conv2d passes under bf16) give bit for bit
+// what the launchers give when they convert: forward, backward-data and backward-weight, with
+// C = 3 (padded to 8) and with channels that need no padding; and the float pointers are then not
+// read (null is accepted). Other maths refuse converted operands.
+TEST(Conv2dTcTyped, ConvertedOperandsGiveTheSameResults) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const Conv2dShape s : {Conv2dShape{2, 9, 11, 3, 16, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 10, 7, 64, 24, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "C " << s.c << " K " << s.k);
+    const std::vector<float> x = testing::random_vector(size_t(s.x_size()), 31);
+    const std::vector<float> w = testing::random_vector(size_t(s.w_size()), 32);
+    const std::vector<float> dy = testing::random_vector(size_t(s.y_size()), 33);
+    DeviceBuffer<float> dx_in(x), dw_in(w), ddy(dy);
+    const int64_t pixels_in = int64_t(s.n) * s.h * s.w, pixels_out = int64_t(s.n) * s.p() * s.q();
+    EXPECT_EQ(bf16_channels(s.c), (s.c + 7) / 8 * 8);
+    DeviceBuffer<uint16_t> xb(size_t(pixels_in * bf16_channels(s.c))),
+        dyb(size_t(pixels_out * bf16_channels(s.k)));
+    conv2d_to_bf16(dx_in.get(), pixels_in, s.c, xb.get(), nullptr);
+    conv2d_to_bf16(ddy.get(), pixels_out, s.k, dyb.get(), nullptr);
+    // The conversion itself: each value rounded to nearest even, padding channels zero.
+    const std::vector<uint16_t> xb_host = xb.download();
+    for (int64_t i = 0; i < pixels_in * bf16_channels(s.c); ++i) {
+      const int64_t pixel = i / bf16_channels(s.c), ch = i % bf16_channels(s.c);
+      const uint16_t want = ch < s.c ? detail::f32_to_bf16_bits(x[size_t(pixel * s.c + ch)]) : 0;
+      ASSERT_EQ(xb_host[size_t(i)], want) << "element " << i;
+    }
+    const Bf16Operands converted{xb.get(), dyb.get()};
+
+    DeviceBuffer<float> y1(size_t(s.y_size())), y2(size_t(s.y_size()));
+    conv2d_forward(s, dx_in.get(), dw_in.get(), nullptr, y1.get(), false, nullptr, Math::BF16);
+    conv2d_forward(s, nullptr, dw_in.get(), nullptr, y2.get(), false, nullptr, Math::BF16,
+                   {xb.get(), nullptr});
+    EXPECT_EQ(y1.download(), y2.download()) << "forward";
+    DeviceBuffer<float> g1(size_t(s.x_size())), g2(size_t(s.x_size()));
+    conv2d_backward_data(s, ddy.get(), dw_in.get(), g1.get(), nullptr, Math::BF16);
+    conv2d_backward_data(s, nullptr, dw_in.get(), g2.get(), nullptr, Math::BF16, converted);
+    EXPECT_EQ(g1.download(), g2.download()) << "backward-data";
+    DeviceBuffer<float> w1(size_t(s.w_size())), w2(size_t(s.w_size()));
+    conv2d_backward_weight(s, dx_in.get(), ddy.get(), w1.get(), 0.f, nullptr, Math::BF16);
+    conv2d_backward_weight(s, nullptr, nullptr, w2.get(), 0.f, nullptr, Math::BF16, converted);
+    EXPECT_EQ(w1.download(), w2.download()) << "backward-weight";
+    EXPECT_THROW(conv2d_forward(s, dx_in.get(), dw_in.get(), nullptr, y1.get(), false, nullptr,
+                                Math::FP32, converted),
+                 ValueError);
+  }
+}
+
 // Which byte offset of an MN-major wgmma descriptor holds the stride between 8-row groups along k
 // and which the stride between 64-wide slabs along m/n: the kernels assume one assignment
 // (kWgradAltByDefault in kernels/conv2d_tc.cu); this test shows that exactly that one computes
