@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -45,6 +46,23 @@ constexpr const char* kFileName = "vgg11_bn_golden.safetensors";
 constexpr double kNormwise = 1e-4;
 constexpr double kElementwise = 2e-3;
 constexpr double kSteps = 1e-3;
+
+// The bounds a run checks against: fp32's above, or the bf16 policy's (see bf16_tolerances).
+struct Tolerances {
+  double forward, gradient, elementwise, steps;
+};
+constexpr Tolerances kFp32{kNormwise, kNormwise, kElementwise, kSteps};
+
+// bf16 products (layers/precision.h) against the same float64 reference. Each of the model's 11
+// products (8 convolutions, 3 linear layers) rounds both of its operands to bf16, a relative error
+// of at most u = 2^-9 each, so to first order a forward's relative error is at most 2u per
+// product, 22u in all (BatchNorm renormalises after each convolution, so layers add, they do not
+// multiply); a gradient also goes through the backward's roundings (dy and w, x and dy: 2u more
+// per product), 44u in all. The updates after K steps are made of gradients: 44u. These are
+// worst-case sums of first-order terms; rounding errors of random sign give far less. A real bug
+// (a wrong layout, a missing term) gives errors of order 1.
+constexpr double kBf16Unit = 1.0 / 512;
+constexpr Tolerances kBf16{22 * kBf16Unit, 44 * kBf16Unit, 44 * kBf16Unit, 44 * kBf16Unit};
 
 std::string golden_path() {
   const char* dir = std::getenv("CUDP_GOLDEN_DIR");
@@ -164,8 +182,10 @@ double largest_norm(const TensorMap& tensors, const TensorMap* subtract = nullpt
   return largest;
 }
 
-// One run of the golden procedure on `device`, compared at every point the file records.
-void check_against_golden(Device device) {
+// One run of the golden procedure on `device` under `precision`, compared at every point the file
+// records within `tol`.
+void check_against_golden(Device device, Precision precision = Precision::fp32,
+                          const Tolerances& tol = kFp32) {
   const SafetensorsFile& g = *golden();
   const int k_steps = static_cast<int>(metadata_number("k_steps"));
   const TensorMap init = with_prefix(g.tensors, "init.");
@@ -176,6 +196,7 @@ void check_against_golden(Device device) {
                       .head = VggHead::Compact,
                       .dropout = 0.f});
   model->load_state_dict(init, /*strict=*/true);
+  model->set_precision(precision);
   model->to(device);
   model->train();  // BatchNorm on batch statistics; dropout is p = 0
   SGD sgd(model->parameters(), {.lr = metadata_number("lr"),
@@ -193,11 +214,22 @@ void check_against_golden(Device device) {
     model->backward(criterion.backward());
     losses.push_back(criterion.item());
     if (step == 0) {
+      if (precision != Precision::fp32) {  // what the bound is measured against, for the record
+        const std::vector<float> a = logits.to_vector<float>();
+        const std::vector<float> b = g.tensors.at("logits").to_vector<float>();
+        double diff = 0, norm = 0;
+        for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+          diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+          norm += double(b[i]) * b[i];
+        }
+        std::printf("%s: logits' normwise error against float64 %.3g (bound %.3g)\n",
+                    precision_name(precision), std::sqrt(diff / norm), tol.forward);
+      }
       EXPECT_TRUE(matches(logits.to_vector<float>(), g.tensors.at("logits").to_vector<float>(),
-                          kNormwise, kElementwise))
+                          tol.forward, tol.elementwise))
           << "logits";
-      EXPECT_TRUE(
-          matches({losses[0]}, g.tensors.at("loss").to_vector<float>(), kNormwise, kElementwise))
+      EXPECT_TRUE(matches({losses[0]}, g.tensors.at("loss").to_vector<float>(), tol.forward,
+                          tol.elementwise))
           << "loss";
       const TensorMap expected = with_prefix(g.tensors, "grad.");
       const TensorMap grads = gradients(*model);
@@ -206,14 +238,15 @@ void check_against_golden(Device device) {
       for (const auto& [name, t] : expected) {
         ASSERT_EQ(grads.count(name), 1u) << "cudp has no parameter " << name;
         EXPECT_EQ(grads.at(name).shape(), t.shape()) << name;
-        EXPECT_TRUE(matches(grads.at(name).to_vector<float>(), t.to_vector<float>(), kNormwise,
-                            kElementwise, scale))
+        EXPECT_TRUE(matches(grads.at(name).to_vector<float>(), t.to_vector<float>(), tol.gradient,
+                            tol.elementwise, scale))
             << "gradient of " << name;
       }
     }
     sgd.step();
   }
-  EXPECT_TRUE(matches(losses, g.tensors.at("losses").to_vector<float>(), kNormwise, kElementwise))
+  EXPECT_TRUE(
+      matches(losses, g.tensors.at("losses").to_vector<float>(), tol.forward, tol.elementwise))
       << "losses";
 
   // Parameters and running statistics after K steps, as the change training made.
@@ -230,7 +263,7 @@ void check_against_golden(Device device) {
     }
     const std::vector<float> start = init.at(name).to_vector<float>();
     EXPECT_TRUE(matches(minus(ours.to_vector<float>(), start), minus(t.to_vector<float>(), start),
-                        kSteps, kElementwise, change_scale))
+                        tol.steps, tol.elementwise, change_scale))
         << "change of " << name << " over " << k_steps << " steps";
   }
 }
@@ -239,6 +272,13 @@ TEST(GoldenVgg11Bn, CudaMatchesPyTorch) {
   CUDP_REQUIRE_GPU();
   CUDP_REQUIRE_GOLDEN();
   check_against_golden(Device::cuda(0));
+}
+
+// The bf16 policy on tensor cores against the float64 reference, within bf16's bounds (kBf16).
+TEST(GoldenVgg11Bn, CudaBf16MatchesPyTorchWithinBf16Rounding) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_GOLDEN();
+  check_against_golden(Device::cuda(0), Precision::bf16, kBf16);
 }
 
 TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
