@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -156,6 +157,26 @@ sm90::PatchTiles patch_tiles(const Conv2dShape& s, int k_block) {
   return t;
 }
 
+// Backward-weight's k-blocks as patches of wb x hb x nb = 64 output pixels, chosen as the forward's.
+sm90::PatchTiles wgrad_patch_tiles(const Conv2dShape& s) {
+  sm90::PatchTiles t;
+  t.wb = pow2_divisor(s.q(), 64);
+  t.hb = pow2_divisor(s.p(), 64 / t.wb);
+  t.nb = 64 / (t.wb * t.hb);
+  t.q = s.q();
+  t.p = s.p();
+  t.n = s.n;
+  t.tiles_q = (t.q + t.wb - 1) / t.wb;
+  t.tiles_p = (t.p + t.hb - 1) / t.hb;
+  t.tiles_n = (t.n + t.nb - 1) / t.nb;
+  t.s = s.s;
+  t.r = s.r;
+  t.pad_h = s.pad_h;
+  t.pad_w = s.pad_w;
+  t.c_blocks = s.c / 64;
+  return t;
+}
+
 // The forward convolution of typed operands whose channel count suits the gather (checked).
 void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
   const int chunk = chunk_elements(ops.math);
@@ -253,6 +274,20 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
                                 s.stride_h, s.stride_w, s.pad_h, s.pad_w};
   const int variant = g_wgrad_variant.load();
   const bool alt = variant < 0 ? kWgradAltByDefault : variant == 1;
+  // Both operands by TMA over patches of output pixels where the slabs of B are whole taps (C a
+  // multiple of 64) and the taps are shifts (stride 1); the gather elsewhere, and for the tests
+  // that pin the descriptor layout or turn the patch feed off.
+  if (g_patch_feed.load() && variant < 0 && s.stride_h == 1 && s.stride_w == 1 &&
+      s.c % 64 == 0) {
+    const sm90::PatchTiles patch = wgrad_patch_tiles(s);
+    const int64_t padded = int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64;
+    CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
+               " output pixels (with the patch padding) are too many for one product");
+    p.k = static_cast<int>(padded);
+    detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
+                         &patch);
+    return;
+  }
   detail::run_mainloop(p, plan_matmul(p, device), &gather, stream,
                        alt ? detail::Feed::WgradAlt : detail::Feed::Wgrad);
 }

@@ -99,7 +99,9 @@ namespace detail {
 //            gathered, both MN-major; WgradAlt swaps the MN-major descriptor offsets (a test of
 //            which layout the hardware wants; see the tests).
 //   ConvTma  forward / backward-data with A as 4-D TMA boxes of conv->x over `patch` tiles.
-enum class Feed { Tma, Im2col, Wgrad, WgradAlt, ConvTma };
+//   WgradTma backward-weight with both operands as 4-D TMA boxes over `patch` tiles of 64 output
+//            pixels (dy for A, conv->x shifted by each tap for B); problem.k = patches * 64.
+enum class Feed { Tma, Im2col, Wgrad, WgradAlt, ConvTma, WgradTma };
 
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
 // reduction.

@@ -134,7 +134,13 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           128 rows are a patch of wb x hb x nb output pixels, and each k-block of A (one tap,
 //           one block of channels) is one 4-D TMA box of x shifted by the tap; the padding is
 //           TMA's zero fill. One producer thread, as for kGemm.
-enum Mode : int { kGemm = 0, kConv_ = 1, kWgrad = 2, kWgradAlt = 3, kConvTma = 4 };
+//   kWgradTma backward-weight of stride-1 layers with C a multiple of 64, without the gather: a
+//           k-block is a patch of wb x hb x nb = 64 output pixels; A (dy) is two 4-D TMA boxes of
+//           dy over the patch (64 output channels each), and each 64-column slab of B (one tap, 64
+//           channels) one box of x over the patch shifted by the tap. A box lands as 64 rows of
+//           128 bytes, 128-byte swizzled: the MN-major slab layout kWgrad's gather writes. Patches
+//           that hang over the output's edge read zeros of dy there, so they add nothing.
+enum Mode : int { kGemm = 0, kConv_ = 1, kWgrad = 2, kWgradAlt = 3, kConvTma = 4, kWgradTma = 5 };
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -411,8 +417,8 @@ struct WgradGather {
 // MN-major operands is the question kWgradAlt answers on the device (the tests run both).
 template <int kMode>
 __device__ __forceinline__ uint64_t wgrad_descriptor(uint32_t addr) {
-  return kMode == kWgrad ? smem_descriptor(addr, 64 * kRowBytes, 1024)
-                         : smem_descriptor(addr, 1024, 64 * kRowBytes);
+  return kMode != kWgradAlt ? smem_descriptor(addr, 64 * kRowBytes, 1024)
+                            : smem_descriptor(addr, 1024, 64 * kRowBytes);
 }
 
 template <typename Elem, int kTileN, int kMode>
@@ -422,8 +428,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const ConvGather g) {
   using Cfg = Config<Elem, kTileN>;
   constexpr bool kConv = kMode == kConv_;
-  constexpr bool kWgradMode = kMode == kWgrad || kMode == kWgradAlt;
-  constexpr bool kGathers = kConv || kWgradMode;
+  constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
+  constexpr bool kWgradMode = kWgradGather || kMode == kWgradTma;  // MN-major operands
+  constexpr bool kGathers = kConv || kWgradGather;
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
   const uint32_t raw = smem_addr(shared_raw);
@@ -446,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int work_items = p.tiles_m * p.tiles_n * p.splits;
   const int warpgroup = threadIdx.x / 128;
 
-  if (warpgroup == 0 && kWgradMode) {
+  if (warpgroup == 0 && kWgradGather) {
     // Thread 0 loads A (dy: 64 pixels x 64 output channels per consumer) with TMA; all 128 gather B.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
     int stage = 0, phase = 0;
@@ -523,7 +530,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
           mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
-          if constexpr (kMode == kConvTma) {
+          if constexpr (kMode == kWgradTma) {
+            // k-block kb is patch kb of the output pixels: dy there (A) and x shifted by each
+            // slab's tap (B).
+            const PatchTiles& t = p.patch;
+            const int rest = kb / t.tiles_q;
+            const int pq0 = (kb - rest * t.tiles_q) * t.wb;
+            const int pp0 = (rest % t.tiles_p) * t.hb;
+            const int pn0 = (rest / t.tiles_p) * t.nb;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              tma_load_4d(stages_a + stage * Cfg::kStageBytesA + half * 64 * kRowBytes, &map_a,
+                          full_bar(stage), w.tile_m * kTileM + 64 * half, pq0, pp0, pn0);
+            }
+#pragma unroll
+            for (int slab = 0; slab < kTileN / 64; ++slab) {
+              const int block = w.tile_n * (kTileN / 64) + slab;  // 64-column block of B
+              const int rs = block / t.c_blocks;
+              const int cb = block - rs * t.c_blocks;
+              int r = rs / t.s, s = rs - r * t.s;
+              if (r >= t.r) r = s = 0;  // columns past R*S*C: any box will do, none is stored
+              tma_load_4d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
+                          full_bar(stage), cb * 64, pq0 + s - t.pad_w, pp0 + r - t.pad_h, pn0);
+            }
+          } else if constexpr (kMode == kConvTma) {
             const PatchTiles& t = p.patch;
             const int rs = kb / t.c_blocks;
             const int cb = kb - rs * t.c_blocks;
@@ -534,8 +564,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_m * kTileM);
           }
-          tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
-                      kb * Cfg::kBlockK, w.tile_n * kTileN);
+          if constexpr (kMode != kWgradTma) {
+            tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
+                        kb * Cfg::kBlockK, w.tile_n * kTileN);
+          }
           if (++stage == Cfg::kStages) {
             stage = 0;
             phase ^= 1;
@@ -628,17 +660,23 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
       kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  // Backward-weight reads A = dy as it lies (pixels x output channels): 64 x 64 boxes.
+  // Backward-weight reads A = dy as it lies (pixels x output channels): 64 x 64 boxes; kWgradTma
+  // reads dy (as an NHWC tensor of P x Q pixels and K channels) and x over patches.
+  const ConvGather dy_view =
+      conv ? ConvGather{prob.a, conv->n, conv->p, conv->q, int(prob.lda), conv->p, conv->q, 1, 1,
+                        1, 1, 0, 0}
+           : ConvGather{};
   const CUtensorMap map_a =
       mode == kWgrad || mode == kWgradAlt
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
-      : mode == kConvTma ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : conv             ? CUtensorMap{}
-                         : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      : mode == kWgradTma ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
+      : mode == kConvTma  ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : conv              ? CUtensorMap{}
+                          : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
-      mode == kWgrad || mode == kWgradAlt
-          ? CUtensorMap{}
-          : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+      mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
+      : mode == kWgradTma ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+                          : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -653,8 +691,9 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.c_is_bf16 = prob.c_type == DType::BF16;
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
   p.workspace = workspace;
-  p.patch = mode == kConvTma ? *patch : PatchTiles{};
+  p.patch = mode == kConvTma || mode == kWgradTma ? *patch : PatchTiles{};
   if (mode == kConvTma) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
+  if (mode == kWgradTma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
     kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, g);
@@ -662,6 +701,7 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   if constexpr (kBf16) {
     if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
     if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
+    if (mode == kWgradTma) return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
   }
   CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode,
              " needs bf16 operands");

@@ -19,6 +19,7 @@ struct PatchTiles {
   int tiles_q = 0, tiles_p = 0, tiles_n = 0;
   int q = 0, p = 0, n = 0;  // output extent
   int s = 0, pad_h = 0, pad_w = 0, c_blocks = 0;  // filter width, padding, C / k-block
+  int r = 0;  // filter height (kWgradTma: taps past R*S are not loaded from x)
 };
 
 struct ConvGather {
@@ -48,8 +49,11 @@ void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const P
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream);
 
 // Backward-weight (bf16): problem is dw = dy^T im2col(x) (m = K, n = R*S*C, k = n*P*Q, A = dy
-// with lda = K); `alt` selects the other assignment of the MN-major descriptor offsets.
+// with lda = K); `alt` selects the other assignment of the MN-major descriptor offsets. With
+// `patch` (stride 1, C a multiple of 64) both operands come by 4-D TMA boxes over patches of 64
+// output pixels instead (kWgradTma): problem.k is then patches * 64.
 void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
-                     float* workspace, cudaStream_t stream, bool alt);
+                     float* workspace, cudaStream_t stream, bool alt,
+                     const PatchTiles* patch = nullptr);
 
 }  // namespace cudp::kernels::sm90
