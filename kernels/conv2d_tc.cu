@@ -157,6 +157,20 @@ sm90::PatchTiles patch_tiles(const Conv2dShape& s, int k_block) {
   return t;
 }
 
+// dw[i][j] = beta*dw[i][j] + t[j][i] for dw of rows x cols (t is cols x rows); beta = 0 writes
+// without reading dw.
+__global__ void transpose_accumulate_kernel(const float* __restrict__ t, int rows, int cols,
+                                            float beta, float* __restrict__ dw) {
+  const int64_t total = int64_t(rows) * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / cols;
+    const int64_t col = i - row * cols;
+    const float v = t[col * rows + row];
+    dw[i] = beta == 0.f ? v : fmaf(beta, dw[i], v);
+  }
+}
+
 // Backward-weight's k-blocks as patches of wb x hb x nb = 64 output pixels, chosen as the forward's.
 sm90::PatchTiles wgrad_patch_tiles(const Conv2dShape& s) {
   sm90::PatchTiles t;
@@ -284,8 +298,29 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
                " output pixels (with the patch padding) are too many for one product");
     p.k = static_cast<int>(padded);
-    detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
+    if (s.k > 64) {
+      detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
+                           &patch);
+      return;
+    }
+    // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead
+    // (R*S*C rows), then transpose it into dw (K * R*S*C elements: a small pass).
+    MatmulProblem t = p;
+    t.m = p.n;
+    t.n = p.m;
+    t.a = nullptr;
+    t.lda = 0;
+    t.b = dy;
+    t.ldb = s.k;
+    Workspace transposed(size_t(t.m) * size_t(t.n) * sizeof(float), stream);
+    t.c = transposed.get();
+    t.ldc = t.n;
+    t.beta = 0.f;
+    detail::run_mainloop(t, plan_matmul(t, device), &gather, stream, detail::Feed::WgradTmaT,
                          &patch);
+    const int64_t total = int64_t(p.m) * p.n;
+    launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
+           stream, transposed.get(), p.m, p.n, beta, dw);
     return;
   }
   detail::run_mainloop(p, plan_matmul(p, device), &gather, stream,

@@ -284,12 +284,13 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
     bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream)
          : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
-  } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma) {
+  } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
+             feed == Feed::WgradTmaT) {
     CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
-    CUDP_CHECK(feed != Feed::WgradTma || patch != nullptr,
-               "conv: the patch feed of backward-weight needs its tiling");
-    sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt,
-                          feed == Feed::WgradTma ? patch : nullptr);
+    const bool tma = feed == Feed::WgradTma || feed == Feed::WgradTmaT;
+    CUDP_CHECK(!tma || patch != nullptr, "conv: the patch feed of backward-weight needs its tiling");
+    sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt, tma ? patch : nullptr,
+                          feed == Feed::WgradTmaT);
   } else if (conv != nullptr) {
     bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
   } else {

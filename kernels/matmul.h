@@ -101,7 +101,8 @@ namespace detail {
 //   ConvTma  forward / backward-data with A as 4-D TMA boxes of conv->x over `patch` tiles.
 //   WgradTma backward-weight with both operands as 4-D TMA boxes over `patch` tiles of 64 output
 //            pixels (dy for A, conv->x shifted by each tap for B); problem.k = patches * 64.
-enum class Feed { Tma, Im2col, Wgrad, WgradAlt, ConvTma, WgradTma };
+//            WgradTmaT computes dw^T instead (A = im2col(conv->x)^T, B = dy = problem.b).
+enum class Feed { Tma, Im2col, Wgrad, WgradAlt, ConvTma, WgradTma, WgradTmaT };
 
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
 // reduction.

@@ -140,7 +140,17 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           channels) one box of x over the patch shifted by the tap. A box lands as 64 rows of
 //           128 bytes, 128-byte swizzled: the MN-major slab layout kWgrad's gather writes. Patches
 //           that hang over the output's edge read zeros of dy there, so they add nothing.
-enum Mode : int { kGemm = 0, kConv_ = 1, kWgrad = 2, kWgradAlt = 3, kConvTma = 4, kWgradTma = 5 };
+//   kWgradTmaT the same with the roles swapped, for layers of 64 or fewer output channels (a
+//           128-row tile of them would be half empty): A = im2col(x)^T, B = dy^T, C = dw^T.
+enum Mode : int {
+  kGemm = 0,
+  kConv_ = 1,
+  kWgrad = 2,
+  kWgradAlt = 3,
+  kConvTma = 4,
+  kWgradTma = 5,
+  kWgradTmaT = 6
+};
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -429,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Cfg = Config<Elem, kTileN>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
-  constexpr bool kWgradMode = kWgradGather || kMode == kWgradTma;  // MN-major operands
+  constexpr bool kWgradMode = kWgradGather || kMode == kWgradTma || kMode == kWgradTmaT;  // MN-major
   constexpr bool kGathers = kConv || kWgradGather;
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
@@ -530,28 +540,43 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
           mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
-          if constexpr (kMode == kWgradTma) {
-            // k-block kb is patch kb of the output pixels: dy there (A) and x shifted by each
-            // slab's tap (B).
+          if constexpr (kMode == kWgradTma || kMode == kWgradTmaT) {
+            // k-block kb is patch kb of the output pixels: dy there, and x shifted by the tap of
+            // each 64-column block of im2col(x) (kWgradTma: dy is A, x is B; kWgradTmaT the
+            // other way round).
             const PatchTiles& t = p.patch;
             const int rest = kb / t.tiles_q;
             const int pq0 = (kb - rest * t.tiles_q) * t.wb;
             const int pp0 = (rest % t.tiles_p) * t.hb;
             const int pn0 = (rest / t.tiles_p) * t.nb;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              tma_load_4d(stages_a + stage * Cfg::kStageBytesA + half * 64 * kRowBytes, &map_a,
-                          full_bar(stage), w.tile_m * kTileM + 64 * half, pq0, pp0, pn0);
-            }
-#pragma unroll
-            for (int slab = 0; slab < kTileN / 64; ++slab) {
-              const int block = w.tile_n * (kTileN / 64) + slab;  // 64-column block of B
+            const auto load_dy = [&](uint32_t dst, const CUtensorMap* map, int channel0) {
+              tma_load_4d(dst, map, full_bar(stage), channel0, pq0, pp0, pn0);
+            };
+            const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int block) {
               const int rs = block / t.c_blocks;
               const int cb = block - rs * t.c_blocks;
               int r = rs / t.s, s = rs - r * t.s;
               if (r >= t.r) r = s = 0;  // columns past R*S*C: any box will do, none is stored
-              tma_load_4d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
-                          full_bar(stage), cb * 64, pq0 + s - t.pad_w, pp0 + r - t.pad_h, pn0);
+              tma_load_4d(dst, map, full_bar(stage), cb * 64, pq0 + s - t.pad_w, pp0 + r - t.pad_h,
+                          pn0);
+            };
+            const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
+            const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              if constexpr (kMode == kWgradTma) {
+                load_dy(a + half * 64 * kRowBytes, &map_a, w.tile_m * kTileM + 64 * half);
+              } else {
+                load_x(a + half * 64 * kRowBytes, &map_a, w.tile_m * 2 + half);
+              }
+            }
+#pragma unroll
+            for (int slab = 0; slab < kTileN / 64; ++slab) {
+              if constexpr (kMode == kWgradTma) {
+                load_x(b + slab * 64 * kRowBytes, &map_b, w.tile_n * (kTileN / 64) + slab);
+              } else {
+                load_dy(b + slab * 64 * kRowBytes, &map_b, w.tile_n * kTileN + 64 * slab);
+              }
             }
           } else if constexpr (kMode == kConvTma) {
             const PatchTiles& t = p.patch;
@@ -564,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_m * kTileM);
           }
-          if constexpr (kMode != kWgradTma) {
+          if constexpr (kMode != kWgradTma && kMode != kWgradTmaT) {
             tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_n * kTileN);
           }
@@ -662,21 +687,24 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   // Backward-weight reads A = dy as it lies (pixels x output channels): 64 x 64 boxes; kWgradTma
   // reads dy (as an NHWC tensor of P x Q pixels and K channels) and x over patches.
+  const bool dy_is_b = mode == kWgradTmaT;
   const ConvGather dy_view =
-      conv ? ConvGather{prob.a, conv->n, conv->p, conv->q, int(prob.lda), conv->p, conv->q, 1, 1,
-                        1, 1, 0, 0}
+      conv ? ConvGather{dy_is_b ? prob.b : prob.a, conv->n, conv->p, conv->q,
+                        int(dy_is_b ? prob.ldb : prob.lda), conv->p, conv->q, 1, 1, 1, 1, 0, 0}
            : ConvGather{};
   const CUtensorMap map_a =
       mode == kWgrad || mode == kWgradAlt
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
-      : mode == kWgradTma ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
-      : mode == kConvTma  ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : mode == kWgradTma  ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
+      : mode == kWgradTmaT ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : mode == kConvTma   ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
       : conv              ? CUtensorMap{}
                           : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
       mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
-      : mode == kWgradTma ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-                          : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+      : mode == kWgradTma  ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : mode == kWgradTmaT ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
+                           : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -691,9 +719,10 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.c_is_bf16 = prob.c_type == DType::BF16;
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
   p.workspace = workspace;
-  p.patch = mode == kConvTma || mode == kWgradTma ? *patch : PatchTiles{};
+  const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
+  p.patch = mode == kConvTma || wgrad_tma ? *patch : PatchTiles{};
   if (mode == kConvTma) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
-  if (mode == kWgradTma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
+  if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
     kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, g);
@@ -702,6 +731,7 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
     if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
     if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
     if (mode == kWgradTma) return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
+    if (mode == kWgradTmaT) return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
   }
   CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode,
              " needs bf16 operands");

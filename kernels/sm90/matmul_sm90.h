@@ -51,9 +51,10 @@ void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const P
 // Backward-weight (bf16): problem is dw = dy^T im2col(x) (m = K, n = R*S*C, k = n*P*Q, A = dy
 // with lda = K); `alt` selects the other assignment of the MN-major descriptor offsets. With
 // `patch` (stride 1, C a multiple of 64) both operands come by 4-D TMA boxes over patches of 64
-// output pixels instead (kWgradTma): problem.k is then patches * 64.
+// output pixels instead (kWgradTma): problem.k is then patches * 64. `transposed` (with `patch`)
+// runs dw^T = im2col(x)^T dy instead: m = R*S*C, n = K, B = dy with ldb = K, C = dw^T.
 void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
                      float* workspace, cudaStream_t stream, bool alt,
-                     const PatchTiles* patch = nullptr);
+                     const PatchTiles* patch = nullptr, bool transposed = false);
 
 }  // namespace cudp::kernels::sm90

@@ -26,8 +26,9 @@ void conv_bf16(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 }
 
 void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
-                     float* workspace, cudaStream_t stream, bool alt, const PatchTiles* patch) {
-  const int mode = patch ? kWgradTma : alt ? kWgradAlt : kWgrad;
+                     float* workspace, cudaStream_t stream, bool alt, const PatchTiles* patch,
+                     bool transposed) {
+  const int mode = patch ? (transposed ? kWgradTmaT : kWgradTma) : alt ? kWgradAlt : kWgrad;
   switch (plan.tile_n) {
     case 64: return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode, patch);
     case 128: return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, mode, patch);
