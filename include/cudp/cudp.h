@@ -25,6 +25,7 @@
 #include "layers/linear.h"
 #include "layers/module.h"
 #include "layers/pooling.h"
+#include "layers/precision.h"
 #include "layers/sequential.h"
 #include "layers/vgg.h"
 
