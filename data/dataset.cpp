@@ -1,5 +1,12 @@
 #include "data/dataset.h"
 
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+
 #include "engine/core/checked.h"
 #include "engine/core/error.h"
 
@@ -35,6 +42,68 @@ std::vector<int64_t> class_histogram(const Dataset& dataset) {
     ++counts[static_cast<size_t>(label)];
   }
   return counts;
+}
+
+DatasetSource::DatasetSource(Dataset dataset)
+    : DatasetSource(std::make_shared<const Dataset>(std::move(dataset))) {}
+
+DatasetSource::DatasetSource(std::shared_ptr<const Dataset> dataset) : dataset_(std::move(dataset)) {
+  CUDP_CHECK(dataset_ != nullptr, "DatasetSource: no Dataset given");
+  dataset_->validate();
+}
+
+int32_t DatasetSource::label(int64_t index) const {
+  CUDP_CHECK(index >= 0 && index < size(), dataset_->name, ": sample ", index,
+             " is outside [0, ", size(), ")");
+  return dataset_->labels[static_cast<size_t>(index)];
+}
+
+const uint8_t* DatasetSource::pixels(int64_t index) const {
+  CUDP_CHECK(index >= 0 && index < size(), dataset_->name, ": sample ", index,
+             " is outside [0, ", size(), ")");
+  return dataset_->image(index);
+}
+
+void DatasetSource::read(int64_t index, uint64_t, int, uint8_t* out) const {
+  std::memcpy(out, pixels(index), static_cast<size_t>(image_bytes()));
+}
+
+Dataset materialize(const SampleSource& source, uint64_t seed, int epoch, int workers) {
+  CUDP_CHECK(workers >= 1, "materialize: workers must be at least 1, got ", workers);
+  Dataset d;
+  d.name = source.name();
+  d.height = source.height();
+  d.width = source.width();
+  d.channels = source.channels();
+  d.num_classes = source.num_classes();
+  const auto n = static_cast<size_t>(source.size());
+  const auto bytes = static_cast<size_t>(source.image_bytes());
+  d.images.resize(static_cast<size_t>(
+      checked_mul(source.size(), source.image_bytes(), source.name() + ": pixel count")));
+  d.labels.resize(n);
+
+  std::atomic<size_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  const auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) {
+      try {
+        d.labels[i] = source.label(static_cast<int64_t>(i));
+        source.read(static_cast<int64_t>(i), seed, epoch, d.images.data() + i * bytes);
+      } catch (...) {
+        std::lock_guard lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+        next = n;  // the others stop at their next sample
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < std::min(static_cast<size_t>(workers), n); ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
+  d.validate();
+  return d;
 }
 
 }  // namespace cudp::data

@@ -6,6 +6,8 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <iterator>
+#include <list>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -19,7 +21,7 @@
 namespace cudp::data {
 
 // Philox's high counter word: the epoch above 8 bits of purpose, so the streams never overlap
-// (data/synthetic.cpp uses purposes 1-3).
+// (data/synthetic.cpp uses purposes 1-3, data/image_folder.cpp 0x12).
 namespace {
 enum Purpose : uint64_t { kShuffle = 0x10, kAugment = 0x11 };
 
@@ -99,7 +101,7 @@ Normalization compute_normalization(const Dataset& train) {
 
 class Loader::Impl {
  public:
-  Impl(const Dataset& dataset, LoaderOptions options);
+  Impl(const SampleSource& source, LoaderOptions options, std::unique_ptr<SampleSource> owned);
   ~Impl();
 
   void start_epoch(int epoch, int64_t first_batch);
@@ -108,27 +110,39 @@ class Loader::Impl {
   LoaderPosition position() const;
   std::vector<int64_t> epoch_order(int epoch) const;
 
-  const Dataset& dataset;
+  const std::unique_ptr<SampleSource> owned;  // the DatasetSource of Loader(const Dataset&, ...)
+  const SampleSource& source;
   const LoaderOptions options;
   const int64_t out_h, out_w, channels, batches;
 
  private:
-  const int64_t rows_;  // the rows of a batch buffer
+  const int64_t rows_;   // the rows of a batch buffer
+  const int64_t chunk_;  // the rows a worker claims at a time
   using BufferPtr = std::shared_ptr<detail::BatchBuffer>;
-  // A batch a worker was given: what it needs to fill it without holding the lock.
-  struct Task {
+  // A batch being filled, by as many workers as claim its rows. Only the fields below `rows` change
+  // after it is made, and only with the lock held.
+  struct Job {
     BufferPtr buffer;
     int64_t index;
     uint64_t generation;
     int epoch;
     std::shared_ptr<const std::vector<int64_t>> order;
+    int64_t rows;          // rows of this batch (a last batch may be short)
+    int64_t next_row = 0;  // the first row no worker has claimed yet
+    int busy = 1;          // workers taking the buffer or filling rows of it
+    bool open = false;     // the buffer has been taken (its readers waited for): rows may be filled
+    bool failed = false;
   };
+  using JobPtr = std::list<Job>::iterator;
 
   void work();
+  bool claimable(JobPtr* job);  // with the lock held: the earliest job with rows left to claim
   bool can_schedule() const;
-  void release_held();  // with the lock held
-  void fill(const Task& task) const;
-  void transform(int64_t sample, int epoch, float* out) const;
+  void fail(Job& job, std::exception_ptr error);  // with the lock held
+  void retire(JobPtr job);                         // with the lock held
+  void release_held();                             // with the lock held
+  void fill(const Job& job, int64_t begin, int64_t end, std::vector<uint8_t>& scratch) const;
+  void transform(const uint8_t* pixels, int64_t sample, int epoch, float* out) const;
 
   std::vector<float> table_;  // [channel][pixel value] -> normalised value
   std::vector<float> fill_;   // per channel: the border's value
@@ -136,11 +150,12 @@ class Loader::Impl {
   mutable std::mutex mutex_;
   std::condition_variable work_cv_, ready_cv_;
   bool stop_ = false;
-  uint64_t generation_ = 0;   // bumped by start_epoch: older tasks' results are dropped
+  uint64_t generation_ = 0;   // bumped by start_epoch: older jobs' results are dropped
   int epoch_ = -1;
   std::shared_ptr<const std::vector<int64_t>> order_;
   int64_t next_schedule_ = 0, next_deliver_ = 0;
   std::deque<BufferPtr> free_;
+  std::list<Job> jobs_;       // batches being filled, in the order they were started
   std::map<int64_t, BufferPtr> ready_;
   BufferPtr held_;            // the buffer behind the batch the consumer has
   std::exception_ptr error_;
@@ -155,8 +170,11 @@ constexpr int kMaxWorkers = 1024;
 constexpr int kMaxPrefetch = 1024;
 
 // Checks the options before anything is computed from them (the sizes below multiply them).
-const LoaderOptions& checked(const Dataset& data, const LoaderOptions& options) {
-  data.validate();
+const LoaderOptions& checked(const SampleSource& source, const LoaderOptions& options) {
+  CUDP_CHECK(source.height() > 0 && source.width() > 0 && source.channels() > 0 &&
+                 source.num_classes() > 0 && source.size() >= 0,
+             source.name(), ": invalid data set (", source.size(), " images of ", source.height(),
+             "x", source.width(), "x", source.channels(), ", ", source.num_classes(), " classes)");
   CUDP_CHECK(options.batch_size > 0, "batch_size must be positive, got ", options.batch_size);
   CUDP_CHECK(options.pad >= 0 && options.random_crop >= 0, "pad and random_crop must not be negative");
   return options;
@@ -168,18 +186,21 @@ int64_t padded(int64_t side, int pad) {
 
 }  // namespace
 
-Loader::Impl::Impl(const Dataset& data, LoaderOptions opts)
-    : dataset(data),
+Loader::Impl::Impl(const SampleSource& data, LoaderOptions opts, std::unique_ptr<SampleSource> own)
+    : owned(std::move(own)),
+      source(data),
       options(checked(data, opts)),
-      out_h(padded(data.height, options.pad)),
-      out_w(padded(data.width, options.pad)),
-      channels(data.channels),
+      out_h(padded(data.height(), options.pad)),
+      out_w(padded(data.width(), options.pad)),
+      channels(data.channels()),
       // Written so that no intermediate overflows, whatever batch_size is.
       batches(options.drop_last ? data.size() / options.batch_size
                                 : data.size() / options.batch_size +
                                       (data.size() % options.batch_size != 0)),
       // A batch never holds more rows than the data set: a batch size beyond it costs no memory.
-      rows_(std::max<int64_t>(std::min(options.batch_size, data.size()), 1)) {
+      rows_(std::max<int64_t>(std::min(options.batch_size, data.size()), 1)),
+      chunk_((rows_ + std::clamp(options.workers, 1, kMaxWorkers) - 1) /
+             std::clamp(options.workers, 1, kMaxWorkers)) {
   const Normalization& norm = options.normalization;
   CUDP_CHECK(options.workers >= 1 && options.workers <= kMaxWorkers, "workers must be in [1, ",
              kMaxWorkers, "], got ", options.workers);
@@ -188,7 +209,7 @@ Loader::Impl::Impl(const Dataset& data, LoaderOptions opts)
   CUDP_CHECK(norm.mean.size() == norm.std.size(), "normalization: ", norm.mean.size(), " means but ",
              norm.std.size(), " standard deviations");
   CUDP_CHECK(norm.mean.size() <= 1 || static_cast<int64_t>(norm.mean.size()) == channels,
-             "normalization has ", norm.mean.size(), " channels, ", dataset.name, " has ", channels);
+             "normalization has ", norm.mean.size(), " channels, ", source.name(), " has ", channels);
 
   for (int64_t c = 0; c < channels; ++c) {
     const size_t k = norm.mean.size() == 1 ? 0 : static_cast<size_t>(c);
@@ -233,7 +254,7 @@ Loader::Impl::~Impl() {
 
 std::vector<int64_t> Loader::Impl::epoch_order(int epoch) const {
   CUDP_CHECK(epoch >= 0, "epoch must not be negative, got ", epoch);
-  std::vector<int64_t> order(static_cast<size_t>(dataset.size()));
+  std::vector<int64_t> order(static_cast<size_t>(source.size()));
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   if (!options.shuffle) return order;
   for (size_t i = order.size(); i-- > 1;) {  // Fisher-Yates: swap i with a uniform j in [0, i]
@@ -255,6 +276,13 @@ void Loader::Impl::start_epoch(int epoch, int64_t first_batch) {
     order_ = std::move(order);
     for (auto& [index, buffer] : ready_) free_.push_back(std::move(buffer));
     ready_.clear();
+    // Batches of the old epoch being filled: no more rows are claimed, and a buffer nobody is
+    // writing goes back now (the others when their last worker finishes).
+    for (auto job = jobs_.begin(); job != jobs_.end();) {
+      const auto this_job = job++;
+      this_job->next_row = this_job->rows;
+      if (this_job->busy == 0) retire(this_job);
+    }
     release_held();
     next_schedule_ = next_deliver_ = first_batch;
     error_ = nullptr;
@@ -273,30 +301,74 @@ void Loader::Impl::release_held() {
   held_ = nullptr;
 }
 
+bool Loader::Impl::claimable(JobPtr* job) {
+  for (auto j = jobs_.begin(); j != jobs_.end(); ++j) {
+    if (j->open && j->generation == generation_ && j->next_row < j->rows) {
+      *job = j;
+      return true;
+    }
+  }
+  return false;
+}
+
+void Loader::Impl::fail(Job& job, std::exception_ptr error) {
+  job.failed = true;
+  job.next_row = job.rows;  // nobody claims more of it
+  if (job.generation == generation_ && !error_) error_ = std::move(error);
+  ready_cv_.notify_all();
+}
+
+void Loader::Impl::retire(JobPtr job) {
+  if (!job->failed && job->generation == generation_) {
+    ready_.emplace(job->index, std::move(job->buffer));
+    ready_cv_.notify_all();
+  } else {
+    free_.push_back(std::move(job->buffer));
+    work_cv_.notify_all();
+  }
+  jobs_.erase(job);
+}
+
 void Loader::Impl::work() {
+  std::vector<uint8_t> scratch;  // one sample's pixels, for a source that produces them
   std::unique_lock lock(mutex_);
   for (;;) {
-    work_cv_.wait(lock, [this] { return stop_ || can_schedule(); });
+    JobPtr job;
+    work_cv_.wait(lock, [&] { return stop_ || claimable(&job) || can_schedule(); });
     if (stop_) return;
-    Task task{std::move(free_.front()), next_schedule_++, generation_, epoch_, order_};
-    free_.pop_front();
-    lock.unlock();
     std::exception_ptr failure;
-    try {
-      task.buffer->take();
-      fill(task);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    lock.lock();
-    if (task.generation != generation_ || failure) {
-      if (failure && task.generation == generation_) error_ = failure;
-      free_.push_back(std::move(task.buffer));
-      work_cv_.notify_all();
+    if (!claimable(&job)) {
+      // Start the next batch. Its buffer is taken (the reads of the batch it held last are waited
+      // for) before anyone writes to it, so the job opens only after that.
+      const int64_t index = next_schedule_++;
+      jobs_.push_back(Job{std::move(free_.front()), index, generation_, epoch_, order_,
+                          std::min(options.batch_size, source.size() - index * options.batch_size)});
+      free_.pop_front();
+      job = std::prev(jobs_.end());
+      lock.unlock();
+      try {
+        job->buffer->take();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      lock.lock();
+      job->open = true;
     } else {
-      ready_.emplace(task.index, std::move(task.buffer));
+      const int64_t begin = job->next_row, end = std::min(job->rows, begin + chunk_);
+      job->next_row = end;
+      ++job->busy;
+      lock.unlock();
+      try {
+        fill(*job, begin, end, scratch);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      lock.lock();
     }
-    ready_cv_.notify_all();
+    --job->busy;
+    if (failure) fail(*job, std::move(failure));
+    if (job->next_row == job->rows && job->busy == 0) retire(job);
+    work_cv_.notify_all();  // rows to claim, or a buffer or a window slot freed
   }
 }
 
@@ -317,7 +389,7 @@ bool Loader::Impl::next(Batch& batch) {
   held_ = std::move(node.mapped());
   work_cv_.notify_all();  // the window moved on
 
-  const int64_t rows = std::min(options.batch_size, dataset.size() - index * options.batch_size);
+  const int64_t rows = std::min(options.batch_size, source.size() - index * options.batch_size);
   batch.images = held_->images.slice(0, rows);
   batch.labels = held_->labels.slice(0, rows);
   batch.epoch = epoch_;
@@ -338,22 +410,28 @@ LoaderPosition Loader::Impl::position() const {
   return {std::max(epoch_, 0), next_deliver_};
 }
 
-void Loader::Impl::fill(const Task& task) const {
-  const int64_t first = task.index * options.batch_size;
-  const int64_t rows = std::min(options.batch_size, dataset.size() - first);
+void Loader::Impl::fill(const Job& job, int64_t begin, int64_t end,
+                        std::vector<uint8_t>& scratch) const {
+  const int64_t first = job.index * options.batch_size;
   const int64_t image_floats = out_h * out_w * channels;
-  float* images = task.buffer->images.data<float>();
-  int32_t* labels = task.buffer->labels.data<int32_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t sample = (*task.order)[static_cast<size_t>(first + r)];
-    labels[r] = dataset.labels[static_cast<size_t>(sample)];
-    transform(sample, task.epoch, images + r * image_floats);
+  float* images = job.buffer->images.data<float>();
+  int32_t* labels = job.buffer->labels.data<int32_t>();
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t sample = (*job.order)[static_cast<size_t>(first + r)];
+    labels[r] = source.label(sample);
+    const uint8_t* pixels = source.pixels(sample);
+    if (pixels == nullptr) {
+      scratch.resize(static_cast<size_t>(source.image_bytes()));
+      source.read(sample, options.seed, job.epoch, scratch.data());
+      pixels = scratch.data();
+    }
+    transform(pixels, sample, job.epoch, images + r * image_floats);
   }
 }
 
 // Output pixel (oy, ox) shows source pixel (oy + dy - pad, fx + dx - pad), fx = ox or its mirror:
 // torchvision's RandomCrop(padding) then RandomHorizontalFlip, with the frame's padding folded in.
-void Loader::Impl::transform(int64_t sample, int epoch, float* out) const {
+void Loader::Impl::transform(const uint8_t* pixels, int64_t sample, int epoch, float* out) const {
   int dy = 0, dx = 0;
   bool flip = false;
   if (options.random_crop > 0 || options.horizontal_flip) {
@@ -364,7 +442,7 @@ void Loader::Impl::transform(int64_t sample, int epoch, float* out) const {
     dx = static_cast<int>(r.v[1] % choices) - options.random_crop;
     flip = options.horizontal_flip && (r.v[2] & 1u);
   }
-  const int64_t h = dataset.height, w = dataset.width, c = channels;
+  const int64_t h = source.height(), w = source.width(), c = channels;
   const auto fill_pixels = [&](float* first, int64_t count) {
     for (int64_t i = 0; i < count; ++i) std::copy(fill_.begin(), fill_.end(), first + i * c);
   };
@@ -381,7 +459,7 @@ void Loader::Impl::transform(int64_t sample, int epoch, float* out) const {
     }
     fill_pixels(row, lo);
     fill_pixels(row + hi * c, out_w - hi);
-    const uint8_t* in = dataset.image(sample) + sy * w * c;
+    const uint8_t* in = pixels + sy * w * c;
     for (int64_t ox = lo; ox < hi; ++ox) {
       const int64_t sx = (flip ? out_w - 1 - ox : ox) + dx - options.pad;
       for (int64_t ch = 0; ch < c; ++ch) row[ox * c + ch] = table_[ch * 256 + in[sx * c + ch]];
@@ -389,8 +467,21 @@ void Loader::Impl::transform(int64_t sample, int epoch, float* out) const {
   }
 }
 
-Loader::Loader(const Dataset& dataset, LoaderOptions options)
-    : impl_(std::make_unique<Impl>(dataset, std::move(options))) {}
+Loader::Loader(const SampleSource& source, LoaderOptions options)
+    : impl_(std::make_unique<Impl>(source, std::move(options), nullptr)) {}
+
+namespace {
+// The Dataset behind a DatasetSource that does not own it (the caller keeps it alive).
+std::unique_ptr<SampleSource> view_of(const Dataset& dataset) {
+  return std::make_unique<DatasetSource>(std::shared_ptr<const Dataset>(std::shared_ptr<void>(), &dataset));
+}
+}  // namespace
+
+Loader::Loader(const Dataset& dataset, LoaderOptions options) {
+  std::unique_ptr<SampleSource> view = view_of(dataset);
+  const SampleSource& source = *view;
+  impl_ = std::make_unique<Impl>(source, std::move(options), std::move(view));
+}
 Loader::~Loader() = default;
 
 void Loader::start_epoch(int epoch, int64_t first_batch) { impl_->start_epoch(epoch, first_batch); }
@@ -400,7 +491,7 @@ LoaderPosition Loader::position() const { return impl_->position(); }
 double Loader::wait_seconds() const { return impl_->wait_seconds(); }
 std::vector<int64_t> Loader::epoch_order(int epoch) const { return impl_->epoch_order(epoch); }
 Shape Loader::image_shape() const { return {impl_->out_h, impl_->out_w, impl_->channels}; }
-const Dataset& Loader::dataset() const { return impl_->dataset; }
+const SampleSource& Loader::source() const { return impl_->source; }
 const LoaderOptions& Loader::options() const { return impl_->options; }
 
 }  // namespace cudp::data

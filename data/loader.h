@@ -1,24 +1,30 @@
-// Loader: turns a Dataset into float32 NHWC batches, prepared ahead on host threads.
+// Loader: turns a data set into float32 NHWC batches, prepared ahead on host threads.
 //
-// What a batch goes through, per sample: uint8 -> (x/255 - mean[c]) / std[c] (a 256-entry table per
-// channel), placed in a frame `pad` pixels larger on every side (Fashion-MNIST's 28x28 becomes the
-// 32x32 VGG wants), optionally moved by a random crop (RandomCrop(padding=p) in torchvision's terms)
-// and flipped left-right. Border pixels hold 0 after normalisation (the data set's mean) or a raw
-// pixel value normalised like the image (PadFill::Pixel, 0 = black, what torchvision's Pad before
-// Normalize gives).
+// What a batch goes through, per sample: the sample's uint8 pixels (read in place from a Dataset in
+// memory, or produced by the SampleSource on the worker: an image folder decodes and crops a file
+// there, data/image_folder.h) -> (x/255 - mean[c]) / std[c] (a 256-entry table per channel), placed
+// in a frame `pad` pixels larger on every side (Fashion-MNIST's 28x28 becomes the 32x32 VGG wants),
+// optionally moved by a random crop (RandomCrop(padding=p) in torchvision's terms) and flipped
+// left-right. Border pixels hold 0 after normalisation (the data set's mean) or a raw pixel value
+// normalised like the image (PadFill::Pixel, 0 = black, what torchvision's Pad before Normalize
+// gives).
 //
 // Reproducibility, and why Philox: the order of an epoch is a Fisher-Yates shuffle whose draws are
-// Philox(seed, i, epoch) and a sample's crop and flip are Philox(seed, sample index, epoch), so the
-// whole stream of batches is a pure function of (seed, epoch) - not of the number of worker threads,
-// of timing, or of where the run started. That makes resuming exact: a checkpoint stores position()
-// (epoch, next batch index) and start_epoch(epoch, batch) replays the same remaining batches.
+// Philox(seed, i, epoch) and a sample's crop and flip are Philox(seed, sample index, epoch) (a
+// SampleSource draws from (seed, epoch, sample index) too), so the whole stream of batches is a pure
+// function of (seed, epoch) - not of the number of worker threads, of timing, or of where the run
+// started. That makes resuming exact: a checkpoint stores position() (epoch, next batch index) and
+// start_epoch(epoch, batch) replays the same remaining batches.
 //
-// Pipeline: a few persistent worker threads fill batch buffers ahead of the consumer (at most
-// `prefetch` batches ahead), so preparing batch i+1 overlaps the GPU's work on batch i; next() hands
-// them out in order and counts the time it had to wait (wait_seconds(): the input pipeline's share
-// of a step). Buffers are allocated once and reused, in pinned memory where a CUDA device is
-// visible (asynchronous copies need it) and ordinary memory otherwise, so CPU-only training and CI
-// use the same code.
+// Pipeline: `workers` persistent threads fill batch buffers ahead of the consumer (at most
+// `prefetch` batches ahead). The workers share the samples of a batch: each claims the next chunk of
+// about batch_size / workers rows of the earliest batch not fully claimed, and starts a new batch
+// only when none is left, so every worker decodes even when only one or two batches are in flight,
+// and a batch is ready as soon as possible. Preparing batch i+1 overlaps the GPU's work on batch i;
+// next() hands batches out in order and counts the time it had to wait (wait_seconds(): the input
+// pipeline's share of a step). Buffers are allocated once and reused, in pinned memory where a CUDA
+// device is visible (asynchronous copies need it) and ordinary memory otherwise, so CPU-only
+// training and CI use the same code.
 //
 // Buffer lifetime (the contract that makes reuse safe): a Batch's tensors stay valid until the next
 // call of next() or start_epoch(); clone() them to keep them longer. Work queued on a CUDA stream
@@ -66,7 +72,8 @@ struct LoaderOptions {
   uint8_t pad_pixel = 0;
   int random_crop = 0;       // augmentation: move the image by up to this many pixels (CIFAR: 4)
   bool horizontal_flip = false;  // augmentation: flip half the samples left-right
-  int workers = 2;           // host threads preparing batches, at most 1024
+  int workers = 2;           // host threads preparing (and, for an image folder, decoding)
+                             // samples, at most 1024
   int prefetch = 4;          // batches prepared ahead of the consumer, at most 1024
   bool pin_memory = true;    // pinned buffers (only where a CUDA device is visible)
 };
@@ -98,7 +105,8 @@ struct LoaderPosition {
 
 class Loader {
  public:
-  // `dataset` must outlive the loader.
+  // `source` (or `dataset`) must outlive the loader.
+  Loader(const SampleSource& source, LoaderOptions options);
   Loader(const Dataset& dataset, LoaderOptions options);
   ~Loader();
   Loader(const Loader&) = delete;
@@ -118,7 +126,7 @@ class Loader {
   std::vector<int64_t> epoch_order(int epoch) const;
   // [H, W, C] of a batch's images after padding.
   Shape image_shape() const;
-  const Dataset& dataset() const;
+  const SampleSource& source() const;
   const LoaderOptions& options() const;
 
  private:
