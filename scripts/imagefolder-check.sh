@@ -98,12 +98,15 @@ print("SAME ACCURACY" if diff < 0.5 else f"DIFFERENT by {diff:.0f} image(s)")
 sys.exit(0 if diff <= 1.5 else 1)  # an argmax tie broken differently may move one image
 EOF
 
-# Decoding and training speed at 224x224 (torchvision's recipe: resize 256, centre crop 224).
+# Decoding and training speed at 224x224: the loader's workers decode every image at every epoch
+# (RandomResizedCrop(224) + flip for training). With one worker the input is the bottleneck, so the
+# epoch's img/s is one core's decoding rate (its input wait is most of the epoch); with every core
+# the input wait shows whether decoding keeps up with training.
 data=$work/data224
 [[ -d $data/val ]] || make_images "$data" 288 200 20
 for j in 1 $(nproc); do
-  "$vgg" --data folder --data-dir "$data" --image-size 224 --arch vgg16 --epochs 1 \
+  "$vgg" --data folder --data-dir "$data" --image-size 224 --arch vgg16 --epochs 1 --augment \
     --batch-size 128 --gpus 0 -j "$j" --limit-train 1024 --limit-test 128 | tee "$work/train224-j$j.log" |
-    grep -E "^data:|^epoch 1/1:" | sed "s/^/-j $j: /"
+    grep -E "^epoch 1/1:" | sed "s/^/-j $j: /"
 done
-echo "decoding speed: the img/s on each data: line above (one worker, then all)"
+echo "decoding speed: the img/s and input wait of each epoch line above (one worker, then all)"

@@ -97,7 +97,10 @@ class DivergenceError : public Error {
 // ---- data ---------------------------------------------------------------------------------------
 
 struct Data {
-  data::Dataset train, test;
+  // The loaders' sources: data sets held in memory (IDX, CIFAR-10, synthetic), or image folders,
+  // whose samples the loader's workers decode at every epoch.
+  std::unique_ptr<data::SampleSource> train, test;
+  data::Normalization normalization;
   int pad = 0;
   std::string description;
 };
@@ -114,8 +117,51 @@ struct Data {
              dir, " does not exist; ", how, ", or train on generated images with --data synthetic");
 }
 
+// --data folder: DIR/train and DIR/val (or DIR/test), decoded on the loader's workers.
+void load_folder(const Options& o, Data& d) {
+  const fs::path root(o.data_dir);
+  const fs::path train = root / "train", test = fs::is_directory(root / "val") ? root / "val"
+                                                                              : root / "test";
+  if (!fs::is_directory(train) || !fs::is_directory(test)) {
+    CUDP_THROW(IoError, "--data folder: ", o.data_dir, " needs the sub-folders train/ and val/ "
+               "(or test/), each with one folder of images per class");
+  }
+  data::ImageFolderOptions f;
+  f.size = o.image_size;
+  f.transform = o.augment ? data::ImageTransform::Train : data::ImageTransform::Eval;
+  auto train_set = std::make_unique<data::ImageFolder>(train.string(), f, "folder/train");
+  f.transform = data::ImageTransform::Eval;
+  f.classes = train_set->classes();  // the test labels follow train's
+  auto test_set = std::make_unique<data::ImageFolder>(test.string(), f,
+                                                      "folder/" + test.filename().string());
+  const std::string eval = detail::str("Resize(", data::eval_resize(o.image_size), ") + CenterCrop(",
+                                       o.image_size, ")");
+  d.description = detail::str(
+      "images from ", o.data_dir, " (", train_set->num_classes(),
+      " classes, decoded every epoch on ", o.workers, " worker(s); train: ",
+      o.augment ? detail::str("RandomResizedCrop(", o.image_size, ") + RandomHorizontalFlip")
+                : eval + " (no --augment)",
+      ", test: ", eval, ", ImageNet mean and std)");
+  if (o.limit_train > 0 && o.limit_train < train_set->size()) {
+    d.description += detail::str(", first ", o.limit_train, " of ", train_set->size(), " train images");
+    train_set->keep_first(o.limit_train);
+  }
+  if (o.limit_test > 0 && o.limit_test < test_set->size()) {
+    d.description += detail::str(", first ", o.limit_test, " of ", test_set->size(), " test images");
+    test_set->keep_first(o.limit_test);
+  }
+  d.normalization = data::imagenet_normalization();  // torchvision's recipe for photographs
+  d.train = std::move(train_set);
+  d.test = std::move(test_set);
+}
+
 Data load_data(const Options& o) {
   Data d;
+  if (o.data == "folder") {
+    load_folder(o, d);
+    return d;
+  }
+  data::Dataset train, test;
   if (o.data == "synthetic") {
     data::SyntheticOptions s;
     s.seed = o.seed;
@@ -128,45 +174,22 @@ Data load_data(const Options& o) {
     } else {
       d.pad = 2;  // 28x28x1 like Fashion-MNIST, padded to 32x32
     }
-    d.train = data::make_synthetic(s, true);
-    d.test = data::make_synthetic(s, false);
+    train = data::make_synthetic(s, true);
+    test = data::make_synthetic(s, false);
     d.description = detail::str("synthetic (", s.h, "x", s.w, "x", s.c, ", 10 classes)");
-  } else if (o.data == "folder") {
-    const fs::path root(o.data_dir);
-    const fs::path train = root / "train", test = fs::is_directory(root / "val") ? root / "val"
-                                                                                : root / "test";
-    if (!fs::is_directory(train) || !fs::is_directory(test)) {
-      CUDP_THROW(IoError, "--data folder: ", o.data_dir, " needs the sub-folders train/ and val/ "
-                 "(or test/), each with one folder of images per class");
-    }
-    data::ImageFolderOptions f;
-    f.size = o.image_size;
-    f.workers = static_cast<int>(o.workers);
-    const auto start = Clock::now();
-    d.train = data::load_image_folder(train.string(), f, "folder/train");
-    f.classes = data::image_folder_classes(train.string());  // the test labels follow train's
-    d.test = data::load_image_folder(test.string(), f, "folder/" + test.filename().string());
-    const double seconds = seconds_since(start);
-    char rate[96];
-    std::snprintf(rate, sizeof rate, "%.1f s, %.0f img/s on %lld worker(s)", seconds,
-                  static_cast<double>(d.train.size() + d.test.size()) / seconds,
-                  static_cast<long long>(o.workers));
-    d.description = detail::str("images from ", o.data_dir, " (", d.train.num_classes,
-                                " classes, decoded and resized to ", o.image_size, "x",
-                                o.image_size, " in ", rate, ")");
   } else if (o.data == "cifar10") {
     const std::string dir = o.data_dir.empty() ? "cifar-10-batches-bin" : o.data_dir;
     if (!fs::is_directory(dir)) absent(o, dir);
-    d.train = data::load_cifar10(dir, true);
-    d.test = data::load_cifar10(dir, false);
+    train = data::load_cifar10(dir, true);
+    test = data::load_cifar10(dir, false);
     d.description = "CIFAR-10 from " + dir;
   } else {
     const std::string dir = !o.data_dir.empty()         ? o.data_dir
                             : o.data == "fashion-mnist" ? "/usr/share/datasets/fashion-mnist"
                                                         : "/usr/share/datasets/mnist";
     if (!fs::is_directory(dir)) absent(o, dir);
-    d.train = data::load_mnist_like(dir, true, o.data);
-    d.test = data::load_mnist_like(dir, false, o.data);
+    train = data::load_mnist_like(dir, true, o.data);
+    test = data::load_mnist_like(dir, false, o.data);
     d.pad = 2;
     d.description = o.data + " from " + dir;
   }
@@ -178,15 +201,18 @@ Data load_data(const Options& o) {
     set.images.resize(static_cast<size_t>(n * set.image_bytes()));
     return note;
   };
-  d.description += limit(d.train, o.limit_train, "train");
-  d.description += limit(d.test, o.limit_test, "test");
+  d.description += limit(train, o.limit_train, "train");
+  d.description += limit(test, o.limit_test, "test");
+  d.normalization = data::compute_normalization(train);
+  d.train = std::make_unique<data::DatasetSource>(std::move(train));
+  d.test = std::make_unique<data::DatasetSource>(std::move(test));
   return d;
 }
 
 std::shared_ptr<Vgg> build_model(const Options& o, const Data& d) {
   VggOptions v;
-  v.in_channels = static_cast<int>(d.train.channels);
-  v.num_classes = d.train.num_classes;
+  v.in_channels = static_cast<int>(d.train->channels());
+  v.num_classes = d.train->num_classes();
   v.batch_norm = o.bn;
   v.head = o.head == "compact" ? VggHead::Compact : VggHead::Torchvision;
   v.seed = o.seed;
@@ -198,9 +224,10 @@ std::shared_ptr<Vgg> build_model(const Options& o, const Data& d) {
 // --save-test-set: the test images exactly as the loader reads them (before normalisation), their
 // labels and the normalisation, so that another framework can evaluate a checkpoint on the very
 // same inputs (scripts/imagefolder-check.sh does, in PyTorch).
-void save_test_set(const std::string& path, const Data& d, const data::Normalization& norm) {
+void save_test_set(const std::string& path, const Data& d, const data::Normalization& norm,
+                   int workers) {
   check_output_file(path, "--save-test-set");
-  const data::Dataset& t = d.test;
+  const data::Dataset t = data::materialize(*d.test, 0, 0, workers);
   TensorMap tensors;
   tensors["images"] = Tensor::from_vector<uint8_t>(t.images, {t.size(), t.height, t.width, t.channels});
   tensors["labels"] = Tensor::from_vector<int32_t>(t.labels, {t.size()});
@@ -654,27 +681,27 @@ int run(Options o) {
 
   const Data d = load_data(o);
   std::printf("data: %s: %lld train, %lld test images\n", d.description.c_str(),
-              static_cast<long long>(d.train.size()), static_cast<long long>(d.test.size()));
+              static_cast<long long>(d.train->size()), static_cast<long long>(d.test->size()));
 
   data::LoaderOptions lo;
   lo.batch_size = o.batch_size;
   lo.seed = o.seed;
-  lo.normalization = data::compute_normalization(d.train);
+  lo.normalization = d.normalization;
   lo.pad = d.pad;
   lo.workers = static_cast<int>(o.workers);
-  if (o.augment) {
+  if (o.augment && o.data != "folder") {  // a folder's crop and flip are its own (load_folder)
     lo.random_crop = 4;
-    lo.horizontal_flip = o.data == "cifar10" || o.data == "folder" ||
-                         (o.data == "synthetic" && o.image_size != 32);
-    if (o.data == "folder") lo.random_crop = static_cast<int>(o.image_size / 8);
+    lo.horizontal_flip = o.data == "cifar10" || (o.data == "synthetic" && o.image_size != 32);
   }
-  data::Loader train_loader(d.train, lo);
+  data::Loader train_loader(*d.train, lo);
   data::LoaderOptions to = lo;
   to.shuffle = false;
   to.random_crop = 0;
   to.horizontal_flip = false;
-  data::Loader test_loader(d.test, to);
-  if (!o.save_test_set.empty()) save_test_set(o.save_test_set, d, lo.normalization);
+  data::Loader test_loader(*d.test, to);
+  if (!o.save_test_set.empty()) {
+    save_test_set(o.save_test_set, d, lo.normalization, static_cast<int>(o.workers));
+  }
 
   auto net = build_model(o, d);
   const Precision precision = parse_precision(o.precision);

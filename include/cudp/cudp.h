@@ -37,10 +37,12 @@
 #include "layers/schedule.h"
 #include "layers/train.h"
 
-// Data: IDX (MNIST, Fashion-MNIST), CIFAR-10, the synthetic set, the loader, the device prefetcher.
+// Data: IDX (MNIST, Fashion-MNIST), CIFAR-10, image folders, the synthetic set, the loader, the
+// device prefetcher.
 #include "data/cifar.h"
 #include "data/dataset.h"
 #include "data/idx.h"
+#include "data/image_folder.h"
 #include "data/loader.h"
 #include "data/prefetcher.h"
 #include "data/synthetic.h"

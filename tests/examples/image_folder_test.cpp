@@ -1,9 +1,12 @@
-// data/image_folder: the ImageFolder reader behind cudp-vgg --data folder. Images are made here at
+// data/image_folder: the ImageFolder source behind cudp-vgg --data folder. Images are made here at
 // test time (tests/examples/image_files.h: PNGs written by hand, JPEGs by libjpeg-turbo's encoder)
 // and compared with what they hold: PNG decodes exactly, JPEG within its quantisation error of the
 // original, resizing against values worked out by hand (a constant stays constant, a linear ramp
-// stays linear, the centre crop keeps the middle). Tests skip, saying which package is missing,
-// where the codecs are not installed.
+// stays linear, the centre crop keeps the middle). Through the loader: samples decoded on the
+// workers are those of decode_image + the transform done here sample by sample, whatever the number
+// of workers, and a file is read again at every epoch. (The transforms themselves are checked
+// against a reference in tests/data/image_transform_test.cpp.) Tests skip, saying which package is
+// missing, where the codecs are not installed.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,7 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "data/data_test_util.h"
 #include "data/image_folder.h"
+#include "data/loader.h"
 #include "engine/core/error.h"
 #include "examples/image_files.h"
 #include "examples/run_binary.h"
@@ -22,6 +27,8 @@ namespace {
 
 using namespace cudp;
 using namespace cudp::testing;
+using cudp::testing::HostBatch;
+using cudp::testing::run_epoch;
 
 #define REQUIRE_PNG()                                           \
   do {                                                          \
@@ -122,8 +129,10 @@ TEST(ImageFolder, ReadsATreeWithClassesSortedByName) {
   std::ofstream(root + "/ant/notes.txt") << "not an image";
   data::ImageFolderOptions o;
   o.size = 32;
-  o.workers = 3;
-  const data::Dataset d = data::load_image_folder(root, o, "mine/train");
+  const data::ImageFolder folder(root, o, "mine/train");
+  EXPECT_EQ(folder.size(), 6);
+  EXPECT_EQ(folder.classes(), (std::vector<std::string>{"ant", "cat", "zebra"}));
+  const data::Dataset d = data::materialize(folder, 0, 0, 3);
   EXPECT_EQ(d.size(), 6);
   EXPECT_EQ(d.num_classes, 3);
   EXPECT_EQ(d.height, 32);
@@ -148,19 +157,136 @@ TEST(ImageFolder, ErrorsNameTheFile) {
   std::ofstream(dir / "t/a/broken.png") << "\x89PNG\r\n\x1a\n but then nothing";
   data::ImageFolderOptions o;
   o.size = 32;
+  // Files are read when a sample is asked for, so a broken one is reported then, by name.
   try {
-    data::load_image_folder(dir / "t", o);
+    data::materialize(data::ImageFolder(dir / "t", o));
     FAIL() << "a broken PNG was accepted";
   } catch (const IoError& e) {
     EXPECT_NE(e.message().find("broken.png"), std::string::npos) << e.message();
   }
   std::ofstream(dir / "t/a/text.jpg") << "plain text";
   std::filesystem::remove(dir / "t/a/broken.png");
-  EXPECT_THROW(data::load_image_folder(dir / "t", o), IoError);
+  EXPECT_THROW(data::materialize(data::ImageFolder(dir / "t", o)), IoError);
   std::filesystem::create_directories(dir / "empty");
-  EXPECT_THROW(data::load_image_folder(dir / "empty", o), ValueError);
+  EXPECT_THROW(data::ImageFolder(dir / "empty", o), ValueError);
   o.classes = {"a", "b"};  // a split without a class folder the training split has
-  EXPECT_THROW(data::load_image_folder(dir / "t", o), IoError);
+  EXPECT_THROW(data::ImageFolder(dir / "t", o), IoError);
+}
+
+// A small tree of PNGs (and JPEGs where the encoder is there) of several sizes and aspect ratios:
+// 3 classes x 5 images.
+std::string make_tree(const TempDir& dir) {
+  const std::string root = dir / "tree";
+  const int sizes[5][2] = {{40, 30}, {33, 47}, {64, 64}, {90, 20}, {25, 25}};
+  for (int c = 0; c < 3; ++c) {
+    const std::string folder = root + "/class" + std::to_string(c);
+    std::filesystem::create_directories(folder);
+    for (int i = 0; i < 5; ++i) {
+      const int w = sizes[i][0], h = sizes[i][1];
+      const auto rgb = random_rgb(w, h, static_cast<uint32_t>(10 * c + i + 1));
+      const std::string name = folder + "/" + std::to_string(i);
+      if (i % 2 == 1 && write_jpeg(name + ".jpg", w, h, rgb)) continue;
+      write_png(name + ".png", w, h, rgb);
+    }
+  }
+  return root;
+}
+
+// The loader's sample, made here the plain way: decode, transform, normalise.
+std::vector<float> expected_sample(const data::ImageFolder& folder, int64_t sample, uint64_t seed,
+                                   int epoch, const data::Normalization& norm) {
+  const data::Image decoded = data::decode_image(folder.file(sample));
+  const int64_t size = folder.options().size;
+  const data::Image img = folder.options().transform == data::ImageTransform::Train
+                              ? data::train_transform(decoded, size, seed, epoch, sample)
+                              : data::eval_transform(decoded, size);
+  std::vector<float> out;
+  for (size_t i = 0; i < img.rgb.size(); ++i) {
+    out.push_back((static_cast<float>(img.rgb[i]) / 255.0f - norm.mean[i % 3]) / norm.std[i % 3]);
+  }
+  return out;
+}
+
+// Decoding on the loader's workers: every batch is the same with 1 worker and with 3 (which split
+// batches between them), and every sample is decode + RandomResizedCrop + flip of its file with the
+// draws of (seed, epoch, sample index); another epoch gives other crops.
+TEST(ImageFolder, LoaderDecodesOnItsWorkersTheSameWhateverTheirNumber) {
+  REQUIRE_PNG();
+  TempDir dir;
+  data::ImageFolderOptions fo;
+  fo.size = 24;
+  fo.transform = data::ImageTransform::Train;
+  const data::ImageFolder folder(make_tree(dir), fo);
+  data::LoaderOptions lo;
+  lo.batch_size = 4;
+  lo.seed = 21;
+  lo.normalization = data::imagenet_normalization();
+  lo.workers = 1;
+  lo.prefetch = 1;
+  data::Loader one(folder, lo);
+  lo.workers = 3;
+  lo.prefetch = 2;
+  data::Loader three(folder, lo);
+  ASSERT_EQ(one.image_shape(), (Shape{24, 24, 3}));
+  for (int epoch : {0, 1}) {
+    const auto batches = run_epoch(one, epoch);
+    EXPECT_EQ(run_epoch(three, epoch), batches) << "epoch " << epoch;
+    const std::vector<int64_t> order = one.epoch_order(epoch);
+    ASSERT_EQ(batches.size(), 4u);
+    size_t row = 0;
+    const size_t floats = 24 * 24 * 3;
+    for (const HostBatch& b : batches) {
+      for (size_t r = 0; r < b.labels.size(); ++r, ++row) {
+        const int64_t sample = order[row];
+        EXPECT_EQ(b.labels[r], folder.label(sample));
+        const std::vector<float> want = expected_sample(folder, sample, 21, epoch, lo.normalization);
+        const std::vector<float> got(b.images.begin() + static_cast<long>(r * floats),
+                                     b.images.begin() + static_cast<long>((r + 1) * floats));
+        ASSERT_EQ(got, want) << "epoch " << epoch << ", sample " << sample;
+      }
+    }
+    ASSERT_EQ(row, 15u);
+  }
+  EXPECT_NE(run_epoch(one, 0), run_epoch(one, 1)) << "two epochs gave the same crops";
+  const auto whole = run_epoch(three, 1);
+  EXPECT_EQ(run_epoch(one, 1, 2), std::vector<HostBatch>(whole.begin() + 2, whole.end()))
+      << "a resumed epoch differs";
+}
+
+// Files are read at every epoch, not held decoded: an image rewritten between two epochs is seen
+// as it is now; one that stopped decoding is an error naming it; keep_first keeps the first files.
+TEST(ImageFolder, ReadsItsFilesAtEveryEpoch) {
+  REQUIRE_PNG();
+  TempDir dir;
+  const std::string root = make_tree(dir);
+  data::ImageFolderOptions fo;
+  fo.size = 16;
+  data::ImageFolder folder(root, fo);
+  data::LoaderOptions lo;
+  lo.batch_size = 15;
+  lo.shuffle = false;
+  lo.normalization = data::imagenet_normalization();
+  data::Loader loader(folder, lo);
+  const auto before = run_epoch(loader, 0);
+  ASSERT_EQ(before.size(), 1u);
+  write_png(folder.file(0), 20, 20, constant_rgb(20, 20, 255, 0, 0));  // now all red
+  const auto after = run_epoch(loader, 1);
+  EXPECT_NE(after, before);
+  const float red = (1.0f - 0.485f) / 0.229f;
+  EXPECT_NEAR(after[0].images[0], red, 1e-5);
+  EXPECT_EQ(std::vector<float>(after[0].images.begin() + 16 * 16 * 3, after[0].images.end()),
+            std::vector<float>(before[0].images.begin() + 16 * 16 * 3, before[0].images.end()));
+  std::ofstream(folder.file(2), std::ios::trunc) << "no longer an image";
+  try {
+    run_epoch(loader, 2);
+    FAIL() << "a broken file was read without an error";
+  } catch (const IoError& e) {
+    EXPECT_NE(e.message().find(folder.file(2)), std::string::npos) << e.message();
+  }
+  data::ImageFolder first_two(root, fo);
+  first_two.keep_first(2);
+  EXPECT_EQ(first_two.size(), 2);
+  EXPECT_EQ(data::materialize(first_two).labels, (std::vector<int32_t>{0, 0}));
 }
 
 }  // namespace

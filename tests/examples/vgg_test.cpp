@@ -609,8 +609,9 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
 
 
 // --data folder: an ImageFolder of generated PNGs (and JPEGs where libjpeg-turbo is installed) with
-// train/ and val/, trained for an epoch on the CPU; --save-test-set writes the test images as the
-// model sees them.
+// train/ and val/, trained for an epoch on the CPU with --augment (RandomResizedCrop and flip on the
+// loader's workers); --save-test-set writes the test images as the model sees them: the evaluation
+// transform of each file, which the test computes itself.
 TEST(VggTrainer, TrainsOnAnImageFolder) {
   CUDP_REQUIRE_VGG();
   std::string why;
@@ -634,9 +635,11 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
   }
   const RunResult r = run_on_cpu(
       dir, "--data folder --data-dir '" + root + "' --arch vgg11 -j 2 --epochs 1 --batch-size 6 " +
-               "--save-test-set '" + (dir / "test.safetensors") + "'");
+               "--augment --save-test-set '" + (dir / "test.safetensors") + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "images from " + root + " (3 classes")) << r.output;
+  EXPECT_TRUE(contains(r.output, "train: RandomResizedCrop(32) + RandomHorizontalFlip, test: "
+                                 "Resize(37) + CenterCrop(32)")) << r.output;
   EXPECT_TRUE(contains(r.output, ": 12 train, 6 test images")) << r.output;
   EXPECT_TRUE(contains(r.output, "epoch 1/1:")) << r.output;
   const cudp::SafetensorsFile test = cudp::load_safetensors(dir / "test.safetensors");
@@ -644,6 +647,11 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
   EXPECT_EQ(test.tensors.at("labels").to_vector<int32_t>(),
             (std::vector<int32_t>{0, 0, 1, 1, 2, 2}));
   EXPECT_EQ(std::count(test.metadata.at("mean").begin(), test.metadata.at("mean").end(), ','), 2);
+  cudp::data::ImageFolderOptions eval;
+  eval.size = 32;
+  const cudp::data::Dataset want =
+      cudp::data::materialize(cudp::data::ImageFolder(root + "/val", eval));
+  EXPECT_EQ(test.tensors.at("images").to_vector<uint8_t>(), want.images);
 
   const RunResult missing = run_on_cpu(dir, "--data folder --data-dir '" + (dir / "nope") + "'");
   EXPECT_EQ(missing.code, 1) << missing.output;
