@@ -30,14 +30,13 @@
 #pragma once
 
 #include <cudp/cudp.h>
+#include <cudp/kernels/elementwise.h>  // axpy: the one tensor sum the backward needs (see below)
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
-
-#include "kernels/elementwise.h"  // axpy: the one tensor sum the backward needs (see below)
 
 namespace seed {
 
