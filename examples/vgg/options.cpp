@@ -188,7 +188,10 @@ const std::vector<Setting>& settings() {
           }
           return "";
         });
-    add("--augment", "augment", false, "random crop (and flip for CIFAR-10)", &Options::augment,
+    add("--augment", "augment", false,
+        "training augmentation: random crop (and flip for CIFAR-10); for --data folder, "
+        "torchvision's RandomResizedCrop and horizontal flip",
+        &Options::augment,
         boolean(&Options::augment), true);
     add("--on-nan", "on_nan", false,
         "when the loss or gradient norm is not finite: stop (the default; names the step and the "
