@@ -42,13 +42,15 @@ struct Options {
   double lr = 0.05, momentum = 0.9;
   uint64_t seed = 0;
   std::string save;
+  std::string precision = "fp32";  // or "bf16" (tensor cores, sm_90)
   bool print_checksum = false;
 };
 
 const char* kUsage =
     "usage: custom_model [--data fashion-mnist|synthetic] [--data-dir DIR] [--gpus 0,1,...]\n"
     "                    [--epochs N] [--steps N] [--batch-size N] [--lr X] [--momentum X]\n"
-    "                    [--seed N] [--synthetic-size N] [--save PATH] [--print-checksum]\n";
+    "                    [--seed N] [--synthetic-size N] [--save PATH] [--print-checksum]\n"
+    "                    [--precision fp32|bf16]\n";
 
 // A hand-written parser (the installed cudp does not bring CLI11 along): `--name value` pairs.
 Options parse(int argc, char** argv) {
@@ -65,6 +67,7 @@ Options parse(int argc, char** argv) {
       {"--momentum", [&](const std::string& v) { o.momentum = std::stod(v); }},
       {"--seed", [&](const std::string& v) { o.seed = std::stoull(v); }},
       {"--save", [&](const std::string& v) { o.save = v; }},
+      {"--precision", [&](const std::string& v) { o.precision = v; }},
       {"--gpus",
        [&](const std::string& v) {
          std::stringstream list(v);
@@ -89,6 +92,8 @@ Options parse(int argc, char** argv) {
       throw std::invalid_argument("unknown option " + arg);
     }
   }
+  if (o.precision != "fp32" && o.precision != "bf16")
+    throw std::invalid_argument("--precision is fp32 or bf16, not " + o.precision);
   if (o.data != "fashion-mnist" && o.data != "synthetic")
     throw std::invalid_argument("--data is fashion-mnist or synthetic, not " + o.data);
   if (o.batch_size <= 0 || o.epochs < 0 || o.steps < 0 || o.synthetic_size <= 0)
@@ -208,10 +213,14 @@ int run(const Options& o) {
                            .n_classes = d.train.num_classes,
                            .image_size = static_cast<int>(d.train.height),
                            .seed = o.seed});
+  // bf16: every convolution and linear product on bf16 tensor cores (fp32 accumulation, fp32
+  // weights); on the CPU the operands are rounded the same way (layers/precision.h).
+  net->set_precision(parse_precision(o.precision));
   net->to(device);
   // (Conv2d keeps its weights as [out, kh, kw, in] for the NHWC kernels; state_dict() and the
   // checkpoints export PyTorch's [out, in, kh, kw].)
-  std::printf("model: SeedCnn, %lld parameters:", static_cast<long long>(net->num_parameters()));
+  std::printf("model: SeedCnn, %s products, %lld parameters:", o.precision.c_str(),
+              static_cast<long long>(net->num_parameters()));
   for (const auto& [name, p] : net->named_parameters()) {
     std::printf(" %s%s", name.c_str(), shape_str(p->data.shape()).c_str());
   }
