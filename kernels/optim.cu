@@ -32,7 +32,10 @@ __device__ __forceinline__ void store4(float* p, int64_t i, float4 v) {
 
 template <bool Vec>
 __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ grad,
-                           float* __restrict__ buf, int64_t n, detail::SgdCoefficients k) {
+                           float* __restrict__ buf, int64_t n, detail::SgdCoefficients k,
+                           int64_t momentum_steps, StepGate gate) {
+  if (detail::skipped(gate)) return;  // a skipped step writes nothing
+  k.first_step = detail::steps_taken(momentum_steps, gate) == 0;
   // The buffer is read only when it has history, so a fresh (uninitialised) one is never read.
   const bool reads_buf = k.momentum != 0.f && !k.first_step;
   const bool writes_buf = k.momentum != 0.f;
@@ -62,7 +65,12 @@ __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ 
 template <bool Vec>
 __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad,
                              float* __restrict__ m, float* __restrict__ v, int64_t n,
-                             detail::AdamWCoefficients k) {
+                             detail::AdamWCoefficients k, int64_t step, StepGate gate) {
+  if (detail::skipped(gate)) return;  // a skipped step writes nothing
+  // After a skip the host's scalars are for a step that was not taken: recompute them (optim.h).
+  if (const int64_t taken = detail::steps_taken(step, gate); taken != step) {
+    detail::set_bias_corrections(k, taken);
+  }
   int64_t done = 0;
   if constexpr (Vec) {
     const int64_t vectors = n / 4;
@@ -149,6 +157,18 @@ __global__ void clip_scale_kernel(float* __restrict__ grad, int64_t n,
   for (int64_t i = done + thread_index(); i < n; i += thread_count()) grad[i] *= coef;
 }
 
+__global__ void count_skipped_step_kernel(const int32_t* __restrict__ skip,
+                                          int64_t* __restrict__ counts, bool advances_state) {
+  if (*skip == 0) return;
+  counts[0] += 1;
+  if (advances_state) counts[1] += 1;
+}
+
+__global__ void nonfinite_flag_kernel(const float* __restrict__ a, const float* __restrict__ b,
+                                      int32_t* __restrict__ flag) {
+  *flag = !isfinite(*a) || (b != nullptr && !isfinite(*b)) ? 1 : 0;
+}
+
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
@@ -184,36 +204,62 @@ void reduce_squares(const char* op, const float* x, int64_t n, float* out, cudaS
 void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov,
               bool first_step, cudaStream_t stream) {
+  sgd_step(param, grad, momentum_buf, n, lr, momentum, dampening, weight_decay, nesterov,
+           first_step ? 0 : 1, StepGate{}, stream);
+}
+
+void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+              double momentum, double dampening, double weight_decay, bool nesterov,
+              int64_t momentum_steps, const StepGate& gate, cudaStream_t stream) {
   const detail::SgdCoefficients k =
-      detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, first_step);
+      detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, false);
   CUDP_CHECK(momentum == 0 || momentum_buf || n == 0, "sgd_step: momentum ", momentum,
              " needs a momentum buffer");
+  CUDP_CHECK(momentum_steps >= 0, "sgd_step: momentum_steps must be >= 0, got ", momentum_steps);
   if (n == 0) return;
   const bool vec =
       aligned16(param) && aligned16(grad) && (momentum == 0 || aligned16(momentum_buf));
   if (vec) {
     launch("sgd_kernel", sgd_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream, param,
-           grad, momentum_buf, n, k);
+           grad, momentum_buf, n, k, momentum_steps, gate);
   } else {
     launch("sgd_kernel", sgd_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
-           param, grad, momentum_buf, n, k);
+           param, grad, momentum_buf, n, k, momentum_steps, gate);
   }
 }
 
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, int64_t step,
                 cudaStream_t stream) {
+  adamw_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, StepGate{}, stream);
+}
+
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                const StepGate& gate, cudaStream_t stream) {
   const detail::AdamWCoefficients k =
       detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
   if (n == 0) return;
   const bool vec = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
   if (vec) {
     launch("adamw_kernel", adamw_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream,
-           param, grad, m, v, n, k);
+           param, grad, m, v, n, k, step, gate);
   } else {
     launch("adamw_kernel", adamw_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
-           param, grad, m, v, n, k);
+           param, grad, m, v, n, k, step, gate);
   }
+}
+
+void count_skipped_step(const int32_t* skip, int64_t* counts, bool advances_state,
+                        cudaStream_t stream) {
+  CUDP_CHECK(skip != nullptr && counts != nullptr, "count_skipped_step: a pointer is null");
+  launch("count_skipped_step_kernel", count_skipped_step_kernel, 1, 1, 0, stream, skip, counts,
+         advances_state);
+}
+
+void nonfinite_flag(const float* a, const float* b, int32_t* flag, cudaStream_t stream) {
+  CUDP_CHECK(a != nullptr && flag != nullptr, "nonfinite_flag: a pointer is null");
+  launch("nonfinite_flag_kernel", nonfinite_flag_kernel, 1, 1, 0, stream, a, b, flag);
 }
 
 void sum_of_squares(const float* x, int64_t n, float* out, cudaStream_t stream) {

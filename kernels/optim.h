@@ -22,6 +22,18 @@
 // a formula shared by the CUDA kernel and the CPU reference (detail:: below), so the two agree
 // bitwise; nothing is left for the compiler to contract differently on either side.
 //
+// Gated steps (--on-nan skip-step with no host synchronisation): the step's own check (a loss or a
+// gradient norm that is not finite, nonfinite_flag) writes a flag on the device, and the update
+// reads it there; when it is set, nothing is written. A skipped step must not count either (SGD's
+// first step, AdamW's bias corrections), yet the host that issues the steps cannot know which were
+// skipped without waiting. So the count is corrected on the device (StepGate below): the caller
+// passes the count it issued, and the device subtracts the skipped steps the caller has not yet
+// heard of. While there are none, AdamW uses the scalars computed on the host as above; after a
+// skip, until the caller folds it into its count (reading *skipped when it reads results anyway),
+// the kernel computes the bias corrections itself in double with the same formula, where the
+// device's pow (CUDA's: within 2 ulp) may in rare cases round to another fp32 scalar than the
+// host's.
+//
 // Norms: sum_of_squares and global_norm reduce in fp32 (docs/architecture.md §2.3) in two stages in a fixed
 // order; the partition depends only on n, so every replica, on any GPU model, gets the same bits
 // from the same gradients and clips identically. Clipping reads the norm from device memory: no
@@ -38,6 +50,16 @@
 
 namespace cudp::kernels {
 
+// The device side of a gated step. skip: one int, nonzero: write nothing. skipped: the count of
+// skipped steps that would have advanced the state (count_skipped_step's counts[1]); folded: the
+// part of *skipped the caller has already taken out of the counts it passes. A step's count as
+// taken is then issued - (*skipped - folded). All null / 0: an ordinary step.
+struct StepGate {
+  const int32_t* skip = nullptr;
+  const int64_t* skipped = nullptr;
+  int64_t folded = 0;
+};
+
 // param, grad, momentum_buf: n floats. momentum_buf may be nullptr when momentum == 0. first_step:
 // this buffer has no history yet (PyTorch's `momentum_buffer is None`): it is set to g, not
 // decayed.
@@ -48,12 +70,43 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
                   double momentum, double dampening, double weight_decay, bool nesterov,
                   bool first_step);
 
+// Gated: momentum_steps is the number of updates of this momentum buffer issued before this one
+// (a buffer restored from a checkpoint counts as one); the step is the buffer's first when that
+// count, less the skipped ones, is 0.
+void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+              double momentum, double dampening, double weight_decay, bool nesterov,
+              int64_t momentum_steps, const StepGate& gate, cudaStream_t stream);
+void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  int64_t momentum_steps, const StepGate& gate);
+
 // m, v: first and second moments (zero before the first step). step: 1 on the first call.
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, int64_t step,
                 cudaStream_t stream);
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step);
+
+// Gated: `step` is the step number issued (1 on the first call); the step taken is that less the
+// skipped ones.
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                const StepGate& gate, cudaStream_t stream);
+void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    const StepGate& gate);
+
+// After the updates of one gated step: when *skip is nonzero, counts[0] += 1 (steps skipped) and,
+// when the step would have advanced the optimizer's state, counts[1] += 1 (what StepGate::skipped
+// points at). A separate launch, so that every block of the updates read the counts before.
+void count_skipped_step(const int32_t* skip, int64_t* counts, bool advances_state,
+                        cudaStream_t stream);
+void count_skipped_step_cpu(const int32_t* skip, int64_t* counts, bool advances_state);
+
+// *flag = 1 when *a or *b (b may be null) is NaN or infinite, else 0 (=): a step's loss and
+// gradient norm checked where they are, one device int.
+void nonfinite_flag(const float* a, const float* b, int32_t* flag, cudaStream_t stream);
+void nonfinite_flag_cpu(const float* a, const float* b, int32_t* flag);
 
 // *out = sum of x[i]^2 (=), one device float.
 void sum_of_squares(const float* x, int64_t n, float* out, cudaStream_t stream);
@@ -98,6 +151,14 @@ CUDP_HD inline float sgd_update(float p, float g, float* buf, const SgdCoefficie
   return fmaf(k.neg_lr, g, p);  // _foreach_add_(p, g, alpha=-lr)
 }
 
+// Whether a gated step is skipped, and a count issued as `issued` as taken (see StepGate).
+CUDP_HD inline bool skipped(const StepGate& gate) {
+  return gate.skip != nullptr && *gate.skip != 0;
+}
+CUDP_HD inline int64_t steps_taken(int64_t issued, const StepGate& gate) {
+  return gate.skipped != nullptr ? issued - (*gate.skipped - gate.folded) : issued;
+}
+
 struct AdamWCoefficients {
   float decay;  // 1 - lr * wd, applied when wd != 0
   bool decays;
@@ -108,7 +169,18 @@ struct AdamWCoefficients {
   float bc2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
   float step_size;  // -lr / (1 - beta1^step)
+  // The hyperparameters as given, for set_bias_corrections on the device (a gated step after a skip).
+  double lr_given, beta1_given, beta2_given;
 };
+
+// bc2_sqrt and step_size for `step`, as torch/optim/adam.py (_multi_tensor_adam) computes them in
+// Python floats: the host's coefficients and a gated kernel's after a skip share this formula.
+CUDP_HD inline void set_bias_corrections(AdamWCoefficients& k, int64_t step) {
+  const double bc1 = 1 - pow(k.beta1_given, double(step));
+  const double bc2 = 1 - pow(k.beta2_given, double(step));
+  k.bc2_sqrt = float(pow(bc2, 0.5));
+  k.step_size = float((k.lr_given / bc1) * -1);
+}
 // Validates like torch.optim.AdamW (ValueError naming the value) and rounds the scalars.
 AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double beta2, double eps,
                                      double weight_decay, int64_t step);

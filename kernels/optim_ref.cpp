@@ -29,9 +29,6 @@ AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double 
   CUDP_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: Invalid beta parameter at index 1: ", beta2);
   CUDP_CHECK(weight_decay >= 0, "adamw_step: Invalid weight_decay value: ", weight_decay);
   CUDP_CHECK(step >= 1, "adamw_step: step counts from 1, got ", step);
-  // As torch/optim/adam.py (_multi_tensor_adam) computes them, in Python floats.
-  const double bc1 = 1 - std::pow(beta1, double(step));
-  const double bc2 = 1 - std::pow(beta2, double(step));
   AdamWCoefficients k;
   k.decays = weight_decay != 0;
   k.decay = float(1 - lr * weight_decay);
@@ -39,9 +36,11 @@ AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double 
   k.one_minus_w1 = 1.f - k.w1;
   k.beta2 = float(beta2);
   k.w2 = float(1 - beta2);
-  k.bc2_sqrt = float(std::pow(bc2, 0.5));
   k.eps = float(eps);
-  k.step_size = float((lr / bc1) * -1);
+  k.lr_given = lr;
+  k.beta1_given = beta1;
+  k.beta2_given = beta2;
+  set_bias_corrections(k, step);
   return k;
 }
 
@@ -50,10 +49,20 @@ AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double 
 void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
                   bool first_step) {
-  const detail::SgdCoefficients k =
-      detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, first_step);
+  sgd_step_cpu(param, grad, momentum_buf, n, lr, momentum, dampening, weight_decay, nesterov,
+               first_step ? 0 : 1, StepGate{});
+}
+
+void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  int64_t momentum_steps, const StepGate& gate) {
+  detail::SgdCoefficients k =
+      detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, false);
   CUDP_CHECK(momentum == 0 || momentum_buf || n == 0, "sgd_step: momentum ", momentum,
              " needs a momentum buffer");
+  CUDP_CHECK(momentum_steps >= 0, "sgd_step: momentum_steps must be >= 0, got ", momentum_steps);
+  if (detail::skipped(gate)) return;
+  k.first_step = detail::steps_taken(momentum_steps, gate) == 0;
   for (int64_t i = 0; i < n; ++i) {
     param[i] = detail::sgd_update(param[i], grad[i], momentum_buf ? momentum_buf + i : nullptr, k);
   }
@@ -61,9 +70,30 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
 
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step) {
-  const detail::AdamWCoefficients k =
+  adamw_step_cpu(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, StepGate{});
+}
+
+void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    const StepGate& gate) {
+  detail::AdamWCoefficients k =
       detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
+  if (detail::skipped(gate)) return;
+  const int64_t taken = detail::steps_taken(step, gate);
+  CUDP_CHECK(taken >= 1, "adamw_step: step ", step, " less the skipped steps is ", taken,
+             "; the skipped count does not belong to this optimizer's steps");
+  if (taken != step) detail::set_bias_corrections(k, taken);
   for (int64_t i = 0; i < n; ++i) detail::adamw_update(param[i], grad[i], m[i], v[i], k);
+}
+
+void count_skipped_step_cpu(const int32_t* skip, int64_t* counts, bool advances_state) {
+  if (*skip == 0) return;
+  counts[0] += 1;
+  if (advances_state) counts[1] += 1;
+}
+
+void nonfinite_flag_cpu(const float* a, const float* b, int32_t* flag) {
+  *flag = !std::isfinite(*a) || (b != nullptr && !std::isfinite(*b)) ? 1 : 0;
 }
 
 void sum_of_squares_cpu(const float* x, int64_t n, float* out) {

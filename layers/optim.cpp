@@ -165,9 +165,68 @@ void Optimizer::allocate_state() {
   }
 }
 
-void Optimizer::step() {
+void Optimizer::step() { take_step(nullptr); }
+
+void Optimizer::step(const Tensor& skip) {
+  CUDP_CHECK(skip.defined() && skip.dtype() == DType::i32 && skip.numel() == 1, type_name(),
+             ".step(skip): the skip flag must be one i32 element (nonfinite_flag makes it), got ",
+             skip.defined() ? skip.str() : std::string("an undefined tensor"));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    CUDP_CHECK(params_[i]->data.device() == skip.device(), type_name(),
+               ".step(skip): parameter ", i, " is on ", params_[i]->data.device(),
+               " but the skip flag is on ", skip.device(),
+               "; make the flag where the parameters are (parallel::Replicated copies it to "
+               "every replica)");
+  }
+  take_step(&skip);
+}
+
+int64_t Optimizer::steps() const {
+  fold_skips();
+  return steps_;
+}
+
+int64_t Optimizer::skipped_steps() const {
+  fold_skips();
+  return folded_[0];
+}
+
+void Optimizer::fold_skips() const {
+  if (!gated_since_fold_ && advancing_since_fold_ == 0) return;
+  // Never a const object here: only step() and step(skip), which are not const, leave anything to
+  // fold.
+  auto& self = const_cast<Optimizer&>(*this);
+  int64_t skipped = 0, skipped_advancing = 0;
+  if (gated_since_fold_) {
+    const std::vector<int64_t> counts = skip_counts_.to_vector<int64_t>();  // waits for the steps
+    skipped = counts[0] - folded_[0];
+    skipped_advancing = counts[1] - folded_[1];
+    self.folded_[0] = counts[0];
+    self.folded_[1] = counts[1];
+    self.gated_since_fold_ = false;
+  }
+  self.steps_ -= skipped;
+  self.fold_counts(advancing_since_fold_, skipped_advancing);
+  self.advancing_since_fold_ = 0;
+}
+
+void Optimizer::take_step(const Tensor* skip) {
   check_gradients();
+  // Without unread gated steps, folding is bookkeeping on the host; with them it would wait for the
+  // device, so the counts stay issued and the kernels correct them.
+  if (!gated_since_fold_) fold_skips();
+  if (skip != nullptr && !skip_counts_.defined()) {
+    skip_counts_ = Tensor::zeros({2}, DType::i64, skip->device());
+  }
   allocate_state();
+  kernels::StepGate gate;
+  if (skip_counts_.defined()) {
+    // Kernels after a gated step (gated or not) correct the issued counts by unread skips.
+    gate.skipped = skip_counts_.data<int64_t>() + 1;
+    gate.folded = folded_[1];
+  }
+  if (skip != nullptr) gate.skip = skip->data<int32_t>();
+  const bool advances = advances_state();
   const std::optional<Flat> flat = find_flat(params_);
   // One launch needs the parameters flat now, the state created flat in the same layout, and
   // agreeing bookkeeping.
@@ -178,7 +237,8 @@ void Optimizer::step() {
     for (Tensor& t : flat_state_) {
       state.push_back(t.data<float>());
     }
-    dispatch({flat->device, nullptr, flat->data, flat->grad, state, flat->n, 0, params_.size()});
+    dispatch(
+        {flat->device, nullptr, flat->data, flat->grad, state, flat->n, 0, params_.size(), gate});
   } else {
     for (size_t i = 0; i < params_.size(); ++i) {
       const Parameter& p = *params_[i];
@@ -187,11 +247,22 @@ void Optimizer::step() {
         state.push_back(per_param[i].data<float>());
       }
       dispatch({p.data.device(), nullptr, p.data.data<float>(), p.grad.data<float>(), state,
-                p.data.numel(), i, 1});
+                p.data.numel(), i, 1, gate});
     }
+  }
+  if (skip != nullptr) {
+    // After every update of the step has read the counts.
+    int64_t* counts = skip_counts_.data<int64_t>();
+    on_device(
+        skip->device(), [&] { kernels::count_skipped_step_cpu(gate.skip, counts, advances); },
+        [&](cudaStream_t stream) {
+          kernels::count_skipped_step(gate.skip, counts, advances, stream);
+        });
+    gated_since_fold_ = true;
   }
   last_step_flat_ = together;
   ++steps_;
+  if (advances) ++advancing_since_fold_;
 }
 
 void Optimizer::dispatch(Update u) {
@@ -213,6 +284,7 @@ std::string Optimizer::key_prefix(size_t i, const std::vector<std::string>& para
 }
 
 TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) const {
+  fold_skips();
   TensorMap out;
   const std::vector<std::string> names = state_names();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -232,6 +304,7 @@ TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) con
 
 void Optimizer::load_state_dict(const TensorMap& state,
                                 const std::vector<std::string>& param_names) {
+  fold_skips();  // the counts replaced below must not be corrected by skips before them
   const std::vector<std::string> names = state_names();
   const std::vector<std::string> scalars = scalar_state_names();
   std::map<std::string, size_t> index;  // "<i or name>." -> i
@@ -319,6 +392,7 @@ void Optimizer::load_hyperparameters(const Metadata& hyperparameters) {
       hyperparameters, "steps", type_name(),
       [](const std::string& s, size_t* used) { return static_cast<int64_t>(std::stoll(s, used)); });
   CUDP_CHECK(steps >= 0, type_name(), ": hyperparameter \"steps\" is negative: ", steps);
+  fold_skips();  // skips before this must not be taken out of the restored count
   set_lr(lr);
   steps_ = steps;
 }
@@ -344,7 +418,7 @@ void SGD::set_momentum(double momentum) {
 }
 
 std::vector<std::string> SGD::state_names() const {
-  if (options_.momentum == 0 &&
+  if (options_.momentum == 0 && advancing_steps_unfolded() == 0 &&
       std::none_of(started_.begin(), started_.end(), [](bool b) { return b; })) {
     return {};
   }
@@ -357,19 +431,19 @@ bool SGD::uniform_state() const {
 
 void SGD::update(const Update& u) {
   float* buffer = u.state.empty() ? nullptr : u.state[0];
-  const bool first = !started_[u.first];
+  // Updates of this buffer issued before this one (a buffer with history counts as one at least).
+  const int64_t issued = advancing_steps_unfolded() + (started_[u.first] ? 1 : 0);
   if (u.device.is_cpu()) {
     kernels::sgd_step_cpu(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
-                          options_.weight_decay, options_.nesterov, first);
+                          options_.weight_decay, options_.nesterov, issued, u.gate);
   } else {
     kernels::sgd_step(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
-                      options_.weight_decay, options_.nesterov, first, u.stream);
+                      options_.weight_decay, options_.nesterov, issued, u.gate, u.stream);
   }
-  if (options_.momentum != 0) {
-    for (size_t i = u.first; i < u.first + u.count; ++i) {
-      started_[i] = true;
-    }
-  }
+}
+
+void SGD::fold_counts(int64_t issued, int64_t skipped) {
+  if (issued - skipped > 0) started_.assign(started_.size(), true);  // every buffer took an update
 }
 
 void SGD::import_state(size_t i, bool present, const TensorMap&, const std::string&) {
@@ -407,14 +481,19 @@ void AdamW::update(const Update& u) {
   const int64_t step = step_[u.first] + 1;
   if (u.device.is_cpu()) {
     kernels::adamw_step_cpu(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
-                            options_.beta2, options_.eps, options_.weight_decay, step);
+                            options_.beta2, options_.eps, options_.weight_decay, step, u.gate);
   } else {
     kernels::adamw_step(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
-                        options_.beta2, options_.eps, options_.weight_decay, step, u.stream);
+                        options_.beta2, options_.eps, options_.weight_decay, step, u.gate,
+                        u.stream);
   }
   for (size_t i = u.first; i < u.first + u.count; ++i) {
     step_[i] = step;
   }
+}
+
+void AdamW::fold_counts(int64_t, int64_t skipped) {
+  for (int64_t& s : step_) s -= skipped;
 }
 
 Tensor AdamW::export_scalar_state(size_t i, const std::string&) const {
@@ -439,6 +518,30 @@ Metadata AdamW::hyperparameters() const {
           {"eps", exact(options_.eps)},
           {"weight_decay", exact(options_.weight_decay)},
           {"steps", std::to_string(steps())}};
+}
+
+// ---- the skip flag ------------------------------------------------------------------------------
+
+Tensor nonfinite_flag(const Tensor& loss, const Tensor& norm) {
+  const auto check = [](const Tensor& t, const char* what) {
+    CUDP_CHECK(t.defined() && t.dtype() == DType::f32 && t.numel() == 1, "nonfinite_flag: the ",
+               what, " must be one f32 element, got ",
+               t.defined() ? t.str() : std::string("an undefined tensor"));
+  };
+  check(loss, "loss");
+  if (norm.defined()) {
+    check(norm, "gradient norm");
+    CUDP_CHECK(norm.device() == loss.device(), "nonfinite_flag: the loss is on ", loss.device(),
+               " but the gradient norm is on ", norm.device(), "; compute both on one device");
+  }
+  Tensor flag = Tensor::empty({1}, DType::i32, loss.device());
+  const float* n = norm.defined() ? norm.data<float>() : nullptr;
+  on_device(
+      loss.device(), [&] { kernels::nonfinite_flag_cpu(loss.data<float>(), n, flag.data<int32_t>()); },
+      [&](cudaStream_t stream) {
+        kernels::nonfinite_flag(loss.data<float>(), n, flag.data<int32_t>(), stream);
+      });
+  return flag;
 }
 
 // ---- clipping -----------------------------------------------------------------------------------

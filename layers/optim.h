@@ -24,6 +24,18 @@
 // parameters were flattened after the state was created) it runs per parameter; the results are
 // identical either way, because every element's update depends on that element alone.
 //
+// Skipping a step on the device (--on-nan skip-step with no host synchronisation per step):
+// step(skip) takes a flag the device writes (nonfinite_flag: the step's loss or gradient norm is
+// not finite) and the update kernels read it; when it is set the step changes nothing -- no
+// parameter, no state element, and no step count (steps(), AdamW's "step", SGD's first step). The
+// host issues every step without knowing which the device skipped, so it counts the steps it
+// issued, and the device keeps the count of skipped ones (two int64 on the parameters' device) and
+// corrects the issued counts by the skips the host has not yet read (kernels/optim.h, StepGate).
+// The host reads that count, and folds it into its own, when it asks for a count (steps(),
+// skipped_steps(), state_dict(), hyperparameters()) or loads state: those calls wait for the device
+// after a gated step, as reading any result of the step would. The CPU path runs the same
+// bookkeeping on host memory.
+//
 // State export (checkpoints): state_dict() returns CPU tensors named "<i>.<name>", with i the index
 // of the parameter in the list the optimizer was built with (as in PyTorch's optimizer state_dict),
 // or "<parameter name>.<name>" when the caller passes the names (layers/checkpoint.h does), and
@@ -38,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/optim.h"
 #include "layers/module.h"
 #include "layers/safetensors.h"
 
@@ -58,6 +71,13 @@ class Optimizer {
   void zero_grad();
   // One update of every parameter. Checks first that each gradient matches its parameter.
   void step();
+  // The same update, skipped on the device when `skip` (one i32 element on the parameters' device,
+  // nonfinite_flag makes it) is nonzero there: then nothing changes, step counts included. The
+  // host does not wait (see above). All parameters must be on the flag's device.
+  void step(const Tensor& skip);
+  // The steps skipped so far by step(skip). Waits for the device after a gated step since the last
+  // read.
+  int64_t skipped_steps() const;
 
   double lr() const { return lr_; }
   void set_lr(double lr);
@@ -66,8 +86,9 @@ class Optimizer {
   virtual void set_momentum(double momentum) = 0;
 
   const std::vector<Parameter*>& params() const { return params_; }
-  // step() calls so far (this optimizer's, or restored by load_hyperparameters).
-  int64_t steps() const { return steps_; }
+  // Steps taken so far: step() calls, less those step(skip) skipped (this optimizer's, or restored
+  // by load_hyperparameters). Waits for the device after a gated step since the last read.
+  int64_t steps() const;
   // Whether the last step() updated every parameter with one launch (flat parameters).
   bool last_step_was_flat() const { return last_step_flat_; }
 
@@ -93,7 +114,9 @@ class Optimizer {
   // What one update() call covers: parameters [first, first + count), as fp32 pointers over n
   // elements: one parameter, or all of them in one flat buffer (alignment padding included, which
   // is zero and stays zero). state[k] points at state_names()[k] over the same range. The device is
-  // current; `stream` is its current stream (null on the CPU).
+  // current; `stream` is its current stream (null on the CPU). `gate` goes to the kernels as it is
+  // (kernels/optim.h): the counts update() passes are the ones issued, and the kernels correct them
+  // by the skips not yet folded. update() advances its counts as if the step were taken.
   struct Update {
     Device device;
     cudaStream_t stream;
@@ -102,8 +125,18 @@ class Optimizer {
     std::vector<float*> state;
     int64_t n;
     size_t first, count;
+    kernels::StepGate gate;
   };
   virtual void update(const Update& u) = 0;
+  // Whether a step now advances per-parameter state (AdamW: always; SGD: with momentum), so that a
+  // skip of it counts against the counts the kernels correct.
+  virtual bool advances_state() const = 0;
+  // Of the steps that advanced the state since the last fold, `issued` were issued and `skipped` of
+  // those skipped: bring the per-parameter counts to the steps taken.
+  virtual void fold_counts(int64_t issued, int64_t skipped) = 0;
+  // Steps that advanced the state issued since the last fold (counted in no per-parameter count of
+  // SGD's yet).
+  int64_t advancing_steps_unfolded() const { return advancing_since_fold_; }
 
   // The per-parameter fp32 state tensors, shaped like the parameter (none: {}). May change with the
   // options (SGD keeps a momentum buffer only with momentum != 0).
@@ -129,6 +162,11 @@ class Optimizer {
  private:
   void check_gradients() const;
   void allocate_state();
+  void take_step(const Tensor* skip);
+  // Brings the host's counts to the steps taken: reads the device's skip counts when a gated step
+  // ran since the last fold (waiting for it) and takes the new skips out. Logically const: the
+  // accessors report the counts it corrects.
+  void fold_skips() const;
   std::string key_prefix(size_t i, const std::vector<std::string>& param_names) const;
   // Runs update(u) on u.device (made current, with its current stream filled in).
   void dispatch(Update u);
@@ -139,8 +177,15 @@ class Optimizer {
   std::vector<std::vector<Tensor>> state_;
   std::vector<Tensor> flat_state_;
   std::vector<int64_t> flat_offsets_;  // the parameters' offsets flat_state_ mirrors
-  int64_t steps_ = 0;
+  int64_t steps_ = 0;  // issued; fold_skips takes the skipped ones out
   bool last_step_flat_ = false;
+  // Gated steps: skip_counts_ (two int64 on the parameters' device, undefined before the first
+  // gated step) holds [0] the steps skipped, [1] those of them that advanced the state; folded_
+  // the values already taken out of the host's counts; gated_since_fold_ whether they may differ.
+  Tensor skip_counts_;
+  int64_t folded_[2] = {0, 0};
+  bool gated_since_fold_ = false;
+  int64_t advancing_since_fold_ = 0;
 };
 
 struct SGDOptions {
@@ -163,15 +208,21 @@ class SGD : public Optimizer {
 
  protected:
   void update(const Update& u) override;
+  bool advances_state() const override { return options_.momentum != 0; }
+  void fold_counts(int64_t issued, int64_t skipped) override;
   std::vector<std::string> state_names() const override;
-  bool has_state(size_t i) const override { return started_[i]; }
+  bool has_state(size_t i) const override {
+    return started_[i] || advancing_steps_unfolded() > 0;
+  }
   bool uniform_state() const override;
   void import_state(size_t i, bool present, const TensorMap& state,
                     const std::string& prefix) override;
 
  private:
   SGDOptions options_;
-  std::vector<bool> started_;  // the momentum buffer has history (PyTorch: it is not None)
+  // Parameter i's momentum buffer has history (PyTorch: it is not None), as of the last fold
+  // (advancing_steps_unfolded() updates were issued to every buffer since).
+  std::vector<bool> started_;
 };
 
 struct AdamWOptions {
@@ -194,6 +245,8 @@ class AdamW : public Optimizer {
 
  protected:
   void update(const Update& u) override;
+  bool advances_state() const override { return true; }
+  void fold_counts(int64_t issued, int64_t skipped) override;
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
   bool has_state(size_t i) const override { return step_[i] > 0; }
   bool uniform_state() const override;
@@ -204,8 +257,13 @@ class AdamW : public Optimizer {
 
  private:
   AdamWOptions options_;
-  std::vector<int64_t> step_;  // PyTorch's per-parameter "step"
+  std::vector<int64_t> step_;  // PyTorch's per-parameter "step", as issued (see fold_skips)
 };
+
+// A one-element i32 tensor on `loss`'s device, written there without a host read: 1 when the loss
+// or the gradient norm (one-element f32 tensors on one device; `norm` may be undefined) is NaN or
+// infinite, else 0. The flag Optimizer::step(skip) takes.
+Tensor nonfinite_flag(const Tensor& loss, const Tensor& norm = {});
 
 // Scales every gradient by min(1, max_norm / (total_norm + 1e-6)) with total_norm the 2-norm of all
 // gradients together (torch.nn.utils.clip_grad_norm_ with norm_type 2), and returns total_norm as a

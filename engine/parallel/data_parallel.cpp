@@ -5,6 +5,9 @@
 #include <mutex>
 #include <numeric>
 
+#include "engine/core/memory.h"
+#include "engine/core/stream.h"
+
 namespace cudp::parallel {
 namespace {
 
@@ -294,6 +297,42 @@ std::vector<TensorList> DataParallel::backward_replicas(
   std::vector<TensorList> input_grads = run_backward(grad_outputs);
   if (set_) set_->all_reduce_gradients();
   return input_grads;
+}
+
+std::vector<Tensor> flag_on_devices(const Tensor& flag, const std::vector<Device>& devices,
+                                    std::vector<Tensor>& copies) {
+  CUDP_CHECK(flag.defined(), "flag_on_devices: the flag is undefined");
+  copies.resize(devices.size());
+  std::vector<Tensor> out;
+  std::vector<cuda::Event> copied;
+  for (size_t r = 0; r < devices.size(); ++r) {
+    const Device device = devices[r];
+    if (device == flag.device()) {
+      out.push_back(flag);
+      continue;
+    }
+    CUDP_CHECK(device.is_cuda() && flag.device().is_cuda(), "flag_on_devices: the flag is on ",
+               flag.device(), " and replica ", r, " on ", device,
+               "; the replicas of a step are all on GPUs or all on the CPU");
+    Tensor& copy = copies[r];
+    if (!copy.defined() || copy.device() != device || copy.shape() != flag.shape() ||
+        copy.dtype() != flag.dtype()) {
+      cuda::AllocationPurpose purpose(detail::str("the step's skip flag on ", device));
+      copy = Tensor::empty(flag.shape(), flag.dtype(), device);
+    }
+    const cudaStream_t stream = cuda::current_stream(device.index);
+    copy.copy_from(flag, stream);  // ordered after the flag's writer (Tensor::copy_from)
+    cuda::Event done = cuda::Event::create(device.index);
+    done.record(stream);
+    copied.push_back(std::move(done));
+    out.push_back(copy);
+  }
+  if (!copied.empty()) {
+    cuda::DeviceGuard guard(flag.device().index);
+    const cudaStream_t stream = cuda::current_stream(flag.device().index);
+    for (const cuda::Event& done : copied) CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+  }
+  return out;
 }
 
 std::vector<double> DataParallel::chunk_weights() const {

@@ -164,6 +164,13 @@ TensorList data_parallel_all(const std::shared_ptr<Module>& module, const Tensor
                              std::optional<int> output_device = std::nullopt, int dim = 0);
 void clear_replica_cache();
 
+// `flag` (a small tensor a step wrote, a skip flag) on each of `devices`: itself where it already
+// is, else copies[r] (made once, reused), copied on that device's current stream after the work
+// that wrote the flag. The flag's own stream then waits for the copies, so the flag may be freed or
+// rewritten after. No host synchronisation.
+std::vector<Tensor> flag_on_devices(const Tensor& flag, const std::vector<Device>& devices,
+                                    std::vector<Tensor>& copies);
+
 // One optimizer per replica, stepped together (docs/architecture.md §2.7). Built on parameters of replica 0
 // (model.parameters() of a DataParallel, or of a bigger model holding DataParallel members), it
 // builds Opt on them and one more Opt on each replica's matching parameters
@@ -190,15 +197,25 @@ class Replicated {
 
   // Steps every replica, with primary()'s learning rate and momentum.
   void step() {
-    const Opt& first = *optimizers_[0];
-    for (size_t r = 1; r < optimizers_.size(); ++r) {
-      optimizers_[r]->set_lr(first.lr());
-      optimizers_[r]->set_momentum(first.momentum());
-    }
+    follow_primary();
     for (auto& opt : optimizers_) {
       opt->step();
     }
   }
+  // The same, skipped on every replica when `skip` (on primary()'s device: nonfinite_flag of the
+  // loss and the gradient norm there) is nonzero (Optimizer::step(skip)). The flag is copied to
+  // the other replicas' devices on their streams; nothing waits on the host.
+  void step(const Tensor& skip) {
+    follow_primary();
+    std::vector<Device> devices;
+    for (auto& opt : optimizers_) devices.push_back(opt->params()[0]->data.device());
+    const std::vector<Tensor> flags = flag_on_devices(skip, devices, skip_flags_);
+    for (size_t r = 0; r < optimizers_.size(); ++r) {
+      optimizers_[r]->step(flags[r]);
+    }
+  }
+  // The steps step(skip) skipped (every replica skips the same ones); waits for the device.
+  int64_t skipped_steps() const { return primary().skipped_steps(); }
 
   // Clips every replica's gradients by the norm of its own, identical, gradients; returns replica
   // 0's norm.
@@ -228,7 +245,16 @@ class Replicated {
   }
 
  private:
+  void follow_primary() {
+    const Opt& first = *optimizers_[0];
+    for (size_t r = 1; r < optimizers_.size(); ++r) {
+      optimizers_[r]->set_lr(first.lr());
+      optimizers_[r]->set_momentum(first.momentum());
+    }
+  }
+
   std::vector<std::unique_ptr<Opt>> optimizers_;
+  std::vector<Tensor> skip_flags_;  // the skip flag on each replica's device (flag_on_devices)
 };
 
 }  // namespace cudp::parallel

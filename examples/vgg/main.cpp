@@ -27,8 +27,10 @@
 // replica. The step's loss, gradient norm, logits and labels stay on the device (the logits and
 // labels are copied to pinned host buffers on the stream); the host reads them only at a read point
 // (a progress line, every 64 steps, the end of the epoch), which is where the divergence guard looks
-// at them: no host synchronisation per step. --on-nan skip-step must decide before each update, so
-// it reads the loss and the norm every step.
+// at them: no host synchronisation per step. --on-nan skip-step decides on the device: a flag
+// computed there from the loss and the norm (nonfinite_flag) is copied to every replica and the
+// optimizer skips the update there (Optimizer::step(skip), layers/optim.h); the host names the
+// skipped steps at the next read point and counts them, from the optimizer, at the end of the epoch.
 //
 // The divergence guard: a non-finite loss or gradient norm stops the run (exit 1) with the step, the
 // epoch and the last good checkpoint; before any checkpoint is written the model's state is checked
@@ -257,6 +259,8 @@ class TrainOptimizer {
   virtual ~TrainOptimizer() = default;
   virtual void zero_grad() = 0;
   virtual void step() = 0;
+  virtual void step(const Tensor& skip) = 0;  // skipped on the device when *skip != 0
+  virtual int64_t skipped_steps() = 0;        // by step(skip) so far; waits for the device
   virtual Tensor clip_grad_norm(double max_norm) = 0;
   virtual Optimizer& primary() = 0;
   virtual Optimizer& replica(size_t r) = 0;
@@ -272,6 +276,8 @@ class ReplicatedOptimizer final : public TrainOptimizer {
       : r_(params, options) {}
   void zero_grad() override { r_.zero_grad(); }
   void step() override { r_.step(); }
+  void step(const Tensor& skip) override { r_.step(skip); }
+  int64_t skipped_steps() override { return r_.skipped_steps(); }
   Tensor clip_grad_norm(double max_norm) override { return r_.clip_grad_norm(max_norm); }
   Optimizer& primary() override { return r_.primary(); }
   Optimizer& replica(size_t r) override { return r_.replica(r); }
@@ -445,8 +451,8 @@ class BatchFeed {
 
 // What a step or an evaluation batch left behind, read later in one go: the 0-d loss and gradient
 // norm stay on the device, the logits and labels are copied to pinned host buffers on the compute
-// stream (reused: no allocation per step). read() waits for the device once, then adds the steps
-// to the sums (mean loss, top-1, top-5) and returns the first non-finite one, if any.
+// stream (reused: no allocation per step). read() waits for the device once, then adds the finite
+// steps to the sums (mean loss, top-1, top-5) and returns the others, in order.
 class StepResults {
  public:
   struct Bad {
@@ -457,7 +463,10 @@ class StepResults {
 
   // smoothing: the loss summed is the label-smoothed one, computed here from the logits (the device
   // loss, plain cross-entropy, still decides whether a step is finite).
-  StepResults(int device, double smoothing = 0) : device_(device), smoothing_(smoothing) {}
+  // training: the steps of a training epoch, whose non-finite ones are left out of the sums (they
+  // stop the run, or were skipped); an evaluation sums every batch.
+  StepResults(int device, bool training, double smoothing = 0)
+      : device_(device), training_(training), smoothing_(smoothing) {}
 
   void add(int64_t step, int64_t batch, const Tensor& loss, const Tensor& norm,
            const Tensor& logits, const Tensor& labels) {
@@ -478,16 +487,18 @@ class StepResults {
   }
   size_t pending() const { return pending_.size(); }
 
-  std::optional<Bad> read() {
+  std::vector<Bad> read() {
     if (device_ >= 0 && !pending_.empty()) cuda::synchronize(device_);
-    std::optional<Bad> bad;
+    std::vector<Bad> bad;
     for (Pending& p : pending_) {
+      if (p.buffers.logits.defined()) free_.push_back(p.buffers);
       const float loss = p.loss.to_vector<float>()[0];
       const float norm = p.norm.defined() ? p.norm.to_vector<float>()[0] : 0.f;
-      if (!bad && (!std::isfinite(loss) || !std::isfinite(norm))) {
-        bad = Bad{p.step, p.batch,
-                  !std::isfinite(loss) ? "the loss is " + number_text(loss)
-                                       : "the gradient norm is " + number_text(norm)};
+      if (!std::isfinite(loss) || !std::isfinite(norm)) {
+        bad.push_back(Bad{p.step, p.batch,
+                          !std::isfinite(loss) ? "the loss is " + number_text(loss)
+                                               : "the gradient norm is " + number_text(norm)});
+        if (training_) continue;
       }
       const double smoothed_sum = count_top_k(p);
       last_norm_ = norm;
@@ -496,7 +507,6 @@ class StepResults {
       last_loss_ = static_cast<float>(mean_loss);
       loss_sum_ += mean_loss * static_cast<double>(p.n);
       count_ += p.n;
-      if (p.buffers.logits.defined()) free_.push_back(p.buffers);
     }
     pending_.clear();
     return bad;
@@ -573,6 +583,7 @@ class StepResults {
   }
 
   int device_;
+  bool training_;
   double smoothing_;
   std::vector<Pending> pending_;
   std::vector<Buffers> free_;
@@ -799,7 +810,7 @@ int run(Options o) {
   struct Eval {
     double loss, top1, top5;
   };
-  StepResults eval_results(feed_device);
+  StepResults eval_results(feed_device, /*training=*/false);
   const auto evaluate = [&]() {
     model.eval();
     eval_results.reset();
@@ -832,30 +843,45 @@ int run(Options o) {
   if (resume_file.empty() && o.checkpoint.empty() && o.output.empty()) {
     last_good = "none (give --checkpoint or --output to keep one)";
   }
-  const auto diverged = [&](int64_t epoch, const StepResults::Bad& bad) {
-    throw DivergenceError(detail::str(
-        "training diverged at step ", bad.step, " (epoch ", epoch + 1, ", batch ", bad.batch, " of ",
-        steps_per_epoch, "): ", bad.what, ". No checkpoint was written after it; the last good "
-        "checkpoint is ", last_good, ". Lower --lr (", o.lr, "), clip the gradients with "
-        "--clip-grad, or pass --on-nan skip-step to skip such steps."));
+  const bool skip_bad_steps = o.on_nan == "skip-step";
+  // The non-finite steps a read found: the end of the run, or, with skip-step, steps the device
+  // skipped (named here; counted at the end of the epoch).
+  int64_t skipped_seen = 0;
+  const auto check_steps = [&](int64_t epoch, const std::vector<StepResults::Bad>& bad) {
+    if (bad.empty()) return;
+    if (!skip_bad_steps) {
+      throw DivergenceError(detail::str(
+          "training diverged at step ", bad[0].step, " (epoch ", epoch + 1, ", batch ",
+          bad[0].batch, " of ", steps_per_epoch, "): ", bad[0].what, ". No checkpoint was "
+          "written after it; the last good checkpoint is ", last_good, ". Lower --lr (", o.lr,
+          "), clip the gradients with --clip-grad, or pass --on-nan skip-step to skip such "
+          "steps."));
+    }
+    for (const StepResults::Bad& b : bad) {
+      std::printf("step %lld (epoch %lld, batch %lld): %s; update skipped (--on-nan skip-step)\n",
+                  static_cast<long long>(b.step), static_cast<long long>(epoch + 1),
+                  static_cast<long long>(b.batch), b.what.c_str());
+    }
+    skipped_seen += static_cast<int64_t>(bad.size());
   };
   double best_top1 = -1;
   if (const auto it = resumed_meta.find("best_test_top1"); it != resumed_meta.end()) {
     best_top1 = std::strtod(it->second.c_str(), nullptr);  // only decides when best is replaced
   }
-  const bool skip_bad_steps = o.on_nan == "skip-step";
   const double no_clip = std::numeric_limits<double>::infinity();
 
   for (int g : gpus) cuda::reset_peak_memory_stats(g);
   BatchFeed train_feed(train_loader, feed_device);
-  StepResults results(feed_device, o.label_smoothing);
+  StepResults results(feed_device, /*training=*/true, o.label_smoothing);
   const auto run_start = Clock::now();
   double train_seconds = 0;
   for (int64_t epoch = start_epoch; epoch < end_epoch; ++epoch) {
     const auto epoch_start = Clock::now();
     train_feed.start_epoch(static_cast<int>(epoch));
     results.reset();
-    int64_t step = 0, images_seen = 0, skipped = 0;
+    int64_t step = 0, images_seen = 0;
+    const int64_t skipped_before = opt->skipped_steps();  // read at the last epoch's end: no wait
+    skipped_seen = 0;
     double lr = opt->primary().lr();  // the rate of the epoch's last step
     const int64_t print_every =
         o.print_freq > 0 ? o.print_freq : tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
@@ -874,29 +900,17 @@ int run(Options o) {
       const double step_lr = opt->primary().lr();
       ++global_step;
       ++step;
-      bool take = true;
       if (skip_bad_steps) {
-        const float l = loss.to_vector<float>()[0], n = norm.to_vector<float>()[0];
-        if (!std::isfinite(l) || !std::isfinite(n)) {
-          take = false;
-          ++skipped;
-          std::printf("step %lld (epoch %lld, batch %lld): %s; update skipped (--on-nan skip-step)\n",
-                      static_cast<long long>(global_step), static_cast<long long>(epoch + 1),
-                      static_cast<long long>(step),
-                      (!std::isfinite(l) ? "the loss is " + number_text(l)
-                                         : "the gradient norm is " + number_text(n))
-                          .c_str());
-        }
-      }
-      if (take) {
+        opt->step(nonfinite_flag(loss, norm));  // decided on the device, no host read
+      } else {
         opt->step();
-        results.add(global_step, step, loss, norm, out, labels);
-        images_seen += labels.numel();
       }
+      results.add(global_step, step, loss, norm, out, labels);
+      images_seen += labels.numel();
       lr = step_lr;
       if (schedule) schedule->step();
       if (step % print_every == 0 || step == steps_per_epoch || results.pending() >= 64) {
-        if (const auto bad = results.read()) diverged(epoch, *bad);
+        check_steps(epoch, results.read());
       }
       if (step % print_every == 0 || step == steps_per_epoch) {
         const double t = seconds_since(epoch_start);
@@ -908,7 +922,14 @@ int run(Options o) {
                     {"lr", step_lr}, {"images_per_s", images_seen / t}});
       }
     }
-    if (const auto bad = results.read()) diverged(epoch, *bad);
+    check_steps(epoch, results.read());
+    const int64_t skipped = opt->skipped_steps() - skipped_before;
+    if (skipped != skipped_seen) {
+      throw Error(detail::str("internal error: the optimizer skipped ", skipped,
+                              " steps of epoch ", epoch + 1, " but ", skipped_seen,
+                              " had a non-finite loss or gradient norm; please report this"),
+                  __FILE__, __LINE__);
+    }
     if (skipped == steps_per_epoch) {
       throw DivergenceError(detail::str(
           "every step of epoch ", epoch + 1, " was skipped (--on-nan skip-step): the run has "

@@ -195,7 +195,8 @@ const std::vector<Setting>& settings() {
         boolean(&Options::augment), true);
     add("--on-nan", "on_nan", false,
         "when the loss or gradient norm is not finite: stop (the default; names the step and the "
-        "last good checkpoint) or skip-step (skips the update; reads both every step)",
+        "last good checkpoint) or skip-step (the update is skipped on the device, with no host "
+        "read per step; skipped steps are named at the next progress line)",
         &Options::on_nan, choice(&Options::on_nan, {"stop", "skip-step"}));
     add("--checkpoint", "checkpoint", false,
         "write a checkpoint here after every epoch (kept on --resume)", &Options::checkpoint,

@@ -574,6 +574,18 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "update skipped (--on-nan skip-step)")) << r.output;
   EXPECT_TRUE(contains(r.output, "no checkpoint was written")) << r.output;
+  // The device decided; the host named each skipped step at a read point and took the epoch's
+  // count from the optimizer: the two agree.
+  std::smatch counted;
+  ASSERT_TRUE(std::regex_search(r.output, counted, std::regex(R"(, (\d+) step\(s\) skipped)")))
+      << r.output;
+  size_t named = 0;
+  for (size_t at = 0; (at = r.output.find("; update skipped (--on-nan", at)) != std::string::npos;
+       ++at) {
+    ++named;
+  }
+  EXPECT_GE(named, 1u) << r.output;
+  EXPECT_EQ(std::to_string(named), counted[1].str()) << r.output;
   EXPECT_TRUE(read_text(ckpt) == model) << "the model file changed";
   EXPECT_TRUE(read_text(dir / "c.train.safetensors") == state) << "the training state changed";
 

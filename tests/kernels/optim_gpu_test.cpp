@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common/compare.h"
@@ -120,6 +121,85 @@ TEST(AdamWGpu, BitwiseMatchesCpu) {
       EXPECT_TRUE(bitwise_equal(download_at(vg, offset), v));
     }
   }
+}
+
+// Gated steps on the device: flags and skip counts in device memory, written and read only there
+// (nonfinite_flag from a device loss and norm, count_skipped_step after each call), never folded,
+// so the calls after a skip correct their counts on the device. A skipped call (with NaN
+// gradients) leaves every byte as it was; the whole run equals the CPU reference's gated run bit
+// for bit (AdamW's bias corrections after a skip are then computed on the device, with CUDA's
+// pow, against the host's pow: the fp32 scalars agree unless a double result lies within 2 ulp of
+// a rounding boundary).
+TEST(GatedStepGpu, SkippedCallsWriteNothingAndTheRestMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const std::vector<int32_t> skips = {1, 0, 1, 0, 0};
+  const std::vector<float> nans(kOdd, std::nanf(""));
+  const DeviceBuffer<float> finite(std::vector<float>{0.5f}), nan(std::vector<float>{nans[0]});
+  for (const size_t offset : {size_t(0), size_t(1)}) {
+    SCOPED_TRACE(::testing::Message() << "offset " << offset);
+    // SGD with momentum and dampening, then AdamW, on the same schedule of skips.
+    std::vector<float> p = testing::random_vector(kOdd, 501), buf(kOdd, testing::kPoison);
+    std::vector<float> ap = testing::random_vector(kOdd, 502), am(kOdd, 0.f), av(kOdd, 0.f);
+    auto pg = upload_at(p, offset), bg = upload_at(buf, offset);
+    auto apg = upload_at(ap, offset), amg = upload_at(am, offset), avg = upload_at(av, offset);
+    DeviceBuffer<int32_t> flag(1);
+    DeviceBuffer<int64_t> sgd_counts(std::vector<int64_t>{0, 0}),
+        adamw_counts(std::vector<int64_t>{0, 0});
+    int64_t cpu_sgd_counts[2] = {0, 0}, cpu_adamw_counts[2] = {0, 0};
+    for (size_t t = 0; t < skips.size(); ++t) {
+      const std::vector<float>& grad =
+          skips[t] ? nans : testing::random_vector(kOdd, 510 + int(t));
+      const auto gg = upload_at(grad, offset);
+      // The flag the trainer's step writes: the loss (here finite) and the norm (NaN or not).
+      nonfinite_flag(finite.get(), skips[t] ? nan.get() : finite.get(), flag.get(), nullptr);
+      const std::vector<float> p_before = download_at(pg, offset), b_before = download_at(bg, offset),
+                               a_before = download_at(apg, offset);
+      sgd_step(pg.get() + offset, gg.get() + offset, bg.get() + offset, kOdd, 0.05, 0.9, 0.1, 5e-4,
+               false, int64_t(t), StepGate{flag.get(), sgd_counts.get() + 1, 0}, nullptr);
+      count_skipped_step(flag.get(), sgd_counts.get(), true, nullptr);
+      adamw_step(apg.get() + offset, gg.get() + offset, amg.get() + offset, avg.get() + offset,
+                 kOdd, 1e-2, 0.8, 0.95, 1e-8, 0.1, int64_t(t) + 1,
+                 StepGate{flag.get(), adamw_counts.get() + 1, 0}, nullptr);
+      count_skipped_step(flag.get(), adamw_counts.get(), true, nullptr);
+      if (skips[t]) {
+        EXPECT_TRUE(bitwise_equal(download_at(pg, offset), p_before)) << "call " << t;
+        EXPECT_TRUE(bitwise_equal(download_at(bg, offset), b_before)) << "call " << t;
+        EXPECT_TRUE(bitwise_equal(download_at(apg, offset), a_before)) << "call " << t;
+      }
+      sgd_step_cpu(p.data(), grad.data(), buf.data(), kOdd, 0.05, 0.9, 0.1, 5e-4, false,
+                   int64_t(t), StepGate{&skips[t], &cpu_sgd_counts[1], 0});
+      count_skipped_step_cpu(&skips[t], cpu_sgd_counts, true);
+      adamw_step_cpu(ap.data(), grad.data(), am.data(), av.data(), kOdd, 1e-2, 0.8, 0.95, 1e-8,
+                     0.1, int64_t(t) + 1, StepGate{&skips[t], &cpu_adamw_counts[1], 0});
+      count_skipped_step_cpu(&skips[t], cpu_adamw_counts, true);
+    }
+    EXPECT_TRUE(bitwise_equal(download_at(pg, offset), p));
+    EXPECT_TRUE(bitwise_equal(download_at(bg, offset), buf));
+    EXPECT_TRUE(bitwise_equal(download_at(apg, offset), ap));
+    EXPECT_TRUE(bitwise_equal(download_at(amg, offset), am));
+    EXPECT_TRUE(bitwise_equal(download_at(avg, offset), av));
+    EXPECT_EQ(sgd_counts.download(), (std::vector<int64_t>{2, 2}));
+    EXPECT_EQ(adamw_counts.download(), (std::vector<int64_t>{2, 2}));
+  }
+}
+
+TEST(GatedStepGpu, NonfiniteFlagOnTheDevice) {
+  CUDP_REQUIRE_GPU();
+  const float inf = std::numeric_limits<float>::infinity();
+  const DeviceBuffer<float> values(std::vector<float>{1.f, 3e38f, std::nanf(""), inf, -inf, -0.f});
+  DeviceBuffer<int32_t> flag(1);
+  const auto at = [&](int i) { return values.get() + i; };
+  const auto check = [&](const float* a, const float* b, int32_t expected) {
+    flag.fill(-1);
+    nonfinite_flag(a, b, flag.get(), nullptr);
+    EXPECT_EQ(flag.download()[0], expected) << (a - values.get()) << ", " << (b ? b - values.get() : -1);
+  };
+  check(at(0), at(1), 0);
+  check(at(5), nullptr, 0);
+  check(at(2), at(0), 1);
+  check(at(0), at(3), 1);
+  check(at(4), nullptr, 1);
+  check(at(0), at(2), 1);
 }
 
 TEST(NormGpu, MatchesDoubleSumsAndIsDeterministic) {

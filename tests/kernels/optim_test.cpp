@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -147,6 +148,111 @@ TEST(NormCpu, SumOfSquaresNormAndClipping) {
   // An empty buffer has norm 0.
   sum_of_squares_cpu(x.data(), 0, &s);
   EXPECT_EQ(s, 0.f);
+}
+
+// ---- gated steps (StepGate) ----------------------------------------------------------------------
+
+// A gated run issues calls 0..4 and skips calls 0 and 2 (flags on the "device", here host memory),
+// counting the skips with count_skipped_step as Optimizer does and never folding them, so every
+// later call corrects its count by the skips (StepGate::skipped - folded). A skipped call must
+// leave every byte as it was, even with NaN gradients; the taken calls must equal, bit for bit,
+// ungated calls that never saw the skipped ones (SGD's first step is call 1; AdamW's step 1 is
+// call 1, with the bias corrections of step 1, not 2).
+TEST(GatedStepCpu, SkippedCallsWriteNothingAndDoNotCount) {
+  const int n = 29;
+  const std::vector<int32_t> skips = {1, 0, 1, 0, 0};
+  const std::vector<float> nans(n, std::nanf(""));
+  for (const SgdConfig& cfg : {SgdConfig{0.05, 0.9, 0.1, 1e-2, false},
+                               SgdConfig{0.05, 0.9, 0, 5e-4, true}, SgdConfig{0.1, 0, 0, 0, false}}) {
+    SCOPED_TRACE(::testing::Message() << "SGD momentum " << cfg.momentum << " nesterov "
+                                      << cfg.nesterov);
+    std::vector<float> p = testing::random_vector(n, 11), buf(n, testing::kPoison);
+    std::vector<float> rp = p, rbuf = buf;
+    int64_t counts[2] = {0, 0};
+    int64_t issued = 0, taken = 0;
+    for (size_t t = 0; t < skips.size(); ++t) {
+      const std::vector<float> grad = testing::random_vector(n, 20 + t);
+      const StepGate gate{&skips[t], &counts[1], 0};
+      const std::vector<float> p_before = p, buf_before = buf;
+      sgd_step_cpu(p.data(), skips[t] ? nans.data() : grad.data(), buf.data(), n, cfg.lr,
+                   cfg.momentum, cfg.dampening, cfg.weight_decay, cfg.nesterov, issued, gate);
+      count_skipped_step_cpu(&skips[t], counts, cfg.momentum != 0);
+      if (cfg.momentum != 0) ++issued;
+      if (skips[t]) {
+        EXPECT_EQ(std::memcmp(p.data(), p_before.data(), n * sizeof(float)), 0) << "call " << t;
+        EXPECT_EQ(std::memcmp(buf.data(), buf_before.data(), n * sizeof(float)), 0) << t;
+        continue;
+      }
+      sgd_step_cpu(rp.data(), grad.data(), rbuf.data(), n, cfg.lr, cfg.momentum, cfg.dampening,
+                   cfg.weight_decay, cfg.nesterov, taken++ == 0);
+      EXPECT_EQ(std::memcmp(p.data(), rp.data(), n * sizeof(float)), 0) << "call " << t;
+      EXPECT_EQ(std::memcmp(buf.data(), rbuf.data(), n * sizeof(float)), 0) << "call " << t;
+    }
+    EXPECT_EQ(counts[0], 2);
+    EXPECT_EQ(counts[1], cfg.momentum != 0 ? 2 : 0);
+  }
+
+  // AdamW, also against torch.optim.AdamW's formula in double over the steps taken.
+  const double lr = 1e-2, beta1 = 0.8, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  std::vector<float> p = testing::random_vector(n, 12), m(n, 0.f), v(n, 0.f);
+  std::vector<float> rp = p, rm = m, rv = v;
+  std::vector<double> pd(p.begin(), p.end()), md(n, 0.0), vd(n, 0.0);
+  int64_t counts[2] = {0, 0};
+  int taken = 0;
+  for (size_t t = 0; t < skips.size(); ++t) {
+    const std::vector<float> grad = testing::random_vector(n, 30 + t);
+    const StepGate gate{&skips[t], &counts[1], 0};
+    const std::vector<float> before = p;
+    adamw_step_cpu(p.data(), skips[t] ? nans.data() : grad.data(), m.data(), v.data(), n, lr,
+                   beta1, beta2, eps, wd, int64_t(t) + 1, gate);
+    count_skipped_step_cpu(&skips[t], counts, true);
+    if (skips[t]) {
+      EXPECT_EQ(std::memcmp(p.data(), before.data(), n * sizeof(float)), 0) << "call " << t;
+      continue;
+    }
+    ++taken;
+    adamw_step_cpu(rp.data(), grad.data(), rm.data(), rv.data(), n, lr, beta1, beta2, eps, wd,
+                   taken);
+    EXPECT_EQ(std::memcmp(p.data(), rp.data(), n * sizeof(float)), 0) << "call " << t;
+    EXPECT_EQ(std::memcmp(m.data(), rm.data(), n * sizeof(float)), 0) << "call " << t;
+    EXPECT_EQ(std::memcmp(v.data(), rv.data(), n * sizeof(float)), 0) << "call " << t;
+    const double bc1 = 1 - std::pow(beta1, taken), bc2 = 1 - std::pow(beta2, taken);
+    for (int i = 0; i < n; ++i) {
+      pd[i] *= 1 - lr * wd;
+      md[i] = beta1 * md[i] + (1 - beta1) * grad[i];
+      vd[i] = beta2 * vd[i] + (1 - beta2) * double(grad[i]) * grad[i];
+      pd[i] -= lr / bc1 * md[i] / (std::sqrt(vd[i]) / std::sqrt(bc2) + eps);
+    }
+  }
+  EXPECT_ALL_CLOSE(p, pd, 1e-6, 1e-6);
+  EXPECT_EQ(counts[0], 2);
+  EXPECT_EQ(counts[1], 2);
+  // Folded (the caller took the skips out of its count): the same step with the caller's count.
+  const std::vector<float> grad = testing::random_vector(n, 40);
+  const int32_t go = 0;
+  std::vector<float> q = p, qm = m, qv = v;
+  adamw_step_cpu(p.data(), grad.data(), m.data(), v.data(), n, lr, beta1, beta2, eps, wd, 6,
+                 StepGate{&go, &counts[1], 0});
+  adamw_step_cpu(q.data(), grad.data(), qm.data(), qv.data(), n, lr, beta1, beta2, eps, wd, 4,
+                 StepGate{&go, &counts[1], 2});
+  EXPECT_EQ(std::memcmp(p.data(), q.data(), n * sizeof(float)), 0);
+}
+
+TEST(GatedStepCpu, NonfiniteFlag) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
+  const auto flag = [](float a, const float* b) {
+    int32_t f = -1;
+    nonfinite_flag_cpu(&a, b, &f);
+    return f;
+  };
+  const float one = 1.f, big = 3e38f;
+  EXPECT_EQ(flag(2.f, &big), 0);
+  EXPECT_EQ(flag(-0.f, nullptr), 0);
+  EXPECT_EQ(flag(nan, &one), 1);
+  EXPECT_EQ(flag(1.f, &inf), 1);
+  const float minus_inf = -inf;
+  EXPECT_EQ(flag(1.f, &minus_inf), 1);
+  EXPECT_EQ(flag(-inf, nullptr), 1);
 }
 
 TEST(OptimCpu, BadArgumentsThrowValueErrorNamingTheValue) {

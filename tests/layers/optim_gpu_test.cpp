@@ -2,6 +2,10 @@
 // against per-parameter on the device, state round trips through the host.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+#include <map>
+
 #include "common/compare.h"
 #include "common/gpu.h"
 #include "layers/activation.h"
@@ -129,6 +133,97 @@ TEST(OptimGpu, ClipGradNormMatchesCpu) {
       EXPECT_TRUE(
           all_close(gp[i]->grad.to_vector<float>(), cp[i]->grad.to_vector<float>(), 1e-5, 1e-8));
     }
+  }
+}
+
+// ---- step(skip) on the device --------------------------------------------------------------------
+
+std::map<std::string, std::vector<unsigned char>> bytes_of(const TensorMap& tensors) {
+  std::map<std::string, std::vector<unsigned char>> out;
+  for (const auto& [name, t] : tensors) {
+    const Tensor host = t.cpu();
+    const auto* p = static_cast<const unsigned char*>(host.data_ptr());
+    out[name].assign(p, p + host.nbytes());
+  }
+  return out;
+}
+
+// The flag a training step writes on the GPU from its loss (finite or NaN) and gradient norm.
+Tensor skip_flag_on_gpu(Module& model, bool diverged) {
+  const Tensor loss = Tensor::full({}, diverged ? std::nanf("") : 0.75f, kGpu);
+  const Tensor norm = clip_grad_norm(model.parameters(), std::numeric_limits<double>::infinity());
+  return nonfinite_flag(loss, norm);
+}
+
+// Calls 0..4 on the GPU, 0 and 2 skipped (with NaN gradients); the reference, on the GPU too and
+// ungated, takes only calls 1, 3, 4 with the same gradients: bit for bit the same parameters and
+// state. With read_every_step every byte is also read around each skipped call; without, nothing
+// is read until the end, so the later calls run on counts the device corrects (the trainer's way:
+// no host read per step).
+template <typename Optim, typename Options>
+void expect_gpu_skips(const Options& options, bool flat, bool read_every_step) {
+  SCOPED_TRACE(::testing::Message() << "flat " << flat << ", read every step " << read_every_step);
+  auto gated_model = model_on(kGpu), ref_model = model_on(kGpu);
+  if (flat) {
+    gated_model->flatten_parameters();
+    ref_model->flatten_parameters();
+  }
+  Optim gated(gated_model->parameters(), options), ref(ref_model->parameters(), options);
+  const std::vector<bool> skips = {true, false, true, false, false};
+  for (int t = 0; t < static_cast<int>(skips.size()); ++t) {
+    if (skips[t]) {
+      for (Parameter* p : gated_model->parameters()) p->grad.fill_(std::nanf(""));
+    } else {
+      set_grads(*gated_model, t);
+      set_grads(*ref_model, t);
+      ref.step();
+    }
+    const Tensor skip = skip_flag_on_gpu(*gated_model, skips[t]);
+    EXPECT_EQ(skip.device(), kGpu);
+    if (skips[t] && read_every_step) {
+      const auto model_before = bytes_of(gated_model->state_dict());
+      const auto state_before = bytes_of(gated.state_dict());
+      gated.step(skip);
+      EXPECT_EQ(bytes_of(gated_model->state_dict()), model_before) << "call " << t;
+      EXPECT_EQ(bytes_of(gated.state_dict()), state_before) << "call " << t;
+    } else {
+      gated.step(skip);
+    }
+  }
+  EXPECT_EQ(gated.last_step_was_flat(), flat);
+  EXPECT_EQ(bytes_of(gated_model->state_dict()), bytes_of(ref_model->state_dict()));
+  EXPECT_EQ(bytes_of(gated.state_dict()), bytes_of(ref.state_dict()));
+  EXPECT_EQ(gated.skipped_steps(), 2);
+  EXPECT_EQ(gated.steps(), 3);
+}
+
+TEST(OptimGpu, SgdSkipsOnTheDevice) {
+  CUDP_REQUIRE_GPU();
+  const SGDOptions o{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 5e-4};
+  for (const bool flat : {false, true}) {
+    for (const bool read : {false, true}) expect_gpu_skips<SGD>(o, flat, read);
+  }
+}
+
+TEST(OptimGpu, AdamWSkipsOnTheDevice) {
+  CUDP_REQUIRE_GPU();
+  const AdamWOptions o{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.95, .weight_decay = 0.05};
+  for (const bool flat : {false, true}) {
+    for (const bool read : {false, true}) expect_gpu_skips<AdamW>(o, flat, read);
+  }
+}
+
+TEST(OptimGpu, ASkipFlagOnAnotherDeviceIsRefused) {
+  CUDP_REQUIRE_GPU();
+  auto model = model_on(kGpu);
+  SGD sgd(model->parameters(), {.lr = 0.1});
+  set_grads(*model, 0);
+  try {
+    sgd.step(Tensor::from_vector<int32_t>({0}, {1}));  // on the host
+    ADD_FAILURE() << "a host flag was accepted for GPU parameters";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("but the skip flag is on cpu"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <map>
 
 #include "common/compare.h"
 #include "layers/activation.h"
@@ -381,6 +383,174 @@ TEST(ClipGradNorm, FlatAgreesWithPerParameter) {
 
 TEST(ClipGradNorm, EmptyListIsZero) {
   EXPECT_EQ(clip_grad_norm({}, 1.0).to_vector<float>()[0], 0.f);
+}
+
+// ---- skipping a step on the device: step(skip) --------------------------------------------------
+
+Tensor flag(int32_t value) {
+  return Tensor::from_vector<int32_t>({value}, {1});
+}
+
+Tensor scalar(float value) {
+  return Tensor::from_vector<float>({value}, {});
+}
+
+// Every tensor's bytes, by name (NaN and -0 compare as what they are).
+std::map<std::string, std::vector<unsigned char>> bytes_of(const TensorMap& tensors) {
+  std::map<std::string, std::vector<unsigned char>> out;
+  for (const auto& [name, t] : tensors) {
+    const Tensor host = t.cpu();
+    const auto* p = static_cast<const unsigned char*>(host.data_ptr());
+    out[name].assign(p, p + host.nbytes());
+  }
+  return out;
+}
+
+// Non-finite gradients: an update that is not skipped would spoil every parameter.
+void set_nan_grads(Module& model) {
+  for (Parameter* p : model.parameters()) p->grad.fill_(std::nanf(""));
+}
+
+// The gated optimizer is issued steps 0..4 and skips 0 and 2 (the very first, so SGD's first
+// momentum step and AdamW's step 1 come after a skip); the reference, ungated, takes only steps 1,
+// 3 and 4 with the same gradients. Both run the same per-element formulas, so the parameters and
+// the state must agree bit for bit. With read_every_step the test also reads every byte around
+// each skipped step (each read folds the device's skip count into the host's); without, three
+// steps run on counts the "device" still corrects (StepGate: first step and bias corrections).
+template <typename Optim, typename Options>
+void expect_skipped_steps_change_nothing(const Options& options, bool flat, bool read_every_step) {
+  SCOPED_TRACE(::testing::Message() << "flat " << flat << ", read every step " << read_every_step);
+  auto gated_model = small_model(), ref_model = small_model();
+  if (flat) {
+    gated_model->flatten_parameters();
+    ref_model->flatten_parameters();
+  }
+  Optim gated(gated_model->parameters(), options), ref(ref_model->parameters(), options);
+  const std::vector<int32_t> skips = {1, 0, 1, 0, 0};
+  int64_t taken = 0;
+  for (int t = 0; t < static_cast<int>(skips.size()); ++t) {
+    if (skips[t]) {
+      set_nan_grads(*gated_model);
+      if (!read_every_step) {
+        gated.step(flag(1));
+        continue;
+      }
+      const auto model_before = bytes_of(gated_model->state_dict());
+      const auto state_before = bytes_of(gated.state_dict());
+      gated.step(flag(1));
+      EXPECT_EQ(bytes_of(gated_model->state_dict()), model_before) << "step " << t;
+      EXPECT_EQ(bytes_of(gated.state_dict()), state_before) << "step " << t;
+      EXPECT_EQ(gated.steps(), taken);
+      continue;
+    }
+    set_grads(*gated_model, t);
+    set_grads(*ref_model, t);
+    gated.step(flag(0));
+    ref.step();
+    ++taken;
+    if (read_every_step) {
+      EXPECT_EQ(bytes_of(gated_model->state_dict()), bytes_of(ref_model->state_dict()))
+          << "step " << t;
+      EXPECT_EQ(bytes_of(gated.state_dict()), bytes_of(ref.state_dict())) << "step " << t;
+      EXPECT_EQ(gated.steps(), taken);
+    }
+  }
+  EXPECT_EQ(gated.last_step_was_flat(), flat);
+  EXPECT_EQ(bytes_of(gated_model->state_dict()), bytes_of(ref_model->state_dict()));
+  EXPECT_EQ(bytes_of(gated.state_dict()), bytes_of(ref.state_dict()));
+  EXPECT_EQ(gated.skipped_steps(), 2);
+  EXPECT_EQ(gated.steps(), 3);
+  EXPECT_EQ(gated.hyperparameters().at("steps"), "3");
+
+  // An ordinary step after gated ones still counts the skips; a checkpoint's state goes on exactly.
+  set_grads(*gated_model, 9);
+  set_grads(*ref_model, 9);
+  gated.step();
+  ref.step();
+  EXPECT_EQ(bytes_of(gated_model->state_dict()), bytes_of(ref_model->state_dict()));
+  EXPECT_EQ(bytes_of(gated.state_dict()), bytes_of(ref.state_dict()));
+  EXPECT_EQ(gated.steps(), 4);
+}
+
+TEST(OptimizerSkip, SgdSkippedStepsChangeNothing) {
+  const SGDOptions o{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 5e-4};
+  for (const bool flat : {false, true}) {
+    for (const bool read : {false, true}) expect_skipped_steps_change_nothing<SGD>(o, flat, read);
+  }
+  const SGDOptions nesterov{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true};
+  expect_skipped_steps_change_nothing<SGD>(nesterov, true, false);
+  expect_skipped_steps_change_nothing<SGD>(SGDOptions{.lr = 0.1}, true, true);  // no state
+}
+
+TEST(OptimizerSkip, AdamWSkippedStepsChangeNothing) {
+  const AdamWOptions o{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.95, .weight_decay = 0.05};
+  for (const bool flat : {false, true}) {
+    for (const bool read : {false, true}) expect_skipped_steps_change_nothing<AdamW>(o, flat, read);
+  }
+}
+
+// A skipped first step leaves no state behind, as PyTorch's skipped optimizer.step() would.
+TEST(OptimizerSkip, ASkippedFirstStepLeavesNoState) {
+  auto model = small_model();
+  SGD sgd(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  set_nan_grads(*model);
+  sgd.step(flag(1));
+  EXPECT_TRUE(sgd.state_dict().empty());
+  EXPECT_EQ(sgd.steps(), 0);
+  AdamW adamw(model->parameters(), {.lr = 1e-3});
+  adamw.step(flag(1));
+  EXPECT_TRUE(adamw.state_dict().empty());
+  EXPECT_EQ(adamw.skipped_steps(), 1);
+}
+
+// State loaded after unread skips is not corrected by them.
+TEST(OptimizerSkip, LoadingStateAfterSkipsStartsFromTheLoadedCounts) {
+  auto a = small_model(), b = small_model();
+  AdamW first(a->parameters(), {.lr = 1e-2}), second(b->parameters(), {.lr = 1e-2});
+  set_grads(*a, 0);
+  first.step();
+  set_nan_grads(*b);
+  second.step(flag(1));
+  second.step(flag(1));
+  b->load_state_dict(a->state_dict());
+  second.load_state_dict(first.state_dict());
+  set_grads(*a, 1);
+  set_grads(*b, 1);
+  first.step();
+  second.step(flag(0));
+  EXPECT_EQ(bytes_of(b->state_dict()), bytes_of(a->state_dict()));
+  EXPECT_EQ(bytes_of(second.state_dict()), bytes_of(first.state_dict()));
+  EXPECT_EQ(second.skipped_steps(), 2);
+}
+
+TEST(OptimizerSkip, NonfiniteFlagOfTheLossAndTheGradientNorm) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
+  const auto value = [](const Tensor& t) { return t.to_vector<int32_t>().at(0); };
+  EXPECT_EQ(value(nonfinite_flag(scalar(2.5f), scalar(1e30f))), 0);
+  EXPECT_EQ(value(nonfinite_flag(scalar(2.5f))), 0);
+  EXPECT_EQ(value(nonfinite_flag(scalar(nan), scalar(1.f))), 1);
+  EXPECT_EQ(value(nonfinite_flag(scalar(1.f), scalar(inf))), 1);
+  EXPECT_EQ(value(nonfinite_flag(scalar(-inf))), 1);
+  EXPECT_EQ(value(nonfinite_flag(scalar(1.f), scalar(-nan))), 1);
+  EXPECT_THROW(nonfinite_flag(Tensor::from_vector<int32_t>({1}, {1})), ValueError);
+  EXPECT_THROW(nonfinite_flag(Tensor::zeros({2})), ValueError);
+}
+
+TEST(OptimizerSkip, ABadSkipFlagIsRefusedNamingIt) {
+  auto model = small_model();
+  SGD sgd(model->parameters(), {.lr = 0.1});
+  set_grads(*model, 0);
+  try {
+    sgd.step(Tensor::zeros({1}));
+    ADD_FAILURE() << "an f32 flag was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("must be one i32 element (nonfinite_flag makes it)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(sgd.step(Tensor()), ValueError);
+  EXPECT_THROW(sgd.step(Tensor::from_vector<int32_t>({0, 0}, {2})), ValueError);
+  EXPECT_EQ(sgd.steps(), 0);
 }
 
 }  // namespace

@@ -413,6 +413,63 @@ TEST(DataParallelGpu, GradientAccumulationMatchesOneDevice) {
   EXPECT_NO_THROW(model.check_replicas_identical());
 }
 
+// --on-nan skip-step on 2 GPUs: the flag is written on replica 0's device and reaches replica 1 on
+// its own stream (no host read). Skipped calls (with NaN gradients) leave every replica's
+// parameters and optimizer state as they were; the replicas stay bit-identical and equal, bit for
+// bit, a run on the same devices that was never issued the skipped calls.
+template <class Opt>
+void expect_replicas_skip_together(const typename Replicated<Opt>::Options& options) {
+  auto net = std::make_shared<Linear>(32, 16, true, 9), ref_net = std::make_shared<Linear>(32, 16, true, 9);
+  net->cuda(0);
+  ref_net->cuda(0);
+  DataParallel model(net, {0, 1}), ref_model(ref_net, {0, 1});
+  Replicated<Opt> opt(model.parameters(), options), ref_opt(ref_model.parameters(), options);
+  const std::vector<bool> skips = {true, false, true, false, false};
+  for (int step = 0; step < static_cast<int>(skips.size()); ++step) {
+    Tensor x = Tensor::empty({10, 32}, DType::f32, Device::cuda(0));
+    x.uniform_(-1.f, 1.f, 40 + step);
+    opt.zero_grad();
+    const Tensor y = model.forward(x);
+    model.backward(Tensor::full(y.shape(), skips[step] ? std::nanf("") : 0.1f * (step + 1),
+                                Device::cuda(0)));
+    const Tensor norm = clip_grad_norm(opt.primary().params(), 1e30);
+    const Tensor skip = nonfinite_flag(Tensor::full({}, 0.5f, Device::cuda(0)), norm);
+    if (skips[step]) {
+      const std::vector<float> before0 = values_of(model.replica_parameters()[0]);
+      const std::vector<float> before1 = values_of(model.replica_parameters()[1]);
+      opt.step(skip);
+      EXPECT_EQ(values_of(model.replica_parameters()[0]), before0) << "step " << step;
+      EXPECT_EQ(values_of(model.replica_parameters()[1]), before1) << "step " << step;
+      continue;
+    }
+    opt.step(skip);
+    ref_opt.zero_grad();
+    const Tensor ry = ref_model.forward(x);
+    ref_model.backward(Tensor::full(ry.shape(), 0.1f * (step + 1), Device::cuda(0)));
+    clip_grad_norm(ref_opt.primary().params(), 1e30);
+    ref_opt.step();
+  }
+  EXPECT_NO_THROW(model.check_replicas_identical());
+  EXPECT_EQ(values_of(model.replica_parameters()[1]), values_of(ref_model.replica_parameters()[1]));
+  EXPECT_EQ(values_of(net->parameters()), values_of(ref_net->parameters()));
+  EXPECT_EQ(opt.skipped_steps(), 2);
+  EXPECT_EQ(opt.replica(1).skipped_steps(), 2);
+  EXPECT_EQ(opt.replica(1).steps(), 3);
+  const TensorMap state = opt.replica(1).state_dict(), ref_state = ref_opt.replica(1).state_dict();
+  ASSERT_EQ(state.size(), ref_state.size());
+  for (const auto& entry : ref_state) {
+    const std::string& name = entry.first;
+    const Tensor& mine = state.at(name);
+    EXPECT_EQ(mine.to_vector<float>(), entry.second.to_vector<float>()) << name;
+  }
+}
+
+TEST(DataParallelGpu, ReplicatedSkipFlagSkipsEveryReplica) {
+  CUDP_REQUIRE_GPUS(2);
+  expect_replicas_skip_together<SGD>(kSgd);
+  expect_replicas_skip_together<AdamW>({.lr = 1e-3, .weight_decay = 0.01});
+}
+
 // A scheduler drives the primary optimizer; every replica takes its learning rate and momentum.
 TEST(DataParallelGpu, ReplicatedOptimizersFollowThePrimarysHyperparameters) {
   CUDP_REQUIRE_GPUS(2);
