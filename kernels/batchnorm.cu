@@ -467,7 +467,8 @@ void forward_train(const float* x, float* y, const float* gamma, const float* be
   // Shared memory per thread: its count and V means and M2s.
   const Plan stats = make_plan(bn_stats_kernel<V>, rows, c, V, (1 + 2 * V) * sizeof(float));
   const int parts = int(stats.grid.y);
-  Workspace ws((size_t(parts) * (2 * c + 1) + 4 * size_t(c)) * sizeof(float), stream);
+  Workspace ws((size_t(parts) * (2 * c + 1) + 4 * size_t(c)) * sizeof(float), stream,
+               "batch norm's partial statistics");
   float* part_mean = ws.get();
   float* part_m2 = part_mean + size_t(parts) * c;
   float* part_n = part_m2 + size_t(parts) * c;
@@ -489,7 +490,8 @@ void backward(const float* x, const float* dy, const float* gamma, const float* 
               float beta_accumulate, cudaStream_t stream) {
   const Plan reduce = make_plan(bn_backward_reduce_kernel<V>, rows, c, V, 2 * V * sizeof(float));
   const int parts = int(reduce.grid.y);
-  Workspace ws((size_t(parts) * 2 * c + 3 * size_t(c)) * sizeof(float), stream);
+  Workspace ws((size_t(parts) * 2 * c + 3 * size_t(c)) * sizeof(float), stream,
+               "batch norm's partial gradient sums");
   float* part_dy = ws.get();
   float* part_dy_xmu = part_dy + size_t(parts) * c;
   float* coef = part_dy_xmu + size_t(parts) * c;

@@ -8,6 +8,7 @@
 #include "engine/core/launch.cuh"
 #include "kernels/bias.h"
 #include "kernels/elementwise.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -173,20 +174,15 @@ void bias_grad_impl(const float* dy, float* dbias, int64_t rows, int64_t cols, f
            dbias, rows, cols, chunk_rows, width, lanes, beta, true);
     return;
   }
-  float* partial = nullptr;
-  CUDP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial),
-                                  static_cast<size_t>(chunks * cols) * sizeof(float), stream));
-  try {
-    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V>, grid, kThreads, 0, stream, dy,
-           partial, rows, cols, chunk_rows, width, lanes, beta, false);
-    launch("bias_grad_final_kernel", bias_grad_final_kernel,
-           static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
-           dbias, chunks, cols, beta);
-  } catch (...) {
-    cudaFreeAsync(partial, stream);
-    throw;
-  }
-  CUDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+  Workspace ws(static_cast<size_t>(chunks * cols) * sizeof(float), stream,
+               "the bias gradient's partial column sums");
+  float* partial = ws.get();
+  launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V>, grid, kThreads, 0, stream, dy,
+         partial, rows, cols, chunk_rows, width, lanes, beta, false);
+  launch("bias_grad_final_kernel", bias_grad_final_kernel,
+         static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
+         dbias, chunks, cols, beta);
+  ws.release();
 }
 
 }  // namespace

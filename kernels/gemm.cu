@@ -380,7 +380,8 @@ void run_plan(const GemmPlan& plan, bool trans_a, bool trans_b, int m, int n, in
   // Split-K: partial products (alpha = 1, beta = 0) into the workspace, whose padded rows allow
   // 16-byte stores, then one reduction applies alpha and beta.
   const int ldw = static_cast<int>(ceil_div(n, 4) * 4);
-  Workspace ws(static_cast<size_t>(workspace_bytes(p, m, n)), stream);
+  Workspace ws(static_cast<size_t>(workspace_bytes(p, m, n)), stream,
+               "the GEMM's split-K partial products");
   params.c = ws.get();
   params.ldc = ldw;
   params.alpha = 1.f;

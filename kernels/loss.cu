@@ -9,6 +9,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/loss.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -146,14 +147,8 @@ void softmax_cross_entropy_forward(const float* logits, const int32_t* labels, f
                                    float* probs, int n, int classes, int* bad_label,
                                    cudaStream_t stream) {
   detail::check_cross_entropy("softmax_cross_entropy_forward", n, classes);
-  float* row_loss = nullptr;
-  CUDP_CUDA_CHECK(
-      cudaMallocAsync(reinterpret_cast<void**>(&row_loss), size_t(n) * sizeof(float), stream));
-  struct Free {  // stream-ordered, also when a launch throws
-    float* p;
-    cudaStream_t s;
-    ~Free() { cudaFreeAsync(p, s); }
-  } free_row_loss{row_loss, stream};
+  Workspace ws(size_t(n) * sizeof(float), stream, "cross-entropy's per-row losses");
+  float* row_loss = ws.get();
   launch("ce_forward_rows_kernel", ce_forward_rows_kernel, row_blocks(n), kThreads, 0, stream,
          logits, labels, probs, row_loss, n, classes, bad_label);
   launch("ce_mean_kernel", ce_mean_kernel, 1, kThreads, 0, stream, row_loss, n, loss);

@@ -8,6 +8,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/optim.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -185,14 +186,8 @@ void reduce_squares(const char* op, const float* x, int64_t n, float* out, cudaS
   CUDP_CHECK(out != nullptr, op, ": the output pointer is null");
   const int64_t chunks = (n + 3) / 4;
   const int parts = int(std::clamp<int64_t>((chunks + kThreads - 1) / kThreads, 1, kNormBlocks));
-  float* partials = nullptr;
-  CUDP_CUDA_CHECK(
-      cudaMallocAsync(reinterpret_cast<void**>(&partials), parts * sizeof(float), stream));
-  struct Free {  // stream-ordered, also when a launch throws
-    float* p;
-    cudaStream_t s;
-    ~Free() { cudaFreeAsync(p, s); }
-  } free_partials{partials, stream};
+  Workspace ws(size_t(parts) * sizeof(float), stream, "the norm's per-block partial sums");
+  float* partials = ws.get();
   launch("sum_of_squares_partial_kernel", sum_of_squares_partial_kernel, parts, kThreads, 0, stream,
          x, n, aligned16(x), partials);
   launch("sum_partials_kernel", sum_partials_kernel<Sqrt>, 1, kNormBlocks, 0, stream, partials,

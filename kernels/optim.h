@@ -169,7 +169,8 @@ struct AdamWCoefficients {
   float bc2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
   float step_size;  // -lr / (1 - beta1^step)
-  // The hyperparameters as given, for set_bias_corrections on the device (a gated step after a skip).
+  // The hyperparameters as given, for set_bias_corrections on the device (a gated step after a
+  // skip).
   double lr_given, beta1_given, beta2_given;
 };
 

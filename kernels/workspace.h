@@ -3,6 +3,8 @@
 // work on the stream reuses it without a synchronisation. Keep the device's pool release threshold
 // raised (docs/architecture.md §2.4) so that this is a reuse, not a trip to the driver. The one
 // workspace of every kernel family (GEMM, convolution, batch norm, the tensor-core matmul).
+// Out of memory names the workspace (`what`), its bytes and the device, inside the purpose its
+// caller set on the thread (engine/core/memory.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,15 +13,20 @@
 #include <utility>
 
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 
 namespace cudp::kernels {
 
 class Workspace {
  public:
   Workspace() = default;
-  // bytes == 0 allocates nothing (get() is null).
-  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes > 0) CUDP_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+  // bytes == 0 allocates nothing (get() is null). `what`: what the memory holds, for an
+  // out-of-memory error ("the GEMM's split-K partial tiles").
+  Workspace(size_t bytes, cudaStream_t stream, const char* what = "a kernel's workspace")
+      : stream_(stream) {
+    if (bytes > 0) {
+      cuda::check_allocation(cudaMallocAsync(&ptr_, bytes, stream), bytes, what, "cudaMallocAsync");
+    }
   }
   ~Workspace() {
     if (ptr_) static_cast<void>(cudaFreeAsync(ptr_, stream_));  // an error here already surfaced

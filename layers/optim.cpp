@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/core/memory.h"
 #include "kernels/optim.h"
 
 namespace cudp {
@@ -142,6 +143,14 @@ void Optimizer::allocate_state() {
   if (names.empty() || !state_.empty()) {
     return;
   }
+  std::string list;
+  for (const std::string& name : names) list += (list.empty() ? "" : " and ") + name;
+  const cuda::AllocationPurpose purpose(
+      detail::str(type_name(), "'s ", list, " (", names.size(), " fp32 cop",
+                  names.size() == 1 ? "y" : "ies", " of the parameters)"),
+      "The optimizer keeps its state beside the model on every GPU (SGD with momentum: one fp32 "
+      "copy of the parameters, AdamW: two): use a smaller model, SGD without momentum, or GPUs "
+      "with more free memory.");
   state_.assign(names.size(), std::vector<Tensor>(params_.size()));
   if (const std::optional<Flat> flat = find_flat(params_)) {
     // The state mirrors the parameters' layout, so one launch covers parameters and state alike.
@@ -216,6 +225,7 @@ void Optimizer::take_step(const Tensor* skip) {
   // device, so the counts stay issued and the kernels correct them.
   if (!gated_since_fold_) fold_skips();
   if (skip != nullptr && !skip_counts_.defined()) {
+    const cuda::AllocationPurpose purpose(type_name() + "'s count of skipped steps");
     skip_counts_ = Tensor::zeros({2}, DType::i64, skip->device());
   }
   allocate_state();
@@ -534,13 +544,14 @@ Tensor nonfinite_flag(const Tensor& loss, const Tensor& norm) {
     CUDP_CHECK(norm.device() == loss.device(), "nonfinite_flag: the loss is on ", loss.device(),
                " but the gradient norm is on ", norm.device(), "; compute both on one device");
   }
+  const cuda::AllocationPurpose purpose("the step's skip flag");
   Tensor flag = Tensor::empty({1}, DType::i32, loss.device());
   const float* n = norm.defined() ? norm.data<float>() : nullptr;
+  const float* l = loss.data<float>();
+  int32_t* f = flag.data<int32_t>();
   on_device(
-      loss.device(), [&] { kernels::nonfinite_flag_cpu(loss.data<float>(), n, flag.data<int32_t>()); },
-      [&](cudaStream_t stream) {
-        kernels::nonfinite_flag(loss.data<float>(), n, flag.data<int32_t>(), stream);
-      });
+      loss.device(), [&] { kernels::nonfinite_flag_cpu(l, n, f); },
+      [&](cudaStream_t stream) { kernels::nonfinite_flag(l, n, f, stream); });
   return flag;
 }
 
@@ -554,6 +565,7 @@ Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
     check_parameter(*params[i], i, "clip_grad_norm");
   }
   const Device device = common_device(params, "clip_grad_norm");
+  const cuda::AllocationPurpose purpose("the gradients' norm");
   const auto max = static_cast<float>(max_norm);
   Tensor total = Tensor::empty({}, DType::f32, device);
   float* norm = total.data<float>();

@@ -2,6 +2,8 @@
 
 #include <vector>
 
+#include "engine/core/memory.h"
+
 namespace cudp {
 namespace {
 
@@ -49,6 +51,9 @@ StepResult PendingStep::wait() const {
 
 PendingStep train_step_async(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,
                              const Tensor& images, const Tensor& labels) {
+  const cuda::AllocationPurpose purpose(detail::str(
+      "a training step on ", model.device(), " (activations and gradients of ",
+      images.dim() > 0 ? images.size(0) : 0, " images)"));
   const Forward f = forward_batch(model, images, labels);
   Tensor loss = criterion.forward(f.logits, f.labels);
   optimizer.zero_grad();
@@ -67,6 +72,7 @@ StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& opt
 EvalResult evaluate(Module& model, CrossEntropyLoss& criterion, const BatchSource& next) {
   TrainingFlagGuard restore(model);
   model.eval();
+  const cuda::AllocationPurpose purpose(detail::str("evaluation on ", model.device()));
   std::vector<PendingStep> batches;
   Tensor images, labels;
   while (next(images, labels)) {

@@ -58,6 +58,30 @@ uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
   return value;
 }
 
+// The OutOfMemoryError of a device allocation of `bytes` on `device` (-1: unknown) that failed.
+[[noreturn]] void throw_device_out_of_memory(size_t bytes, int device, std::string_view what,
+                                             const char* file, int line) {
+  cudaGetLastError();  // out of memory is not sticky: leave no error behind
+  std::string figures;
+  if (device >= 0) {
+    size_t free_bytes = 0, total = 0;
+    {
+      DeviceGuard guard(device);
+      cudaMemGetInfo(&free_bytes, &total);
+    }
+    figures = detail::str("; ", bytes_str(memory_allocated(device)), " allocated by cudp, ",
+                          bytes_str(memory_reserved(device)), " reserved, ",
+                          bytes_str(free_bytes), " free of ", bytes_str(total), " on the device");
+  }
+  throw OutOfMemoryError(
+      cudaErrorMemoryAllocation,
+      detail::str("CUDA out of memory", device >= 0 ? detail::str(" on cuda:", device) : "",
+                  ": tried to allocate ", bytes_str(bytes), " (", bytes, " bytes)",
+                  purpose_str(what), figures, ". ",
+                  advice_str("Reduce the batch size (--batch-size) or free tensors.")),
+      file, line);
+}
+
 }  // namespace
 
 AllocationPurpose::AllocationPurpose(std::string what, std::string advice)
@@ -70,6 +94,7 @@ AllocationPurpose::~AllocationPurpose() { innermost = outer_; }
 std::string AllocationPurpose::current_what() {
   std::string out;
   for (const AllocationPurpose* p = innermost; p; p = p->outer_) {
+    if (p->what_.empty()) continue;  // advice only
     out = out.empty() ? p->what_ : p->what_ + ": " + out;
   }
   return out;
@@ -88,24 +113,20 @@ void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string
   void* ptr = nullptr;
   const cudaError_t status = cudaMallocFromPoolAsync(&ptr, bytes, pool(device), stream);
   if (status == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    size_t free_bytes = 0, total = 0;
-    {
-      DeviceGuard guard(device);
-      cudaMemGetInfo(&free_bytes, &total);
-    }
-    throw OutOfMemoryError(
-        status,
-        detail::str("CUDA out of memory on cuda:", device, ": tried to allocate ", bytes_str(bytes),
-                    " (", bytes, " bytes)", purpose_str(what), "; ",
-                    bytes_str(memory_allocated(device)), " allocated by cudp, ",
-                    bytes_str(memory_reserved(device)), " reserved, ", bytes_str(free_bytes),
-                    " free of ", bytes_str(total), " on the device. ",
-                    advice_str("Reduce the batch size (--batch-size) or free tensors.")),
-        __FILE__, __LINE__);
+    throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__);
   }
   CUDP_CUDA_CHECK(status);
   return ptr;
+}
+
+void check_allocation(cudaError_t status, size_t bytes, std::string_view what, const char* call) {
+  if (status == cudaSuccess) return;
+  if (status == cudaErrorMemoryAllocation) {
+    int device = -1;
+    if (device_count() == 0 || cudaGetDevice(&device) != cudaSuccess) device = -1;
+    throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__);
+  }
+  detail::throw_cuda(status, call, __FILE__, __LINE__);
 }
 
 void device_free(void* ptr, cudaStream_t stream) noexcept {

@@ -8,10 +8,14 @@
 // stream must be ordered with an event before it is freed (the engine does this).
 //
 // Out of memory must explain itself: "cudaHostAlloc failed: cudaErrorMemoryAllocation" tells a user
-// nothing. An allocation knows its bytes and device but not what it is for, so callers that make
-// big allocations (the loader's batch buffers, the prefetcher's device copies, a model's parameters)
-// name their purpose and the setting to change with an AllocationPurpose on their thread; the
-// OutOfMemoryError then carries the purpose, the tensor, the bytes, the device and that advice.
+// nothing. An allocation knows its bytes and device but not what it is for, so the owners of
+// allocations name their purpose and the setting to change with an AllocationPurpose on their
+// thread; the OutOfMemoryError then carries the purpose, the tensor, the bytes, the device and that
+// advice. The owners: the data loader's batch buffers and the prefetcher's device copies (data/),
+// each replica of a model with its parameters and gradients, each replica's forward and backward
+// (activations) on its worker thread, scatter and gather (engine/parallel/), the optimizers' state
+// (layers/optim.cpp), a training step (layers/train.cpp, the trainer), and every kernel workspace,
+// which names itself (kernels/workspace.h, check_allocation below) inside its caller's purpose.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -46,6 +50,12 @@ class AllocationPurpose {
 // and what to change.
 void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string_view what = {});
 void device_free(void* ptr, cudaStream_t stream) noexcept;
+
+// For device memory allocated on the current device outside device_allocate (a kernel's workspace
+// from cudaMallocAsync): returns when `status` is cudaSuccess; out of memory throws the
+// OutOfMemoryError device_allocate would (the device, `bytes`, `what`, the thread's purpose, the
+// pool's figures and the advice); any other status throws CudaError naming `call`.
+void check_allocation(cudaError_t status, size_t bytes, std::string_view what, const char* call);
 
 // Host memory aligned to 64 bytes; pinned (page-locked, portable across devices) when asked, which
 // asynchronous host-to-device copies need. Throws OutOfMemoryError like device_allocate.

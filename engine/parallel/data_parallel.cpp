@@ -81,8 +81,12 @@ std::vector<TensorList> replicated_forward(ReplicaSet& set, const TensorList& in
   set.keep_until_copied(inputs);  // a pinned host batch is read asynchronously
   set.prepare_forward();
   std::vector<TensorList> outputs(used);
-  set.workers().run(used,
-                    [&](size_t i) { outputs[i] = set.replica(i)->forward_all(replica_inputs[i]); });
+  set.workers().run(used, [&](size_t i) {
+    const cuda::AllocationPurpose purpose(detail::str("replica ", i, "'s forward on cuda:", ids[i],
+                                                      " (activations of ", sizes[i],
+                                                      " of the batch's ", batch, " rows)"));
+    outputs[i] = set.replica(i)->forward_all(replica_inputs[i]);
+  });
   for (size_t i = 1; i < used; ++i) {
     CUDP_CHECK(outputs[i].size() == outputs[0].size(), what, ": replica ", i, " returned ",
                outputs[i].size(), " outputs but replica 0 returned ", outputs[0].size());
@@ -216,8 +220,12 @@ std::vector<TensorList> DataParallel::run_backward(const std::vector<TensorList>
   const size_t used = sizes_.size();
   set_->zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
   std::vector<TensorList> input_grads(used);
-  set_->workers().run(
-      used, [&](size_t i) { input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]); });
+  set_->workers().run(used, [&](size_t i) {
+    const cuda::AllocationPurpose purpose(detail::str("replica ", i, "'s backward on cuda:",
+                                                      device_ids_[i], " (gradients of its ",
+                                                      sizes_[i], " rows)"));
+    input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]);
+  });
   return input_grads;
 }
 
@@ -317,7 +325,7 @@ std::vector<Tensor> flag_on_devices(const Tensor& flag, const std::vector<Device
     Tensor& copy = copies[r];
     if (!copy.defined() || copy.device() != device || copy.shape() != flag.shape() ||
         copy.dtype() != flag.dtype()) {
-      cuda::AllocationPurpose purpose(detail::str("the step's skip flag on ", device));
+      const cuda::AllocationPurpose purpose(detail::str("the step's skip flag on ", device));
       copy = Tensor::empty(flag.shape(), flag.dtype(), device);
     }
     const cudaStream_t stream = cuda::current_stream(device.index);
@@ -330,7 +338,9 @@ std::vector<Tensor> flag_on_devices(const Tensor& flag, const std::vector<Device
   if (!copied.empty()) {
     cuda::DeviceGuard guard(flag.device().index);
     const cudaStream_t stream = cuda::current_stream(flag.device().index);
-    for (const cuda::Event& done : copied) CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+    for (const cuda::Event& done : copied) {
+      CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+    }
   }
   return out;
 }

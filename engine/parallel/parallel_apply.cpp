@@ -8,10 +8,13 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <typeinfo>
 #include <utility>
 
+#include "engine/core/memory.h"
 #include "engine/core/stream.h"
 
 namespace cudp::parallel {
@@ -176,6 +179,9 @@ void DeviceWorkers::run(size_t n, const std::function<void(size_t)>& job) {
   for (size_t i = 0; i < n; ++i) {
     if (devices_[i] >= 0) streams[i] = cuda::current_stream(devices_[i]);
   }
+  // The caller's allocation purpose, which a job on another thread would not see.
+  const std::string purpose = cuda::AllocationPurpose::current_what();
+  const std::string advice = cuda::AllocationPurpose::current_advice();
 
   struct Batch {
     std::mutex mutex;
@@ -194,8 +200,12 @@ void DeviceWorkers::run(size_t n, const std::function<void(size_t)>& job) {
   };
   for (size_t i = 0; i < n; ++i) {
     const int device = devices_[i];
-    auto task = [&batch, &job, &finish, i, device, stream = streams[i]] {
+    const bool inline_job = workers_[i]->is_calling_thread();
+    auto task = [&batch, &job, &finish, &purpose, &advice, inline_job, i, device,
+                 stream = streams[i]] {
       try {
+        std::optional<cuda::AllocationPurpose> carried;
+        if (!inline_job && (!purpose.empty() || !advice.empty())) carried.emplace(purpose, advice);
         if (device >= 0) {
           cuda::DeviceGuard device_guard(device);
           cuda::StreamGuard stream_guard(device, stream);
@@ -209,7 +219,7 @@ void DeviceWorkers::run(size_t n, const std::function<void(size_t)>& job) {
       finish(1);
     };
     try {
-      if (workers_[i]->is_calling_thread()) {
+      if (inline_job) {
         task();
       } else {
         workers_[i]->post(std::move(task));

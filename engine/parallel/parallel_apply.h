@@ -13,6 +13,10 @@
 // everything a replica enqueues lands on the stream the caller would have used: events recorded by
 // the caller afterwards (comm.h, scatter_gather.h) order later work after the replica's.
 //
+// Allocation purposes. The caller's cuda::AllocationPurpose (engine/core/memory.h) applies to the
+// jobs too, as its streams do, so an out-of-memory error in a replica says what the caller was
+// doing; a job may add its own inside it.
+//
 // Exceptions. A job that throws does not stop the others; run() waits for all of them and re-raises
 // the first failure (by index) on the caller as PyTorch words it: "Caught ValueError in replica 1
 // on device 1: <message>". The type stays a cudp type (ValueError, OutOfMemoryError, CudaError,

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "engine/core/memory.h"
 #include "layers/dropout.h"
 
 namespace cudp::parallel {
@@ -66,10 +67,22 @@ ReplicaSet::ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& d
   check_device_ids(devices_, "replicate");
   check_module_device(*module, devices_[0]);
   replicas_.push_back(std::move(module));
+  const std::string advice =
+      "Every GPU holds a whole copy of the model with its gradients and optimizer state: use a "
+      "smaller model, or GPUs with more free memory.";
   for (size_t r = 1; r < devices_.size(); ++r) {
+    const cuda::AllocationPurpose purpose(
+        detail::str("replica ", r, " of the model on cuda:", devices_[r],
+                    " (a copy of its parameters, gradients and buffers)"),
+        advice);
     replicas_.push_back(replicas_[0]->clone(Device::cuda(devices_[r])));
   }
-  for (const auto& replica : replicas_) {
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    const auto& replica = replicas_[r];
+    const cuda::AllocationPurpose purpose(
+        detail::str("the flat parameter and gradient buffers of replica ", r, " on cuda:",
+                    devices_[r]),
+        advice);
     std::pair<Tensor, Tensor> flat;
     try {
       flat = replica->flatten_parameters();

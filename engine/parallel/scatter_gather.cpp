@@ -6,6 +6,7 @@
 #include <numeric>
 #include <set>
 
+#include "engine/core/memory.h"
 #include "engine/core/stream.h"
 
 namespace cudp::parallel {
@@ -103,6 +104,8 @@ TensorList scatter(const Tensor& input, const std::vector<int>& device_ids,
       continue;
     }
     cuda::DeviceGuard guard(device);
+    const cuda::AllocationPurpose purpose(
+        detail::str("scatter: chunk ", i, " (", sizes[i], " rows) on cuda:", device));
     Tensor chunk = Tensor::empty(piece.shape(), piece.dtype(), Device::cuda(device));
     if (from_gpu) wait(device, source_ready);
     copy_bytes(chunk, piece, cuda::current_stream(device));
@@ -153,6 +156,8 @@ Tensor gather(const TensorList& tensors, int output_device, int dim) {
 
   Shape shape = first.shape();
   shape[0] = rows;
+  const cuda::AllocationPurpose purpose(
+      detail::str("gather: ", rows, " rows from ", parts.size(), " replicas on ", out));
   Tensor result = Tensor::empty(shape, first.dtype(), out);
   if (out.is_cpu()) {
     // The caller reads the host tensor right away: each copy completes before the next.

@@ -30,7 +30,7 @@
 // at them: no host synchronisation per step. --on-nan skip-step decides on the device: a flag
 // computed there from the loss and the norm (nonfinite_flag) is copied to every replica and the
 // optimizer skips the update there (Optimizer::step(skip), layers/optim.h); the host names the
-// skipped steps at the next read point and counts them, from the optimizer, at the end of the epoch.
+// skipped steps at the next read point and counts them, from the optimizer, at the epoch's end.
 //
 // The divergence guard: a non-finite loss or gradient norm stops the run (exit 1) with the step, the
 // epoch and the last good checkpoint; before any checkpoint is written the model's state is checked
@@ -714,7 +714,13 @@ int run(Options o) {
     save_test_set(o.save_test_set, d, lo.normalization, static_cast<int>(o.workers));
   }
 
-  auto net = build_model(o, d);
+  const std::string model_advice =
+      "The model does not fit: choose a smaller --arch, or --head compact.";
+  std::shared_ptr<Vgg> net;
+  {
+    const cuda::AllocationPurpose purpose("the model's parameters on the host", model_advice);
+    net = build_model(o, d);
+  }
   const Precision precision = parse_precision(o.precision);
   net->set_precision(precision);
   for (int g : gpus) {
@@ -743,7 +749,12 @@ int run(Options o) {
     std::printf("resumed from %s at epoch %lld (step %lld)\n", resume_file.c_str(),
                 static_cast<long long>(start_epoch), static_cast<long long>(global_step));
   }
-  net->to(main_device);
+  {
+    const cuda::AllocationPurpose purpose(
+        detail::str("the model's parameters, gradients and buffers on ", main_device),
+        model_advice);
+    net->to(main_device);
+  }
 
   // Without a GPU, DataParallel runs the module as it is (PyTorch's behaviour).
   auto wrapped = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
@@ -811,7 +822,12 @@ int run(Options o) {
     double loss, top1, top5;
   };
   StepResults eval_results(feed_device, /*training=*/false);
+  const std::string batch_advice = detail::str(
+      "Reduce the batch size (--batch-size, now ", o.batch_size, "): each GPU holds the "
+      "activations of its share of a batch.");
   const auto evaluate = [&]() {
+    const cuda::AllocationPurpose purpose(
+        detail::str("evaluation (batches of ", o.batch_size, " test images)"), batch_advice);
     model.eval();
     eval_results.reset();
     test_feed.start_epoch(0);
@@ -876,6 +892,8 @@ int run(Options o) {
   const auto run_start = Clock::now();
   double train_seconds = 0;
   for (int64_t epoch = start_epoch; epoch < end_epoch; ++epoch) {
+    std::optional<cuda::AllocationPurpose> purpose;  // ends before the evaluation
+    purpose.emplace(detail::str("training (batches of ", o.batch_size, " images)"), batch_advice);
     const auto epoch_start = Clock::now();
     train_feed.start_epoch(static_cast<int>(epoch));
     results.reset();
@@ -941,6 +959,7 @@ int run(Options o) {
     train_seconds += epoch_seconds;
     const double train_loss = results.mean_loss(), train_top1 = results.top1(),
                  train_top5 = results.top5();
+    purpose.reset();  // the epoch's training allocations end here
     const Eval test = evaluate();
     if (tty) std::printf("\n");
     std::printf("epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "

@@ -9,7 +9,9 @@
 
 #include "common/gpu.h"
 #include "engine/core/memory.h"
+#include "engine/core/stream.h"
 #include "engine/core/tensor.h"
+#include "kernels/workspace.h"
 
 namespace cudp {
 namespace {
@@ -53,6 +55,25 @@ TEST(OutOfMemoryGpu, APinnedAllocationFailureNamesBytesPurposeAndAdvice) {
                          "(a tensor [1125899906842624] u8)", "pin_memory"});
   Tensor t = Tensor::full({10}, 1.0f).pin_memory();
   EXPECT_TRUE(t.is_pinned());
+}
+
+// A kernel's workspace (kernels/workspace.h) that cannot be had names itself, its bytes and the
+// device inside the purpose of whoever launched the kernel; the device stays usable.
+TEST(OutOfMemoryGpu, AKernelWorkspaceFailureNamesItselfTheBytesAndThePurpose) {
+  CUDP_REQUIRE_GPU();
+  const cudaStream_t stream = cuda::current_stream(0);
+  const std::string what = message_of([&] {
+    cuda::AllocationPurpose purpose("the test's step", "Use a smaller test batch.");
+    kernels::Workspace ws(size_t{1} << 50, stream, "the test's partial sums");
+  });
+  expect_contains(what, {"CUDA out of memory on cuda:0", "1125899906842624 bytes",
+                         "for the test's step (the test's partial sums)", "free of",
+                         "Use a smaller test batch."});
+  const std::string plain =
+      message_of([&] { kernels::Workspace ws(size_t{1} << 50, stream); });
+  expect_contains(plain, {"(a kernel's workspace)", "Reduce the batch size (--batch-size)"});
+  kernels::Workspace fine(1 << 20, stream);
+  EXPECT_NE(fine.get(), nullptr);
 }
 
 }  // namespace

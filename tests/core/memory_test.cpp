@@ -107,6 +107,39 @@ TEST(OutOfMemory, AFailedCudaAllocationCallNamesThePurposeAndTheAdvice) {
        "for conv2d's split-K workspace", "Use a smaller batch."}));
 }
 
+// What a kernel's Workspace calls with cudaMallocAsync's status (kernels/workspace.h): out of
+// memory names the bytes, the workspace and the purpose its caller set; another failure stays a
+// CudaError naming the call; success passes.
+TEST(OutOfMemory, AFailedWorkspaceAllocationNamesItsBytesWhatAndPurpose) {
+  EXPECT_NO_THROW(cuda::check_allocation(cudaSuccess, 1 << 20, "x", "cudaMallocAsync"));
+  cuda::AllocationPurpose purpose("replica 1's backward on cuda:1", "Use a smaller batch.");
+  EXPECT_TRUE(throws_with<OutOfMemoryError>(
+      [] {
+        cuda::check_allocation(cudaErrorMemoryAllocation, 3 << 20, "the GEMM's split-K partials",
+                               "cudaMallocAsync");
+      },
+      {"CUDA out of memory", "3.00 MiB (3145728 bytes)",
+       "for replica 1's backward on cuda:1 (the GEMM's split-K partials)",
+       "Use a smaller batch."}));
+  try {
+    cuda::check_allocation(cudaErrorInvalidValue, 8, "x", "cudaMallocAsync(&p, 8, s)");
+    ADD_FAILURE() << "no exception";
+  } catch (const OutOfMemoryError& e) {
+    ADD_FAILURE() << "an invalid value is not out of memory: " << e.what();
+  } catch (const CudaError& e) {
+    EXPECT_EQ(e.code(), cudaErrorInvalidValue);
+    EXPECT_NE(std::string(e.what()).find("cudaMallocAsync(&p, 8, s) failed"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(OutOfMemory, APurposeWithAdviceAloneAddsNoEmptyName) {
+  cuda::AllocationPurpose outer("", "Use fewer workers.");
+  cuda::AllocationPurpose inner("batch buffer 2");
+  EXPECT_EQ(cuda::AllocationPurpose::current_what(), "batch buffer 2");
+  EXPECT_EQ(cuda::AllocationPurpose::current_advice(), "Use fewer workers.");
+}
+
 TEST(OutOfMemory, PurposesNestAndUnwind) {
   EXPECT_EQ(cuda::AllocationPurpose::current_what(), "");
   {

@@ -152,8 +152,9 @@ TEST(GatedStepGpu, SkippedCallsWriteNothingAndTheRestMatchesCpu) {
       const auto gg = upload_at(grad, offset);
       // The flag the trainer's step writes: the loss (here finite) and the norm (NaN or not).
       nonfinite_flag(finite.get(), skips[t] ? nan.get() : finite.get(), flag.get(), nullptr);
-      const std::vector<float> p_before = download_at(pg, offset), b_before = download_at(bg, offset),
-                               a_before = download_at(apg, offset);
+      const std::vector<float> p_before = download_at(pg, offset);
+      const std::vector<float> b_before = download_at(bg, offset);
+      const std::vector<float> a_before = download_at(apg, offset);
       sgd_step(pg.get() + offset, gg.get() + offset, bg.get() + offset, kOdd, 0.05, 0.9, 0.1, 5e-4,
                false, int64_t(t), StepGate{flag.get(), sgd_counts.get() + 1, 0}, nullptr);
       count_skipped_step(flag.get(), sgd_counts.get(), true, nullptr);
@@ -192,7 +193,8 @@ TEST(GatedStepGpu, NonfiniteFlagOnTheDevice) {
   const auto check = [&](const float* a, const float* b, int32_t expected) {
     flag.fill(-1);
     nonfinite_flag(a, b, flag.get(), nullptr);
-    EXPECT_EQ(flag.download()[0], expected) << (a - values.get()) << ", " << (b ? b - values.get() : -1);
+    EXPECT_EQ(flag.download()[0], expected)
+        << (a - values.get()) << ", " << (b ? b - values.get() : -1);
   };
   check(at(0), at(1), 0);
   check(at(5), nullptr, 0);

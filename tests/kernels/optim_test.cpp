@@ -150,7 +150,7 @@ TEST(NormCpu, SumOfSquaresNormAndClipping) {
   EXPECT_EQ(s, 0.f);
 }
 
-// ---- gated steps (StepGate) ----------------------------------------------------------------------
+// ---- gated steps (StepGate) ---------------------------------------------------------------------
 
 // A gated run issues calls 0..4 and skips calls 0 and 2 (flags on the "device", here host memory),
 // counting the skips with count_skipped_step as Optimizer does and never folding them, so every
@@ -162,8 +162,9 @@ TEST(GatedStepCpu, SkippedCallsWriteNothingAndDoNotCount) {
   const int n = 29;
   const std::vector<int32_t> skips = {1, 0, 1, 0, 0};
   const std::vector<float> nans(n, std::nanf(""));
-  for (const SgdConfig& cfg : {SgdConfig{0.05, 0.9, 0.1, 1e-2, false},
-                               SgdConfig{0.05, 0.9, 0, 5e-4, true}, SgdConfig{0.1, 0, 0, 0, false}}) {
+  for (const SgdConfig& cfg :
+       {SgdConfig{0.05, 0.9, 0.1, 1e-2, false}, SgdConfig{0.05, 0.9, 0, 5e-4, true},
+        SgdConfig{0.1, 0, 0, 0, false}}) {
     SCOPED_TRACE(::testing::Message() << "SGD momentum " << cfg.momentum << " nesterov "
                                       << cfg.nesterov);
     std::vector<float> p = testing::random_vector(n, 11), buf(n, testing::kPoison);

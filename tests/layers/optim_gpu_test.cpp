@@ -8,6 +8,7 @@
 
 #include "common/compare.h"
 #include "common/gpu.h"
+#include "common/memory_hog.h"
 #include "layers/activation.h"
 #include "layers/linear.h"
 #include "layers/optim.h"
@@ -136,7 +137,7 @@ TEST(OptimGpu, ClipGradNormMatchesCpu) {
   }
 }
 
-// ---- step(skip) on the device --------------------------------------------------------------------
+// ---- step(skip) on the device -------------------------------------------------------------------
 
 std::map<std::string, std::vector<unsigned char>> bytes_of(const TensorMap& tensors) {
   std::map<std::string, std::vector<unsigned char>> out;
@@ -210,6 +211,32 @@ TEST(OptimGpu, AdamWSkipsOnTheDevice) {
   const AdamWOptions o{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.95, .weight_decay = 0.05};
   for (const bool flat : {false, true}) {
     for (const bool read : {false, true}) expect_gpu_skips<AdamW>(o, flat, read);
+  }
+}
+
+// The optimizer's state is allocated at the first step; when it does not fit, the error names the
+// optimizer, its state and what to change.
+TEST(OptimGpu, OutOfMemoryForTheStateNamesTheOptimizer) {
+  CUDP_REQUIRE_GPU();
+  auto model = std::make_shared<Linear>(4096, 4096, true, 3);  // 64 MiB of weights
+  model->to(kGpu);
+  AdamW adamw(model->parameters(), {.lr = 1e-3});
+  std::string what;
+  {
+    testing::MemoryHog hog(0, size_t{16} << 20);
+    ASSERT_LT(hog.free_bytes(), size_t{64} << 20);
+    try {
+      adamw.step();
+      ADD_FAILURE() << "the state fitted in " << hog.free_bytes() << " free bytes";
+    } catch (const OutOfMemoryError& e) {
+      what = e.what();
+    }
+  }
+  for (const std::string part : {"CUDA out of memory on cuda:0", "67108864 bytes",
+                                 "for AdamW's exp_avg and exp_avg_sq (2 fp32 copies of the "
+                                 "parameters)",
+                                 "SGD without momentum"}) {
+    EXPECT_NE(what.find(part), std::string::npos) << "lacks \"" << part << "\": " << what;
   }
 }
 

@@ -30,6 +30,7 @@
 
 #include "common/compare.h"
 #include "common/gpu.h"
+#include "common/memory_hog.h"
 #include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
 #include "layers/flatten.h"
@@ -419,7 +420,8 @@ TEST(DataParallelGpu, GradientAccumulationMatchesOneDevice) {
 // bit, a run on the same devices that was never issued the skipped calls.
 template <class Opt>
 void expect_replicas_skip_together(const typename Replicated<Opt>::Options& options) {
-  auto net = std::make_shared<Linear>(32, 16, true, 9), ref_net = std::make_shared<Linear>(32, 16, true, 9);
+  auto net = std::make_shared<Linear>(32, 16, true, 9);
+  auto ref_net = std::make_shared<Linear>(32, 16, true, 9);
   net->cuda(0);
   ref_net->cuda(0);
   DataParallel model(net, {0, 1}), ref_model(ref_net, {0, 1});
@@ -468,6 +470,57 @@ TEST(DataParallelGpu, ReplicatedSkipFlagSkipsEveryReplica) {
   CUDP_REQUIRE_GPUS(2);
   expect_replicas_skip_together<SGD>(kSgd);
   expect_replicas_skip_together<AdamW>({.lr = 1e-3, .weight_decay = 0.01});
+}
+
+// Out of memory in a replica's forward names the replica, its device, its share of the batch and
+// what the caller was doing (its purpose reaches the worker thread), with the caller's advice.
+TEST(DataParallelGpu, OutOfMemoryNamesTheReplicaItsShareAndTheCallersPurpose) {
+  CUDP_REQUIRE_GPU();
+  auto net = small_vgg(/*batch_norm=*/false, 0);
+  DataParallel model(net, {0});
+  const Batch batch = make_batch(512, 77);  // 128 MiB for the first convolution's output alone
+  std::string what;
+  {
+    testing::MemoryHog hog(0, size_t{32} << 20);
+    ASSERT_LT(hog.free_bytes(), size_t{128} << 20);
+    const cuda::AllocationPurpose purpose("the test's training step", "Use a smaller test batch.");
+    try {
+      model.forward(batch.images);
+      ADD_FAILURE() << "the forward fitted in " << hog.free_bytes() << " free bytes";
+    } catch (const OutOfMemoryError& e) {
+      what = e.what();
+    }
+  }
+  for (const std::string part :
+       {"Caught OutOfMemoryError in replica 0 on device 0", "CUDA out of memory on cuda:0",
+        "for the test's training step: replica 0's forward on cuda:0 (activations of 512 of the "
+        "batch's 512 rows)",
+        "Use a smaller test batch."}) {
+    EXPECT_NE(what.find(part), std::string::npos) << "lacks \"" << part << "\": " << what;
+  }
+}
+
+// Out of memory while copying the model to another GPU names the replica and what to change.
+TEST(DataParallelGpu, OutOfMemoryWhileReplicatingNamesTheReplica) {
+  CUDP_REQUIRE_GPUS(2);
+  auto net = small_vgg(/*batch_norm=*/true, 0);
+  std::string what;
+  {
+    testing::MemoryHog hog(1, size_t{4} << 20);
+    ASSERT_LT(hog.free_bytes(), size_t{16} << 20);
+    try {
+      DataParallel model(net, {0, 1});
+      ADD_FAILURE() << "the replica fitted in " << hog.free_bytes() << " free bytes";
+    } catch (const OutOfMemoryError& e) {
+      what = e.what();
+    }
+  }
+  for (const std::string part :
+       {"CUDA out of memory on cuda:1",
+        "for replica 1 of the model on cuda:1 (a copy of its parameters, gradients and buffers)",
+        "Every GPU holds a whole copy of the model"}) {
+    EXPECT_NE(what.find(part), std::string::npos) << "lacks \"" << part << "\": " << what;
+  }
 }
 
 // A scheduler drives the primary optimizer; every replica takes its learning rate and momentum.

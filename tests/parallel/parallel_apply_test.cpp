@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "engine/core/memory.h"
 #include "engine/parallel/parallel_apply.h"
 
 namespace cudp::parallel {
@@ -111,6 +112,31 @@ TEST(DeviceWorkers, ANestedRunOnTheSameWorkerRunsInline) {
     nested.run([&](size_t) { ++inner; });  // would wait for itself if it were queued
   });
   EXPECT_EQ(inner, 1);
+}
+
+// An out-of-memory error in a replica says what the caller was doing: the caller's allocation
+// purpose applies on the worker threads, once (also to a nested run inline), and ends with the job.
+TEST(DeviceWorkers, JobsAllocateUnderTheCallersPurpose) {
+  DeviceWorkers workers({-1, -1});
+  std::vector<std::string> what(2), advice(2), nested(2);
+  {
+    cuda::AllocationPurpose purpose("the test's step", "Use a smaller test.");
+    workers.run([&](size_t i) {
+      const cuda::AllocationPurpose inner("replica " + std::to_string(i));
+      what[i] = cuda::AllocationPurpose::current_what();
+      advice[i] = cuda::AllocationPurpose::current_advice();
+      DeviceWorkers same({-1});
+      same.run([&](size_t) { nested[i] = cuda::AllocationPurpose::current_what(); });
+    });
+  }
+  EXPECT_EQ(what, (std::vector<std::string>{"the test's step: replica 0",
+                                            "the test's step: replica 1"}));
+  EXPECT_EQ(advice, (std::vector<std::string>{"Use a smaller test.", "Use a smaller test."}));
+  EXPECT_EQ(nested[0], "the test's step: replica 0");
+  // Without a purpose on the caller, none on the workers (the last one ended with its job).
+  std::vector<std::string> none(2, "unset");
+  workers.run([&](size_t i) { none[i] = cuda::AllocationPurpose::current_what(); });
+  EXPECT_EQ(none, (std::vector<std::string>{"", ""}));
 }
 
 TEST(DeviceWorkers, InvalidDeviceIsRefused) {
