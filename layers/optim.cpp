@@ -571,10 +571,24 @@ Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
   float* norm = total.data<float>();
 
   if (const std::optional<Flat> flat = find_flat(params)) {
+    // One norm over the flat span (its padding is zero), then each parameter scaled, not the
+    // span: a non-finite norm makes the coefficient NaN, and NaN times the padding's zeros would
+    // leave NaN in the padding, in every later norm over the span, for good.
     on_device(
-        device, [&] { kernels::clip_grad_norm_cpu(flat->grad, flat->n, max, norm); },
+        device,
+        [&] {
+          kernels::global_norm_cpu(flat->grad, flat->n, norm);
+          for (Parameter* p : params) {
+            kernels::scale_by_clip_coefficient_cpu(p->grad.data<float>(), p->grad.numel(), norm,
+                                                   max);
+          }
+        },
         [&](cudaStream_t stream) {
-          kernels::clip_grad_norm(flat->grad, flat->n, max, norm, stream);
+          kernels::global_norm(flat->grad, flat->n, norm, stream);
+          for (Parameter* p : params) {
+            kernels::scale_by_clip_coefficient(p->grad.data<float>(), p->grad.numel(), norm, max,
+                                               stream);
+          }
         });
     return total;
   }

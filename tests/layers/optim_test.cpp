@@ -472,6 +472,25 @@ void expect_skipped_steps_change_nothing(const Options& options, bool flat, bool
   EXPECT_EQ(gated.steps(), 4);
 }
 
+// A non-finite gradient norm over flat parameters (the trainer's skip-step case) scales the
+// gradients by NaN; the zero padding between parameters in the flat buffer must stay zero, or every
+// later norm over the buffer would be NaN and every later step skipped.
+TEST(OptimizerSkip, ANonFiniteNormLeavesTheFlatPaddingZero) {
+  auto model = small_model();
+  model->flatten_parameters();  // 35 + 7 + 21 + 3 floats: padding after each
+  set_nan_grads(*model);
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isnan(clip_grad_norm(model->parameters(), inf).to_vector<float>()[0]));
+  set_grads(*model, 1);
+  const float norm = clip_grad_norm(model->parameters(), inf).to_vector<float>()[0];
+  EXPECT_TRUE(std::isfinite(norm)) << norm;
+  double sum = 0;
+  for (Parameter* p : model->parameters()) {
+    for (float g : p->grad.to_vector<float>()) sum += double(g) * g;
+  }
+  EXPECT_NEAR(norm, std::sqrt(sum), 1e-5 * std::sqrt(sum));
+}
+
 TEST(OptimizerSkip, SgdSkippedStepsChangeNothing) {
   const SGDOptions o{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 5e-4};
   for (const bool flat : {false, true}) {

@@ -53,16 +53,14 @@ struct Tolerances {
 };
 constexpr Tolerances kFp32{kNormwise, kNormwise, kElementwise, kSteps};
 
-// bf16 products (layers/precision.h) against the same float64 reference. Each of the model's 11
-// products (8 convolutions, 3 linear layers) rounds both of its operands to bf16, a relative error
-// of at most u = 2^-9 each, so to first order a forward's relative error is at most 2u per
-// product, 22u in all (BatchNorm renormalises after each convolution, so layers add, they do not
-// multiply); a gradient also goes through the backward's roundings (dy and w, x and dy: 2u more
-// per product), 44u in all. The updates after K steps are made of gradients: 44u. These are
-// worst-case sums of first-order terms; rounding errors of random sign give far less. A real bug
-// (a wrong layout, a missing term) gives errors of order 1.
+// The forward of bf16 products (layers/precision.h) against the float64 reference. Each of the
+// model's 11 products (8 convolutions, 3 linear layers) rounds both of its operands to bf16, a
+// relative error of at most u = 2^-9 each, so to first order a forward's relative error is at most
+// 2u per product, 22u in all (BatchNorm renormalises after each convolution, so layers add, they
+// do not multiply). A real bug (a wrong layout, a missing term) gives errors of order 1. Only the
+// forward is held to it: see the bf16 test for why gradients are compared like with like.
 constexpr double kBf16Unit = 1.0 / 512;
-constexpr Tolerances kBf16{22 * kBf16Unit, 44 * kBf16Unit, 44 * kBf16Unit, 44 * kBf16Unit};
+constexpr Tolerances kBf16{22 * kBf16Unit, 22 * kBf16Unit, 22 * kBf16Unit, 22 * kBf16Unit};
 
 std::string golden_path() {
   const char* dir = std::getenv("CUDP_GOLDEN_DIR");
@@ -182,10 +180,9 @@ double largest_norm(const TensorMap& tensors, const TensorMap* subtract = nullpt
   return largest;
 }
 
-// One run of the golden procedure on `device` under `precision`, compared at every point the file
-// records within `tol`.
-void check_against_golden(Device device, Precision precision = Precision::fp32,
-                          const Tolerances& tol = kFp32) {
+// One run of the golden procedure on `device` under `precision`, recorded under the golden file's
+// names: logits, loss, grad.<name> (first step), losses (each step's), final.<name> (after K steps).
+TensorMap run_procedure(Device device, Precision precision) {
   const SafetensorsFile& g = *golden();
   const int k_steps = static_cast<int>(metadata_number("k_steps"));
   const TensorMap init = with_prefix(g.tensors, "init.");
@@ -206,6 +203,7 @@ void check_against_golden(Device device, Precision precision = Precision::fp32,
   const Tensor images = nchw_to_nhwc(g.tensors.at("input")).to(device);
   const Tensor labels = g.tensors.at("labels").to(device);
 
+  TensorMap record;
   std::vector<float> losses;
   for (int step = 0; step < k_steps; ++step) {
     sgd.zero_grad();
@@ -214,47 +212,54 @@ void check_against_golden(Device device, Precision precision = Precision::fp32,
     model->backward(criterion.backward());
     losses.push_back(criterion.item());
     if (step == 0) {
-      if (precision != Precision::fp32) {  // what the bound is measured against, for the record
-        const std::vector<float> a = logits.to_vector<float>();
-        const std::vector<float> b = g.tensors.at("logits").to_vector<float>();
-        double diff = 0, norm = 0;
-        for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-          diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-          norm += double(b[i]) * b[i];
-        }
-        std::printf("%s: logits' normwise error against float64 %.3g (bound %.3g)\n",
-                    precision_name(precision), std::sqrt(diff / norm), tol.forward);
-      }
-      EXPECT_TRUE(matches(logits.to_vector<float>(), g.tensors.at("logits").to_vector<float>(),
-                          tol.forward, tol.elementwise))
-          << "logits";
-      EXPECT_TRUE(matches({losses[0]}, g.tensors.at("loss").to_vector<float>(), tol.forward,
-                          tol.elementwise))
-          << "loss";
-      const TensorMap expected = with_prefix(g.tensors, "grad.");
-      const TensorMap grads = gradients(*model);
-      const double scale = largest_norm(expected);
-      EXPECT_EQ(grads.size(), expected.size());
-      for (const auto& [name, t] : expected) {
-        ASSERT_EQ(grads.count(name), 1u) << "cudp has no parameter " << name;
-        EXPECT_EQ(grads.at(name).shape(), t.shape()) << name;
-        EXPECT_TRUE(matches(grads.at(name).to_vector<float>(), t.to_vector<float>(), tol.gradient,
-                            tol.elementwise, scale))
-            << "gradient of " << name;
-      }
+      record.emplace("logits", logits.cpu());
+      record.emplace("loss", Tensor::from_vector(std::vector<float>{losses[0]}, {1}));
+      for (auto& [name, t] : gradients(*model)) record.emplace("grad." + name, t.cpu());
     }
     sgd.step();
   }
+  record.emplace("losses",
+                 Tensor::from_vector(losses, {static_cast<int64_t>(losses.size())}));
+  for (auto& [name, t] : model->state_dict()) record.emplace("final." + name, t.cpu());
+  return record;
+}
+
+// Compares a run's record with `expected` (the golden file's tensors or another run's record) at
+// every point, within `tol`. The updates after K steps are compared as changes from the golden
+// file's initial state.
+void compare(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol) {
+  const TensorMap init = with_prefix(golden()->tensors, "init.");
+  const int k_steps = static_cast<int>(metadata_number("k_steps"));
+  auto values = [](const TensorMap& m, const std::string& key) {
+    return m.at(key).to_vector<float>();
+  };
+  EXPECT_TRUE(matches(values(actual, "logits"), values(expected, "logits"), tol.forward,
+                      tol.elementwise))
+      << "logits";
   EXPECT_TRUE(
-      matches(losses, g.tensors.at("losses").to_vector<float>(), tol.forward, tol.elementwise))
+      matches(values(actual, "loss"), values(expected, "loss"), tol.forward, tol.elementwise))
+      << "loss";
+  const TensorMap expected_grads = with_prefix(expected, "grad.");
+  const TensorMap grads = with_prefix(actual, "grad.");
+  const double scale = largest_norm(expected_grads);
+  EXPECT_EQ(grads.size(), expected_grads.size());
+  for (const auto& [name, t] : expected_grads) {
+    ASSERT_EQ(grads.count(name), 1u) << "cudp has no parameter " << name;
+    EXPECT_EQ(grads.at(name).shape(), t.shape()) << name;
+    EXPECT_TRUE(matches(grads.at(name).to_vector<float>(), t.to_vector<float>(), tol.gradient,
+                        tol.elementwise, scale))
+        << "gradient of " << name;
+  }
+  EXPECT_TRUE(
+      matches(values(actual, "losses"), values(expected, "losses"), tol.forward, tol.elementwise))
       << "losses";
 
   // Parameters and running statistics after K steps, as the change training made.
-  const TensorMap final_state = model->state_dict();
-  const TensorMap expected = with_prefix(g.tensors, "final.");
-  EXPECT_EQ(final_state.size(), expected.size());
-  const double change_scale = largest_norm(expected, &init);
-  for (const auto& [name, t] : expected) {
+  const TensorMap final_state = with_prefix(actual, "final.");
+  const TensorMap expected_final = with_prefix(expected, "final.");
+  EXPECT_EQ(final_state.size(), expected_final.size());
+  const double change_scale = largest_norm(expected_final, &init);
+  for (const auto& [name, t] : expected_final) {
     ASSERT_EQ(final_state.count(name), 1u) << "cudp has no state " << name;
     const Tensor& ours = final_state.at(name);
     if (t.dtype() == DType::i64) {  // num_batches_tracked
@@ -268,17 +273,61 @@ void check_against_golden(Device device, Precision precision = Precision::fp32,
   }
 }
 
+// The normwise relative difference of two runs' logits (for the record in the test's output).
+double logits_error(const TensorMap& actual, const TensorMap& expected) {
+  const std::vector<float> a = actual.at("logits").to_vector<float>();
+  const std::vector<float> b = expected.at("logits").to_vector<float>();
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    norm += double(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+void check_against_golden(Device device) {
+  compare(run_procedure(device, Precision::fp32), golden()->tensors, kFp32);
+}
+
 TEST(GoldenVgg11Bn, CudaMatchesPyTorch) {
   CUDP_REQUIRE_GPU();
   CUDP_REQUIRE_GOLDEN();
   check_against_golden(Device::cuda(0));
 }
 
-// The bf16 policy on tensor cores against the float64 reference, within bf16's bounds (kBf16).
-TEST(GoldenVgg11Bn, CudaBf16MatchesPyTorchWithinBf16Rounding) {
+// The bf16 policy on tensor cores. Its forward against the float64 reference within kBf16's first-
+// order bound (22u). Its gradients and updates differ from the exact ones far more than first order
+// suggests: bf16's roundings move activations by up to 2^-8 relative, which changes ReLU and
+// max-pool decisions and so where gradients flow (measured on this model: 0.14-0.36 normwise on the
+// convolutions' weight gradients, in cudp's CPU emulation as on the GPU; PyTorch's autocast does the
+// same). So they are compared like with like: the GPU run against the CPU path under the same
+// policy, which rounds the same operands the same way and sums in double (layers/precision.h). What
+// separates the two is fp32 against double summation (~1e-6 relative, the fp32 test's figure) and
+// what that does to the rare bf16 rounding or ReLU/pooling decision that lies within it: a few
+// activations out of ~10^5 rounded one bf16 unit the other way, and well under one rerouted
+// gradient per run expected; 2e-2 normwise and elementwise leaves room for one such event in a
+// small layer, and is ten times below what skipping bf16's rounding or a kernel bug would give.
+constexpr Tolerances kLikeForLike{2e-2, 2e-2, 2e-2, 2e-2};
+
+TEST(GoldenVgg11Bn, CudaBf16MatchesTheCpuPathAndPyTorchsForward) {
   CUDP_REQUIRE_TENSOR_CORES();
   CUDP_REQUIRE_GOLDEN();
-  check_against_golden(Device::cuda(0), Precision::bf16, kBf16);
+  const TensorMap cpu = run_procedure(Device::cpu(), Precision::bf16);
+  const TensorMap gpu = run_procedure(Device::cuda(0), Precision::bf16);
+  const TensorMap& exact = golden()->tensors;
+  std::printf("bf16 logits' normwise error: GPU against float64 %.3g, CPU emulation against float64 "
+              "%.3g (bound %.3g), GPU against the CPU emulation %.3g\n",
+              logits_error(gpu, exact), logits_error(cpu, exact), kBf16.forward,
+              logits_error(gpu, cpu));
+  for (const TensorMap* run : {&cpu, &gpu}) {
+    EXPECT_TRUE(matches(run->at("logits").to_vector<float>(), exact.at("logits").to_vector<float>(),
+                        kBf16.forward, kBf16.elementwise))
+        << (run == &cpu ? "CPU" : "GPU") << " logits against float64";
+    EXPECT_TRUE(matches(run->at("loss").to_vector<float>(), exact.at("loss").to_vector<float>(),
+                        kBf16.forward, kBf16.elementwise))
+        << (run == &cpu ? "CPU" : "GPU") << " loss against float64";
+  }
+  compare(gpu, cpu, kLikeForLike);
 }
 
 TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
