@@ -203,7 +203,9 @@ if [[ $report_only == 0 ]]; then
   fi
 fi
 
-collect_machine
+# --report-only rebuilds from the raw results as they are, the machine's description included (this
+# machine may not be the one that ran them).
+[[ $report_only == 1 && -f $raw/machine.json ]] || collect_machine
 python3 bench/report.py --raw "$raw" --out bench/report
 report_rc=$?
 if [[ -n ${OUT:-} && $report_rc == 0 ]]; then
