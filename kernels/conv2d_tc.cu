@@ -136,14 +136,15 @@ int pow2_divisor(int v, int cap) {
   return d;
 }
 
-// Output tiles as patches of wb x hb x nb = 128 pixels: as wide as Q allows (a power of two that
-// divides it), then as tall as P allows, then across images; for VGG's sizes (224 .. 2) the
-// patches tile the output exactly.
-sm90::PatchTiles patch_tiles(const Conv2dShape& s, int k_block) {
+// Output pixels as patches of wb x hb x nb = `pixels` (a power of two): as wide as Q allows (a power
+// of two that divides it), then as tall as P allows, then across images; for VGG's sizes (224 .. 2)
+// the patches tile the output exactly. The forward's tiles are 128-pixel patches (its rows), with
+// C in blocks of the k-block; backward-weight's k-blocks are 64-pixel patches, C in blocks of 64.
+sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block) {
   sm90::PatchTiles t;
-  t.wb = pow2_divisor(s.q(), 128);
-  t.hb = pow2_divisor(s.p(), 128 / t.wb);
-  t.nb = 128 / (t.wb * t.hb);
+  t.wb = pow2_divisor(s.q(), pixels);
+  t.hb = pow2_divisor(s.p(), pixels / t.wb);
+  t.nb = pixels / (t.wb * t.hb);
   t.q = s.q();
   t.p = s.p();
   t.n = s.n;
@@ -151,9 +152,10 @@ sm90::PatchTiles patch_tiles(const Conv2dShape& s, int k_block) {
   t.tiles_p = (t.p + t.hb - 1) / t.hb;
   t.tiles_n = (t.n + t.nb - 1) / t.nb;
   t.s = s.s;
+  t.r = s.r;
   t.pad_h = s.pad_h;
   t.pad_w = s.pad_w;
-  t.c_blocks = s.c / k_block;
+  t.c_blocks = s.c / channel_block;
   return t;
 }
 
@@ -169,26 +171,6 @@ __global__ void transpose_accumulate_kernel(const float* __restrict__ t, int row
     const float v = t[col * rows + row];
     dw[i] = beta == 0.f ? v : fmaf(beta, dw[i], v);
   }
-}
-
-// Backward-weight's k-blocks as patches of wb x hb x nb = 64 output pixels, chosen as the forward's.
-sm90::PatchTiles wgrad_patch_tiles(const Conv2dShape& s) {
-  sm90::PatchTiles t;
-  t.wb = pow2_divisor(s.q(), 64);
-  t.hb = pow2_divisor(s.p(), 64 / t.wb);
-  t.nb = 64 / (t.wb * t.hb);
-  t.q = s.q();
-  t.p = s.p();
-  t.n = s.n;
-  t.tiles_q = (t.q + t.wb - 1) / t.wb;
-  t.tiles_p = (t.p + t.hb - 1) / t.hb;
-  t.tiles_n = (t.n + t.nb - 1) / t.nb;
-  t.s = s.s;
-  t.r = s.r;
-  t.pad_h = s.pad_h;
-  t.pad_w = s.pad_w;
-  t.c_blocks = s.c / 64;
-  return t;
 }
 
 // The forward convolution of typed operands whose channel count suits the gather (checked).
@@ -229,7 +211,7 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   const bool patch_wins = !(plan.tile_n == 256 && s.q() >= 28 && s.q() <= 56);
   if (g_patch_feed.load() && patch_wins && s.stride_h == 1 && s.stride_w == 1 &&
       s.c % k_block == 0) {
-    const sm90::PatchTiles patch = patch_tiles(s, k_block);
+    const sm90::PatchTiles patch = patch_tiles(s, 128, k_block);
     detail::run_mainloop(p, plan, &gather, stream, detail::Feed::ConvTma, &patch);
     return;
   }
@@ -293,7 +275,7 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   // that pin the descriptor layout or turn the patch feed off.
   if (g_patch_feed.load() && variant < 0 && s.stride_h == 1 && s.stride_w == 1 &&
       s.c % 64 == 0) {
-    const sm90::PatchTiles patch = wgrad_patch_tiles(s);
+    const sm90::PatchTiles patch = patch_tiles(s, 64, 64);
     const int64_t padded = int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64;
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
                " output pixels (with the patch padding) are too many for one product");
