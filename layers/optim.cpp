@@ -557,69 +557,78 @@ Tensor nonfinite_flag(const Tensor& loss, const Tensor& norm) {
 
 // ---- clipping -----------------------------------------------------------------------------------
 
-Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
+namespace {
+
+// The gradients' 2-norm into a 0-d tensor (see clip_grad_norm) and, when `max_norm` is given,
+// the clipping: every gradient scaled by min(1, max_norm / (norm + 1e-6)).
+Tensor gradient_norm(const std::vector<Parameter*>& params, std::optional<float> max_norm,
+                     const char* what) {
   if (params.empty()) {
     return Tensor::zeros({});
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    check_parameter(*params[i], i, "clip_grad_norm");
+    check_parameter(*params[i], i, what);
   }
-  const Device device = common_device(params, "clip_grad_norm");
+  const Device device = common_device(params, what);
   const cuda::AllocationPurpose purpose("the gradients' norm");
-  const auto max = static_cast<float>(max_norm);
   Tensor total = Tensor::empty({}, DType::f32, device);
   float* norm = total.data<float>();
-
-  if (const std::optional<Flat> flat = find_flat(params)) {
-    // One norm over the flat span (its padding is zero), then each parameter scaled, not the
-    // span: a non-finite norm makes the coefficient NaN, and NaN times the padding's zeros would
-    // leave NaN in the padding, in every later norm over the span, for good.
-    on_device(
-        device,
-        [&] {
-          kernels::global_norm_cpu(flat->grad, flat->n, norm);
-          for (Parameter* p : params) {
-            kernels::scale_by_clip_coefficient_cpu(p->grad.data<float>(), p->grad.numel(), norm,
-                                                   max);
-          }
-        },
-        [&](cudaStream_t stream) {
-          kernels::global_norm(flat->grad, flat->n, norm, stream);
-          for (Parameter* p : params) {
-            kernels::scale_by_clip_coefficient(p->grad.data<float>(), p->grad.numel(), norm, max,
-                                               stream);
-          }
-        });
-    return total;
-  }
-  // PyTorch's way: the norm of the per-parameter norms, then every gradient scaled by one factor.
-  Tensor norms = Tensor::empty({static_cast<int64_t>(params.size())}, DType::f32, device);
-  float* each = norms.data<float>();
   const auto count = static_cast<int64_t>(params.size());
+  // Flat parameters: one norm over the flat span (its padding is zero). Either way each parameter
+  // is scaled, never the span: a non-finite norm makes the factor NaN, and NaN times the padding's
+  // zeros would leave NaN in the padding, in every later norm over the span, for good.
+  const std::optional<Flat> flat = find_flat(params);
+  Tensor norms;
+  float* each = nullptr;
+  if (!flat) {  // PyTorch's way: the norm of the per-parameter norms
+    norms = Tensor::empty({count}, DType::f32, device);
+    each = norms.data<float>();
+  }
   on_device(
       device,
       [&] {
-        for (int64_t i = 0; i < count; ++i) {
-          kernels::global_norm_cpu(params[i]->grad.data<float>(), params[i]->grad.numel(),
-                                   each + i);
+        if (flat) {
+          kernels::global_norm_cpu(flat->grad, flat->n, norm);
+        } else {
+          for (int64_t i = 0; i < count; ++i) {
+            kernels::global_norm_cpu(params[i]->grad.data<float>(), params[i]->grad.numel(),
+                                     each + i);
+          }
+          kernels::global_norm_cpu(each, count, norm);
         }
-        kernels::global_norm_cpu(each, count, norm);
+        if (!max_norm) return;
         for (Parameter* p : params) {
-          kernels::scale_by_clip_coefficient_cpu(p->grad.data<float>(), p->grad.numel(), norm, max);
+          kernels::scale_by_clip_coefficient_cpu(p->grad.data<float>(), p->grad.numel(), norm,
+                                                 *max_norm);
         }
       },
       [&](cudaStream_t stream) {
-        for (int64_t i = 0; i < count; ++i) {
-          kernels::global_norm(params[i]->grad.data<float>(), params[i]->grad.numel(), each + i,
-                               stream);
+        if (flat) {
+          kernels::global_norm(flat->grad, flat->n, norm, stream);
+        } else {
+          for (int64_t i = 0; i < count; ++i) {
+            kernels::global_norm(params[i]->grad.data<float>(), params[i]->grad.numel(), each + i,
+                                 stream);
+          }
+          kernels::global_norm(each, count, norm, stream);
         }
-        kernels::global_norm(each, count, norm, stream);
+        if (!max_norm) return;
         for (Parameter* p : params) {
-          kernels::scale_by_clip_coefficient(p->grad.data<float>(), p->grad.numel(), norm, max,
-                                             stream);
+          kernels::scale_by_clip_coefficient(p->grad.data<float>(), p->grad.numel(), norm,
+                                             *max_norm, stream);
         }
       });
   return total;
+}
+
+}  // namespace
+
+Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
+  return gradient_norm(params, static_cast<float>(max_norm), "clip_grad_norm");
+}
+
+Tensor grad_norm(const std::vector<Parameter*>& params) {
+  return gradient_norm(params, std::nullopt, "grad_norm");
 }
 
 }  // namespace cudp

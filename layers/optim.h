@@ -276,4 +276,9 @@ Tensor nonfinite_flag(const Tensor& loss, const Tensor& norm = {});
 // error_if_nonfinite=False.
 Tensor clip_grad_norm(const std::vector<Parameter*>& params, double max_norm);
 
+// The 2-norm of all gradients together, as clip_grad_norm computes and returns it, without scaling
+// anything (torch.nn.utils.get_total_norm of the gradients): what a training step reads to detect
+// divergence when it does not clip. On CUDA nothing waits for the device.
+Tensor grad_norm(const std::vector<Parameter*>& params);
+
 }  // namespace cudp

@@ -884,7 +884,6 @@ int run(Options o) {
   if (const auto it = resumed_meta.find("best_test_top1"); it != resumed_meta.end()) {
     best_top1 = std::strtod(it->second.c_str(), nullptr);  // only decides when best is replaced
   }
-  const double no_clip = std::numeric_limits<double>::infinity();
 
   for (int g : gpus) cuda::reset_peak_memory_stats(g);
   BatchFeed train_feed(train_loader, feed_device);
@@ -911,10 +910,10 @@ int run(Options o) {
                          ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
                          : criterion.backward());
       // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
-      // only replica 0's is needed (all hold the same all-reduced gradients), and an infinite bound
-      // scales them by exactly 1: unchanged, so the replicas stay bit-identical.
+      // only replica 0's is needed (all hold the same all-reduced gradients), and nothing is
+      // scaled, so the replicas stay bit-identical.
       const Tensor norm = o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad)
-                                          : clip_grad_norm(opt->primary().params(), no_clip);
+                                          : grad_norm(opt->primary().params());
       const double step_lr = opt->primary().lr();
       ++global_step;
       ++step;

@@ -491,6 +491,36 @@ TEST(OptimizerSkip, ANonFiniteNormLeavesTheFlatPaddingZero) {
   EXPECT_NEAR(norm, std::sqrt(sum), 1e-5 * std::sqrt(sum));
 }
 
+TensorMap gradient_map(Module& model) {
+  TensorMap out;
+  for (auto& [name, p] : model.named_parameters()) out.emplace(name, p->grad);
+  return out;
+}
+
+// grad_norm is clip_grad_norm's norm without the scaling, flat or not: the same value, bit for bit,
+// and the gradients untouched, even when the norm is not finite.
+TEST(OptimizerSkip, GradNormIsClipGradNormsNormWithoutScaling) {
+  for (const bool flat : {false, true}) {
+    SCOPED_TRACE(flat ? "flat" : "separate");
+    auto a = small_model(), b = small_model();
+    if (flat) {
+      a->flatten_parameters();
+      b->flatten_parameters();
+    }
+    set_grads(*a, 3);
+    set_grads(*b, 3);
+    const auto before = bytes_of(gradient_map(*a));
+    const float norm = grad_norm(a->parameters()).to_vector<float>()[0];
+    EXPECT_EQ(bytes_of(gradient_map(*a)), before) << "grad_norm changed a gradient";
+    const float clipped = clip_grad_norm(b->parameters(), 1e30).to_vector<float>()[0];
+    EXPECT_EQ(norm, clipped);
+    set_nan_grads(*a);
+    const auto nan_before = bytes_of(gradient_map(*a));
+    EXPECT_TRUE(std::isnan(grad_norm(a->parameters()).to_vector<float>()[0]));
+    EXPECT_EQ(bytes_of(gradient_map(*a)), nan_before);
+  }
+}
+
 TEST(OptimizerSkip, SgdSkippedStepsChangeNothing) {
   const SGDOptions o{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 5e-4};
   for (const bool flat : {false, true}) {
