@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/core/memory.h"
+#include "engine/core/nvtx.h"
 #include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
 #include "layers/loss.h"
@@ -74,6 +75,7 @@ Result run(const Config& c, int warmup, int steps) {
     for (int64_t i = 0; i < batch; ++i) host_labels[i] = static_cast<int32_t>(i % o.num_classes);
     const Tensor labels = Tensor::from_vector(host_labels, {batch}, Device::cuda(0));
     auto step = [&] {
+      const nvtx::Range range("training step");
       const Tensor out = model.forward(images);
       criterion.forward(out, labels);
       opt.zero_grad();

@@ -12,6 +12,8 @@
 //     module unchanged, and its error lists every problem, not just the first.
 #include "layers/module.h"
 
+#include "engine/core/nvtx.h"
+
 #include <set>
 #include <sstream>
 
@@ -41,6 +43,7 @@ void Module::check_inputs(const TensorList& tensors, const char* what, bool allo
 }
 
 TensorList Module::forward_all(const TensorList& inputs) {
+  const nvtx::Range range(type_name() + " forward");
   check_inputs(inputs, "input", /*allow_undefined=*/false);
   forward_done_ = false;  // a forward that throws leaves nothing for a backward to use
   TensorList outputs = forward_impl(inputs);
@@ -49,6 +52,7 @@ TensorList Module::forward_all(const TensorList& inputs) {
 }
 
 TensorList Module::backward_all(const TensorList& grad_outputs) {
+  const nvtx::Range range(type_name() + " backward");
   CUDP_CHECK(forward_done_, type_name(),
              ": backward() called without a forward() before it (or after the module was moved); "
              "run forward() first: backward uses what it saved");

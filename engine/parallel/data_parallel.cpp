@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "engine/core/memory.h"
+#include "engine/core/nvtx.h"
 #include "engine/core/stream.h"
 
 namespace cudp::parallel {
@@ -172,6 +173,7 @@ Tensor DataParallel::forward(const Tensor& input) {
 }
 
 TensorList DataParallel::forward_all(const TensorList& inputs) {
+  const nvtx::Range range("DataParallel forward");
   forward_done_ = false;
   TensorList outputs = forward_impl(inputs);
   forward_done_ = true;

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "engine/core/memory.h"
+#include "engine/core/nvtx.h"
 #include "layers/dropout.h"
 
 namespace cudp::parallel {
@@ -178,6 +179,7 @@ void ReplicaSet::zero_mirror_gradients() {
 
 void ReplicaSet::all_reduce_gradients() {
   if (!comm_) return;
+  const nvtx::Range range("gradient all-reduce");
   comm_->all_reduce_many(parameter_tensors(/*grads=*/true), ReduceOp::Sum);
 }
 

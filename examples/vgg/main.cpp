@@ -60,6 +60,7 @@
 #include "data/synthetic.h"
 #include "engine/core/device.h"
 #include "engine/core/memory.h"
+#include "engine/core/nvtx.h"
 #include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
 #include "kernels/elementwise.h"
@@ -826,6 +827,7 @@ int run(Options o) {
       "Reduce the batch size (--batch-size, now ", o.batch_size, "): each GPU holds the "
       "activations of its share of a batch.");
   const auto evaluate = [&]() {
+    const nvtx::Range range("evaluation");
     const cuda::AllocationPurpose purpose(
         detail::str("evaluation (batches of ", o.batch_size, " test images)"), batch_advice);
     model.eval();
@@ -903,6 +905,7 @@ int run(Options o) {
     const int64_t print_every =
         o.print_freq > 0 ? o.print_freq : tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
     for (Tensor images, labels; train_feed.next(images, labels);) {
+      const nvtx::Range range("training step");
       const Tensor out = model.forward(images);
       const Tensor loss = criterion.forward(out, labels);
       opt->zero_grad();
@@ -994,6 +997,7 @@ int run(Options o) {
       meta["step"] = std::to_string(global_step);
       meta["best_test_top1"] = detail::str(best_top1);
       save_dropout_state(*net, meta);
+      const nvtx::Range range("checkpoint");
       for (const std::string& path : targets) save_checkpoint(path, *net, &opt->primary(), meta);
       last_good = detail::str(targets.front(), " (after epoch ", epoch + 1, ")");
     }
