@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/compare.h"
 #include "common/device_buffer.h"
 #include "common/gpu.h"
@@ -32,17 +33,12 @@ namespace {
 using testing::DeviceBuffer;
 using testing::kPoison;
 
-float round_bf16(float v) {
-  const uint32_t wide = uint32_t(detail::f32_to_bf16_bits(v)) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof out);
-  return out;
-}
+using testing::bf16_rounded;
 
 std::vector<float> operand(size_t n, uint64_t seed, Math math) {
   std::vector<float> v = testing::random_vector(n, seed);
   if (math == Math::BF16) {
-    for (float& x : v) x = round_bf16(x);
+    for (float& x : v) x = bf16_rounded(x);
   }
   return v;
 }

@@ -4,10 +4,8 @@
 // export/import round trip.
 #include <gtest/gtest.h>
 
-#include <cstring>
-
+#include "common/bf16.h"
 #include "engine/core/error.h"
-#include "kernels/layout.h"
 #include "layers/conv2d.h"
 #include "tests/layers/layer_testing.h"
 
@@ -114,10 +112,7 @@ TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsOnTheCpu) {
   const Tensor x = random_tensor({2, 5, 6, 6}, 22);
   auto rounded = [](const Tensor& t) {
     std::vector<float> v = t.to_vector<float>();
-    for (float& f : v) {
-      const uint32_t bits = uint32_t{kernels::detail::f32_to_bf16_bits(f)} << 16;
-      std::memcpy(&f, &bits, sizeof bits);
-    }
+    for (float& f : v) f = testing::bf16_rounded(f);
     return Tensor::from_vector(v, t.shape());
   };
   Conv2d reference(6, 5, 3, 1, 1, true);

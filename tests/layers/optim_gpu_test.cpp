@@ -7,6 +7,7 @@
 #include <map>
 
 #include "common/compare.h"
+#include "common/tensor_bytes.h"
 #include "common/gpu.h"
 #include "common/memory_hog.h"
 #include "layers/activation.h"
@@ -18,6 +19,7 @@ namespace cudp {
 namespace {
 
 using testing::all_close;
+using testing::bytes_of;
 using testing::random_vector;
 
 const Device kGpu = Device::cuda(0);
@@ -139,15 +141,6 @@ TEST(OptimGpu, ClipGradNormMatchesCpu) {
 
 // ---- step(skip) on the device -------------------------------------------------------------------
 
-std::map<std::string, std::vector<unsigned char>> bytes_of(const TensorMap& tensors) {
-  std::map<std::string, std::vector<unsigned char>> out;
-  for (const auto& [name, t] : tensors) {
-    const Tensor host = t.cpu();
-    const auto* p = static_cast<const unsigned char*>(host.data_ptr());
-    out[name].assign(p, p + host.nbytes());
-  }
-  return out;
-}
 
 // The flag a training step writes on the GPU from its loss (finite or NaN) and gradient norm.
 Tensor skip_flag_on_gpu(Module& model, bool diverged) {

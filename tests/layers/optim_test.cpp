@@ -10,6 +10,7 @@
 #include <map>
 
 #include "common/compare.h"
+#include "common/tensor_bytes.h"
 #include "layers/activation.h"
 #include "layers/linear.h"
 #include "layers/sequential.h"
@@ -18,6 +19,7 @@ namespace cudp {
 namespace {
 
 using testing::all_close;
+using testing::bytes_of;
 using testing::random_vector;
 
 constexpr int kSteps = 4;
@@ -395,16 +397,6 @@ Tensor scalar(float value) {
   return Tensor::from_vector<float>({value}, {});
 }
 
-// Every tensor's bytes, by name (NaN and -0 compare as what they are).
-std::map<std::string, std::vector<unsigned char>> bytes_of(const TensorMap& tensors) {
-  std::map<std::string, std::vector<unsigned char>> out;
-  for (const auto& [name, t] : tensors) {
-    const Tensor host = t.cpu();
-    const auto* p = static_cast<const unsigned char*>(host.data_ptr());
-    out[name].assign(p, p + host.nbytes());
-  }
-  return out;
-}
 
 // Non-finite gradients: an update that is not skipped would spoil every parameter.
 void set_nan_grads(Module& model) {

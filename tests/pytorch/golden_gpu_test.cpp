@@ -142,6 +142,17 @@ std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& 
   return d;
 }
 
+// ||actual - expected|| / max(||expected||, scale): the normwise check's measure.
+double normwise_error(const std::vector<float>& actual, const std::vector<float>& expected,
+                      double scale = 0) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    diff += (double(actual[i]) - expected[i]) * (double(actual[i]) - expected[i]);
+    norm += double(expected[i]) * expected[i];
+  }
+  return std::sqrt(diff) / std::max({std::sqrt(norm), scale, 1e-30});
+}
+
 // The two checks described at the top.
 ::testing::AssertionResult matches(const std::vector<float>& actual,
                                    const std::vector<float>& expected, double normwise,
@@ -150,13 +161,12 @@ std::vector<float> minus(const std::vector<float>& a, const std::vector<float>& 
     return ::testing::AssertionFailure()
            << actual.size() << " elements, expected " << expected.size();
   }
-  double diff = 0, norm = 0, max = 0;
-  for (size_t i = 0; i < actual.size(); ++i) {
-    diff += (double(actual[i]) - expected[i]) * (double(actual[i]) - expected[i]);
-    norm += double(expected[i]) * expected[i];
-    max = std::max(max, std::fabs(double(expected[i])));
+  double norm = 0, max = 0;
+  for (float e : expected) {
+    norm += double(e) * e;
+    max = std::max(max, std::fabs(double(e)));
   }
-  const double relative = std::sqrt(diff) / std::max({std::sqrt(norm), scale, 1e-30});
+  const double relative = normwise_error(actual, expected, scale);
   if (!(relative <= normwise)) {
     return ::testing::AssertionFailure()
            << "normwise relative error " << relative << " > " << normwise
@@ -281,14 +291,8 @@ void compare(const TensorMap& actual, const TensorMap& expected, const Tolerance
 
 // The normwise relative difference of two runs' logits (for the record in the test's output).
 double logits_error(const TensorMap& actual, const TensorMap& expected) {
-  const std::vector<float> a = actual.at("logits").to_vector<float>();
-  const std::vector<float> b = expected.at("logits").to_vector<float>();
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    norm += double(b[i]) * b[i];
-  }
-  return std::sqrt(diff / norm);
+  return normwise_error(actual.at("logits").to_vector<float>(),
+                        expected.at("logits").to_vector<float>());
 }
 
 void check_against_golden(Device device) {
