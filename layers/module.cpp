@@ -291,6 +291,18 @@ void Module::set_precision(Precision precision) {
   }
 }
 
+void Module::fuse_relu(bool on) {
+  CUDP_CHECK(!on || can_fuse_relu(), type_name(), " cannot apply a ReLU to its output; run the ReLU "
+             "module after it");
+  relu_fused_ = on;
+}
+
+void Module::set_fusion(bool on) {
+  for (auto& [path, module] : named_modules()) {
+    module->fusion_ = on;
+  }
+}
+
 void Module::zero_grad() {
   for (Parameter* p : parameters()) {
     p->grad.zero_();
@@ -347,6 +359,7 @@ std::shared_ptr<Module> Module::clone(Device device) const {
     }
     dst.training_ = src.training_;
     dst.precision_ = src.precision_;
+    dst.fusion_ = src.fusion_;
     dst.device_ = device;
     dst.forward_done_ = false;
     for (size_t i = 0; i < src.children_.size(); ++i) {
