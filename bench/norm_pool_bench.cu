@@ -262,7 +262,7 @@ void bench_batchnorm(std::vector<Result>& results, cudaStream_t stream, Cudnn& c
 
   auto ours_train = [&](int i) {
     batchnorm_forward_train(x[i]->p, y[i]->p, gamma.p, beta.p, rm.p, rv.p, save_mean[i]->p,
-                            save_invstd[i]->p, rows, c, momentum, eps, stream);
+                            save_invstd[i]->p, rows, c, momentum, eps, BnActivation::none, stream);
   };
   auto ref_train = [&](int i) {
     CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
@@ -271,7 +271,8 @@ void bench_batchnorm(std::vector<Result>& results, cudaStream_t stream, Cudnn& c
         save_invstd_ref[i]->p));
   };
   auto ours_eval = [&](int i) {
-    batchnorm_forward_eval(x[i]->p, y[i]->p, gamma.p, beta.p, rm.p, rv.p, rows, c, eps, stream);
+    batchnorm_forward_eval(x[i]->p, y[i]->p, gamma.p, beta.p, rm.p, rv.p, rows, c, eps,
+                           BnActivation::none, stream);
   };
   auto ref_eval = [&](int i) {
     CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(
@@ -279,8 +280,8 @@ void bench_batchnorm(std::vector<Result>& results, cudaStream_t stream, Cudnn& c
         bnd.d, gamma.p, beta.p, rm.p, rv.p, eps));
   };
   auto ours_bwd = [&](int i) {
-    batchnorm_backward(x[i]->p, dy[i]->p, gamma.p, save_mean[i]->p, save_invstd[i]->p, dx[i]->p,
-                       dgamma.p, dbeta.p, rows, c, 0.f, stream);
+    batchnorm_backward(x[i]->p, dy[i]->p, nullptr, gamma.p, save_mean[i]->p, save_invstd[i]->p,
+                       dx[i]->p, dgamma.p, dbeta.p, rows, c, 0.f, stream);
   };
   auto ref_bwd = [&](int i) {
     CUDP_CUDNN_CHECK(cudnnBatchNormalizationBackward(

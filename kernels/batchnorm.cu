@@ -1,46 +1,76 @@
 // Batch normalisation kernels (semantics and the reasons for this structure: kernels/batchnorm.h).
 //
-// A [rows, c] matrix is spread over a 2-D grid: blockDim.x lanes over channel vectors (V = 4
-// channels per lane when c % 4 == 0 and the pointers allow float4, else 1), blockDim.y threads over
-// rows; gridDim.x channel groups of at most 32 lanes, gridDim.y row blocks, as many as fit on the
-// GPU at once (one wave), every thread striding over rows. A lane keeps its channels' parameters in
-// registers for the whole walk. When one group covers all channels (c <= 128 with float4), a warp's
-// accesses are one contiguous run of memory even if the lanes do not fill it.
+// A [rows, c] matrix is spread over a 2-D grid: blockDim.x lanes over channel vectors (V channels
+// per lane: 16 bytes, 4 floats or 8 bf16, when c % V == 0 and the pointers are 16-byte aligned,
+// else 1), blockDim.y threads over rows; gridDim.x channel groups of at most 32 lanes, gridDim.y
+// row blocks, as many as fit on the GPU at once (one wave), every thread striding over rows. A lane
+// keeps its channels' parameters in registers for the whole walk. When one group covers all
+// channels (c <= 128 floats or 256 bf16), a warp's accesses are one contiguous run of memory even
+// if the lanes do not fill it. bf16 is converted to fp32 on load and rounded to nearest even on
+// store; every sum and coefficient is fp32.
 //
 // Reductions are deterministic: per thread in row order, then across blockDim.y in a fixed tree in
 // shared memory, then (finalize kernel) across row blocks in a fixed order. The grid depends on the
 // GPU's SM count and occupancy, so results are bitwise reproducible on one GPU model, not across.
+#include <cuda_bf16.h>
+
 #include <algorithm>
+#include <cstring>
+#include <initializer_list>
 
 #include "engine/core/launch.cuh"
 #include "kernels/batchnorm.h"
+#include "kernels/elementwise.h"
 #include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
 
-constexpr int kThreads = 256;    // threads per block of the row-walking kernels
-constexpr int kUnroll = 4;       // rows in flight per thread
+constexpr int kThreads = 256;  // threads per block of the row-walking kernels
+// Rows in flight per thread: 4 on the 16-byte float path; 2 for 8 bf16 per lane, whose 32
+// per-channel coefficients would otherwise cost the dx kernel ~150 registers and most of its
+// occupancy.
+template <int V>
+constexpr int kUnroll = V >= 8 ? 2 : 4;
 constexpr int kFinalLanes = 32;  // finalize: channels per block (x) ...
 constexpr int kFinalRows = 32;   // ... and partials walked in parallel (y)
 
-template <int V>
-__device__ __forceinline__ void load(const float* p, float (&v)[V]) {
-  if constexpr (V == 4) {
-    const float4 t = *reinterpret_cast<const float4*>(p);
-    v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+// Channels per lane on the vector path: 16 bytes.
+template <typename T>
+constexpr int kVector = 16 / int(sizeof(T));
+
+// V consecutive channels of one row as stored; one load or store instruction.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+__device__ __forceinline__ float to_f32(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
   } else {
-    v[0] = *p;
+    return v;
   }
 }
 
-template <int V>
-__device__ __forceinline__ void store(float* p, const float (&v)[V]) {
-  if constexpr (V == 4) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-  } else {
-    *p = v[0];
-  }
+// The gradient reaching the normalisation: dy, masked by the fused ReLU's output when there is
+// one (ReLU's own rule, so that fused and unfused gradients agree bit for bit).
+template <typename T>
+__device__ __forceinline__ float masked_grad(T dy, const T* mask_row, int k) {
+  return mask_row ? detail::relu_grad(to_f32(mask_row[k]), to_f32(dy)) : to_f32(dy);
 }
 
 // Rows r0, r0 + step, ... below `rows`.
@@ -75,8 +105,8 @@ __device__ __forceinline__ int pow2_ceil(int v) {
 // is normalised as accurately as one with mean 0. K is added back only for the saved mean.
 
 // Partials per (row block, channel): count, mean of x - K, M2 of the rows that block walked.
-template <int V>
-__global__ void bn_stats_kernel(const float* __restrict__ x, int64_t rows, int c,
+template <typename T, int V>
+__global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
                                 float* __restrict__ part_n, float* __restrict__ part_mean,
                                 float* __restrict__ part_m2) {
   extern __shared__ float smem[];
@@ -95,29 +125,30 @@ __global__ void bn_stats_kernel(const float* __restrict__ x, int64_t rows, int c
 #pragma unroll
   for (int k = 0; k < V; ++k) shift[k] = s1[k] = s2[k] = 0.f;
   if (active && count > 0) {
-    const float* col = x + channel;
-    load<V>(col, shift);  // row 0
+    const T* col = x + channel;
+    const Pack<T, V> first = load<T, V>(col);  // row 0
+#pragma unroll
+    for (int k = 0; k < V; ++k) shift[k] = to_f32(first.v[k]);
     int64_t r = r0;
-    for (; r + (kUnroll - 1) * step < rows; r += kUnroll * step) {
-      float v[kUnroll][V];
+    for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+      Pack<T, V> v[kUnroll<V>];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) load<V>(col + (r + u * step) * c, v[u]);
+      for (int u = 0; u < kUnroll<V>; ++u) v[u] = load<T, V>(col + (r + u * step) * c);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kUnroll<V>; ++u) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          const float d = v[u][k] - shift[k];
+          const float d = to_f32(v[u].v[k]) - shift[k];
           s1[k] += d;
           s2[k] = fmaf(d, d, s2[k]);
         }
       }
     }
     for (; r < rows; r += step) {
-      float v[V];
-      load<V>(col + r * c, v);
+      const Pack<T, V> v = load<T, V>(col + r * c);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float d = v[k] - shift[k];
+        const float d = to_f32(v.v[k]) - shift[k];
         s1[k] += d;
         s2[k] = fmaf(d, d, s2[k]);
       }
@@ -158,8 +189,9 @@ __global__ void bn_stats_kernel(const float* __restrict__ x, int64_t rows, int c
 // Per channel: merges the partials in a fixed order, writes the saved and running statistics, and
 // the coefficients of y = ((x - K) - mean_d) * scale + shift into coef = [K | mean_d | scale |
 // shift].
+template <typename T>
 __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
-    bn_stats_finalize_kernel(const float* __restrict__ x, const float* __restrict__ part_n,
+    bn_stats_finalize_kernel(const T* __restrict__ x, const float* __restrict__ part_n,
                              const float* __restrict__ part_mean, const float* __restrict__ part_m2,
                              int parts, int64_t rows, int c, const float* __restrict__ gamma,
                              const float* __restrict__ beta, float* __restrict__ running_mean,
@@ -187,7 +219,7 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
     __syncthreads();
   }
   if (ty != 0 || ch >= c) return;
-  const float shift_k = x[ch];  // K: row 0
+  const float shift_k = to_f32(x[ch]);  // K: row 0
   mean_d = s_mean[0][tx];
   m2 = s_m2[0][tx];
   const float mean = shift_k + mean_d;
@@ -206,21 +238,24 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
   coef[3 * c + ch] = beta ? beta[ch] : 0.f;
 }
 
-// ---- element-wise passes ------------------------------------------------------------------------
-
-// Per-channel inputs of the normalisation y = ((x - center) - offset) * scale + shift.
+// ---- the forward's element-wise pass ------------------------------------------------------------
+//
+// y = act(((x - center) - offset) * scale + shift): training passes the finalize kernel's
+// coefficients (center K, offset mean_d); evaluation passes the running statistics, and the
+// kernel computes the scale per channel once (FromRunning).
 struct ApplyParams {
   const float* center;  // training: K; evaluation: running_mean
-  const float* offset;  // training: mean of x - K; evaluation: nullptr (0)
+  const float* offset;  // training: mean_d; evaluation: nullptr (0)
   const float* scale;   // training: gamma * invstd; evaluation: running_var (scale computed here)
   const float* gamma;   // evaluation only, nullable
   const float* shift;   // training: beta or 0; evaluation: beta, nullable
   float eps;            // evaluation only
+  bool relu;            // the fused ReLU
 };
 
-template <int V, bool FromRunning>
-__global__ void bn_apply_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows,
-                                int c, ApplyParams p) {
+template <typename T, int V, bool FromRunning>
+__global__ void bn_apply_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int c,
+                                ApplyParams p) {
   const int channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (channel >= c) return;
   float center[V], offset[V], scale[V], shift[V];
@@ -237,35 +272,41 @@ __global__ void bn_apply_kernel(const float* __restrict__ x, float* __restrict__
       shift[k] = p.shift[channel + k];
     }
   }
+  const bool relu = p.relu;
+  auto apply = [&](const Pack<T, V>& in) {
+    Pack<T, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float v = fmaf((to_f32(in.v[k]) - center[k]) - offset[k], scale[k], shift[k]);
+      if (relu) v = detail::relu(v);
+      out.v[k] = from_f32<T>(v);
+    }
+    return out;
+  };
   const int64_t step = int64_t(blockDim.y) * gridDim.y;
   int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-  for (; r + (kUnroll - 1) * step < rows; r += kUnroll * step) {
-    float v[kUnroll][V];
+  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+    Pack<T, V> v[kUnroll<V>];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load<V>(x + (r + u * step) * c + channel, v[u]);
+    for (int u = 0; u < kUnroll<V>; ++u) v[u] = load<T, V>(x + (r + u * step) * c + channel);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < V; ++k)
-        v[u][k] = fmaf((v[u][k] - center[k]) - offset[k], scale[k], shift[k]);
-      store<V>(y + (r + u * step) * c + channel, v[u]);
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      *reinterpret_cast<Pack<T, V>*>(y + (r + u * step) * c + channel) = apply(v[u]);
     }
   }
   for (; r < rows; r += step) {
-    float v[V];
-    load<V>(x + r * c + channel, v);
-#pragma unroll
-    for (int k = 0; k < V; ++k) v[k] = fmaf((v[k] - center[k]) - offset[k], scale[k], shift[k]);
-    store<V>(y + r * c + channel, v);
+    *reinterpret_cast<Pack<T, V>*>(y + r * c + channel) = apply(load<T, V>(x + r * c + channel));
   }
 }
 
 // ---- backward -----------------------------------------------------------------------------------
 
-// Partials per (row block, channel) of sum dy and sum dy * (x - mean).
-template <int V>
-__global__ void bn_backward_reduce_kernel(const float* __restrict__ x, const float* __restrict__ dy,
-                                          const float* __restrict__ save_mean, int64_t rows, int c,
+// Partials per (row block, channel) of sum g and sum g * (x - mean), g = dy masked by the fused
+// ReLU's output (mask, nullable).
+template <typename T, int V>
+__global__ void bn_backward_reduce_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                          const T* __restrict__ mask,
+                                          const float* __restrict__ mean_in, int64_t rows, int c,
                                           float* __restrict__ part_dy,
                                           float* __restrict__ part_dy_xmu) {
   extern __shared__ float smem[];
@@ -278,34 +319,34 @@ __global__ void bn_backward_reduce_kernel(const float* __restrict__ x, const flo
   const int64_t step = int64_t(blockDim.y) * gridDim.y;
   float mean[V], a[V], b[V];
 #pragma unroll
-  for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = active ? save_mean[channel + k] : 0.f;
+  for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = active ? mean_in[channel + k] : 0.f;
+  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = masked_grad(gv.v[k], mask_row, k);
+      a[k] += g;
+      b[k] = fmaf(g, to_f32(xv.v[k]) - mean[k], b[k]);
+    }
+  };
   if (active) {
     int64_t r = int64_t(blockIdx.y) * blockDim.y + ty;
-    for (; r + (kUnroll - 1) * step < rows; r += kUnroll * step) {
-      float xv[kUnroll][V], gv[kUnroll][V];
+    for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+      Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        load<V>(x + (r + u * step) * c + channel, xv[u]);
-        load<V>(dy + (r + u * step) * c + channel, gv[u]);
+      for (int u = 0; u < kUnroll<V>; ++u) {
+        const int64_t at = (r + u * step) * c + channel;
+        xv[u] = load<T, V>(x + at);
+        gv[u] = load<T, V>(dy + at);
+        if (mask) mv[u] = load<T, V>(mask + at);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          a[k] += gv[u][k];
-          b[k] = fmaf(gv[u][k], xv[u][k] - mean[k], b[k]);
-        }
-      }
+      for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mask ? mv[u].v : nullptr);
     }
     for (; r < rows; r += step) {
-      float xv[V], gv[V];
-      load<V>(x + r * c + channel, xv);
-      load<V>(dy + r * c + channel, gv);
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        a[k] += gv[k];
-        b[k] = fmaf(gv[k], xv[k] - mean[k], b[k]);
-      }
+      const int64_t at = r * c + channel;
+      Pack<T, V> mv;
+      if (mask) mv = load<T, V>(mask + at);
+      accumulate(load<T, V>(x + at), load<T, V>(dy + at), mask ? mv.v : nullptr);
     }
   }
 #pragma unroll
@@ -335,14 +376,14 @@ __global__ void bn_backward_reduce_kernel(const float* __restrict__ x, const flo
 }
 
 // Per channel: sums the partials in a fixed order, writes dgamma/dbeta and the coefficients of
-// dx = k * (dy - a - (x - mean) * b) into coef = [k | a | b].
-__global__ void __launch_bounds__(kFinalLanes* kFinalRows)
-    bn_backward_finalize_kernel(const float* __restrict__ part_dy,
-                                const float* __restrict__ part_dy_xmu, int parts, int64_t rows,
-                                int c, const float* __restrict__ gamma,
-                                const float* __restrict__ save_invstd, float* __restrict__ dgamma,
-                                float* __restrict__ dbeta, float beta_accumulate,
-                                float* __restrict__ coef) {
+// dx = k * (g - a - (x - mean) * b) into coef = [k | a | b]. invstd is the saved one, or, with
+// frozen statistics (running_var != nullptr), 1 / sqrt(running_var + eps) as the evaluation
+// forward computes it, and a = b = 0 (dx = k * g).
+__global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_kernel(
+    const float* __restrict__ part_dy, const float* __restrict__ part_dy_xmu, int parts,
+    int64_t rows, int c, const float* __restrict__ gamma, const float* __restrict__ save_invstd,
+    const float* __restrict__ running_var, float eps, float* __restrict__ dgamma,
+    float* __restrict__ dbeta, float beta_accumulate, float* __restrict__ coef) {
   __shared__ float s_dy[kFinalRows][kFinalLanes], s_dy_xmu[kFinalRows][kFinalLanes];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int ch = blockIdx.x * kFinalLanes + tx;
@@ -365,7 +406,8 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
   if (ty != 0 || ch >= c) return;
   sum_dy = s_dy[0][tx];
   sum_dy_xmu = s_dy_xmu[0][tx];
-  const float invstd = save_invstd[ch];
+  const bool frozen = running_var != nullptr;
+  const float invstd = frozen ? 1.f / sqrtf(running_var[ch] + eps) : save_invstd[ch];
   const float grad_gamma = sum_dy_xmu * invstd, grad_beta = sum_dy;
   if (dgamma) {
     dgamma[ch] = beta_accumulate == 0.f ? grad_gamma : beta_accumulate * dgamma[ch] + grad_gamma;
@@ -375,56 +417,90 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
   }
   const float m = float(rows);
   coef[ch] = gamma ? gamma[ch] * invstd : invstd;
-  coef[c + ch] = sum_dy / m;
-  coef[2 * c + ch] = grad_gamma * invstd / m;
+  coef[c + ch] = frozen ? 0.f : sum_dy / m;
+  coef[2 * c + ch] = frozen ? 0.f : grad_gamma * invstd / m;
 }
 
-template <int V>
-__global__ void bn_backward_dx_kernel(const float* __restrict__ x, const float* __restrict__ dy,
-                                      const float* __restrict__ save_mean,
-                                      const float* __restrict__ coef, float* __restrict__ dx,
+// dx = k * (g - a - (x - mean) * b); with frozen statistics (b == 0) x is not read.
+template <typename T, int V, bool Frozen>
+__global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                      const T* __restrict__ mask, const float* __restrict__ mean_in,
+                                      const float* __restrict__ coef, T* __restrict__ dx,
                                       int64_t rows, int c) {
   const int channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (channel >= c) return;
   float mean[V], k_[V], a[V], b[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    mean[k] = save_mean[channel + k];
+    mean[k] = mean_in[channel + k];
     k_[k] = coef[channel + k];
     a[k] = coef[c + channel + k];
     b[k] = coef[2 * c + channel + k];
   }
+  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
+    Pack<T, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = masked_grad(gv.v[k], mask_row, k);
+      if constexpr (Frozen) {
+        out.v[k] = from_f32<T>(k_[k] * g);
+      } else {
+        out.v[k] = from_f32<T>(k_[k] * fmaf(mean[k] - to_f32(xv.v[k]), b[k], g - a[k]));
+      }
+    }
+    return out;
+  };
   const int64_t step = int64_t(blockDim.y) * gridDim.y;
   int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-  for (; r + (kUnroll - 1) * step < rows; r += kUnroll * step) {
-    float xv[kUnroll][V], gv[kUnroll][V];
+  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+    Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      load<V>(x + (r + u * step) * c + channel, xv[u]);
-      load<V>(dy + (r + u * step) * c + channel, gv[u]);
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      const int64_t at = (r + u * step) * c + channel;
+      if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
+      gv[u] = load<T, V>(dy + at);
+      if (mask) mv[u] = load<T, V>(mask + at);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < V; ++k)
-        gv[u][k] = k_[k] * fmaf(mean[k] - xv[u][k], b[k], gv[u][k] - a[k]);
-      store<V>(dx + (r + u * step) * c + channel, gv[u]);
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
+          grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
     }
   }
   for (; r < rows; r += step) {
-    float xv[V], gv[V];
-    load<V>(x + r * c + channel, xv);
-    load<V>(dy + r * c + channel, gv);
-#pragma unroll
-    for (int k = 0; k < V; ++k) gv[k] = k_[k] * fmaf(mean[k] - xv[k], b[k], gv[k] - a[k]);
-    store<V>(dx + r * c + channel, gv);
+    const int64_t at = r * c + channel;
+    Pack<T, V> xv, mv;
+    if constexpr (!Frozen) xv = load<T, V>(x + at);
+    if (mask) mv = load<T, V>(mask + at);
+    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
   }
+}
+
+__global__ void bn_count_kernel(int64_t* count) {
+  *count += 1;
 }
 
 // ---- host side ----------------------------------------------------------------------------------
 
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+// The vector path needs c % V == 0 and every given pointer on a 16-byte boundary (then so is
+// every row, as c * sizeof(T) is a multiple of 16).
+template <typename T>
+bool vectorizable(int c, std::initializer_list<const void*> pointers) {
+  if (c % kVector<T> != 0) return false;
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Runs f.template operator()<V>() with V = kVector<T> or 1.
+template <typename T, typename F>
+void with_vector(bool vector, F&& f) {
+  if (vector) {
+    f.template operator()<kVector<T>>();
+  } else {
+    f.template operator()<1>();
+  }
 }
 
 // The grid of a row-walking kernel: lanes over channel vectors in groups of at most 32, row threads
@@ -454,18 +530,17 @@ Plan make_plan(Kernel kernel, int64_t rows, int c, int v, size_t shared_per_thre
   return plan;
 }
 
-
 dim3 finalize_grid(int c) {
   return dim3((c + kFinalLanes - 1) / kFinalLanes);
 }
 const dim3 kFinalBlock(kFinalLanes, kFinalRows);
 
-template <int V>
-void forward_train(const float* x, float* y, const float* gamma, const float* beta,
-                   float* running_mean, float* running_var, float* save_mean, float* save_invstd,
-                   int64_t rows, int c, float momentum, float eps, cudaStream_t stream) {
+template <typename T, int V>
+void forward_train(const T* x, T* y, const float* gamma, const float* beta, float* running_mean,
+                   float* running_var, float* save_mean, float* save_invstd, int64_t rows, int c,
+                   float momentum, float eps, bool relu, cudaStream_t stream) {
   // Shared memory per thread: its count and V means and M2s.
-  const Plan stats = make_plan(bn_stats_kernel<V>, rows, c, V, (1 + 2 * V) * sizeof(float));
+  const Plan stats = make_plan(bn_stats_kernel<T, V>, rows, c, V, (1 + 2 * V) * sizeof(float));
   const int parts = int(stats.grid.y);
   Workspace ws((size_t(parts) * (2 * c + 1) + 4 * size_t(c)) * sizeof(float), stream,
                "batch norm's partial statistics");
@@ -473,87 +548,127 @@ void forward_train(const float* x, float* y, const float* gamma, const float* be
   float* part_m2 = part_mean + size_t(parts) * c;
   float* part_n = part_m2 + size_t(parts) * c;
   float* coef = part_n + parts;
-  launch("bn_stats_kernel", bn_stats_kernel<V>, stats.grid, stats.block, stats.shared_bytes, stream,
-         x, rows, c, part_n, part_mean, part_m2);
-  launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel, finalize_grid(c), kFinalBlock, 0,
+  launch("bn_stats_kernel", bn_stats_kernel<T, V>, stats.grid, stats.block, stats.shared_bytes,
+         stream, x, rows, c, part_n, part_mean, part_m2);
+  launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock, 0,
          stream, x, part_n, part_mean, part_m2, parts, rows, c, gamma, beta, running_mean,
          running_var, save_mean, save_invstd, momentum, eps, coef);
-  const Plan apply = make_plan(bn_apply_kernel<V, false>, rows, c, V, 0);
-  const ApplyParams params{coef, coef + c, coef + 2 * c, nullptr, coef + 3 * c, 0.f};
-  launch("bn_apply_kernel", bn_apply_kernel<V, false>, apply.grid, apply.block, 0, stream, x, y,
+  const Plan apply = make_plan(bn_apply_kernel<T, V, false>, rows, c, V, 0);
+  const ApplyParams params{coef, coef + c, coef + 2 * c, nullptr, coef + 3 * c, 0.f, relu};
+  launch("bn_apply_kernel", bn_apply_kernel<T, V, false>, apply.grid, apply.block, 0, stream, x, y,
          rows, c, params);
 }
 
-template <int V>
-void backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
-              const float* save_invstd, float* dx, float* dgamma, float* dbeta, int64_t rows, int c,
-              float beta_accumulate, cudaStream_t stream) {
-  const Plan reduce = make_plan(bn_backward_reduce_kernel<V>, rows, c, V, 2 * V * sizeof(float));
+// Both backwards; running_var != nullptr means frozen statistics (mean is then running_mean).
+template <typename T, int V>
+void backward(const T* x, const T* dy, const T* mask, const float* gamma, const float* mean,
+              const float* save_invstd, const float* running_var, float eps, T* dx, float* dgamma,
+              float* dbeta, int64_t rows, int c, float beta_accumulate, cudaStream_t stream) {
+  const Plan reduce = make_plan(bn_backward_reduce_kernel<T, V>, rows, c, V, 2 * V * sizeof(float));
   const int parts = int(reduce.grid.y);
   Workspace ws((size_t(parts) * 2 * c + 3 * size_t(c)) * sizeof(float), stream,
                "batch norm's partial gradient sums");
   float* part_dy = ws.get();
   float* part_dy_xmu = part_dy + size_t(parts) * c;
   float* coef = part_dy_xmu + size_t(parts) * c;
-  launch("bn_backward_reduce_kernel", bn_backward_reduce_kernel<V>, reduce.grid, reduce.block,
-         reduce.shared_bytes, stream, x, dy, save_mean, rows, c, part_dy, part_dy_xmu);
+  launch("bn_backward_reduce_kernel", bn_backward_reduce_kernel<T, V>, reduce.grid, reduce.block,
+         reduce.shared_bytes, stream, x, dy, mask, mean, rows, c, part_dy, part_dy_xmu);
   launch("bn_backward_finalize_kernel", bn_backward_finalize_kernel, finalize_grid(c), kFinalBlock,
-         0, stream, part_dy, part_dy_xmu, parts, rows, c, gamma, save_invstd, dgamma, dbeta,
-         beta_accumulate, coef);
-  const Plan apply = make_plan(bn_backward_dx_kernel<V>, rows, c, V, 0);
-  launch("bn_backward_dx_kernel", bn_backward_dx_kernel<V>, apply.grid, apply.block, 0, stream, x,
-         dy, save_mean, coef, dx, rows, c);
+         0, stream, part_dy, part_dy_xmu, parts, rows, c, gamma, save_invstd, running_var, eps,
+         dgamma, dbeta, beta_accumulate, coef);
+  auto dx_pass = [&]<bool Frozen>() {
+    const Plan apply = make_plan(bn_backward_dx_kernel<T, V, Frozen>, rows, c, V, 0);
+    launch("bn_backward_dx_kernel", bn_backward_dx_kernel<T, V, Frozen>, apply.grid, apply.block, 0,
+           stream, x, dy, mask, mean, coef, dx, rows, c);
+  };
+  if (running_var) {
+    dx_pass.template operator()<true>();
+  } else {
+    dx_pass.template operator()<false>();
+  }
 }
 
 }  // namespace
 
-void batchnorm_forward_train(const float* x, float* y, const float* gamma, const float* beta,
-                             float* running_mean, float* running_var, float* save_mean,
-                             float* save_invstd, int64_t rows, int c, float momentum, float eps,
-                             cudaStream_t stream) {
+template <typename T>
+void batchnorm_forward_train(const T* x, std::type_identity_t<T>* y, const float* gamma,
+                             const float* beta, float* running_mean, float* running_var,
+                             float* save_mean, float* save_invstd, int64_t rows, int c,
+                             float momentum, float eps, BnActivation act, cudaStream_t stream) {
   detail::check_batchnorm("batchnorm_forward_train", rows, c, true);
-  if (c % 4 == 0 && aligned16(x) && aligned16(y)) {
-    forward_train<4>(x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, rows, c,
-                     momentum, eps, stream);
-  } else {
-    forward_train<1>(x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, rows, c,
-                     momentum, eps, stream);
-  }
+  with_vector<T>(vectorizable<T>(c, {x, y}), [&]<int V>() {
+    forward_train<T, V>(x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, rows,
+                        c, momentum, eps, act == BnActivation::relu, stream);
+  });
 }
 
-void batchnorm_forward_eval(const float* x, float* y, const float* gamma, const float* beta,
-                            const float* running_mean, const float* running_var, int64_t rows,
-                            int c, float eps, cudaStream_t stream) {
+template <typename T>
+void batchnorm_forward_eval(const T* x, std::type_identity_t<T>* y, const float* gamma,
+                            const float* beta, const float* running_mean, const float* running_var,
+                            int64_t rows, int c, float eps, BnActivation act, cudaStream_t stream) {
   detail::check_batchnorm("batchnorm_forward_eval", rows, c, false);
   CUDP_CHECK(running_mean && running_var,
              "batchnorm_forward_eval: needs running_mean and running_var");
   if (rows == 0) return;
-  auto run = [&]<int V>() {
-    const Plan apply = make_plan(bn_apply_kernel<V, true>, rows, c, V, 0);
-    const ApplyParams params{running_mean, nullptr, running_var, gamma, beta, eps};
-    launch("bn_apply_kernel", bn_apply_kernel<V, true>, apply.grid, apply.block, 0, stream, x, y,
+  with_vector<T>(vectorizable<T>(c, {x, y}), [&]<int V>() {
+    const Plan apply = make_plan(bn_apply_kernel<T, V, true>, rows, c, V, 0);
+    const ApplyParams params{
+        running_mean, nullptr, running_var, gamma, beta, eps, act == BnActivation::relu};
+    launch("bn_apply_kernel", bn_apply_kernel<T, V, true>, apply.grid, apply.block, 0, stream, x, y,
            rows, c, params);
-  };
-  if (c % 4 == 0 && aligned16(x) && aligned16(y)) {
-    run.template operator()<4>();
-  } else {
-    run.template operator()<1>();
-  }
+  });
 }
 
-void batchnorm_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                        const float* save_invstd, float* dx, float* dgamma, float* dbeta,
-                        int64_t rows, int c, float beta_accumulate, cudaStream_t stream) {
+template <typename T>
+void batchnorm_backward(const T* x, const std::type_identity_t<T>* dy,
+                        const std::type_identity_t<T>* relu_output, const float* gamma,
+                        const float* save_mean, const float* save_invstd,
+                        std::type_identity_t<T>* dx, float* dgamma, float* dbeta, int64_t rows,
+                        int c, float beta_accumulate, cudaStream_t stream) {
   detail::check_batchnorm("batchnorm_backward", rows, c, true);
   CUDP_CHECK(save_mean && save_invstd,
              "batchnorm_backward: needs save_mean and save_invstd from the training forward");
-  if (c % 4 == 0 && aligned16(x) && aligned16(dy) && aligned16(dx)) {
-    backward<4>(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta, rows, c, beta_accumulate,
-                stream);
-  } else {
-    backward<1>(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta, rows, c, beta_accumulate,
-                stream);
-  }
+  with_vector<T>(vectorizable<T>(c, {x, dy, relu_output, dx}), [&]<int V>() {
+    backward<T, V>(x, dy, relu_output, gamma, save_mean, save_invstd, nullptr, 0.f, dx, dgamma,
+                   dbeta, rows, c, beta_accumulate, stream);
+  });
 }
+
+template <typename T>
+void batchnorm_backward_eval(const T* x, const std::type_identity_t<T>* dy,
+                             const std::type_identity_t<T>* relu_output, const float* gamma,
+                             const float* running_mean, const float* running_var,
+                             std::type_identity_t<T>* dx, float* dgamma, float* dbeta, int64_t rows,
+                             int c, float eps, float beta_accumulate, cudaStream_t stream) {
+  detail::check_batchnorm("batchnorm_backward_eval", rows, c, false);
+  CUDP_CHECK(running_mean && running_var,
+             "batchnorm_backward_eval: needs running_mean and running_var");
+  with_vector<T>(vectorizable<T>(c, {x, dy, relu_output, dx}), [&]<int V>() {
+    backward<T, V>(x, dy, relu_output, gamma, running_mean, nullptr, running_var, eps, dx, dgamma,
+                   dbeta, rows, c, beta_accumulate, stream);
+  });
+}
+
+void batchnorm_count_batch(int64_t* num_batches_tracked, cudaStream_t stream) {
+  CUDP_CHECK(num_batches_tracked, "batchnorm_count_batch: num_batches_tracked is null");
+  launch("bn_count_kernel", bn_count_kernel, dim3(1), dim3(1), 0, stream, num_batches_tracked);
+}
+
+#define CUDP_BATCHNORM_INSTANTIATE(T)                                                             \
+  template void batchnorm_forward_train<T>(const T*, T*, const float*, const float*, float*,      \
+                                           float*, float*, float*, int64_t, int, float, float,    \
+                                           BnActivation, cudaStream_t);                           \
+  template void batchnorm_forward_eval<T>(const T*, T*, const float*, const float*, const float*, \
+                                          const float*, int64_t, int, float, BnActivation,        \
+                                          cudaStream_t);                                          \
+  template void batchnorm_backward<T>(const T*, const T*, const T*, const float*, const float*,   \
+                                      const float*, T*, float*, float*, int64_t, int, float,      \
+                                      cudaStream_t);                                              \
+  template void batchnorm_backward_eval<T>(const T*, const T*, const T*, const float*,            \
+                                           const float*, const float*, T*, float*, float*,        \
+                                           int64_t, int, float, float, cudaStream_t);
+CUDP_BATCHNORM_INSTANTIATE(float)
+CUDP_BATCHNORM_INSTANTIATE(__nv_bfloat16)
+#undef CUDP_BATCHNORM_INSTANTIATE
 
 }  // namespace cudp::kernels

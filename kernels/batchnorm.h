@@ -17,14 +17,28 @@
 //   dparam = beta_accumulate * dparam + grad, and beta_accumulate == 0 never reads dparam (so a NaN
 //   there does not leak).
 //
+// Storage types. The activations x, y, dy, dx are T = float or __nv_bfloat16 (bf16 is storage
+// only: loaded into fp32, rounded to nearest even once on store); y has x's type and dx has x's
+// type (a layer's output and gradients keep its input's dtype). Everything per channel (gamma,
+// beta, running and saved statistics, dgamma, dbeta) and all arithmetic is fp32.
+//
+// Fused ReLU. With BnActivation::relu the forwards write max(bn(x), 0) with ReLU's own rule
+// (kernels/elementwise.h: detail::relu, NaN kept). Rounding to bf16 keeps signs and zeros, so
+// rounding then clamping and clamping then rounding give the same bits: the fused output equals
+// ReLU applied to the unfused one. The backwards then take `relu_output`, the fused forward's y,
+// and first mask the incoming gradient (the ReLU output's) by it with detail::relu_grad, exactly as
+// ReLU's backward would, so fused and unfused gradients are the same bit for bit. relu_output ==
+// nullptr means no fused ReLU.
+//
 // How (batchnorm.cu): the GPU path is three kernels per call, with no float atomics, so that the
 // result is bitwise reproducible on a given GPU model:
 //   1. partial reduction: a grid of (channel groups) x (row blocks); each thread walks its rows
-//   with
-//      float4 loads along C, each block writes one partial per channel to a workspace;
+//      with 16-byte loads along C (4 floats or 8 bf16), each block writes one partial per channel
+//      to a workspace;
 //   2. finalize: per channel, the partials are merged in a fixed order (Chan et al.'s parallel
 //      Welford merge for the forward statistics), parameters and running stats are written;
-//   3. an element-wise pass (normalise, or dx), per-channel coefficients held in registers.
+//   3. an element-wise pass (normalise + affine + ReLU + cast, or the masked dx), per-channel
+//      coefficients held in registers.
 // Forward statistics are numerically stable: every sum is of d = x - K, K = x[row 0] of the
 // channel (a sample, so |mean - K| is a few standard deviations); threads turn their sums into
 // (count, mean of d, M2), those are merged with Chan's formula, and y = ((x - K) - mean_d) * scale
@@ -33,13 +47,16 @@
 // comes from cudaMallocAsync and goes back with cudaFreeAsync on the same stream: the current
 // device must be the stream's device. Minimal traffic: train forward reads x twice and writes y (3
 // |x|), eval reads once and writes once (2 |x|), backward reads x and dy twice and writes dx (5
-// |x|).
+// |x|), plus y twice with a fused ReLU (7 |x|).
 //
-// The CPU references are templates for float and double (double for finite differences in tests),
-// accumulate in double and use the two-pass formula. T is deduced from x alone
-// (std::type_identity_t elsewhere), so nullptr and literals of the other type are accepted.
+// The CPU references accumulate in double and use the two-pass formula; they are templates over
+// the activation type T = float, double (for finite differences in tests) or __nv_bfloat16, with
+// per-channel values of type BnParam<T> (double for double, else float). Values are stored with one
+// rounding of the double result (bf16: round to nearest even, kernels/layout.h's rule). T is
+// deduced from x alone, so nullptr and literals of the other type are accepted.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -47,42 +64,72 @@
 
 namespace cudp::kernels {
 
-void batchnorm_forward_train(const float* x, float* y, const float* gamma, const float* beta,
-                             float* running_mean, float* running_var, float* save_mean,
-                             float* save_invstd, int64_t rows, int c, float momentum, float eps,
-                             cudaStream_t stream);
-template <typename T>
-void batchnorm_forward_train_cpu(const T* x, std::type_identity_t<T>* y,
-                                 const std::type_identity_t<T>* gamma,
-                                 const std::type_identity_t<T>* beta,
-                                 std::type_identity_t<T>* running_mean,
-                                 std::type_identity_t<T>* running_var,
-                                 std::type_identity_t<T>* save_mean,
-                                 std::type_identity_t<T>* save_invstd, int64_t rows, int c,
-                                 std::type_identity_t<T> momentum, std::type_identity_t<T> eps);
+// What the forward applies to the normalised, affine output before storing it.
+enum class BnActivation : uint8_t { none, relu };
 
-void batchnorm_forward_eval(const float* x, float* y, const float* gamma, const float* beta,
-                            const float* running_mean, const float* running_var, int64_t rows,
-                            int c, float eps, cudaStream_t stream);
+// The type of the per-channel values beside activations of type T.
 template <typename T>
-void batchnorm_forward_eval_cpu(const T* x, std::type_identity_t<T>* y,
-                                const std::type_identity_t<T>* gamma,
-                                const std::type_identity_t<T>* beta,
-                                const std::type_identity_t<T>* running_mean,
-                                const std::type_identity_t<T>* running_var, int64_t rows, int c,
-                                std::type_identity_t<T> eps);
+using BnParam = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// save_mean and save_invstd are the training forward's.
-void batchnorm_backward(const float* x, const float* dy, const float* gamma, const float* save_mean,
-                        const float* save_invstd, float* dx, float* dgamma, float* dbeta,
-                        int64_t rows, int c, float beta_accumulate, cudaStream_t stream);
+// T: float or __nv_bfloat16.
+template <typename T>
+void batchnorm_forward_train(const T* x, std::type_identity_t<T>* y, const float* gamma,
+                             const float* beta, float* running_mean, float* running_var,
+                             float* save_mean, float* save_invstd, int64_t rows, int c,
+                             float momentum, float eps, BnActivation act, cudaStream_t stream);
+// T: float, double or __nv_bfloat16.
+template <typename T>
+void batchnorm_forward_train_cpu(const T* x, std::type_identity_t<T>* y, const BnParam<T>* gamma,
+                                 const BnParam<T>* beta, BnParam<T>* running_mean,
+                                 BnParam<T>* running_var, BnParam<T>* save_mean,
+                                 BnParam<T>* save_invstd, int64_t rows, int c, BnParam<T> momentum,
+                                 BnParam<T> eps, BnActivation act = BnActivation::none);
+
+template <typename T>
+void batchnorm_forward_eval(const T* x, std::type_identity_t<T>* y, const float* gamma,
+                            const float* beta, const float* running_mean, const float* running_var,
+                            int64_t rows, int c, float eps, BnActivation act, cudaStream_t stream);
+template <typename T>
+void batchnorm_forward_eval_cpu(const T* x, std::type_identity_t<T>* y, const BnParam<T>* gamma,
+                                const BnParam<T>* beta, const BnParam<T>* running_mean,
+                                const BnParam<T>* running_var, int64_t rows, int c, BnParam<T> eps,
+                                BnActivation act = BnActivation::none);
+
+// Backward of a training forward: save_mean and save_invstd are its. relu_output: see above.
+template <typename T>
+void batchnorm_backward(const T* x, const std::type_identity_t<T>* dy,
+                        const std::type_identity_t<T>* relu_output, const float* gamma,
+                        const float* save_mean, const float* save_invstd,
+                        std::type_identity_t<T>* dx, float* dgamma, float* dbeta, int64_t rows,
+                        int c, float beta_accumulate, cudaStream_t stream);
 template <typename T>
 void batchnorm_backward_cpu(const T* x, const std::type_identity_t<T>* dy,
-                            const std::type_identity_t<T>* gamma,
-                            const std::type_identity_t<T>* save_mean,
-                            const std::type_identity_t<T>* save_invstd, std::type_identity_t<T>* dx,
-                            std::type_identity_t<T>* dgamma, std::type_identity_t<T>* dbeta,
-                            int64_t rows, int c, std::type_identity_t<T> beta_accumulate);
+                            const std::type_identity_t<T>* relu_output, const BnParam<T>* gamma,
+                            const BnParam<T>* save_mean, const BnParam<T>* save_invstd,
+                            std::type_identity_t<T>* dx, BnParam<T>* dgamma, BnParam<T>* dbeta,
+                            int64_t rows, int c, BnParam<T> beta_accumulate);
+
+// Backward of an evaluation forward: the statistics are constants, so the layer is affine per
+// channel, dx = dy * gamma * invstd with invstd = 1 / sqrt(running_var + eps) (computed as the
+// evaluation forward computes it), dgamma = sum dy * (x - running_mean) * invstd, dbeta = sum dy
+// (PyTorch's gradient of a BatchNorm2d in eval mode).
+template <typename T>
+void batchnorm_backward_eval(const T* x, const std::type_identity_t<T>* dy,
+                             const std::type_identity_t<T>* relu_output, const float* gamma,
+                             const float* running_mean, const float* running_var,
+                             std::type_identity_t<T>* dx, float* dgamma, float* dbeta, int64_t rows,
+                             int c, float eps, float beta_accumulate, cudaStream_t stream);
+template <typename T>
+void batchnorm_backward_eval_cpu(const T* x, const std::type_identity_t<T>* dy,
+                                 const std::type_identity_t<T>* relu_output,
+                                 const BnParam<T>* gamma, const BnParam<T>* running_mean,
+                                 const BnParam<T>* running_var, std::type_identity_t<T>* dx,
+                                 BnParam<T>* dgamma, BnParam<T>* dbeta, int64_t rows, int c,
+                                 BnParam<T> eps, BnParam<T> beta_accumulate);
+
+// num_batches_tracked += 1 on the device, by a one-thread kernel: graph-capturable (no host
+// memory involved), unlike a copy of a host count.
+void batchnorm_count_batch(int64_t* num_batches_tracked, cudaStream_t stream);
 
 namespace detail {
 // Argument checks shared by the launchers and the CPU references; throw ValueError naming the

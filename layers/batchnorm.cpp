@@ -32,36 +32,41 @@ void BatchNorm2d::reset_parameters() {
 }
 
 int64_t BatchNorm2d::rows_of(const Tensor& input) const {
-  CUDP_CHECK(input.dim() == 4 && input.size(3) == c_ && input.dtype() == DType::f32,
-             "BatchNorm2d: expected an NHWC f32 input [N, H, W, ", c_, "], got ", input.str());
+  CUDP_CHECK(input.dim() == 4 && input.size(3) == c_ &&
+                 (input.dtype() == DType::f32 || input.dtype() == DType::bf16),
+             "BatchNorm2d: expected an NHWC f32 or bf16 input [N, H, W, ", c_, "], got ",
+             input.str());
   return input.numel() / c_;
 }
 
-void BatchNorm2d::write_batch_count() {
-  void* dst = num_batches_tracked_->data_ptr();
-  run([&] { *static_cast<int64_t*>(dst) = batches_tracked_; },
-      [&](cudaStream_t s) {
-        CUDP_CUDA_CHECK(
-            cudaMemcpyAsync(dst, &batches_tracked_, sizeof(int64_t), cudaMemcpyHostToDevice, s));
-      });
+void BatchNorm2d::count_batch() {
+  int64_t* count = num_batches_tracked_->data<int64_t>();
+  run([&] { ++*count; }, [&](cudaStream_t s) { kernels::batchnorm_count_batch(count, s); });
+  ++batches_tracked_;
 }
 
-Tensor BatchNorm2d::forward_one(const Tensor& input) {
+template <typename T>
+void BatchNorm2d::forward_typed(const Tensor& input, Tensor& y) {
   const int64_t rows = rows_of(input);
-  Tensor y = Tensor::empty(input.shape(), DType::f32, device_);
-  const float* x = input.data<float>();
-  float* out = y.data<float>();
+  const T* x = input.data<T>();
+  T* out = y.data<T>();
   const float* gamma = weight_->data.data<float>();
   const float* beta = bias_->data.data<float>();
   float* mean = running_mean_->data<float>();
   float* var = running_var_->data<float>();
   const int c = c_;
   const float eps = eps_, momentum = momentum_;
-  saved_training_ = training_;
-  input_ = input;
+  const kernels::BnActivation act =
+      relu_fused_ ? kernels::BnActivation::relu : kernels::BnActivation::none;
   if (!training_) {
-    normalise_with_running_var(x, out, gamma, beta, mean, rows);
-    return y;
+    run(
+        [&] {
+          kernels::batchnorm_forward_eval_cpu(x, out, gamma, beta, mean, var, rows, c, eps, act);
+        },
+        [&](cudaStream_t s) {
+          kernels::batchnorm_forward_eval(x, out, gamma, beta, mean, var, rows, c, eps, act, s);
+        });
+    return;
   }
   Tensor save_mean = Tensor::empty({c_}, DType::f32, device_);
   Tensor save_invstd = Tensor::empty({c_}, DType::f32, device_);
@@ -70,72 +75,85 @@ Tensor BatchNorm2d::forward_one(const Tensor& input) {
   run(
       [&] {
         kernels::batchnorm_forward_train_cpu(x, out, gamma, beta, mean, var, sm, si, rows, c,
-                                             momentum, eps);
+                                             momentum, eps, act);
       },
       [&](cudaStream_t s) {
         kernels::batchnorm_forward_train(x, out, gamma, beta, mean, var, sm, si, rows, c, momentum,
-                                         eps, s);
+                                         eps, act, s);
       });
-  ++batches_tracked_;
-  write_batch_count();
+  count_batch();
   save_mean_ = save_mean;
   save_invstd_ = save_invstd;
+}
+
+Tensor BatchNorm2d::forward_one(const Tensor& input) {
+  rows_of(input);
+  Tensor y = Tensor::empty(input.shape(), input.dtype(), device_);
+  saved_training_ = training_;
+  input_ = input;
+  if (input.dtype() == DType::bf16) {
+    forward_typed<__nv_bfloat16>(input, y);
+  } else {
+    forward_typed<float>(input, y);
+  }
+  // A fused ReLU's backward needs the output (its mask); kept only then. The tensor is the one
+  // returned, so this costs no memory while the next layer holds it.
+  relu_output_ = relu_fused_ ? y : Tensor();
   return y;
 }
 
-void BatchNorm2d::normalise_with_running_var(const float* x, float* y, const float* gamma,
-                                             const float* beta, const float* mean,
-                                             int64_t rows) const {
-  const float* var = running_var_->data<float>();
-  const int c = c_;
-  const float eps = eps_;
-  run([&] { kernels::batchnorm_forward_eval_cpu(x, y, gamma, beta, mean, var, rows, c, eps); },
-      [&](cudaStream_t s) {
-        kernels::batchnorm_forward_eval(x, y, gamma, beta, mean, var, rows, c, eps, s);
-      });
-}
-
-void BatchNorm2d::parameter_gradients(const float* dy, const float* mean, const float* invstd,
-                                      float* dx) {
+template <typename T>
+void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
   const int64_t rows = rows_of(input_);
-  const float* x = input_.data<float>();
+  const T* x = input_.data<T>();
+  const T* dy = grad_output.data<T>();
+  const T* mask = relu_output_.defined() ? relu_output_.data<T>() : nullptr;
+  T* out = dx.data<T>();
   const float* gamma = weight_->data.data<float>();
   float* dgamma = weight_->grad.data<float>();
   float* dbeta = bias_->grad.data<float>();
   const int c = c_;
+  if (saved_training_) {
+    const float* mean = save_mean_.data<float>();
+    const float* invstd = save_invstd_.data<float>();
+    run(
+        [&] {
+          kernels::batchnorm_backward_cpu(x, dy, mask, gamma, mean, invstd, out, dgamma, dbeta,
+                                          rows, c, 1.0f);
+        },
+        [&](cudaStream_t s) {
+          kernels::batchnorm_backward(x, dy, mask, gamma, mean, invstd, out, dgamma, dbeta, rows, c,
+                                      1.0f, s);
+        });
+    return;
+  }
+  const float* mean = running_mean_->data<float>();
+  const float* var = running_var_->data<float>();
+  const float eps = eps_;
   run(
       [&] {
-        kernels::batchnorm_backward_cpu(x, dy, gamma, mean, invstd, dx, dgamma, dbeta, rows, c,
-                                        1.0f);
+        kernels::batchnorm_backward_eval_cpu(x, dy, mask, gamma, mean, var, out, dgamma, dbeta,
+                                             rows, c, eps, 1.0f);
       },
       [&](cudaStream_t s) {
-        kernels::batchnorm_backward(x, dy, gamma, mean, invstd, dx, dgamma, dbeta, rows, c, 1.0f,
-                                    s);
+        kernels::batchnorm_backward_eval(x, dy, mask, gamma, mean, var, out, dgamma, dbeta, rows, c,
+                                         eps, 1.0f, s);
       });
 }
 
 Tensor BatchNorm2d::backward_one(const Tensor& grad_output) {
   check_shape(grad_output, input_.shape(), "BatchNorm2d: grad_output");
-  Tensor dx = Tensor::empty(input_.shape(), DType::f32, device_);
-  const float* dy = grad_output.data<float>();
-  if (saved_training_) {
-    parameter_gradients(dy, save_mean_.data<float>(), save_invstd_.data<float>(), dx.data<float>());
-    return dx;
+  CUDP_CHECK(grad_output.dtype() == input_.dtype(),
+             "BatchNorm2d: grad_output must have the "
+             "output's dtype ",
+             dtype_name(input_.dtype()), " (the input's), got ", grad_output.str(),
+             "; convert the gradient where the dtypes change");
+  Tensor dx = Tensor::empty(input_.shape(), input_.dtype(), device_);
+  if (input_.dtype() == DType::bf16) {
+    backward_typed<__nv_bfloat16>(grad_output, dx);
+  } else {
+    backward_typed<float>(grad_output, dx);
   }
-  // Frozen statistics make the layer affine per channel: dx = dy * gamma * invstd, and dgamma,
-  // dbeta have the training formulas' form with the running mean and invstd in place of the
-  // batch's. kernels/batchnorm.h has no per-channel scale, so the evaluation kernel plays it: with
-  // mean 0 and the running variance it maps a row of ones to invstd, and dy to dy * gamma * invstd.
-  // The backward kernel then gives dgamma and dbeta; its dx (the batch-statistics one) is dropped.
-  const Tensor zeros = Tensor::zeros({c_}, DType::f32, device_);
-  const Tensor ones = Tensor::full({1, c_}, 1.0f, device_);
-  Tensor invstd = Tensor::empty({c_}, DType::f32, device_);
-  normalise_with_running_var(ones.data<float>(), invstd.data<float>(), nullptr, nullptr,
-                             zeros.data<float>(), 1);
-  Tensor unused = Tensor::empty(input_.shape(), DType::f32, device_);
-  parameter_gradients(dy, running_mean_->data<float>(), invstd.data<float>(), unused.data<float>());
-  normalise_with_running_var(dy, dx.data<float>(), weight_->data.data<float>(), nullptr,
-                             zeros.data<float>(), rows_of(input_));
   return dx;
 }
 

@@ -8,13 +8,22 @@
 // (0), running_var (1) and num_batches_tracked (an i64 scalar, shape []), so torchvision's
 // state_dicts load strictly.
 //
-// num_batches_tracked lives on the module's device like every buffer, but no kernel of ours does
-// int64 arithmetic on the GPU. The module therefore keeps the count on the host as the truth and
-// writes it into the buffer after each training forward: on the CPU directly, on a GPU with a
-// cudaMemcpyAsync from pageable memory (CUDA stages such a copy before returning, so the host value
-// may change right after, and the stream is not synchronised). load_state_dict updates the host
-// count through import_tensor. Whoever writes the buffer by other means (the engine broadcasting
-// replica 0's buffers) leaves the host count of that replica behind; replica 0's is the one kept.
+// Activations may be f32 or bf16: the output, and the gradient w.r.t. the input, have the input's
+// dtype (grad_output must have it too); statistics, parameters, buffers, their gradients and all
+// arithmetic are fp32 (kernels/batchnorm.h). On the CPU the layer runs the double-precision
+// references, rounding to the activation dtype once on store, so the CPU path is the GPU's truth.
+//
+// A ReLU directly after it in a Sequential is fused (can_fuse_relu): forward writes max(bn(x), 0)
+// and keeps that output; backward masks the incoming gradient by it, exactly as the ReLU would,
+// so fused and unfused give the same bits.
+//
+// num_batches_tracked lives on the module's device like every buffer, and the module keeps the
+// count on the host too (num_batches_tracked(), clones). After each training forward the buffer
+// is incremented where it lives: on the CPU directly, on a GPU by a one-thread kernel on the
+// stream (no host memory involved, so a step can be captured in a CUDA graph), starting from the
+// value the buffer holds. load_state_dict updates the host count through import_tensor. Whoever
+// writes the buffer by other means (the engine broadcasting replica 0's buffers) leaves the host
+// count of that replica behind; replica 0's is the one kept.
 //
 // Backward after a training-mode forward is the batch-statistics gradient; after an eval-mode
 // forward, the gradient of the affine map the frozen statistics make (PyTorch's, too).
@@ -31,6 +40,7 @@ class BatchNorm2d : public Module {
   BatchNorm2d(init::SkipInit, int num_features, float eps = 1e-5f, float momentum = 0.1f);
 
   std::string type_name() const override { return "BatchNorm2d"; }
+  bool can_fuse_relu() const override { return true; }
 
   // weight = 1, bias = 0, running_mean = 0, running_var = 1, num_batches_tracked = 0.
   void reset_parameters();
@@ -52,12 +62,11 @@ class BatchNorm2d : public Module {
 
  private:
   int64_t rows_of(const Tensor& input) const;
-  void write_batch_count();
-  // y = (x - mean) / sqrt(running_var + eps) * gamma + beta (gamma, beta may be null: 1 and 0).
-  void normalise_with_running_var(const float* x, float* y, const float* gamma, const float* beta,
-                                  const float* mean, int64_t rows) const;
-  // The backward kernel on the saved input: dgamma, dbeta accumulate, dx written.
-  void parameter_gradients(const float* dy, const float* mean, const float* invstd, float* dx);
+  void count_batch();
+  template <typename T>
+  void forward_typed(const Tensor& input, Tensor& y);
+  template <typename T>
+  void backward_typed(const Tensor& grad_output, Tensor& dx);
 
   int c_;
   float eps_, momentum_;
@@ -66,11 +75,13 @@ class BatchNorm2d : public Module {
   Tensor* running_mean_ = nullptr;
   Tensor* running_var_ = nullptr;
   Tensor* num_batches_tracked_ = nullptr;
-  // The count's truth (see above); mutable because import_tensor, a const hook, sets it on load.
+  // The host copy of the count (see above); mutable because import_tensor, a const hook, sets it
+  // on load.
   mutable int64_t batches_tracked_ = 0;
   // Saved by forward for backward (the statistics by a training forward only).
   bool saved_training_ = false;
   Tensor input_, save_mean_, save_invstd_;
+  Tensor relu_output_;  // the output, when the forward fused a ReLU (else undefined)
 };
 
 }  // namespace cudp

@@ -1,6 +1,8 @@
 // GPU tests of batch normalisation: training forward (with running statistics), evaluation and
 // backward against the CPU reference and against cuDNN (CUDNN_BATCHNORM_SPATIAL, NHWC), numerical
-// stability with a large mean, the accumulate semantics, and bitwise determinism.
+// stability with a large mean, the accumulate semantics, and bitwise determinism; bf16 storage
+// against the double reference rounded to bf16, the fused ReLU against ReLU's own kernels bit for
+// bit, and the backward of an evaluation forward.
 #include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc(T**) for DeviceBuffer<T>
 #include <gtest/gtest.h>
 
@@ -15,11 +17,15 @@
 #include "common/gpu.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/batchnorm.h"
+#include "tests/kernels/batchnorm_testing.h"
 
 namespace cudp::kernels {
 namespace {
 
 using testing::DeviceBuffer;
+using testing_bn::bitwise_equal;
+using testing_bn::floats;
+using testing_bn::stored;
 constexpr float kEps = 1e-5f, kMomentum = 0.1f;
 
 struct BnCase {
@@ -80,17 +86,6 @@ double dx_term_scale(const std::vector<float>& x, const std::vector<float>& dy,
   return scale;
 }
 
-::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure()
-             << "first difference at " << i << ": " << a[i] << " vs " << b[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // Everything one training step of a BN layer touches, on the GPU.
 struct BnGpu {
   DeviceBuffer<float> x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, dy, dx,
@@ -141,7 +136,7 @@ TEST(BatchNormGpu, TrainingForwardAndBackwardMatchCpu) {
     BnGpu g(k, x, gamma, beta, rm0, rv0, dy);
     batchnorm_forward_train(g.x.get(), g.y.get(), g.gamma.get(), g.beta.get(), g.running_mean.get(),
                             g.running_var.get(), g.save_mean.get(), g.save_invstd.get(), k.rows(),
-                            k.c, kMomentum, kEps, nullptr);
+                            k.c, kMomentum, kEps, BnActivation::none, nullptr);
 
     std::vector<float> y(k.size()), rm = rm0, rv = rv0, mean(k.c), invstd(k.c);
     batchnorm_forward_train_cpu(x.data(), y.data(), gamma.data(), beta.data(), rm.data(), rv.data(),
@@ -158,11 +153,13 @@ TEST(BatchNormGpu, TrainingForwardAndBackwardMatchCpu) {
     // Backward from the GPU's saved statistics, on both sides.
     const std::vector<float> gpu_mean = g.save_mean.download(),
                              gpu_invstd = g.save_invstd.download();
-    batchnorm_backward(g.x.get(), g.dy.get(), g.gamma.get(), g.save_mean.get(), g.save_invstd.get(),
-                       g.dx.get(), g.dgamma.get(), g.dbeta.get(), k.rows(), k.c, 0.f, nullptr);
+    batchnorm_backward(g.x.get(), g.dy.get(), nullptr, g.gamma.get(), g.save_mean.get(),
+                       g.save_invstd.get(), g.dx.get(), g.dgamma.get(), g.dbeta.get(), k.rows(),
+                       k.c, 0.f, nullptr);
     std::vector<float> dx(k.size()), dgamma(k.c), dbeta(k.c);
-    batchnorm_backward_cpu(x.data(), dy.data(), gamma.data(), gpu_mean.data(), gpu_invstd.data(),
-                           dx.data(), dgamma.data(), dbeta.data(), k.rows(), k.c, 0.f);
+    batchnorm_backward_cpu(x.data(), dy.data(), nullptr, gamma.data(), gpu_mean.data(),
+                           gpu_invstd.data(), dx.data(), dgamma.data(), dbeta.data(), k.rows(), k.c,
+                           0.f);
     // dx = k * (dy - a - (x - mean) * b): a few roundings of its largest terms, not of dx, which
     // may cancel (4e-6 ~ 34 fp32 epsilons; the kernel errs by <= 2e-7 of them in every case here).
     EXPECT_ALL_CLOSE(g.dx.download(), dx, 1e-5,
@@ -191,9 +188,9 @@ TEST(BatchNormGpu, EvalMatchesCpu) {
     yg.fill(testing::kPoison);
     yg_plain.fill(testing::kPoison);
     batchnorm_forward_eval(xg.get(), yg.get(), gg.get(), bg.get(), rmg.get(), rvg.get(), k.rows(),
-                           k.c, kEps, nullptr);
+                           k.c, kEps, BnActivation::none, nullptr);
     batchnorm_forward_eval(xg.get(), yg_plain.get(), nullptr, nullptr, rmg.get(), rvg.get(),
-                           k.rows(), k.c, kEps, nullptr);
+                           k.rows(), k.c, kEps, BnActivation::none, nullptr);
     std::vector<float> y(k.size()), y_plain(k.size());
     batchnorm_forward_eval_cpu(x.data(), y.data(), gamma.data(), beta.data(), rm.data(), rv.data(),
                                k.rows(), k.c, kEps);
@@ -221,7 +218,7 @@ TEST(BatchNormGpu, LargeMeanIsNumericallyStable) {
   DeviceBuffer<float> yg(k.size()), mg(k.c), ig(k.c);
   yg.fill(testing::kPoison);
   batchnorm_forward_train(xg.get(), yg.get(), nullptr, nullptr, nullptr, nullptr, mg.get(),
-                          ig.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
+                          ig.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::none, nullptr);
   std::vector<float> y(k.size()), mean(k.c), invstd(k.c);
   batchnorm_forward_train_cpu<float>(x.data(), y.data(), nullptr, nullptr, nullptr, nullptr,
                                      mean.data(), invstd.data(), k.rows(), k.c, kMomentum, kEps);
@@ -241,7 +238,7 @@ TEST(BatchNormGpu, AccumulateSemanticsAndOptionalPointers) {
   // Forward with no affine and no running statistics.
   yg.fill(testing::kPoison);
   batchnorm_forward_train(xg.get(), yg.get(), nullptr, nullptr, nullptr, nullptr, mg.get(),
-                          ig.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
+                          ig.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::none, nullptr);
   std::vector<float> y(k.size()), mean(k.c), invstd(k.c);
   batchnorm_forward_train_cpu<float>(x.data(), y.data(), nullptr, nullptr, nullptr, nullptr,
                                      mean.data(), invstd.data(), k.rows(), k.c, kMomentum, kEps);
@@ -251,11 +248,11 @@ TEST(BatchNormGpu, AccumulateSemanticsAndOptionalPointers) {
   // beta 0 never reads the old gradients: NaN there must not survive.
   dgg.fill(std::numeric_limits<float>::quiet_NaN());
   dbg.fill(std::numeric_limits<float>::quiet_NaN());
-  batchnorm_backward(xg.get(), dyg.get(), gg.get(), mg.get(), ig.get(), dxg.get(), dgg.get(),
-                     dbg.get(), k.rows(), k.c, 0.f, nullptr);
+  batchnorm_backward(xg.get(), dyg.get(), nullptr, gg.get(), mg.get(), ig.get(), dxg.get(),
+                     dgg.get(), dbg.get(), k.rows(), k.c, 0.f, nullptr);
   std::vector<float> dx(k.size()), dgamma(k.c), dbeta(k.c);
-  batchnorm_backward_cpu(x.data(), dy.data(), gamma.data(), gm.data(), gi.data(), dx.data(),
-                         dgamma.data(), dbeta.data(), k.rows(), k.c, 0.f);
+  batchnorm_backward_cpu(x.data(), dy.data(), nullptr, gamma.data(), gm.data(), gi.data(),
+                         dx.data(), dgamma.data(), dbeta.data(), k.rows(), k.c, 0.f);
   // Sums of 147 terms below 3 in magnitude: 1e-5 absolute is ~10 roundings at that scale.
   EXPECT_ALL_CLOSE(dgg.download(), dgamma, 1e-5, 1e-5);
   EXPECT_ALL_CLOSE(dbg.download(), dbeta, 1e-5, 1e-5);
@@ -265,19 +262,19 @@ TEST(BatchNormGpu, AccumulateSemanticsAndOptionalPointers) {
                      old_b = testing::random_vector(k.c, 135);
   dgg.upload(old_g);
   dbg.upload(old_b);
-  batchnorm_backward(xg.get(), dyg.get(), gg.get(), mg.get(), ig.get(), dxg.get(), dgg.get(),
-                     dbg.get(), k.rows(), k.c, 1.f, nullptr);
-  batchnorm_backward_cpu(x.data(), dy.data(), gamma.data(), gm.data(), gi.data(), dx.data(),
-                         old_g.data(), old_b.data(), k.rows(), k.c, 1.f);
+  batchnorm_backward(xg.get(), dyg.get(), nullptr, gg.get(), mg.get(), ig.get(), dxg.get(),
+                     dgg.get(), dbg.get(), k.rows(), k.c, 1.f, nullptr);
+  batchnorm_backward_cpu(x.data(), dy.data(), nullptr, gamma.data(), gm.data(), gi.data(),
+                         dx.data(), old_g.data(), old_b.data(), k.rows(), k.c, 1.f);
   EXPECT_ALL_CLOSE(dgg.download(), old_g, 1e-5, 1e-5);
   EXPECT_ALL_CLOSE(dbg.download(), old_b, 1e-5, 1e-5);
 
   // No parameter gradients at all (affine=False): dx still written, gamma taken as 1.
   dxg.fill(testing::kPoison);
-  batchnorm_backward(xg.get(), dyg.get(), nullptr, mg.get(), ig.get(), dxg.get(), nullptr, nullptr,
-                     k.rows(), k.c, 0.f, nullptr);
-  batchnorm_backward_cpu<float>(x.data(), dy.data(), nullptr, gm.data(), gi.data(), dx.data(),
-                                nullptr, nullptr, k.rows(), k.c, 0.f);
+  batchnorm_backward(xg.get(), dyg.get(), nullptr, nullptr, mg.get(), ig.get(), dxg.get(), nullptr,
+                     nullptr, k.rows(), k.c, 0.f, nullptr);
+  batchnorm_backward_cpu<float>(x.data(), dy.data(), nullptr, nullptr, gm.data(), gi.data(),
+                                dx.data(), nullptr, nullptr, k.rows(), k.c, 0.f);
   EXPECT_ALL_CLOSE(dxg.download(), dx, 1e-5, 4e-6 * dx_term_scale(x, dy, {}, gm, gi, k.c));
 }
 
@@ -294,8 +291,9 @@ TEST(BatchNormGpu, ReductionsAreBitwiseDeterministic) {
       BnGpu g(k, x, gamma, beta, rm, rv, dy);
       batchnorm_forward_train(g.x.get(), g.y.get(), g.gamma.get(), g.beta.get(),
                               g.running_mean.get(), g.running_var.get(), g.save_mean.get(),
-                              g.save_invstd.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
-      batchnorm_backward(g.x.get(), g.dy.get(), g.gamma.get(), g.save_mean.get(),
+                              g.save_invstd.get(), k.rows(), k.c, kMomentum, kEps,
+                              BnActivation::none, nullptr);
+      batchnorm_backward(g.x.get(), g.dy.get(), nullptr, g.gamma.get(), g.save_mean.get(),
                          g.save_invstd.get(), g.dx.get(), g.dgamma.get(), g.dbeta.get(), k.rows(),
                          k.c, 0.f, nullptr);
       std::vector<std::vector<float>> out;
@@ -350,8 +348,9 @@ TEST(BatchNormGpu, MatchesCudnnSpatialNhwc) {
 
     batchnorm_forward_train(ours.x.get(), ours.y.get(), ours.gamma.get(), ours.beta.get(),
                             ours.running_mean.get(), ours.running_var.get(), ours.save_mean.get(),
-                            ours.save_invstd.get(), k.rows(), k.c, kMomentum, kEps, nullptr);
-    batchnorm_backward(ours.x.get(), ours.dy.get(), ours.gamma.get(), ours.save_mean.get(),
+                            ours.save_invstd.get(), k.rows(), k.c, kMomentum, kEps,
+                            BnActivation::none, nullptr);
+    batchnorm_backward(ours.x.get(), ours.dy.get(), nullptr, ours.gamma.get(), ours.save_mean.get(),
                        ours.save_invstd.get(), ours.dx.get(), ours.dgamma.get(), ours.dbeta.get(),
                        k.rows(), k.c, 0.f, nullptr);
     // cuDNN: exponentialAverageFactor is PyTorch's momentum, and its running variance is the
@@ -389,7 +388,7 @@ TEST(BatchNormGpu, MatchesCudnnSpatialNhwc) {
     y_eval.fill(testing::kPoison);
     batchnorm_forward_eval(ours.x.get(), y_eval.get(), ours.gamma.get(), ours.beta.get(),
                            ours.running_mean.get(), ours.running_var.get(), k.rows(), k.c, kEps,
-                           nullptr);
+                           BnActivation::none, nullptr);
     CUDP_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(
         cudnn.handle, CUDNN_BATCHNORM_SPATIAL, &one, &zero, x_desc.desc, ours.x.get(), x_desc.desc,
         y_eval_ref.get(), bn_desc.desc, ours.gamma.get(), ours.beta.get(), ours.running_mean.get(),
@@ -402,11 +401,259 @@ TEST(BatchNormGpu, BadArgumentsThrowBeforeLaunching) {
   CUDP_REQUIRE_GPU();
   DeviceBuffer<float> b(64);
   float* p = b.get();
-  EXPECT_THROW(batchnorm_forward_train(p, p, p, p, p, p, p, p, 1, 4, 0.1f, 1e-5f, nullptr),
+  EXPECT_THROW(batchnorm_forward_train(p, p, p, p, p, p, p, p, 1, 4, 0.1f, 1e-5f,
+                                       BnActivation::none, nullptr),
                ValueError);
-  EXPECT_THROW(batchnorm_forward_eval(p, p, p, p, nullptr, p, 4, 4, 1e-5f, nullptr), ValueError);
-  EXPECT_THROW(batchnorm_backward(p, p, p, nullptr, p, p, p, p, 4, 4, 0.f, nullptr), ValueError);
-  EXPECT_THROW(batchnorm_backward(p, p, p, p, p, p, p, p, 4, 0, 0.f, nullptr), ValueError);
+  EXPECT_THROW(
+      batchnorm_forward_eval(p, p, p, p, nullptr, p, 4, 4, 1e-5f, BnActivation::none, nullptr),
+      ValueError);
+  EXPECT_THROW(batchnorm_backward(p, p, nullptr, p, nullptr, p, p, p, p, 4, 4, 0.f, nullptr),
+               ValueError);
+  EXPECT_THROW(batchnorm_backward(p, p, nullptr, p, p, p, p, p, p, 4, 0, 0.f, nullptr), ValueError);
+}
+
+// ---- bf16 storage, fused ReLU, evaluation backward ---------------------------------------------
+
+// bf16 outputs against the CPU reference in bf16 (the double result rounded once to nearest): the
+// GPU rounds an fp32 value that lies within the fp32 tests' bounds (above) of the exact one, and
+// two roundings to nearest of values that close land at most one bf16 ulp apart (<= 2^-7 of the
+// value: bf16 keeps 8 significant bits) plus their distance. So rtol = 2^-7 plus the fp32 bounds'
+// relative part (1e-5), rounded up to 8e-3, and atol = the fp32 bound's absolute part.
+constexpr double kBf16Rtol = 8e-3;
+
+const BnCase kBf16Cases[] = {
+    {3, 7, 7, 5},        // scalar path
+    {2, 5, 7, 12},       // c % 8 != 0: scalar bf16 path (float4 in fp32)
+    {3, 7, 7, 24},       // 8 bf16 per lane, 3 lanes, 147 rows (not a multiple of a block)
+    {2, 9, 9, 264},      // 33 vectors: two groups
+    {5, 7, 7, 64},       // VGG's first width
+    {4, 56, 56, 256},    // VGG: one group of 32 lanes
+    {16, 112, 112, 64},  // long per-channel reductions
+};
+
+TEST(BatchNormGpu, Bf16TrainingMatchesTheDoubleReference) {
+  CUDP_REQUIRE_GPU();
+  using bf16 = __nv_bfloat16;
+  for (const BnCase& k : kBf16Cases) {
+    for (const BnActivation act : {BnActivation::none, BnActivation::relu}) {
+      SCOPED_TRACE(describe(k) << (act == BnActivation::relu ? " relu" : ""));
+      const std::vector<float> xf = testing_bn::bf16_exact(bn_input(k, 161 + k.c, 2.f));
+      const std::vector<float> dyf =
+          testing_bn::bf16_exact(testing::random_vector(k.size(), 162 + k.c));
+      const std::vector<float> gamma = testing::random_vector(k.c, 163, 0.5f, 1.5f);
+      const std::vector<float> beta = testing::random_vector(k.c, 164, -0.5f, 0.5f);
+      const std::vector<float> rm0 = testing::random_vector(k.c, 165);
+      const std::vector<float> rv0 = testing::random_vector(k.c, 166, 0.5f, 2.f);
+      const std::vector<bf16> x = stored<bf16>(xf), dy = stored<bf16>(dyf);
+      const DeviceBuffer<bf16> xg(x), dyg(dy);
+      DeviceBuffer<bf16> yg(k.size()), dxg(k.size());
+      DeviceBuffer<float> gg(gamma), bg(beta), rmg(rm0), rvg(rv0), mg(k.c), ig(k.c), dgg(k.c),
+          dbg(k.c);
+      yg.fill(__float2bfloat16_rn(testing::kPoison));
+      dxg.fill(__float2bfloat16_rn(testing::kPoison));
+      for (auto* b : {&mg, &ig, &dgg, &dbg}) b->fill(testing::kPoison);
+      batchnorm_forward_train(xg.get(), yg.get(), gg.get(), bg.get(), rmg.get(), rvg.get(),
+                              mg.get(), ig.get(), k.rows(), k.c, kMomentum, kEps, act, nullptr);
+      std::vector<bf16> y(k.size());
+      std::vector<float> rm = rm0, rv = rv0, mean(k.c), invstd(k.c);
+      batchnorm_forward_train_cpu(x.data(), y.data(), gamma.data(), beta.data(), rm.data(),
+                                  rv.data(), mean.data(), invstd.data(), k.rows(), k.c, kMomentum,
+                                  kEps, act);
+      // The statistics are fp32 reductions of the same (exact) values: the fp32 test's bounds.
+      EXPECT_ALL_CLOSE(mg.download(), mean, 1e-6, 2e-6);
+      EXPECT_ALL_CLOSE(ig.download(), invstd, 1e-5, 0);
+      EXPECT_ALL_CLOSE(rmg.download(), rm, 1e-5, 1e-6);
+      EXPECT_ALL_CLOSE(rvg.download(), rv, 1e-5, 1e-6);
+      const std::vector<bf16> y_gpu = yg.download();
+      const std::vector<float> y_gpu_f = floats(y_gpu);
+      EXPECT_ALL_CLOSE(y_gpu_f, floats(y), kBf16Rtol, 2e-5);
+      if (act == BnActivation::relu) {
+        EXPECT_GT(testing_bn::clamped(y_gpu_f), 0u);
+        EXPECT_LT(testing_bn::clamped(y_gpu_f), y_gpu_f.size());
+      }
+
+      // Backward from the GPU's statistics and (fused ReLU) its output, on both sides.
+      const std::vector<float> gm = mg.download(), gi = ig.download();
+      const bf16* mask_gpu = act == BnActivation::relu ? yg.get() : nullptr;
+      const bf16* mask_cpu = act == BnActivation::relu ? y_gpu.data() : nullptr;
+      batchnorm_backward(xg.get(), dyg.get(), mask_gpu, gg.get(), mg.get(), ig.get(), dxg.get(),
+                         dgg.get(), dbg.get(), k.rows(), k.c, 0.f, nullptr);
+      std::vector<bf16> dx(k.size());
+      std::vector<float> dgamma(k.c), dbeta(k.c);
+      batchnorm_backward_cpu(x.data(), dy.data(), mask_cpu, gamma.data(), gm.data(), gi.data(),
+                             dx.data(), dgamma.data(), dbeta.data(), k.rows(), k.c, 0.f);
+      const std::vector<float> g =
+          act == BnActivation::relu ? testing_bn::relu_grad_of(y_gpu_f, dyf) : dyf;
+      // dx: the bf16 rule above on the fp32 test's bound; dgamma, dbeta: fp32 sums of the same
+      // values, the fp32 test's bounds.
+      EXPECT_ALL_CLOSE(floats(dxg.download()), floats(dx), kBf16Rtol,
+                       4e-6 * dx_term_scale(xf, g, gamma, gm, gi, k.c));
+      std::vector<float> xhat(k.size());
+      for (size_t i = 0; i < xhat.size(); ++i) xhat[i] = (xf[i] - gm[i % k.c]) * gi[i % k.c];
+      EXPECT_ALL_CLOSE(dbg.download(), dbeta, 1e-5, 2e-7 * max_channel_abs_sum(g, k.c));
+      EXPECT_ALL_CLOSE(dgg.download(), dgamma, 1e-5, 2e-7 * max_channel_abs_sum(g, k.c, xhat));
+    }
+  }
+}
+
+// Fused ReLU == ReLU after the plain forward, and masked backward == the plain backward of a
+// gradient that ReLU's backward masked first, bit for bit on the GPU, for f32 and bf16 storage,
+// after a training and after an evaluation forward.
+template <typename T>
+void expect_fused_relu_is_relu_gpu(const BnCase& k, uint64_t seed) {
+  const std::vector<T> x = stored<T>(bn_input(k, seed, 1.f));
+  const std::vector<T> dy = stored<T>(testing::random_vector(k.size(), seed + 1));
+  const std::vector<float> gamma = testing::random_vector(k.c, seed + 2, 0.5f, 1.5f);
+  const std::vector<float> beta = testing::random_vector(k.c, seed + 3, -0.5f, 0.5f);
+  const std::vector<float> rm0 = testing::random_vector(k.c, seed + 4),
+                           rv0 = testing::random_vector(k.c, seed + 5, 0.5f, 2.f);
+  const DeviceBuffer<T> xg(x), dyg(dy);
+  const DeviceBuffer<float> gg(gamma), bg(beta);
+  for (const bool training : {true, false}) {
+    SCOPED_TRACE(training ? "training" : "evaluation");
+    DeviceBuffer<T> y(k.size()), y_relu(k.size()), dx1(k.size()), dx2(k.size());
+    DeviceBuffer<float> rm1(rm0), rv1(rv0), rm2(rm0), rv2(rv0), m1(k.c), i1(k.c), m2(k.c), i2(k.c),
+        dg1(k.c), db1(k.c), dg2(k.c), db2(k.c);
+    if (training) {
+      batchnorm_forward_train(xg.get(), y.get(), gg.get(), bg.get(), rm1.get(), rv1.get(), m1.get(),
+                              i1.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::none,
+                              nullptr);
+      batchnorm_forward_train(xg.get(), y_relu.get(), gg.get(), bg.get(), rm2.get(), rv2.get(),
+                              m2.get(), i2.get(), k.rows(), k.c, kMomentum, kEps,
+                              BnActivation::relu, nullptr);
+      for (auto [a, b] :
+           {std::pair{&rm1, &rm2}, std::pair{&rv1, &rv2}, std::pair{&m1, &m2}, std::pair{&i1, &i2}})
+        EXPECT_TRUE(bitwise_equal(a->download(), b->download()));
+    } else {
+      batchnorm_forward_eval(xg.get(), y.get(), gg.get(), bg.get(), rm1.get(), rv1.get(), k.rows(),
+                             k.c, kEps, BnActivation::none, nullptr);
+      batchnorm_forward_eval(xg.get(), y_relu.get(), gg.get(), bg.get(), rm1.get(), rv1.get(),
+                             k.rows(), k.c, kEps, BnActivation::relu, nullptr);
+    }
+    const std::vector<float> yr = floats(y_relu.download());
+    ASSERT_GT(testing_bn::clamped(yr), yr.size() / 8);
+    ASSERT_LT(testing_bn::clamped(yr), yr.size() * 7 / 8);
+    EXPECT_TRUE(bitwise_equal(yr, testing_bn::relu_of(floats(y.download()))));
+
+    const DeviceBuffer<T> dy_masked(stored<T>(testing_bn::relu_grad_of(yr, floats(dy))));
+    if (training) {
+      batchnorm_backward(xg.get(), dyg.get(), y_relu.get(), gg.get(), m2.get(), i2.get(), dx1.get(),
+                         dg1.get(), db1.get(), k.rows(), k.c, 0.f, nullptr);
+      batchnorm_backward(xg.get(), dy_masked.get(), nullptr, gg.get(), m2.get(), i2.get(),
+                         dx2.get(), dg2.get(), db2.get(), k.rows(), k.c, 0.f, nullptr);
+    } else {
+      batchnorm_backward_eval(xg.get(), dyg.get(), y_relu.get(), gg.get(), rm1.get(), rv1.get(),
+                              dx1.get(), dg1.get(), db1.get(), k.rows(), k.c, kEps, 0.f, nullptr);
+      batchnorm_backward_eval(xg.get(), dy_masked.get(), nullptr, gg.get(), rm1.get(), rv1.get(),
+                              dx2.get(), dg2.get(), db2.get(), k.rows(), k.c, kEps, 0.f, nullptr);
+    }
+    EXPECT_TRUE(bitwise_equal(floats(dx1.download()), floats(dx2.download())));
+    EXPECT_TRUE(bitwise_equal(dg1.download(), dg2.download()));
+    EXPECT_TRUE(bitwise_equal(db1.download(), db2.download()));
+  }
+}
+
+TEST(BatchNormGpu, FusedReluIsReluBitForBit) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k : {BnCase{3, 7, 7, 5}, BnCase{2, 5, 7, 12}, BnCase{4, 56, 56, 256}}) {
+    SCOPED_TRACE(describe(k));
+    {
+      SCOPED_TRACE("f32");
+      expect_fused_relu_is_relu_gpu<float>(k, 171);
+    }
+    {
+      SCOPED_TRACE("bf16");
+      expect_fused_relu_is_relu_gpu<__nv_bfloat16>(k, 181);
+    }
+  }
+}
+
+// The backward of an evaluation forward (frozen statistics) against the CPU reference: dx = dy *
+// gamma * invstd is one fp32 product of a coefficient a few ulps off (2e-7 relative); dgamma and
+// dbeta are fp32 sums as in training (the same bounds). bf16 adds the rule above.
+template <typename T>
+void expect_eval_backward_matches_cpu(const BnCase& k, uint64_t seed, double rtol) {
+  const std::vector<float> xf = floats(stored<T>(bn_input(k, seed, 2.f)));
+  const std::vector<float> dyf = floats(stored<T>(testing::random_vector(k.size(), seed + 1)));
+  const std::vector<T> x = stored<T>(xf), dy = stored<T>(dyf);
+  const std::vector<float> gamma = testing::random_vector(k.c, seed + 2, 0.5f, 1.5f);
+  const std::vector<float> beta = testing::random_vector(k.c, seed + 3, -0.5f, 0.5f);
+  const std::vector<float> rm = testing::random_vector(k.c, seed + 4, -2.f, 2.f);
+  const std::vector<float> rv = testing::random_vector(k.c, seed + 5, 0.25f, 4.f);
+  const DeviceBuffer<T> xg(x), dyg(dy);
+  DeviceBuffer<T> yg(k.size()), dxg(k.size());
+  const DeviceBuffer<float> gg(gamma), bg(beta), rmg(rm), rvg(rv);
+  DeviceBuffer<float> dgg(testing::random_vector(k.c, seed + 6)),
+      dbg(testing::random_vector(k.c, seed + 7));
+  std::vector<float> dgamma = dgg.download(), dbeta = dbg.download();
+  batchnorm_forward_eval(xg.get(), yg.get(), gg.get(), bg.get(), rmg.get(), rvg.get(), k.rows(),
+                         k.c, kEps, BnActivation::relu, nullptr);
+  std::vector<T> y(k.size());
+  batchnorm_forward_eval_cpu(x.data(), y.data(), gamma.data(), beta.data(), rm.data(), rv.data(),
+                             k.rows(), k.c, kEps, BnActivation::relu);
+  // One fp32 formula per element on values below ~10: a few ulps (as EvalMatchesCpu).
+  const std::vector<T> y_gpu = yg.download();
+  EXPECT_ALL_CLOSE(floats(y_gpu), floats(y), rtol, 1e-5);
+  // Accumulating (beta 1) onto random gradients, masked by the GPU's fused output.
+  batchnorm_backward_eval(xg.get(), dyg.get(), yg.get(), gg.get(), rmg.get(), rvg.get(), dxg.get(),
+                          dgg.get(), dbg.get(), k.rows(), k.c, kEps, 1.f, nullptr);
+  std::vector<T> dx(k.size());
+  batchnorm_backward_eval_cpu(x.data(), dy.data(), y_gpu.data(), gamma.data(), rm.data(), rv.data(),
+                              dx.data(), dgamma.data(), dbeta.data(), k.rows(), k.c, kEps, 1.f);
+  EXPECT_ALL_CLOSE(floats(dxg.download()), floats(dx), rtol, 0);
+  const std::vector<float> g = testing_bn::relu_grad_of(floats(y_gpu), dyf);
+  std::vector<float> xhat(k.size());
+  for (size_t i = 0; i < xhat.size(); ++i)
+    xhat[i] = (xf[i] - rm[i % k.c]) / std::sqrt(rv[i % k.c] + kEps);
+  EXPECT_ALL_CLOSE(dbg.download(), dbeta, 1e-5, 2e-7 * max_channel_abs_sum(g, k.c));
+  EXPECT_ALL_CLOSE(dgg.download(), dgamma, 1e-5, 2e-7 * max_channel_abs_sum(g, k.c, xhat));
+}
+
+TEST(BatchNormGpu, EvalBackwardMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k : kBf16Cases) {
+    SCOPED_TRACE(describe(k));
+    expect_eval_backward_matches_cpu<float>(k, 191, 1e-5);
+    expect_eval_backward_matches_cpu<__nv_bfloat16>(k, 201, kBf16Rtol);
+  }
+}
+
+TEST(BatchNormGpu, Bf16WithReluIsBitwiseDeterministic) {
+  CUDP_REQUIRE_GPU();
+  using bf16 = __nv_bfloat16;
+  for (const BnCase& k : {BnCase{16, 112, 112, 64}, BnCase{3, 7, 7, 5}, BnCase{2, 9, 9, 264}}) {
+    SCOPED_TRACE(describe(k));
+    const DeviceBuffer<bf16> xg(stored<bf16>(bn_input(k, 211, 2.f))),
+        dyg(stored<bf16>(testing::random_vector(k.size(), 212)));
+    const DeviceBuffer<float> gg(testing::random_vector(k.c, 213, 0.5f, 1.5f)),
+        bg(testing::random_vector(k.c, 214));
+    std::vector<std::vector<float>> first;
+    for (int run = 0; run < 2; ++run) {
+      DeviceBuffer<bf16> y(k.size()), dx(k.size());
+      DeviceBuffer<float> rm(std::vector<float>(k.c, 0.f)), rv(std::vector<float>(k.c, 1.f)),
+          m(k.c), i(k.c), dg(k.c), db(k.c);
+      batchnorm_forward_train(xg.get(), y.get(), gg.get(), bg.get(), rm.get(), rv.get(), m.get(),
+                              i.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::relu, nullptr);
+      batchnorm_backward(xg.get(), dyg.get(), y.get(), gg.get(), m.get(), i.get(), dx.get(),
+                         dg.get(), db.get(), k.rows(), k.c, 0.f, nullptr);
+      std::vector<std::vector<float>> out = {floats(y.download()), floats(dx.download())};
+      for (auto* b : {&rm, &rv, &m, &i, &dg, &db}) out.push_back(b->download());
+      if (run == 0) {
+        first = out;
+      } else {
+        for (size_t j = 0; j < out.size(); ++j)
+          EXPECT_TRUE(bitwise_equal(out[j], first[j])) << "output " << j;
+      }
+    }
+  }
+}
+
+TEST(BatchNormGpu, CountBatchIncrementsTheDeviceCounter) {
+  CUDP_REQUIRE_GPU();
+  DeviceBuffer<int64_t> count(std::vector<int64_t>{41});
+  batchnorm_count_batch(count.get(), nullptr);
+  batchnorm_count_batch(count.get(), nullptr);
+  EXPECT_EQ(count.download(), std::vector<int64_t>{43});
 }
 
 }  // namespace
