@@ -4,13 +4,18 @@
 // weight and bias enter linearly (and in evaluation the input too), so they take fp32 finite
 // differences (layer_testing.h); the training input gradient is checked against central
 // differences of the kernel's double-precision forward, the same function in double, where a step
-// of 1e-4 leaves errors far below the fp32 tolerance.
+// of 1e-4 leaves errors far below the fp32 tolerance. bf16 activations keep their dtype and equal
+// the f32 layer's results rounded once; a fused ReLU (Sequential) is the unfused one bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/batchnorm.h"
+#include "layers/activation.h"
 #include "layers/batchnorm.h"
+#include "layers/sequential.h"
+#include "tests/layers/batchnorm_testing.h"
 #include "tests/layers/layer_testing.h"
 
 namespace cudp {
@@ -153,6 +158,88 @@ TEST(BatchNorm2dTest, LoadedCountContinues) {
 TEST(BatchNorm2dTest, TrainingNeedsMoreThanOneValuePerChannel) {
   BatchNorm2d bn(2);
   EXPECT_THROW_WITH(bn.forward(random_tensor({1, 1, 1, 2}, 15)), "more than 1 value per channel");
+}
+
+// The bf16 layer on values that bf16 holds exactly, against the f32 layer on the same values: both
+// compute in double on the CPU, so everything fp32 (statistics, running buffers, weight and bias
+// gradients) is the same bits, and each bf16 activation is the double result rounded once to
+// nearest, within half a bf16 ulp (2^-8 relative) of it, while the f32 one is within 2^-24 of it:
+// rtol 2^-8 + 2^-23 between them.
+TEST(BatchNorm2dTest, Bf16KeepsItsDtypeAndIsTheF32ResultRounded) {
+  constexpr double kRtol = 1.0 / 256 + 1.0 / (1 << 23);
+  using testing_bn::bitwise_equal;
+  using testing_bn::floats_of;
+  BatchNorm2d f32(5);
+  testing::randomize_parameters(f32, 21);
+  auto bf16 = std::static_pointer_cast<BatchNorm2d>(f32.clone(Device::cpu()));
+  const Tensor x = testing_bn::bf16_exact(random_tensor({2, 3, 7, 5}, 22, -2.f, 3.f));
+  const Tensor g = testing_bn::bf16_exact(random_tensor(x.shape(), 23));
+  for (const bool training : {true, false}) {
+    SCOPED_TRACE(training ? "training" : "evaluation");
+    f32.train(training);
+    bf16->train(training);
+    f32.zero_grad();
+    bf16->zero_grad();
+    const Tensor y = bf16->forward(testing_bn::to_bf16(x));
+    EXPECT_EQ(y.dtype(), DType::bf16);
+    EXPECT_ALL_CLOSE(floats_of(y), values(f32.forward(x)), kRtol, 0);
+    EXPECT_TRUE(bitwise_equal(bf16->running_mean(), f32.running_mean()));
+    EXPECT_TRUE(bitwise_equal(bf16->running_var(), f32.running_var()));
+    EXPECT_EQ(bf16->num_batches_tracked(), f32.num_batches_tracked());
+    const Tensor dx = bf16->backward(testing_bn::to_bf16(g));
+    EXPECT_EQ(dx.dtype(), DType::bf16);
+    EXPECT_ALL_CLOSE(floats_of(dx), values(f32.backward(g)), kRtol, 0);
+    EXPECT_EQ(bf16->weight().grad.dtype(), DType::f32);
+    EXPECT_TRUE(bitwise_equal(bf16->weight().grad, f32.weight().grad));
+    EXPECT_TRUE(bitwise_equal(bf16->bias().grad, f32.bias().grad));
+  }
+}
+
+TEST(BatchNorm2dTest, GradOutputMustHaveTheOutputDtype) {
+  BatchNorm2d bn(3);
+  const Tensor x = random_tensor({2, 2, 2, 3}, 24);
+  bn.forward(testing_bn::to_bf16(x));
+  EXPECT_THROW_WITH(bn.backward(x), "grad_output must have the output's dtype bf16");
+  EXPECT_THROW_WITH(bn.forward(Tensor::zeros({2, 2, 2, 3}, DType::f16)), "f32 or bf16 input");
+}
+
+// Sequential(BatchNorm2d, ReLU) fuses the ReLU into the BatchNorm2d; with fusion off the ReLU
+// module runs. Outputs, input gradients, parameter gradients and buffers are the same bits, in
+// training and in evaluation.
+TEST(BatchNorm2dTest, FusedReluIsUnfusedBitForBit) {
+  using testing_bn::bitwise_equal;
+  auto bn = std::make_shared<BatchNorm2d>(6);
+  testing::randomize_parameters(*bn, 25, 0.5f, 1.5f);
+  Sequential fused({bn, std::make_shared<ReLU>()});
+  auto unfused = std::static_pointer_cast<Sequential>(fused.clone(Device::cpu()));
+  unfused->set_fusion(false);
+  const Tensor x = random_tensor({2, 5, 3, 6}, 26, -2.f, 3.f);
+  const Tensor g = random_tensor(x.shape(), 27);
+  for (const bool training : {true, false}) {
+    SCOPED_TRACE(training ? "training" : "evaluation");
+    fused.train(training);
+    unfused->train(training);
+    fused.zero_grad();
+    unfused->zero_grad();
+    const Tensor y = fused.forward(x);
+    EXPECT_TRUE(bn->relu_fused());
+    EXPECT_FALSE(std::static_pointer_cast<BatchNorm2d>((*unfused)[0])->relu_fused());
+    EXPECT_TRUE(bitwise_equal(y, unfused->forward(x)));
+    const std::vector<float> yv = values(y);
+    const auto zeros = std::count(yv.begin(), yv.end(), 0.f);
+    EXPECT_GT(zeros, 0);  // the ReLU clamps some values and keeps others
+    EXPECT_LT(zeros, static_cast<long>(yv.size()));
+    EXPECT_TRUE(bitwise_equal(fused.backward(g), unfused->backward(g)));
+    const auto a = fused.named_parameters(), b = unfused->named_parameters();
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(a[i].second->grad, b[i].second->grad)) << a[i].first;
+    const auto ba = fused.named_buffers(), bb = unfused->named_buffers();
+    for (size_t i = 0; i < ba.size(); ++i) {
+      if (ba[i].second->dtype() == DType::f32) {
+        EXPECT_TRUE(bitwise_equal(*ba[i].second, *bb[i].second)) << ba[i].first;
+      }
+    }
+  }
 }
 
 }  // namespace
