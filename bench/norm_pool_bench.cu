@@ -13,6 +13,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/device_buffer.h"
@@ -20,7 +22,9 @@
 #include "engine/core/error.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/batchnorm.h"
+#include "kernels/elementwise.h"
 #include "kernels/init.h"
+#include "kernels/layout.h"
 #include "kernels/pool.h"
 
 namespace {
@@ -330,6 +334,123 @@ void bench_batchnorm(std::vector<Result>& results, cudaStream_t stream, Cudnn& c
                      cudp::bench::time_on_stream(stream, rotate(ref_bwd)).median_ms, bwd_ok});
 }
 
+// Batch normalisation with the fused ReLU (VGG-BN's Conv2d -> BatchNorm2d -> ReLU), in f32 or bf16
+// storage (T): ours only, as cuDNN's batch-norm calls have no fused ReLU; the "of copy" column is
+// the roofline. Validated first on copy 0: the fused forward is ReLU's rule applied to the plain
+// forward, and the masked backward is the plain backward of the gradient ReLU's rule masked, both
+// exactly (validate with zero tolerances); in bf16 the plain forward is also compared with the f32 kernel on the same values
+// (one bf16 ulp, 2^-7 relative, plus the f32 kernel's distance to cuDNN, as in the tests).
+template <typename T>
+void bench_batchnorm_relu(std::vector<Result>& results, cudaStream_t stream, int n, int h, int w,
+                          int c) {
+  constexpr bool is_bf16 = std::is_same_v<T, __nv_bfloat16>;
+  const char* type = is_bf16 ? "bf16" : "f32";
+  const int64_t rows = int64_t(n) * h * w;
+  const size_t size = size_t(rows) * c;
+  const int copies = cudp::bench::rotation_copies(2 * size * sizeof(T));
+  // Inputs as f32 (values bf16 holds exactly when T is bf16), and in T.
+  auto x32 = random_copies(copies, size, -1.f, 3.f, 700, stream);
+  auto dy32 = random_copies(copies, size, -1.f, 1.f, 800, stream);
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> x, dy, y, dx;
+  for (int i = 0; i < copies; ++i) {
+    for (auto* v : {&x, &dy, &y, &dx}) v->push_back(std::make_unique<DeviceBuffer<T>>(size));
+    if constexpr (is_bf16) {
+      f32_to_bf16(x32[i]->p, x[i]->p, int64_t(size), stream);
+      f32_to_bf16(dy32[i]->p, dy[i]->p, int64_t(size), stream);
+      bf16_to_f32(x[i]->p, x32[i]->p, int64_t(size), stream);
+    } else {
+      CUDP_CUDA_CHECK(cudaMemcpyAsync(x[i]->p, x32[i]->p, size * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream));
+      CUDP_CUDA_CHECK(cudaMemcpyAsync(dy[i]->p, dy32[i]->p, size * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  DeviceBuffer<float> gamma(c), beta(c), rm(c), rv(c), dgamma(c), dbeta(c);
+  uniform(gamma.p, c, 0.5f, 1.5f, 900, 0, stream);
+  uniform(beta.p, c, -1.f, 1.f, 901, 0, stream);
+  fill(rm.p, c, 0.f, stream);
+  fill(rv.p, c, 1.f, stream);
+  auto save_mean = empty_copies(copies, c), save_invstd = empty_copies(copies, c);
+  const float momentum = 0.1f, eps = 1e-5f;
+
+  auto train = [&](int i, BnActivation act, T* out) {
+    batchnorm_forward_train(x[i]->p, out, gamma.p, beta.p, rm.p, rv.p, save_mean[i]->p,
+                            save_invstd[i]->p, rows, c, momentum, eps, act, stream);
+  };
+  auto ours_train = [&](int i) { train(i, BnActivation::relu, y[i]->p); };
+  auto ours_eval = [&](int i) {
+    batchnorm_forward_eval(x[i]->p, y[i]->p, gamma.p, beta.p, rm.p, rv.p, rows, c, eps,
+                           BnActivation::relu, stream);
+  };
+  auto ours_bwd = [&](int i) {
+    batchnorm_backward(x[i]->p, dy[i]->p, y[i]->p, gamma.p, save_mean[i]->p, save_invstd[i]->p,
+                       dx[i]->p, dgamma.p, dbeta.p, rows, c, 0.f, stream);
+  };
+
+  const std::string shape = shape_text(n, h, w, c) + " " + type;
+  std::printf("batchnorm + relu %s (%d input copies)\n", shape.c_str(), copies);
+  auto as_floats = [](const DeviceBuffer<T>& b) {
+    if constexpr (is_bf16) {
+      const std::vector<T> v = b.download();
+      std::vector<float> out(v.size());
+      bf16_to_f32_cpu(v.data(), out.data(), int64_t(v.size()));
+      return out;
+    } else {
+      return b.download();
+    }
+  };
+  // Plain forward (copy 0) into dx[0] as scratch, fused into y[0]; then the backwards.
+  DeviceBuffer<T> y_plain(size), dy_masked(size), dx_plain(size);
+  DeviceBuffer<float> dgamma_plain(c), dbeta_plain(c);
+  train(0, BnActivation::none, y_plain.p);
+  for (int i = 0; i < copies; ++i) ours_train(i);
+  const std::vector<float> plain = as_floats(y_plain), fused = as_floats(*y[0]);
+  std::vector<float> relu_plain(size), masked(size);
+  relu_forward_cpu(plain.data(), relu_plain.data(), int64_t(size));
+  bool fwd_ok = validate("fused forward vs relu(plain), exact", fused, relu_plain, 0, 0);
+  relu_backward_cpu(fused.data(), as_floats(*dy[0]).data(), masked.data(), int64_t(size));
+  if constexpr (is_bf16) {
+    std::vector<T> masked_bf16(size);
+    f32_to_bf16_cpu(masked.data(), masked_bf16.data(), int64_t(size));
+    CUDP_CUDA_CHECK(
+        cudaMemcpy(dy_masked.p, masked_bf16.data(), size * sizeof(T), cudaMemcpyHostToDevice));
+    // The f32 kernel on the same values (x32[0] holds x[0]'s bf16 values), as the reference.
+    DeviceBuffer<float> y32(size), m32(c), i32(c);
+    batchnorm_forward_train(x32[0]->p, y32.p, gamma.p, beta.p, nullptr, nullptr, m32.p, i32.p, rows,
+                            c, momentum, eps, BnActivation::none, stream);
+    fwd_ok &= validate("plain forward vs f32 kernel", plain, y32.download(), 8e-3, 4e-5);
+  } else {
+    CUDP_CUDA_CHECK(
+        cudaMemcpy(dy_masked.p, masked.data(), size * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ours_bwd(0);
+  batchnorm_backward(x[0]->p, dy_masked.p, static_cast<const T*>(nullptr), gamma.p, save_mean[0]->p,
+                     save_invstd[0]->p, dx_plain.p, dgamma_plain.p, dbeta_plain.p, rows, c, 0.f,
+                     stream);
+  bool bwd_ok =
+      validate("masked backward dx vs plain, exact", as_floats(*dx[0]), as_floats(dx_plain), 0, 0);
+  bwd_ok &=
+      validate("masked dgamma vs plain, exact", dgamma.download(), dgamma_plain.download(), 0, 0);
+  bwd_ok &=
+      validate("masked dbeta vs plain, exact", dbeta.download(), dbeta_plain.download(), 0, 0);
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  auto rotate = [copies](const std::function<void(int)>& f) {
+    return [f, copies](int rep) { f(rep % copies); };
+  };
+  const double bytes = double(sizeof(T)) * double(size);
+  const std::string suffix = std::string(" +relu ") + type;
+  results.push_back({"batchnorm train fwd" + suffix, shape, 3 * bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_train)).median_ms, 0.0,
+                     fwd_ok});
+  results.push_back({"batchnorm eval fwd" + suffix, shape, 2 * bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_eval)).median_ms, 0.0,
+                     fwd_ok});
+  // Backward with the fused ReLU reads y (its mask) in both passes: 7 |x|.
+  results.push_back({"batchnorm bwd" + suffix, shape, 7 * bytes,
+                     cudp::bench::time_on_stream(stream, rotate(ours_bwd)).median_ms, 0.0, bwd_ok});
+}
+
 void write_json(const std::string& path, double copy_gbs, const std::vector<Result>& results) {
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (!f) CUDP_THROW(IoError, "cannot write ", path);
@@ -355,7 +476,9 @@ void write_json(const std::string& path, double copy_gbs, const std::vector<Resu
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"bench_norm_pool: pooling and batch normalisation, ours vs cuDNN (NHWC, fp32)"};
+  CLI::App app{
+      "bench_norm_pool: pooling and batch normalisation, ours vs cuDNN (NHWC, fp32), and batch "
+      "normalisation with a fused ReLU in fp32 and bf16 against the copy bandwidth"};
   std::string json;
   bool quick = false;
   app.add_option("--json", json, "write the results to this JSON file");
@@ -374,6 +497,8 @@ int main(int argc, char** argv) {
     bench_adaptive(results, stream, cudnn, 64, 14, 14, 512, 7, 7);
     bench_adaptive(results, stream, cudnn, 256, 1, 1, 512, 7, 7);
     bench_batchnorm(results, stream, cudnn, 4, 56, 56, 256);
+    bench_batchnorm_relu<float>(results, stream, 4, 56, 56, 256);
+    bench_batchnorm_relu<__nv_bfloat16>(results, stream, 4, 56, 56, 256);
     if (!quick) {
       bench_max_pool(results, stream, cudnn, 64, 224, 224, 64, 2, 2, 0);
       bench_max_pool(results, stream, cudnn, 64, 56, 56, 256, 2, 2, 0);
@@ -382,6 +507,11 @@ int main(int argc, char** argv) {
       bench_batchnorm(results, stream, cudnn, 64, 112, 112, 128);
       bench_batchnorm(results, stream, cudnn, 64, 56, 56, 256);
       bench_batchnorm(results, stream, cudnn, 256, 32, 32, 64);
+      for (const auto& [n, hw, c] :
+           {std::tuple{64, 224, 64}, std::tuple{64, 56, 256}, std::tuple{256, 32, 64}}) {
+        bench_batchnorm_relu<float>(results, stream, n, hw, hw, c);
+        bench_batchnorm_relu<__nv_bfloat16>(results, stream, n, hw, hw, c);
+      }
     }
 
     std::vector<cudp::bench::Row> rows;
