@@ -57,6 +57,8 @@ struct Bf16Operands {
 int bf16_channels(int c);
 // dst (pixels x bf16_channels(c) bf16) = src (pixels x c floats), rounded to nearest even.
 void conv2d_to_bf16(const float* src, int64_t pixels, int c, void* dst, cudaStream_t stream);
+// The same from bf16 activations (src: pixels x c bf16): a copy with the channels padded.
+void conv2d_pad_bf16(const void* src, int64_t pixels, int c, void* dst, cudaStream_t stream);
 
 // y = relu?(conv(x, w) + bias). bias (K floats) may be null; relu applies max(., 0) after the bias.
 void conv2d_forward(const Conv2dShape& shape, const float* x, const float* w, const float* bias,

@@ -367,6 +367,14 @@ void conv2d_to_bf16(const float* src, int64_t pixels, int c, void* dst, cudaStre
   pad_channels(src, pixels, c, bf16_channels(c), dst, DType::BF16, stream);
 }
 
+void conv2d_pad_bf16(const void* src, int64_t pixels, int c, void* dst, cudaStream_t stream) {
+  CUDP_CHECK(pixels >= 0 && c > 0, "conv2d_pad_bf16: invalid size ", pixels, " x ", c);
+  CUDP_CHECK(pixels == 0 || (src && dst), "conv2d_pad_bf16: src and dst must not be null");
+  if (pixels == 0) return;
+  pad_channels(static_cast<const __nv_bfloat16*>(src), pixels, c, bf16_channels(c), dst,
+               DType::BF16, stream);
+}
+
 namespace detail {
 
 void set_wgrad_descriptor_variant(int variant) { g_wgrad_variant.store(variant); }

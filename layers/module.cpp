@@ -46,6 +46,22 @@ TensorList Module::forward_all(const TensorList& inputs) {
   const nvtx::Range range(type_name() + " forward");
   check_inputs(inputs, "input", /*allow_undefined=*/false);
   forward_done_ = false;  // a forward that throws leaves nothing for a backward to use
+  widened_.assign(inputs.size(), false);
+  if (!takes_bf16()) {
+    TensorList widened = inputs;
+    bool any = false;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].dtype() == DType::bf16) {
+        widened[i] = convert(inputs[i], DType::f32);
+        widened_[i] = any = true;
+      }
+    }
+    if (any) {
+      TensorList outputs = forward_impl(widened);
+      forward_done_ = true;
+      return outputs;
+    }
+  }
   TensorList outputs = forward_impl(inputs);
   forward_done_ = true;
   return outputs;
@@ -57,7 +73,11 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
              ": backward() called without a forward() before it (or after the module was moved); "
              "run forward() first: backward uses what it saved");
   check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
-  return backward_impl(grad_outputs);
+  TensorList grads = backward_impl(grad_outputs);
+  for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
+    if (widened_[i]) grads[i] = convert(grads[i], DType::bf16);
+  }
+  return grads;
 }
 
 Tensor Module::forward(const Tensor& input) {
@@ -360,6 +380,7 @@ std::shared_ptr<Module> Module::clone(Device device) const {
     dst.training_ = src.training_;
     dst.precision_ = src.precision_;
     dst.fusion_ = src.fusion_;
+    dst.input_grad_ = src.input_grad_;
     dst.device_ = device;
     dst.forward_done_ = false;
     for (size_t i = 0; i < src.children_.size(); ++i) {
