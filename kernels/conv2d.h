@@ -112,6 +112,18 @@ void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaSt
 void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
                              cudaStream_t stream);
 
+// The same with the filters already rotated: ops.w is C x R x S x K (conv2d_filters_to_bf16's
+// `rotated`), so nothing is rotated per call.
+void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperands& ops,
+                                     cudaStream_t stream);
+
+// A layer's fp32 filters (K x R x S x C) as the bf16 operands of its products, in one pass: dst
+// (K x R x S x bf16_channels(C), channels zero-padded) for forward and backward-weight and, when
+// `rotated` is not null, the rotated filters of backward-data (C x R x S x K: w'[c][r][s][k] =
+// w[k][R-1-r][S-1-s][c]).
+void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst, void* rotated,
+                            cudaStream_t stream);
+
 // dw = beta*dw + dy^T (*) x on tensor cores, bf16 x (C a multiple of 8) and dy (K a multiple of 8),
 // fp32 dw (weight gradients accumulate in fp32); deterministic split over the n*P*Q pixels.
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,

@@ -81,6 +81,31 @@ __global__ void rotate_filters_kernel(const In* __restrict__ w, int k, int r, in
   }
 }
 
+// dst (K x R x S x cp bf16) = w (K x R x S x C fp32) with the channels zero-padded, and, when
+// `rotated` is not null, rotated (C x R x S x K bf16) = w'[c][r][s][k] = w[k][R-1-r][S-1-s][c]: the
+// filters of backward-data, from the same read. One thread per element of dst.
+__global__ void filters_to_bf16_kernel(const float* __restrict__ w, int k, int r, int s, int c,
+                                       int cp, __nv_bfloat16* __restrict__ dst,
+                                       __nv_bfloat16* __restrict__ rotated) {
+  const int64_t total = int64_t(k) * r * s * cp;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rest = i;
+    const int cc = static_cast<int>(rest % cp);
+    rest /= cp;
+    const int ss = static_cast<int>(rest % s);
+    rest /= s;
+    const int rr = static_cast<int>(rest % r);
+    const int kk = static_cast<int>(rest / r);
+    const float v = cc < c ? w[((int64_t(kk) * r + rr) * s + ss) * c + cc] : 0.f;
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    dst[i] = b;
+    if (rotated != nullptr && cc < c) {
+      rotated[((int64_t(cc) * r + (r - 1 - rr)) * s + (s - 1 - ss)) * k + kk] = b;
+    }
+  }
+}
+
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 65536));
 }
@@ -356,6 +381,30 @@ void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const vo
                                float beta, cudaStream_t stream) {
   check_tc("conv2d_backward_weight_tc", shape, Math::BF16);
   run_backward_weight(shape, x, dy, dw, beta, stream);
+}
+
+void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperands& ops,
+                                     cudaStream_t stream) {
+  check_tc("conv2d_backward_data_tc_rotated", shape, ops.math);
+  const int chunk = chunk_elements(ops.math);
+  CUDP_CHECK(shape.k % chunk == 0, "conv2d_backward_data_tc_rotated: K = ", shape.k,
+             " must be a multiple of ", chunk, " for ", math_name(ops.math), " operands");
+  CUDP_CHECK(ops.w != nullptr, "conv2d_backward_data_tc_rotated: w must not be null");
+  ConvOperands v = ops;
+  v.bias = nullptr;
+  v.relu = false;
+  run_forward(backward_data_view(shape, shape.k), v, stream);
+}
+
+void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst, void* rotated,
+                            cudaStream_t stream) {
+  shape.validate();
+  CUDP_CHECK(w && dst, "conv2d_filters_to_bf16: w and dst must not be null");
+  const int cp = static_cast<int>(round_up(shape.c, 8));
+  const int64_t n = int64_t(shape.k) * shape.r * shape.s * cp;
+  launch("filters_to_bf16_kernel", filters_to_bf16_kernel, blocks_for(n), 256, 0, stream, w,
+         shape.k, shape.r, shape.s, shape.c, cp, static_cast<__nv_bfloat16*>(dst),
+         static_cast<__nv_bfloat16*>(rotated));
 }
 
 int bf16_channels(int c) { return static_cast<int>(round_up(c, 8)); }

@@ -76,7 +76,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
         kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
       });
   input_ = input;
-  input_bf16_ = weight_bf16_ = output_ = Tensor();
+  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = output_ = Tensor();
   return y;
 }
 
@@ -156,7 +156,7 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
     kernels::conv2d_forward_cpu(s, x.data(), w.data(), b, out.data(), relu);
     kernels::f32_to_bf16_cpu(out.data(), y.data<__nv_bfloat16>(), s.y_size());
     input_ = input;
-    input_bf16_ = weight_bf16_ = Tensor();
+    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
   } else {
     run([] {},
         [&](cudaStream_t stream) {
@@ -175,8 +175,16 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
             }
           }
           weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
-          kernels::conv2d_to_bf16(weight_->data.data<float>(), int64_t{s.k} * s.r * s.s, s.c,
-                                  weight_bf16_.data_ptr(), stream);
+          // The rotated filters of backward-data come from the same pass, when a backward that
+          // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
+          // channel padding).
+          const bool rotate = training_ && input_grad_ && cp == s.c &&
+                              kernels::bf16_channels(s.k) == s.k && s.stride_h == 1 &&
+                              s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1;
+          weight_rot_bf16_ =
+              rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
+          kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
+                                          rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
           kernels::Conv2dShape padded = s;
           padded.c = cp;
           const kernels::ConvOperands ops{kernels::Math::BF16, input_bf16_.data_ptr(),
@@ -240,11 +248,20 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
         if (!input_grad_) {
           // The model's input needs no gradient: backward-data is skipped.
         } else if (cp == s.c && kp == s.k) {
+          const bool rotated = weight_rot_bf16_.defined();
           const kernels::ConvOperands ops{
-              kernels::Math::BF16, dyp.data_ptr(), weight_bf16_.data_ptr(), dx.data_ptr(),
-              input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32, nullptr,
+              kernels::Math::BF16,
+              dyp.data_ptr(),
+              rotated ? weight_rot_bf16_.data_ptr() : weight_bf16_.data_ptr(),
+              dx.data_ptr(),
+              input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
+              nullptr,
               false};
-          kernels::conv2d_backward_data_tc(s, ops, stream);
+          if (rotated) {
+            kernels::conv2d_backward_data_tc_rotated(s, ops, stream);
+          } else {
+            kernels::conv2d_backward_data_tc(s, ops, stream);
+          }
         } else {
           // Padded channels (VGG's first layer): the float launcher, fp32 dx of C channels.
           Tensor dxf = input_dtype_ == DType::f32

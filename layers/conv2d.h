@@ -70,9 +70,10 @@ class Conv2d : public Module {
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
-  // operands (channels padded to 8, kernels/conv2d.h) of x and w; the output when a ReLU was fused.
+  // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
+  // backward-data; the output when a ReLU was fused.
   Tensor input_;
-  Tensor input_bf16_, weight_bf16_, output_;
+  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, output_;
   DType input_dtype_ = DType::f32;
   kernels::Conv2dShape saved_shape_;
 };

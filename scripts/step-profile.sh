@@ -14,7 +14,8 @@ export PATH=/usr/local/cuda/bin:$PATH
 cmake --build build --target bench_train -j "$(nproc)" > "$out/profile-build.log" 2>&1 || {
   tail -20 "$out/profile-build.log"; exit 1; }
 csv=$out/profile-$size-$precision.csv
-ncu --clock-control none --nvtx --nvtx-include "training step/" \
+ncu --clock-control none --nvtx --nvtx-include "training step/" --nvtx-include "VGG forward/" \
+  --nvtx-include "VGG backward/" \
   --metrics gpu__time_duration.sum --csv --print-units base \
   build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --warmup 1 --steps 1 \
   > "$csv" 2> "$out/profile-ncu.log"
@@ -25,7 +26,8 @@ head = rows[0]; data = rows[1:]
 name_i, value_i, id_i = head.index("Kernel Name"), head.index("Metric Value"), head.index("ID")
 launches = [(int(r[id_i]), r[name_i], float(r[value_i].replace(",", ""))) for r in data]
 launches.sort()
-# The "training step" NVTX range of the warm-up step and the timed one: keep the second half.
+# The warm-up step and the timed one (the "training step" NVTX range of the main thread, and the
+# model's forward and backward ranges of the replica worker threads): keep the second half.
 half = launches[len(launches) // 2:]
 total = sum(t for _, _, t in half)
 groups = collections.defaultdict(lambda: [0.0, 0])

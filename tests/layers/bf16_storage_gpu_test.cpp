@@ -126,6 +126,26 @@ TEST(Bf16StorageGpu, Conv2dOnEveryOperandPathMatchesTheCpu) {
   }
 }
 
+// Backward-data on the filters rotated in the forward's conversion pass (training) and on filters
+// rotated by backward itself (a forward in eval mode keeps no rotated copy): the same operands
+// through the same kernel, so the same bits.
+TEST(Bf16StorageGpu, FiltersRotatedInTheForwardGiveTheSameInputGradient) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Device gpu = Device::cuda(0);
+  auto conv = std::make_shared<Conv2d>(64, 128, 3, 1, 1);
+  testing::randomize_parameters(*conv, 16, -0.3f, 0.3f);
+  conv->set_precision(Precision::bf16);
+  conv->to(gpu);
+  const Tensor x = convert(random_tensor({2, 12, 10, 64}, 17, -1.f, 1.f, gpu), DType::bf16);
+  const Tensor g = convert(random_tensor({2, 12, 10, 128}, 18, -1.f, 1.f, gpu), DType::bf16);
+  conv->train();
+  conv->forward(x);
+  const std::vector<float> trained = values(conv->backward(g));
+  conv->eval();
+  conv->forward(x);
+  EXPECT_EQ(values(conv->backward(g)), trained);
+}
+
 std::shared_ptr<Sequential> small_net(uint64_t seed) {
   auto net = std::make_shared<Sequential>();
   net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
