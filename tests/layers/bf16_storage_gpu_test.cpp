@@ -146,6 +146,24 @@ TEST(Bf16StorageGpu, FiltersRotatedInTheForwardGiveTheSameInputGradient) {
   EXPECT_EQ(values(conv->backward(g)), trained);
 }
 
+// Linear under bf16: the products on bf16 copies of x, W and W^T (feature counts multiples of 8),
+// and the float launchers' path (odd counts), each against the CPU path, with f32 and bf16 inputs;
+// the input gradient has the input's dtype.
+TEST(Bf16StorageGpu, LinearOnBothPathsMatchesTheCpu) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const auto& [in, out] : {std::pair{64, 24}, std::pair{40, 10}, std::pair{20, 16}}) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::to_string(in) + " -> " + std::to_string(out) + ", input " +
+                   dtype_name(dtype));
+      auto linear = std::make_shared<Linear>(in, out);
+      testing::randomize_parameters(*linear, 19, -0.3f, 0.3f);
+      linear->set_precision(Precision::bf16);
+      const Tensor x = convert(random_tensor({6, in}, 20), dtype);
+      auto gpu = testing::expect_gpu_matches_cpu(*linear, x, 21, 1e-4, 1e-4);
+    }
+  }
+}
+
 std::shared_ptr<Sequential> small_net(uint64_t seed) {
   auto net = std::make_shared<Sequential>();
   net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
