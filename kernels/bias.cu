@@ -247,8 +247,8 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
   chunks = std::max<int64_t>(1, ceil_div(rows, chunk_rows));  // no empty chunk
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
   if (chunks == 1 || dbias == nullptr) {
-    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy,
-           y, masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
+    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
+           masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
     return;
   }
   Workspace ws(static_cast<size_t>(chunks * cols) * sizeof(float), stream,

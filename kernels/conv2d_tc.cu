@@ -131,7 +131,8 @@ __global__ void im2col_kernel(const float* __restrict__ x, int n, int h, int w, 
       if (j < taps) {
         const int cc = j % c, ss = (j / c) % s, rr = j / (c * s);
         const int ih = op * stride_h - pad_h + rr, iw = oq * stride_w - pad_w + ss;
-        if (ih >= 0 && ih < h && iw >= 0 && iw < w) value = __ldg(x + ((b * h + ih) * w + iw) * c + cc);
+        if (ih >= 0 && ih < h && iw >= 0 && iw < w)
+          value = __ldg(x + ((b * h + ih) * w + iw) * c + cc);
       }
       v[e] = __float2bfloat16_rn(value);
     }
@@ -455,11 +456,10 @@ Conv2dShape conv2d_im2col_shape(const Conv2dShape& s) {
   return v;
 }
 
-void conv2d_im2col_bf16(const Conv2dShape& shape, const float* x, void* cols,
-                        cudaStream_t stream) {
+void conv2d_im2col_bf16(const Conv2dShape& shape, const float* x, void* cols, cudaStream_t stream) {
   shape.validate();
-  CUDP_CHECK(conv2d_uses_im2col(shape), "conv2d_im2col_bf16: ", shape.r, "x", shape.s, "x",
-             shape.c, " filters do not fit in ", kIm2colColumns, " columns");
+  CUDP_CHECK(conv2d_uses_im2col(shape), "conv2d_im2col_bf16: ", shape.r, "x", shape.s, "x", shape.c,
+             " filters do not fit in ", kIm2colColumns, " columns");
   CUDP_CHECK(x && cols, "conv2d_im2col_bf16: x and cols must not be null");
   CUDP_CHECK(aligned16(cols), "conv2d_im2col_bf16: cols must be 16-byte aligned");
   const int64_t n = int64_t(shape.n) * shape.p() * shape.q() * (kIm2colColumns / 8);
@@ -487,8 +487,7 @@ void conv2d_backward_weight_im2col(const Conv2dShape& shape, const void* cols, c
   Workspace part_ws(size_t(int64_t(shape.k) * kIm2colColumns * 4), stream);
   run_backward_weight(v, cols, dy, part_ws.get(), 0.f, stream);
   launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(shape.k * taps), 256, 0,
-         stream, part_ws.get(), int64_t(shape.k), static_cast<int>(taps), kIm2colColumns, beta,
-         dw);
+         stream, part_ws.get(), int64_t(shape.k), static_cast<int>(taps), kIm2colColumns, beta, dw);
 }
 
 int bf16_channels(int c) { return static_cast<int>(round_up(c, 8)); }

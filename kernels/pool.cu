@@ -175,8 +175,8 @@ __global__ void max_pool_2x2_forward_kernel(const T* __restrict__ x, T* __restri
 // One thread per input vector: sums dy over the windows that contain it and took it as their max.
 template <typename T, int V, typename I>
 __global__ void max_pool_backward_kernel(const T* __restrict__ dy,
-                                         const int32_t* __restrict__ indices,
-                                         T* __restrict__ dx, Geometry g, I total) {
+                                         const int32_t* __restrict__ indices, T* __restrict__ dx,
+                                         Geometry g, I total) {
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -247,8 +247,8 @@ __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
 // dy goes to it; the window's other elements get 0. One thread per window, as above.
 template <typename T, int V, typename I>
 __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy,
-                                                        const T* __restrict__ x,
-                                                        T* __restrict__ dx, Geometry g, I total) {
+                                                        const T* __restrict__ x, T* __restrict__ dx,
+                                                        Geometry g, I total) {
   const int vectors = g.c / V;
   const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -410,13 +410,14 @@ void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, int n, int h, i
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const bool fast = is_2x2_stride_2(g);
-  CUDP_CHECK(indices != nullptr || fast, "max_pool2d_forward: indices may be null only for 2x2 "
+  CUDP_CHECK(indices != nullptr || fast,
+             "max_pool2d_forward: indices may be null only for 2x2 "
              "windows of stride 2 without padding (backward then reads the input)");
   const bool vec4 = c % 4 == 0 && aligned_vec<T>(x) && aligned_vec<T>(y) && aligned16(indices);
   dispatch(vec4, int64_t(n) * g.out_h * g.out_w * c, [&]<int V, typename I>(I items) {
     if (fast) {
-      launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>,
-             blocks_for(items), kThreads, 0, stream, x, y, indices, g, items);
+      launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>, blocks_for(items),
+             kThreads, 0, stream, x, y, indices, g, items);
     } else {
       launch("max_pool_forward_kernel", max_pool_forward_kernel<T, V, I>, blocks_for(items),
              kThreads, 0, stream, x, y, indices, g, items);
@@ -461,8 +462,8 @@ void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, 
 
 }  // namespace
 
-void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h,
-                                    int w, int c, cudaStream_t stream) {
+void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
+                                    int c, cudaStream_t stream) {
   max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
 }
 
@@ -494,8 +495,8 @@ void max_pool2d_backward(const float* dy, const int32_t* indices, float* dx, int
 }
 
 void max_pool2d_backward(const __nv_bfloat16* dy, const int32_t* indices, __nv_bfloat16* dx, int n,
-                         int h, int w, int c, int kh, int kw, int stride_h, int stride_w,
-                         int pad_h, int pad_w, cudaStream_t stream) {
+                         int h, int w, int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
+                         int pad_w, cudaStream_t stream) {
   max_pool2d_backward_impl(dy, indices, dx, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
                            stream);
 }

@@ -142,9 +142,9 @@ Tensor cpu_tensor(const std::vector<float>& values, const Shape& shape, DType dt
 
 }  // namespace
 
-// bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused ReLU.
-// On the GPU x is used as it comes when it is bf16 with channels a multiple of 8 (every VGG layer
-// but the first), else converted once and the copy kept for backward-weight; the weights are
+// bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused
+// ReLU. On the GPU x is used as it comes when it is bf16 with channels a multiple of 8 (every VGG
+// layer but the first), else converted once and the copy kept for backward-weight; the weights are
 // converted once per step and the copy kept for backward-data.
 Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) {
   Tensor y = Tensor::empty({s.n, s.p(), s.q(), s.k}, DType::bf16, device_);
@@ -172,9 +172,12 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
             kernels::conv2d_im2col_filters_bf16(s, weight_->data.data<float>(),
                                                 weight_bf16_.data_ptr(), stream);
             input_bf16_ = weight_rot_bf16_ = Tensor();
-            const kernels::ConvOperands ops{kernels::Math::BF16, cols.data_ptr(),
-                                            weight_bf16_.data_ptr(),  y.data_ptr(),
-                                            kernels::DType::BF16,     b,
+            const kernels::ConvOperands ops{kernels::Math::BF16,
+                                            cols.data_ptr(),
+                                            weight_bf16_.data_ptr(),
+                                            y.data_ptr(),
+                                            kernels::DType::BF16,
+                                            b,
                                             relu};
             kernels::conv2d_forward_tc(kernels::conv2d_im2col_shape(s), ops, stream);
             return;
@@ -206,9 +209,12 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
                                           rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
           kernels::Conv2dShape padded = s;
           padded.c = cp;
-          const kernels::ConvOperands ops{kernels::Math::BF16, input_bf16_.data_ptr(),
-                                          weight_bf16_.data_ptr(),  y.data_ptr(),
-                                          kernels::DType::BF16,     b,
+          const kernels::ConvOperands ops{kernels::Math::BF16,
+                                          input_bf16_.data_ptr(),
+                                          weight_bf16_.data_ptr(),
+                                          y.data_ptr(),
+                                          kernels::DType::BF16,
+                                          b,
                                           relu};
           kernels::conv2d_forward_tc(padded, ops, stream);
         });
@@ -234,8 +240,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   if (device_.is_cpu()) {
     const auto* dy = grad_output.data<__nv_bfloat16>();
     if (relu) {
-      kernels::relu_mask_bias_grad_cpu(output_.data<__nv_bfloat16>(), dy,
-                                       dym.data<__nv_bfloat16>(), db, rows, s.k, 1.0f);
+      kernels::relu_mask_bias_grad_cpu(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
+                                       db, rows, s.k, 1.0f);
     } else if (db) {
       kernels::bias_grad_cpu(dy, db, rows, s.k, 1.0f);
     }
@@ -251,8 +257,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
       [&](cudaStream_t stream) {
         const auto* dy = grad_output.data<__nv_bfloat16>();
         if (relu) {
-          kernels::relu_mask_bias_grad(output_.data<__nv_bfloat16>(), dy,
-                                       dym.data<__nv_bfloat16>(), db, rows, s.k, 1.0f, stream);
+          kernels::relu_mask_bias_grad(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
+                                       db, rows, s.k, 1.0f, stream);
         } else if (db) {
           kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
         }

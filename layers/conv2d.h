@@ -14,8 +14,9 @@
 // the input gradient in the input's dtype and accumulates fp32 weight gradients. Under bf16 the
 // CPU path rounds the operands and the output as the GPU does, so it stays the GPU's reference.
 //
-// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its input for
-// the weight gradient. Parameters are initialised as torchvision's VGG does (layers/init.h).
+// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its
+// input for the weight gradient. Parameters are initialised as torchvision's VGG does
+// (layers/init.h).
 #pragma once
 
 #include "kernels/common.h"

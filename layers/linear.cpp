@@ -82,8 +82,7 @@ Tensor Linear::forward_one(const Tensor& input) {
           if (training_ && input_grad_ && direct_bf16(out_)) {
             weight_t_bf16_ = Tensor::empty({in_, out_}, DType::bf16, device_);
             kernels::f32_to_bf16_with_transpose(w, weight_bf16_.data<__nv_bfloat16>(),
-                                                weight_t_bf16_.data<__nv_bfloat16>(), out_, in_,
-                                                s);
+                                                weight_t_bf16_.data<__nv_bfloat16>(), out_, in_, s);
           } else {
             kernels::f32_to_bf16(w, weight_bf16_.data<__nv_bfloat16>(), out_ * in_, s);
           }

@@ -4,8 +4,8 @@
 // both backward products are one GEMM each (kernels/gemm.h):
 //   y  = x W^T        (trans_b)       then y += b (kernels/bias.h)
 //   dx = dy W         written
-//   dW += dy^T x      (trans_a, beta = 1: parameter gradients accumulate, docs/architecture.md §2.1)
-//   db += column sums of dy (bias_grad, beta = 1)
+//   dW += dy^T x      (trans_a, beta = 1: parameter gradients accumulate, docs/architecture.md
+//   §2.1) db += column sums of dy (bias_grad, beta = 1)
 // The forward keeps its input for dW. Parameters are initialised as torchvision's VGG does
 // (layers/init.h): W ~ N(0, 0.01), b = 0. Under the bf16 policy the layer takes f32 or bf16 input
 // and writes an fp32 output; the input gradient has the input's dtype.

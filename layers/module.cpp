@@ -312,7 +312,8 @@ void Module::set_precision(Precision precision) {
 }
 
 void Module::fuse_relu(bool on) {
-  CUDP_CHECK(!on || can_fuse_relu(), type_name(), " cannot apply a ReLU to its output; run the ReLU "
+  CUDP_CHECK(!on || can_fuse_relu(), type_name(),
+             " cannot apply a ReLU to its output; run the ReLU "
              "module after it");
   relu_fused_ = on;
 }

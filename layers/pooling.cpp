@@ -45,15 +45,13 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   // input, which is kept instead (shared, no copy: the layer before keeps it too, for its own
   // backward), kernels/pool.h.
   const bool from_input = device_.is_cuda() && kernel_ == 2 && stride_ == 2 && padding_ == 0;
-  Tensor indices =
-      from_input ? Tensor() : Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
+  Tensor indices = from_input ? Tensor() : Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
   int32_t* idx = from_input ? nullptr : indices.data<int32_t>();
   const int k = kernel_, st = stride_, pad = padding_;
   auto pool = [&]<typename T>(const T* x, T* out) {
     run(
         [&] {
-          kernels::max_pool2d_forward_cpu(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad,
-                                          pad);
+          kernels::max_pool2d_forward_cpu(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad);
         },
         [&](cudaStream_t stream) {
           kernels::max_pool2d_forward(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,

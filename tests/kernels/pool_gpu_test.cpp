@@ -135,9 +135,9 @@ TEST(MaxPoolGpu, TiesAndNaNsMatchCpu) {
 // writes the same y.
 TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
   CUDP_REQUIRE_GPU();
-  for (const PoolCase& k : {PoolCase{2, 7, 9, 4, 2, 2, 2, 2, 0, 0},
-                            PoolCase{1, 8, 8, 3, 2, 2, 2, 2, 0, 0},
-                            PoolCase{3, 16, 12, 64, 2, 2, 2, 2, 0, 0}}) {
+  for (const PoolCase& k :
+       {PoolCase{2, 7, 9, 4, 2, 2, 2, 2, 0, 0}, PoolCase{1, 8, 8, 3, 2, 2, 2, 2, 0, 0},
+        PoolCase{3, 16, 12, 64, 2, 2, 2, 2, 0, 0}}) {
     for (size_t offset : {size_t{0}, size_t{1}}) {
       SCOPED_TRACE(describe(k, offset));
       std::vector<float> x = testing::random_vector(k.in_size(), 61 + k.c, 0.f, 3.f);
@@ -153,8 +153,8 @@ TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
       DeviceBuffer<int32_t> idx(k.out_size());
       max_pool2d_forward(xd.get() + offset, y1.get() + offset, idx.get(), k.n, k.h, k.w, k.c, 2, 2,
                          2, 2, 0, 0, nullptr);
-      max_pool2d_forward(xd.get() + offset, y2.get() + offset, nullptr, k.n, k.h, k.w, k.c, 2, 2,
-                         2, 2, 0, 0, nullptr);
+      max_pool2d_forward(xd.get() + offset, y2.get() + offset, nullptr, k.n, k.h, k.w, k.c, 2, 2, 2,
+                         2, 0, 0, nullptr);
       max_pool2d_backward(dy.get() + offset, idx.get(), dx1.get() + offset, k.n, k.h, k.w, k.c, 2,
                           2, 2, 2, 0, 0, nullptr);
       max_pool2d_backward_from_input(dy.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,

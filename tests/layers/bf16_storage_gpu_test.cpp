@@ -28,8 +28,8 @@ using testing::values;
 // Small integers in [-8, 8] as bf16: every fp32 sum of fewer than 2^20 of them is exact, whatever
 // the order, so the GPU's column sums must equal the CPU's double sums exactly.
 Tensor small_integers(const Shape& shape, uint64_t seed) {
-  std::vector<float> v = testing::random_vector(static_cast<size_t>(shape_numel(shape)), seed,
-                                                -8.5f, 8.5f);
+  std::vector<float> v =
+      testing::random_vector(static_cast<size_t>(shape_numel(shape)), seed, -8.5f, 8.5f);
   for (float& f : v) f = std::nearbyint(f);
   return convert(Tensor::from_vector(v, shape), DType::bf16);
 }
@@ -38,9 +38,12 @@ TEST(Bf16StorageGpu, ReluMaskAndBiasGradientMatchTheCpuExactly) {
   CUDP_REQUIRE_GPU();
   const Device gpu = Device::cuda(0);
   const cudaStream_t stream = stream_for(gpu);
-  for (const auto& [rows, cols] :
-       {std::tuple<int64_t, int64_t>{1, 1}, {5, 3}, {1025, 12}, {(1 << 14) + 3, 64},
-        {(1 << 18) + 1, 128}, {4097, 100}}) {
+  for (const auto& [rows, cols] : {std::tuple<int64_t, int64_t>{1, 1},
+                                   {5, 3},
+                                   {1025, 12},
+                                   {(1 << 14) + 3, 64},
+                                   {(1 << 18) + 1, 128},
+                                   {4097, 100}}) {
     SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols));
     const Tensor y = convert(random_tensor({rows, cols}, 1), DType::bf16);
     const Tensor dy = small_integers({rows, cols}, 2);

@@ -368,12 +368,11 @@ TEST(GoldenVgg11Bn, CudaBf16ForwardMatchesTheCpuPathAndPyTorch) {
         << (run == &cpu ? "CPU" : "GPU") << " loss against float64";
   }
   compare_forward(gpu, cpu, kLikeForLike, /*k_steps=*/false);
-  std::printf("bf16 K-step losses' normwise error: GPU against the CPU emulation %.3g, GPU against "
-              "float64 %.3g\n",
-              normwise_error(gpu.at("losses").to_vector<float>(),
-                             cpu.at("losses").to_vector<float>()),
-              normwise_error(gpu.at("losses").to_vector<float>(),
-                             exact.at("losses").to_vector<float>()));
+  std::printf(
+      "bf16 K-step losses' normwise error: GPU against the CPU emulation %.3g, GPU against "
+      "float64 %.3g\n",
+      normwise_error(gpu.at("losses").to_vector<float>(), cpu.at("losses").to_vector<float>()),
+      normwise_error(gpu.at("losses").to_vector<float>(), exact.at("losses").to_vector<float>()));
 }
 
 TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
@@ -396,14 +395,15 @@ void compare_reduced(const char* name, const TensorMap& ours, double bound) {
                  << "regenerate it on one with tests/pytorch/make_golden.py";
   }
   const TensorMap& g = golden()->tensors;
-  const double error = normwise_error(ours.at("logits").to_vector<float>(),
-                                      g.at(key).to_vector<float>());
-  std::printf("%s logits' normwise difference from PyTorch's %s: %.3g (bound %.3g); PyTorch's "
-              "from float64: %.3g\n",
-              name, name, error, bound,
-              normwise_error(g.at(key).to_vector<float>(), g.at("logits").to_vector<float>()));
-  EXPECT_TRUE(matches(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>(), bound,
-                      bound))
+  const double error =
+      normwise_error(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>());
+  std::printf(
+      "%s logits' normwise difference from PyTorch's %s: %.3g (bound %.3g); PyTorch's "
+      "from float64: %.3g\n",
+      name, name, error, bound,
+      normwise_error(g.at(key).to_vector<float>(), g.at("logits").to_vector<float>()));
+  EXPECT_TRUE(
+      matches(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>(), bound, bound))
       << name << " logits against PyTorch's";
   EXPECT_TRUE(matches(ours.at("loss").to_vector<float>(),
                       g.at(std::string(name) + ".loss").to_vector<float>(), bound, bound))
