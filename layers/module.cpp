@@ -58,11 +58,15 @@ TensorList Module::forward_all(const TensorList& inputs) {
     }
     if (any) {
       TensorList outputs = forward_impl(widened);
+      last_relu_fused_ = relu_fused_;
+      relu_fused_ = false;
       forward_done_ = true;
       return outputs;
     }
   }
   TensorList outputs = forward_impl(inputs);
+  last_relu_fused_ = relu_fused_;
+  relu_fused_ = false;  // fuse_relu(true) holds for one forward
   forward_done_ = true;
   return outputs;
 }
