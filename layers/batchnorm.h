@@ -40,6 +40,7 @@ class BatchNorm2d : public Module {
   BatchNorm2d(init::SkipInit, int num_features, float eps = 1e-5f, float momentum = 0.1f);
 
   std::string type_name() const override { return "BatchNorm2d"; }
+  bool takes_bf16() const override { return true; }  // its output keeps the input's dtype
   bool can_fuse_relu() const override { return true; }
 
   // weight = 1, bias = 0, running_mean = 0, running_var = 1, num_batches_tracked = 0.

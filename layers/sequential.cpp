@@ -28,6 +28,7 @@ const std::shared_ptr<Module>& Sequential::operator[](size_t index) const {
 Tensor Sequential::forward_one(const Tensor& input) {
   const auto& modules = children();
   skipped_.assign(modules.size(), false);
+  if (!modules.empty()) modules[0].second->set_input_grad(input_grad_);
   Tensor x = input;
   for (size_t i = 0; i < modules.size(); ++i) {
     Module& child = *modules[i].second;

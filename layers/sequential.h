@@ -18,6 +18,7 @@ class Sequential : public Module {
   Sequential() = default;
   explicit Sequential(const std::vector<std::shared_ptr<Module>>& modules);
   std::string type_name() const override { return "Sequential"; }
+  bool takes_bf16() const override { return true; }  // each child decides for itself
 
   // Appends `module` under the next index and returns it. It must be on the Sequential's device
   // (moves are explicit: build on one device, then move the whole model with to()).

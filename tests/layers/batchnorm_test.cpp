@@ -168,7 +168,6 @@ TEST(BatchNorm2dTest, TrainingNeedsMoreThanOneValuePerChannel) {
 TEST(BatchNorm2dTest, Bf16KeepsItsDtypeAndIsTheF32ResultRounded) {
   constexpr double kRtol = 1.0 / 256 + 1.0 / (1 << 23);
   using testing_bn::bitwise_equal;
-  using testing_bn::floats_of;
   BatchNorm2d f32(5);
   testing::randomize_parameters(f32, 21);
   auto bf16 = std::static_pointer_cast<BatchNorm2d>(f32.clone(Device::cpu()));
@@ -180,15 +179,15 @@ TEST(BatchNorm2dTest, Bf16KeepsItsDtypeAndIsTheF32ResultRounded) {
     bf16->train(training);
     f32.zero_grad();
     bf16->zero_grad();
-    const Tensor y = bf16->forward(testing_bn::to_bf16(x));
+    const Tensor y = bf16->forward(convert(x, DType::bf16));
     EXPECT_EQ(y.dtype(), DType::bf16);
-    EXPECT_ALL_CLOSE(floats_of(y), values(f32.forward(x)), kRtol, 0);
+    EXPECT_ALL_CLOSE(values(y), values(f32.forward(x)), kRtol, 0);
     EXPECT_TRUE(bitwise_equal(bf16->running_mean(), f32.running_mean()));
     EXPECT_TRUE(bitwise_equal(bf16->running_var(), f32.running_var()));
     EXPECT_EQ(bf16->num_batches_tracked(), f32.num_batches_tracked());
-    const Tensor dx = bf16->backward(testing_bn::to_bf16(g));
+    const Tensor dx = bf16->backward(convert(g, DType::bf16));
     EXPECT_EQ(dx.dtype(), DType::bf16);
-    EXPECT_ALL_CLOSE(floats_of(dx), values(f32.backward(g)), kRtol, 0);
+    EXPECT_ALL_CLOSE(values(dx), values(f32.backward(g)), kRtol, 0);
     EXPECT_EQ(bf16->weight().grad.dtype(), DType::f32);
     EXPECT_TRUE(bitwise_equal(bf16->weight().grad, f32.weight().grad));
     EXPECT_TRUE(bitwise_equal(bf16->bias().grad, f32.bias().grad));
@@ -198,45 +197,49 @@ TEST(BatchNorm2dTest, Bf16KeepsItsDtypeAndIsTheF32ResultRounded) {
 TEST(BatchNorm2dTest, GradOutputMustHaveTheOutputDtype) {
   BatchNorm2d bn(3);
   const Tensor x = random_tensor({2, 2, 2, 3}, 24);
-  bn.forward(testing_bn::to_bf16(x));
+  bn.forward(convert(x, DType::bf16));
   EXPECT_THROW_WITH(bn.backward(x), "grad_output must have the output's dtype bf16");
   EXPECT_THROW_WITH(bn.forward(Tensor::zeros({2, 2, 2, 3}, DType::f16)), "f32 or bf16 input");
 }
 
 // Sequential(BatchNorm2d, ReLU) fuses the ReLU into the BatchNorm2d; with fusion off the ReLU
-// module runs. Outputs, input gradients, parameter gradients and buffers are the same bits, in
-// training and in evaluation.
+// module runs. Outputs, input gradients, parameter gradients and buffers are the same bits, in f32
+// and bf16, in training and in evaluation.
 TEST(BatchNorm2dTest, FusedReluIsUnfusedBitForBit) {
   using testing_bn::bitwise_equal;
-  auto bn = std::make_shared<BatchNorm2d>(6);
-  testing::randomize_parameters(*bn, 25, 0.5f, 1.5f);
-  Sequential fused({bn, std::make_shared<ReLU>()});
-  auto unfused = std::static_pointer_cast<Sequential>(fused.clone(Device::cpu()));
-  unfused->set_fusion(false);
-  const Tensor x = random_tensor({2, 5, 3, 6}, 26, -2.f, 3.f);
-  const Tensor g = random_tensor(x.shape(), 27);
-  for (const bool training : {true, false}) {
-    SCOPED_TRACE(training ? "training" : "evaluation");
-    fused.train(training);
-    unfused->train(training);
-    fused.zero_grad();
-    unfused->zero_grad();
-    const Tensor y = fused.forward(x);
-    EXPECT_TRUE(bn->relu_fused());
-    EXPECT_FALSE(std::static_pointer_cast<BatchNorm2d>((*unfused)[0])->relu_fused());
-    EXPECT_TRUE(bitwise_equal(y, unfused->forward(x)));
-    const std::vector<float> yv = values(y);
-    const auto zeros = std::count(yv.begin(), yv.end(), 0.f);
-    EXPECT_GT(zeros, 0);  // the ReLU clamps some values and keeps others
-    EXPECT_LT(zeros, static_cast<long>(yv.size()));
-    EXPECT_TRUE(bitwise_equal(fused.backward(g), unfused->backward(g)));
-    const auto a = fused.named_parameters(), b = unfused->named_parameters();
-    for (size_t i = 0; i < a.size(); ++i)
-      EXPECT_TRUE(bitwise_equal(a[i].second->grad, b[i].second->grad)) << a[i].first;
-    const auto ba = fused.named_buffers(), bb = unfused->named_buffers();
-    for (size_t i = 0; i < ba.size(); ++i) {
-      if (ba[i].second->dtype() == DType::f32) {
-        EXPECT_TRUE(bitwise_equal(*ba[i].second, *bb[i].second)) << ba[i].first;
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    auto bn = std::make_shared<BatchNorm2d>(6);
+    testing::randomize_parameters(*bn, 25, 0.5f, 1.5f);
+    Sequential fused({bn, std::make_shared<ReLU>()});
+    auto unfused = std::static_pointer_cast<Sequential>(fused.clone(Device::cpu()));
+    unfused->set_fusion(false);
+    const Tensor x = convert(random_tensor({2, 5, 3, 6}, 26, -2.f, 3.f), dtype);
+    const Tensor g = convert(random_tensor(x.shape(), 27), dtype);
+    for (const bool training : {true, false}) {
+      SCOPED_TRACE(training ? "training" : "evaluation");
+      fused.train(training);
+      unfused->train(training);
+      fused.zero_grad();
+      unfused->zero_grad();
+      const Tensor y = fused.forward(x);
+      EXPECT_EQ(y.dtype(), dtype);
+      EXPECT_TRUE(bn->relu_fused());
+      EXPECT_FALSE((*unfused)[0]->relu_fused());
+      EXPECT_TRUE(bitwise_equal(y, unfused->forward(x)));
+      const std::vector<float> yv = values(y);
+      const auto zeros = std::count(yv.begin(), yv.end(), 0.f);
+      EXPECT_GT(zeros, 0);  // the ReLU clamps some values and keeps others
+      EXPECT_LT(zeros, static_cast<long>(yv.size()));
+      EXPECT_TRUE(bitwise_equal(fused.backward(g), unfused->backward(g)));
+      const auto a = fused.named_parameters(), b = unfused->named_parameters();
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(a[i].second->grad, b[i].second->grad)) << a[i].first;
+      const auto ba = fused.named_buffers(), bb = unfused->named_buffers();
+      for (size_t i = 0; i < ba.size(); ++i) {
+        if (ba[i].second->dtype() == DType::f32) {
+          EXPECT_TRUE(bitwise_equal(*ba[i].second, *bb[i].second)) << ba[i].first;
+        }
       }
     }
   }
