@@ -34,6 +34,11 @@ template <int V>
 constexpr int kUnroll = V >= 8 ? 2 : 4;
 constexpr int kFinalLanes = 32;  // finalize: channels per block (x) ...
 constexpr int kFinalRows = 32;   // ... and partials walked in parallel (y)
+// Partials a finalize thread loads before merging them, in order: a thread walks ~parts / 32 of
+// them (~33 at one wave of 1056 blocks), and one dependent global load per merge would make the
+// finalize a chain of memory latencies (~20 us) on one or two SMs, as long as the data passes at
+// 32x32 images. The merge order is the same as one at a time.
+constexpr int kFinalPrefetch = 8;
 
 // Channels per lane on the vector path: 16 bytes.
 template <typename T>
@@ -204,9 +209,20 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
   const int ch = blockIdx.x * kFinalLanes + tx;
   float n = 0.f, mean_d = 0.f, m2 = 0.f;
   if (ch < c) {
-    for (int p = ty; p < parts; p += kFinalRows) {
-      chan_merge(n, mean_d, m2, part_n[p], part_mean[int64_t(p) * c + ch],
-                 part_m2[int64_t(p) * c + ch]);
+    for (int p0 = ty; p0 < parts; p0 += kFinalPrefetch * kFinalRows) {
+      float pn[kFinalPrefetch], pm[kFinalPrefetch], pq[kFinalPrefetch];
+#pragma unroll
+      for (int u = 0; u < kFinalPrefetch; ++u) {
+        const int p = p0 + u * kFinalRows;
+        pn[u] = pm[u] = pq[u] = 0.f;  // a count of 0 merges nothing
+        if (p < parts) {
+          pn[u] = part_n[p];
+          pm[u] = part_mean[int64_t(p) * c + ch];
+          pq[u] = part_m2[int64_t(p) * c + ch];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kFinalPrefetch; ++u) chan_merge(n, mean_d, m2, pn[u], pm[u], pq[u]);
     }
   }
   s_n[ty][tx] = n, s_mean[ty][tx] = mean_d, s_m2[ty][tx] = m2;
@@ -389,9 +405,18 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_
   const int ch = blockIdx.x * kFinalLanes + tx;
   float sum_dy = 0.f, sum_dy_xmu = 0.f;
   if (ch < c) {
-    for (int p = ty; p < parts; p += kFinalRows) {
-      sum_dy += part_dy[int64_t(p) * c + ch];
-      sum_dy_xmu += part_dy_xmu[int64_t(p) * c + ch];
+    for (int p0 = ty; p0 < parts; p0 += kFinalPrefetch * kFinalRows) {
+      float a[kFinalPrefetch], b[kFinalPrefetch];
+#pragma unroll
+      for (int u = 0; u < kFinalPrefetch; ++u) {
+        const int p = p0 + u * kFinalRows;
+        a[u] = p < parts ? part_dy[int64_t(p) * c + ch] : 0.f;
+        b[u] = p < parts ? part_dy_xmu[int64_t(p) * c + ch] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kFinalPrefetch; ++u) {
+        if (p0 + u * kFinalRows < parts) sum_dy += a[u], sum_dy_xmu += b[u];  // no -0 + 0
+      }
     }
   }
   s_dy[ty][tx] = sum_dy, s_dy_xmu[ty][tx] = sum_dy_xmu;
