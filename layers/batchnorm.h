@@ -9,9 +9,10 @@
 // state_dicts load strictly.
 //
 // Activations may be f32 or bf16: the output, and the gradient w.r.t. the input, have the input's
-// dtype (grad_output must have it too); statistics, parameters, buffers, their gradients and all
-// arithmetic are fp32 (kernels/batchnorm.h). On the CPU the layer runs the double-precision
-// references, rounding to the activation dtype once on store, so the CPU path is the GPU's truth.
+// dtype (grad_output must have it too); statistics, parameters, buffers and their gradients are
+// fp32, and so is the GPU's arithmetic (kernels/batchnorm.h). On the CPU the layer runs the
+// double-precision references, rounding to the activation dtype once on store, so the CPU path is
+// the GPU's truth.
 //
 // A ReLU directly after it in a Sequential is fused (can_fuse_relu): forward writes max(bn(x), 0)
 // and keeps that output; backward masks the incoming gradient by it, exactly as the ReLU would,
