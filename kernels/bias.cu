@@ -5,6 +5,8 @@
 // bias_grad: the two-stage deterministic column reduction described in bias.h.
 #include <algorithm>
 
+#include <cuda_bf16.h>
+
 #include "engine/core/launch.cuh"
 #include "kernels/bias.h"
 #include "kernels/elementwise.h"
@@ -29,6 +31,12 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+// V elements per access (V * sizeof(T) bytes, at most 16).
+template <typename T, int V>
+bool aligned_for(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (V * sizeof(T)) == 0;
+}
+
 template <int V>
 __device__ __forceinline__ void load(const float* p, float (&v)[V]) {
   if constexpr (V == 4) {
@@ -39,6 +47,59 @@ __device__ __forceinline__ void load(const float* p, float (&v)[V]) {
     v[3] = q.w;
   } else {
     v[0] = __ldg(p);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void load(const __nv_bfloat16* p, float (&v)[V]) {
+  if constexpr (V == 8) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  } else if constexpr (V == 4) {
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    v[0] = a.x;
+    v[1] = a.y;
+    v[2] = b.x;
+    v[3] = b.y;
+  } else {
+    v[0] = __bfloat162float(__ldg(p));
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store(float* p, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    *p = v[0];
+  }
+}
+
+// Exact: every v is a bf16 value (a masked bf16 input), so the conversion does not round.
+template <int V>
+__device__ __forceinline__ void store(__nv_bfloat16* p, const float (&v)[V]) {
+  if constexpr (V == 8) {
+    uint4 q;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = q;
+  } else if constexpr (V == 4) {
+    uint2 q;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&q);
+    h[0] = __floats2bfloat162_rn(v[0], v[1]);
+    h[1] = __floats2bfloat162_rn(v[2], v[3]);
+    *reinterpret_cast<uint2*>(p) = q;
+  } else {
+    *p = __float2bfloat16_rn(v[0]);
   }
 }
 
@@ -75,10 +136,12 @@ __global__ void bias_add_kernel(float* y, const float* bias, int64_t vectors, in
 // t % width down the rows lane, lane + lanes, ... with lane = t / width; the lanes are then added
 // in order through shared memory. `final` (only with one chunk): write beta * dbias + sum into out;
 // otherwise write the chunk's sums to row x of the [chunks, cols] workspace `out`.
-template <int V>
-__global__ void bias_grad_chunk_kernel(const float* dy, float* out, int64_t rows, int64_t cols,
-                                       int64_t chunk_rows, int width, int lanes, float beta,
-                                       bool final) {
+// With `y` (a fused ReLU's output), each dy element is first masked (relu_grad: y > 0 ? dy : 0) and
+// written to `masked`; the sums are the masked values'. `out` may be null then (the mask alone).
+template <int V, typename T>
+__global__ void bias_grad_chunk_kernel(const T* dy, const T* y, T* masked, float* out, int64_t rows,
+                                       int64_t cols, int64_t chunk_rows, int width, int lanes,
+                                       float beta, bool final) {
   __shared__ float sums[V][kThreads];
   const int lane = static_cast<int>(threadIdx.x) / width;
   const int group = static_cast<int>(threadIdx.x) % width;
@@ -88,16 +151,30 @@ __global__ void bias_grad_chunk_kernel(const float* dy, float* out, int64_t rows
   if (lane < lanes && cv < cols / V) {
     const int64_t end = std::min(rows, (chunk + 1) * chunk_rows);
     const int64_t step = int64_t(lanes) * cols;
-    const float* p = dy + (chunk * chunk_rows + lane) * cols + cv * V;
+    const int64_t first = (chunk * chunk_rows + lane) * cols + cv * V;
+    const T* p = dy + first;
 #pragma unroll 4
     for (int64_t r = chunk * chunk_rows + lane; r < end; r += lanes, p += step) {
       float v[V];
       load<V>(p, v);
+      if (y != nullptr) {
+        const int64_t at = p - dy;
+        float yv[V];
+        load<V>(y + at, yv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          v[k] = detail::relu_grad(yv[k], v[k]);
+        }
+        store<V>(masked + at, v);
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         acc[k] += v[k];
       }
     }
+  }
+  if (out == nullptr) {
+    return;  // uniform across the block: no thread reaches the barrier below
   }
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -154,9 +231,9 @@ void bias_add_impl(float* y, const float* bias, int64_t rows, int64_t cols, cuda
          cols_v, stride_mod);
 }
 
-template <int V>
-void bias_grad_impl(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
-                    cudaStream_t stream) {
+template <int V, typename T>
+void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t rows, int64_t cols,
+                    float beta, cudaStream_t stream) {
   const int64_t cols_v = cols / V;
   const int width = static_cast<int>(std::min<int64_t>(cols_v, kThreads));
   const int lanes = kThreads / width;
@@ -169,20 +246,46 @@ void bias_grad_impl(const float* dy, float* dbias, int64_t rows, int64_t cols, f
   const int64_t chunk_rows = std::max<int64_t>(1, ceil_div(rows, chunks));
   chunks = std::max<int64_t>(1, ceil_div(rows, chunk_rows));  // no empty chunk
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
-  if (chunks == 1) {
-    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V>, grid, kThreads, 0, stream, dy,
-           dbias, rows, cols, chunk_rows, width, lanes, beta, true);
+  if (chunks == 1 || dbias == nullptr) {
+    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
+           masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
     return;
   }
   Workspace ws(static_cast<size_t>(chunks * cols) * sizeof(float), stream,
                "the bias gradient's partial column sums");
   float* partial = ws.get();
-  launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V>, grid, kThreads, 0, stream, dy,
-         partial, rows, cols, chunk_rows, width, lanes, beta, false);
+  launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
+         masked, partial, rows, cols, chunk_rows, width, lanes, beta, false);
   launch("bias_grad_final_kernel", bias_grad_final_kernel,
          static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
          dbias, chunks, cols, beta);
   ws.release();
+}
+
+template <typename T>
+void bias_grad_dispatch(const char* op, const T* dy, const T* y, T* masked, float* dbias,
+                        int64_t rows, int64_t cols, float beta, cudaStream_t stream) {
+  (void)op;
+  if (cols == 0) {
+    return;
+  }
+  // bf16: 8 elements (16 bytes) per access where the rows allow it.
+  auto vec_ok = [&]<int V>() {
+    return cols % V == 0 && aligned_for<T, V>(dy) && (y == nullptr || aligned_for<T, V>(y)) &&
+           (masked == nullptr || aligned_for<T, V>(masked));
+  };
+  const bool vec = vec_ok.template operator()<4>();
+  if constexpr (sizeof(T) == 2) {
+    if (vec_ok.template operator()<8>()) {
+      bias_grad_impl<8, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+      return;
+    }
+  }
+  if (vec) {
+    bias_grad_impl<4, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+  } else {
+    bias_grad_impl<1, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+  }
 }
 
 }  // namespace
@@ -202,14 +305,27 @@ void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStrea
 void bias_grad(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
                cudaStream_t stream) {
   detail::check_bias_args("bias_grad", dy, dbias, rows, cols);
-  if (cols == 0) {
-    return;
-  }
-  if (cols % 4 == 0 && aligned16(dy)) {
-    bias_grad_impl<4>(dy, dbias, rows, cols, beta, stream);
-  } else {
-    bias_grad_impl<1>(dy, dbias, rows, cols, beta, stream);
-  }
+  bias_grad_dispatch<float>("bias_grad", dy, nullptr, nullptr, dbias, rows, cols, beta, stream);
 }
+
+void bias_grad(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+               cudaStream_t stream) {
+  detail::check_bias_args("bias_grad", dy, dbias, rows, cols);
+  bias_grad_dispatch<__nv_bfloat16>("bias_grad", dy, nullptr, nullptr, dbias, rows, cols, beta,
+                                    stream);
+}
+
+template <typename T>
+void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
+                         int64_t cols, float beta, cudaStream_t stream) {
+  detail::check_relu_mask_args("relu_mask_bias_grad", y, dy, dy_masked, dbias, rows, cols);
+  bias_grad_dispatch<T>("relu_mask_bias_grad", dy, y, dy_masked, dbias, rows, cols, beta, stream);
+}
+
+template void relu_mask_bias_grad<float>(const float*, const float*, float*, float*, int64_t,
+                                         int64_t, float, cudaStream_t);
+template void relu_mask_bias_grad<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*,
+                                                 __nv_bfloat16*, float*, int64_t, int64_t, float,
+                                                 cudaStream_t);
 
 }  // namespace cudp::kernels

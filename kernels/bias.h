@@ -19,6 +19,7 @@
 // none.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -36,10 +37,30 @@ void bias_grad(const float* dy, float* dbias, int64_t rows, int64_t cols, float 
                cudaStream_t stream);
 void bias_grad_cpu(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta);
 
+// The same reduction over bf16 gradients (the bf16 precision policy): sums in fp32, the same order.
+void bias_grad(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+               cudaStream_t stream);
+void bias_grad_cpu(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols, float beta);
+
+// The backward of a ReLU fused into a layer's output ahead of the bias gradient, in one pass over
+// dy and y: dy_masked = relu_grad(y, dy) (y > 0 ? dy : 0, kernels/elementwise.h), written, and,
+// when dbias is not null, dbias = beta * dbias + the column sums of dy_masked (as bias_grad).
+// dy_masked may alias dy. T is float or __nv_bfloat16; masking is exact, so dy_masked is bit for
+// bit what ReLU's own backward writes.
+template <typename T>
+void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
+                         int64_t cols, float beta, cudaStream_t stream);
+template <typename T>
+void relu_mask_bias_grad_cpu(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
+                             int64_t cols, float beta);
+
 namespace detail {
 // The checks of both ops and their references: rows, cols >= 0, no null pointer with data to touch.
 void check_bias_args(const char* op, const void* matrix, const void* bias, int64_t rows,
                      int64_t cols);
+// relu_mask_bias_grad's: y, dy and dy_masked as a matrix each; dbias may be null.
+void check_relu_mask_args(const char* op, const void* y, const void* dy, const void* dy_masked,
+                          const void* dbias, int64_t rows, int64_t cols);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -443,7 +443,7 @@ struct Epilogue {
     float v = acc;
     if (bias) v += __ldg(bias + col);
     if (beta != 0.f) v = fmaf(beta, *out, v);
-    return relu ? fmaxf(v, 0.f) : v;
+    return relu && v <= 0.f ? 0.f : v;  // kernels/elementwise.h's ReLU: NaN kept, -0 to +0
   }
   __device__ float4 apply(float4 acc, int col, const float* out) const {
     return {apply(acc.x, col, out), apply(acc.y, col + 1, out + 1), apply(acc.z, col + 2, out + 2),

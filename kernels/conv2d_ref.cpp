@@ -45,7 +45,7 @@ void conv2d_forward_cpu(const Conv2dShape& sh, const float* x, const float* w, c
             const float* wk = w + filter_offset(sh, k, r, s);
             for (int c = 0; c < sh.c; ++c) acc += double(x[xo + c]) * wk[c];
           });
-          out[k] = float(relu ? std::max(acc, 0.0) : acc);
+          out[k] = float(relu && acc <= 0.0 ? 0.0 : acc);  // NaN kept, as kernels/elementwise.h
         }
       }
     }

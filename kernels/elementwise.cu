@@ -1,6 +1,8 @@
 // One templated kernel serves every op of elementwise.h: out[i] = op(a[i], b[i]) (b unused by the
 // one-input ops), float4 over the aligned body and scalars over the head and tail that
 // detail::vector_split() computes. Loads are plain (not __ldg): outputs may alias inputs.
+#include <cuda_bf16.h>
+
 #include "engine/core/launch.cuh"
 #include "kernels/elementwise.h"
 
@@ -75,11 +77,72 @@ void run(const char* name, Op op, const float* a, const float* b, float* out, in
          out, n, split.head, split.vectors);
 }
 
+// bf16 storage, float arithmetic: [head, head + 4 * vectors) as 4 bf16 (8 bytes) per access.
+// The ops used on bf16 (ReLU and its gradient) return one of their inputs or 0, so rounding the
+// result back to bf16 is exact.
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+  const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float4& v) {
+  uint2 q;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&q);
+  h[0] = __floats2bfloat162_rn(v.x, v.y);
+  h[1] = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) = q;
+}
+
+template <int kInputs, typename Op>
+__global__ void map_kernel_bf16(Op op, const __nv_bfloat16* a, const __nv_bfloat16* b,
+                                __nv_bfloat16* out, int64_t n, int64_t head, int64_t vectors) {
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = start; v < vectors; v += stride) {
+    const int64_t i = head + 4 * v;
+    const float4 x = load4(a + i);
+    store4(out + i, apply4(op, x, kInputs == 2 ? load4(b + i) : x));
+  }
+  auto scalar = [&](int64_t i) {
+    const float y = kInputs == 2 ? __bfloat162float(b[i]) : 0.0f;
+    out[i] = __float2bfloat16_rn(op(__bfloat162float(a[i]), y));
+  };
+  for (int64_t i = start; i < head; i += stride) scalar(i);
+  for (int64_t i = head + 4 * vectors + start; i < n; i += stride) scalar(i);
+}
+
+template <int kInputs, typename Op>
+void run(const char* name, Op op, const __nv_bfloat16* a, const __nv_bfloat16* b,
+         __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) {
+    return;
+  }
+  const detail::VectorSplit split = kInputs == 2
+                                        ? detail::vector_split(n, {{a, 2}, {b, 2}, {out, 2}})
+                                        : detail::vector_split(n, {{a, 2}, {out, 2}});
+  const int64_t work = std::max(split.vectors, n - 4 * split.vectors);
+  const unsigned blocks = std::min(grid_for(work, kThreads), kMaxBlocks);
+  launch(name, map_kernel_bf16<kInputs, Op>, blocks, kThreads, 0, stream, op, a,
+         kInputs == 2 ? b : a, out, n, split.head, split.vectors);
+}
+
 }  // namespace
 
 void relu_forward(const float* x, float* y, int64_t n, cudaStream_t stream) {
   detail::check_elementwise("relu_forward", n, {x, y});
   run<1>("relu_forward", Relu{}, x, nullptr, y, n, stream);
+}
+
+void relu_forward(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream) {
+  detail::check_elementwise("relu_forward", n, {x, y});
+  run<1>("relu_forward", Relu{}, x, nullptr, y, n, stream);
+}
+
+void relu_backward(const __nv_bfloat16* y, const __nv_bfloat16* dy, __nv_bfloat16* dx, int64_t n,
+                   cudaStream_t stream) {
+  detail::check_elementwise("relu_backward", n, {y, dy, dx});
+  run<2>("relu_backward", ReluGrad{}, y, dy, dx, n, stream);
 }
 
 void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream) {

@@ -14,6 +14,7 @@
 // that both give the same bits: one IEEE operation each (axpy is one fused multiply-add).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -37,6 +38,15 @@ void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaSt
 void relu_backward_cpu(const float* y, const float* dy, float* dx, int64_t n);
 
 // x *= alpha, in place.
+// bf16 storage (the bf16 precision policy): the same ops on bf16 values, exact (the result is one
+// of the inputs or 0). dx may alias dy and y may alias x, as above.
+void relu_forward(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream);
+void relu_forward_cpu(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n);
+void relu_backward(const __nv_bfloat16* y, const __nv_bfloat16* dy, __nv_bfloat16* dx, int64_t n,
+                   cudaStream_t stream);
+void relu_backward_cpu(const __nv_bfloat16* y, const __nv_bfloat16* dy, __nv_bfloat16* dx,
+                       int64_t n);
+
 void scale(float* x, float alpha, int64_t n, cudaStream_t stream);
 void scale_cpu(float* x, float alpha, int64_t n);
 

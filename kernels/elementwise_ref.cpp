@@ -21,6 +21,21 @@ void relu_forward_cpu(const float* x, float* y, int64_t n) {
   }
 }
 
+void relu_forward_cpu(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n) {
+  detail::check_elementwise("relu_forward_cpu", n, {x, y});
+  for (int64_t i = 0; i < n; ++i) {
+    y[i] = __float2bfloat16_rn(detail::relu(__bfloat162float(x[i])));
+  }
+}
+
+void relu_backward_cpu(const __nv_bfloat16* y, const __nv_bfloat16* dy, __nv_bfloat16* dx,
+                       int64_t n) {
+  detail::check_elementwise("relu_backward_cpu", n, {y, dy, dx});
+  for (int64_t i = 0; i < n; ++i) {
+    dx[i] = __float2bfloat16_rn(detail::relu_grad(__bfloat162float(y[i]), __bfloat162float(dy[i])));
+  }
+}
+
 void relu_backward_cpu(const float* y, const float* dy, float* dx, int64_t n) {
   detail::check_elementwise("relu_backward_cpu", n, {y, dy, dx});
   for (int64_t i = 0; i < n; ++i) {

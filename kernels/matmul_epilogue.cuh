@@ -16,7 +16,8 @@ __device__ __forceinline__ float apply_epilogue(const EpilogueArgs& e, float acc
   float v = e.alpha * acc;
   if (e.beta != 0.f) v = fmaf(e.beta, old, v);
   if (e.bias != nullptr) v += e.bias[col];
-  if (e.relu) v = fmaxf(v, 0.f);
+  // ReLU as kernels/elementwise.h's: NaN kept, -0 to +0, so a fused ReLU equals a separate one.
+  if (e.relu) v = v <= 0.f ? 0.f : v;
   return v;
 }
 

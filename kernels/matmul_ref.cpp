@@ -43,7 +43,7 @@ void matmul_cpu(const MatmulProblem& p) {
       double v = double(p.alpha) * acc;
       if (p.beta != 0.f) v += double(p.beta) * load(p.c, at, c_bf16);
       if (p.bias != nullptr) v += p.bias[j];
-      if (p.relu) v = std::max(v, 0.0);
+      if (p.relu && v <= 0.0) v = 0.0;  // NaN kept, -0 to +0, as kernels/elementwise.h
       if (c_bf16) {
         static_cast<uint16_t*>(p.c)[at] = detail::f32_to_bf16_bits(static_cast<float>(v));
       } else {

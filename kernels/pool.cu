@@ -4,6 +4,8 @@
 // otherwise. Conventions and the reasons for them: kernels/pool.h.
 #include <climits>
 
+#include <cuda_bf16.h>
+
 #include "engine/core/launch.cuh"
 #include "kernels/pool.h"
 
@@ -48,6 +50,32 @@ __device__ __forceinline__ void store(float* p, const float (&v)[V]) {
   }
 }
 
+// bf16: 4 elements are 8 bytes; the values go through float, which holds every bf16 exactly.
+template <int V>
+__device__ __forceinline__ void load(const __nv_bfloat16* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&t);
+    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+  } else {
+    v[0] = __bfloat162float(*p);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store(__nv_bfloat16* p, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    uint2 t;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&t);
+    h[0] = __floats2bfloat162_rn(v[0], v[1]);
+    h[1] = __floats2bfloat162_rn(v[2], v[3]);
+    *reinterpret_cast<uint2*>(p) = t;
+  } else {
+    *p = __float2bfloat16_rn(v[0]);
+  }
+}
+
 template <int V>
 __device__ __forceinline__ void store(int32_t* p, const int32_t (&v)[V]) {
   if constexpr (V == 4) {
@@ -83,8 +111,8 @@ __device__ __forceinline__ bool takes(float v, float best) {
   return v > best || isnan(v);
 }
 
-template <int V, typename I>
-__global__ void max_pool_forward_kernel(const float* __restrict__ x, float* __restrict__ y,
+template <typename T, int V, typename I>
+__global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__ y,
                                         int32_t* __restrict__ indices, Geometry g, I total) {
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -95,7 +123,7 @@ __global__ void max_pool_forward_kernel(const float* __restrict__ x, float* __re
     const int h1 = min(h0 + g.kh, g.h), w1 = min(w0 + g.kw, g.w);
     h0 = max(h0, 0);
     w0 = max(w0, 0);
-    const float* plane = x + b * g.h * g.w * g.c + cv * V;
+    const T* plane = x + b * g.h * g.w * g.c + cv * V;
     float best[V];
     int32_t arg[V];
     for (int k = 0; k < V; ++k) best[k] = -INFINITY, arg[k] = h0 * g.w + w0;
@@ -114,8 +142,8 @@ __global__ void max_pool_forward_kernel(const float* __restrict__ x, float* __re
 }
 
 // 2x2 windows, stride 2, no padding: four loads, no bounds tests (every window lies inside).
-template <int V, typename I>
-__global__ void max_pool_2x2_forward_kernel(const float* __restrict__ x, float* __restrict__ y,
+template <typename T, int V, typename I>
+__global__ void max_pool_2x2_forward_kernel(const T* __restrict__ x, T* __restrict__ y,
                                             int32_t* __restrict__ indices, Geometry g, I total) {
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -123,7 +151,7 @@ __global__ void max_pool_2x2_forward_kernel(const float* __restrict__ x, float* 
     int oh, ow, cv;
     split(i, vectors, g.out_w, g.out_h, b, oh, ow, cv);
     const int ih = 2 * oh, iw = 2 * ow;
-    const float* p = x + ((b * g.h + ih) * g.w + iw) * g.c + cv * V;
+    const T* p = x + ((b * g.h + ih) * g.w + iw) * g.c + cv * V;
     const int64_t row = int64_t(g.w) * g.c;
     float v00[V], v01[V], v10[V], v11[V];
     load<V>(p, v00);
@@ -140,15 +168,15 @@ __global__ void max_pool_2x2_forward_kernel(const float* __restrict__ x, float* 
       if (takes(v11[k], best[k])) best[k] = v11[k], arg[k] = at + g.w + 1;
     }
     store<V>(y + int64_t(i) * V, best);
-    store<V>(indices + int64_t(i) * V, arg);
+    if (indices != nullptr) store<V>(indices + int64_t(i) * V, arg);
   }
 }
 
 // One thread per input vector: sums dy over the windows that contain it and took it as their max.
-template <int V, typename I>
-__global__ void max_pool_backward_kernel(const float* __restrict__ dy,
-                                         const int32_t* __restrict__ indices,
-                                         float* __restrict__ dx, Geometry g, I total) {
+template <typename T, int V, typename I>
+__global__ void max_pool_backward_kernel(const T* __restrict__ dy,
+                                         const int32_t* __restrict__ indices, T* __restrict__ dx,
+                                         Geometry g, I total) {
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -182,10 +210,10 @@ __global__ void max_pool_backward_kernel(const float* __restrict__ dy,
 // 2x2 stride 2, no padding: windows do not overlap, so one thread per window (ceil(H/2) x ceil(W/2)
 // of them, the partial ones at an odd edge have no output) reads dy and the index once and writes
 // its up-to-four dx elements.
-template <int V, typename I>
-__global__ void max_pool_2x2_backward_kernel(const float* __restrict__ dy,
+template <typename T, int V, typename I>
+__global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
                                              const int32_t* __restrict__ indices,
-                                             float* __restrict__ dx, Geometry g, I total) {
+                                             T* __restrict__ dx, Geometry g, I total) {
   const int vectors = g.c / V;
   const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -208,6 +236,53 @@ __global__ void max_pool_2x2_backward_kernel(const float* __restrict__ dy,
         if (iw >= g.w) break;
         float out[V];
         for (int k = 0; k < V; ++k) out[k] = at[k] == ih * g.w + iw ? d[k] : 0.f;
+        store<V>(dx + ((b * g.h + ih) * g.w + iw) * g.c + cv * V, out);
+      }
+    }
+  }
+}
+
+// 2x2 stride 2, no padding, without an index tensor: each window's maximum is found again in the
+// saved input x, with the forward's comparisons in the forward's order (so the same element), and
+// dy goes to it; the window's other elements get 0. One thread per window, as above.
+template <typename T, int V, typename I>
+__global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy,
+                                                        const T* __restrict__ x, T* __restrict__ dx,
+                                                        Geometry g, I total) {
+  const int vectors = g.c / V;
+  const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
+  for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
+    int64_t b;
+    int wh, ww, cv;
+    split(i, vectors, windows_w, windows_h, b, wh, ww, cv);
+    float d[V];
+    int at[V];  // 0..3: which of the window's elements took the max; -1: no window (odd edge)
+    for (int k = 0; k < V; ++k) d[k] = 0.f, at[k] = -1;
+    const int64_t row = int64_t(g.w) * g.c;
+    const T* p = x + ((b * g.h + 2 * wh) * g.w + 2 * ww) * g.c + cv * V;
+    if (wh < g.out_h && ww < g.out_w) {
+      load<V>(dy + ((b * g.out_h + wh) * g.out_w + ww) * g.c + cv * V, d);
+      float v00[V], v01[V], v10[V], v11[V];
+      load<V>(p, v00);
+      load<V>(p + g.c, v01);
+      load<V>(p + row, v10);
+      load<V>(p + row + g.c, v11);
+      for (int k = 0; k < V; ++k) {
+        float best = v00[k];
+        at[k] = 0;
+        if (takes(v01[k], best)) best = v01[k], at[k] = 1;
+        if (takes(v10[k], best)) best = v10[k], at[k] = 2;
+        if (takes(v11[k], best)) best = v11[k], at[k] = 3;
+      }
+    }
+    for (int dh = 0; dh < 2; ++dh) {
+      const int ih = 2 * wh + dh;
+      if (ih >= g.h) break;
+      for (int dw = 0; dw < 2; ++dw) {
+        const int iw = 2 * ww + dw;
+        if (iw >= g.w) break;
+        float out[V];
+        for (int k = 0; k < V; ++k) out[k] = at[k] == 2 * dh + dw ? d[k] : 0.f;
         store<V>(dx + ((b * g.h + ih) * g.w + iw) * g.c + cv * V, out);
       }
     }
@@ -320,42 +395,110 @@ bool is_2x2_stride_2(const Geometry& g) {
 
 }  // namespace
 
+namespace {
+
+// Four elements per vector: 16 bytes of floats or indices, 8 of bf16.
+template <typename T>
+bool aligned_vec(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
+
+template <typename T>
+void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, int n, int h, int w, int c, int kh,
+                             int kw, int stride_h, int stride_w, int pad_h, int pad_w,
+                             cudaStream_t stream) {
+  detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
+  const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
+  const bool fast = is_2x2_stride_2(g);
+  CUDP_CHECK(indices != nullptr || fast,
+             "max_pool2d_forward: indices may be null only for 2x2 "
+             "windows of stride 2 without padding (backward then reads the input)");
+  const bool vec4 = c % 4 == 0 && aligned_vec<T>(x) && aligned_vec<T>(y) && aligned16(indices);
+  dispatch(vec4, int64_t(n) * g.out_h * g.out_w * c, [&]<int V, typename I>(I items) {
+    if (fast) {
+      launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>, blocks_for(items),
+             kThreads, 0, stream, x, y, indices, g, items);
+    } else {
+      launch("max_pool_forward_kernel", max_pool_forward_kernel<T, V, I>, blocks_for(items),
+             kThreads, 0, stream, x, y, indices, g, items);
+    }
+  });
+}
+
+template <typename T>
+void max_pool2d_backward_impl(const T* dy, const int32_t* indices, T* dx, int n, int h, int w,
+                              int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
+                              int pad_w, cudaStream_t stream) {
+  detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
+  const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
+  const bool vec4 = c % 4 == 0 && aligned_vec<T>(dy) && aligned16(indices) && aligned_vec<T>(dx);
+  if (is_2x2_stride_2(g)) {
+    const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
+    dispatch(vec4, windows, [&]<int V, typename I>(I items) {
+      launch("max_pool_2x2_backward_kernel", max_pool_2x2_backward_kernel<T, V, I>,
+             blocks_for(items), kThreads, 0, stream, dy, indices, dx, g, items);
+    });
+  } else {
+    dispatch(vec4, int64_t(n) * h * w * c, [&]<int V, typename I>(I items) {
+      launch("max_pool_backward_kernel", max_pool_backward_kernel<T, V, I>, blocks_for(items),
+             kThreads, 0, stream, dy, indices, dx, g, items);
+    });
+  }
+}
+
+template <typename T>
+void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, int h, int w, int c,
+                                         cudaStream_t stream) {
+  detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
+  const Geometry g = max_geometry(h, w, c, 2, 2, 2, 2, 0, 0);
+  const bool vec4 = c % 4 == 0 && aligned_vec<T>(dy) && aligned_vec<T>(x) && aligned_vec<T>(dx);
+  const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
+  dispatch(vec4, windows, [&]<int V, typename I>(I items) {
+    launch("max_pool_2x2_backward_from_input_kernel",
+           max_pool_2x2_backward_from_input_kernel<T, V, I>, blocks_for(items), kThreads, 0, stream,
+           dy, x, dx, g, items);
+  });
+}
+
+}  // namespace
+
+void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
+                                    int c, cudaStream_t stream) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
+}
+
+void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
+                                    __nv_bfloat16* dx, int n, int h, int w, int c,
+                                    cudaStream_t stream) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
+}
+
 void max_pool2d_forward(const float* x, float* y, int32_t* indices, int n, int h, int w, int c,
                         int kh, int kw, int stride_h, int stride_w, int pad_h, int pad_w,
                         cudaStream_t stream) {
-  detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
-  const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
-  const bool vec4 = c % 4 == 0 && aligned16(x) && aligned16(y) && aligned16(indices);
-  const bool fast = is_2x2_stride_2(g);
-  dispatch(vec4, int64_t(n) * g.out_h * g.out_w * c, [&]<int V, typename I>(I items) {
-    if (fast) {
-      launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<V, I>, blocks_for(items),
-             kThreads, 0, stream, x, y, indices, g, items);
-    } else {
-      launch("max_pool_forward_kernel", max_pool_forward_kernel<V, I>, blocks_for(items), kThreads,
-             0, stream, x, y, indices, g, items);
-    }
-  });
+  max_pool2d_forward_impl(x, y, indices, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
+                          stream);
+}
+
+void max_pool2d_forward(const __nv_bfloat16* x, __nv_bfloat16* y, int32_t* indices, int n, int h,
+                        int w, int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
+                        int pad_w, cudaStream_t stream) {
+  max_pool2d_forward_impl(x, y, indices, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
+                          stream);
 }
 
 void max_pool2d_backward(const float* dy, const int32_t* indices, float* dx, int n, int h, int w,
                          int c, int kh, int kw, int stride_h, int stride_w, int pad_h, int pad_w,
                          cudaStream_t stream) {
-  detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
-  const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
-  const bool vec4 = c % 4 == 0 && aligned16(dy) && aligned16(indices) && aligned16(dx);
-  if (is_2x2_stride_2(g)) {
-    const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
-    dispatch(vec4, windows, [&]<int V, typename I>(I items) {
-      launch("max_pool_2x2_backward_kernel", max_pool_2x2_backward_kernel<V, I>, blocks_for(items),
-             kThreads, 0, stream, dy, indices, dx, g, items);
-    });
-  } else {
-    dispatch(vec4, int64_t(n) * h * w * c, [&]<int V, typename I>(I items) {
-      launch("max_pool_backward_kernel", max_pool_backward_kernel<V, I>, blocks_for(items),
-             kThreads, 0, stream, dy, indices, dx, g, items);
-    });
-  }
+  max_pool2d_backward_impl(dy, indices, dx, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
+                           stream);
+}
+
+void max_pool2d_backward(const __nv_bfloat16* dy, const int32_t* indices, __nv_bfloat16* dx, int n,
+                         int h, int w, int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
+                         int pad_w, cudaStream_t stream) {
+  max_pool2d_backward_impl(dy, indices, dx, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
+                           stream);
 }
 
 void adaptive_avg_pool2d_forward(const float* x, float* y, int n, int h, int w, int c, int out_h,

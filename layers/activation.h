@@ -15,6 +15,7 @@ class ReLU : public Module {
  public:
   explicit ReLU(bool inplace = false) : inplace_(inplace) {}
   std::string type_name() const override { return "ReLU"; }
+  bool takes_bf16() const override { return true; }
   bool inplace() const { return inplace_; }
 
  protected:

@@ -1,5 +1,7 @@
 #include "layers/conv2d.h"
 
+#include <vector>
+
 #include "kernels/bias.h"
 #include "kernels/layout.h"
 
@@ -38,8 +40,11 @@ Parameter& Conv2d::bias() {
 }
 
 kernels::Conv2dShape Conv2d::shape_for(const Tensor& input) const {
-  CUDP_CHECK(input.dim() == 4 && input.size(3) == in_ && input.dtype() == DType::f32,
-             "Conv2d: expected an NHWC f32 input [N, H, W, ", in_, "], got ", input.str());
+  const bool dtype_ok =
+      input.dtype() == DType::f32 || (takes_bf16() && input.dtype() == DType::bf16);
+  CUDP_CHECK(input.dim() == 4 && input.size(3) == in_ && dtype_ok, "Conv2d: expected an NHWC ",
+             takes_bf16() ? "f32 or bf16" : "f32", " input [N, H, W, ", in_, "], got ",
+             input.str());
   kernels::Conv2dShape s;
   s.n = static_cast<int>(input.size(0));
   s.h = static_cast<int>(input.size(1));
@@ -55,33 +60,23 @@ kernels::Conv2dShape Conv2d::shape_for(const Tensor& input) const {
 
 Tensor Conv2d::forward_one(const Tensor& input) {
   const kernels::Conv2dShape s = shape_for(input);
+  saved_shape_ = s;
+  input_dtype_ = input.dtype();
+  if (precision_ == Precision::bf16) {
+    return forward_bf16(input, s);
+  }
+  CUDP_CHECK(!relu_fused_, "Conv2d: a fused ReLU needs the bf16 precision policy");
   Tensor y = Tensor::empty({s.n, s.p(), s.q(), s.k}, DType::f32, device_);
   const float* x = input.data<float>();
   const float* w = weight_->data.data<float>();
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   float* out = y.data<float>();
-  // Under bf16 on the GPU the layer converts x itself and keeps the bf16 copy (not x) for the
-  // weight gradient, so x is converted once per step, not twice.
-  const bool keep_bf16 = device_.is_cuda() && precision_ == Precision::bf16;
-  input_bf16_ = Tensor();
-  run(
-      [&] {
-        const OperandView xr(x, s.x_size(), precision_), wr(w, s.w_size(), precision_);
-        kernels::conv2d_forward_cpu(s, xr.get(), wr.get(), b, out, /*relu=*/false);
-      },
+  run([&] { kernels::conv2d_forward_cpu(s, x, w, b, out, /*relu=*/false); },
       [&](cudaStream_t stream) {
-        kernels::Bf16Operands converted;
-        if (keep_bf16) {
-          input_bf16_ = Tensor::empty({s.n, s.h, s.w, kernels::bf16_channels(s.c)}, DType::bf16,
-                                      device_);
-          kernels::conv2d_to_bf16(x, int64_t{s.n} * s.h * s.w, s.c, input_bf16_.data_ptr(),
-                                  stream);
-          converted.x = input_bf16_.data_ptr();
-        }
-        kernels::conv2d_forward(s, x, w, b, out, false, stream, math(), converted);
+        kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
       });
-  input_ = keep_bf16 ? Tensor() : input;
-  saved_shape_ = s;
+  input_ = input;
+  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = output_ = Tensor();
   return y;
 }
 
@@ -92,38 +87,227 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
              "Conv2d: backward under the tf32 precision policy is not available: the weight "
              "gradient has no TF32 tensor-core kernel yet; train with bf16 or fp32 "
              "(set_precision(Precision::bf16)), tf32 serves forward passes");
-  Tensor dx = Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_);
-  const float* x = input_.defined() ? input_.data<float>() : nullptr;
+  if (precision_ == Precision::bf16) {
+    return backward_bf16(grad_output);
+  }
+  CUDP_CHECK(grad_output.dtype() == DType::f32, "Conv2d: grad_output is ", grad_output.str(),
+             " but the output was f32; a gradient has its value's dtype");
+  Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
+  const float* x = input_.data<float>();
   const float* dy = grad_output.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
-  float* out = dx.data<float>();
+  float* out = input_grad_ ? dx.data<float>() : nullptr;
   const int64_t rows = s.y_size() / s.k;
   run(
       [&] {
-        const OperandView xr(x, s.x_size(), precision_), wr(w, s.w_size(), precision_);
-        const OperandView dyr(dy, s.y_size(), precision_);
-        kernels::conv2d_backward_data_cpu(s, dyr.get(), wr.get(), out);
-        kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
-        if (db) {
-          kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
-        }
+        if (out) kernels::conv2d_backward_data_cpu(s, dy, w, out);
+        kernels::conv2d_backward_weight_cpu(s, x, dy, dw, /*beta=*/1.0f);
+        if (db) kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
       },
       [&](cudaStream_t stream) {
-        // bf16: dy converted once for both products, x from the forward's copy.
-        kernels::Bf16Operands converted;
-        Tensor dy_bf16;
-        if (input_bf16_.defined()) {
-          dy_bf16 = Tensor::empty({s.n, s.p(), s.q(), kernels::bf16_channels(s.k)}, DType::bf16,
-                                  device_);
-          kernels::conv2d_to_bf16(dy, rows, s.k, dy_bf16.data_ptr(), stream);
-          converted = {input_bf16_.data_ptr(), dy_bf16.data_ptr()};
-        }
-        kernels::conv2d_backward_data(s, dy, w, out, stream, math(), converted);
-        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math(), converted);
-        if (db) {
+        if (out) kernels::conv2d_backward_data(s, dy, w, out, stream, math());
+        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math());
+        if (db) kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
+      });
+  return dx;
+}
+
+namespace {
+
+// The values of a CPU tensor as floats: bf16 widened (exact), f32 rounded to bf16 when `round` (the
+// bf16 policy's operand rounding, what the GPU's conversion does).
+std::vector<float> cpu_operand(const Tensor& t, bool round) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  if (t.dtype() == DType::bf16) {
+    kernels::bf16_to_f32_cpu(t.data<__nv_bfloat16>(), v.data(), t.numel());
+    return v;
+  }
+  const OperandView view(t.data<float>(), t.numel(), round ? Precision::bf16 : Precision::fp32);
+  std::copy(view.get(), view.get() + t.numel(), v.begin());
+  return v;
+}
+
+// A CPU tensor of `dtype` holding `values` (rounded to nearest even for bf16).
+Tensor cpu_tensor(const std::vector<float>& values, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  if (dtype == DType::bf16) {
+    kernels::f32_to_bf16_cpu(values.data(), t.data<__nv_bfloat16>(), t.numel());
+  } else {
+    std::copy(values.begin(), values.end(), t.data<float>());
+  }
+  return t;
+}
+
+}  // namespace
+
+// bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused
+// ReLU. On the GPU x is used as it comes when it is bf16 with channels a multiple of 8 (every VGG
+// layer but the first), else converted once and the copy kept for backward-weight; the weights are
+// converted once per step and the copy kept for backward-data.
+Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) {
+  Tensor y = Tensor::empty({s.n, s.p(), s.q(), s.k}, DType::bf16, device_);
+  const float* b = bias_ ? bias_->data.data<float>() : nullptr;
+  const bool relu = relu_fused_;
+  if (device_.is_cpu()) {
+    const std::vector<float> x = cpu_operand(input, true), w = cpu_operand(weight_->data, true);
+    std::vector<float> out(static_cast<size_t>(s.y_size()));
+    kernels::conv2d_forward_cpu(s, x.data(), w.data(), b, out.data(), relu);
+    kernels::f32_to_bf16_cpu(out.data(), y.data<__nv_bfloat16>(), s.y_size());
+    input_ = input;
+    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
+  } else {
+    input_ = Tensor();
+    run([] {},
+        [&](cudaStream_t stream) {
+          if (kernels::conv2d_uses_im2col(s)) {
+            // A first layer (3 channels): a 1x1 convolution of the explicit im2col (64 bf16
+            // columns per pixel). The fp32 input is kept; backward rebuilds the columns from it.
+            input_ = convert(input, DType::f32);
+            Tensor cols =
+                Tensor::empty({s.n, s.p(), s.q(), kernels::kIm2colColumns}, DType::bf16, device_);
+            kernels::conv2d_im2col_bf16(s, input_.data<float>(), cols.data_ptr(), stream);
+            weight_bf16_ = Tensor::empty({s.k, kernels::kIm2colColumns}, DType::bf16, device_);
+            kernels::conv2d_im2col_filters_bf16(s, weight_->data.data<float>(),
+                                                weight_bf16_.data_ptr(), stream);
+            input_bf16_ = weight_rot_bf16_ = Tensor();
+            const kernels::ConvOperands ops{kernels::Math::BF16,
+                                            cols.data_ptr(),
+                                            weight_bf16_.data_ptr(),
+                                            y.data_ptr(),
+                                            kernels::DType::BF16,
+                                            b,
+                                            relu};
+            kernels::conv2d_forward_tc(kernels::conv2d_im2col_shape(s), ops, stream);
+            return;
+          }
+          const int cp = kernels::bf16_channels(s.c);
+          const int64_t pixels = int64_t{s.n} * s.h * s.w;
+          if (input.dtype() == DType::bf16 && cp == s.c) {
+            input_bf16_ = input;
+          } else {
+            input_bf16_ = Tensor::empty({s.n, s.h, s.w, cp}, DType::bf16, device_);
+            if (input.dtype() == DType::bf16) {
+              kernels::conv2d_pad_bf16(input.data_ptr(), pixels, s.c, input_bf16_.data_ptr(),
+                                       stream);
+            } else {
+              kernels::conv2d_to_bf16(input.data<float>(), pixels, s.c, input_bf16_.data_ptr(),
+                                      stream);
+            }
+          }
+          weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
+          // The rotated filters of backward-data come from the same pass, when a backward that
+          // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
+          // channel padding).
+          const bool rotate = training_ && input_grad_ && cp == s.c &&
+                              kernels::bf16_channels(s.k) == s.k && s.stride_h == 1 &&
+                              s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1;
+          weight_rot_bf16_ =
+              rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
+          kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
+                                          rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
+          kernels::Conv2dShape padded = s;
+          padded.c = cp;
+          const kernels::ConvOperands ops{kernels::Math::BF16,
+                                          input_bf16_.data_ptr(),
+                                          weight_bf16_.data_ptr(),
+                                          y.data_ptr(),
+                                          kernels::DType::BF16,
+                                          b,
+                                          relu};
+          kernels::conv2d_forward_tc(padded, ops, stream);
+        });
+  }
+  output_ = relu ? y : Tensor();
+  return y;
+}
+
+// The gradient of a bf16 output is bf16. Fused ReLU: dy masked by y > 0 and the bias gradient taken
+// in one pass; then backward-data (dx in the input's dtype) and backward-weight (fp32, accumulated)
+// on the masked bf16 dy.
+Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
+  const kernels::Conv2dShape& s = saved_shape_;
+  CUDP_CHECK(grad_output.dtype() == DType::bf16, "Conv2d: grad_output is ", grad_output.str(),
+             " but the output was bf16 (the bf16 precision policy); a gradient has its value's "
+             "dtype");
+  const bool relu = output_.defined();
+  const int64_t rows = s.y_size() / s.k;
+  float* dw = weight_->grad.data<float>();
+  float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::bf16, device_) : grad_output;
+  Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, input_dtype_, device_) : Tensor();
+  if (device_.is_cpu()) {
+    const auto* dy = grad_output.data<__nv_bfloat16>();
+    if (relu) {
+      kernels::relu_mask_bias_grad_cpu(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
+                                       db, rows, s.k, 1.0f);
+    } else if (db) {
+      kernels::bias_grad_cpu(dy, db, rows, s.k, 1.0f);
+    }
+    const std::vector<float> g = cpu_operand(dym, true), x = cpu_operand(input_, true),
+                             w = cpu_operand(weight_->data, true);
+    kernels::conv2d_backward_weight_cpu(s, x.data(), g.data(), dw, 1.0f);
+    if (!input_grad_) return dx;
+    std::vector<float> out(static_cast<size_t>(s.x_size()));
+    kernels::conv2d_backward_data_cpu(s, g.data(), w.data(), out.data());
+    return cpu_tensor(out, dx.shape(), input_dtype_);
+  }
+  run([] {},
+      [&](cudaStream_t stream) {
+        const auto* dy = grad_output.data<__nv_bfloat16>();
+        if (relu) {
+          kernels::relu_mask_bias_grad(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
+                                       db, rows, s.k, 1.0f, stream);
+        } else if (db) {
           kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
+        }
+        const int cp = kernels::bf16_channels(s.c), kp = kernels::bf16_channels(s.k);
+        Tensor dyp = dym;
+        if (kp != s.k) {
+          dyp = Tensor::empty({s.n, s.p(), s.q(), kp}, DType::bf16, device_);
+          kernels::conv2d_pad_bf16(dym.data_ptr(), rows, s.k, dyp.data_ptr(), stream);
+        }
+        const bool im2col = kernels::conv2d_uses_im2col(s);
+        const kernels::Bf16Operands converted{im2col ? nullptr : input_bf16_.data_ptr(),
+                                              dyp.data_ptr()};
+        if (!input_grad_) {
+          // The model's input needs no gradient: backward-data is skipped.
+        } else if (cp == s.c && kp == s.k) {
+          const bool rotated = weight_rot_bf16_.defined();
+          const kernels::ConvOperands ops{
+              kernels::Math::BF16,
+              dyp.data_ptr(),
+              rotated ? weight_rot_bf16_.data_ptr() : weight_bf16_.data_ptr(),
+              dx.data_ptr(),
+              input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
+              nullptr,
+              false};
+          if (rotated) {
+            kernels::conv2d_backward_data_tc_rotated(s, ops, stream);
+          } else {
+            kernels::conv2d_backward_data_tc(s, ops, stream);
+          }
+        } else {
+          // Padded channels (VGG's first layer): the float launcher, fp32 dx of C channels.
+          Tensor dxf = input_dtype_ == DType::f32
+                           ? dx
+                           : Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_);
+          kernels::conv2d_backward_data(s, nullptr, weight_->data.data<float>(), dxf.data<float>(),
+                                        stream, kernels::Math::BF16, converted);
+          if (input_dtype_ == DType::bf16) {
+            kernels::f32_to_bf16(dxf.data<float>(), dx.data<__nv_bfloat16>(), dx.numel(), stream);
+          }
+        }
+        if (im2col) {
+          Tensor cols =
+              Tensor::empty({s.n, s.p(), s.q(), kernels::kIm2colColumns}, DType::bf16, device_);
+          kernels::conv2d_im2col_bf16(s, input_.data<float>(), cols.data_ptr(), stream);
+          kernels::conv2d_backward_weight_im2col(s, cols.data_ptr(), dyp.data_ptr(), dw, 1.0f,
+                                                 stream);
+        } else {
+          kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream,
+                                          kernels::Math::BF16, converted);
         }
       });
   return dx;

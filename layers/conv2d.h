@@ -7,13 +7,16 @@
 // it as PyTorch's OIHW [out, in, kh, kw] and load_state_dict() converts back, so torchvision
 // checkpoints load unchanged. The bias is [out].
 //
-// Products follow the model's precision policy (layers/precision.h): fp32, or bf16 operands on
-// tensor cores (the fp32 input and weight are converted per product); tf32 runs the forward only
-// (backward-weight has no TF32 kernel yet: backward throws, naming bf16 and fp32). Under bf16 the
-// CPU path rounds the operands as the GPU does, so it stays the GPU's reference.
+// Products follow the model's precision policy (layers/precision.h): fp32; tf32 (forward only:
+// backward-weight has no TF32 kernel yet, backward throws naming bf16 and fp32); or bf16, where the
+// layer takes f32 or bf16 input, writes a bf16 output (bias and a ReLU that follows in a Sequential
+// applied to the fp32 accumulator before the one rounding), takes a bf16 output gradient, returns
+// the input gradient in the input's dtype and accumulates fp32 weight gradients. Under bf16 the
+// CPU path rounds the operands and the output as the GPU does, so it stays the GPU's reference.
 //
-// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its input for
-// the weight gradient. Parameters are initialised as torchvision's VGG does (layers/init.h).
+// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its
+// input for the weight gradient. Parameters are initialised as torchvision's VGG does
+// (layers/init.h).
 #pragma once
 
 #include "kernels/common.h"
@@ -32,6 +35,9 @@ class Conv2d : public Module {
          int padding = 0, bool bias = true);
 
   std::string type_name() const override { return "Conv2d"; }
+  // Under the bf16 policy: bf16 in and out, and a following ReLU applied in the epilogue.
+  bool takes_bf16() const override { return precision_ == Precision::bf16; }
+  bool can_fuse_relu() const override { return precision_ == Precision::bf16; }
 
   // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);
@@ -58,12 +64,18 @@ class Conv2d : public Module {
 
  private:
   kernels::Conv2dShape shape_for(const Tensor& input) const;
+  Tensor forward_bf16(const Tensor& input, const kernels::Conv2dShape& s);
+  Tensor backward_bf16(const Tensor& grad_output);
 
   int in_, out_, kernel_, stride_, padding_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
-  Tensor input_;       // saved for backward (fp32, tf32 and the CPU)
-  Tensor input_bf16_;  // instead of input_ under bf16 on the GPU: its bf16 copy (kernels/conv2d.h)
+  // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
+  // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
+  // backward-data; the output when a ReLU was fused.
+  Tensor input_;
+  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, output_;
+  DType input_dtype_ = DType::f32;
   kernels::Conv2dShape saved_shape_;
 };
 

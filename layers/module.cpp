@@ -46,7 +46,27 @@ TensorList Module::forward_all(const TensorList& inputs) {
   const nvtx::Range range(type_name() + " forward");
   check_inputs(inputs, "input", /*allow_undefined=*/false);
   forward_done_ = false;  // a forward that throws leaves nothing for a backward to use
+  widened_.assign(inputs.size(), false);
+  if (!takes_bf16()) {
+    TensorList widened = inputs;
+    bool any = false;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].dtype() == DType::bf16) {
+        widened[i] = convert(inputs[i], DType::f32);
+        widened_[i] = any = true;
+      }
+    }
+    if (any) {
+      TensorList outputs = forward_impl(widened);
+      last_relu_fused_ = relu_fused_;
+      relu_fused_ = false;
+      forward_done_ = true;
+      return outputs;
+    }
+  }
   TensorList outputs = forward_impl(inputs);
+  last_relu_fused_ = relu_fused_;
+  relu_fused_ = false;  // fuse_relu(true) holds for one forward
   forward_done_ = true;
   return outputs;
 }
@@ -57,7 +77,11 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
              ": backward() called without a forward() before it (or after the module was moved); "
              "run forward() first: backward uses what it saved");
   check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
-  return backward_impl(grad_outputs);
+  TensorList grads = backward_impl(grad_outputs);
+  for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
+    if (widened_[i]) grads[i] = convert(grads[i], DType::bf16);
+  }
+  return grads;
 }
 
 Tensor Module::forward(const Tensor& input) {
@@ -291,6 +315,19 @@ void Module::set_precision(Precision precision) {
   }
 }
 
+void Module::fuse_relu(bool on) {
+  CUDP_CHECK(!on || can_fuse_relu(), type_name(),
+             " cannot apply a ReLU to its output; run the ReLU "
+             "module after it");
+  relu_fused_ = on;
+}
+
+void Module::set_fusion(bool on) {
+  for (auto& [path, module] : named_modules()) {
+    module->fusion_ = on;
+  }
+}
+
 void Module::zero_grad() {
   for (Parameter* p : parameters()) {
     p->grad.zero_();
@@ -347,6 +384,8 @@ std::shared_ptr<Module> Module::clone(Device device) const {
     }
     dst.training_ = src.training_;
     dst.precision_ = src.precision_;
+    dst.fusion_ = src.fusion_;
+    dst.input_grad_ = src.input_grad_;
     dst.device_ = device;
     dst.forward_done_ = false;
     for (size_t i = 0; i < src.children_.size(); ++i) {

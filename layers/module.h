@@ -74,6 +74,35 @@ class Module : public std::enable_shared_from_this<Module> {
   void set_precision(Precision precision);
   Precision precision() const { return precision_; }
 
+  // Whether backward computes the gradient with respect to the input (by default it does). A
+  // model's images need none: set_input_grad(false) on the model spares its first layer's
+  // backward-data (a container passes the setting on to the child that receives its input,
+  // DataParallel to its replicas, at each forward), and that layer's backward then returns an
+  // undefined tensor.
+  void set_input_grad(bool on) { input_grad_ = on; }
+  bool input_grad() const { return input_grad_; }
+
+  // Whether the layer computes on bf16 inputs itself (the bf16 policy's activations). A layer that
+  // does not gets its bf16 inputs converted to f32 before its forward, and its input gradients
+  // converted back to bf16 after its backward, so that every layer works in a bf16 model and a
+  // gradient always has its value's dtype.
+  virtual bool takes_bf16() const { return false; }
+
+  // ReLU fusion. A layer that can apply max(y, 0) to its own output in forward, and mask the
+  // gradient it is given by y > 0 in backward, says so with can_fuse_relu(); Sequential then runs a
+  // ReLU that directly follows such a layer inside it (fuse_relu(true) before that forward) and
+  // skips the ReLU module in forward and backward. fuse_relu(true) holds for the next forward only
+  // (a direct call after it computes the layer alone); the layer keeps what its backward needs.
+  // relu_fused() says whether the last forward applied a fused ReLU. The model's structure, names
+  // and state_dict do not change, and the results are the same bit for bit (max and the mask are
+  // exact). set_fusion(false) turns this off for a module and its descendants (to compare, or to
+  // profile layers one by one); clones and replicas inherit the setting.
+  virtual bool can_fuse_relu() const { return false; }
+  void fuse_relu(bool on);
+  bool relu_fused() const { return last_relu_fused_; }
+  void set_fusion(bool on);
+  bool fusion() const { return fusion_; }
+
   void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
@@ -141,10 +170,17 @@ class Module : public std::enable_shared_from_this<Module> {
 
   bool training_ = true;
   Precision precision_ = Precision::fp32;
+  bool fusion_ = true;
+  bool input_grad_ = true;
+  // This forward applies a fused ReLU (set by the enclosing Sequential; read it in forward only),
+  // and whether the last forward did.
+  bool relu_fused_ = false;
+  bool last_relu_fused_ = false;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
 
  private:
+  std::vector<bool> widened_;  // inputs of the last forward converted from bf16 (takes_bf16)
   struct Entry;  // a parameter or buffer with its dotted name and owner (module.cpp)
   void collect_entries(const std::string& path, std::vector<Entry>& out);
   void check_inputs(const TensorList& tensors, const char* what, bool allow_undefined) const;

@@ -18,6 +18,7 @@ class MaxPool2d : public Module {
   explicit MaxPool2d(int kernel) : MaxPool2d(kernel, kernel) {}
   MaxPool2d(int kernel, int stride, int padding = 0);
   std::string type_name() const override { return "MaxPool2d"; }
+  bool takes_bf16() const override { return true; }  // pools bf16 as it comes
   int kernel() const { return kernel_; }
   int stride() const { return stride_; }
   int padding() const { return padding_; }
@@ -29,8 +30,10 @@ class MaxPool2d : public Module {
 
  private:
   int kernel_, stride_, padding_;
-  Shape input_shape_;  // saved for backward
-  Tensor indices_;
+  Shape input_shape_, output_shape_;  // saved for backward
+  DType input_dtype_ = DType::f32;
+  Tensor indices_;  // the maxima's positions, or (2x2 stride 2 on the GPU) none and:
+  Tensor input_;    // the input, where backward finds them again
 };
 
 class AdaptiveAvgPool2d : public Module {

@@ -1,5 +1,6 @@
 #include "layers/precision.h"
 
+#include "engine/core/device.h"
 #include "engine/core/error.h"
 #include "kernels/layout.h"
 
@@ -43,6 +44,32 @@ OperandView::OperandView(const float* data, int64_t n, Precision precision) : da
   kernels::f32_to_bf16_cpu(data, bf16.data(), n);
   rounded_.resize(static_cast<size_t>(n));
   kernels::bf16_to_f32_cpu(bf16.data(), rounded_.data(), n);
+}
+
+Tensor convert(const Tensor& t, DType dtype) {
+  if (!t.defined() || t.dtype() == dtype) return t;
+  const bool to_bf16 = t.dtype() == DType::f32 && dtype == DType::bf16;
+  const bool to_f32 = t.dtype() == DType::bf16 && dtype == DType::f32;
+  CUDP_CHECK(to_bf16 || to_f32, "convert: ", t.str(), " to ", dtype_name(dtype),
+             " is not offered; f32 <-> bf16 is");
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  const int64_t n = t.numel();
+  if (t.is_cpu()) {
+    if (to_bf16) {
+      kernels::f32_to_bf16_cpu(t.data<float>(), out.data<__nv_bfloat16>(), n);
+    } else {
+      kernels::bf16_to_f32_cpu(t.data<__nv_bfloat16>(), out.data<float>(), n);
+    }
+    return out;
+  }
+  cuda::DeviceGuard guard(t.device().index);
+  const cudaStream_t stream = stream_for(t.device());
+  if (to_bf16) {
+    kernels::f32_to_bf16(t.data<float>(), out.data<__nv_bfloat16>(), n, stream);
+  } else {
+    kernels::bf16_to_f32(t.data<__nv_bfloat16>(), out.data<float>(), n, stream);
+  }
+  return out;
 }
 
 }  // namespace cudp

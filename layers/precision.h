@@ -7,8 +7,12 @@
 //         bf16 or fp32; tf32 serves evaluation (forward passes) and Linear-only models.
 //   bf16  bf16 operands for every Conv2d and Linear product (rounded to nearest even), fp32
 //         accumulation, fp32 weight gradients; the fp32 master weights stay the parameters.
-//         Activations are still stored in fp32 between layers in this version (each product
-//         converts its operands); BatchNorm, softmax / cross-entropy and the loss are fp32.
+//         Activations and their gradients are bf16 between the layers that take bf16
+//         (Module::takes_bf16: Conv2d, ReLU, MaxPool2d, Flatten, BatchNorm2d, the containers):
+//         Conv2d writes bf16 (bias and a following ReLU applied in fp32 before the rounding). A
+//         layer that does not take bf16 gets its input converted to f32 and returns its input
+//         gradient converted back, so a gradient always has the dtype of its value. BatchNorm's
+//         statistics and arithmetic, softmax / cross-entropy and the loss are fp32.
 //
 // tf32 and bf16 need an sm_90 GPU (kernels/matmul.h); on another GPU their first product throws
 // ValueError saying so (no silent fallback to fp32). On the CPU, layers emulate the policy's
@@ -21,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/tensor.h"
 #include "kernels/common.h"
 
 namespace cudp {
@@ -45,5 +50,10 @@ class OperandView {
   const float* data_;
   std::vector<float> rounded_;
 };
+
+// `t` converted to `dtype`, f32 <-> bf16 (rounding to nearest even; bf16 -> f32 is exact), on t's
+// device and, for a GPU tensor, enqueued on that device's current stream. A tensor already of
+// `dtype` is returned as is (shared, like PyTorch's .to(dtype)).
+Tensor convert(const Tensor& t, DType dtype);
 
 }  // namespace cudp

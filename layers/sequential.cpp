@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "layers/activation.h"
+
 namespace cudp {
 
 Sequential::Sequential(const std::vector<std::shared_ptr<Module>>& modules) {
@@ -24,9 +26,20 @@ const std::shared_ptr<Module>& Sequential::operator[](size_t index) const {
 }
 
 Tensor Sequential::forward_one(const Tensor& input) {
+  const auto& modules = children();
+  skipped_.assign(modules.size(), false);
+  if (!modules.empty()) modules[0].second->set_input_grad(input_grad_);
   Tensor x = input;
-  for (const auto& [name, child] : children()) {
-    x = child->forward(x);
+  for (size_t i = 0; i < modules.size(); ++i) {
+    Module& child = *modules[i].second;
+    if (child.can_fuse_relu()) {
+      const bool fuse = fusion_ && i + 1 < modules.size() &&
+                        dynamic_cast<const ReLU*>(modules[i + 1].second.get()) != nullptr;
+      child.fuse_relu(fuse);
+      if (fuse) skipped_[i + 1] = true;
+    }
+    x = child.forward(x);
+    if (i + 1 < modules.size() && skipped_[i + 1]) ++i;
   }
   return x;
 }
@@ -34,8 +47,9 @@ Tensor Sequential::forward_one(const Tensor& input) {
 Tensor Sequential::backward_one(const Tensor& grad_output) {
   Tensor g = grad_output;
   const auto& modules = children();
-  for (auto it = modules.rbegin(); it != modules.rend(); ++it) {
-    g = it->second->backward(g);
+  for (size_t i = modules.size(); i-- > 0;) {
+    if (skipped_[i]) continue;
+    g = modules[i].second->backward(g);
   }
   return g;
 }

@@ -1,6 +1,9 @@
 // Sequential: children run in order in forward and in reverse order in backward, each through its
 // own checked forward()/backward(). Children are named by their index ("0", "1", ...), as in
 // PyTorch, so a torchvision state_dict's "features.10.weight" lands on the eleventh child.
+//
+// A ReLU that directly follows a child able to apply it (Module::can_fuse_relu: Conv2d, Linear,
+// BatchNorm2d) runs inside that child: one pass over the data instead of two in each direction.
 #pragma once
 
 #include <memory>
@@ -15,6 +18,7 @@ class Sequential : public Module {
   Sequential() = default;
   explicit Sequential(const std::vector<std::shared_ptr<Module>>& modules);
   std::string type_name() const override { return "Sequential"; }
+  bool takes_bf16() const override { return true; }  // each child decides for itself
 
   // Appends `module` under the next index and returns it. It must be on the Sequential's device
   // (moves are explicit: build on one device, then move the whole model with to()).
@@ -34,6 +38,9 @@ class Sequential : public Module {
 
  private:
   void add_module(std::shared_ptr<Module> module);
+
+  // skipped_[i]: child i is a ReLU that the last forward ran inside child i - 1.
+  std::vector<bool> skipped_;
 };
 
 }  // namespace cudp

@@ -57,6 +57,7 @@ PendingStep train_step_async(Module& model, CrossEntropyLoss& criterion, Optimiz
   const cuda::AllocationPurpose purpose(detail::str(
       "a training step on ", model.device(), " (activations and gradients of ",
       images.dim() > 0 ? images.size(0) : 0, " images)"));
+  model.set_input_grad(false);  // the images need no gradient: the first layer skips backward-data
   const Forward f = forward_batch(model, images, labels);
   Tensor loss = criterion.forward(f.logits, f.labels);
   optimizer.zero_grad();

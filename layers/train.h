@@ -48,7 +48,8 @@ struct PendingStep {
 };
 
 // Images [N, H, W, C] f32 (NHWC, layers/module.h), labels [N] i32. The model's training flag is
-// left as it is (the caller chooses train() or eval()).
+// left as it is (the caller chooses train() or eval()); its input_grad is set off (the images need
+// no gradient, so the first layer skips backward-data: Module::set_input_grad).
 PendingStep train_step_async(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,
                              const Tensor& images, const Tensor& labels);
 StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,

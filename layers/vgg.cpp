@@ -132,6 +132,7 @@ void Vgg::check_input(const Tensor& input) const {
 
 Tensor Vgg::forward_one(const Tensor& input) {
   check_input(input);
+  features_->set_input_grad(input_grad_);
   Tensor x = features_->forward(input);
   if (avgpool_) {
     x = avgpool_->forward(x);

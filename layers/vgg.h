@@ -54,6 +54,7 @@ class Vgg : public Module {
   Vgg(init::SkipInit, char config, const VggOptions& options);
 
   std::string type_name() const override { return "VGG"; }
+  bool takes_bf16() const override { return true; }  // its children decide
   char config() const { return config_; }
   const VggOptions& options() const { return options_; }
 

@@ -4,6 +4,9 @@
 #
 #   scripts/gpu-check.sh                 # build + all tests
 #   scripts/gpu-check.sh --bench         # and the kernel benchmarks
+#   scripts/gpu-check.sh --train         # and VGG-16 training img/s (bf16, 1 GPU) against PyTorch's
+#                                        # bf16 channels_last in the same run, and cudp-vgg on
+#                                        # Fashion-MNIST in bf16 (.data/fashion-mnist or the system's)
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
 set -uo pipefail
@@ -11,7 +14,11 @@ cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/out}
 mkdir -p "$out"
 bench=0
-for arg in "$@"; do [[ $arg == --bench ]] && bench=1; done
+train=0
+for arg in "$@"; do
+  [[ $arg == --bench ]] && bench=1
+  [[ $arg == --train ]] && train=1
+done
 export PATH=/usr/local/cuda/bin:$PATH
 
 summary=()
@@ -46,6 +53,20 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
   fi
   CUDA_VISIBLE_DEVICES=1 ./build/examples/cudp-devices > "$out/devices-visible1.txt" 2>&1
   ./build/examples/cudp-devices > "$out/devices.txt" 2>&1
+  if [[ $train == 1 ]]; then
+    timeout 150 build/bench/bench_train --precision bf16 --gpus 1 --size 224 32 \
+      --json "$out/train.json" > "$out/train.md" 2>&1
+    step "bench_train bf16" "rc=$?"
+    timeout 150 python3 bench/pytorch_train.py --modes single --gpus 1 --precision bf16 \
+      --channels-last --json "$out/pytorch.json" > "$out/pytorch.md" 2>&1
+    step "pytorch_train bf16 NHWC" "rc=$?"
+    data=/usr/share/datasets/fashion-mnist
+    [[ -d .data/fashion-mnist ]] && data=$PWD/.data/fashion-mnist
+    rm -rf /tmp/cudp-fmnist
+    timeout 120 build/examples/cudp-vgg --precision bf16 --epochs 10 --batch-size 256 --gpus 0 \
+      --data-dir "$data" --output /tmp/cudp-fmnist --json "$out/fmnist.json" > "$out/fmnist.log" 2>&1
+    step "cudp-vgg fmnist bf16" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist.log" | tail -2 | tr '\n' ' ')"
+  fi
   if [[ $bench == 1 ]]; then
     for b in build/bench/bench_*; do
       [[ -x $b ]] || continue
@@ -62,6 +83,10 @@ cat "$out/gpus.txt"
 cat "$out/devices.txt" 2>/dev/null | head -12
 echo "--- CUDA_VISIBLE_DEVICES=1 ---"; cat "$out/devices-visible1.txt" 2>/dev/null | head -6
 for line in "${summary[@]}"; do echo "$line"; done
+if [[ $train == 1 ]]; then
+  for f in "$out/train.md" "$out/pytorch.md"; do [[ -f $f ]] && grep '^|' "$f"; done
+  tail -4 "$out/fmnist.log" 2>/dev/null
+fi
 if [[ $bench == 1 ]]; then
   for f in "$out"/bench_*.md; do [[ -f $f ]] && { echo "--- $(basename "$f")"; grep '^|' "$f"; }; done
 fi

@@ -186,6 +186,10 @@ std::vector<int> DataParallel::used_devices() const {
 
 std::vector<TensorList> DataParallel::run_forward(const TensorList& inputs) {
   replicas_ran_ = false;
+  module_->set_input_grad(input_grad_);
+  for (size_t i = 0; set_ && i < set_->devices().size(); ++i) {
+    set_->replica(i)->set_input_grad(input_grad_);
+  }
   std::vector<TensorList> outputs;
   if (!set_) {
     sizes_ = {batch_size(inputs, dim_, "DataParallel")};

@@ -765,6 +765,7 @@ int run(Options o) {
   auto wrapped = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
                               : std::make_unique<parallel::DataParallel>(net, gpus);
   parallel::DataParallel& model = *wrapped;
+  model.set_input_grad(false);  // the images need no gradient: the first layer skips backward-data
   if (!gpus.empty()) {
     std::printf("batch %lld split over %zu GPU(s):", static_cast<long long>(o.batch_size),
                 gpus.size());

@@ -28,6 +28,9 @@
 namespace cudp::kernels {
 namespace {
 
+// A typed null: the float and bf16 overloads would make a bare nullptr ambiguous.
+constexpr float* kNoFloats = nullptr;
+
 struct Shape {
   int64_t rows, cols;
 };
@@ -171,13 +174,13 @@ TEST(BiasGpu, EmptyShapes) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream stream = cuda::Stream::create(0);
   EXPECT_NO_THROW(bias_add(nullptr, nullptr, 0, 0, stream));
-  EXPECT_NO_THROW(bias_grad(nullptr, nullptr, 7, 0, 1.0f, stream));
+  EXPECT_NO_THROW(bias_grad(kNoFloats, kNoFloats, 7, 0, 1.0f, stream));
   // No rows: dbias = beta * dbias.
   Slice db(3, 0);
   db.upload({2.0f, -4.0f, 8.0f});
-  bias_grad(nullptr, db.get(), 0, 3, 0.5f, stream);
+  bias_grad(kNoFloats, db.get(), 0, 3, 0.5f, stream);
   EXPECT_ALL_CLOSE(db.download(), std::vector<float>({1.0f, -2.0f, 4.0f}), 0.0, 0.0);
-  bias_grad(nullptr, db.get(), 0, 3, 0.0f, stream);
+  bias_grad(kNoFloats, db.get(), 0, 3, 0.0f, stream);
   EXPECT_ALL_CLOSE(db.download(), std::vector<float>({0.0f, 0.0f, 0.0f}), 0.0, 0.0);
   EXPECT_THROW(bias_add(db.get(), nullptr, 1, 3, stream), ValueError);
   EXPECT_THROW(bias_grad(db.get(), db.get(), -1, 3, 1.0f, stream), ValueError);

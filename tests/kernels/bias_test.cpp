@@ -13,6 +13,9 @@
 namespace cudp::kernels {
 namespace {
 
+// A typed null: the float and bf16 overloads would make a bare nullptr ambiguous.
+constexpr float* kNoFloats = nullptr;
+
 TEST(BiasAdd, HandValues) {
   // rows = 2, cols = 3
   std::vector<float> y = {1, 2, 3, 4, 5, 6};
@@ -63,9 +66,9 @@ TEST(BiasGrad, MatchesIndependentDoubleLoop) {
 
 TEST(BiasGrad, NoRowsScalesByBeta) {
   std::vector<float> dbias = {2.0f, -4.0f};
-  bias_grad_cpu(nullptr, dbias.data(), 0, 2, 0.5f);
+  bias_grad_cpu(kNoFloats, dbias.data(), 0, 2, 0.5f);
   EXPECT_EQ(dbias, (std::vector<float>{1.0f, -2.0f}));
-  bias_grad_cpu(nullptr, dbias.data(), 0, 2, 0.0f);
+  bias_grad_cpu(kNoFloats, dbias.data(), 0, 2, 0.0f);
   EXPECT_EQ(dbias, (std::vector<float>{0.0f, 0.0f}));
 }
 
@@ -74,7 +77,7 @@ TEST(Bias, EmptyShapesAreNoOps) {
   EXPECT_NO_THROW(bias_add_cpu(nullptr, nullptr, 5, 0));
   float b[2] = {1, 2};
   EXPECT_NO_THROW(bias_add_cpu(nullptr, b, 0, 2));
-  EXPECT_NO_THROW(bias_grad_cpu(nullptr, nullptr, 5, 0, 1.0f));
+  EXPECT_NO_THROW(bias_grad_cpu(kNoFloats, kNoFloats, 5, 0, 1.0f));
 }
 
 TEST(Bias, BadArgumentsThrowValueError) {
@@ -83,8 +86,8 @@ TEST(Bias, BadArgumentsThrowValueError) {
   EXPECT_THROW(bias_add_cpu(y, b, 2, -3), ValueError);
   EXPECT_THROW(bias_add_cpu(nullptr, b, 2, 3), ValueError);
   EXPECT_THROW(bias_add_cpu(y, nullptr, 2, 3), ValueError);
-  EXPECT_THROW(bias_grad_cpu(y, nullptr, 2, 3, 1.0f), ValueError);
-  EXPECT_THROW(bias_grad_cpu(nullptr, b, 2, 3, 1.0f), ValueError);
+  EXPECT_THROW(bias_grad_cpu(y, kNoFloats, 2, 3, 1.0f), ValueError);
+  EXPECT_THROW(bias_grad_cpu(kNoFloats, b, 2, 3, 1.0f), ValueError);
   EXPECT_THROW(bias_grad_cpu(y, b, 0, -1, 1.0f), ValueError);
 }
 

@@ -19,6 +19,9 @@
 namespace cudp::kernels {
 namespace {
 
+// A typed null: the float and bf16 overloads would make a bare nullptr ambiguous.
+constexpr float* kNoFloats = nullptr;
+
 const int64_t kSizes[] = {1, 3, 5, 7, 1023, 1025, (int64_t(1) << 20) + 3};
 
 // Element offsets of the first input, the second input and the output from their (256-byte aligned)
@@ -152,12 +155,12 @@ TEST(ElementwiseGpu, AddMatchesCpu) {
 TEST(ElementwiseGpu, ZeroSizeLaunchesNothing) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream stream = cuda::Stream::create(0);
-  EXPECT_NO_THROW(relu_forward(nullptr, nullptr, 0, stream));
-  EXPECT_NO_THROW(relu_backward(nullptr, nullptr, nullptr, 0, stream));
+  EXPECT_NO_THROW(relu_forward(kNoFloats, kNoFloats, 0, stream));
+  EXPECT_NO_THROW(relu_backward(kNoFloats, kNoFloats, kNoFloats, 0, stream));
   EXPECT_NO_THROW(scale(nullptr, 2.0f, 0, stream));
   EXPECT_NO_THROW(axpy(2.0f, nullptr, nullptr, 0, stream));
   EXPECT_NO_THROW(add(nullptr, nullptr, nullptr, 0, stream));
-  EXPECT_THROW(relu_forward(nullptr, nullptr, 3, stream), ValueError);
+  EXPECT_THROW(relu_forward(kNoFloats, kNoFloats, 3, stream), ValueError);
   EXPECT_THROW(add(nullptr, nullptr, nullptr, -1, stream), ValueError);
   CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
 }

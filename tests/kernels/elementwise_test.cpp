@@ -13,6 +13,9 @@
 namespace cudp::kernels {
 namespace {
 
+// A typed null: the float and bf16 overloads would make a bare nullptr ambiguous.
+constexpr float* kNoFloats = nullptr;
+
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -111,8 +114,8 @@ TEST(Add, HandValuesAndAliasing) {
 }
 
 TEST(Elementwise, ZeroSizeIsANoOpEvenWithNullPointers) {
-  EXPECT_NO_THROW(relu_forward_cpu(nullptr, nullptr, 0));
-  EXPECT_NO_THROW(relu_backward_cpu(nullptr, nullptr, nullptr, 0));
+  EXPECT_NO_THROW(relu_forward_cpu(kNoFloats, kNoFloats, 0));
+  EXPECT_NO_THROW(relu_backward_cpu(kNoFloats, kNoFloats, kNoFloats, 0));
   EXPECT_NO_THROW(scale_cpu(nullptr, 2.0f, 0));
   EXPECT_NO_THROW(axpy_cpu(2.0f, nullptr, nullptr, 0));
   EXPECT_NO_THROW(add_cpu(nullptr, nullptr, nullptr, 0));
@@ -121,8 +124,8 @@ TEST(Elementwise, ZeroSizeIsANoOpEvenWithNullPointers) {
 TEST(Elementwise, BadArgumentsThrowValueError) {
   float a[4] = {1, 2, 3, 4}, b[4] = {1, 2, 3, 4};
   EXPECT_THROW(relu_forward_cpu(a, b, -1), ValueError);
-  EXPECT_THROW(relu_forward_cpu(nullptr, b, 4), ValueError);
-  EXPECT_THROW(relu_backward_cpu(a, nullptr, b, 4), ValueError);
+  EXPECT_THROW(relu_forward_cpu(kNoFloats, b, 4), ValueError);
+  EXPECT_THROW(relu_backward_cpu(a, kNoFloats, b, 4), ValueError);
   EXPECT_THROW(scale_cpu(nullptr, 1.0f, 1), ValueError);
   EXPECT_THROW(axpy_cpu(1.0f, a, b, -5), ValueError);
   EXPECT_THROW(add_cpu(a, b, nullptr, 2), ValueError);

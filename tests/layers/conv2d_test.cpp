@@ -104,32 +104,40 @@ TEST(Conv2dTest, RejectsAWrongInput) {
 }
 
 // The CPU path under bf16 is the GPU's reference: it must compute with the operands rounded to bf16
-// (round to nearest even), nothing else. Checked against a convolution of pre-rounded tensors in
-// fp32, and against the fp32 result, which it must differ from (the rounding is not skipped).
-TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsOnTheCpu) {
+// (round to nearest even) and store the output rounded once, nothing else. Checked against a
+// convolution of pre-rounded tensors in fp32 whose output is then rounded, and against the fp32
+// result, which it must differ from (the rounding is not skipped).
+TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsAndTheOutputOnTheCpu) {
   Conv2d conv(6, 5, 3, 1, 1, true);
   testing::randomize_parameters(conv, 21);
   const Tensor x = random_tensor({2, 5, 6, 6}, 22);
   auto rounded = [](const Tensor& t) {
-    std::vector<float> v = t.to_vector<float>();
+    std::vector<float> v = values(t);
     for (float& f : v) f = testing::bf16_rounded(f);
     return Tensor::from_vector(v, t.shape());
   };
   Conv2d reference(6, 5, 3, 1, 1, true);
   reference.weight().data.copy_from(rounded(conv.weight().data));
   reference.bias().data.copy_from(conv.bias().data);  // the bias is added in fp32
-  const std::vector<float> expected = values(reference.forward(rounded(x)));
+  const std::vector<float> expected = values(rounded(reference.forward(rounded(x))));
   const std::vector<float> fp32 = values(conv.forward(x));
   conv.set_precision(Precision::bf16);
-  const std::vector<float> bf16 = values(conv.forward(x));
-  EXPECT_EQ(bf16, expected);
-  EXPECT_NE(bf16, fp32);
-  // Gradients: dx from rounded dy and w, dW from rounded x and dy.
-  const Tensor g = random_tensor({2, 5, 6, 5}, 23);
+  const Tensor y = conv.forward(x);
+  EXPECT_EQ(y.dtype(), DType::bf16);
+  EXPECT_EQ(values(y), expected);
+  EXPECT_NE(values(y), fp32);
+  // Gradients: dx (f32, the input's dtype) from the bf16 dy and rounded w, dW from rounded x and
+  // dy.
+  const Tensor g = rounded(random_tensor({2, 5, 6, 5}, 23));
   conv.zero_grad();
   reference.zero_grad();
-  EXPECT_EQ(values(conv.backward(g)), values(reference.backward(rounded(g))));
+  const Tensor dx = conv.backward(convert(g, DType::bf16));
+  EXPECT_EQ(dx.dtype(), DType::f32);
+  EXPECT_EQ(values(dx), values(reference.backward(g)));
   EXPECT_EQ(values(conv.weight().grad), values(reference.weight().grad));
+  EXPECT_EQ(values(conv.bias().grad), values(reference.bias().grad));
+  // A gradient of another dtype than the output's is refused, naming the rule.
+  EXPECT_THROW_WITH(conv.backward(g), "a gradient has its value's dtype");
 }
 
 TEST(Conv2dTest, Tf32TrainingIsRefusedWithAWayOut) {

@@ -71,8 +71,9 @@ inline void randomize_parameters(Module& m, uint64_t seed, float lo = -1.f, floa
   for (auto& [name, p] : m.named_parameters()) p->data.uniform_(lo, hi, seed++);
 }
 
+// The elements as floats (bf16 widened, exactly).
 inline std::vector<float> values(const Tensor& t) {
-  return t.to_vector<float>();
+  return convert(t, DType::f32).to_vector<float>();
 }
 
 inline double max_abs(const std::vector<float>& v) {
@@ -204,9 +205,18 @@ inline void check_gradients(Module& m, const Tensor& x, uint64_t seed, GradCheck
 
 // GPU results against the CPU reference: |gpu - cpu| <= atol * max(1, max|cpu|) + rtol * |cpu|.
 // The absolute term scales with the tensor's largest element, because sums that cancel to near
-// zero carry the rounding error of their largest terms, not of their result.
+// zero carry the rounding error of their largest terms, not of their result. A bf16 result is one
+// rounding of an fp32 value that the two sides compute in different orders: where that value lies
+// within their difference of a rounding boundary, the two round to neighbours, one bf16 unit in
+// the last place apart, which is at most 2^-7 of the value (8 significant bits); so rtol is at
+// least that for bf16 tensors (and the dtypes must agree).
 inline ::testing::AssertionResult gpu_close(const Tensor& gpu, const Tensor& cpu, double rtol,
                                             double atol) {
+  if (gpu.dtype() != cpu.dtype()) {
+    return ::testing::AssertionFailure()
+           << "dtypes differ: GPU " << gpu.str() << ", CPU " << cpu.str();
+  }
+  if (cpu.dtype() == DType::bf16) rtol = std::max(rtol, 1.0 / 128);
   const std::vector<float> reference = values(cpu);
   return all_close(values(gpu), reference, rtol, atol * std::max(1.0, max_abs(reference)));
 }
@@ -224,7 +234,8 @@ inline std::shared_ptr<Module> expect_gpu_matches_cpu(Module& cpu_module, const 
   const Tensor y_gpu = gpu->forward(x.to(device));
   EXPECT_EQ(y_gpu.device(), device);
   EXPECT_TRUE(gpu_close(y_gpu, y_cpu, rtol, atol)) << "forward output";
-  const Tensor g = random_tensor(y_cpu.shape(), seed);
+  // The upstream gradient has the output's dtype (the same values on both sides).
+  const Tensor g = convert(random_tensor(y_cpu.shape(), seed), y_cpu.dtype());
   const Tensor dx_cpu = cpu_module.backward(g.clone());
   const Tensor dx_gpu = gpu->backward(g.to(device));
   EXPECT_TRUE(gpu_close(dx_gpu, dx_cpu, rtol, atol)) << "input gradient";

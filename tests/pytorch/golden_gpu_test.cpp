@@ -53,14 +53,15 @@ struct Tolerances {
 };
 constexpr Tolerances kFp32{kNormwise, kNormwise, kElementwise, kSteps};
 
-// The forward of bf16 products (layers/precision.h) against the float64 reference. Each of the
+// The forward of the bf16 policy (layers/precision.h) against the float64 reference. Each of the
 // model's 11 products (8 convolutions, 3 linear layers) rounds both of its operands to bf16, a
-// relative error of at most u = 2^-9 each, so to first order a forward's relative error is at most
-// 2u per product, 22u in all (BatchNorm renormalises after each convolution, so layers add, they
+// relative error of at most u = 2^-9 each, and each convolution stores its output in bf16, one
+// rounding more; so to first order a forward's relative error is at most 2u per product plus u
+// per convolution, 30u in all (BatchNorm renormalises after each convolution, so layers add, they
 // do not multiply). A real bug (a wrong layout, a missing term) gives errors of order 1. Only the
 // forward is held to it: see the bf16 test for why gradients are compared like with like.
 constexpr double kBf16Unit = 1.0 / 512;
-constexpr Tolerances kBf16{22 * kBf16Unit, 22 * kBf16Unit, 22 * kBf16Unit, 22 * kBf16Unit};
+constexpr Tolerances kBf16{30 * kBf16Unit, 30 * kBf16Unit, 30 * kBf16Unit, 30 * kBf16Unit};
 
 std::string golden_path() {
   const char* dir = std::getenv("CUDP_GOLDEN_DIR");
@@ -234,9 +235,30 @@ TensorMap run_procedure(Device device, Precision precision) {
   return record;
 }
 
-// The forward's part of a comparison: logits and loss of the first step, and the loss of each of
-// the K steps (which the updates in between shape).
-void compare_forward(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol) {
+// The first forward alone under `precision` (tf32 trains no convolution, so only this is compared
+// for it): {"logits", "loss"}.
+TensorMap forward_once(Device device, Precision precision) {
+  const SafetensorsFile& g = *golden();
+  auto model = vgg11({.in_channels = 1,
+                      .num_classes = 10,
+                      .batch_norm = true,
+                      .head = VggHead::Compact,
+                      .dropout = 0.f});
+  model->load_state_dict(with_prefix(g.tensors, "init."), /*strict=*/true);
+  model->set_precision(precision);
+  model->to(device);
+  model->train();
+  CrossEntropyLoss criterion;
+  const Tensor logits = model->forward(nchw_to_nhwc(g.tensors.at("input")).to(device));
+  criterion.forward(logits, g.tensors.at("labels").to(device));
+  return {{"logits", logits.cpu()},
+          {"loss", Tensor::from_vector(std::vector<float>{criterion.item()}, {1})}};
+}
+
+// The forward's part of a comparison: logits and loss of the first step, and (with `k_steps`) the
+// loss of each of the K steps (which the updates in between shape).
+void compare_forward(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol,
+                     bool k_steps = true) {
   auto values = [](const TensorMap& m, const std::string& key) {
     return m.at(key).to_vector<float>();
   };
@@ -246,6 +268,7 @@ void compare_forward(const TensorMap& actual, const TensorMap& expected, const T
   EXPECT_TRUE(
       matches(values(actual, "loss"), values(expected, "loss"), tol.forward, tol.elementwise))
       << "loss";
+  if (!k_steps) return;
   EXPECT_TRUE(
       matches(values(actual, "losses"), values(expected, "losses"), tol.forward, tol.elementwise))
       << "losses";
@@ -306,9 +329,13 @@ TEST(GoldenVgg11Bn, CudaMatchesPyTorch) {
 }
 
 // The bf16 policy on tensor cores, forward only. Its logits and first loss against the float64
-// reference within kBf16's first-order bound (22u), on the GPU and in the CPU path's emulation of
-// the policy; and the GPU run's logits and K-step losses against the CPU emulation's within 2e-2
-// (measured: 0.0057 on the logits).
+// reference within kBf16's first-order bound (30u), on the GPU and in the CPU path's emulation of
+// the policy; and the GPU run's logits and first loss against the CPU emulation's within 2e-2
+// (measured: 0.0097 on the logits with bf16 activations, 0.0057 when they were fp32). The K-step
+// losses are printed, not compared: the updates between them come from the gradients, which the
+// next paragraph explains are not comparable like for like at this scale (measured with bf16
+// activations and their gradients stored in bf16: 0.088 normwise between the GPU's and the CPU
+// emulation's losses over the K steps).
 //
 // Gradients and updates are not compared at the scale of the whole model, and why is a property of
 // bf16, not of the kernels: bf16's roundings move activations by up to 2^-8 relative, enough to
@@ -340,12 +367,59 @@ TEST(GoldenVgg11Bn, CudaBf16ForwardMatchesTheCpuPathAndPyTorch) {
                         kBf16.forward, kBf16.elementwise))
         << (run == &cpu ? "CPU" : "GPU") << " loss against float64";
   }
-  compare_forward(gpu, cpu, kLikeForLike);
+  compare_forward(gpu, cpu, kLikeForLike, /*k_steps=*/false);
+  std::printf(
+      "bf16 K-step losses' normwise error: GPU against the CPU emulation %.3g, GPU against "
+      "float64 %.3g\n",
+      normwise_error(gpu.at("losses").to_vector<float>(), cpu.at("losses").to_vector<float>()),
+      normwise_error(gpu.at("losses").to_vector<float>(), exact.at("losses").to_vector<float>()));
 }
 
 TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
   CUDP_REQUIRE_GOLDEN();
   check_against_golden(Device::cpu());
+}
+
+// PyTorch's own reduced precisions on the same state and batch (the golden file's bf16.* and
+// tf32.* entries, written on a GPU): cudp's bf16 policy against torch.autocast(bfloat16), and its
+// tf32 forward against PyTorch's with TF32 allowed. Each side lies within its policy's first-order
+// bound of the float64 result (bf16: 30u with u = 2^-9, kBf16; TF32: each of the 11 products
+// truncates both operands to 10 mantissa bits, 2 x 2^-10 per product, 22 x 2^-10 in all), so the
+// two lie within twice that of each other; a wrong layout or a missing term gives errors of order
+// one. PyTorch's autocast rounds where cudp's policy does (products' operands, convolution
+// outputs), so the measured difference is well inside the bound.
+void compare_reduced(const char* name, const TensorMap& ours, double bound) {
+  const std::string key = std::string(name) + ".logits";
+  if (golden()->tensors.count(key) == 0) {
+    GTEST_SKIP() << "the golden file has no " << key << ": it was written without a GPU; "
+                 << "regenerate it on one with tests/pytorch/make_golden.py";
+  }
+  const TensorMap& g = golden()->tensors;
+  const double error =
+      normwise_error(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>());
+  std::printf(
+      "%s logits' normwise difference from PyTorch's %s: %.3g (bound %.3g); PyTorch's "
+      "from float64: %.3g\n",
+      name, name, error, bound,
+      normwise_error(g.at(key).to_vector<float>(), g.at("logits").to_vector<float>()));
+  EXPECT_TRUE(
+      matches(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>(), bound, bound))
+      << name << " logits against PyTorch's";
+  EXPECT_TRUE(matches(ours.at("loss").to_vector<float>(),
+                      g.at(std::string(name) + ".loss").to_vector<float>(), bound, bound))
+      << name << " loss against PyTorch's";
+}
+
+TEST(GoldenVgg11Bn, CudaBf16ForwardMatchesPyTorchAutocast) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_GOLDEN();
+  compare_reduced("bf16", forward_once(Device::cuda(0), Precision::bf16), 2 * kBf16.forward);
+}
+
+TEST(GoldenVgg11Bn, CudaTf32ForwardMatchesPyTorchTf32) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_GOLDEN();
+  compare_reduced("tf32", forward_once(Device::cuda(0), Precision::tf32), 2 * 22.0 / 1024);
 }
 
 }  // namespace
