@@ -18,7 +18,6 @@
 #include "common/gpu.h"
 #include "common/tensor_bytes.h"
 #include "engine/parallel/data_parallel.h"
-#include "kernels/scalars.h"
 #include "layers/activation.h"
 #include "layers/batchnorm.h"
 #include "layers/conv2d.h"
@@ -260,28 +259,6 @@ TEST(GraphedStepGpuDataParallel, ReplaysMatchEagerStepsBitForBit) {
   EXPECT_EQ(graphed.replays(), 4);
   expect_same(replayed, eager);
   graph_dp.check_replicas_identical();
-}
-
-// write_bytes (the replay scalars' upload) against its CPU twin, across the chunk boundary.
-TEST(ScalarsGpu, WriteBytesAndAddMatchTheCpu) {
-  CUDP_REQUIRE_GPU();
-  for (const size_t n : {size_t{1}, size_t{37}, kernels::kWriteChunk, kernels::kWriteChunk + 5,
-                         3 * kernels::kWriteChunk + 1}) {
-    std::vector<unsigned char> src(n);
-    for (size_t i = 0; i < n; ++i) src[i] = static_cast<unsigned char>(i * 31 + 7);
-    Tensor dst = Tensor::zeros({static_cast<int64_t>(n + 8)}, DType::u8, kGpu);
-    kernels::write_bytes(dst.data_ptr(), src.data(), n, stream_for(kGpu));
-    std::vector<unsigned char> expected(n + 8, 0);
-    kernels::write_bytes_cpu(expected.data(), src.data(), n);
-    const Tensor host = dst.cpu();
-    const auto* p = static_cast<const unsigned char*>(host.data_ptr());
-    EXPECT_EQ(std::vector<unsigned char>(p, p + n + 8), expected) << n << " bytes";
-  }
-  Tensor counter = Tensor::from_vector<int64_t>({41}, {1}).to(kGpu);
-  kernels::add_i64(counter.data<int64_t>(), 1, stream_for(kGpu));
-  int64_t expected = 41;
-  kernels::add_i64_cpu(&expected, 1);
-  EXPECT_EQ(counter.to_vector<int64_t>()[0], expected);
 }
 
 }  // namespace
