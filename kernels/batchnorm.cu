@@ -501,10 +501,6 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
   }
 }
 
-__global__ void bn_count_kernel(int64_t* count) {
-  *count += 1;
-}
-
 // ---- host side ----------------------------------------------------------------------------------
 
 // The vector path needs c % V == 0 and every given pointer on a 16-byte boundary (then so is
@@ -672,11 +668,6 @@ void batchnorm_backward_eval(const T* x, const std::type_identity_t<T>* dy,
     backward<T, V>(x, dy, relu_output, gamma, running_mean, nullptr, running_var, eps, dx, dgamma,
                    dbeta, rows, c, beta_accumulate, stream);
   });
-}
-
-void batchnorm_count_batch(int64_t* num_batches_tracked, cudaStream_t stream) {
-  CUDP_CHECK(num_batches_tracked, "batchnorm_count_batch: num_batches_tracked is null");
-  launch("bn_count_kernel", bn_count_kernel, dim3(1), dim3(1), 0, stream, num_batches_tracked);
 }
 
 #define CUDP_BATCHNORM_INSTANTIATE(T)                                                             \

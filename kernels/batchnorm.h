@@ -127,10 +127,6 @@ void batchnorm_backward_eval_cpu(const T* x, const std::type_identity_t<T>* dy,
                                  BnParam<T>* dgamma, BnParam<T>* dbeta, int64_t rows, int c,
                                  BnParam<T> eps, BnParam<T> beta_accumulate);
 
-// num_batches_tracked += 1 on the device, by a one-thread kernel: graph-capturable (no host
-// memory involved), unlike a copy of a host count.
-void batchnorm_count_batch(int64_t* num_batches_tracked, cudaStream_t stream);
-
 namespace detail {
 // Argument checks shared by the launchers and the CPU references; throw ValueError naming the
 // value.

@@ -1,6 +1,7 @@
 #include "layers/batchnorm.h"
 
 #include "kernels/batchnorm.h"
+#include "kernels/scalars.h"
 
 namespace cudp {
 
@@ -41,7 +42,9 @@ int64_t BatchNorm2d::rows_of(const Tensor& input) const {
 
 void BatchNorm2d::count_batch() {
   int64_t* count = num_batches_tracked_->data<int64_t>();
-  run([&] { ++*count; }, [&](cudaStream_t s) { kernels::batchnorm_count_batch(count, s); });
+  // +1 where the buffer lives: no pageable copy, and a CUDA graph's replays count too.
+  run([&] { kernels::add_i64_cpu(count, 1); },
+      [&](cudaStream_t s) { kernels::add_i64(count, 1, s); });
   ++batches_tracked_;
 }
 

@@ -20,9 +20,9 @@
 //
 // num_batches_tracked lives on the module's device like every buffer, and the module keeps the
 // count on the host too (num_batches_tracked(), clones). After each training forward the buffer
-// is incremented where it lives: on the CPU directly, on a GPU by a one-thread kernel on the
-// stream (no host memory involved, so a step can be captured in a CUDA graph), starting from the
-// value the buffer holds. load_state_dict updates the host count through import_tensor. Whoever
+// is incremented where it lives (kernels/scalars.h add_i64: on a GPU a one-thread kernel on the
+// stream, no host memory involved, so a CUDA graph's replays count too), starting from the value
+// the buffer holds. load_state_dict updates the host count through import_tensor. Whoever
 // writes the buffer by other means (the engine broadcasting replica 0's buffers) leaves the host
 // count of that replica behind; replica 0's is the one kept.
 //
