@@ -62,6 +62,7 @@ LaunchInfo launch_info_from_env(const GetEnv& getenv) {
 
 int device_for_local_rank(int local_rank, int visible) {
   CUDP_CHECK(local_rank >= 0, "local rank ", local_rank, " is negative");
+  if (visible == 1) return 0;  // the launcher gave this process its GPU
   CUDP_CHECK(local_rank < visible, "local rank ", local_rank, " has no GPU: this machine shows ",
              visible, " CUDA device", visible == 1 ? "" : "s", ", one per process; start at most ",
              visible, " processes per machine (mpirun -np / -H host:", visible,

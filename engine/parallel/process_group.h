@@ -53,8 +53,10 @@ LaunchInfo launch_info_from_env(const GetEnv& getenv = [](const char* name) {
 });
 
 // The CUDA device of local rank `local_rank` among `visible` devices: the local rank itself, so
-// with 8 processes on an 8-GPU machine process i drives GPU i. Throws when there are more local
-// ranks than devices, saying how many processes per machine fit.
+// with 8 processes on an 8-GPU machine process i drives GPU i; or device 0 when the process sees a
+// single device, which is how launchers that bind one GPU to each task leave it (Slurm's
+// --gpus-per-task=1, a CUDA_VISIBLE_DEVICES per rank; two ranks on one GPU are NCCL's error). Throws
+// when there are more local ranks than devices, saying how many processes per machine fit.
 int device_for_local_rank(int local_rank, int visible);
 
 struct ProcessGroupOptions {

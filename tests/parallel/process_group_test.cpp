@@ -91,9 +91,12 @@ TEST(LaunchInfo, MalformedOrIncompleteVariablesAreErrors) {
 TEST(LaunchInfo, TheLocalRankPicksTheDevice) {
   EXPECT_EQ(device_for_local_rank(0, 8), 0);
   EXPECT_EQ(device_for_local_rank(7, 8), 7);
-  const std::string e = error_of([] { device_for_local_rank(2, 2); });
+  EXPECT_EQ(device_for_local_rank(3, 1), 0) << "one GPU bound to each task by the launcher";
+  std::string e = error_of([] { device_for_local_rank(2, 2); });
   EXPECT_NE(e.find("local rank 2 has no GPU"), std::string::npos) << e;
   EXPECT_NE(e.find("at most 2 processes per machine"), std::string::npos) << e;
+  e = error_of([] { device_for_local_rank(0, 0); });
+  EXPECT_NE(e.find("shows 0 CUDA devices"), std::string::npos) << e;
 }
 
 TEST(LaunchInfo, WithoutMpiTheBootstrapSaysHowToGetIt) {
