@@ -31,10 +31,10 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Four elements per access: 16 bytes of floats, 8 of bf16.
-template <typename T>
+// V elements per access (V * sizeof(T) bytes, at most 16).
+template <typename T, int V>
 bool aligned_for(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+  return reinterpret_cast<uintptr_t>(p) % (V * sizeof(T)) == 0;
 }
 
 template <int V>
@@ -52,7 +52,16 @@ __device__ __forceinline__ void load(const float* p, float (&v)[V]) {
 
 template <int V>
 __device__ __forceinline__ void load(const __nv_bfloat16* p, float (&v)[V]) {
-  if constexpr (V == 4) {
+  if constexpr (V == 8) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  } else if constexpr (V == 4) {
     const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
     const auto* h = reinterpret_cast<const __nv_bfloat162*>(&q);
     const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
@@ -77,7 +86,13 @@ __device__ __forceinline__ void store(float* p, const float (&v)[V]) {
 // Exact: every v is a bf16 value (a masked bf16 input), so the conversion does not round.
 template <int V>
 __device__ __forceinline__ void store(__nv_bfloat16* p, const float (&v)[V]) {
-  if constexpr (V == 4) {
+  if constexpr (V == 8) {
+    uint4 q;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = q;
+  } else if constexpr (V == 4) {
     uint2 q;
     auto* h = reinterpret_cast<__nv_bfloat162*>(&q);
     h[0] = __floats2bfloat162_rn(v[0], v[1]);
@@ -232,8 +247,8 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
   chunks = std::max<int64_t>(1, ceil_div(rows, chunk_rows));  // no empty chunk
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
   if (chunks == 1 || dbias == nullptr) {
-    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy,
-           y, masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
+    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
+           masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
     return;
   }
   Workspace ws(static_cast<size_t>(chunks * cols) * sizeof(float), stream,
@@ -254,8 +269,18 @@ void bias_grad_dispatch(const char* op, const T* dy, const T* y, T* masked, floa
   if (cols == 0) {
     return;
   }
-  const bool vec = cols % 4 == 0 && aligned_for<T>(dy) && (y == nullptr || aligned_for<T>(y)) &&
-                   (masked == nullptr || aligned_for<T>(masked));
+  // bf16: 8 elements (16 bytes) per access where the rows allow it.
+  auto vec_ok = [&]<int V>() {
+    return cols % V == 0 && aligned_for<T, V>(dy) && (y == nullptr || aligned_for<T, V>(y)) &&
+           (masked == nullptr || aligned_for<T, V>(masked));
+  };
+  const bool vec = vec_ok.template operator()<4>();
+  if constexpr (sizeof(T) == 2) {
+    if (vec_ok.template operator()<8>()) {
+      bias_grad_impl<8, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+      return;
+    }
+  }
   if (vec) {
     bias_grad_impl<4, T>(dy, y, masked, dbias, rows, cols, beta, stream);
   } else {

@@ -43,10 +43,10 @@ void bias_grad(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols
 void bias_grad_cpu(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols, float beta);
 
 // The backward of a ReLU fused into a layer's output ahead of the bias gradient, in one pass over
-// dy and y: dy_masked = relu_grad(y, dy) (y > 0 ? dy : 0, kernels/elementwise.h), written, and, when
-// dbias is not null, dbias = beta * dbias + the column sums of dy_masked (as bias_grad). dy_masked
-// may alias dy. T is float or __nv_bfloat16; masking is exact, so dy_masked is bit for bit what
-// ReLU's own backward writes.
+// dy and y: dy_masked = relu_grad(y, dy) (y > 0 ? dy : 0, kernels/elementwise.h), written, and,
+// when dbias is not null, dbias = beta * dbias + the column sums of dy_masked (as bias_grad).
+// dy_masked may alias dy. T is float or __nv_bfloat16; masking is exact, so dy_masked is bit for
+// bit what ReLU's own backward writes.
 template <typename T>
 void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
                          int64_t cols, float beta, cudaStream_t stream);

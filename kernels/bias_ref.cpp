@@ -37,14 +37,22 @@ void bias_add_cpu(float* y, const float* bias, int64_t rows, int64_t cols) {
 
 namespace {
 
-float as_float(float x) { return x; }
-float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+float as_float(float x) {
+  return x;
+}
+float as_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <typename T>
 T from_float(float x);
 template <>
-float from_float<float>(float x) { return x; }
+float from_float<float>(float x) {
+  return x;
+}
 template <>
-__nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 template <typename T>
 void column_sums(const T* dy, float* dbias, int64_t rows, int64_t cols, float beta) {

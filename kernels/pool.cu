@@ -168,15 +168,15 @@ __global__ void max_pool_2x2_forward_kernel(const T* __restrict__ x, T* __restri
       if (takes(v11[k], best[k])) best[k] = v11[k], arg[k] = at + g.w + 1;
     }
     store<V>(y + int64_t(i) * V, best);
-    store<V>(indices + int64_t(i) * V, arg);
+    if (indices != nullptr) store<V>(indices + int64_t(i) * V, arg);
   }
 }
 
 // One thread per input vector: sums dy over the windows that contain it and took it as their max.
 template <typename T, int V, typename I>
 __global__ void max_pool_backward_kernel(const T* __restrict__ dy,
-                                         const int32_t* __restrict__ indices,
-                                         T* __restrict__ dx, Geometry g, I total) {
+                                         const int32_t* __restrict__ indices, T* __restrict__ dx,
+                                         Geometry g, I total) {
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -236,6 +236,53 @@ __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
         if (iw >= g.w) break;
         float out[V];
         for (int k = 0; k < V; ++k) out[k] = at[k] == ih * g.w + iw ? d[k] : 0.f;
+        store<V>(dx + ((b * g.h + ih) * g.w + iw) * g.c + cv * V, out);
+      }
+    }
+  }
+}
+
+// 2x2 stride 2, no padding, without an index tensor: each window's maximum is found again in the
+// saved input x, with the forward's comparisons in the forward's order (so the same element), and
+// dy goes to it; the window's other elements get 0. One thread per window, as above.
+template <typename T, int V, typename I>
+__global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy,
+                                                        const T* __restrict__ x, T* __restrict__ dx,
+                                                        Geometry g, I total) {
+  const int vectors = g.c / V;
+  const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
+  for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
+    int64_t b;
+    int wh, ww, cv;
+    split(i, vectors, windows_w, windows_h, b, wh, ww, cv);
+    float d[V];
+    int at[V];  // 0..3: which of the window's elements took the max; -1: no window (odd edge)
+    for (int k = 0; k < V; ++k) d[k] = 0.f, at[k] = -1;
+    const int64_t row = int64_t(g.w) * g.c;
+    const T* p = x + ((b * g.h + 2 * wh) * g.w + 2 * ww) * g.c + cv * V;
+    if (wh < g.out_h && ww < g.out_w) {
+      load<V>(dy + ((b * g.out_h + wh) * g.out_w + ww) * g.c + cv * V, d);
+      float v00[V], v01[V], v10[V], v11[V];
+      load<V>(p, v00);
+      load<V>(p + g.c, v01);
+      load<V>(p + row, v10);
+      load<V>(p + row + g.c, v11);
+      for (int k = 0; k < V; ++k) {
+        float best = v00[k];
+        at[k] = 0;
+        if (takes(v01[k], best)) best = v01[k], at[k] = 1;
+        if (takes(v10[k], best)) best = v10[k], at[k] = 2;
+        if (takes(v11[k], best)) best = v11[k], at[k] = 3;
+      }
+    }
+    for (int dh = 0; dh < 2; ++dh) {
+      const int ih = 2 * wh + dh;
+      if (ih >= g.h) break;
+      for (int dw = 0; dw < 2; ++dw) {
+        const int iw = 2 * ww + dw;
+        if (iw >= g.w) break;
+        float out[V];
+        for (int k = 0; k < V; ++k) out[k] = at[k] == 2 * dh + dw ? d[k] : 0.f;
         store<V>(dx + ((b * g.h + ih) * g.w + iw) * g.c + cv * V, out);
       }
     }
@@ -362,12 +409,15 @@ void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, int n, int h, i
                              cudaStream_t stream) {
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
-  const bool vec4 = c % 4 == 0 && aligned_vec<T>(x) && aligned_vec<T>(y) && aligned16(indices);
   const bool fast = is_2x2_stride_2(g);
+  CUDP_CHECK(indices != nullptr || fast,
+             "max_pool2d_forward: indices may be null only for 2x2 "
+             "windows of stride 2 without padding (backward then reads the input)");
+  const bool vec4 = c % 4 == 0 && aligned_vec<T>(x) && aligned_vec<T>(y) && aligned16(indices);
   dispatch(vec4, int64_t(n) * g.out_h * g.out_w * c, [&]<int V, typename I>(I items) {
     if (fast) {
-      launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>,
-             blocks_for(items), kThreads, 0, stream, x, y, indices, g, items);
+      launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>, blocks_for(items),
+             kThreads, 0, stream, x, y, indices, g, items);
     } else {
       launch("max_pool_forward_kernel", max_pool_forward_kernel<T, V, I>, blocks_for(items),
              kThreads, 0, stream, x, y, indices, g, items);
@@ -396,7 +446,32 @@ void max_pool2d_backward_impl(const T* dy, const int32_t* indices, T* dx, int n,
   }
 }
 
+template <typename T>
+void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, int h, int w, int c,
+                                         cudaStream_t stream) {
+  detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
+  const Geometry g = max_geometry(h, w, c, 2, 2, 2, 2, 0, 0);
+  const bool vec4 = c % 4 == 0 && aligned_vec<T>(dy) && aligned_vec<T>(x) && aligned_vec<T>(dx);
+  const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
+  dispatch(vec4, windows, [&]<int V, typename I>(I items) {
+    launch("max_pool_2x2_backward_from_input_kernel",
+           max_pool_2x2_backward_from_input_kernel<T, V, I>, blocks_for(items), kThreads, 0, stream,
+           dy, x, dx, g, items);
+  });
+}
+
 }  // namespace
+
+void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
+                                    int c, cudaStream_t stream) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
+}
+
+void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
+                                    __nv_bfloat16* dx, int n, int h, int w, int c,
+                                    cudaStream_t stream) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
+}
 
 void max_pool2d_forward(const float* x, float* y, int32_t* indices, int n, int h, int w, int c,
                         int kh, int kw, int stride_h, int stride_w, int pad_h, int pad_w,
@@ -420,8 +495,8 @@ void max_pool2d_backward(const float* dy, const int32_t* indices, float* dx, int
 }
 
 void max_pool2d_backward(const __nv_bfloat16* dy, const int32_t* indices, __nv_bfloat16* dx, int n,
-                         int h, int w, int c, int kh, int kw, int stride_h, int stride_w,
-                         int pad_h, int pad_w, cudaStream_t stream) {
+                         int h, int w, int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
+                         int pad_w, cudaStream_t stream) {
   max_pool2d_backward_impl(dy, indices, dx, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
                            stream);
 }

@@ -194,8 +194,8 @@ void max_pool2d_forward_cpu(const __nv_bfloat16* x, __nv_bfloat16* y, int32_t* i
 }
 
 void max_pool2d_backward_cpu(const __nv_bfloat16* dy, const int32_t* indices, __nv_bfloat16* dx,
-                             int n, int h, int w, int c, int kh, int kw, int stride_h,
-                             int stride_w, int pad_h, int pad_w) {
+                             int n, int h, int w, int c, int kh, int kw, int stride_h, int stride_w,
+                             int pad_h, int pad_w) {
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const int64_t out = int64_t(n) * max_pool2d_output_size(h, kh, stride_h, pad_h) *
                       max_pool2d_output_size(w, kw, stride_w, pad_w) * c;

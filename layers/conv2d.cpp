@@ -76,7 +76,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
         kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
       });
   input_ = input;
-  input_bf16_ = weight_bf16_ = output_ = Tensor();
+  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = output_ = Tensor();
   return y;
 }
 
@@ -142,9 +142,9 @@ Tensor cpu_tensor(const std::vector<float>& values, const Shape& shape, DType dt
 
 }  // namespace
 
-// bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused ReLU.
-// On the GPU x is used as it comes when it is bf16 with channels a multiple of 8 (every VGG layer
-// but the first), else converted once and the copy kept for backward-weight; the weights are
+// bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused
+// ReLU. On the GPU x is used as it comes when it is bf16 with channels a multiple of 8 (every VGG
+// layer but the first), else converted once and the copy kept for backward-weight; the weights are
 // converted once per step and the copy kept for backward-data.
 Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) {
   Tensor y = Tensor::empty({s.n, s.p(), s.q(), s.k}, DType::bf16, device_);
@@ -156,10 +156,32 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
     kernels::conv2d_forward_cpu(s, x.data(), w.data(), b, out.data(), relu);
     kernels::f32_to_bf16_cpu(out.data(), y.data<__nv_bfloat16>(), s.y_size());
     input_ = input;
-    input_bf16_ = weight_bf16_ = Tensor();
+    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
   } else {
+    input_ = Tensor();
     run([] {},
         [&](cudaStream_t stream) {
+          if (kernels::conv2d_uses_im2col(s)) {
+            // A first layer (3 channels): a 1x1 convolution of the explicit im2col (64 bf16
+            // columns per pixel). The fp32 input is kept; backward rebuilds the columns from it.
+            input_ = convert(input, DType::f32);
+            Tensor cols =
+                Tensor::empty({s.n, s.p(), s.q(), kernels::kIm2colColumns}, DType::bf16, device_);
+            kernels::conv2d_im2col_bf16(s, input_.data<float>(), cols.data_ptr(), stream);
+            weight_bf16_ = Tensor::empty({s.k, kernels::kIm2colColumns}, DType::bf16, device_);
+            kernels::conv2d_im2col_filters_bf16(s, weight_->data.data<float>(),
+                                                weight_bf16_.data_ptr(), stream);
+            input_bf16_ = weight_rot_bf16_ = Tensor();
+            const kernels::ConvOperands ops{kernels::Math::BF16,
+                                            cols.data_ptr(),
+                                            weight_bf16_.data_ptr(),
+                                            y.data_ptr(),
+                                            kernels::DType::BF16,
+                                            b,
+                                            relu};
+            kernels::conv2d_forward_tc(kernels::conv2d_im2col_shape(s), ops, stream);
+            return;
+          }
           const int cp = kernels::bf16_channels(s.c);
           const int64_t pixels = int64_t{s.n} * s.h * s.w;
           if (input.dtype() == DType::bf16 && cp == s.c) {
@@ -175,17 +197,27 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
             }
           }
           weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
-          kernels::conv2d_to_bf16(weight_->data.data<float>(), int64_t{s.k} * s.r * s.s, s.c,
-                                  weight_bf16_.data_ptr(), stream);
+          // The rotated filters of backward-data come from the same pass, when a backward that
+          // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
+          // channel padding).
+          const bool rotate = training_ && input_grad_ && cp == s.c &&
+                              kernels::bf16_channels(s.k) == s.k && s.stride_h == 1 &&
+                              s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1;
+          weight_rot_bf16_ =
+              rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
+          kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
+                                          rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
           kernels::Conv2dShape padded = s;
           padded.c = cp;
-          const kernels::ConvOperands ops{kernels::Math::BF16, input_bf16_.data_ptr(),
-                                          weight_bf16_.data_ptr(),  y.data_ptr(),
-                                          kernels::DType::BF16,     b,
+          const kernels::ConvOperands ops{kernels::Math::BF16,
+                                          input_bf16_.data_ptr(),
+                                          weight_bf16_.data_ptr(),
+                                          y.data_ptr(),
+                                          kernels::DType::BF16,
+                                          b,
                                           relu};
           kernels::conv2d_forward_tc(padded, ops, stream);
         });
-    input_ = Tensor();
   }
   output_ = relu ? y : Tensor();
   return y;
@@ -208,8 +240,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   if (device_.is_cpu()) {
     const auto* dy = grad_output.data<__nv_bfloat16>();
     if (relu) {
-      kernels::relu_mask_bias_grad_cpu(output_.data<__nv_bfloat16>(), dy,
-                                       dym.data<__nv_bfloat16>(), db, rows, s.k, 1.0f);
+      kernels::relu_mask_bias_grad_cpu(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
+                                       db, rows, s.k, 1.0f);
     } else if (db) {
       kernels::bias_grad_cpu(dy, db, rows, s.k, 1.0f);
     }
@@ -225,8 +257,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
       [&](cudaStream_t stream) {
         const auto* dy = grad_output.data<__nv_bfloat16>();
         if (relu) {
-          kernels::relu_mask_bias_grad(output_.data<__nv_bfloat16>(), dy,
-                                       dym.data<__nv_bfloat16>(), db, rows, s.k, 1.0f, stream);
+          kernels::relu_mask_bias_grad(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
+                                       db, rows, s.k, 1.0f, stream);
         } else if (db) {
           kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
         }
@@ -236,15 +268,26 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
           dyp = Tensor::empty({s.n, s.p(), s.q(), kp}, DType::bf16, device_);
           kernels::conv2d_pad_bf16(dym.data_ptr(), rows, s.k, dyp.data_ptr(), stream);
         }
-        const kernels::Bf16Operands converted{input_bf16_.data_ptr(), dyp.data_ptr()};
+        const bool im2col = kernels::conv2d_uses_im2col(s);
+        const kernels::Bf16Operands converted{im2col ? nullptr : input_bf16_.data_ptr(),
+                                              dyp.data_ptr()};
         if (!input_grad_) {
           // The model's input needs no gradient: backward-data is skipped.
         } else if (cp == s.c && kp == s.k) {
+          const bool rotated = weight_rot_bf16_.defined();
           const kernels::ConvOperands ops{
-              kernels::Math::BF16, dyp.data_ptr(), weight_bf16_.data_ptr(), dx.data_ptr(),
-              input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32, nullptr,
+              kernels::Math::BF16,
+              dyp.data_ptr(),
+              rotated ? weight_rot_bf16_.data_ptr() : weight_bf16_.data_ptr(),
+              dx.data_ptr(),
+              input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
+              nullptr,
               false};
-          kernels::conv2d_backward_data_tc(s, ops, stream);
+          if (rotated) {
+            kernels::conv2d_backward_data_tc_rotated(s, ops, stream);
+          } else {
+            kernels::conv2d_backward_data_tc(s, ops, stream);
+          }
         } else {
           // Padded channels (VGG's first layer): the float launcher, fp32 dx of C channels.
           Tensor dxf = input_dtype_ == DType::f32
@@ -256,8 +299,16 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
             kernels::f32_to_bf16(dxf.data<float>(), dx.data<__nv_bfloat16>(), dx.numel(), stream);
           }
         }
-        kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream, kernels::Math::BF16,
-                                        converted);
+        if (im2col) {
+          Tensor cols =
+              Tensor::empty({s.n, s.p(), s.q(), kernels::kIm2colColumns}, DType::bf16, device_);
+          kernels::conv2d_im2col_bf16(s, input_.data<float>(), cols.data_ptr(), stream);
+          kernels::conv2d_backward_weight_im2col(s, cols.data_ptr(), dyp.data_ptr(), dw, 1.0f,
+                                                 stream);
+        } else {
+          kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream,
+                                          kernels::Math::BF16, converted);
+        }
       });
   return dx;
 }

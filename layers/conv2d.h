@@ -14,8 +14,9 @@
 // the input gradient in the input's dtype and accumulates fp32 weight gradients. Under bf16 the
 // CPU path rounds the operands and the output as the GPU does, so it stays the GPU's reference.
 //
-// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its input for
-// the weight gradient. Parameters are initialised as torchvision's VGG does (layers/init.h).
+// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its
+// input for the weight gradient. Parameters are initialised as torchvision's VGG does
+// (layers/init.h).
 #pragma once
 
 #include "kernels/common.h"
@@ -70,9 +71,10 @@ class Conv2d : public Module {
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
-  // operands (channels padded to 8, kernels/conv2d.h) of x and w; the output when a ReLU was fused.
+  // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
+  // backward-data; the output when a ReLU was fused.
   Tensor input_;
-  Tensor input_bf16_, weight_bf16_, output_;
+  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, output_;
   DType input_dtype_ = DType::f32;
   kernels::Conv2dShape saved_shape_;
 };

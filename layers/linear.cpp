@@ -4,6 +4,8 @@
 
 #include "kernels/bias.h"
 #include "kernels/gemm.h"
+#include "kernels/layout.h"
+#include "kernels/matmul.h"
 
 namespace cudp {
 
@@ -47,18 +49,63 @@ Parameter& Linear::bias() {
   return *bias_;
 }
 
+// Under bf16 on the GPU the products whose operands TMA can read as they are (rows of 16 bytes)
+// run on bf16 copies made once per forward: x as it comes (or converted), W and W^T from one pass
+// (f32_to_bf16_with_transpose), dy converted once; the bias is added in the epilogue. The rest (the
+// weight gradient, whose operands are transposed, and layers with odd feature counts) takes the
+// float launchers, which round the same operands the same way.
+bool Linear::direct_bf16(int64_t k) const {
+  return device_.is_cuda() && precision_ == Precision::bf16 && k % 8 == 0;
+}
+
 Tensor Linear::forward_one(const Tensor& input) {
-  CUDP_CHECK(input.dim() >= 1 && input.size(-1) == in_ && input.dtype() == DType::f32,
-             "Linear: expected an f32 input [*, ", in_, "], got ", input.str());
+  const bool dtype_ok =
+      input.dtype() == DType::f32 || (takes_bf16() && input.dtype() == DType::bf16);
+  CUDP_CHECK(input.dim() >= 1 && input.size(-1) == in_ && dtype_ok, "Linear: expected an ",
+             takes_bf16() ? "f32 or bf16" : "f32", " input [*, ", in_, "], got ", input.str());
   Shape out_shape = input.shape();
   out_shape.back() = out_;
   Tensor y = Tensor::empty(out_shape, DType::f32, device_);
   const int rows = gemm_extent(input.numel() / in_, "the number of rows");
   const int n = static_cast<int>(out_), k = static_cast<int>(in_);
-  const float* x = input.data<float>();
-  const float* w = weight_->data.data<float>();
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   float* out = y.data<float>();
+  input_dtype_ = input.dtype();
+  weight_bf16_ = weight_t_bf16_ = input_bf16_ = Tensor();
+  if (direct_bf16(in_)) {
+    run([] {},
+        [&](cudaStream_t s) {
+          input_bf16_ = convert(input, DType::bf16);
+          weight_bf16_ = Tensor::empty({out_, in_}, DType::bf16, device_);
+          const float* w = weight_->data.data<float>();
+          // W^T, the operand of backward-data, when a backward that runs it directly follows.
+          if (training_ && input_grad_ && direct_bf16(out_)) {
+            weight_t_bf16_ = Tensor::empty({in_, out_}, DType::bf16, device_);
+            kernels::f32_to_bf16_with_transpose(w, weight_bf16_.data<__nv_bfloat16>(),
+                                                weight_t_bf16_.data<__nv_bfloat16>(), out_, in_, s);
+          } else {
+            kernels::f32_to_bf16(w, weight_bf16_.data<__nv_bfloat16>(), out_ * in_, s);
+          }
+          kernels::MatmulProblem p;
+          p.m = rows;
+          p.n = n;
+          p.k = k;
+          p.math = kernels::Math::BF16;
+          p.a = input_bf16_.data_ptr();
+          p.lda = k;
+          p.b = weight_bf16_.data_ptr();
+          p.ldb = k;
+          p.c = out;
+          p.ldc = n;
+          p.bias = b;
+          kernels::matmul(p, s);
+        });
+    input_ = Tensor();
+    return y;
+  }
+  input_ = convert(input, DType::f32);  // bf16 values widened exactly
+  const float* x = input_.data<float>();
+  const float* w = weight_->data.data<float>();
   run(
       [&] {
         const OperandView xr(x, int64_t{rows} * k, precision_), wr(w, int64_t{n} * k, precision_);
@@ -73,40 +120,70 @@ Tensor Linear::forward_one(const Tensor& input) {
           kernels::bias_add(out, b, rows, n, s);
         }
       });
-  input_ = input;
   return y;
 }
 
 Tensor Linear::backward_one(const Tensor& grad_output) {
-  Shape expected = input_.shape();
+  const Tensor& saved = input_.defined() ? input_ : input_bf16_;
+  Shape expected = saved.shape();
   expected.back() = out_;
   check_shape(grad_output, expected, "Linear: grad_output");
-  Tensor dx = Tensor::empty(input_.shape(), DType::f32, device_);
-  const int rows = static_cast<int>(input_.numel() / in_);
+  CUDP_CHECK(grad_output.dtype() == DType::f32, "Linear: grad_output is ", grad_output.str(),
+             " but the output was f32; a gradient has its value's dtype");
+  const int rows = static_cast<int>(saved.numel() / in_);
   const int n = static_cast<int>(out_), k = static_cast<int>(in_);
-  const float* x = input_.data<float>();
   const float* dy = grad_output.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
-  float* out = dx.data<float>();
+  // fp32 operands for the float launchers (x widened from its bf16 copy when it was kept so).
+  const Tensor x32 = input_.defined() ? input_ : convert(input_bf16_, DType::f32);
+  const float* x = x32.data<float>();
+  const bool direct_dx = input_grad_ && weight_t_bf16_.defined();
+  Tensor dx;
+  if (input_grad_) {
+    dx = Tensor::empty(saved.shape(), direct_dx ? input_dtype_ : DType::f32, device_);
+  }
+  float* out = input_grad_ && !direct_dx ? dx.data<float>() : nullptr;
   run(
       [&] {
         const OperandView xr(x, int64_t{rows} * k, precision_), wr(w, int64_t{n} * k, precision_);
         const OperandView dyr(dy, int64_t{rows} * n, precision_);
-        kernels::gemm_cpu(false, false, rows, k, n, 1.0f, dyr.get(), n, wr.get(), k, 0.0f, out, k);
+        if (out) {
+          kernels::gemm_cpu(false, false, rows, k, n, 1.0f, dyr.get(), n, wr.get(), k, 0.0f, out,
+                            k);
+        }
         kernels::gemm_cpu(true, false, n, k, rows, 1.0f, dyr.get(), n, xr.get(), k, 1.0f, dw, k);
         if (db) {
           kernels::bias_grad_cpu(dy, db, rows, n, 1.0f);
         }
       },
       [&](cudaStream_t s) {
-        kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
+        if (direct_dx) {
+          const Tensor dy_bf16 = convert(grad_output, DType::bf16);
+          kernels::MatmulProblem p;
+          p.m = rows;
+          p.n = k;
+          p.k = n;
+          p.math = kernels::Math::BF16;
+          p.a = dy_bf16.data_ptr();
+          p.lda = n;
+          p.b = weight_t_bf16_.data_ptr();
+          p.ldb = n;
+          p.c = dx.data_ptr();
+          p.ldc = k;
+          p.c_type = input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32;
+          kernels::matmul(p, s);
+        } else if (out) {
+          kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
+        }
         kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k, s, math());
         if (db) {
           kernels::bias_grad(dy, db, rows, n, 1.0f, s);
         }
       });
+  // The gradient of a bf16 input is bf16 (one rounding of the fp32 result, as the direct path).
+  if (dx.defined() && dx.dtype() != input_dtype_) dx = convert(dx, input_dtype_);
   return dx;
 }
 

@@ -4,10 +4,11 @@
 // both backward products are one GEMM each (kernels/gemm.h):
 //   y  = x W^T        (trans_b)       then y += b (kernels/bias.h)
 //   dx = dy W         written
-//   dW += dy^T x      (trans_a, beta = 1: parameter gradients accumulate, docs/architecture.md §2.1)
-//   db += column sums of dy (bias_grad, beta = 1)
+//   dW += dy^T x      (trans_a, beta = 1: parameter gradients accumulate, docs/architecture.md
+//   §2.1) db += column sums of dy (bias_grad, beta = 1)
 // The forward keeps its input for dW. Parameters are initialised as torchvision's VGG does
-// (layers/init.h): W ~ N(0, 0.01), b = 0.
+// (layers/init.h): W ~ N(0, 0.01), b = 0. Under the bf16 policy the layer takes f32 or bf16 input
+// and writes an fp32 output; the input gradient has the input's dtype.
 #pragma once
 
 #include "kernels/common.h"
@@ -22,6 +23,8 @@ class Linear : public Module {
   Linear(init::SkipInit, int64_t in_features, int64_t out_features, bool bias = true);
 
   std::string type_name() const override { return "Linear"; }
+  // Under bf16: f32 or bf16 input, f32 output (the logits stay fp32 for the loss).
+  bool takes_bf16() const override { return precision_ == Precision::bf16; }
 
   // weight ~ N(0, 0.01) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);
@@ -46,7 +49,12 @@ class Linear : public Module {
   int64_t in_, out_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
-  Tensor input_;  // saved for backward
+  bool direct_bf16(int64_t k) const;
+
+  // Saved for backward: the input (fp32, or widened), or under bf16 on the GPU its bf16 copy and
+  // the weights' bf16 copies (W^T for backward-data when it runs on them).
+  Tensor input_, input_bf16_, weight_bf16_, weight_t_bf16_;
+  DType input_dtype_ = DType::f32;
 };
 
 }  // namespace cudp

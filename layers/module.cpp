@@ -58,11 +58,15 @@ TensorList Module::forward_all(const TensorList& inputs) {
     }
     if (any) {
       TensorList outputs = forward_impl(widened);
+      last_relu_fused_ = relu_fused_;
+      relu_fused_ = false;
       forward_done_ = true;
       return outputs;
     }
   }
   TensorList outputs = forward_impl(inputs);
+  last_relu_fused_ = relu_fused_;
+  relu_fused_ = false;  // fuse_relu(true) holds for one forward
   forward_done_ = true;
   return outputs;
 }
@@ -312,7 +316,8 @@ void Module::set_precision(Precision precision) {
 }
 
 void Module::fuse_relu(bool on) {
-  CUDP_CHECK(!on || can_fuse_relu(), type_name(), " cannot apply a ReLU to its output; run the ReLU "
+  CUDP_CHECK(!on || can_fuse_relu(), type_name(),
+             " cannot apply a ReLU to its output; run the ReLU "
              "module after it");
   relu_fused_ = on;
 }

@@ -74,10 +74,11 @@ class Module : public std::enable_shared_from_this<Module> {
   void set_precision(Precision precision);
   Precision precision() const { return precision_; }
 
-  // Whether backward computes the gradient with respect to the input (by default it does). A model's
-  // images need none: set_input_grad(false) on the model spares its first layer's backward-data
-  // (a container passes the setting on to the child that receives its input, DataParallel to its
-  // replicas, at each forward), and that layer's backward then returns an undefined tensor.
+  // Whether backward computes the gradient with respect to the input (by default it does). A
+  // model's images need none: set_input_grad(false) on the model spares its first layer's
+  // backward-data (a container passes the setting on to the child that receives its input,
+  // DataParallel to its replicas, at each forward), and that layer's backward then returns an
+  // undefined tensor.
   void set_input_grad(bool on) { input_grad_ = on; }
   bool input_grad() const { return input_grad_; }
 
@@ -89,14 +90,16 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // ReLU fusion. A layer that can apply max(y, 0) to its own output in forward, and mask the
   // gradient it is given by y > 0 in backward, says so with can_fuse_relu(); Sequential then runs a
-  // ReLU that directly follows such a layer inside it (fuse_relu(true) before that forward) and skips
-  // the ReLU module in forward and backward. The model's structure, names and state_dict do not
-  // change, and the results are the same bit for bit (max and the mask are exact). set_fusion(false)
-  // turns this off for a module and its descendants (to compare, or to profile layers one by one);
-  // clones and replicas inherit the setting.
+  // ReLU that directly follows such a layer inside it (fuse_relu(true) before that forward) and
+  // skips the ReLU module in forward and backward. fuse_relu(true) holds for the next forward only
+  // (a direct call after it computes the layer alone); the layer keeps what its backward needs.
+  // relu_fused() says whether the last forward applied a fused ReLU. The model's structure, names
+  // and state_dict do not change, and the results are the same bit for bit (max and the mask are
+  // exact). set_fusion(false) turns this off for a module and its descendants (to compare, or to
+  // profile layers one by one); clones and replicas inherit the setting.
   virtual bool can_fuse_relu() const { return false; }
   void fuse_relu(bool on);
-  bool relu_fused() const { return relu_fused_; }
+  bool relu_fused() const { return last_relu_fused_; }
   void set_fusion(bool on);
   bool fusion() const { return fusion_; }
 
@@ -169,7 +172,10 @@ class Module : public std::enable_shared_from_this<Module> {
   Precision precision_ = Precision::fp32;
   bool fusion_ = true;
   bool input_grad_ = true;
-  bool relu_fused_ = false;  // set by the enclosing Sequential for the next forward and its backward
+  // This forward applies a fused ReLU (set by the enclosing Sequential; read it in forward only),
+  // and whether the last forward did.
+  bool relu_fused_ = false;
+  bool last_relu_fused_ = false;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
 

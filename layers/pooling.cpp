@@ -41,14 +41,17 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   const int p = kernels::max_pool2d_output_size(s.h, kernel_, stride_, padding_);
   const int q = kernels::max_pool2d_output_size(s.w, kernel_, stride_, padding_);
   Tensor y = Tensor::empty({s.n, p, q, s.c}, input.dtype(), device_);
-  Tensor indices = Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
-  int32_t* idx = indices.data<int32_t>();
+  // 2x2 windows of stride 2 on the GPU keep no indices: backward finds the maxima again in the
+  // input, which is kept instead (shared, no copy: the layer before keeps it too, for its own
+  // backward), kernels/pool.h.
+  const bool from_input = device_.is_cuda() && kernel_ == 2 && stride_ == 2 && padding_ == 0;
+  Tensor indices = from_input ? Tensor() : Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
+  int32_t* idx = from_input ? nullptr : indices.data<int32_t>();
   const int k = kernel_, st = stride_, pad = padding_;
   auto pool = [&]<typename T>(const T* x, T* out) {
     run(
         [&] {
-          kernels::max_pool2d_forward_cpu(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad,
-                                          pad);
+          kernels::max_pool2d_forward_cpu(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad);
         },
         [&](cudaStream_t stream) {
           kernels::max_pool2d_forward(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
@@ -62,34 +65,42 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   }
   input_shape_ = input.shape();
   input_dtype_ = input.dtype();
+  output_shape_ = y.shape();
   indices_ = indices;
+  input_ = from_input ? input : Tensor();
   return y;
 }
 
 Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
-  check_shape(grad_output, indices_.shape(), "MaxPool2d: grad_output");
+  check_shape(grad_output, output_shape_, "MaxPool2d: grad_output");
   CUDP_CHECK(grad_output.dtype() == input_dtype_, "MaxPool2d: grad_output is ", grad_output.str(),
              " but the forward's output was ", dtype_name(input_dtype_),
              "; a gradient has its value's dtype");
   Tensor dx = Tensor::empty(input_shape_, input_dtype_, device_);
   const Nhwc s = nhwc_of(dx, "MaxPool2d", /*bf16_ok=*/true);
-  const int32_t* idx = indices_.data<int32_t>();
+  const int32_t* idx = indices_.defined() ? indices_.data<int32_t>() : nullptr;
   const int k = kernel_, st = stride_, pad = padding_;
-  auto pool = [&]<typename T>(const T* dy, T* out) {
+  auto pool = [&]<typename T>(const T* dy, const T* x, T* out) {
     run(
         [&] {
           kernels::max_pool2d_backward_cpu(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad,
                                            pad);
         },
         [&](cudaStream_t stream) {
-          kernels::max_pool2d_backward(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
-                                       stream);
+          if (idx == nullptr) {
+            kernels::max_pool2d_backward_from_input(dy, x, out, s.n, s.h, s.w, s.c, stream);
+          } else {
+            kernels::max_pool2d_backward(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
+                                         stream);
+          }
         });
   };
   if (input_dtype_ == DType::bf16) {
-    pool(grad_output.data<__nv_bfloat16>(), dx.data<__nv_bfloat16>());
+    pool(grad_output.data<__nv_bfloat16>(),
+         input_.defined() ? input_.data<__nv_bfloat16>() : nullptr, dx.data<__nv_bfloat16>());
   } else {
-    pool(grad_output.data<float>(), dx.data<float>());
+    pool(grad_output.data<float>(), input_.defined() ? input_.data<float>() : nullptr,
+         dx.data<float>());
   }
   return dx;
 }

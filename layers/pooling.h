@@ -30,9 +30,10 @@ class MaxPool2d : public Module {
 
  private:
   int kernel_, stride_, padding_;
-  Shape input_shape_;  // saved for backward
+  Shape input_shape_, output_shape_;  // saved for backward
   DType input_dtype_ = DType::f32;
-  Tensor indices_;
+  Tensor indices_;  // the maxima's positions, or (2x2 stride 2 on the GPU) none and:
+  Tensor input_;    // the input, where backward finds them again
 };
 
 class AdaptiveAvgPool2d : public Module {

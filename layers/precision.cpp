@@ -1,7 +1,7 @@
 #include "layers/precision.h"
 
-#include "engine/core/error.h"
 #include "engine/core/device.h"
+#include "engine/core/error.h"
 #include "kernels/layout.h"
 
 namespace cudp {

@@ -129,6 +129,51 @@ TEST(MaxPoolGpu, TiesAndNaNsMatchCpu) {
   }
 }
 
+// 2x2 stride 2 without indices: the backward that finds the maxima again in x gives the indexed
+// backward's dx bit for bit, on ties (values in {0, 1, 2}), NaNs, odd sizes (a partial window at
+// the edge has no output and gets zeros) and misaligned pointers; the forward without indices
+// writes the same y.
+TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
+  CUDP_REQUIRE_GPU();
+  for (const PoolCase& k :
+       {PoolCase{2, 7, 9, 4, 2, 2, 2, 2, 0, 0}, PoolCase{1, 8, 8, 3, 2, 2, 2, 2, 0, 0},
+        PoolCase{3, 16, 12, 64, 2, 2, 2, 2, 0, 0}}) {
+    for (size_t offset : {size_t{0}, size_t{1}}) {
+      SCOPED_TRACE(describe(k, offset));
+      std::vector<float> x = testing::random_vector(k.in_size(), 61 + k.c, 0.f, 3.f);
+      for (float& v : x) v = std::floor(v);
+      for (size_t i = 3; i < x.size(); i += 41) x[i] = std::numeric_limits<float>::quiet_NaN();
+      const std::vector<float> dy_host = testing::random_vector(k.out_size(), 62);
+      const DeviceBuffer<float> xd = upload_at(x, offset, 0.f);
+      const DeviceBuffer<float> dy = upload_at(dy_host, offset, 0.f);
+      DeviceBuffer<float> y1 = upload_at(std::vector<float>(k.out_size()), offset, 0.f);
+      DeviceBuffer<float> y2 = upload_at(std::vector<float>(k.out_size()), offset, 0.f);
+      DeviceBuffer<float> dx1 = upload_at(std::vector<float>(k.in_size()), offset, 7.f);
+      DeviceBuffer<float> dx2 = upload_at(std::vector<float>(k.in_size()), offset, 7.f);
+      DeviceBuffer<int32_t> idx(k.out_size());
+      max_pool2d_forward(xd.get() + offset, y1.get() + offset, idx.get(), k.n, k.h, k.w, k.c, 2, 2,
+                         2, 2, 0, 0, nullptr);
+      max_pool2d_forward(xd.get() + offset, y2.get() + offset, nullptr, k.n, k.h, k.w, k.c, 2, 2, 2,
+                         2, 0, 0, nullptr);
+      max_pool2d_backward(dy.get() + offset, idx.get(), dx1.get() + offset, k.n, k.h, k.w, k.c, 2,
+                          2, 2, 2, 0, 0, nullptr);
+      max_pool2d_backward_from_input(dy.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
+                                     k.h, k.w, k.c, nullptr);
+      auto bits = [](const std::vector<float>& v) {
+        std::vector<uint32_t> out(v.size());
+        std::memcpy(out.data(), v.data(), v.size() * sizeof(float));
+        return out;
+      };
+      EXPECT_EQ(bits(download_at(y2, offset)), bits(download_at(y1, offset)));
+      EXPECT_EQ(bits(download_at(dx2, offset)), bits(download_at(dx1, offset)));
+    }
+  }
+  // Other windows need their indices.
+  EXPECT_THROW(max_pool2d_forward(static_cast<const float*>(nullptr), nullptr, nullptr, 1, 4, 4, 1,
+                                  3, 3, 2, 2, 1, 1, nullptr),
+               ValueError);
+}
+
 TEST(MaxPoolGpu, BackwardIsDeterministicAndEmptyBatchIsANoOp) {
   CUDP_REQUIRE_GPU();
   const PoolCase k{4, 28, 28, 64, 3, 3, 2, 2, 1, 1};

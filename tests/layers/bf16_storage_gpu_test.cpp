@@ -28,8 +28,8 @@ using testing::values;
 // Small integers in [-8, 8] as bf16: every fp32 sum of fewer than 2^20 of them is exact, whatever
 // the order, so the GPU's column sums must equal the CPU's double sums exactly.
 Tensor small_integers(const Shape& shape, uint64_t seed) {
-  std::vector<float> v = testing::random_vector(static_cast<size_t>(shape_numel(shape)), seed,
-                                                -8.5f, 8.5f);
+  std::vector<float> v =
+      testing::random_vector(static_cast<size_t>(shape_numel(shape)), seed, -8.5f, 8.5f);
   for (float& f : v) f = std::nearbyint(f);
   return convert(Tensor::from_vector(v, shape), DType::bf16);
 }
@@ -38,9 +38,12 @@ TEST(Bf16StorageGpu, ReluMaskAndBiasGradientMatchTheCpuExactly) {
   CUDP_REQUIRE_GPU();
   const Device gpu = Device::cuda(0);
   const cudaStream_t stream = stream_for(gpu);
-  for (const auto& [rows, cols] :
-       {std::tuple<int64_t, int64_t>{1, 1}, {5, 3}, {1025, 12}, {(1 << 14) + 3, 64},
-        {(1 << 18) + 1, 128}, {4097, 100}}) {
+  for (const auto& [rows, cols] : {std::tuple<int64_t, int64_t>{1, 1},
+                                   {5, 3},
+                                   {1025, 12},
+                                   {(1 << 14) + 3, 64},
+                                   {(1 << 18) + 1, 128},
+                                   {4097, 100}}) {
     SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols));
     const Tensor y = convert(random_tensor({rows, cols}, 1), DType::bf16);
     const Tensor dy = small_integers({rows, cols}, 2);
@@ -123,6 +126,44 @@ TEST(Bf16StorageGpu, Conv2dOnEveryOperandPathMatchesTheCpu) {
     const Tensor x = convert(random_tensor({2, 10, 12, t.c}, 8), t.input);
     auto gpu = testing::expect_gpu_matches_cpu(*net, x, 9, 1e-4, 1e-4);
     EXPECT_EQ((*static_cast<Sequential&>(*gpu)[0]).relu_fused(), t.relu);
+  }
+}
+
+// Backward-data on the filters rotated in the forward's conversion pass (training) and on filters
+// rotated by backward itself (a forward in eval mode keeps no rotated copy): the same operands
+// through the same kernel, so the same bits.
+TEST(Bf16StorageGpu, FiltersRotatedInTheForwardGiveTheSameInputGradient) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Device gpu = Device::cuda(0);
+  auto conv = std::make_shared<Conv2d>(64, 128, 3, 1, 1);
+  testing::randomize_parameters(*conv, 16, -0.3f, 0.3f);
+  conv->set_precision(Precision::bf16);
+  conv->to(gpu);
+  const Tensor x = convert(random_tensor({2, 12, 10, 64}, 17, -1.f, 1.f, gpu), DType::bf16);
+  const Tensor g = convert(random_tensor({2, 12, 10, 128}, 18, -1.f, 1.f, gpu), DType::bf16);
+  conv->train();
+  conv->forward(x);
+  const std::vector<float> trained = values(conv->backward(g));
+  conv->eval();
+  conv->forward(x);
+  EXPECT_EQ(values(conv->backward(g)), trained);
+}
+
+// Linear under bf16: the products on bf16 copies of x, W and W^T (feature counts multiples of 8),
+// and the float launchers' path (odd counts), each against the CPU path, with f32 and bf16 inputs;
+// the input gradient has the input's dtype.
+TEST(Bf16StorageGpu, LinearOnBothPathsMatchesTheCpu) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const auto& [in, out] : {std::pair{64, 24}, std::pair{40, 10}, std::pair{20, 16}}) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::to_string(in) + " -> " + std::to_string(out) + ", input " +
+                   dtype_name(dtype));
+      auto linear = std::make_shared<Linear>(in, out);
+      testing::randomize_parameters(*linear, 19, -0.3f, 0.3f);
+      linear->set_precision(Precision::bf16);
+      const Tensor x = convert(random_tensor({6, in}, 20), dtype);
+      auto gpu = testing::expect_gpu_matches_cpu(*linear, x, 21, 1e-4, 1e-4);
+    }
   }
 }
 

@@ -4,6 +4,8 @@
 // gives the same bits as the ReLU module, and that a model whose input needs no gradient skips it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/bf16.h"
 #include "engine/core/error.h"
 #include "layers/activation.h"
@@ -94,6 +96,20 @@ TEST(Bf16Storage, AFusedReluGivesTheReluModulesBits) {
   EXPECT_EQ(gradients(*fused), gradients(*separate));
   // The inplace ReLU (layer 1) was skipped: it never ran, so it has nothing for a backward.
   EXPECT_THROW_WITH((*fused)[1]->backward(convert(g, DType::bf16)), "without a forward()");
+}
+
+// fuse_relu(true) holds for one forward: a layer called directly after a Sequential's forward
+// computes itself alone (negative outputs stay).
+TEST(Bf16Storage, AFusedReluHoldsForOneForwardOnly) {
+  auto net = small_net(21);
+  net->set_precision(Precision::bf16);
+  const Tensor x = random_tensor({2, 8, 8, 3}, 22);
+  net->forward(x);
+  Module& conv = *(*net)[0];
+  EXPECT_TRUE(conv.relu_fused());
+  const std::vector<float> alone = values(conv.forward(x));
+  EXPECT_FALSE(conv.relu_fused());
+  EXPECT_LT(*std::min_element(alone.begin(), alone.end()), 0.0f);
 }
 
 // Under fp32 nothing fuses (the fp32 kernels keep the separate ReLU): the flag stays off and the

@@ -126,7 +126,8 @@ TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsAndTheOutputOnTheCpu) {
   EXPECT_EQ(y.dtype(), DType::bf16);
   EXPECT_EQ(values(y), expected);
   EXPECT_NE(values(y), fp32);
-  // Gradients: dx (f32, the input's dtype) from the bf16 dy and rounded w, dW from rounded x and dy.
+  // Gradients: dx (f32, the input's dtype) from the bf16 dy and rounded w, dW from rounded x and
+  // dy.
   const Tensor g = rounded(random_tensor({2, 5, 6, 5}, 23));
   conv.zero_grad();
   reference.zero_grad();

@@ -213,8 +213,8 @@ inline void check_gradients(Module& m, const Tensor& x, uint64_t seed, GradCheck
 inline ::testing::AssertionResult gpu_close(const Tensor& gpu, const Tensor& cpu, double rtol,
                                             double atol) {
   if (gpu.dtype() != cpu.dtype()) {
-    return ::testing::AssertionFailure() << "dtypes differ: GPU " << gpu.str() << ", CPU "
-                                         << cpu.str();
+    return ::testing::AssertionFailure()
+           << "dtypes differ: GPU " << gpu.str() << ", CPU " << cpu.str();
   }
   if (cpu.dtype() == DType::bf16) rtol = std::max(rtol, 1.0 / 128);
   const std::vector<float> reference = values(cpu);

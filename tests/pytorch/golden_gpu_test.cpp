@@ -235,6 +235,26 @@ TensorMap run_procedure(Device device, Precision precision) {
   return record;
 }
 
+// The first forward alone under `precision` (tf32 trains no convolution, so only this is compared
+// for it): {"logits", "loss"}.
+TensorMap forward_once(Device device, Precision precision) {
+  const SafetensorsFile& g = *golden();
+  auto model = vgg11({.in_channels = 1,
+                      .num_classes = 10,
+                      .batch_norm = true,
+                      .head = VggHead::Compact,
+                      .dropout = 0.f});
+  model->load_state_dict(with_prefix(g.tensors, "init."), /*strict=*/true);
+  model->set_precision(precision);
+  model->to(device);
+  model->train();
+  CrossEntropyLoss criterion;
+  const Tensor logits = model->forward(nchw_to_nhwc(g.tensors.at("input")).to(device));
+  criterion.forward(logits, g.tensors.at("labels").to(device));
+  return {{"logits", logits.cpu()},
+          {"loss", Tensor::from_vector(std::vector<float>{criterion.item()}, {1})}};
+}
+
 // The forward's part of a comparison: logits and loss of the first step, and (with `k_steps`) the
 // loss of each of the K steps (which the updates in between shape).
 void compare_forward(const TensorMap& actual, const TensorMap& expected, const Tolerances& tol,
@@ -348,17 +368,58 @@ TEST(GoldenVgg11Bn, CudaBf16ForwardMatchesTheCpuPathAndPyTorch) {
         << (run == &cpu ? "CPU" : "GPU") << " loss against float64";
   }
   compare_forward(gpu, cpu, kLikeForLike, /*k_steps=*/false);
-  std::printf("bf16 K-step losses' normwise error: GPU against the CPU emulation %.3g, GPU against "
-              "float64 %.3g\n",
-              normwise_error(gpu.at("losses").to_vector<float>(),
-                             cpu.at("losses").to_vector<float>()),
-              normwise_error(gpu.at("losses").to_vector<float>(),
-                             exact.at("losses").to_vector<float>()));
+  std::printf(
+      "bf16 K-step losses' normwise error: GPU against the CPU emulation %.3g, GPU against "
+      "float64 %.3g\n",
+      normwise_error(gpu.at("losses").to_vector<float>(), cpu.at("losses").to_vector<float>()),
+      normwise_error(gpu.at("losses").to_vector<float>(), exact.at("losses").to_vector<float>()));
 }
 
 TEST(GoldenVgg11Bn, CpuMatchesPyTorch) {
   CUDP_REQUIRE_GOLDEN();
   check_against_golden(Device::cpu());
+}
+
+// PyTorch's own reduced precisions on the same state and batch (the golden file's bf16.* and
+// tf32.* entries, written on a GPU): cudp's bf16 policy against torch.autocast(bfloat16), and its
+// tf32 forward against PyTorch's with TF32 allowed. Each side lies within its policy's first-order
+// bound of the float64 result (bf16: 30u with u = 2^-9, kBf16; TF32: each of the 11 products
+// truncates both operands to 10 mantissa bits, 2 x 2^-10 per product, 22 x 2^-10 in all), so the
+// two lie within twice that of each other; a wrong layout or a missing term gives errors of order
+// one. PyTorch's autocast rounds where cudp's policy does (products' operands, convolution
+// outputs), so the measured difference is well inside the bound.
+void compare_reduced(const char* name, const TensorMap& ours, double bound) {
+  const std::string key = std::string(name) + ".logits";
+  if (golden()->tensors.count(key) == 0) {
+    GTEST_SKIP() << "the golden file has no " << key << ": it was written without a GPU; "
+                 << "regenerate it on one with tests/pytorch/make_golden.py";
+  }
+  const TensorMap& g = golden()->tensors;
+  const double error =
+      normwise_error(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>());
+  std::printf(
+      "%s logits' normwise difference from PyTorch's %s: %.3g (bound %.3g); PyTorch's "
+      "from float64: %.3g\n",
+      name, name, error, bound,
+      normwise_error(g.at(key).to_vector<float>(), g.at("logits").to_vector<float>()));
+  EXPECT_TRUE(
+      matches(ours.at("logits").to_vector<float>(), g.at(key).to_vector<float>(), bound, bound))
+      << name << " logits against PyTorch's";
+  EXPECT_TRUE(matches(ours.at("loss").to_vector<float>(),
+                      g.at(std::string(name) + ".loss").to_vector<float>(), bound, bound))
+      << name << " loss against PyTorch's";
+}
+
+TEST(GoldenVgg11Bn, CudaBf16ForwardMatchesPyTorchAutocast) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_GOLDEN();
+  compare_reduced("bf16", forward_once(Device::cuda(0), Precision::bf16), 2 * kBf16.forward);
+}
+
+TEST(GoldenVgg11Bn, CudaTf32ForwardMatchesPyTorchTf32) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_GOLDEN();
+  compare_reduced("tf32", forward_once(Device::cuda(0), Precision::tf32), 2 * 22.0 / 1024);
 }
 
 }  // namespace

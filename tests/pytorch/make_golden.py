@@ -24,6 +24,12 @@ optimizer) on that batch, recording:
   losses          the loss of each of the K steps
   final.<name>    the state_dict after K steps (parameters, running statistics, counters)
 
+and, on a CUDA device, the first forward of the same model and batch in float32 under PyTorch's
+reduced precisions, which cudp's precision policies are compared with:
+
+  bf16.logits, bf16.loss   under torch.autocast(cuda, bfloat16) (bf16 products, bf16 activations)
+  tf32.logits, tf32.loss   with TF32 allowed for cuDNN and cuBLAS (fp32 storage, TF32 products)
+
 By default the computation runs in float64 (the inputs and initial values are float32 numbers,
 so both sides start from the same values) and everything is stored as float32: the test then
 measures cudp's own fp32 error against a reference whose error is negligible. --dtype float32
@@ -92,6 +98,26 @@ def snapshot(tensors, prefix):
     return out
 
 
+def reduced_precision_forwards(init, x, labels, device):
+    """The first forward in float32 under bf16 autocast and under TF32, from the same state."""
+    state = {name[len("init."):]: t for name, t in init.items()}
+    out = {}
+    for name in ("bf16", "tf32"):
+        model = VggCompact()
+        model.load_state_dict(state, strict=True)
+        model = model.to(device).train()
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        torch.backends.cudnn.allow_tf32 = name == "tf32"
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "bf16"):
+            logits = model(x.to(device))
+            loss = F.cross_entropy(logits.float(), labels.to(device))
+        out[name + ".logits"] = logits.float().cpu().contiguous()
+        out[name + ".loss"] = loss.float().cpu().reshape(())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write " + FILE_NAME + " into")
@@ -137,6 +163,8 @@ def main():
         optimizer.step()
 
     tensors = {**init, **record, **snapshot(model.state_dict(), "final.")}
+    if str(args.device).startswith("cuda"):
+        tensors.update(reduced_precision_forwards(init, x, labels, args.device))
     tensors["input"] = x.contiguous()
     tensors["labels"] = labels.to(torch.int32).contiguous()
     tensors["losses"] = torch.tensor(losses, dtype=torch.float32)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device helper: where one training step's kernel time goes. Builds bench_train, runs ncu over one
+# timed step (after one warm-up step) and prints the kernels grouped by name with their total time,
+# launch count and share, largest first. ncu serialises kernels and (with --clock-control none)
+# keeps the GPU's own clocks, so the sum is the kernel time of a step without overlap.
+#   scripts/step-profile.sh [size] [precision]        e.g. scripts/step-profile.sh 224 bf16
+set -uo pipefail
+cd "$(dirname "$0")/.."
+size=${1:-224}
+precision=${2:-bf16}
+out=${OUT:-$PWD/out}; mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH
+[[ -f build/build.ninja ]] || cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+cmake --build build --target bench_train -j "$(nproc)" > "$out/profile-build.log" 2>&1 || {
+  tail -20 "$out/profile-build.log"; exit 1; }
+csv=$out/profile-$size-$precision.csv
+ncu --clock-control none --nvtx --nvtx-include "training step/" --nvtx-include "VGG forward/" \
+  --nvtx-include "VGG backward/" \
+  --metrics gpu__time_duration.sum --csv --print-units base \
+  build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --warmup 1 --steps 1 \
+  > "$csv" 2> "$out/profile-ncu.log"
+python3 - "$csv" <<'PY'
+import csv, sys, collections, re
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]; data = rows[1:]
+name_i, value_i, id_i = head.index("Kernel Name"), head.index("Metric Value"), head.index("ID")
+launches = [(int(r[id_i]), r[name_i], float(r[value_i].replace(",", ""))) for r in data]
+launches.sort()
+# The warm-up step and the timed one (the "training step" NVTX range of the main thread, and the
+# model's forward and backward ranges of the replica worker threads): keep the second half.
+half = launches[len(launches) // 2:]
+total = sum(t for _, _, t in half)
+groups = collections.defaultdict(lambda: [0.0, 0])
+for _, name, t in half:
+    key = re.sub(r"\(.*", "", name)[:90]
+    groups[key][0] += t; groups[key][1] += 1
+print(f"one step: {len(half)} launches, {total / 1e6:.2f} ms of kernel time")
+for key, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:28]:
+    print(f"{t / 1e6:8.3f} ms {100 * t / total:5.1f}% {n:4d}x  {key}")
+PY
