@@ -29,6 +29,20 @@ ncclDataType_t nccl_type(DType dtype) {
 
 std::atomic<int64_t> g_default_timeout_ms{kDefaultCollectiveTimeout.count()};
 
+// The watchdog's queries run in relaxed capture mode: a CUDA graph captured in global mode on
+// another thread forbids "potentially unsafe" calls in every thread that is not relaxed, and a
+// query from the watchdog's thread must never invalidate such a capture.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // A watched collective of one rank: the event after it on the comm stream, once recorded.
 struct Completion {
   enum Phase : int { Pending, Recorded, Cancelled };
@@ -36,9 +50,22 @@ struct Completion {
   std::atomic<int> phase = Pending;
   bool done() const {
     const int p = phase.load();
-    return p == Cancelled || (p == Recorded && event.query());
+    if (p != Recorded) return p == Cancelled;
+    const RelaxedCapture relaxed;
+    return event.query();
   }
 };
+
+// Whether a compute stream of `devices` is being captured into a CUDA graph: a collective captured
+// there does not run now, so there is nothing to watch (the graph's launches are the caller's).
+bool capturing(const std::vector<int>& devices) {
+  for (const int device : devices) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    CUDP_CUDA_CHECK(cudaStreamIsCapturing(cuda::current_stream(device), &status));
+    if (status != cudaStreamCaptureStatusNone) return true;
+  }
+  return false;
+}
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
@@ -148,6 +175,7 @@ void Communicator::create_streams() {
 std::string Communicator::async_error(int i) {
   std::lock_guard lock(abort_mutex_);
   if (aborted_) return {};
+  const RelaxedCapture relaxed;
   ncclResult_t result = ncclSuccess;
   const ncclResult_t status = ncclCommGetAsyncError(comms_[static_cast<size_t>(i)], &result);
   if (status != ncclSuccess) {
@@ -323,7 +351,7 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
   // The watchdog's clock starts before the group: with NCCL's lazy connection set-up, ncclGroupEnd
   // itself can wait for a peer that never comes.
   std::vector<std::shared_ptr<Completion>> completions;
-  for (size_t i = 0; i < ranks; ++i) {
+  for (size_t i = 0, watched = capturing(devices_) ? 0 : ranks; i < watched; ++i) {
     int64_t bytes = 0;
     for (const Tensor& t : tensors[i]) bytes += static_cast<int64_t>(t.nbytes());
     auto completion = std::make_shared<Completion>();
@@ -394,8 +422,10 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
     cuda::DeviceGuard guard(devices_[i]);
     done_[i].record(streams_[i]);
     CUDP_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(devices_[i]), done_[i].get(), 0));
-    completions[i]->event.record(streams_[i]);
-    completions[i]->phase = Completion::Recorded;
+    if (i < completions.size()) {
+      completions[i]->event.record(streams_[i]);
+      completions[i]->phase = Completion::Recorded;
+    }
   }
 }
 

@@ -23,7 +23,8 @@
 // raises a CollectiveError naming the rank, its device, the collective and its size in the thread
 // that waits for it (synchronize()) and in the next collective. The event is a fresh one per
 // collective and rank (cudaEventCreate costs microseconds, no synchronisation), so that each
-// collective's completion is known by itself.
+// collective's completion is known by itself. A collective captured into a CUDA graph is not
+// watched (it does not run then), and the watchdog's queries never invalidate a capture.
 //
 // NOTE [Comm stream ordering and memory lifetime]
 // A collective on tensors written by compute runs on the device's communication stream, so:
