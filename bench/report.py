@@ -138,7 +138,9 @@ def training(cudp_rows, torch_rows):
             continue
         key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
         c = configs.setdefault(key, {"cudp": {}, "torch": {}})
-        c["cudp"].setdefault(str(r.get("cudp_precision", "fp32")), {})[int(num(r, "gpus"))] = r
+        # Rows written before bench_train had --graphs launched every kernel: graphs "off".
+        setting = (str(r.get("cudp_precision", "fp32")), str(r.get("cudp_graphs", "off")))
+        c["cudp"].setdefault(setting, {})[int(num(r, "gpus"))] = r
     for r in torch_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
             continue
@@ -150,7 +152,7 @@ def training(cudp_rows, torch_rows):
     rows = []
     for (model, size, batch), c in sorted(configs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         torch_gpus = {g for p in c["torch"].values() for m in p.values() for g in m}
-        for cudp_precision, cudp in sorted(c["cudp"].items()) or [(None, {})]:
+        for (cudp_precision, cudp_graphs), cudp in sorted(c["cudp"].items()) or [((None, None), {})]:
             cudp_one = num(cudp.get(1, {}), "images_per_s")
             for g in sorted(set(cudp) | torch_gpus):
                 cr = cudp.get(g)
@@ -160,7 +162,7 @@ def training(cudp_rows, torch_rows):
                 ar_ms = num(cr, "allreduce_ms") if cr else None
                 base = {
                     "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
-                    "cudp_precision": cudp_precision,
+                    "cudp_precision": cudp_precision, "cudp_graphs": cudp_graphs,
                     "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,
                     "cudp_step_ms": step_ms,
                     "cudp_allreduce_ms": ar_ms if g > 1 else None,
@@ -202,7 +204,7 @@ def training_md(rows):
             mode = {"single": "1 GPU", "dp": "DataParallel", "ddp": "DDP"}.get(r["pytorch_mode"], r["pytorch_mode"])
             mode += f" ({r['pytorch_precision']})"
         body.append([
-            r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], r.get("cudp_precision") or "—",
+            r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], (r.get("cudp_precision") or "—") + (" graphs" if r.get("cudp_graphs") == "on" else ""),
             fmt(r["cudp_images_per_s"], 0), fmt(r["cudp_scaling_efficiency"], 2),
             mode, fmt(r.get("pytorch_images_per_s"), 0), fmt(r.get("pytorch_scaling_efficiency"), 2),
             fmt(r.get("cudp_over_pytorch"), 2, "×"),

@@ -9,6 +9,10 @@
 // the time of the gradient all-reduce alone (NCCL on the flat gradient buffer, timed separately), an
 // upper bound of the communication a step exposes since this version all-reduces after backward.
 // One JSON object per configuration with --json.
+//
+// --graphs on off: each configuration with its steps replayed from a CUDA graph (GraphedStep,
+// layers/train.h: two eager warm-up steps, the capture, then replays; at least 3 untimed steps) and
+// launched kernel by kernel; JSON field "cudp_graphs".
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -24,6 +28,7 @@
 #include "engine/parallel/data_parallel.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
+#include "layers/train.h"
 #include "layers/vgg.h"
 
 namespace {
@@ -37,6 +42,7 @@ struct Config {
   int64_t batch_per_gpu;
   int gpus;
   Precision precision;
+  bool graphs;
 };
 
 struct Result {
@@ -75,15 +81,26 @@ Result run(const Config& c, int warmup, int steps) {
     std::vector<int32_t> host_labels(batch);
     for (int64_t i = 0; i < batch; ++i) host_labels[i] = static_cast<int32_t>(i % o.num_classes);
     const Tensor labels = Tensor::from_vector(host_labels, {batch}, Device::cuda(0));
-    auto step = [&] {
-      const nvtx::Range range("training step");
-      const Tensor out = model.forward(images);
-      criterion.forward(out, labels);
+    const auto body = [&](const Tensor& x, const Tensor& y) {
+      const Tensor out = model.forward(x);
+      const Tensor loss = criterion.forward(out, y);
       opt.zero_grad();
       model.backward(criterion.backward());
       opt.step();
+      return TensorList{loss};
     };
-    for (int i = 0; i < warmup; ++i) step();
+    GraphedStep graphed(body, Device::cuda(0),
+                        {.warmup_steps = GraphedStepOptions{}.warmup_steps,
+                         .enabled = c.graphs,
+                         .before_replay = [&opt] { opt.follow_primary(); }},
+                        ids);
+    auto step = [&] {
+      const nvtx::Range range("training step");
+      graphed.run(images, labels);
+    };
+    // With graphs: the warm-up steps, the capture (and its first replay) stay untimed.
+    const int untimed = c.graphs ? std::max(warmup, GraphedStepOptions{}.warmup_steps + 1) : warmup;
+    for (int i = 0; i < untimed; ++i) step();
     for (int g : ids) cuda::synchronize(g);
     const auto t0 = Clock::now();
     for (int i = 0; i < steps; ++i) step();
@@ -112,6 +129,7 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_train: VGG training throughput on 1..N GPUs"};
   std::vector<std::string> archs = {"vgg16"};
   std::vector<std::string> precisions = {"fp32"};
+  std::vector<std::string> graph_modes = {"on", "off"};
   std::vector<int> sizes = {224, 32};
   int max_gpus = 0, warmup = 3, steps = 10;
   std::string json;
@@ -121,6 +139,10 @@ int main(int argc, char** argv) {
                  "fp32 and/or bf16 (bf16 operands on tensor cores, sm_90; tf32 trains no "
                  "convolution yet)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--graphs", graph_modes,
+                 "on and/or off: steps replayed from a CUDA graph, or launched kernel by kernel")
+      ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   app.add_option("--gpus", max_gpus, "largest GPU count (default: all visible)");
   app.add_option("--warmup", warmup, "untimed steps")->capture_default_str();
@@ -135,8 +157,8 @@ int main(int argc, char** argv) {
     }
     if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
     FILE* out = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
-    std::printf("| model | precision | image | batch/GPU | GPUs | img/s | step ms | scaling | all-reduce ms | peak GiB |\n"
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    std::printf("| model | precision | graphs | image | batch/GPU | GPUs | img/s | step ms | scaling | all-reduce ms | peak GiB |\n"
+                "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     std::vector<std::pair<std::string, std::string>> runs;  // (precision, arch)
     for (const auto& name : precisions) {
       for (const auto& arch : archs) runs.emplace_back(name, arch);
@@ -144,23 +166,29 @@ int main(int argc, char** argv) {
     for (const auto& [name, arch] : runs) {
       const Precision precision = parse_precision(name);
       for (int size : sizes) {
-        const int64_t per_gpu = size == 32 ? 256 : 64;
-        double one = 0;
-        for (int g = 1; g <= max_gpus; ++g) {
-          const Result r = run({arch, size, per_gpu, g, precision}, warmup, steps);
-          if (g == 1) one = r.images_per_s;
-          const double scaling = r.images_per_s / (one * g);
-          std::printf("| %s | %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %.2f |\n", arch.c_str(), name.c_str(), size,
-                      static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
-                      r.allreduce_ms, r.peak_gib);
-          std::fflush(stdout);
-          if (out) {
-            std::fprintf(out,
-                         "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
-                         "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
-                         "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f}\n",
-                         arch.c_str(), name.c_str(), size, static_cast<long long>(per_gpu), g, r.images_per_s,
-                         r.step_ms, scaling, r.allreduce_ms, r.peak_gib);
+        for (const auto& mode : graph_modes) {
+          const bool graphs = mode == "on";
+          const int64_t per_gpu = size == 32 ? 256 : 64;
+          double one = 0;
+          for (int g = 1; g <= max_gpus; ++g) {
+            const Result r = run({arch, size, per_gpu, g, precision, graphs}, warmup, steps);
+            if (g == 1) one = r.images_per_s;
+            const double scaling = r.images_per_s / (one * g);
+            std::printf("| %s | %s | %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %.2f |\n",
+                        arch.c_str(), name.c_str(), mode.c_str(), size,
+                        static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
+                        r.allreduce_ms, r.peak_gib);
+            std::fflush(stdout);
+            if (out) {
+              std::fprintf(out,
+                           "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", "
+                           "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
+                           "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
+                           "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f}\n",
+                           arch.c_str(), name.c_str(), mode.c_str(), size,
+                           static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
+                           r.allreduce_ms, r.peak_gib);
+            }
           }
         }
       }

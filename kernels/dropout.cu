@@ -21,7 +21,12 @@ __device__ __forceinline__ float drop(uint32_t word, float x, float p, float sca
 
 __global__ void __launch_bounds__(kThreads, 6)
     dropout_kernel(const float* x, float* y, int64_t n, float p, float scale, uint64_t seed,
-                   uint64_t offset, int64_t head, int64_t vectors) {
+                   uint64_t offset, int64_t head, int64_t vectors,
+                   const uint64_t* __restrict__ seed_offset) {
+  if (seed_offset != nullptr) {  // a captured launch: this replay's (seed, offset)
+    seed = seed_offset[0];
+    offset = seed_offset[1];
+  }
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const auto* x4 = reinterpret_cast<const float4*>(x + head);
@@ -60,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 6)
 }
 
 void run(const char* op, const float* x, float* y, int64_t n, float p, uint64_t seed,
-         uint64_t offset, cudaStream_t stream) {
+         uint64_t offset, const uint64_t* seed_offset, cudaStream_t stream) {
   detail::check_elementwise(op, n, {x, y});
   const float scale = dropout_scale(p);  // checks p
   if (n == 0) {
@@ -77,19 +82,31 @@ void run(const char* op, const float* x, float* y, int64_t n, float p, uint64_t 
   const int64_t work = std::max(split.vectors, n - 4 * split.vectors);
   const unsigned blocks = std::min(grid_for(work, kThreads), kMaxBlocks);
   launch(op, dropout_kernel, blocks, kThreads, 0, stream, x, y, n, p, scale, seed, offset,
-         split.head, split.vectors);
+         split.head, split.vectors, seed_offset);
 }
 
 }  // namespace
 
 void dropout_forward(const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset,
                      cudaStream_t stream) {
-  run("dropout_forward", x, y, n, p, seed, offset, stream);
+  run("dropout_forward", x, y, n, p, seed, offset, nullptr, stream);
+}
+
+void dropout_forward(const float* x, float* y, int64_t n, float p, const uint64_t* seed_offset,
+                     cudaStream_t stream) {
+  CUDP_CHECK(seed_offset != nullptr, "dropout_forward: the seed and offset pointer is null");
+  run("dropout_forward", x, y, n, p, 0, 0, seed_offset, stream);
 }
 
 void dropout_backward(const float* dy, float* dx, int64_t n, float p, uint64_t seed,
                       uint64_t offset, cudaStream_t stream) {
-  run("dropout_backward", dy, dx, n, p, seed, offset, stream);
+  run("dropout_backward", dy, dx, n, p, seed, offset, nullptr, stream);
+}
+
+void dropout_backward(const float* dy, float* dx, int64_t n, float p, const uint64_t* seed_offset,
+                      cudaStream_t stream) {
+  CUDP_CHECK(seed_offset != nullptr, "dropout_backward: the seed and offset pointer is null");
+  run("dropout_backward", dy, dx, n, p, 0, 0, seed_offset, stream);
 }
 
 }  // namespace cudp::kernels

@@ -40,6 +40,14 @@ void dropout_backward(const float* dy, float* dx, int64_t n, float p, uint64_t s
 void dropout_backward_cpu(const float* dy, float* dx, int64_t n, float p, uint64_t seed,
                           uint64_t offset);
 
+// Captured launches (engine/core/graph.h NOTE [Replay scalars]): the same, with the seed and
+// offset read on the device from seed_offset[0] and seed_offset[1], which the host rewrites before
+// each replay of the graph.
+void dropout_forward(const float* x, float* y, int64_t n, float p, const uint64_t* seed_offset,
+                     cudaStream_t stream);
+void dropout_backward(const float* dy, float* dx, int64_t n, float p, const uint64_t* seed_offset,
+                      cudaStream_t stream);
+
 // 1 / (1 - p) in fp32, the factor kept elements are multiplied by. Throws ValueError unless p is in
 // [0, 1).
 float dropout_scale(float p);

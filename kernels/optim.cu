@@ -34,7 +34,13 @@ __device__ __forceinline__ void store4(float* p, int64_t i, float4 v) {
 template <bool Vec>
 __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ grad,
                            float* __restrict__ buf, int64_t n, detail::SgdCoefficients k,
-                           int64_t momentum_steps, StepGate gate) {
+                           int64_t momentum_steps, StepGate gate,
+                           const SgdScalars* __restrict__ scalars) {
+  if (scalars != nullptr) {  // a captured step: this replay's values (optim.h)
+    k = scalars->k;
+    momentum_steps = scalars->momentum_steps;
+    gate.folded = scalars->folded;
+  }
   if (detail::skipped(gate)) return;  // a skipped step writes nothing
   k.first_step = detail::steps_taken(momentum_steps, gate) == 0;
   // The buffer is read only when it has history, so a fresh (uninitialised) one is never read.
@@ -66,7 +72,13 @@ __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ 
 template <bool Vec>
 __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad,
                              float* __restrict__ m, float* __restrict__ v, int64_t n,
-                             detail::AdamWCoefficients k, int64_t step, StepGate gate) {
+                             detail::AdamWCoefficients k, int64_t step, StepGate gate,
+                             const AdamWScalars* __restrict__ scalars) {
+  if (scalars != nullptr) {  // a captured step: this replay's values (optim.h)
+    k = scalars->k;
+    step = scalars->step;
+    gate.folded = scalars->folded;
+  }
   if (detail::skipped(gate)) return;  // a skipped step writes nothing
   // After a skip the host's scalars are for a step that was not taken: recompute them (optim.h).
   if (const int64_t taken = detail::steps_taken(step, gate); taken != step) {
@@ -194,6 +206,37 @@ void reduce_squares(const char* op, const float* x, int64_t n, float* out, cudaS
          parts, out);
 }
 
+void launch_sgd(float* param, const float* grad, float* momentum_buf, int64_t n,
+                const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
+                cudaStream_t stream) {
+  const bool momentum = host.k.momentum != 0.f;
+  CUDP_CHECK(!momentum || momentum_buf || n == 0, "sgd_step: momentum ", host.k.momentum,
+             " needs a momentum buffer");
+  if (n == 0) return;
+  const bool vec = aligned16(param) && aligned16(grad) && (!momentum || aligned16(momentum_buf));
+  if (vec) {
+    launch("sgd_kernel", sgd_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream, param,
+           grad, momentum_buf, n, host.k, host.momentum_steps, gate, scalars);
+  } else {
+    launch("sgd_kernel", sgd_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
+           param, grad, momentum_buf, n, host.k, host.momentum_steps, gate, scalars);
+  }
+}
+
+void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n,
+                  const detail::AdamWCoefficients& k, int64_t step, const AdamWScalars* scalars,
+                  const StepGate& gate, cudaStream_t stream) {
+  if (n == 0) return;
+  const bool vec = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
+  if (vec) {
+    launch("adamw_kernel", adamw_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream,
+           param, grad, m, v, n, k, step, gate, scalars);
+  } else {
+    launch("adamw_kernel", adamw_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
+           param, grad, m, v, n, k, step, gate, scalars);
+  }
+}
+
 }  // namespace
 
 void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
@@ -206,21 +249,24 @@ void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, d
 void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov,
               int64_t momentum_steps, const StepGate& gate, cudaStream_t stream) {
-  const detail::SgdCoefficients k =
-      detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, false);
-  CUDP_CHECK(momentum == 0 || momentum_buf || n == 0, "sgd_step: momentum ", momentum,
-             " needs a momentum buffer");
   CUDP_CHECK(momentum_steps >= 0, "sgd_step: momentum_steps must be >= 0, got ", momentum_steps);
-  if (n == 0) return;
-  const bool vec =
-      aligned16(param) && aligned16(grad) && (momentum == 0 || aligned16(momentum_buf));
-  if (vec) {
-    launch("sgd_kernel", sgd_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream, param,
-           grad, momentum_buf, n, k, momentum_steps, gate);
-  } else {
-    launch("sgd_kernel", sgd_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
-           param, grad, momentum_buf, n, k, momentum_steps, gate);
-  }
+  const SgdScalars host = sgd_scalars(n, lr, momentum, dampening, weight_decay, nesterov,
+                                      momentum_steps, gate.folded);
+  launch_sgd(param, grad, momentum_buf, n, host, nullptr, gate, stream);
+}
+
+void sgd_step_captured(float* param, const float* grad, float* momentum_buf, int64_t n,
+                       const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
+                       cudaStream_t stream) {
+  CUDP_CHECK(scalars != nullptr, "sgd_step_captured: the device scalars pointer is null");
+  launch_sgd(param, grad, momentum_buf, n, host, scalars, gate, stream);
+}
+
+SgdScalars sgd_scalars(int64_t n, double lr, double momentum, double dampening,
+                       double weight_decay, bool nesterov, int64_t momentum_steps,
+                       int64_t folded) {
+  return {detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, false),
+          momentum_steps, folded};
 }
 
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
@@ -234,15 +280,18 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
                 const StepGate& gate, cudaStream_t stream) {
   const detail::AdamWCoefficients k =
       detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
-  if (n == 0) return;
-  const bool vec = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
-  if (vec) {
-    launch("adamw_kernel", adamw_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream,
-           param, grad, m, v, n, k, step, gate);
-  } else {
-    launch("adamw_kernel", adamw_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
-           param, grad, m, v, n, k, step, gate);
-  }
+  launch_adamw(param, grad, m, v, n, k, step, nullptr, gate, stream);
+}
+
+void adamw_step_captured(float* param, const float* grad, float* m, float* v, int64_t n,
+                         const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream) {
+  CUDP_CHECK(scalars != nullptr, "adamw_step_captured: the device scalars pointer is null");
+  launch_adamw(param, grad, m, v, n, {}, 0, scalars, gate, stream);
+}
+
+AdamWScalars adamw_scalars(int64_t n, double lr, double beta1, double beta2, double eps,
+                           double weight_decay, int64_t step, int64_t folded) {
+  return {detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step), step, folded};
 }
 
 void count_skipped_step(const int32_t* skip, int64_t* counts, bool advances_state,

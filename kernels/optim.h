@@ -205,4 +205,33 @@ CUDP_HD inline float clip_coefficient(float norm, float max_norm) {
 }
 
 }  // namespace detail
+
+// Captured steps (engine/core/graph.h NOTE [Replay scalars]): the same updates, with every scalar
+// that may change from step to step (the rate, the momentum, the step counts, the folded skips)
+// read on the device from `scalars`, which the host rewrites before each replay of the graph. The
+// arithmetic is the kernels' above, element for element, so a replay and an eager step agree bit
+// for bit. `host` holds this step's values (for the launch configuration and the checks); the
+// kernel reads `scalars`, which must hold the same values by the time it runs. gate.folded is
+// ignored (scalars->folded is read).
+struct SgdScalars {
+  detail::SgdCoefficients k;  // first_step unused: from momentum_steps as above
+  int64_t momentum_steps;
+  int64_t folded;
+};
+struct AdamWScalars {
+  detail::AdamWCoefficients k;
+  int64_t step;
+  int64_t folded;
+};
+SgdScalars sgd_scalars(int64_t n, double lr, double momentum, double dampening,
+                       double weight_decay, bool nesterov, int64_t momentum_steps,
+                       int64_t folded);
+void sgd_step_captured(float* param, const float* grad, float* momentum_buf, int64_t n,
+                       const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
+                       cudaStream_t stream);
+AdamWScalars adamw_scalars(int64_t n, double lr, double beta1, double beta2, double eps,
+                           double weight_decay, int64_t step, int64_t folded);
+void adamw_step_captured(float* param, const float* grad, float* m, float* v, int64_t n,
+                         const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream);
+
 }  // namespace cudp::kernels

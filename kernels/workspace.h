@@ -26,11 +26,10 @@ class Workspace {
       : stream_(stream) {
     if (bytes > 0) {
       cuda::check_allocation(cudaMallocAsync(&ptr_, bytes, stream), bytes, what, "cudaMallocAsync");
+      cuda::note_allocation(ptr_, stream);  // freed in the graph when captured (memory.h)
     }
   }
-  ~Workspace() {
-    if (ptr_) static_cast<void>(cudaFreeAsync(ptr_, stream_));  // an error here already surfaced
-  }
+  ~Workspace() { cuda::device_free(ptr_, stream_); }  // an error here already surfaced
   Workspace(Workspace&& other) noexcept
       : ptr_(std::exchange(other.ptr_, nullptr)), stream_(other.stream_) {}
   Workspace& operator=(Workspace&& other) noexcept {
@@ -47,7 +46,12 @@ class Workspace {
   }
   // Frees now (on the stream), reporting an error instead of swallowing it.
   void release() {
-    if (ptr_) CUDP_CUDA_CHECK(cudaFreeAsync(std::exchange(ptr_, nullptr), stream_));
+    if (!ptr_) return;
+    if (cuda::capture_is_open()) {
+      cuda::device_free(std::exchange(ptr_, nullptr), stream_);
+      return;
+    }
+    CUDP_CUDA_CHECK(cudaFreeAsync(std::exchange(ptr_, nullptr), stream_));
   }
 
  private:

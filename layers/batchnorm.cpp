@@ -1,6 +1,7 @@
 #include "layers/batchnorm.h"
 
 #include "kernels/batchnorm.h"
+#include "kernels/scalars.h"
 
 namespace cudp {
 
@@ -40,10 +41,9 @@ int64_t BatchNorm2d::rows_of(const Tensor& input) const {
 void BatchNorm2d::write_batch_count() {
   void* dst = num_batches_tracked_->data_ptr();
   run([&] { *static_cast<int64_t*>(dst) = batches_tracked_; },
-      [&](cudaStream_t s) {
-        CUDP_CUDA_CHECK(
-            cudaMemcpyAsync(dst, &batches_tracked_, sizeof(int64_t), cudaMemcpyHostToDevice, s));
-      });
+      // +1 on the device (it held batches_tracked_ - 1): no pageable copy, and a CUDA graph's
+      // replays count too (kernels/scalars.h).
+      [&](cudaStream_t s) { kernels::add_i64(static_cast<int64_t*>(dst), 1, s); });
 }
 
 Tensor BatchNorm2d::forward_one(const Tensor& input) {

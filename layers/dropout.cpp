@@ -1,5 +1,8 @@
 #include "layers/dropout.h"
 
+#include <cstring>
+
+#include "engine/core/graph.h"
 #include "kernels/dropout.h"
 
 namespace cudp {
@@ -18,14 +21,40 @@ Tensor Dropout::forward_one(const Tensor& input) {
   saved_seed_ = seed_;
   saved_offset_ = offset_;
   const int64_t n = input.numel();
-  offset_ += static_cast<uint64_t>((n + 3) / 4 * 4);
+  const auto advance = static_cast<uint64_t>((n + 3) / 4 * 4);
+  offset_ += advance;
+  saved_slot_ = nullptr;
+  if (device_.is_cuda()) {
+    if (cuda::ReplayScalars* replay = cuda::ReplayScalars::active(device_.index)) {
+      // Captured: the kernels read (seed, offset) from a slot, and each replay advances the
+      // offset as this forward just did (engine/core/graph.h NOTE [Replay scalars]).
+      const cuda::ReplayScalars::Slot slot = replay->slot(device_.index, 2 * sizeof(uint64_t));
+      const uint64_t values[2] = {saved_seed_, saved_offset_};
+      std::memcpy(slot.host, values, sizeof values);
+      saved_slot_ = static_cast<const uint64_t*>(slot.device);
+      replay->on_replay([this, advance, host = slot.host] {
+        saved_seed_ = seed_;
+        saved_offset_ = offset_;
+        offset_ += advance;
+        const uint64_t next[2] = {saved_seed_, saved_offset_};
+        std::memcpy(host, next, sizeof next);
+      });
+    }
+  }
   Tensor y = Tensor::empty(input.shape(), DType::f32, device_);
   const float* x = input.data<float>();
   float* out = y.data<float>();
   const float p = p_;
   const uint64_t seed = seed_, offset = saved_offset_;
+  const uint64_t* slot = saved_slot_;
   run([&] { kernels::dropout_forward_cpu(x, out, n, p, seed, offset); },
-      [&](cudaStream_t s) { kernels::dropout_forward(x, out, n, p, seed, offset, s); });
+      [&](cudaStream_t s) {
+        if (slot != nullptr) {
+          kernels::dropout_forward(x, out, n, p, slot, s);
+        } else {
+          kernels::dropout_forward(x, out, n, p, seed, offset, s);
+        }
+      });
   return y;
 }
 
@@ -40,8 +69,15 @@ Tensor Dropout::backward_one(const Tensor& grad_output) {
   float* out = dx.data<float>();
   const float p = p_;
   const uint64_t seed = saved_seed_, offset = saved_offset_;
+  const uint64_t* slot = saved_slot_;
   run([&] { kernels::dropout_backward_cpu(dy, out, n, p, seed, offset); },
-      [&](cudaStream_t s) { kernels::dropout_backward(dy, out, n, p, seed, offset, s); });
+      [&](cudaStream_t s) {
+        if (slot != nullptr) {
+          kernels::dropout_backward(dy, out, n, p, slot, s);
+        } else {
+          kernels::dropout_backward(dy, out, n, p, seed, offset, s);
+        }
+      });
   return dx;
 }
 

@@ -12,6 +12,10 @@
 // and its checkpoints must load strictly): a checkpoint that resumes exactly saves offset() and
 // restores it with set_offset(); clone() copies both.
 //
+// CUDA graphs: a forward captured into a graph reads (seed, offset) from device memory, and before
+// each replay the host advances the offset as an eager forward would and writes it there, so
+// replays draw the masks eager steps would, and offset() stays right for checkpoints.
+//
 // Data parallelism: element i of a forward at offset o gets the mask of element i + d at offset
 // o - d, so replicas that each set offset = (the step's base offset) + (their chunk's first
 // element) draw together exactly the mask one device would draw for the whole batch.
@@ -50,6 +54,9 @@ class Dropout : public Module {
   uint64_t saved_seed_ = 0;
   uint64_t saved_offset_ = 0;
   Shape saved_shape_;
+  // A captured forward's (seed, offset) slot in device memory, read by its kernels and by the
+  // backward's (engine/core/graph.h NOTE [Replay scalars]); null after an eager forward.
+  const uint64_t* saved_slot_ = nullptr;
 };
 
 }  // namespace cudp

@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/core/graph.h"
 #include "engine/core/memory.h"
 #include "kernels/optim.h"
 
@@ -219,14 +220,22 @@ void Optimizer::fold_skips() const {
   self.advancing_since_fold_ = 0;
 }
 
-void Optimizer::take_step(const Tensor* skip) {
+void Optimizer::take_step(const Tensor* skip, Issue issue) {
+  const bool stage = issue == Issue::Stage;
   check_gradients();
   // Without unread gated steps, folding is bookkeeping on the host; with them it would wait for the
   // device, so the counts stay issued and the kernels correct them.
   if (!gated_since_fold_) fold_skips();
-  if (skip != nullptr && !skip_counts_.defined()) {
+  const bool gated = stage ? captured_gated_ : skip != nullptr;
+  if (gated && !skip_counts_.defined()) {
+    CUDP_CHECK(!stage, type_name(), ": the captured step was gated but the optimizer has no "
+                                    "count of skipped steps; capture the step again");
     const cuda::AllocationPurpose purpose(type_name() + "'s count of skipped steps");
     skip_counts_ = Tensor::zeros({2}, DType::i64, skip->device());
+  }
+  if (stage) {
+    CUDP_CHECK(state_names().empty() || !state_.empty(), type_name(),
+               ": the optimizer's state was created after the step was captured; capture again");
   }
   allocate_state();
   kernels::StepGate gate;
@@ -242,12 +251,37 @@ void Optimizer::take_step(const Tensor* skip) {
   // agreeing bookkeeping.
   const bool together =
       flat && (state_.empty() || flat->offsets == flat_offsets_) && uniform_state();
+  // Captured into a graph when a capture is open on the parameters' device (engine/core/graph.h
+  // NOTE [Replay scalars]): each update reads its scalars from a slot, and before every replay
+  // Issue::Stage writes the replay's own into the same slots, in the same order.
+  const Device device = flat ? flat->device : params_[0]->data.device();
+  cuda::ReplayScalars* replay =
+      !stage && device.is_cuda() ? cuda::ReplayScalars::active(device.index) : nullptr;
+  if (replay != nullptr) captured_slots_.clear();
+  size_t staged = 0;
+  const auto issue_update = [&](Update u) {
+    if (stage) {
+      CUDP_CHECK(staged < captured_slots_.size(), type_name(),
+                 ": the parameters changed since the step was captured (more updates than the "
+                 "capture's ", captured_slots_.size(), "); capture the step again");
+      u.stage = captured_slots_[staged++];
+      update(u);  // fills the slot, launches nothing
+      return;
+    }
+    if (replay != nullptr) {
+      const cuda::ReplayScalars::Slot slot = replay->slot(u.device.index, scalar_bytes());
+      u.device_scalars = slot.device;
+      u.stage = slot.host;
+      captured_slots_.push_back(slot.host);
+    }
+    dispatch(u);
+  };
   if (together) {
     std::vector<float*> state;
     for (Tensor& t : flat_state_) {
       state.push_back(t.data<float>());
     }
-    dispatch(
+    issue_update(
         {flat->device, nullptr, flat->data, flat->grad, state, flat->n, 0, params_.size(), gate});
   } else {
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -256,11 +290,14 @@ void Optimizer::take_step(const Tensor* skip) {
       for (auto& per_param : state_) {
         state.push_back(per_param[i].data<float>());
       }
-      dispatch({p.data.device(), nullptr, p.data.data<float>(), p.grad.data<float>(), state,
-                p.data.numel(), i, 1, gate});
+      issue_update({p.data.device(), nullptr, p.data.data<float>(), p.grad.data<float>(), state,
+                    p.data.numel(), i, 1, gate});
     }
   }
-  if (skip != nullptr) {
+  CUDP_CHECK(!stage || staged == captured_slots_.size(), type_name(),
+             ": the parameters changed since the step was captured (", staged,
+             " updates, the capture had ", captured_slots_.size(), "); capture the step again");
+  if (skip != nullptr && !stage) {
     // After every update of the step has read the counts.
     int64_t* counts = skip_counts_.data<int64_t>();
     on_device(
@@ -268,11 +305,15 @@ void Optimizer::take_step(const Tensor* skip) {
         [&](cudaStream_t stream) {
           kernels::count_skipped_step(gate.skip, counts, advances, stream);
         });
-    gated_since_fold_ = true;
   }
+  if (gated) gated_since_fold_ = true;
   last_step_flat_ = together;
   ++steps_;
   if (advances) ++advancing_since_fold_;
+  if (replay != nullptr) {
+    captured_gated_ = gated;
+    replay->on_replay([this] { take_step(nullptr, Issue::Stage); });
+  }
 }
 
 void Optimizer::dispatch(Update u) {
@@ -446,9 +487,24 @@ void SGD::update(const Update& u) {
   if (u.device.is_cpu()) {
     kernels::sgd_step_cpu(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
                           options_.weight_decay, options_.nesterov, issued, u.gate);
-  } else {
+    return;
+  }
+  if (u.stage == nullptr) {
     kernels::sgd_step(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
                       options_.weight_decay, options_.nesterov, issued, u.gate, u.stream);
+    return;
+  }
+  const kernels::SgdScalars scalars =
+      kernels::sgd_scalars(u.n, lr_, options_.momentum, options_.dampening, options_.weight_decay,
+                           options_.nesterov, issued, u.gate.folded);
+  CUDP_CHECK(scalars.k.momentum == 0.f || buffer != nullptr,
+             "SGD: momentum ", options_.momentum, " needs a momentum buffer, and the captured "
+             "step had none (momentum was 0 when it was captured); capture the step again");
+  std::memcpy(u.stage, &scalars, sizeof scalars);
+  if (u.device_scalars != nullptr) {
+    kernels::sgd_step_captured(u.param, u.grad, buffer, u.n, scalars,
+                               static_cast<const kernels::SgdScalars*>(u.device_scalars), u.gate,
+                               u.stream);
   }
 }
 
@@ -492,10 +548,20 @@ void AdamW::update(const Update& u) {
   if (u.device.is_cpu()) {
     kernels::adamw_step_cpu(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
                             options_.beta2, options_.eps, options_.weight_decay, step, u.gate);
-  } else {
+  } else if (u.stage == nullptr) {
     kernels::adamw_step(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
                         options_.beta2, options_.eps, options_.weight_decay, step, u.gate,
                         u.stream);
+  } else {
+    const kernels::AdamWScalars scalars =
+        kernels::adamw_scalars(u.n, lr_, options_.beta1, options_.beta2, options_.eps,
+                               options_.weight_decay, step, u.gate.folded);
+    std::memcpy(u.stage, &scalars, sizeof scalars);
+    if (u.device_scalars != nullptr) {
+      kernels::adamw_step_captured(u.param, u.grad, u.state[0], u.state[1], u.n,
+                                   static_cast<const kernels::AdamWScalars*>(u.device_scalars),
+                                   u.gate, u.stream);
+    }
   }
   for (size_t i = u.first; i < u.first + u.count; ++i) {
     step_[i] = step;

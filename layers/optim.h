@@ -126,8 +126,16 @@ class Optimizer {
     int64_t n;
     size_t first, count;
     kernels::StepGate gate;
+    // A captured step (engine/core/graph.h NOTE [Replay scalars]): `device_scalars` is the slot
+    // the kernel reads this step's scalars from (kernels/optim.h, SgdScalars, AdamWScalars) and
+    // `stage` its host copy, which update() fills. Before a replay update() is called with `stage`
+    // alone: it fills it and launches nothing. Both null: an eager step.
+    void* device_scalars = nullptr;
+    void* stage = nullptr;
   };
   virtual void update(const Update& u) = 0;
+  // The bytes of the scalars a captured update reads (sizeof SgdScalars or AdamWScalars).
+  virtual size_t scalar_bytes() const = 0;
   // Whether a step now advances per-parameter state (AdamW: always; SGD: with momentum), so that a
   // skip of it counts against the counts the kernels correct.
   virtual bool advances_state() const = 0;
@@ -162,7 +170,11 @@ class Optimizer {
  private:
   void check_gradients() const;
   void allocate_state();
-  void take_step(const Tensor* skip);
+  // One step: launched (eager, or captured into a graph when a capture is open on the parameters'
+  // device), or, before a replay of a captured step, its host side alone (Issue::Stage): the same
+  // checks and counts, and the new scalars written into the slots the capture took.
+  enum class Issue { Launch, Stage };
+  void take_step(const Tensor* skip, Issue issue = Issue::Launch);
   // Brings the host's counts to the steps taken: reads the device's skip counts when a gated step
   // ran since the last fold (waiting for it) and takes the new skips out. Logically const: the
   // accessors report the counts it corrects.
@@ -186,6 +198,10 @@ class Optimizer {
   int64_t folded_[2] = {0, 0};
   bool gated_since_fold_ = false;
   int64_t advancing_since_fold_ = 0;
+  // The last captured step: the host copies of its scalar slots, in dispatch order, and whether it
+  // was gated (step(skip)).
+  std::vector<void*> captured_slots_;
+  bool captured_gated_ = false;
 };
 
 struct SGDOptions {
@@ -208,6 +224,7 @@ class SGD : public Optimizer {
 
  protected:
   void update(const Update& u) override;
+  size_t scalar_bytes() const override { return sizeof(kernels::SgdScalars); }
   bool advances_state() const override { return options_.momentum != 0; }
   void fold_counts(int64_t issued, int64_t skipped) override;
   std::vector<std::string> state_names() const override;
@@ -245,6 +262,7 @@ class AdamW : public Optimizer {
 
  protected:
   void update(const Update& u) override;
+  size_t scalar_bytes() const override { return sizeof(kernels::AdamWScalars); }
   bool advances_state() const override { return true; }
   void fold_counts(int64_t issued, int64_t skipped) override;
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }

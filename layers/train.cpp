@@ -1,8 +1,11 @@
 #include "layers/train.h"
 
+#include <exception>
+#include <utility>
 #include <vector>
 
 #include "engine/core/memory.h"
+#include "engine/core/stream.h"
 
 namespace cudp {
 namespace {
@@ -68,6 +71,188 @@ StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& opt
   const PendingStep pending = train_step_async(model, criterion, optimizer, images, labels);
   const float loss = criterion.item();  // waits for the step, checks the labels' flag
   return {loss, pending.correct.to_vector<int32_t>()[0], pending.count};
+}
+
+// ---- GraphedStep (train.h, NOTE [Graphed training steps]) ---------------------------------------
+
+GraphedStep::GraphedStep(Body body, Device device, Options options, std::vector<int> devices)
+    : body_(std::move(body)), device_(device), options_(options), devices_(std::move(devices)) {
+  CUDP_CHECK(body_ != nullptr, "GraphedStep: the step body is empty");
+  CUDP_CHECK(options_.warmup_steps >= 1, "GraphedStep: warmup_steps must be at least 1 (the "
+             "first step of a shape creates state a capture must not create), got ",
+             options_.warmup_steps);
+  if (device_.is_cuda() && devices_.empty()) devices_.push_back(device_.index);
+}
+
+GraphedStep::GraphedStep(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,
+                         Options options)
+    : GraphedStep(
+          [&model, &criterion, &optimizer](const Tensor& images, const Tensor& labels) {
+            const PendingStep p = train_step_async(model, criterion, optimizer, images, labels);
+            return TensorList{p.loss, p.correct};
+          },
+          model.device(), options) {}
+
+GraphedStep::~GraphedStep() {
+  if (copied_.get() != nullptr) cudaEventSynchronize(copied_.get());  // the held inputs' copies
+  if (captured()) {  // the graph and its replay scalars go: let the last replay finish first
+    const cuda::DeviceGuard guard(device_.index);
+    cudaStreamSynchronize(cuda::current_stream(device_.index));
+  }
+}
+
+GraphedStep::Key GraphedStep::key_of(const Tensor& images, const Tensor& labels) {
+  CUDP_CHECK(images.defined() && labels.defined(),
+             "GraphedStep: the images or labels are undefined");
+  return {images.shape(), labels.shape(), images.dtype(), labels.dtype()};
+}
+
+TensorList GraphedStep::run(const Tensor& images, const Tensor& labels) {
+  const Key key = key_of(images, labels);
+  if (captured() && key == captured_) {
+    copy_in(images, labels);
+    return launch(/*first=*/false);
+  }
+  const bool may_capture = options_.enabled && device_.is_cuda() && !captured();
+  if (may_capture && key == warming_ && warm_count_ >= options_.warmup_steps) {
+    return capture(images, labels);
+  }
+  if (!(key == warming_)) {
+    warming_ = key;
+    warm_count_ = 0;
+  }
+  ++warm_count_;
+  ++eager_steps_;
+  last_eager_ = body_(images, labels);
+  return last_eager_;
+}
+
+PendingStep GraphedStep::step(const Tensor& images, const Tensor& labels) {
+  const TensorList out = run(images, labels);
+  CUDP_CHECK(out.size() >= 2, "GraphedStep::step: the body must return {loss, correct}, got ",
+             out.size(), " tensors");
+  return {out[0], out[1], images.dim() > 0 ? images.size(0) : 0};
+}
+
+void GraphedStep::copy_in(const Tensor& images, const Tensor& labels) {
+  const cudaStream_t stream = cuda::current_stream(device_.index);
+  const bool pinned =
+      (images.is_cpu() && images.is_pinned()) || (labels.is_cpu() && labels.is_pinned());
+  if (pinned) {
+    // The previous step's pinned inputs may go once their copies have run (long since, normally).
+    if (copied_.get() != nullptr) copied_.synchronize();
+    held_ = {images, labels};
+  }
+  for (auto [dst, src] : {std::pair{&images_, &images}, std::pair{&labels_, &labels}}) {
+    if (src->is_cpu() && !src->is_pinned()) {
+      dst->copy_from(*src);  // pageable: CUDA reads it before returning (and waits)
+    } else {
+      dst->copy_from(*src, stream);
+    }
+  }
+  if (pinned) {
+    if (copied_.get() == nullptr) copied_ = cuda::Event::create(device_.index);
+    copied_.record(stream);
+  }
+}
+
+TensorList GraphedStep::capture(const Tensor& images, const Tensor& labels) {
+  const int device = device_.index;
+  const cuda::DeviceGuard guard(device);
+  const cudaStream_t stream = cuda::current_stream(device);
+  {
+    const cuda::AllocationPurpose purpose(
+        "the static inputs, outputs and replay scalars of a CUDA graph of the training step",
+        "Run the training step without a CUDA graph (--graphs off) to save this memory.");
+    images_ = Tensor::empty(images.shape(), images.dtype(), device_);
+    labels_ = Tensor::empty(labels.shape(), labels.dtype(), device_);
+    outputs_.clear();
+    for (const Tensor& t : last_eager_) {
+      CUDP_CHECK(t.defined() && t.device() == device_,
+                 "GraphedStep: the step body's results must be tensors on ", device_, ", got ",
+                 t.defined() ? t.str() : std::string("an undefined tensor"));
+      outputs_.push_back(Tensor::empty(t.shape(), t.dtype(), device_));
+    }
+      if (!scalars_) scalars_ = std::make_unique<cuda::ReplayScalars>(devices_);
+    if (launched_.get() == nullptr) launched_ = cuda::Event::create(device);
+    for (size_t i = ready_.size(); i < devices_.size(); ++i) {
+      ready_.push_back(cuda::Event::create(devices_[i]));
+    }
+  }
+  scalars_->clear();
+  copy_in(images, labels);
+  const std::string what = detail::str("the training step (batch ", shape_str(images.shape()),
+                                       ") on ", device_);
+  {
+    const cuda::ReplayScalars::Activation active(*scalars_);
+    graph_.capture_begin(device, stream, what);
+    try {
+      // Every device's stream is in the capture from the start: an allocation on one before it
+      // joined through a copy would be pool memory, freed after the capture under the graph.
+      for (const int d : devices_) graph_.fork(d, cuda::current_stream(d));
+      const TensorList out = body_(images_, labels_);  // freed inside the capture
+      CUDP_CHECK(out.size() == outputs_.size(), "GraphedStep: the step body returned ",
+                 out.size(), " tensors while capturing but ", outputs_.size(), " before");
+      for (size_t i = 0; i < out.size(); ++i) {
+        CUDP_CHECK(out[i].defined() && out[i].shape() == outputs_[i].shape() &&
+                       out[i].dtype() == outputs_[i].dtype() && out[i].device() == device_,
+                   "GraphedStep: result ", i, " of the step body is ",
+                   out[i].defined() ? out[i].str() : std::string("undefined"),
+                   " while capturing but was ", outputs_[i].str(), " in the eager steps");
+        outputs_[i].copy_from(out[i], stream);
+      }
+      // Work the step put on other devices (DataParallel's replicas) ends in the graph too.
+      for (const int d : devices_) graph_.join(d, cuda::current_stream(d));
+    } catch (const std::exception& e) {
+      graph_.capture_abort();
+      throw Error(detail::str("capturing ", what, " into a CUDA graph failed: ", e.what(),
+                              ". The model's saved activations may refer to the abandoned "
+                              "capture: rebuild it, and run the step without a graph "
+                              "(--graphs off)"),
+                  __FILE__, __LINE__);
+    }
+    graph_.capture_end();
+  }
+  captured_ = key_of(images, labels);
+  last_eager_.clear();
+  return launch(/*first=*/true);
+}
+
+TensorList GraphedStep::launch(bool first) {
+  const cuda::DeviceGuard guard(device_.index);
+  const cudaStream_t stream = cuda::current_stream(device_.index);
+  // The capture ran the host side of the first launch's step; later ones run it here.
+  if (!first) {
+    if (options_.before_replay) options_.before_replay();
+    scalars_->prepare_replay();
+  }
+  scalars_->upload(stream);
+  // The graph's work on the other devices follows what their streams hold (an eager step's), and
+  // what they are given next follows the graph.
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i] == device_.index) continue;
+    const cuda::DeviceGuard other(devices_[i]);
+    ready_[i].record(cuda::current_stream(devices_[i]));
+    CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, ready_[i].get(), 0));
+  }
+  graph_.launch(stream);
+  ++replays_;
+  if (devices_.size() > 1) {
+    launched_.record(stream);
+    for (const int d : devices_) {
+      if (d == device_.index) continue;
+      const cuda::DeviceGuard other(d);
+      CUDP_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(d), launched_.get(), 0));
+    }
+  }
+  const cuda::AllocationPurpose purpose("the results of a replayed training step");
+  TensorList out;
+  for (const Tensor& t : outputs_) {
+    Tensor copy = Tensor::empty(t.shape(), t.dtype(), device_);
+    copy.copy_from(t, stream);
+    out.push_back(std::move(copy));
+  }
+  return out;
 }
 
 EvalResult evaluate(Module& model, CrossEntropyLoss& criterion, const BatchSource& next) {

@@ -22,6 +22,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/core/graph.h"
 
 #include "layers/loss.h"
 #include "layers/module.h"
@@ -50,6 +54,96 @@ PendingStep train_step_async(Module& model, CrossEntropyLoss& criterion, Optimiz
                              const Tensor& images, const Tensor& labels);
 StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,
                       const Tensor& images, const Tensor& labels);
+
+// NOTE [Graphed training steps]
+// A training step captured into a CUDA graph once and replayed (engine/core/graph.h): the host
+// issues ~one launch per step instead of ~150. GraphedStep runs a step body (train_step_async, or
+// a trainer's own) on batches of one shape:
+//   - the first `warmup_steps` batches of a shape run eagerly: the allocator's pool grows to the
+//     step's size, the kernels' per-shape plans are made, the optimizer's state is created (none
+//     of which may first happen inside a capture);
+//   - the next one is captured: its batch is copied into static input tensors, the body runs on
+//     them with the stream captured (no kernel runs), and the graph is instantiated and launched;
+//   - every later batch of that shape is copied into the static inputs and the graph replayed.
+//   - a batch of another shape (an epoch's last, partial batch) runs eagerly, the graph is kept.
+// Results: the body returns device tensors (loss, correct count, ...); the graph copies them into
+// static outputs and each step returns fresh copies of those, so a caller may keep several steps'
+// results. What changes between steps without changing the graph (the learning rate, the
+// optimizer's counts, Dropout's offsets) is written into device memory before each replay (NOTE
+// [Replay scalars]); a replay therefore computes exactly what an eager step would, bit for bit
+// (tests/layers/graphed_step_gpu_test.cpp). What a replay cannot follow must not change after the
+// capture: the shapes, the model's structure and train/eval mode, which parameters the optimizer
+// holds, whether a step is gated (step(skip)), and anything the body decides on the host from
+// values of earlier steps. The model, criterion and optimizer must outlive the GraphedStep.
+// Host inputs are copied synchronously unless pinned (then asynchronously, and kept until the copy
+// has run); host labels are not range-checked here (the loss kernel flags a bad label, and
+// CrossEntropyLoss::item() reports it). Memory: the captured step's activations live in the
+// graph's own memory, beside what the eager steps left reserved in the pool.
+struct GraphedStepOptions {
+  int warmup_steps = 2;  // eager steps of a shape before it is captured (>= 1)
+  bool enabled = true;   // false: every step eager (the --graphs off comparison)
+  // Host code the body runs that a replay must repeat, run before each replay after the first
+  // (parallel::Replicated::follow_primary: the replicas' optimizers take the primary's rate).
+  std::function<void()> before_replay;
+};
+
+class GraphedStep {
+ public:
+  // One training step on device tensors of a fixed shape, returning its results on the device.
+  using Body = std::function<TensorList(const Tensor& images, const Tensor& labels)>;
+  using Options = GraphedStepOptions;
+
+  // `device`: where the step runs (a CUDA device; on the CPU every step is eager). `devices`: every
+  // device the step launches work on (for the replay scalars), `device` when empty.
+  GraphedStep(Body body, Device device, Options options, std::vector<int> devices = {});
+  // train_step_async(model, criterion, optimizer, ...) as the body, on the model's device.
+  GraphedStep(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,
+              Options options = {});
+  ~GraphedStep();
+  GraphedStep(const GraphedStep&) = delete;
+  GraphedStep& operator=(const GraphedStep&) = delete;
+  GraphedStep(GraphedStep&&) = delete;
+  GraphedStep& operator=(GraphedStep&&) = delete;
+
+  // One step on a batch (host or device tensors): eager, captured or replayed (see above).
+  TensorList run(const Tensor& images, const Tensor& labels);
+  // The train_step_async form: {loss, correct, count}.
+  PendingStep step(const Tensor& images, const Tensor& labels);
+
+  bool captured() const { return graph_.instantiated(); }
+  int64_t replays() const { return replays_; }          // graph launches, the first included
+  int64_t eager_steps() const { return eager_steps_; }  // steps run without the graph
+  size_t graph_nodes() const { return graph_.node_count(); }
+
+ private:
+  struct Key {
+    Shape images, labels;
+    DType images_dtype, labels_dtype;
+    bool operator==(const Key&) const = default;
+  };
+  static Key key_of(const Tensor& images, const Tensor& labels);
+  TensorList capture(const Tensor& images, const Tensor& labels);
+  void copy_in(const Tensor& images, const Tensor& labels);
+  TensorList launch(bool first);
+
+  Body body_;
+  Device device_;
+  Options options_;
+  std::vector<int> devices_;
+  cuda::CudaGraph graph_;
+  std::unique_ptr<cuda::ReplayScalars> scalars_;
+  Key captured_{}, warming_{};
+  int warm_count_ = 0;
+  Tensor images_, labels_;  // static inputs
+  TensorList outputs_;      // static outputs
+  TensorList last_eager_;   // the last eager step's results: the outputs' shapes and dtypes
+  TensorList held_;         // pinned host inputs until their copies have run
+  cuda::Event copied_;
+  // Ordering the other devices' streams around a launch: one event per device, and the launch's.
+  std::vector<cuda::Event> ready_;
+  cuda::Event launched_;
+  int64_t replays_ = 0, eager_steps_ = 0;
+};
 
 struct EvalResult {
   double loss = 0;  // mean over samples (each batch's mean weighted by its size)

@@ -3,8 +3,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <atomic>
 #include <mutex>
 #include <string>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "engine/core/device.h"
@@ -49,6 +52,29 @@ cudaMemPool_t pool(int device) {
     configured[device] = true;
   }
   return p;
+}
+
+// NOTE [Allocations during stream capture] (memory.h): the open capture's bookkeeping.
+struct CaptureBook {
+  std::mutex mutex;
+  bool open = false;
+  std::unordered_set<void*> allocated;                   // graph allocations not yet freed
+  std::vector<std::pair<void*, cudaStream_t>> deferred;  // frees to issue after the capture
+};
+CaptureBook& capture_book() {
+  static CaptureBook book;
+  return book;
+}
+std::atomic<bool> capture_open{false};  // read without the lock on every allocation
+
+// Whether work on `stream` is being captured now (or was, in a capture that failed).
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
 }
 
 uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
@@ -116,6 +142,7 @@ void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string
     throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__);
   }
   CUDP_CUDA_CHECK(status);
+  note_allocation(ptr, stream);
   return ptr;
 }
 
@@ -130,7 +157,51 @@ void check_allocation(cudaError_t status, size_t bytes, std::string_view what, c
 }
 
 void device_free(void* ptr, cudaStream_t stream) noexcept {
-  if (ptr) cudaFreeAsync(ptr, stream);
+  if (!ptr) return;
+  if (capture_open.load(std::memory_order_acquire) && capturing(stream)) {
+    CaptureBook& book = capture_book();
+    const std::lock_guard lock(book.mutex);
+    if (book.allocated.erase(ptr) == 0) {
+      book.deferred.emplace_back(ptr, stream);  // not the graph's: freed after the capture
+      return;
+    }
+  }
+  cudaFreeAsync(ptr, stream);
+}
+
+void begin_capture_allocations() {
+  CaptureBook& book = capture_book();
+  const std::lock_guard lock(book.mutex);
+  CUDP_CHECK(!book.open, "a CUDA graph capture is already open in this process; capture one "
+                         "training step at a time");
+  book.open = true;
+  book.allocated.clear();
+  book.deferred.clear();
+  capture_open.store(true, std::memory_order_release);
+}
+
+void end_capture_allocations() noexcept {
+  CaptureBook& book = capture_book();
+  std::vector<std::pair<void*, cudaStream_t>> deferred;
+  {
+    const std::lock_guard lock(book.mutex);
+    capture_open.store(false, std::memory_order_release);
+    book.open = false;
+    book.allocated.clear();
+    deferred.swap(book.deferred);
+  }
+  for (const auto& [ptr, stream] : deferred) cudaFreeAsync(ptr, stream);
+}
+
+bool capture_is_open() noexcept { return capture_open.load(std::memory_order_acquire); }
+
+void note_allocation(void* ptr, cudaStream_t stream) noexcept {
+  if (ptr == nullptr || !capture_open.load(std::memory_order_acquire) || !capturing(stream)) {
+    return;
+  }
+  CaptureBook& book = capture_book();
+  const std::lock_guard lock(book.mutex);
+  if (book.open) book.allocated.insert(ptr);
 }
 
 void* host_allocate(size_t bytes, bool pinned, std::string_view what) {

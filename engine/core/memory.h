@@ -49,7 +49,33 @@ class AllocationPurpose {
 // bytes asked for, `what` (the tensor), the current AllocationPurpose, what is allocated and reserved,
 // and what to change.
 void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string_view what = {});
+// Frees on `stream`. During a stream capture (below), memory that the capture did not allocate is
+// freed when the capture ends instead.
 void device_free(void* ptr, cudaStream_t stream) noexcept;
+
+// NOTE [Allocations during stream capture]
+// While a stream is captured into a CUDA graph (engine/core/graph.h), cudaMallocFromPoolAsync and
+// cudaMallocAsync on it create the graph's allocation nodes: the memory belongs to the graph, has a
+// fixed address over its replays, and a cudaFreeAsync on the captured stream becomes a free node.
+// A free node only takes the graph's own allocations, though, and a captured step frees memory it
+// did not allocate: the tensors a module kept from the last eager step (its saved activations),
+// released when the captured forward replaces them. Those frees are deferred: device_free records
+// them and end_capture_allocations() issues them on their streams once the capture has ended,
+// ordered after the eager work that used them and before the graph's first launch. Memory the
+// capture allocated and did not free (what modules keep after the captured step) stays the
+// graph's; it is freed by the graph's next launch (instantiated with auto-free on launch) or by a
+// later eager step, outside the graph, as CUDA allows.
+//
+// The bookkeeping, for engine/core/graph.cpp:
+// Starts the bookkeeping of one capture (one at a time in the process; throws if one is open).
+void begin_capture_allocations();
+// Ends it and issues the deferred frees.
+void end_capture_allocations() noexcept;
+// Records a graph allocation made without device_allocate (a kernel workspace's cudaMallocAsync),
+// so that its free stays in the graph. A no-op outside a capture.
+void note_allocation(void* ptr, cudaStream_t stream) noexcept;
+// Whether a capture's bookkeeping is open.
+bool capture_is_open() noexcept;
 
 // For device memory allocated on the current device outside device_allocate (a kernel's workspace
 // from cudaMallocAsync): returns when `status` is cudaSuccess; out of memory throws the

@@ -244,7 +244,9 @@ class Replicated {
     }
   }
 
- private:
+  // Replicas take primary()'s learning rate and momentum (what step() does first). A CUDA graph of
+  // a step does not run step()'s host code when replayed: call this before each replay
+  // (GraphedStepOptions::before_replay, layers/train.h).
   void follow_primary() {
     const Opt& first = *optimizers_[0];
     for (size_t r = 1; r < optimizers_.size(); ++r) {
@@ -253,6 +255,7 @@ class Replicated {
     }
   }
 
+ private:
   std::vector<std::unique_ptr<Opt>> optimizers_;
   std::vector<Tensor> skip_flags_;  // the skip flag on each replica's device (flag_on_devices)
 };

@@ -73,6 +73,7 @@
 #include "layers/loss.h"
 #include "layers/optim.h"
 #include "layers/schedule.h"
+#include "layers/train.h"
 #include "layers/vgg.h"
 
 namespace cudp::trainer {
@@ -268,6 +269,8 @@ class TrainOptimizer {
   virtual Optimizer& replica(size_t r) = 0;
   virtual size_t size() const = 0;
   virtual void load_state_dict(const TensorMap& state) = 0;
+  // The replicas take the primary's rate and momentum (before a graph replay: GraphedStep).
+  virtual void follow_primary() = 0;
 };
 
 template <class Opt>
@@ -285,6 +288,7 @@ class ReplicatedOptimizer final : public TrainOptimizer {
   Optimizer& replica(size_t r) override { return r_.replica(r); }
   size_t size() const override { return r_.size(); }
   void load_state_dict(const TensorMap& state) override { r_.load_state_dict(state); }
+  void follow_primary() override { r_.follow_primary(); }
 
  private:
   parallel::Replicated<Opt> r_;
@@ -892,6 +896,38 @@ int run(Options o) {
     best_top1 = std::strtod(it->second.c_str(), nullptr);  // only decides when best is replaced
   }
 
+  // One training step: its results {loss, gradient norm, logits} stay on the device.
+  const auto train_body = [&](const Tensor& images, const Tensor& labels) {
+    const Tensor out = model.forward(images);
+    const Tensor loss = criterion.forward(out, labels);
+    opt->zero_grad();
+    model.backward(o.label_smoothing > 0
+                       ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
+                       : criterion.backward());
+    // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
+    // only replica 0's is needed (all hold the same all-reduced gradients), and nothing is
+    // scaled, so the replicas stay bit-identical.
+    const Tensor norm = o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad)
+                                        : grad_norm(opt->primary().params());
+    if (skip_bad_steps) {
+      opt->step(nonfinite_flag(loss, norm));  // decided on the device, no host read
+    } else {
+      opt->step();
+    }
+    return TensorList{loss, norm, out};
+  };
+  // --graphs on: full batches replay a CUDA graph of train_body (layers/train.h NOTE [Graphed
+  // training steps]); the schedule's rate reaches the replicas through follow_primary.
+  GraphedStep graphed(train_body, main_device,
+                      {.warmup_steps = GraphedStepOptions{}.warmup_steps,
+                       .enabled = o.graphs == "on",
+                       .before_replay = [&opt] { opt->follow_primary(); }},
+                      gpus);
+  if (!gpus.empty()) {
+    std::printf("CUDA graphs: %s\n", o.graphs == "on" ? "on (full batches replay a captured step)"
+                                                        : "off");
+  }
+
   for (int g : gpus) cuda::reset_peak_memory_stats(g);
   BatchFeed train_feed(train_loader, feed_device);
   StepResults results(feed_device, /*training=*/true, o.label_smoothing);
@@ -911,25 +947,11 @@ int run(Options o) {
         o.print_freq > 0 ? o.print_freq : tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
     for (Tensor images, labels; train_feed.next(images, labels);) {
       const nvtx::Range range("training step");
-      const Tensor out = model.forward(images);
-      const Tensor loss = criterion.forward(out, labels);
-      opt->zero_grad();
-      model.backward(o.label_smoothing > 0
-                         ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
-                         : criterion.backward());
-      // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
-      // only replica 0's is needed (all hold the same all-reduced gradients), and nothing is
-      // scaled, so the replicas stay bit-identical.
-      const Tensor norm = o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad)
-                                          : grad_norm(opt->primary().params());
       const double step_lr = opt->primary().lr();
+      const TensorList r = graphed.run(images, labels);  // train_body, eager or replayed
+      const Tensor &loss = r[0], &norm = r[1], &out = r[2];
       ++global_step;
       ++step;
-      if (skip_bad_steps) {
-        opt->step(nonfinite_flag(loss, norm));  // decided on the device, no host read
-      } else {
-        opt->step();
-      }
       results.add(global_step, step, loss, norm, out, labels);
       images_seen += labels.numel();
       lr = step_lr;

@@ -198,6 +198,12 @@ const std::vector<Setting>& settings() {
         "last good checkpoint) or skip-step (the update is skipped on the device, with no host "
         "read per step; skipped steps are named at the next progress line)",
         &Options::on_nan, choice(&Options::on_nan, {"stop", "skip-step"}));
+    add("--graphs", nullptr, false,
+        "on: capture a training step in a CUDA graph after two warm-up steps and replay it for "
+        "every full batch (a last, partial batch runs without), with the same results bit for "
+        "bit; off: launch every kernel of every step. GPU only (on the CPU steps always run "
+        "without)",
+        &Options::graphs, choice(&Options::graphs, {"on", "off"}));
     add("--checkpoint", "checkpoint", false,
         "write a checkpoint here after every epoch (kept on --resume)", &Options::checkpoint,
         any_text(&Options::checkpoint));

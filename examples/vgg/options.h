@@ -55,6 +55,7 @@ struct Options {
   uint64_t seed = 0;
   bool augment = false;
   std::string on_nan = "stop";
+  std::string graphs = "on";  // on: replay training steps from a CUDA graph (GPU, full batches)
   // Where things go.
   std::string checkpoint, resume, json, output;
   std::string save_test_set;

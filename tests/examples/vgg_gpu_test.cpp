@@ -87,6 +87,37 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
   EXPECT_EQ(checksum_of(eval), sum_a) << eval.output;
 }
 
+// --graphs on (the default: full batches replay a captured step, layers/train.h NOTE [Graphed
+// training steps]) against --graphs off: the same weights and BatchNorm buffers bit for bit after
+// two epochs of onecycle (a new rate at every step) with Dropout, a partial last batch run without
+// the graph, and the evaluation between the epochs.
+void expect_graphs_match_eager(const std::string& gpus) {
+  SCOPED_TRACE("--gpus " + gpus);
+  TempDir dir;
+  const std::string common =
+      "--data synthetic --limit-train 1000 --limit-test 256 --arch vgg11 --batch-size 128 "
+      "--epochs 2 --print-checksum --gpus " + gpus + " ";
+  const RunResult on = run_vgg(dir, common + "--graphs on");
+  ASSERT_EQ(on.code, 0) << on.output;
+  EXPECT_TRUE(contains(on.output, "CUDA graphs: on")) << on.output;
+  const RunResult off = run_vgg(dir, common + "--graphs off");
+  ASSERT_EQ(off.code, 0) << off.output;
+  EXPECT_TRUE(contains(off.output, "CUDA graphs: off")) << off.output;
+  ASSERT_NE(checksum_of(off), "") << off.output;
+  EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n" << on.output << "\ngraphs off:\n"
+                                               << off.output;
+}
+
+TEST(VggTrainerGpu, GraphsMatchEagerStepsOnOneGpu) {
+  CUDP_REQUIRE_GPU();
+  expect_graphs_match_eager("0");
+}
+
+TEST(VggTrainerGpu, GraphsMatchEagerStepsOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  expect_graphs_match_eager("0,1");
+}
+
 TEST(VggTrainerGpu, ResumeIsBitIdenticalOnOneGpu) {
   CUDP_REQUIRE_GPU();
   CUDP_REQUIRE_VGG();

@@ -180,6 +180,9 @@ TEST(VggTrainer, UsageErrors) {
   r = run_on_cpu(dir, "--arch vgg99");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--arch: must be one of vgg11, vgg13, vgg16, vgg19")) << r.output;
+  r = run_on_cpu(dir, "--graphs maybe");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--graphs: must be one of on, off")) << r.output;
   r = run_on_cpu(dir, "--batch-size 0");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--batch-size")) << r.output;
