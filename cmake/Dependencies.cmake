@@ -44,6 +44,21 @@ find_package(nlohmann_json 3 QUIET)
 cudp_require(nlohmann_json_FOUND "nlohmann-json 3" nlohmann-json3-dev)
 find_package(Threads REQUIRED)
 
+# Optional: MPI for launching one process per GPU (CUDP_WITH_MPI). Absent, cudp builds without
+# the bootstrap and says so here, not as an error.
+set(CUDP_MPI OFF)
+if(CUDP_WITH_MPI)
+  # The C API through the C++ compiler (cudp enables no C); not MPI's old C++ bindings.
+  set(MPI_CXX_SKIP_MPICXX ON)
+  find_package(MPI QUIET COMPONENTS CXX)
+  if(MPI_CXX_FOUND)
+    set(CUDP_MPI ON)
+  else()
+    message(STATUS "cudp: MPI not found, building without the MPI launch path (mpirun/srun); "
+      "install libopenmpi-dev and openmpi-bin to get it, or pass -DCUDP_WITH_MPI=OFF")
+  endif()
+endif()
+
 if(CUDP_BUILD_TESTS)
   find_package(GTest QUIET)
   cudp_require(GTest_FOUND "GoogleTest (CUDP_BUILD_TESTS)" libgtest-dev)

@@ -21,9 +21,10 @@
 namespace cudp::data {
 
 // Philox's high counter word: the epoch above 8 bits of purpose, so the streams never overlap
-// (data/synthetic.cpp uses purposes 1-3, data/image_folder.cpp 0x12).
+// (data/sampler.cpp shuffles with 0x10, data/synthetic.cpp uses purposes 1-3, data/image_folder.cpp
+// 0x12).
 namespace {
-enum Purpose : uint64_t { kShuffle = 0x10, kAugment = 0x11 };
+enum Purpose : uint64_t { kAugment = 0x11 };
 
 uint64_t counter_hi(int epoch, Purpose purpose) {
   return (static_cast<uint64_t>(epoch) << 8) | purpose;
@@ -113,7 +114,11 @@ class Loader::Impl {
   const std::unique_ptr<SampleSource> owned;  // the DatasetSource of Loader(const Dataset&, ...)
   const SampleSource& source;
   const LoaderOptions options;
-  const int64_t out_h, out_w, channels, batches;
+  // options.sampler, or the loader's own order (every sample once, options.shuffle and seed).
+  const std::shared_ptr<const Sampler> sampler;
+  const int64_t out_h, out_w, channels;
+  const int64_t samples;  // per epoch: sampler->size()
+  const int64_t batches;
 
  private:
   const int64_t rows_;   // the rows of a batch buffer
@@ -177,7 +182,18 @@ const LoaderOptions& checked(const SampleSource& source, const LoaderOptions& op
              "x", source.width(), "x", source.channels(), ", ", source.num_classes(), " classes)");
   CUDP_CHECK(options.batch_size > 0, "batch_size must be positive, got ", options.batch_size);
   CUDP_CHECK(options.pad >= 0 && options.random_crop >= 0, "pad and random_crop must not be negative");
+  CUDP_CHECK(!options.sampler || options.sampler->dataset_size() == source.size(),
+             "LoaderOptions::sampler draws from a data set of ",
+             options.sampler ? options.sampler->dataset_size() : 0, " samples, but ", source.name(),
+             " has ", source.size(), "; make the sampler with the loader's data set size");
   return options;
+}
+
+std::shared_ptr<const Sampler> sampler_of(const SampleSource& source,
+                                          const LoaderOptions& options) {
+  if (options.sampler) return options.sampler;
+  return std::make_shared<const DistributedSampler>(
+      source.size(), DistributedSamplerOptions{.shuffle = options.shuffle, .seed = options.seed});
 }
 
 int64_t padded(int64_t side, int pad) {
@@ -190,15 +206,17 @@ Loader::Impl::Impl(const SampleSource& data, LoaderOptions opts, std::unique_ptr
     : owned(std::move(own)),
       source(data),
       options(checked(data, opts)),
+      sampler(sampler_of(data, options)),
       out_h(padded(data.height(), options.pad)),
       out_w(padded(data.width(), options.pad)),
       channels(data.channels()),
+      samples(sampler->size()),
       // Written so that no intermediate overflows, whatever batch_size is.
-      batches(options.drop_last ? data.size() / options.batch_size
-                                : data.size() / options.batch_size +
-                                      (data.size() % options.batch_size != 0)),
-      // A batch never holds more rows than the data set: a batch size beyond it costs no memory.
-      rows_(std::max<int64_t>(std::min(options.batch_size, data.size()), 1)),
+      batches(options.drop_last
+                  ? samples / options.batch_size
+                  : samples / options.batch_size + (samples % options.batch_size != 0)),
+      // A batch never holds more rows than an epoch: a batch size beyond it costs no memory.
+      rows_(std::max<int64_t>(std::min(options.batch_size, samples), 1)),
       chunk_((rows_ + std::clamp(options.workers, 1, kMaxWorkers) - 1) /
              std::clamp(options.workers, 1, kMaxWorkers)) {
   const Normalization& norm = options.normalization;
@@ -254,13 +272,12 @@ Loader::Impl::~Impl() {
 
 std::vector<int64_t> Loader::Impl::epoch_order(int epoch) const {
   CUDP_CHECK(epoch >= 0, "epoch must not be negative, got ", epoch);
-  std::vector<int64_t> order(static_cast<size_t>(source.size()));
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  if (!options.shuffle) return order;
-  for (size_t i = order.size(); i-- > 1;) {  // Fisher-Yates: swap i with a uniform j in [0, i]
-    const kernels::Philox4 r = kernels::philox(options.seed, i, counter_hi(epoch, kShuffle));
-    const uint64_t bits = (uint64_t{r.v[0]} << 32) | r.v[1];
-    std::swap(order[i], order[bits % (i + 1)]);
+  std::vector<int64_t> order = sampler->indices(epoch);
+  CUDP_CHECK(static_cast<int64_t>(order.size()) == samples, "the loader's sampler gave ",
+             order.size(), " indices for epoch ", epoch, " but its size() is ", samples);
+  for (const int64_t i : order) {
+    CUDP_CHECK(i >= 0 && i < source.size(), "the loader's sampler gave index ", i, " for epoch ",
+               epoch, ", outside ", source.name(), "'s [0, ", source.size(), ")");
   }
   return order;
 }
@@ -342,7 +359,7 @@ void Loader::Impl::work() {
       // for) before anyone writes to it, so the job opens only after that.
       const int64_t index = next_schedule_++;
       jobs_.push_back(Job{std::move(free_.front()), index, generation_, epoch_, order_,
-                          std::min(options.batch_size, source.size() - index * options.batch_size)});
+                          std::min(options.batch_size, samples - index * options.batch_size)});
       free_.pop_front();
       job = std::prev(jobs_.end());
       lock.unlock();
@@ -389,7 +406,7 @@ bool Loader::Impl::next(Batch& batch) {
   held_ = std::move(node.mapped());
   work_cv_.notify_all();  // the window moved on
 
-  const int64_t rows = std::min(options.batch_size, source.size() - index * options.batch_size);
+  const int64_t rows = std::min(options.batch_size, samples - index * options.batch_size);
   batch.images = held_->images.slice(0, rows);
   batch.labels = held_->labels.slice(0, rows);
   batch.epoch = epoch_;

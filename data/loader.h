@@ -10,11 +10,12 @@
 // gives).
 //
 // Reproducibility, and why Philox: the order of an epoch is a Fisher-Yates shuffle whose draws are
-// Philox(seed, i, epoch) and a sample's crop and flip are Philox(seed, sample index, epoch) (a
-// SampleSource draws from (seed, epoch, sample index) too), so the whole stream of batches is a pure
-// function of (seed, epoch) - not of the number of worker threads, of timing, or of where the run
-// started. That makes resuming exact: a checkpoint stores position() (epoch, next batch index) and
-// start_epoch(epoch, batch) replays the same remaining batches.
+// Philox(seed, i, epoch) (data/sampler.h, where a DistributedSampler also shards it between ranks)
+// and a sample's crop and flip are Philox(seed, sample index, epoch) (a SampleSource draws from
+// (seed, epoch, sample index) too), so the whole stream of batches is a pure function of (seed,
+// epoch) - not of the number of worker threads, of timing, or of where the run started. That makes
+// resuming exact: a checkpoint stores position() (epoch, next batch index) and start_epoch(epoch,
+// batch) replays the same remaining batches.
 //
 // Pipeline: `workers` persistent threads fill batch buffers ahead of the consumer (at most
 // `prefetch` batches ahead). The workers share the samples of a batch: each claims the next chunk of
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/sampler.h"
 #include "engine/core/tensor.h"
 
 namespace cudp::data {
@@ -76,6 +78,11 @@ struct LoaderOptions {
                              // samples, at most 1024
   int prefetch = 4;          // batches prepared ahead of the consumer, at most 1024
   bool pin_memory = true;    // pinned buffers (only where a CUDA device is visible)
+  // The indices of each epoch (data/sampler.h): one process per GPU gives each rank a
+  // DistributedSampler for its shard. Null: every sample once, in the order `shuffle` and `seed`
+  // give (the same order as DistributedSampler for rank 0 of 1). A sampler decides the order, so
+  // `shuffle` is then unused; `seed` still draws the augmentation.
+  std::shared_ptr<const Sampler> sampler;
 };
 
 namespace detail {
@@ -122,7 +129,8 @@ class Loader {
   LoaderPosition position() const;
   // Seconds next() waited for a batch to be ready since start_epoch().
   double wait_seconds() const;
-  // The dataset indices of `epoch` in the order they are served (the identity without shuffle).
+  // The dataset indices of `epoch` in the order they are served (the sampler's; the identity
+  // without a sampler and without shuffle).
   std::vector<int64_t> epoch_order(int epoch) const;
   // [H, W, C] of a batch's images after padding.
   Shape image_shape() const;

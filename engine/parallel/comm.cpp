@@ -27,6 +27,46 @@ ncclDataType_t nccl_type(DType dtype) {
   CUDP_THROW(ValueError, "no NCCL type for dtype ", dtype_name(dtype));
 }
 
+std::atomic<int64_t> g_default_timeout_ms{kDefaultCollectiveTimeout.count()};
+
+// The watchdog's queries run in relaxed capture mode: a CUDA graph captured in global mode on
+// another thread forbids "potentially unsafe" calls in every thread that is not relaxed, and a
+// query from the watchdog's thread must never invalidate such a capture.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// A watched collective of one rank: the event after it on the comm stream, once recorded.
+struct Completion {
+  enum Phase : int { Pending, Recorded, Cancelled };
+  cuda::Event event;
+  std::atomic<int> phase = Pending;
+  bool done() const {
+    const int p = phase.load();
+    if (p != Recorded) return p == Cancelled;
+    const RelaxedCapture relaxed;
+    return event.query();
+  }
+};
+
+// Whether a compute stream of `devices` is being captured into a CUDA graph: a collective captured
+// there does not run now, so there is nothing to watch (the graph's launches are the caller's).
+bool capturing(const std::vector<int>& devices) {
+  for (const int device : devices) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    CUDP_CUDA_CHECK(cudaStreamIsCapturing(cuda::current_stream(device), &status));
+    if (status != cudaStreamCaptureStatusNone) return true;
+  }
+  return false;
+}
+
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
@@ -114,14 +154,79 @@ ncclUniqueId Communicator::unique_id() {
 }
 
 void Communicator::create_streams() {
-  for (const int device : devices_) {
+  std::vector<Watchdog::Rank> ranks;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    const int device = devices_[i];
     streams_.push_back(cuda::Stream::create(device));
     ready_.push_back(cuda::Event::create(device));
     done_.push_back(cuda::Event::create(device));
+    ranks.push_back({rank(static_cast<int>(i)), device});
   }
+  Watchdog::Options options;
+  options.timeout = default_timeout();
+  watchdog_ = std::make_unique<Watchdog>(
+      std::move(ranks),
+      WatchdogHooks{[this](int i) { return async_error(i); }, [this] { abort_comms(); }}, options);
+}
+
+// ---- the watchdog's adapter: NCCL's asynchronous error and abort
+// -------------------------------------
+
+std::string Communicator::async_error(int i) {
+  std::lock_guard lock(abort_mutex_);
+  if (aborted_) return {};
+  const RelaxedCapture relaxed;
+  ncclResult_t result = ncclSuccess;
+  const ncclResult_t status = ncclCommGetAsyncError(comms_[static_cast<size_t>(i)], &result);
+  if (status != ncclSuccess) {
+    return detail::str("ncclCommGetAsyncError failed: ", ncclGetErrorString(status));
+  }
+  if (result == ncclSuccess || result == ncclInProgress) return {};
+  return detail::str(ncclGetErrorString(result), " (", ncclGetLastError(nullptr), ")");
+}
+
+void Communicator::abort_comms() {
+  std::lock_guard lock(abort_mutex_);
+  if (aborted_.exchange(true)) return;
+  std::string failures;
+  for (size_t i = 0; i < comms_.size(); ++i) {
+    const ncclResult_t status = ncclCommAbort(comms_[i]);
+    if (status != ncclSuccess) {
+      failures +=
+          detail::str(" rank ", rank(static_cast<int>(i)), ": ", ncclGetErrorString(status));
+    }
+  }
+  if (!failures.empty()) CUDP_THROW(LibraryError, "ncclCommAbort failed on", failures);
+}
+
+void Communicator::abort() { abort_comms(); }
+
+void Communicator::set_timeout(std::chrono::milliseconds timeout) {
+  watchdog_->set_timeout(timeout);
+}
+
+std::chrono::milliseconds Communicator::timeout() const { return watchdog_->timeout(); }
+
+void Communicator::set_default_timeout(std::chrono::milliseconds timeout) {
+  CUDP_CHECK(timeout.count() > 0, "the collective timeout must be positive, got ", timeout.count(),
+             " ms");
+  g_default_timeout_ms = timeout.count();
+}
+
+std::chrono::milliseconds Communicator::default_timeout() {
+  return std::chrono::milliseconds(g_default_timeout_ms.load());
+}
+
+void Communicator::synchronize() {
+  watchdog_->wait_all();
+  CUDP_CHECK(!aborted_,
+             "Communicator::synchronize: this communicator was aborted (Communicator::abort); make "
+             "a new one to communicate again");
 }
 
 Communicator::~Communicator() {
+  watchdog_.reset();  // its thread uses the communicators
+  if (aborted_) return;  // ncclCommAbort freed them
   // Finalising waits for every rank to be quiescent: with several ranks in this thread, their
   // finalisations must be in one group, or the first would wait for the others forever. Errors
   // are ignored: destructors never throw, and a failed teardown leaves nothing to recover.
@@ -240,6 +345,30 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
   if (count == 0) return;
 
   std::lock_guard lock(mutex_);
+  watchdog_->check();  // a failed communicator raises its error, in every later collective too
+  CUDP_CHECK(!aborted_, "Communicator::", what, ": this communicator was aborted ",
+             "(Communicator::abort); make a new one to communicate again");
+  // The watchdog's clock starts before the group: with NCCL's lazy connection set-up, ncclGroupEnd
+  // itself can wait for a peer that never comes.
+  std::vector<std::shared_ptr<Completion>> completions;
+  for (size_t i = 0, watched = capturing(devices_) ? 0 : ranks; i < watched; ++i) {
+    int64_t bytes = 0;
+    for (const Tensor& t : tensors[i]) bytes += static_cast<int64_t>(t.nbytes());
+    auto completion = std::make_shared<Completion>();
+    completion->event = cuda::Event::create(devices_[i]);
+    watchdog_->watch(static_cast<int>(i), what, bytes, [completion] { return completion->done(); });
+    completions.push_back(std::move(completion));
+  }
+  // A collective that fails to start is not in flight: the watchdog forgets it.
+  struct CancelUnrecorded {
+    std::vector<std::shared_ptr<Completion>>& list;
+    ~CancelUnrecorded() {
+      for (auto& c : list) {
+        int pending = Completion::Pending;
+        c->phase.compare_exchange_strong(pending, Completion::Cancelled);
+      }
+    }
+  } cancel_unrecorded{completions};
   // 1. The comm stream waits for the compute work queued so far.
   for (size_t i = 0; i < ranks; ++i) {
     cuda::DeviceGuard guard(devices_[i]);
@@ -293,6 +422,10 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
     cuda::DeviceGuard guard(devices_[i]);
     done_[i].record(streams_[i]);
     CUDP_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(devices_[i]), done_[i].get(), 0));
+    if (i < completions.size()) {
+      completions[i]->event.record(streams_[i]);
+      completions[i]->phase = Completion::Recorded;
+    }
   }
 }
 

@@ -17,6 +17,15 @@
 // device d is the calling thread's current stream for d (cuda::current_stream): the engine's worker
 // threads run their jobs on the caller's current streams (parallel_apply.h), so both agree.
 //
+// Every collective is watched (engine/parallel/watchdog.h): an event recorded after it on the comm
+// stream tells the watchdog's thread when it completes; one still in flight after timeout() (10
+// minutes unless set), or an asynchronous NCCL error, aborts the communicator (ncclCommAbort) and
+// raises a CollectiveError naming the rank, its device, the collective and its size in the thread
+// that waits for it (synchronize()) and in the next collective. The event is a fresh one per
+// collective and rank (cudaEventCreate costs microseconds, no synchronisation), so that each
+// collective's completion is known by itself. A collective captured into a CUDA graph is not
+// watched (it does not run then), and the watchdog's queries never invalidate a capture.
+//
 // NOTE [Comm stream ordering and memory lifetime]
 // A collective on tensors written by compute runs on the device's communication stream, so:
 //   1. before: an event recorded on the compute stream; the comm stream waits for it. The
@@ -35,12 +44,15 @@
 
 #include <nccl.h>
 
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "engine/core/stream.h"
+#include "engine/parallel/watchdog.h"
 #include "layers/module.h"
 
 namespace cudp::parallel {
@@ -98,13 +110,33 @@ class Communicator {
   void all_gather_many(const std::vector<TensorList>& inputs,
                        const std::vector<TensorList>& outputs);
 
+  // The deadline of each collective issued from now on (engine/parallel/watchdog.h). A new
+  // communicator starts with default_timeout().
+  void set_timeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const;
+  // The timeout of communicators created from now on (cudp-vgg --collective-timeout sets it before
+  // DataParallel creates its communicator); kDefaultCollectiveTimeout until set.
+  static void set_default_timeout(std::chrono::milliseconds timeout);
+  static std::chrono::milliseconds default_timeout();
+
+  // Blocks the host until every collective issued so far has completed; throws CollectiveError
+  // when the watchdog found one failed or past its timeout. Not needed for ordering (NOTE below);
+  // it is the place where a hang becomes an error in the calling thread.
+  void synchronize();
+  // Ends this communicator without waiting for any other rank (ncclCommAbort); later collectives
+  // throw. For a rank that gives up on its peers, e.g. after another communicator's error.
+  void abort();
+  bool aborted() const { return aborted_; }
+
  private:
   enum class Kind { AllReduce, Broadcast, Reduce, AllGather };
   // Checks the lists, then runs NOTE [Comm stream ordering and memory lifetime] around one group
   // holding every rank's calls. `outputs` is all_gather's (null for the in-place collectives).
   void run(Kind kind, const std::vector<TensorList>& tensors,
            const std::vector<TensorList>* outputs, int root, ReduceOp op);
-  void create_streams();
+  void create_streams();  // and the watchdog
+  void abort_comms();     // once, whoever calls first: the watchdog or abort()
+  std::string async_error(int i);
 
   std::vector<int> devices_;
   int world_size_ = 0;
@@ -114,6 +146,9 @@ class Communicator {
   std::vector<cuda::Event> ready_;  // recorded on compute, waited on by comm
   std::vector<cuda::Event> done_;   // recorded on comm, waited on by compute
   std::mutex mutex_;
+  std::mutex abort_mutex_;  // an abort never overlaps the watchdog's look at a communicator
+  std::atomic<bool> aborted_ = false;
+  std::unique_ptr<Watchdog> watchdog_;  // last: its thread stops first
 };
 
 }  // namespace cudp::parallel

@@ -62,6 +62,7 @@
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
 #include "engine/core/stream.h"
+#include "engine/parallel/comm.h"
 #include "engine/parallel/data_parallel.h"
 #include "kernels/elementwise.h"
 #include "kernels/matmul.h"
@@ -761,6 +762,9 @@ int run(Options o) {
     net->to(main_device);
   }
 
+  // For the communicator DataParallel makes (at least a millisecond: the watchdog's resolution).
+  parallel::Communicator::set_default_timeout(std::chrono::milliseconds(
+      std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
   // Without a GPU, DataParallel runs the module as it is (PyTorch's behaviour).
   auto wrapped = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
                               : std::make_unique<parallel::DataParallel>(net, gpus);

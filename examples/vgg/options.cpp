@@ -221,6 +221,10 @@ const std::vector<Setting>& settings() {
         &Options::resume, any_text(&Options::resume));
     add("-j,--workers", nullptr, false, "host threads preparing batches", &Options::workers,
         integer(&Options::workers, 1, 256));
+    add("--collective-timeout", nullptr, false,
+        "seconds an NCCL collective may take before the run ends with an error naming the rank, "
+        "its GPU and the collective",
+        &Options::collective_timeout, real(&Options::collective_timeout, 0, true, 7 * 86400));
     add("--print-freq", nullptr, false,
         "steps between progress lines (default: 10 on a terminal, a fifth of an epoch otherwise)",
         &Options::print_freq, integer(&Options::print_freq, 1));

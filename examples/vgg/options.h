@@ -62,6 +62,7 @@ struct Options {
   bool eval_only = false;
   std::vector<int> gpus;  // empty: all visible
   int64_t workers = 4;
+  double collective_timeout = 600;  // seconds an NCCL collective may take
   int64_t print_freq = 0;  // 0: 10 steps on a terminal, a fifth of an epoch otherwise
   int64_t limit_train = 0, limit_test = 0;  // the first N images (0: all)
   int64_t stop_after = 0;                   // stop after this epoch (0: run to --epochs)

@@ -1,10 +1,11 @@
 // cudp's umbrella header: everything a user needs, in one include.
 //
 // Devices, streams, memory and tensors; the Module base class and every layer; the loss, the
-// optimizers, learning-rate schedules and checkpoints; VGG; the data sets, the loader and the
-// device prefetcher; DataParallel and data_parallel(). All of it compiles with a plain C++20
-// compiler (the CUDA toolkit's headers come with CUDA::cudart): a program that links cudp::cudp
-// needs no CUDA language of its own. The kernels (kernels/*.h) are an internal layer and are not
+// optimizers, learning-rate schedules and checkpoints; VGG; the data sets, the samplers, the loader
+// and the device prefetcher; DataParallel and data_parallel(); the process group, the MPI bootstrap
+// and the collective watchdog (one process per GPU, docs/distributed.md). All of it compiles with a
+// plain C++20 compiler (the CUDA toolkit's headers come with CUDA::cudart): a program that links
+// cudp::cudp needs no CUDA language of its own. The kernels (kernels/*.h) are an internal layer and are not
 // included; a program that calls them includes them by name.
 #pragma once
 
@@ -45,7 +46,11 @@
 #include "data/image_folder.h"
 #include "data/loader.h"
 #include "data/prefetcher.h"
+#include "data/sampler.h"
 #include "data/synthetic.h"
 
-// Data parallelism: DataParallel, data_parallel(), parallel::Replicated<Opt>.
+// Data parallelism: DataParallel, data_parallel(), parallel::Replicated<Opt>; one process per GPU:
+// parallel::ProcessGroup, parallel::mpi::Session, the collective watchdog.
 #include "engine/parallel/data_parallel.h"
+#include "engine/parallel/mpi_bootstrap.h"
+#include "engine/parallel/process_group.h"

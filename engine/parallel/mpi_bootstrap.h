@@ -1,0 +1,40 @@
+// The MPI side of a multi-process launch: starting MPI, this process's rank, and a broadcast of a
+// few bytes (rank 0's NCCL unique id). Nothing else of cudp uses MPI; NCCL moves the data.
+//
+// This header does not include mpi.h, so it is the same whether or not cudp was built with MPI
+// (CUDP_WITH_MPI and an MPI found at configure time). Without MPI, available() is false and
+// constructing a Session throws an error saying how to build with it.
+#pragma once
+
+#include <cstddef>
+
+#include "engine/parallel/process_group.h"
+
+namespace cudp::parallel::mpi {
+
+// Whether this build of cudp has the MPI bootstrap.
+bool available();
+
+// MPI for the lifetime of the object: MPI_Init_thread (MPI_THREAD_SERIALIZED: MPI is called from
+// one thread at a time, any thread) unless the program initialised MPI itself, and MPI_Finalize at
+// the end only if it was this object that initialised it. MPI errors become cudp::LibraryError
+// (MPI_ERRORS_RETURN on MPI_COMM_WORLD) instead of ending the process.
+class Session {
+ public:
+  Session();
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // rank and world_size from MPI_COMM_WORLD, local_rank within this machine's ranks
+  // (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); source "MPI".
+  LaunchInfo info() const;
+  // MPI_Bcast of `bytes` bytes from `root` on MPI_COMM_WORLD.
+  void broadcast(void* data, size_t bytes, int root) const;
+  void barrier() const;
+
+ private:
+  bool owns_ = false;  // MPI_Init was ours
+};
+
+}  // namespace cudp::parallel::mpi

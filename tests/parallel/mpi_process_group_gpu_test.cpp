@@ -1,0 +1,84 @@
+// ProcessGroup::from_mpi on GPUs, one rank per process: ctest runs it as `mpirun -np 2`
+// (tests/CMakeLists.txt; built only with MPI). Each process's local rank picks its GPU, rank 0's
+// NCCL id reaches the other through MPI, and collectives across the processes give what host
+// arithmetic on every rank's data gives (each rank regenerates the others' inputs from their
+// seeds). Skips where there are fewer GPUs than ranks (every rank sees the same count, so all skip
+// together). Run directly, it is a world of one.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+
+#include "common/compare.h"
+#include "common/gpu.h"
+#include "engine/parallel/mpi_bootstrap.h"
+
+namespace cudp::parallel {
+namespace {
+
+using cudp::testing::random_vector;
+
+mpi::Session* g_session = nullptr;
+
+class MpiEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    session_ = std::make_unique<mpi::Session>();
+    g_session = session_.get();
+  }
+  void TearDown() override {
+    g_session = nullptr;
+    session_.reset();
+  }
+
+ private:
+  std::unique_ptr<mpi::Session> session_;
+};
+[[maybe_unused]] auto* const g_environment =
+    ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+
+constexpr size_t kN = (1 << 20) + 37;
+
+TEST(MpiProcessGroupGpu, CollectivesAcrossProcessesMatchHostArithmetic) {
+  CUDP_REQUIRE_GPU();
+  ASSERT_NE(g_session, nullptr);
+  const LaunchInfo info = g_session->info();
+  if (cuda::device_count() < info.world_size) {
+    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
+                 << " visible";
+  }
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::seconds(120);
+  const auto group = ProcessGroup::from_mpi(*g_session, options);
+  EXPECT_EQ(group->rank(), info.rank);
+  EXPECT_EQ(group->world_size(), info.world_size);
+  EXPECT_EQ(group->local_rank(), info.local_rank);
+  ASSERT_EQ(group->devices().size(), 1u);
+  EXPECT_EQ(group->devices()[0], info.local_rank) << "the local rank picks the GPU";
+  EXPECT_EQ(group->multi_process(), info.world_size > 1);
+  EXPECT_EQ(group->comm().timeout(), std::chrono::seconds(120));
+  const int device = group->devices()[0];
+  cuda::set_device(device);
+
+  std::vector<double> sum(kN, 0.0);
+  for (int r = 0; r < info.world_size; ++r) {
+    const std::vector<float> x = random_vector(kN, 1000 + static_cast<uint64_t>(r));
+    for (size_t i = 0; i < kN; ++i) sum[i] += x[i];
+  }
+  Tensor t = Tensor::from_vector(random_vector(kN, 1000 + static_cast<uint64_t>(info.rank)),
+                                 {static_cast<int64_t>(kN)}, Device::cuda(device));
+  group->comm().all_reduce({t});
+  group->comm().synchronize();
+  EXPECT_ALL_CLOSE(t.to_vector<float>(), sum, 1e-6, 1e-6);
+
+  const int root = info.world_size - 1;
+  const std::vector<float> root_data = random_vector(kN, 77);
+  Tensor b = Tensor::from_vector(info.rank == root ? root_data : std::vector<float>(kN, -1.f),
+                                 {static_cast<int64_t>(kN)}, Device::cuda(device));
+  group->comm().broadcast({b}, root);
+  group->comm().synchronize();
+  EXPECT_EQ(b.to_vector<float>(), root_data) << "rank " << info.rank;
+}
+
+}  // namespace
+}  // namespace cudp::parallel
