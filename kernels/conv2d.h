@@ -138,7 +138,7 @@ void conv2d_im2col_bf16(const Conv2dShape& shape, const float* x, void* cols, cu
 void conv2d_im2col_filters_bf16(const Conv2dShape& shape, const float* w, void* w_cols,
                                 cudaStream_t stream);
 // dw (K x R x S x C fp32) = beta*dw + dy^T cols: the weight gradient of such a layer from its
-// im2col and its bf16 dy (K a multiple of 8).
+// im2col and its bf16 dy, whose channels are padded to bf16_channels(K) (conv2d_pad_bf16).
 void conv2d_backward_weight_im2col(const Conv2dShape& shape, const void* cols, const void* dy,
                                    float* dw, float beta, cudaStream_t stream);
 

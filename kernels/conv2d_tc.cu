@@ -482,9 +482,12 @@ void conv2d_backward_weight_im2col(const Conv2dShape& shape, const void* cols, c
   check_tc("conv2d_backward_weight_im2col", shape, Math::BF16);
   CUDP_CHECK(conv2d_uses_im2col(shape), "conv2d_backward_weight_im2col: ", shape.r, "x", shape.s,
              "x", shape.c, " filters do not fit in ", kIm2colColumns, " columns");
-  const Conv2dShape v = conv2d_im2col_shape(shape);
+  // dy comes with its channels padded to 8 (16-byte rows for TMA): the product runs over the padded
+  // K rows and the first K are kept.
+  Conv2dShape v = conv2d_im2col_shape(shape);
+  v.k = bf16_channels(shape.k);
   const int64_t taps = int64_t(shape.r) * shape.s * shape.c;
-  Workspace part_ws(size_t(int64_t(shape.k) * kIm2colColumns * 4), stream);
+  Workspace part_ws(size_t(int64_t(v.k) * kIm2colColumns * 4), stream);
   run_backward_weight(v, cols, dy, part_ws.get(), 0.f, stream);
   launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(shape.k * taps), 256, 0,
          stream, part_ws.get(), int64_t(shape.k), static_cast<int>(taps), kIm2colColumns, beta, dw);

@@ -17,7 +17,8 @@ csv=$out/profile-$size-$precision.csv
 ncu --clock-control none --nvtx --nvtx-include "training step/" --nvtx-include "VGG forward/" \
   --nvtx-include "VGG backward/" \
   --metrics gpu__time_duration.sum --csv --print-units base \
-  build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --warmup 1 --steps 1 \
+  build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off \
+  --warmup 1 --steps 1 \
   > "$csv" 2> "$out/profile-ncu.log"
 python3 - "$csv" <<'PY'
 import csv, sys, collections, re
