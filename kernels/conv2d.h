@@ -124,24 +124,6 @@ void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperand
 void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst, void* rotated,
                             cudaStream_t stream);
 
-// Layers whose filters hold few values and whose channels are not a multiple of 8 (a first layer on
-// RGB or grey images: 3x3x3 = 27 taps) run badly as an implicit GEMM (8-channel gathers, most of
-// each k-block zeros). They run instead as a 1x1 convolution of their explicit im2col: 64 bf16
-// columns per output pixel, the R*S*C taps in KRSC order then zeros (conv2d_im2col_shape gives
-// that 1x1 convolution's shape; its filters are K x 64, conv2d_im2col_filters_bf16).
-constexpr int kIm2colColumns = 64;
-bool conv2d_uses_im2col(const Conv2dShape& shape);
-Conv2dShape conv2d_im2col_shape(const Conv2dShape& shape);
-// cols (n*P*Q x 64 bf16) from x (NHWC fp32).
-void conv2d_im2col_bf16(const Conv2dShape& shape, const float* x, void* cols, cudaStream_t stream);
-// w_cols (K x 64 bf16) from w (K x R x S x C fp32).
-void conv2d_im2col_filters_bf16(const Conv2dShape& shape, const float* w, void* w_cols,
-                                cudaStream_t stream);
-// dw (K x R x S x C fp32) = beta*dw + dy^T cols: the weight gradient of such a layer from its
-// im2col and its bf16 dy, whose channels are padded to bf16_channels(K) (conv2d_pad_bf16).
-void conv2d_backward_weight_im2col(const Conv2dShape& shape, const void* cols, const void* dy,
-                                   float* dw, float beta, cudaStream_t stream);
-
 // dw = beta*dw + dy^T (*) x on tensor cores, bf16 x (C a multiple of 8) and dy (K a multiple of 8),
 // fp32 dw (weight gradients accumulate in fp32); deterministic split over the n*P*Q pixels.
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,

@@ -106,40 +106,6 @@ __global__ void filters_to_bf16_kernel(const float* __restrict__ w, int k, int r
   }
 }
 
-// cols[pixel][j] (bf16, kIm2colColumns per output pixel) = the j-th tap of the pixel's window in
-// KRSC order (j = (r*S + s)*C + c), 0 outside the image and for j >= R*S*C. One thread per 8
-// columns of a pixel (one 16-byte store).
-__global__ void im2col_kernel(const float* __restrict__ x, int n, int h, int w, int c, int p, int q,
-                              int r, int s, int stride_h, int stride_w, int pad_h, int pad_w,
-                              __nv_bfloat16* __restrict__ cols) {
-  constexpr int kChunks = kIm2colColumns / 8;
-  const int64_t total = int64_t(n) * p * q * kChunks;
-  const int taps = r * s * c;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int j0 = static_cast<int>(i % kChunks) * 8;
-    int64_t pixel = i / kChunks;
-    const int oq = static_cast<int>(pixel % q);
-    pixel /= q;
-    const int op = static_cast<int>(pixel % p);
-    const int64_t b = pixel / p;
-    alignas(16) __nv_bfloat16 v[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int j = j0 + e;
-      float value = 0.f;
-      if (j < taps) {
-        const int cc = j % c, ss = (j / c) % s, rr = j / (c * s);
-        const int ih = op * stride_h - pad_h + rr, iw = oq * stride_w - pad_w + ss;
-        if (ih >= 0 && ih < h && iw >= 0 && iw < w)
-          value = __ldg(x + ((b * h + ih) * w + iw) * c + cc);
-      }
-      v[e] = __float2bfloat16_rn(value);
-    }
-    *reinterpret_cast<uint4*>(cols + i * 8) = *reinterpret_cast<const uint4*>(v);
-  }
-}
-
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 65536));
 }
@@ -439,58 +405,6 @@ void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst,
   launch("filters_to_bf16_kernel", filters_to_bf16_kernel, blocks_for(n), 256, 0, stream, w,
          shape.k, shape.r, shape.s, shape.c, cp, static_cast<__nv_bfloat16*>(dst),
          static_cast<__nv_bfloat16*>(rotated));
-}
-
-bool conv2d_uses_im2col(const Conv2dShape& s) {
-  return s.c % 8 != 0 && int64_t(s.r) * s.s * s.c <= kIm2colColumns;
-}
-
-Conv2dShape conv2d_im2col_shape(const Conv2dShape& s) {
-  Conv2dShape v;
-  v.n = s.n;
-  v.h = s.p();
-  v.w = s.q();
-  v.c = kIm2colColumns;
-  v.k = s.k;
-  v.r = v.s = 1;
-  return v;
-}
-
-void conv2d_im2col_bf16(const Conv2dShape& shape, const float* x, void* cols, cudaStream_t stream) {
-  shape.validate();
-  CUDP_CHECK(conv2d_uses_im2col(shape), "conv2d_im2col_bf16: ", shape.r, "x", shape.s, "x", shape.c,
-             " filters do not fit in ", kIm2colColumns, " columns");
-  CUDP_CHECK(x && cols, "conv2d_im2col_bf16: x and cols must not be null");
-  CUDP_CHECK(aligned16(cols), "conv2d_im2col_bf16: cols must be 16-byte aligned");
-  const int64_t n = int64_t(shape.n) * shape.p() * shape.q() * (kIm2colColumns / 8);
-  launch("im2col_kernel", im2col_kernel, blocks_for(n), 256, 0, stream, x, shape.n, shape.h,
-         shape.w, shape.c, shape.p(), shape.q(), shape.r, shape.s, shape.stride_h, shape.stride_w,
-         shape.pad_h, shape.pad_w, static_cast<__nv_bfloat16*>(cols));
-}
-
-void conv2d_im2col_filters_bf16(const Conv2dShape& shape, const float* w, void* w_cols,
-                                cudaStream_t stream) {
-  shape.validate();
-  CUDP_CHECK(w && w_cols, "conv2d_im2col_filters_bf16: w and w_cols must not be null");
-  // K rows of R*S*C values (KRSC is already tap-major) padded with zeros to kIm2colColumns.
-  pad_channels(w, shape.k, shape.r * shape.s * shape.c, kIm2colColumns, w_cols, DType::BF16,
-               stream);
-}
-
-void conv2d_backward_weight_im2col(const Conv2dShape& shape, const void* cols, const void* dy,
-                                   float* dw, float beta, cudaStream_t stream) {
-  check_tc("conv2d_backward_weight_im2col", shape, Math::BF16);
-  CUDP_CHECK(conv2d_uses_im2col(shape), "conv2d_backward_weight_im2col: ", shape.r, "x", shape.s,
-             "x", shape.c, " filters do not fit in ", kIm2colColumns, " columns");
-  // dy comes with its channels padded to 8 (16-byte rows for TMA): the product runs over the padded
-  // K rows and the first K are kept.
-  Conv2dShape v = conv2d_im2col_shape(shape);
-  v.k = bf16_channels(shape.k);
-  const int64_t taps = int64_t(shape.r) * shape.s * shape.c;
-  Workspace part_ws(size_t(int64_t(v.k) * kIm2colColumns * 4), stream);
-  run_backward_weight(v, cols, dy, part_ws.get(), 0.f, stream);
-  launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(shape.k * taps), 256, 0,
-         stream, part_ws.get(), int64_t(shape.k), static_cast<int>(taps), kIm2colColumns, beta, dw);
 }
 
 int bf16_channels(int c) { return static_cast<int>(round_up(c, 8)); }

@@ -161,27 +161,6 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
     input_ = Tensor();
     run([] {},
         [&](cudaStream_t stream) {
-          if (kernels::conv2d_uses_im2col(s)) {
-            // A first layer (3 channels): a 1x1 convolution of the explicit im2col (64 bf16
-            // columns per pixel). The fp32 input is kept; backward rebuilds the columns from it.
-            input_ = convert(input, DType::f32);
-            Tensor cols =
-                Tensor::empty({s.n, s.p(), s.q(), kernels::kIm2colColumns}, DType::bf16, device_);
-            kernels::conv2d_im2col_bf16(s, input_.data<float>(), cols.data_ptr(), stream);
-            weight_bf16_ = Tensor::empty({s.k, kernels::kIm2colColumns}, DType::bf16, device_);
-            kernels::conv2d_im2col_filters_bf16(s, weight_->data.data<float>(),
-                                                weight_bf16_.data_ptr(), stream);
-            input_bf16_ = weight_rot_bf16_ = Tensor();
-            const kernels::ConvOperands ops{kernels::Math::BF16,
-                                            cols.data_ptr(),
-                                            weight_bf16_.data_ptr(),
-                                            y.data_ptr(),
-                                            kernels::DType::BF16,
-                                            b,
-                                            relu};
-            kernels::conv2d_forward_tc(kernels::conv2d_im2col_shape(s), ops, stream);
-            return;
-          }
           const int cp = kernels::bf16_channels(s.c);
           const int64_t pixels = int64_t{s.n} * s.h * s.w;
           if (input.dtype() == DType::bf16 && cp == s.c) {
@@ -268,9 +247,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
           dyp = Tensor::empty({s.n, s.p(), s.q(), kp}, DType::bf16, device_);
           kernels::conv2d_pad_bf16(dym.data_ptr(), rows, s.k, dyp.data_ptr(), stream);
         }
-        const bool im2col = kernels::conv2d_uses_im2col(s);
-        const kernels::Bf16Operands converted{im2col ? nullptr : input_bf16_.data_ptr(),
-                                              dyp.data_ptr()};
+        const kernels::Bf16Operands converted{input_bf16_.data_ptr(), dyp.data_ptr()};
         if (!input_grad_) {
           // The model's input needs no gradient: backward-data is skipped.
         } else if (cp == s.c && kp == s.k) {
@@ -299,16 +276,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
             kernels::f32_to_bf16(dxf.data<float>(), dx.data<__nv_bfloat16>(), dx.numel(), stream);
           }
         }
-        if (im2col) {
-          Tensor cols =
-              Tensor::empty({s.n, s.p(), s.q(), kernels::kIm2colColumns}, DType::bf16, device_);
-          kernels::conv2d_im2col_bf16(s, input_.data<float>(), cols.data_ptr(), stream);
-          kernels::conv2d_backward_weight_im2col(s, cols.data_ptr(), dyp.data_ptr(), dw, 1.0f,
-                                                 stream);
-        } else {
-          kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream,
-                                          kernels::Math::BF16, converted);
-        }
+        kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream, kernels::Math::BF16,
+                                        converted);
       });
   return dx;
 }
