@@ -28,13 +28,7 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-// V elements per access (V * sizeof(T) bytes, at most 16).
-template <typename T, int V>
-bool aligned_for(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % (V * sizeof(T)) == 0;
+  return detail::aligned(p, 16);
 }
 
 template <int V>
@@ -263,16 +257,16 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
 }
 
 template <typename T>
-void bias_grad_dispatch(const char* op, const T* dy, const T* y, T* masked, float* dbias,
-                        int64_t rows, int64_t cols, float beta, cudaStream_t stream) {
-  (void)op;
+void bias_grad_dispatch(const T* dy, const T* y, T* masked, float* dbias, int64_t rows,
+                        int64_t cols, float beta, cudaStream_t stream) {
   if (cols == 0) {
     return;
   }
   // bf16: 8 elements (16 bytes) per access where the rows allow it.
   auto vec_ok = [&]<int V>() {
-    return cols % V == 0 && aligned_for<T, V>(dy) && (y == nullptr || aligned_for<T, V>(y)) &&
-           (masked == nullptr || aligned_for<T, V>(masked));
+    return cols % V == 0 && detail::aligned<V * sizeof(T)>(dy) &&
+           (y == nullptr || detail::aligned<V * sizeof(T)>(y)) &&
+           (masked == nullptr || detail::aligned<V * sizeof(T)>(masked));
   };
   const bool vec = vec_ok.template operator()<4>();
   if constexpr (sizeof(T) == 2) {
@@ -305,21 +299,20 @@ void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStrea
 void bias_grad(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
                cudaStream_t stream) {
   detail::check_bias_args("bias_grad", dy, dbias, rows, cols);
-  bias_grad_dispatch<float>("bias_grad", dy, nullptr, nullptr, dbias, rows, cols, beta, stream);
+  bias_grad_dispatch<float>(dy, nullptr, nullptr, dbias, rows, cols, beta, stream);
 }
 
 void bias_grad(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols, float beta,
                cudaStream_t stream) {
   detail::check_bias_args("bias_grad", dy, dbias, rows, cols);
-  bias_grad_dispatch<__nv_bfloat16>("bias_grad", dy, nullptr, nullptr, dbias, rows, cols, beta,
-                                    stream);
+  bias_grad_dispatch<__nv_bfloat16>(dy, nullptr, nullptr, dbias, rows, cols, beta, stream);
 }
 
 template <typename T>
 void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
                          int64_t cols, float beta, cudaStream_t stream) {
   detail::check_relu_mask_args("relu_mask_bias_grad", y, dy, dy_masked, dbias, rows, cols);
-  bias_grad_dispatch<T>("relu_mask_bias_grad", dy, y, dy_masked, dbias, rows, cols, beta, stream);
+  bias_grad_dispatch<T>(dy, y, dy_masked, dbias, rows, cols, beta, stream);
 }
 
 template void relu_mask_bias_grad<float>(const float*, const float*, float*, float*, int64_t,

@@ -21,4 +21,15 @@ enum class Math { FP32, TF32, BF16 };
 
 const char* math_name(Math math);
 
+namespace detail {
+// Whether p is a multiple of `bytes` (a vector access's alignment).
+inline bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+template <uintptr_t kBytes>
+bool aligned(const void* p) {
+  return aligned(p, kBytes);
+}
+}  // namespace detail
+
 }  // namespace cudp::kernels

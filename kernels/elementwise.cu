@@ -3,6 +3,8 @@
 // detail::vector_split() computes. Loads are plain (not __ldg): outputs may alias inputs.
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "engine/core/launch.cuh"
 #include "kernels/elementwise.h"
 
@@ -62,21 +64,6 @@ __global__ void map_kernel(Op op, const float* a, const float* b, float* out, in
   }
 }
 
-template <int kInputs, typename Op>
-void run(const char* name, Op op, const float* a, const float* b, float* out, int64_t n,
-         cudaStream_t stream) {
-  if (n == 0) {
-    return;
-  }
-  const detail::VectorSplit split = kInputs == 2
-                                        ? detail::vector_split(n, {{a, 4}, {b, 4}, {out, 4}})
-                                        : detail::vector_split(n, {{a, 4}, {out, 4}});
-  const int64_t work = std::max(split.vectors, n - 4 * split.vectors);
-  const unsigned blocks = std::min(grid_for(work, kThreads), kMaxBlocks);
-  launch(name, map_kernel<kInputs, Op>, blocks, kThreads, 0, stream, op, a, kInputs == 2 ? b : a,
-         out, n, split.head, split.vectors);
-}
-
 // bf16 storage, float arithmetic: [head, head + 4 * vectors) as 4 bf16 (8 bytes) per access.
 // The ops used on bf16 (ReLU and its gradient) return one of their inputs or 0, so rounding the
 // result back to bf16 is exact.
@@ -112,19 +99,27 @@ __global__ void map_kernel_bf16(Op op, const __nv_bfloat16* a, const __nv_bfloat
   for (int64_t i = head + 4 * vectors + start; i < n; i += stride) scalar(i);
 }
 
-template <int kInputs, typename Op>
-void run(const char* name, Op op, const __nv_bfloat16* a, const __nv_bfloat16* b,
-         __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
+// One launcher for both element types: the split into an aligned body of 4-element vectors (16
+// bytes of floats, 8 of bf16) and scalar ends, then the type's kernel.
+template <int kInputs, typename Op, typename T>
+void run(const char* name, Op op, const T* a, const std::type_identity_t<T>* b, T* out, int64_t n,
+         cudaStream_t stream) {
   if (n == 0) {
     return;
   }
-  const detail::VectorSplit split = kInputs == 2
-                                        ? detail::vector_split(n, {{a, 2}, {b, 2}, {out, 2}})
-                                        : detail::vector_split(n, {{a, 2}, {out, 2}});
+  constexpr int size = sizeof(T);
+  const detail::VectorSplit split =
+      kInputs == 2 ? detail::vector_split(n, {{a, size}, {b, size}, {out, size}})
+                   : detail::vector_split(n, {{a, size}, {out, size}});
   const int64_t work = std::max(split.vectors, n - 4 * split.vectors);
   const unsigned blocks = std::min(grid_for(work, kThreads), kMaxBlocks);
-  launch(name, map_kernel_bf16<kInputs, Op>, blocks, kThreads, 0, stream, op, a,
-         kInputs == 2 ? b : a, out, n, split.head, split.vectors);
+  if constexpr (size == 4) {
+    launch(name, map_kernel<kInputs, Op>, blocks, kThreads, 0, stream, op, a, kInputs == 2 ? b : a,
+           out, n, split.head, split.vectors);
+  } else {
+    launch(name, map_kernel_bf16<kInputs, Op>, blocks, kThreads, 0, stream, op, a,
+           kInputs == 2 ? b : a, out, n, split.head, split.vectors);
+  }
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include "engine/core/launch.cuh"
+#include "kernels/common.h"
 #include "kernels/pool.h"
 
 namespace cudp::kernels {
@@ -352,8 +353,12 @@ __global__ void adaptive_avg_backward_kernel(const float* __restrict__ dy, float
 }
 
 bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  return detail::aligned(p, 16);
 }
+
+// A vector of four elements: 16 bytes of floats, 8 of bf16.
+template <typename T>
+constexpr uintptr_t kVecBytes = 4 * sizeof(T);
 
 // Calls body.template operator()<V, I>(total) with V = 4 when `vec4`, else 1, and I the narrowest
 // index type that holds `items` (counted in vectors of V).
@@ -397,12 +402,6 @@ bool is_2x2_stride_2(const Geometry& g) {
 
 namespace {
 
-// Four elements per vector: 16 bytes of floats or indices, 8 of bf16.
-template <typename T>
-bool aligned_vec(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
-}
-
 template <typename T>
 void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, int n, int h, int w, int c, int kh,
                              int kw, int stride_h, int stride_w, int pad_h, int pad_w,
@@ -413,7 +412,8 @@ void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, int n, int h, i
   CUDP_CHECK(indices != nullptr || fast,
              "max_pool2d_forward: indices may be null only for 2x2 "
              "windows of stride 2 without padding (backward then reads the input)");
-  const bool vec4 = c % 4 == 0 && aligned_vec<T>(x) && aligned_vec<T>(y) && aligned16(indices);
+  const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(x) &&
+                    detail::aligned<kVecBytes<T>>(y) && aligned16(indices);
   dispatch(vec4, int64_t(n) * g.out_h * g.out_w * c, [&]<int V, typename I>(I items) {
     if (fast) {
       launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>, blocks_for(items),
@@ -431,7 +431,8 @@ void max_pool2d_backward_impl(const T* dy, const int32_t* indices, T* dx, int n,
                               int pad_w, cudaStream_t stream) {
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
-  const bool vec4 = c % 4 == 0 && aligned_vec<T>(dy) && aligned16(indices) && aligned_vec<T>(dx);
+  const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) && aligned16(indices) &&
+                    detail::aligned<kVecBytes<T>>(dx);
   if (is_2x2_stride_2(g)) {
     const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
     dispatch(vec4, windows, [&]<int V, typename I>(I items) {
@@ -451,7 +452,8 @@ void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, 
                                          cudaStream_t stream) {
   detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
   const Geometry g = max_geometry(h, w, c, 2, 2, 2, 2, 0, 0);
-  const bool vec4 = c % 4 == 0 && aligned_vec<T>(dy) && aligned_vec<T>(x) && aligned_vec<T>(dx);
+  const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) &&
+                    detail::aligned<kVecBytes<T>>(x) && detail::aligned<kVecBytes<T>>(dx);
   const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
   dispatch(vec4, windows, [&]<int V, typename I>(I items) {
     launch("max_pool_2x2_backward_from_input_kernel",

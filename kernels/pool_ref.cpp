@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "engine/core/error.h"
+#include "kernels/layout.h"
 #include "kernels/pool.h"
 
 namespace cudp::kernels {
@@ -169,28 +170,17 @@ CUDP_POOL_INSTANTIATE(float)
 CUDP_POOL_INSTANTIATE(double)
 #undef CUDP_POOL_INSTANTIATE
 
-namespace {
-std::vector<float> widen(const __nv_bfloat16* p, int64_t n) {
-  std::vector<float> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[i] = __bfloat162float(p[i]);
-  return out;
-}
-void narrow(const std::vector<float>& v, __nv_bfloat16* out) {
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16_rn(v[i]);
-}
-}  // namespace
-
 void max_pool2d_forward_cpu(const __nv_bfloat16* x, __nv_bfloat16* y, int32_t* indices, int n,
                             int h, int w, int c, int kh, int kw, int stride_h, int stride_w,
                             int pad_h, int pad_w) {
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const int64_t out = int64_t(n) * max_pool2d_output_size(h, kh, stride_h, pad_h) *
                       max_pool2d_output_size(w, kw, stride_w, pad_w) * c;
-  const std::vector<float> xf = widen(x, int64_t(n) * h * w * c);
-  std::vector<float> yf(static_cast<size_t>(out));
+  std::vector<float> xf(size_t(n) * h * w * c), yf(static_cast<size_t>(out));
+  bf16_to_f32_cpu(x, xf.data(), int64_t(xf.size()));
   max_pool2d_forward_cpu<float>(xf.data(), yf.data(), indices, n, h, w, c, kh, kw, stride_h,
                                 stride_w, pad_h, pad_w);
-  narrow(yf, y);
+  f32_to_bf16_cpu(yf.data(), y, out);
 }
 
 void max_pool2d_backward_cpu(const __nv_bfloat16* dy, const int32_t* indices, __nv_bfloat16* dx,
@@ -199,11 +189,11 @@ void max_pool2d_backward_cpu(const __nv_bfloat16* dy, const int32_t* indices, __
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const int64_t out = int64_t(n) * max_pool2d_output_size(h, kh, stride_h, pad_h) *
                       max_pool2d_output_size(w, kw, stride_w, pad_w) * c;
-  const std::vector<float> dyf = widen(dy, out);
-  std::vector<float> dxf(size_t(n) * h * w * c);
+  std::vector<float> dyf(static_cast<size_t>(out)), dxf(size_t(n) * h * w * c);
+  bf16_to_f32_cpu(dy, dyf.data(), out);
   max_pool2d_backward_cpu<float>(dyf.data(), indices, dxf.data(), n, h, w, c, kh, kw, stride_h,
                                  stride_w, pad_h, pad_w);
-  narrow(dxf, dx);
+  f32_to_bf16_cpu(dxf.data(), dx, int64_t(dxf.size()));
 }
 
 }  // namespace cudp::kernels

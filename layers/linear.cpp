@@ -18,6 +18,26 @@ int gemm_extent(int64_t n, const char* what) {
   return static_cast<int>(n);
 }
 
+// c (m x n, row-major, of c_type) = a b^T (+ bias) on tensor cores, with a (m x k) and b (n x k)
+// bf16 and row-major: the products of the bf16 path.
+void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c,
+                  kernels::DType c_type, const float* bias, cudaStream_t stream) {
+  kernels::MatmulProblem p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.math = kernels::Math::BF16;
+  p.a = a.data_ptr();
+  p.lda = k;
+  p.b = b.data_ptr();
+  p.ldb = k;
+  p.c = c;
+  p.ldc = n;
+  p.c_type = c_type;
+  p.bias = bias;
+  kernels::matmul(p, stream);
+}
+
 }  // namespace
 
 Linear::Linear(int64_t in_features, int64_t out_features, bool bias, uint64_t seed)
@@ -86,21 +106,11 @@ Tensor Linear::forward_one(const Tensor& input) {
           } else {
             kernels::f32_to_bf16(w, weight_bf16_.data<__nv_bfloat16>(), out_ * in_, s);
           }
-          kernels::MatmulProblem p;
-          p.m = rows;
-          p.n = n;
-          p.k = k;
-          p.math = kernels::Math::BF16;
-          p.a = input_bf16_.data_ptr();
-          p.lda = k;
-          p.b = weight_bf16_.data_ptr();
-          p.ldb = k;
-          p.c = out;
-          p.ldc = n;
-          p.bias = b;
-          kernels::matmul(p, s);
+          bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s);
         });
-    input_ = Tensor();
+    // The weight gradient's float launcher takes x in fp32: an fp32 input is kept as it came
+    // (shared, no copy), so that backward need not widen the bf16 copy back.
+    input_ = input.dtype() == DType::f32 ? input : Tensor();
     return y;
   }
   input_ = convert(input, DType::f32);  // bf16 values widened exactly
@@ -124,7 +134,7 @@ Tensor Linear::forward_one(const Tensor& input) {
 }
 
 Tensor Linear::backward_one(const Tensor& grad_output) {
-  const Tensor& saved = input_.defined() ? input_ : input_bf16_;
+  const Tensor& saved = input_bf16_.defined() ? input_bf16_ : input_;
   Shape expected = saved.shape();
   expected.back() = out_;
   check_shape(grad_output, expected, "Linear: grad_output");
@@ -161,19 +171,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
       [&](cudaStream_t s) {
         if (direct_dx) {
           const Tensor dy_bf16 = convert(grad_output, DType::bf16);
-          kernels::MatmulProblem p;
-          p.m = rows;
-          p.n = k;
-          p.k = n;
-          p.math = kernels::Math::BF16;
-          p.a = dy_bf16.data_ptr();
-          p.lda = n;
-          p.b = weight_t_bf16_.data_ptr();
-          p.ldb = n;
-          p.c = dx.data_ptr();
-          p.ldc = k;
-          p.c_type = input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32;
-          kernels::matmul(p, s);
+          bf16_product(rows, k, n, dy_bf16, weight_t_bf16_, dx.data_ptr(),
+                       input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
+                       nullptr, s);
         } else if (out) {
           kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
         }

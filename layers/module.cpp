@@ -47,24 +47,18 @@ TensorList Module::forward_all(const TensorList& inputs) {
   check_inputs(inputs, "input", /*allow_undefined=*/false);
   forward_done_ = false;  // a forward that throws leaves nothing for a backward to use
   widened_.assign(inputs.size(), false);
+  // A layer that does not take bf16 computes on its bf16 inputs widened (the list is copied only
+  // then: most forwards pass it as it is).
+  TensorList widened;
   if (!takes_bf16()) {
-    TensorList widened = inputs;
-    bool any = false;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].dtype() == DType::bf16) {
-        widened[i] = convert(inputs[i], DType::f32);
-        widened_[i] = any = true;
-      }
-    }
-    if (any) {
-      TensorList outputs = forward_impl(widened);
-      last_relu_fused_ = relu_fused_;
-      relu_fused_ = false;
-      forward_done_ = true;
-      return outputs;
+      if (inputs[i].dtype() != DType::bf16) continue;
+      if (widened.empty()) widened = inputs;
+      widened[i] = convert(inputs[i], DType::f32);
+      widened_[i] = true;
     }
   }
-  TensorList outputs = forward_impl(inputs);
+  TensorList outputs = forward_impl(widened.empty() ? inputs : widened);
   last_relu_fused_ = relu_fused_;
   relu_fused_ = false;  // fuse_relu(true) holds for one forward
   forward_done_ = true;

@@ -1,6 +1,7 @@
 #include "common/compare.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <sstream>
 
@@ -49,6 +50,17 @@ std::vector<float> random_vector(size_t n, uint64_t seed, float lo, float hi) {
   std::vector<float> v(n);
   for (auto& x : v) x = dist(gen);
   return v;
+}
+
+::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      return ::testing::AssertionFailure()
+             << "first difference at " << i << ": " << a[i] << " vs " << b[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace cudp::testing

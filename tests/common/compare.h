@@ -16,6 +16,10 @@ namespace cudp::testing {
 ::testing::AssertionResult all_close(const std::vector<float>& actual,
                                      const std::vector<float>& expected, double rtol, double atol);
 
+// Equal bit for bit (NaNs, signed zeros and all): for results that select or copy values rather
+// than compute them. On failure, the first differing index and both values.
+::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b);
+
 // Random floats in [lo, hi) from a fixed seed (never zeros in a meaningful amount).
 std::vector<float> random_vector(size_t n, uint64_t seed, float lo = -1.f, float hi = 1.f);
 

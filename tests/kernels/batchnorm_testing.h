@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/compare.h"
 #include "kernels/elementwise.h"
 
 namespace cudp::kernels::testing_bn {
@@ -68,16 +69,6 @@ inline size_t clamped(const std::vector<float>& y) {
   return n;
 }
 
-inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& a,
-                                                const std::vector<float>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure()
-             << "first difference at " << i << ": " << a[i] << " vs " << b[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
+using ::cudp::testing::bitwise_equal;
 
 }  // namespace cudp::kernels::testing_bn

@@ -50,16 +50,7 @@ std::vector<T> download_at(const DeviceBuffer<T>& buffer, size_t offset) {
 }
 
 // Max pooling selects, it does not compute: y must equal the reference bit for bit (NaNs included).
-::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure()
-             << "first difference at " << i << ": " << a[i] << " vs " << b[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
+using testing::bitwise_equal;
 
 // Forward and backward of one case on the GPU and the CPU; x is given (random, quantised or NaN).
 void check_max_pool_against_cpu(const PoolCase& k, const std::vector<float>& x, size_t offset) {
@@ -159,13 +150,8 @@ TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
                           2, 2, 2, 0, 0, nullptr);
       max_pool2d_backward_from_input(dy.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
                                      k.h, k.w, k.c, nullptr);
-      auto bits = [](const std::vector<float>& v) {
-        std::vector<uint32_t> out(v.size());
-        std::memcpy(out.data(), v.data(), v.size() * sizeof(float));
-        return out;
-      };
-      EXPECT_EQ(bits(download_at(y2, offset)), bits(download_at(y1, offset)));
-      EXPECT_EQ(bits(download_at(dx2, offset)), bits(download_at(dx1, offset)));
+      EXPECT_TRUE(bitwise_equal(download_at(y2, offset), download_at(y1, offset)));
+      EXPECT_TRUE(bitwise_equal(download_at(dx2, offset), download_at(dx1, offset)));
     }
   }
   // Other windows need their indices.

@@ -12,28 +12,12 @@
 #include <array>
 #include <memory>
 
+#include "common/mpi_environment.h"
+
 namespace cudp::parallel {
 namespace {
 
-mpi::Session* g_session = nullptr;
-
-// MPI lives from before the first test to after the last.
-class MpiEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    session_ = std::make_unique<mpi::Session>();
-    g_session = session_.get();
-  }
-  void TearDown() override {
-    g_session = nullptr;
-    session_.reset();
-  }
-
- private:
-  std::unique_ptr<mpi::Session> session_;
-};
-[[maybe_unused]] auto* const g_environment =
-    ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+using testing::mpi_session;
 
 uint8_t pattern(size_t i) {
   return static_cast<uint8_t>((i * 131 + 7) ^ (i >> 8));
@@ -44,8 +28,8 @@ TEST(MpiBootstrap, IsBuilt) {
 }
 
 TEST(MpiBootstrap, RankSizeAndLocalRankAgreeWithTheLauncher) {
-  ASSERT_NE(g_session, nullptr);
-  const LaunchInfo mpi = g_session->info();
+  ASSERT_NE(mpi_session(), nullptr);
+  const LaunchInfo mpi = mpi_session()->info();
   const LaunchInfo env = launch_info_from_env();
   EXPECT_EQ(mpi.source, "MPI");
   EXPECT_EQ(mpi.world_size, env.world_size) << "the launcher's " << env.source;
@@ -57,22 +41,22 @@ TEST(MpiBootstrap, RankSizeAndLocalRankAgreeWithTheLauncher) {
   }
   for (int root = 0; root < mpi.world_size; ++root) {
     int value = mpi.rank == root ? mpi.rank : -1;
-    g_session->broadcast(&value, sizeof value, root);
+    mpi_session()->broadcast(&value, sizeof value, root);
     EXPECT_EQ(value, root) << "rank " << root << " says it is rank " << value;
   }
-  g_session->barrier();
+  mpi_session()->barrier();
 }
 
 TEST(MpiBootstrap, ABlobFromRankZeroArrivesIntact) {
-  ASSERT_NE(g_session, nullptr);
-  const int rank = g_session->info().rank;
+  ASSERT_NE(mpi_session(), nullptr);
+  const int rank = mpi_session()->info().rank;
   // The size of ProcessGroup's message (an NCCL unique id and a flag), then a larger one.
   for (const size_t bytes : {size_t{129}, size_t{1} << 20}) {
     std::vector<uint8_t> blob(bytes, 0xEE);  // poisoned where it is to be received
     if (rank == 0) {
       for (size_t i = 0; i < bytes; ++i) blob[i] = pattern(i);
     }
-    g_session->broadcast(blob.data(), blob.size(), 0);
+    mpi_session()->broadcast(blob.data(), blob.size(), 0);
     size_t wrong = 0, first_wrong = bytes;
     for (size_t i = 0; i < bytes; ++i) {
       if (blob[i] != pattern(i)) {

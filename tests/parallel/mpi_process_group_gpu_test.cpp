@@ -11,6 +11,7 @@
 
 #include "common/compare.h"
 #include "common/gpu.h"
+#include "common/mpi_environment.h"
 #include "engine/parallel/mpi_bootstrap.h"
 
 namespace cudp::parallel {
@@ -18,38 +19,21 @@ namespace {
 
 using cudp::testing::random_vector;
 
-mpi::Session* g_session = nullptr;
-
-class MpiEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    session_ = std::make_unique<mpi::Session>();
-    g_session = session_.get();
-  }
-  void TearDown() override {
-    g_session = nullptr;
-    session_.reset();
-  }
-
- private:
-  std::unique_ptr<mpi::Session> session_;
-};
-[[maybe_unused]] auto* const g_environment =
-    ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+using testing::mpi_session;
 
 constexpr size_t kN = (1 << 20) + 37;
 
 TEST(MpiProcessGroupGpu, CollectivesAcrossProcessesMatchHostArithmetic) {
   CUDP_REQUIRE_GPU();
-  ASSERT_NE(g_session, nullptr);
-  const LaunchInfo info = g_session->info();
+  ASSERT_NE(mpi_session(), nullptr);
+  const LaunchInfo info = mpi_session()->info();
   if (cuda::device_count() < info.world_size) {
     GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
                  << " visible";
   }
   ProcessGroupOptions options;
   options.timeout = std::chrono::seconds(120);
-  const auto group = ProcessGroup::from_mpi(*g_session, options);
+  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);
   EXPECT_EQ(group->rank(), info.rank);
   EXPECT_EQ(group->world_size(), info.world_size);
   EXPECT_EQ(group->local_rank(), info.local_rank);
