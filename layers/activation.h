@@ -21,6 +21,7 @@ class ReLU : public Module {
  protected:
   Tensor forward_one(const Tensor& input) override;
   Tensor backward_one(const Tensor& grad_output) override;
+  void release_saved() override { output_ = Tensor(); }
   std::shared_ptr<Module> make_empty_copy() const override;
 
  private:

@@ -59,6 +59,12 @@ class BatchNorm2d : public Module {
  protected:
   Tensor forward_one(const Tensor& input) override;
   Tensor backward_one(const Tensor& grad_output) override;
+  void release_saved() override {
+    input_ = Tensor();
+    save_mean_ = Tensor();
+    save_invstd_ = Tensor();
+    relu_output_ = Tensor();
+  }
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const override;
 

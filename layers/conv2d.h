@@ -57,6 +57,13 @@ class Conv2d : public Module {
  protected:
   Tensor forward_one(const Tensor& input) override;
   Tensor backward_one(const Tensor& grad_output) override;
+  void release_saved() override {
+    input_ = Tensor();
+    input_bf16_ = Tensor();
+    weight_bf16_ = Tensor();
+    weight_rot_bf16_ = Tensor();
+    output_ = Tensor();
+  }
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor export_tensor(const std::string& local_name, const Tensor& internal) const override;
   Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const override;

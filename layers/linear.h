@@ -43,6 +43,12 @@ class Linear : public Module {
  protected:
   Tensor forward_one(const Tensor& input) override;
   Tensor backward_one(const Tensor& grad_output) override;
+  void release_saved() override {
+    input_ = Tensor();
+    input_bf16_ = Tensor();
+    weight_bf16_ = Tensor();
+    weight_t_bf16_ = Tensor();
+  }
   std::shared_ptr<Module> make_empty_copy() const override;
 
  private:

@@ -127,6 +127,13 @@ float CrossEntropyLoss::item() const {
   return words[0];
 }
 
+void CrossEntropyLoss::release() {
+  result_ = Tensor();
+  loss_ = Tensor();
+  probs_ = Tensor();
+  labels_ = Tensor();
+}
+
 void CrossEntropyLoss::check_labels() const {
   item();
 }

@@ -43,6 +43,10 @@ class CrossEntropyLoss {
   float item() const;
   // Throws ValueError if the last forward saw a label out of range (synchronises on a GPU).
   void check_labels() const;
+  // Drops the last forward's state (the tensors returned by forward() stay valid); item(),
+  // check_labels() and backward() then need a new forward. A captured training step calls it at
+  // its end, so that the graph keeps no memory past the step (layers/train.h).
+  void release();
 
   // The weight that makes a replica's chunk of n_i samples count as its share of a batch of B.
   static double chunk_weight(int64_t chunk, int64_t batch);

@@ -68,10 +68,12 @@ TensorList Module::forward_all(const TensorList& inputs) {
 TensorList Module::backward_all(const TensorList& grad_outputs) {
   const nvtx::Range range(type_name() + " backward");
   CUDP_CHECK(forward_done_, type_name(),
-             ": backward() called without a forward() before it (or after the module was moved); "
-             "run forward() first: backward uses what it saved");
+             ": backward() called without a forward() since the last backward (or after the module "
+             "was moved); run forward() first: backward uses what the forward saved, and frees it");
   check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
   TensorList grads = backward_impl(grad_outputs);
+  release_saved();
+  forward_done_ = false;
   for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
     if (widened_[i]) grads[i] = convert(grads[i], DType::bf16);
   }
@@ -341,7 +343,8 @@ Module& Module::to(Device device) {
       buffer = buffer.to(device);
     }
     if (module->device_ != device) {
-      module->forward_done_ = false;  // saved tensors stay behind
+      module->release_saved();  // what the forward saved stays on the old device: drop it
+      module->forward_done_ = false;
     }
     module->device_ = device;
   }

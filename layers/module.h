@@ -127,6 +127,14 @@ class Module : public std::enable_shared_from_this<Module> {
  protected:
   Module() = default;
 
+  // Drops what the last forward saved for backward (inputs, outputs, masks, statistics). Called
+  // by backward_all once this module's backward is done, and by to() when the module leaves its
+  // device: as in PyTorch, a backward frees the saved activations, so that nothing holds them
+  // between steps, through an evaluation, or past the end of a captured CUDA graph step (whose
+  // memory would otherwise outlive the step inside the graph), and a second backward needs a new
+  // forward. Leaf layers override it; containers' children release their own.
+  virtual void release_saved() {}
+
   Parameter& register_parameter(const std::string& name, Tensor data);
   Tensor& register_buffer(const std::string& name, Tensor data);
   template <typename M>

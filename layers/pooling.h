@@ -26,6 +26,10 @@ class MaxPool2d : public Module {
  protected:
   Tensor forward_one(const Tensor& input) override;
   Tensor backward_one(const Tensor& grad_output) override;
+  void release_saved() override {
+    indices_ = Tensor();
+    input_ = Tensor();
+  }
   std::shared_ptr<Module> make_empty_copy() const override;
 
  private:

@@ -89,6 +89,7 @@ GraphedStep::GraphedStep(Module& model, CrossEntropyLoss& criterion, Optimizer& 
     : GraphedStep(
           [&model, &criterion, &optimizer](const Tensor& images, const Tensor& labels) {
             const PendingStep p = train_step_async(model, criterion, optimizer, images, labels);
+            criterion.release();  // the step's results are p's: nothing outlives the step
             return TensorList{p.loss, p.correct};
           },
           model.device(), options) {}

@@ -114,6 +114,10 @@ class GraphedStep {
   int64_t replays() const { return replays_; }          // graph launches, the first included
   int64_t eager_steps() const { return eager_steps_; }  // steps run without the graph
   size_t graph_nodes() const { return graph_.node_count(); }
+  // Memory the captured step allocated and kept past its end (CudaGraph::graph_owned_allocations):
+  // 0 when the body leaves nothing behind, as train_step_async's does (layers free what they saved
+  // at backward; the body releases the criterion).
+  size_t graph_owned_allocations() const { return graph_.graph_owned_allocations(); }
 
  private:
   struct Key {

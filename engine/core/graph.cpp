@@ -91,7 +91,7 @@ void CudaGraph::capture_end() {
   DeviceGuard guard(device_);
   cudaGraph_t graph = nullptr;
   const cudaError_t status = cudaStreamEndCapture(std::exchange(capturing_, nullptr), &graph);
-  end_capture_allocations();
+  graph_owned_ = end_capture_allocations();
   if (status != cudaSuccess) {
     if (graph != nullptr) cudaGraphDestroy(graph);
     cudaGetLastError();

@@ -62,6 +62,9 @@ class CudaGraph {
   // Nodes in the captured graph (kernels, copies, memsets, allocations, frees).
   size_t node_count() const;
   int device() const { return device_; }
+  // Allocations the capture made and did not free: memory the graph owns past its end (memory.h
+  // NOTE [Allocations during stream capture]). A training step leaves none.
+  size_t graph_owned_allocations() const { return graph_owned_; }
 
  private:
   void reset() noexcept;
@@ -70,6 +73,7 @@ class CudaGraph {
   cudaGraphExec_t exec_ = nullptr;
   cudaStream_t capturing_ = nullptr;
   int device_ = -1;
+  size_t graph_owned_ = 0;
   std::string what_;
 };
 

@@ -180,17 +180,20 @@ void begin_capture_allocations() {
   capture_open.store(true, std::memory_order_release);
 }
 
-void end_capture_allocations() noexcept {
+size_t end_capture_allocations() noexcept {
   CaptureBook& book = capture_book();
   std::vector<std::pair<void*, cudaStream_t>> deferred;
+  size_t unfreed = 0;
   {
     const std::lock_guard lock(book.mutex);
     capture_open.store(false, std::memory_order_release);
     book.open = false;
+    unfreed = book.allocated.size();
     book.allocated.clear();
     deferred.swap(book.deferred);
   }
   for (const auto& [ptr, stream] : deferred) cudaFreeAsync(ptr, stream);
+  return unfreed;
 }
 
 bool capture_is_open() noexcept { return capture_open.load(std::memory_order_acquire); }

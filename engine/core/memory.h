@@ -62,15 +62,20 @@ void device_free(void* ptr, cudaStream_t stream) noexcept;
 // released when the captured forward replaces them. Those frees are deferred: device_free records
 // them and end_capture_allocations() issues them on their streams once the capture has ended,
 // ordered after the eager work that used them and before the graph's first launch. Memory the
-// capture allocated and did not free (what modules keep after the captured step) stays the
+// capture allocated and did not free (what something kept past the captured step) stays the
 // graph's; it is freed by the graph's next launch (instantiated with auto-free on launch) or by a
-// later eager step, outside the graph, as CUDA allows.
+// later eager step, outside the graph, as CUDA allows. A training step leaves none (layers free
+// what they saved at backward, GraphedStep's bodies release the criterion), and that matters
+// beyond memory: compute-sanitizer's memcheck takes such an allocation as live from the start of
+// every launch, so a workspace freed earlier in the graph at the same address reads to it as an
+// out-of-bounds access although CUDA allows the reuse.
 //
 // The bookkeeping, for engine/core/graph.cpp:
 // Starts the bookkeeping of one capture (one at a time in the process; throws if one is open).
 void begin_capture_allocations();
-// Ends it and issues the deferred frees.
-void end_capture_allocations() noexcept;
+// Ends it and issues the deferred frees. Returns how many graph allocations the capture left
+// unfreed (the graph owns them).
+size_t end_capture_allocations() noexcept;
 // Records a graph allocation made without device_allocate (a kernel workspace's cudaMallocAsync),
 // so that its free stays in the graph. A no-op outside a capture.
 void note_allocation(void* ptr, cudaStream_t stream) noexcept;

@@ -914,6 +914,7 @@ int run(Options o) {
     } else {
       opt->step();
     }
+    criterion.release();  // nothing the step made outlives it (a captured step's graph owns none)
     return TensorList{loss, norm, out};
   };
   // --graphs on: full batches replay a CUDA graph of train_body (layers/train.h NOTE [Graphed

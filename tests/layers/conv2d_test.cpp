@@ -136,7 +136,9 @@ TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsAndTheOutputOnTheCpu) {
   EXPECT_EQ(values(dx), values(reference.backward(g)));
   EXPECT_EQ(values(conv.weight().grad), values(reference.weight().grad));
   EXPECT_EQ(values(conv.bias().grad), values(reference.bias().grad));
-  // A gradient of another dtype than the output's is refused, naming the rule.
+  // A gradient of another dtype than the output's is refused, naming the rule (after a new
+  // forward: the backward above freed what the last one saved).
+  conv.forward(x);
   EXPECT_THROW_WITH(conv.backward(g), "a gradient has its value's dtype");
 }
 

@@ -88,6 +88,22 @@ TEST(ModuleTest, BackwardNeedsAForwardFirst) {
                     "Linear: backward() called without a forward()");
 }
 
+// As in PyTorch (without retain_graph), a backward frees what its forward saved: through a whole
+// network, a second backward on the same forward is refused with the way out, and after a new
+// forward it gives the first one's gradients again.
+TEST(ModuleTest, BackwardFreesWhatTheForwardSaved) {
+  auto net = small_net(1);
+  const Tensor x = random_tensor({2, 6, 6, 3}, 4);
+  const Tensor y = net->forward(x);
+  const Tensor g = random_tensor(y.shape(), 5);
+  const std::vector<float> dx1 = values(net->backward(g));
+  EXPECT_THROW_WITH(net->backward(g),
+                    "backward() called without a forward() since the last "
+                    "backward");
+  net->forward(x);
+  EXPECT_EQ(values(net->backward(g)), dx1);
+}
+
 TEST(ModuleTest, DeviceMismatchNamesBothDevicesAndTheFix) {
   PretendOnDevice m(Device::cuda(0));
   EXPECT_THROW_WITH(m.forward(random_tensor({2, 2}, 1)),
@@ -103,7 +119,8 @@ TEST(ModuleTest, ParameterGradientsAccumulateAndInputGradientsAreWritten) {
   const std::vector<float> dx1 = values(linear.backward(g));
   const std::vector<float> dw1 = values(linear.weight().grad);
   const std::vector<float> db1 = values(linear.bias().grad);
-  const std::vector<float> dx2 = values(linear.backward(g));  // same forward, second backward
+  linear.forward(x);
+  const std::vector<float> dx2 = values(linear.backward(g));  // same batch, second backward
   EXPECT_EQ(dx2, dx1);                                        // written, not accumulated
   std::vector<float> twice_w(dw1), twice_b(db1);
   for (float& v : twice_w) v *= 2;
