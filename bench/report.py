@@ -15,7 +15,12 @@ report and skipped):
 and writes, into --out DIR: report.md (Markdown tables), report.json (the same data, normalised) and
 scaling.png (img/s against GPU count per configuration, cudp and PyTorch; needs matplotlib).
 
-  python3 bench/report.py --raw bench/report/raw --out bench/report
+--training DIR (repeatable) adds the training rows of another run kept in its own directory (its
+train_cudp*.json and train_torch*.json, e.g. bench/report/bf16-1gpu): cudp and PyTorch are set
+against each other within each run only, never across runs, and every training row names its run
+("run": the directory's name). The plot shows --raw's run.
+
+  python3 bench/report.py --raw bench/report/raw --training bench/report/bf16-1gpu --out bench/report
 """
 import argparse
 import glob
@@ -128,10 +133,10 @@ def torch_setting(r):
     return label
 
 
-def training(cudp_rows, torch_rows):
+def training(cudp_rows, torch_rows, run):
     """Rows per (model, size, batch/GPU, cudp precision, GPUs, PyTorch setting and mode): img/s,
-    scaling efficiency, ratios. Every row carries cudp_precision (fp32 for rows written before
-    bench_train had --precision)."""
+    scaling efficiency, ratios, from one run (`run`: its name, carried by every row). Every row
+    carries cudp_precision (fp32 for rows written before bench_train had --precision)."""
     configs = {}
     for r in cudp_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
@@ -161,7 +166,7 @@ def training(cudp_rows, torch_rows):
                 step_ms = num(cr, "step_ms") if cr else None
                 ar_ms = num(cr, "allreduce_ms") if cr else None
                 base = {
-                    "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
+                    "run": run, "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
                     "cudp_precision": cudp_precision, "cudp_graphs": cudp_graphs,
                     "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,
                     "cudp_step_ms": step_ms,
@@ -204,7 +209,7 @@ def training_md(rows):
             mode = {"single": "1 GPU", "dp": "DataParallel", "ddp": "DDP"}.get(r["pytorch_mode"], r["pytorch_mode"])
             mode += f" ({r['pytorch_precision']})"
         body.append([
-            r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], (r.get("cudp_precision") or "—") + (" graphs" if r.get("cudp_graphs") == "on" else ""),
+            r.get("run", "—"), r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], (r.get("cudp_precision") or "—") + (" graphs" if r.get("cudp_graphs") == "on" else ""),
             fmt(r["cudp_images_per_s"], 0), fmt(r["cudp_scaling_efficiency"], 2),
             mode, fmt(r.get("pytorch_images_per_s"), 0), fmt(r.get("pytorch_scaling_efficiency"), 2),
             fmt(r.get("cudp_over_pytorch"), 2, "×"),
@@ -213,10 +218,10 @@ def training_md(rows):
             fmt(r["cudp_peak_gib"], 2), fmt(r.get("pytorch_peak_gib"), 2),
         ])
     return md_table(
-        ["model", "image", "batch/GPU", "GPUs", "cudp precision", "cudp img/s", "cudp scaling", "PyTorch",
+        ["run", "model", "image", "batch/GPU", "GPUs", "cudp precision", "cudp img/s", "cudp scaling", "PyTorch",
          "PyTorch img/s", "PyTorch scaling", "cudp/PyTorch", "cudp all-reduce ms", "all-reduce / step",
          "cudp peak GiB", "PyTorch peak GiB"],
-        body, ["---", "---", "---:", "---:", "---", "---:", "---:", "---", "---:", "---:", "---:", "---:",
+        body, ["---", "---", "---", "---:", "---:", "---", "---:", "---:", "---", "---:", "---:", "---:", "---:",
                "---:", "---:", "---:"])
 
 
@@ -412,7 +417,9 @@ def headline(train, comm):
     lines = []
     for r in train:
         if r["gpus"] == 1 and r.get("pytorch_mode") == "single" and r.get("cudp_over_pytorch"):
-            lines.append(f"- {r['model']} {r['size']}², 1 GPU: cudp ({r.get('cudp_precision') or 'fp32'}) "
+            graphs = ", graphs" if r.get("cudp_graphs") == "on" else ""
+            lines.append(f"- {r['model']} {r['size']}², 1 GPU, run {r.get('run', '?')}: cudp "
+                         f"({r.get('cudp_precision') or 'fp32'}{graphs}) "
                          f"{fmt(r['cudp_images_per_s'], 0)} img/s, "
                          f"PyTorch ({r['pytorch_precision']}) {fmt(r['pytorch_images_per_s'], 0)}: "
                          f"**{fmt(r['cudp_over_pytorch'], 2, '×')}**")
@@ -442,58 +449,78 @@ def main():
     p.add_argument("--out", default="bench/report", help="where report.md, report.json, scaling.png go")
     p.add_argument("--machine", help="machine-info JSON (default: RAW/machine.json)")
     p.add_argument("--title", default="cudp benchmark report")
+    p.add_argument("--training", action="append", default=[], metavar="DIR",
+                   help="another run's directory of train_cudp*.json / train_torch*.json to add")
     args = p.parse_args()
 
     inputs = {}
 
-    def read(name):
-        objects, problem = load_objects(os.path.join(args.raw, name))
-        inputs[name] = problem or f"{len(objects)} object(s)"
+    def read(name, directory=None):
+        objects, problem = load_objects(os.path.join(directory or args.raw, name))
+        inputs[name if directory is None else f"{os.path.basename(os.path.normpath(directory))}/{name}"] = (
+            problem or f"{len(objects)} object(s)")
         return objects
 
     machine_objs, problem = load_objects(args.machine or os.path.join(args.raw, "machine.json"))
     inputs[os.path.basename(args.machine) if args.machine else "machine.json"] = problem or "read"
     machine = machine_objs[0] if machine_objs else {}
 
-    def read_all(pattern, default):  # every file matching, or the default name (reported absent)
-        names = sorted(os.path.basename(f) for f in glob.glob(os.path.join(args.raw, pattern)))
-        return [o for name in names or [default] for o in read(name)]
+    def read_all(pattern, default, directory=None):  # every file matching, or the default (absent)
+        names = sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory or args.raw, pattern)))
+        return [o for name in names or [default] for o in read(name, directory)]
+
+    def read_training(directory=None):
+        cudp = [o for o in read_all("train_cudp*.json", "train_cudp.json", directory)
+                if str(o.get("framework", "cudp")).startswith("cudp")]
+        torch = [o for o in read_all("train_torch*.json", "train_torch.json", directory)
+                 if str(o.get("framework", "pytorch")).startswith("pytorch")]
+        return training(cudp, torch, os.path.basename(os.path.normpath(directory or args.raw)))
 
     runs = read("runs.json") if os.path.exists(os.path.join(args.raw, "runs.json")) else []
     inputs.pop("runs.json", None)
-    cudp_train = [o for o in read_all("train_cudp*.json", "train_cudp.json")
-                  if str(o.get("framework", "cudp")).startswith("cudp")]
-    torch_train = [o for o in read_all("train_torch*.json", "train_torch.json")
-                   if str(o.get("framework", "pytorch")).startswith("pytorch")]
+    train = read_training()
+    main_run = list(train)  # the plot's: the other runs are kept beside it, not on its lines
+    for directory in args.training:
+        train += read_training(directory)
     comm = allreduce(read("comm.json"))
     kernels = []
     for bench in KERNEL_BENCHES:
         for doc in read_all(f"{bench}*.json", f"{bench}.json"):  # gemm.json, gemm_bf16.json, ...
             kind = doc.get("benchmark") if doc.get("benchmark") in KERNEL_BENCHES else bench
             kernels += kernel_rows(kind, doc)
-    train = training(cudp_train, torch_train)
 
     os.makedirs(args.out, exist_ok=True)
-    plot_problem = plot_scaling(train, os.path.join(args.out, "scaling.png"))
+    plot_problem = plot_scaling(main_run, os.path.join(args.out, "scaling.png"))
     if plot_problem is not None and os.path.exists(os.path.join(args.out, "scaling.png")):
         os.remove(os.path.join(args.out, "scaling.png"))  # an older run's plot would mislead
 
     md = [f"# {args.title}", ""]
     if machine.get("date"):
-        md += [f"Generated from the run of {machine['date']}.", ""]
+        md += [f"Generated from the run of {machine['date']} ({os.path.basename(os.path.normpath(args.raw))})"
+               + "".join(f"; training rows also from {os.path.basename(os.path.normpath(d))} (another run: "
+                         f"its README in {d} gives its date, machine and commands)" for d in args.training)
+               + ".", ""]
     md += ["## Machine", "", machine_md(machine), "",
            "## Headline", "", headline(train, comm), "",
            "## Training throughput (bench_train vs bench/pytorch_train.py)", "",
            "Images per second over timed steps (data already on the GPU). Scaling = img/s on g GPUs / "
            "(g × img/s on 1 GPU) of the same framework (PyTorch's DataParallel and DDP against PyTorch "
-           "on 1 GPU). cudp/PyTorch compares the same GPU count. The all-reduce column is cudp's "
-           "gradient all-reduce timed alone, an upper bound of the communication a step exposes.", "",
+           "on 1 GPU). cudp/PyTorch compares the same GPU count within one run (the run column). The "
+           "all-reduce column is cudp's gradient all-reduce timed alone, an upper bound of the "
+           "communication a step exposes.", "",
            training_md(train), ""]
     if plot_problem is None:
         md += ["![img/s against GPU count](scaling.png)", ""]
     else:
         md += [f"_({plot_problem})_", ""]
-    md += ["## Kernels: ours vs the vendor libraries", "",
+    md += ["## Kernels: ours vs the vendor libraries", ""]
+    # What the JSON cannot say about the kernel rows (where and when some were measured): a note
+    # kept beside them, RAW/notes-kernels.md, goes before the table as it is.
+    notes_path = os.path.join(args.raw, "notes-kernels.md")
+    if os.path.exists(notes_path):
+        with open(notes_path, encoding="utf-8") as f:
+            md += [f.read().strip(), ""]
+    md += [
            "TFLOP/s for GEMM and convolution (2·m·n·k and 2·N·P·Q·K·R·S·C), GB/s of the least bytes an op "
            "must move for the memory-bound ones; the vendor is cuBLAS / cuDNN, or the measured "
            "device-to-device copy where cuDNN has no such op. Ratio > 1: ours is faster.", "",

@@ -745,7 +745,8 @@ void run_gemm(GemmArgs args, cudaStream_t stream) {
     launch("conv_gemm_kernel", kernel, grid, kThreads, 0, stream, args);
     return;
   }
-  Workspace partial(size_t(split) * mn * sizeof(float), stream);
+  Workspace partial(size_t(split) * mn * sizeof(float), stream,
+                    "the convolution's split-K partial sums");
   args.partial = partial.get();
   launch("conv_gemm_kernel", kernel, grid, kThreads, 0, stream, args);
   constexpr int kReduceThreads = 256;

@@ -277,7 +277,8 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     return;
   }
 #ifdef CUDP_HAVE_SM90
-  Workspace partials(size_t(matmul_workspace_bytes(p, plan)), stream);
+  Workspace partials(size_t(matmul_workspace_bytes(p, plan)), stream,
+                     "the tensor-core product's split-K partial sums");
   float* ws = partials.get();
   const bool bf16 = p.math == Math::BF16;
   if (feed == Feed::ConvTma) {
@@ -351,7 +352,8 @@ void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float al
   const int64_t ldp = (int64_t(k) * esize + 15) / 16 * 16 / esize;  // packed row stride
   const int64_t a_bytes = a_direct || k == 0 ? 0 : (int64_t(m) * ldp * esize + 255) / 256 * 256;
   const int64_t b_bytes = b_direct || k == 0 ? 0 : int64_t(n) * ldp * esize;
-  Workspace packed(size_t(a_bytes + b_bytes), stream);
+  Workspace packed(size_t(a_bytes + b_bytes), stream,
+                   "the product's operands packed to 16-byte rows");
   uint8_t* ws = packed.get<uint8_t>();
   MatmulProblem p;
   p.m = m;

@@ -1,5 +1,6 @@
 #include "layers/batchnorm.h"
 
+#include "engine/core/memory.h"
 #include "kernels/batchnorm.h"
 #include "kernels/scalars.h"
 
@@ -16,6 +17,9 @@ BatchNorm2d::BatchNorm2d(init::SkipInit, int num_features, float eps, float mome
   CUDP_CHECK(eps_ > 0.0f, "BatchNorm2d: eps must be positive, got ", eps_);
   CUDP_CHECK(momentum_ >= 0.0f && momentum_ <= 1.0f,
              "BatchNorm2d: momentum must be in [0, 1], got ", momentum_);
+  const cuda::AllocationPurpose purpose(
+      detail::str("BatchNorm2d(", c_, ")'s weight, bias and running statistics"),
+      "Use a smaller model or free memory (BatchNorm2d keeps 4 floats per channel).");
   weight_ = &register_parameter("weight", Tensor::empty({c_}));
   bias_ = &register_parameter("bias", Tensor::empty({c_}));
   running_mean_ = &register_buffer("running_mean", Tensor::empty({c_}));
@@ -71,8 +75,15 @@ void BatchNorm2d::forward_typed(const Tensor& input, Tensor& y) {
         });
     return;
   }
-  Tensor save_mean = Tensor::empty({c_}, DType::f32, device_);
-  Tensor save_invstd = Tensor::empty({c_}, DType::f32, device_);
+  Tensor save_mean, save_invstd;
+  {
+    const cuda::AllocationPurpose purpose(
+        detail::str("BatchNorm2d(", c_, ")'s saved batch mean and inverse deviation"),
+        "They are kept with the activations for the backward: reduce the batch size "
+        "(--batch-size).");
+    save_mean = Tensor::empty({c_}, DType::f32, device_);
+    save_invstd = Tensor::empty({c_}, DType::f32, device_);
+  }
   float* sm = save_mean.data<float>();
   float* si = save_invstd.data<float>();
   run(

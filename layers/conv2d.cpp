@@ -1,7 +1,9 @@
 #include "layers/conv2d.h"
 
+#include <optional>
 #include <vector>
 
+#include "engine/core/memory.h"
 #include "kernels/bias.h"
 #include "kernels/layout.h"
 
@@ -175,6 +177,12 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
                                       stream);
             }
           }
+          std::optional<cuda::AllocationPurpose> purpose;
+          purpose.emplace(
+              detail::str("Conv2d(", in_, ", ", out_, ")'s bf16 copies of its filters"),
+              "Under bf16 the layer makes them at each forward (and the rotated filters for a "
+              "training backward) and keeps them until the backward: reduce the batch size "
+              "(--batch-size) to leave room for them.");
           weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
           // The rotated filters of backward-data come from the same pass, when a backward that
           // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
@@ -184,6 +192,7 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
                               s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1;
           weight_rot_bf16_ =
               rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
+          purpose.reset();
           kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
                                           rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
           kernels::Conv2dShape padded = s;

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "engine/core/memory.h"
 #include "kernels/bias.h"
 #include "kernels/gemm.h"
 #include "kernels/layout.h"
@@ -10,6 +11,11 @@
 namespace cudp {
 
 namespace {
+
+constexpr const char* kBf16Advice =
+    "Under bf16 the layer makes them at each forward (the weight once, and its transpose for a "
+    "training backward) and keeps them until the backward: reduce the batch size (--batch-size) "
+    "to leave room for them.";
 
 // The GEMM launchers take int extents.
 int gemm_extent(int64_t n, const char* what) {
@@ -96,11 +102,17 @@ Tensor Linear::forward_one(const Tensor& input) {
     run([] {},
         [&](cudaStream_t s) {
           input_bf16_ = convert(input, DType::bf16);
-          weight_bf16_ = Tensor::empty({out_, in_}, DType::bf16, device_);
-          const float* w = weight_->data.data<float>();
           // W^T, the operand of backward-data, when a backward that runs it directly follows.
-          if (training_ && input_grad_ && direct_bf16(out_)) {
-            weight_t_bf16_ = Tensor::empty({in_, out_}, DType::bf16, device_);
+          const bool transpose = training_ && input_grad_ && direct_bf16(out_);
+          {
+            const cuda::AllocationPurpose purpose(
+                detail::str("Linear(", in_, ", ", out_, ")'s bf16 copies of its weight"),
+                kBf16Advice);
+            weight_bf16_ = Tensor::empty({out_, in_}, DType::bf16, device_);
+            if (transpose) weight_t_bf16_ = Tensor::empty({in_, out_}, DType::bf16, device_);
+          }
+          const float* w = weight_->data.data<float>();
+          if (transpose) {
             kernels::f32_to_bf16_with_transpose(w, weight_bf16_.data<__nv_bfloat16>(),
                                                 weight_t_bf16_.data<__nv_bfloat16>(), out_, in_, s);
           } else {

@@ -152,27 +152,32 @@ void Optimizer::allocate_state() {
       "The optimizer keeps its state beside the model on every GPU (SGD with momentum: one fp32 "
       "copy of the parameters, AdamW: two): use a smaller model, SGD without momentum, or GPUs "
       "with more free memory.");
-  state_.assign(names.size(), std::vector<Tensor>(params_.size()));
+  // Built aside and kept only when all of it was allocated: an allocation that fails (out of
+  // memory) leaves the optimizer without state, so that a later step tries again.
+  std::vector<std::vector<Tensor>> state(names.size(), std::vector<Tensor>(params_.size()));
   if (const std::optional<Flat> flat = find_flat(params_)) {
     // The state mirrors the parameters' layout, so one launch covers parameters and state alike.
-    flat_offsets_ = flat->offsets;
+    std::vector<Tensor> flat_state;
     for (size_t k = 0; k < names.size(); ++k) {
-      flat_state_.push_back(Tensor::zeros({flat->n}, DType::f32, flat->device));
+      flat_state.push_back(Tensor::zeros({flat->n}, DType::f32, flat->device));
       for (size_t i = 0; i < params_.size(); ++i) {
         const Tensor& data = params_[i]->data;
-        state_[k][i] = flat_state_[k]
-                           .slice(flat->offsets[i], flat->offsets[i] + data.numel())
-                           .view(data.shape());
+        state[k][i] = flat_state[k]
+                          .slice(flat->offsets[i], flat->offsets[i] + data.numel())
+                          .view(data.shape());
       }
     }
-    return;
-  }
-  for (size_t k = 0; k < names.size(); ++k) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Tensor& data = params_[i]->data;
-      state_[k][i] = Tensor::zeros(data.shape(), DType::f32, data.device());
+    flat_offsets_ = flat->offsets;
+    flat_state_ = std::move(flat_state);
+  } else {
+    for (size_t k = 0; k < names.size(); ++k) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const Tensor& data = params_[i]->data;
+        state[k][i] = Tensor::zeros(data.shape(), DType::f32, data.device());
+      }
     }
   }
+  state_ = std::move(state);
 }
 
 void Optimizer::step() { take_step(nullptr); }

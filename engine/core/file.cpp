@@ -31,6 +31,14 @@ std::string temp_prefix(const std::string& path) {
   return prefix;
 }
 
+std::atomic<detail::FileFaultHook> fault_hook{nullptr};
+
+// The errno the test hook (file.h) makes `operation` on `path` fail with; 0: none, make the call.
+int injected_error(const char* operation, const std::string& path) {
+  const detail::FileFaultHook hook = fault_hook.load(std::memory_order_relaxed);
+  return hook != nullptr ? hook(operation, path) : 0;
+}
+
 const char* file_type(mode_t mode) {
   if (S_ISDIR(mode)) return "a directory";
   if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
@@ -147,6 +155,7 @@ void StagedFile::write(const void* data, size_t bytes) {
 
 void StagedFile::finish() {
   if (fd_ < 0) return;
+  if (const int injected = injected_error("fsync", tmp_); injected != 0) fail("fsync", injected);
   if (::fsync(fd_) != 0) fail("fsync", errno);
   const int fd = fd_;
   fd_ = -1;
@@ -164,8 +173,9 @@ void sync_directory_of(const std::string& path) {
   const std::string dir = directory_of(path);
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) CUDP_THROW(IoError, "cannot open directory '", dir, "': ", std::strerror(errno));
-  const int status = ::fsync(fd);
-  const int error = errno;
+  const int injected = injected_error("fsync directory", dir);
+  const int status = injected != 0 ? -1 : ::fsync(fd);
+  const int error = injected != 0 ? injected : errno;
   ::close(fd);
   // Some file systems cannot fsync a directory (EINVAL); there a rename is as durable as they make it.
   if (status != 0 && error != EINVAL) {
@@ -174,8 +184,10 @@ void sync_directory_of(const std::string& path) {
 }
 
 void rename_durably(const std::string& from, const std::string& to, std::string_view what) {
-  if (std::rename(from.c_str(), to.c_str()) != 0) {
-    CUDP_THROW(IoError, what, " '", to, "': rename from '", from, "' failed: ", std::strerror(errno));
+  const int injected = injected_error("rename", from);
+  if (injected != 0 || std::rename(from.c_str(), to.c_str()) != 0) {
+    CUDP_THROW(IoError, what, " '", to, "': rename from '", from,
+               "' failed: ", std::strerror(injected != 0 ? injected : errno));
   }
   sync_directory_of(to);
 }
@@ -198,5 +210,11 @@ int remove_stale_temporaries(const std::string& path) {
   }
   return removed;
 }
+
+namespace detail {
+void set_file_fault_hook(FileFaultHook hook) {
+  fault_hook.store(hook, std::memory_order_relaxed);
+}
+}  // namespace detail
 
 }  // namespace cudp

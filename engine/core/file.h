@@ -85,4 +85,15 @@ void sync_directory_of(const std::string& path);
 // how many it removed.
 int remove_stale_temporaries(const std::string& path);
 
+namespace detail {
+// Test hook: asked before each fsync and rename that makes a file durable (StagedFile::finish's
+// "fsync", sync_directory_of's "fsync directory", rename_durably's "rename") with the path it
+// applies to (the file, the directory, the rename's source); a nonzero return is taken as the errno
+// of that call, which then fails as if the system had failed it, without being made. Lets tests
+// check that a save survives a failing fsync or rename (a disk error, a full disk on a file system
+// that reports it late). Null, the default, asks nothing; set it back to null at the end of a test.
+using FileFaultHook = int (*)(const char* operation, const std::string& path);
+void set_file_fault_hook(FileFaultHook hook);
+}  // namespace detail
+
 }  // namespace cudp

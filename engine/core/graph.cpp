@@ -19,6 +19,19 @@ std::string status_str(cudaError_t status) {
 std::mutex active_mutex;
 ReplayScalars* active_scalars = nullptr;
 
+// Out of memory while a graph's memory is mapped (at instantiation or at a launch): the
+// OutOfMemoryError of any device allocation, naming the graph and what to change.
+void check_graph_memory(cudaError_t status, const std::string& what, const char* call) {
+  if (status != cudaErrorMemoryAllocation) return;
+  cudaGetLastError();
+  const AllocationPurpose purpose(
+      cudp::detail::str("the CUDA graph of ", what.empty() ? std::string("the work") : what),
+      "A graph's memory (its step's activations and temporaries) is its own, beside what eager "
+      "steps left reserved in the memory pool: run without graphs (--graphs off) or reduce the "
+      "batch size (--batch-size).");
+  check_allocation(status, 0, "the memory of its allocation nodes", call);
+}
+
 }  // namespace
 
 // ---- CudaGraph ----------------------------------------------------------------------------------
@@ -114,6 +127,7 @@ void CudaGraph::capture_end() {
     exec_ = nullptr;
     cudaGetLastError();
     reset();
+    check_graph_memory(inst, what_, "cudaGraphInstantiateWithFlags");
     throw CudaError(inst,
                     cudp::detail::str("instantiating the CUDA graph of ", what_, " on cuda:",
                                       device_, " failed: cudaGraphInstantiateWithFlags reports ",
@@ -159,6 +173,7 @@ void CudaGraph::launch(cudaStream_t stream) const {
   DeviceGuard guard(device_);
   const cudaError_t status = cudaGraphLaunch(exec_, stream);
   if (status != cudaSuccess) {
+    check_graph_memory(status, what_, "cudaGraphLaunch");
     throw CudaError(status,
                     cudp::detail::str("launching the CUDA graph of ", what_, " on cuda:", device_,
                                       " failed: cudaGraphLaunch reports ", status_str(status)),

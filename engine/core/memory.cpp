@@ -24,6 +24,14 @@ std::string bytes_str(size_t bytes) {
 
 thread_local const AllocationPurpose* innermost = nullptr;
 
+std::atomic<cudp::detail::AllocationFaultHook> fault_hook{nullptr};
+
+// Whether the test hook (memory.h) fails this allocation.
+bool injected_failure(size_t bytes, int device) {
+  const cudp::detail::AllocationFaultHook hook = fault_hook.load(std::memory_order_relaxed);
+  return hook != nullptr && hook(bytes, device);
+}
+
 // " for <purpose> (<what>)", " (<what>)" or "".
 std::string purpose_str(std::string_view what) {
   const std::string purpose = AllocationPurpose::current_what();
@@ -84,9 +92,11 @@ uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
   return value;
 }
 
-// The OutOfMemoryError of a device allocation of `bytes` on `device` (-1: unknown) that failed.
+// The OutOfMemoryError of a device allocation of `bytes` (0: `call` did not say) on `device` (-1:
+// unknown) that failed.
 [[noreturn]] void throw_device_out_of_memory(size_t bytes, int device, std::string_view what,
-                                             const char* file, int line) {
+                                             const char* file, int line,
+                                             const char* call = nullptr) {
   cudaGetLastError();  // out of memory is not sticky: leave no error behind
   std::string figures;
   if (device >= 0) {
@@ -101,10 +111,13 @@ uint64_t pool_attribute(int device, cudaMemPoolAttr attr) {
   }
   throw OutOfMemoryError(
       cudaErrorMemoryAllocation,
-      detail::str("CUDA out of memory", device >= 0 ? detail::str(" on cuda:", device) : "",
-                  ": tried to allocate ", bytes_str(bytes), " (", bytes, " bytes)",
-                  purpose_str(what), figures, ". ",
-                  advice_str("Reduce the batch size (--batch-size) or free tensors.")),
+      detail::str(
+          "CUDA out of memory", device >= 0 ? detail::str(" on cuda:", device) : "",
+          bytes > 0 || call == nullptr
+              ? detail::str(": tried to allocate ", bytes_str(bytes), " (", bytes, " bytes)")
+              : detail::str(": ", call, " could not allocate device memory"),
+          purpose_str(what), figures, ". ",
+          advice_str("Reduce the batch size (--batch-size) or free tensors.")),
       file, line);
 }
 
@@ -136,6 +149,9 @@ std::string AllocationPurpose::current_advice() {
 void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string_view what) {
   check_device(device);
   if (bytes == 0) return nullptr;
+  if (injected_failure(bytes, device)) {
+    throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__);
+  }
   void* ptr = nullptr;
   const cudaError_t status = cudaMallocFromPoolAsync(&ptr, bytes, pool(device), stream);
   if (status == cudaErrorMemoryAllocation) {
@@ -151,7 +167,7 @@ void check_allocation(cudaError_t status, size_t bytes, std::string_view what, c
   if (status == cudaErrorMemoryAllocation) {
     int device = -1;
     if (device_count() == 0 || cudaGetDevice(&device) != cudaSuccess) device = -1;
-    throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__);
+    throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__, call);
   }
   detail::throw_cuda(status, call, __FILE__, __LINE__);
 }
@@ -221,6 +237,9 @@ void* host_allocate(size_t bytes, bool pinned, std::string_view what) {
                                       : "Reduce the batch size (--batch-size) or free tensors.")),
         __FILE__, __LINE__);
   };
+  if (injected_failure(bytes, -1)) {
+    fail(cudaErrorMemoryAllocation, "the test's allocation fault hook refused it");
+  }
   if (pinned) {
     const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
     // A size beyond what the driver can pin comes back as an invalid value, not as no memory.
@@ -265,3 +284,9 @@ void empty_cache(int device) {
 }
 
 }  // namespace cudp::cuda
+
+namespace cudp::detail {
+void set_allocation_fault_hook(AllocationFaultHook hook) {
+  cuda::fault_hook.store(hook, std::memory_order_relaxed);
+}
+}  // namespace cudp::detail

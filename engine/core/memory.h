@@ -3,9 +3,9 @@
 //
 // Device memory comes from each device's default memory pool through cudaMallocAsync, with the
 // pool's release threshold raised to "never", so freed blocks stay reserved and are reused without
-// going back to the driver (docs/architecture.md §2.4). That is the caching allocator; cudp does not write its
-// own. An allocation is ordered on a stream and freed on the same stream; memory used on another
-// stream must be ordered with an event before it is freed (the engine does this).
+// going back to the driver (docs/architecture.md §2.4). That is the caching allocator; cudp does
+// not write its own. An allocation is ordered on a stream and freed on the same stream; memory used
+// on another stream must be ordered with an event before it is freed (the engine does this).
 //
 // Out of memory must explain itself: "cudaHostAlloc failed: cudaErrorMemoryAllocation" tells a user
 // nothing. An allocation knows its bytes and device but not what it is for, so the owners of
@@ -14,8 +14,12 @@
 // advice. The owners: the data loader's batch buffers and the prefetcher's device copies (data/),
 // each replica of a model with its parameters and gradients, each replica's forward and backward
 // (activations) on its worker thread, scatter and gather (engine/parallel/), the optimizers' state
-// (layers/optim.cpp), a training step (layers/train.cpp, the trainer), and every kernel workspace,
-// which names itself (kernels/workspace.h, check_allocation below) inside its caller's purpose.
+// (layers/optim.cpp), a training step (layers/train.cpp, the trainer), BatchNorm2d's parameters,
+// running statistics and saved batch statistics, the bf16 weight copies of Linear and Conv2d, a
+// CUDA graph's memory at instantiation and launch (engine/core/graph.cpp), and every kernel
+// workspace, which names itself (kernels/workspace.h, check_allocation below) inside its caller's
+// purpose. An owner's advice replaces its caller's, so an owner gives one only where it knows
+// better what to change.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -83,9 +87,10 @@ void note_allocation(void* ptr, cudaStream_t stream) noexcept;
 bool capture_is_open() noexcept;
 
 // For device memory allocated on the current device outside device_allocate (a kernel's workspace
-// from cudaMallocAsync): returns when `status` is cudaSuccess; out of memory throws the
-// OutOfMemoryError device_allocate would (the device, `bytes`, `what`, the thread's purpose, the
-// pool's figures and the advice); any other status throws CudaError naming `call`.
+// from cudaMallocAsync, a CUDA graph's memory at instantiation or launch): returns when `status` is
+// cudaSuccess; out of memory throws the OutOfMemoryError device_allocate would (the device,
+// `bytes`, `what`, the thread's purpose, the pool's figures and the advice; bytes == 0: `call` did
+// not say how many); any other status throws CudaError naming `call`.
 void check_allocation(cudaError_t status, size_t bytes, std::string_view what, const char* call);
 
 // Host memory aligned to 64 bytes; pinned (page-locked, portable across devices) when asked, which
@@ -104,3 +109,14 @@ void reset_peak_memory_stats(int device);
 void empty_cache(int device);
 
 }  // namespace cudp::cuda
+
+namespace cudp::detail {
+// Test hook: asked before every device_allocate and host_allocate with the bytes and the device
+// (-1: host memory, pinned or not); returning true makes that allocation fail as out of memory
+// would, with the same OutOfMemoryError. Lets host tests force the failure of one owner's
+// allocation (chosen by size or by AllocationPurpose::current_what()). Null, the default, asks
+// nothing; set it back to null at the end of the test. Not thread-safe to change while other
+// threads allocate.
+using AllocationFaultHook = bool (*)(size_t bytes, int device);
+void set_allocation_fault_hook(AllocationFaultHook hook);
+}  // namespace cudp::detail

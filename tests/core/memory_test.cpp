@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "engine/core/checked.h"
 #include "engine/core/memory.h"
@@ -131,6 +132,36 @@ TEST(OutOfMemory, AFailedWorkspaceAllocationNamesItsBytesWhatAndPurpose) {
     EXPECT_NE(std::string(e.what()).find("cudaMallocAsync(&p, 8, s) failed"), std::string::npos)
         << e.what();
   }
+}
+
+// What a CUDA graph's instantiation or launch that finds no memory throws (engine/core/graph.cpp):
+// the call does not say how many bytes it wanted, so the message names the call instead of a size.
+TEST(OutOfMemory, AFailureOfUnknownSizeNamesTheCallInsteadOfBytes) {
+  cuda::AllocationPurpose purpose("the CUDA graph of the training step", "Use --graphs off.");
+  EXPECT_TRUE(throws_with<OutOfMemoryError>(
+      [] {
+        cuda::check_allocation(cudaErrorMemoryAllocation, 0, "its allocation nodes",
+                               "cudaGraphLaunch");
+      },
+      {"CUDA out of memory: cudaGraphLaunch could not allocate device memory for the CUDA graph "
+       "of the training step (its allocation nodes)",
+       "Use --graphs off."}));
+}
+
+bool refuse_everything(size_t, int) {
+  return true;
+}
+
+// The test hook (memory.h) fails host allocations as the system would, with the same error, and is
+// inert once cleared.
+TEST(OutOfMemory, TheAllocationFaultHookFailsAllocationsUntilCleared) {
+  detail::set_allocation_fault_hook(refuse_everything);
+  const bool threw = throws_with<OutOfMemoryError>(
+      [] { Tensor::empty({4}, DType::f32); },
+      {"out of host memory", "(16 bytes)", "(a tensor [4] f32)", "fault hook"});
+  detail::set_allocation_fault_hook(nullptr);
+  EXPECT_TRUE(threw);
+  EXPECT_EQ(Tensor::full({4}, 3.0f).to_vector<float>(), std::vector<float>(4, 3.0f));
 }
 
 TEST(OutOfMemory, APurposeWithAdviceAloneAddsNoEmptyName) {

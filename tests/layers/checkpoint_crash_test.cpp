@@ -1,6 +1,7 @@
-// Crash tests of checkpoints: a process saving in a loop is killed (SIGKILL) at every step of a save
-// and at random moments, and a save fails on a file-size limit (the disk-full case); every time,
-// the checkpoint loads, and it is the last save that completed or the one in flight, never a mix of
+// Crash tests of checkpoints: a process saving in a loop is killed (SIGKILL) at every step of a
+// save and at random moments, a save fails on a file-size limit (the disk-full case), and a save's
+// fsync or rename fails (an injected EIO, engine/core/file.h's test hook); every time, the
+// checkpoint loads, and it is the last save that completed or the one in flight, never a mix of
 // two, and no temporary file outlives the next save.
 //
 // The truth each check compares against is kept outside the checkpoint: save i writes weights that
@@ -15,6 +16,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/core/file.h"
 #include "layers/checkpoint.h"
 #include "layers/linear.h"
 #include "layers/sequential.h"
@@ -289,6 +293,89 @@ TEST(CheckpointDiskFull, AFailedWriteLeavesThePreviousCheckpointWhole) {
     t.save(path, 3, with_optimizer);  // with room again, the next save goes through
     EXPECT_EQ(load_and_check(path, with_optimizer), 3);
     EXPECT_EQ(load_and_check(previous_checkpoint_path(path), with_optimizer), 2);
+  }
+}
+
+// The file fault hook's (engine/core/file.h) state: every fsync and rename of a save is recorded,
+// and the one numbered g_fail_call (from 0; -1: none) fails with EIO without being made.
+std::vector<std::string> g_file_calls;
+int g_fail_call = -1;
+
+int fail_one_call(const char* operation, const std::string& /*path*/) {
+  g_file_calls.emplace_back(operation);
+  return static_cast<int>(g_file_calls.size()) - 1 == g_fail_call ? EIO : 0;
+}
+
+// Saves 1 and 2 in `dir`, then save 3 with call `fail_call` of its fsyncs and renames failing (-1:
+// none). Returns the calls save 3 made, up to the failing one; `what` gets the error.
+std::vector<std::string> save_with_failing_call(const TempDir& dir, int fail_call, bool optimizer,
+                                                std::string& what) {
+  const std::string path = dir.file("run.safetensors");
+  Trainee t;
+  t.save(path, 1, optimizer);
+  t.save(path, 2, optimizer);
+  g_file_calls.clear();
+  g_fail_call = fail_call;
+  detail::set_file_fault_hook(fail_one_call);
+  try {
+    t.save(path, 3, optimizer);
+  } catch (const IoError& e) {
+    what = e.what();
+  }
+  detail::set_file_fault_hook(nullptr);
+  return g_file_calls;
+}
+
+// A save whose fsync (of a file or of the directory) or rename fails, at each one in turn: the save
+// throws an IoError with the system's error, no temporary file stays, and the checkpoint loads the
+// last complete save: the previous one, or the new one when only the directory's fsync after the
+// last rename failed (the save had replaced both files). The next save goes through and keeps that
+// one as its previous.
+TEST(CheckpointIoFailure, AFailingFsyncOrRenameLeavesTheLastCompleteCheckpoint) {
+  for (const bool optimizer : {true, false}) {
+    std::vector<std::string> calls;
+    {
+      TempDir dir;
+      std::string what;
+      calls = save_with_failing_call(dir, -1, optimizer, what);
+      EXPECT_EQ(what, "");
+      EXPECT_EQ(load_and_check(dir.file("run.safetensors"), optimizer), 3);
+    }
+    // Both files fsync'ed, four renames (two to the .prev names, two into place), each followed by
+    // the directory's fsync.
+    ASSERT_EQ(std::count(calls.begin(), calls.end(), "fsync"), 2)
+        << ::testing::PrintToString(calls);
+    ASSERT_EQ(std::count(calls.begin(), calls.end(), "rename"), 4);
+    ASSERT_EQ(std::count(calls.begin(), calls.end(), "fsync directory"), 4);
+    const int first_rename =
+        static_cast<int>(std::find(calls.begin(), calls.end(), "rename") - calls.begin());
+    const int last_rename = static_cast<int>(calls.rend() - std::find(calls.rbegin(), calls.rend(),
+                                                                      std::string("rename"))) -
+                            1;
+    // The fallback to the .prev names (and its warning) is expected while the pair at `path` is
+    // torn: after the first move and until the last rename has been made.
+    detail::set_checkpoint_warning_handler([](const std::string&) {});
+    for (int k = 0; k < static_cast<int>(calls.size()); ++k) {
+      SCOPED_TRACE(::testing::Message()
+                   << "call " << k << " (" << calls[k] << ") fails, optimizer " << optimizer);
+      TempDir dir;
+      const std::string path = dir.file("run.safetensors");
+      std::string what;
+      const std::vector<std::string> made = save_with_failing_call(dir, k, optimizer, what);
+      EXPECT_EQ(made.size(), static_cast<size_t>(k) + 1) << "a save went on after a failed call";
+      EXPECT_NE(what.find(std::strerror(EIO)), std::string::npos) << what;
+      EXPECT_NE(what.find(calls[k] == "rename" ? "rename" : "fsync"), std::string::npos) << what;
+      EXPECT_EQ(temporaries(dir), 0) << ::testing::PrintToString(dir.entries());
+      const int expected = k > last_rename ? 3 : 2;
+      EXPECT_EQ(find_checkpoint(path).fallback, k > first_rename && k <= last_rename);
+      EXPECT_EQ(load_and_check(path, optimizer), expected);
+      Trainee t;
+      t.save(path, 4, optimizer);
+      EXPECT_EQ(temporaries(dir), 0) << ::testing::PrintToString(dir.entries());
+      EXPECT_EQ(load_and_check(path, optimizer), 4);
+      EXPECT_EQ(load_and_check(previous_checkpoint_path(path), optimizer), expected);
+    }
+    detail::set_checkpoint_warning_handler(nullptr);
   }
 }
 

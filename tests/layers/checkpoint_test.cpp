@@ -17,6 +17,7 @@
 #include "layers/pooling.h"
 #include "layers/sequential.h"
 #include "layers/temp_dir.h"
+#include "tests/layers/resume_testing.h"
 
 namespace cudp {
 namespace {
@@ -111,6 +112,18 @@ TEST_F(Checkpoint, ResumesExactly) {
   sgd_.step();
   resumed_sgd.step();
   expect_same_values(resumed->state_dict(), model_->state_dict());
+}
+
+// Real training steps (forward, loss, backward, SGD) resumed from a checkpoint: K + K steps are the
+// 2K straight bit for bit, under fp32 and under bf16, whose storage the CPU path emulates
+// (tests/layers/resume_testing.h). The GPU twin is in checkpoint_gpu_test.
+TEST(CheckpointResume, Fp32TrainingResumesBitExactlyOnTheCpu) {
+  testing::expect_exact_resume(Device::cpu(), Precision::fp32, 3);
+}
+
+TEST(CheckpointResume, Bf16TrainingResumesBitExactlyOnTheCpu) {
+  testing::expect_precision_changes_training(Device::cpu(), Precision::bf16, 3);
+  testing::expect_exact_resume(Device::cpu(), Precision::bf16, 3);
 }
 
 TEST_F(Checkpoint, ResumesAdamWAndTheModelAlone) {

@@ -1,0 +1,24 @@
+// GPU tests of checkpoints: real training steps on one GPU resumed from a checkpoint, K + K steps
+// against 2K straight, bit for bit (tests/layers/resume_testing.h), under fp32 and under bf16 on
+// the tensor cores. The host twin (checkpoint_test) runs the same check on the CPU path.
+#include <gtest/gtest.h>
+
+#include "common/gpu.h"
+#include "tests/layers/resume_testing.h"
+
+namespace cudp {
+namespace {
+
+TEST(CheckpointResumeGpu, Fp32TrainingResumesBitExactly) {
+  CUDP_REQUIRE_GPU();
+  testing::expect_exact_resume(Device::cuda(0), Precision::fp32, 3);
+}
+
+TEST(CheckpointResumeGpu, Bf16TrainingResumesBitExactly) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  testing::expect_precision_changes_training(Device::cuda(0), Precision::bf16, 3);
+  testing::expect_exact_resume(Device::cuda(0), Precision::bf16, 3);
+}
+
+}  // namespace
+}  // namespace cudp
