@@ -73,7 +73,7 @@ Result run(const Config& c, int warmup, int steps) {
   {
     parallel::DataParallel model(net, ids);
     model.set_input_grad(false);  // as the trainer: the images need no gradient
-    parallel::Replicated<SGD> opt(model.parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
+    parallel::Replicated<SGD> opt(model, {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
     CrossEntropyLoss criterion;
     const int64_t batch = c.batch_per_gpu * c.gpus;
     Tensor images = Tensor::empty({batch, c.size, c.size, 3}, DType::f32, Device::cuda(0));

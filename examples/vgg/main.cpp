@@ -276,9 +276,8 @@ class TrainOptimizer {
 template <class Opt>
 class ReplicatedOptimizer final : public TrainOptimizer {
  public:
-  ReplicatedOptimizer(const std::vector<Parameter*>& params,
-                      const typename parallel::Replicated<Opt>::Options& options)
-      : r_(params, options) {}
+  ReplicatedOptimizer(Module& model, const typename parallel::Replicated<Opt>::Options& options)
+      : r_(model, options) {}
   void zero_grad() override { r_.zero_grad(); }
   void step() override { r_.step(); }
   void step(const Tensor& skip) override { r_.step(skip); }
@@ -294,14 +293,13 @@ class ReplicatedOptimizer final : public TrainOptimizer {
   parallel::Replicated<Opt> r_;
 };
 
-std::unique_ptr<TrainOptimizer> make_optimizer(const Options& o,
-                                               const std::vector<Parameter*>& params) {
+std::unique_ptr<TrainOptimizer> make_optimizer(const Options& o, Module& model) {
   if (o.opt == "adamw") {
     return std::make_unique<ReplicatedOptimizer<AdamW>>(
-        params, AdamWOptions{.lr = o.lr, .beta1 = o.momentum, .weight_decay = o.weight_decay});
+        model, AdamWOptions{.lr = o.lr, .beta1 = o.momentum, .weight_decay = o.weight_decay});
   }
   return std::make_unique<ReplicatedOptimizer<SGD>>(
-      params, SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+      model, SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
 }
 
 // Linear warm-up over the first `warmup` steps (lr * (n + 1) / warmup), then `after` shifted by
@@ -781,7 +779,7 @@ int run(Options o) {
     }
     std::printf("\n");
   }
-  std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model.parameters());
+  std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   if (!resume_file.empty()) {
     // Replica 0's optimizer from the checkpoint, then its state into every replica's.
