@@ -172,6 +172,9 @@ def training(cudp_rows, torch_rows, run):
                     "cudp_step_ms": step_ms,
                     "cudp_allreduce_ms": ar_ms if g > 1 else None,
                     "cudp_allreduce_share_of_step": ratio(ar_ms, step_ms) if g > 1 and ar_ms else None,
+                    # step time with the all-reduce minus without, over the step (bench_train
+                    # --exposed-comm): what the overlapped all-reduce leaves exposed
+                    "cudp_exposed_comm_share": num(cr, "cudp_exposed_comm_share") if cr and g > 1 else None,
                     "cudp_peak_gib": num(cr, "peak_gib") if cr else None,
                 }
                 torch_modes = []

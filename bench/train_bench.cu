@@ -6,9 +6,15 @@
 // Per configuration: build the model from a fixed seed, wrap it in DataParallel over the first g
 // GPUs, run `--warmup` steps, then `--steps` timed steps between a device synchronisation and the
 // next (host clock): img/s = global batch * steps / seconds. Also reported: peak memory per GPU and
-// the time of the gradient all-reduce alone (NCCL on the flat gradient buffer, timed separately), an
-// upper bound of the communication a step exposes since this version all-reduces after backward.
+// the time of the gradient all-reduce alone (NCCL on the flat gradient buffer, timed separately).
 // One JSON object per configuration with --json.
+//
+// Exposed communication (--exposed-comm on, the default): each multi-GPU configuration is timed a
+// second time with the gradient all-reduce switched off (DataParallel::set_gradient_sync(false):
+// the same forward, backward and optimizer kernels, no NCCL call), and the difference of the two
+// step times, as a fraction of the step with communication, is the communication the step leaves
+// exposed (what the bucketed all-reduce did not hide behind the backward). JSON fields
+// "step_ms_no_comm" and "cudp_exposed_comm_share" on multi-GPU rows.
 //
 // --graphs on off: each configuration with its steps replayed from a CUDA graph (GraphedStep,
 // layers/train.h: two eager warm-up steps, the capture, then replays; at least 3 untimed steps) and
@@ -17,6 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -43,10 +50,12 @@ struct Config {
   int gpus;
   Precision precision;
   bool graphs;
+  bool comm = true;  // false: gradient all-reduce switched off (exposed-communication timing)
 };
 
 struct Result {
   double images_per_s = 0, step_ms = 0, allreduce_ms = 0, peak_gib = 0;
+  double step_ms_no_comm = -1;  // the same step with the all-reduce off (multi-GPU rows)
 };
 
 char arch_config(const std::string& arch) {
@@ -73,7 +82,8 @@ Result run(const Config& c, int warmup, int steps) {
   {
     parallel::DataParallel model(net, ids);
     model.set_input_grad(false);  // as the trainer: the images need no gradient
-    parallel::Replicated<SGD> opt(model.parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
+    model.set_gradient_sync(c.comm);  // before any step: a captured graph keeps it
+    parallel::Replicated<SGD> opt(model, {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
     CrossEntropyLoss criterion;
     const int64_t batch = c.batch_per_gpu * c.gpus;
     Tensor images = Tensor::empty({batch, c.size, c.size, 3}, DType::f32, Device::cuda(0));
@@ -111,7 +121,7 @@ Result run(const Config& c, int warmup, int steps) {
     criterion.check_labels();
 
     // The gradient all-reduce alone, on the same communicator and buffers.
-    if (c.gpus > 1) {
+    if (c.gpus > 1 && c.comm) {
       const auto t1 = Clock::now();
       const int reps = 10;
       for (int i = 0; i < reps; ++i) model.replicas()->all_reduce_gradients();
@@ -132,7 +142,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> graph_modes = {"on", "off"};
   std::vector<int> sizes = {224, 32};
   int max_gpus = 0, warmup = 3, steps = 10;
-  std::string json;
+  std::string json, exposed_comm = "on";
   app.add_option("--arch", archs, "vgg11 vgg13 vgg16 vgg19")->capture_default_str();
   app.add_option("--size", sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")->capture_default_str();
   app.add_option("--precision", precisions,
@@ -148,6 +158,11 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--json", json, "write one JSON object per configuration here");
+  app.add_option("--exposed-comm", exposed_comm,
+                 "on: time each multi-GPU configuration again with the gradient all-reduce off; "
+                 "the difference is the communication the step exposes (cudp_exposed_comm_share)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     const int visible = cuda::device_count();
@@ -157,8 +172,10 @@ int main(int argc, char** argv) {
     }
     if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
     FILE* out = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
-    std::printf("| model | precision | graphs | image | batch/GPU | GPUs | img/s | step ms | scaling | all-reduce ms | peak GiB |\n"
-                "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    std::printf(
+        "| model | precision | graphs | image | batch/GPU | GPUs | img/s | step ms | scaling | "
+        "all-reduce ms | step ms, no comm | exposed comm | peak GiB |\n"
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     std::vector<std::pair<std::string, std::string>> runs;  // (precision, arch)
     for (const auto& name : precisions) {
       for (const auto& arch : archs) runs.emplace_back(name, arch);
@@ -171,23 +188,41 @@ int main(int argc, char** argv) {
           const int64_t per_gpu = size == 32 ? 256 : 64;
           double one = 0;
           for (int g = 1; g <= max_gpus; ++g) {
-            const Result r = run({arch, size, per_gpu, g, precision, graphs}, warmup, steps);
+            Result r = run({arch, size, per_gpu, g, precision, graphs}, warmup, steps);
+            // Exposed communication: the same configuration without the all-reduce. The share is
+            // clamped at 0 (a step without communication can time a little slower by noise).
+            double exposed = -1;
+            if (g > 1 && exposed_comm == "on") {
+              Config quiet{arch, size, per_gpu, g, precision, graphs};
+              quiet.comm = false;
+              r.step_ms_no_comm = run(quiet, warmup, steps).step_ms;
+              exposed = std::max(0.0, (r.step_ms - r.step_ms_no_comm) / r.step_ms);
+            }
             if (g == 1) one = r.images_per_s;
             const double scaling = r.images_per_s / (one * g);
-            std::printf("| %s | %s | %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %.2f |\n",
-                        arch.c_str(), name.c_str(), mode.c_str(), size,
-                        static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
-                        r.allreduce_ms, r.peak_gib);
+            const std::string no_comm =
+                exposed < 0 ? "-" : detail::str(std::llround(r.step_ms_no_comm * 10) / 10.0);
+            const std::string share =
+                exposed < 0 ? "-" : detail::str(std::llround(exposed * 1000) / 10.0, "%");
+            std::printf(
+                "| %s | %s | %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %s | %s | %.2f |\n",
+                arch.c_str(), name.c_str(), mode.c_str(), size, static_cast<long long>(per_gpu), g,
+                r.images_per_s, r.step_ms, scaling, r.allreduce_ms, no_comm.c_str(), share.c_str(),
+                r.peak_gib);
             std::fflush(stdout);
             if (out) {
-              std::fprintf(out,
-                           "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", "
-                           "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
-                           "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
-                           "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f}\n",
-                           arch.c_str(), name.c_str(), mode.c_str(), size,
-                           static_cast<long long>(per_gpu), g, r.images_per_s, r.step_ms, scaling,
-                           r.allreduce_ms, r.peak_gib);
+              const std::string extra =
+                  exposed < 0 ? std::string()
+                              : detail::str(", \"step_ms_no_comm\": ", r.step_ms_no_comm,
+                                            ", \"cudp_exposed_comm_share\": ", exposed);
+              std::fprintf(
+                  out,
+                  "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", "
+                  "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
+                  "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
+                  "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f%s}\n",
+                  arch.c_str(), name.c_str(), mode.c_str(), size, static_cast<long long>(per_gpu),
+                  g, r.images_per_s, r.step_ms, scaling, r.allreduce_ms, r.peak_gib, extra.c_str());
             }
           }
         }

@@ -171,6 +171,14 @@ Tensor BatchNorm2d::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+void BatchNorm2d::sync_replica(const Module& primary, size_t replica, ReplicaSync when) {
+  if (when != ReplicaSync::BuffersBroadcast) return;
+  const auto* first = dynamic_cast<const BatchNorm2d*>(&primary);
+  CUDP_CHECK(first != nullptr, "BatchNorm2d: replica ", replica, "'s BatchNorm2d matches a ",
+             primary.type_name(), " in replica 0; replicas must have replica 0's structure");
+  batches_tracked_ = first->batches_tracked_;
+}
+
 std::shared_ptr<Module> BatchNorm2d::make_empty_copy() const {
   auto copy = std::make_shared<BatchNorm2d>(init::skip_init, c_, eps_, momentum_);
   copy->batches_tracked_ = batches_tracked_;

@@ -23,8 +23,8 @@
 // is incremented where it lives (kernels/scalars.h add_i64: on a GPU a one-thread kernel on the
 // stream, no host memory involved, so a CUDA graph's replays count too), starting from the value
 // the buffer holds. load_state_dict updates the host count through import_tensor. Whoever
-// writes the buffer by other means (the engine broadcasting replica 0's buffers) leaves the host
-// count of that replica behind; replica 0's is the one kept.
+// writes the buffer by other means leaves the host count behind; the engine broadcasting replica
+// 0's buffers to the other replicas says so (sync_replica), and they take replica 0's count.
 //
 // Backward after a training-mode forward is the batch-statistics gradient; after an eval-mode
 // forward, the gradient of the affine map the frozen statistics make (PyTorch's, too).
@@ -55,6 +55,9 @@ class BatchNorm2d : public Module {
   Parameter& bias() { return *bias_; }
   Tensor& running_mean() { return *running_mean_; }
   Tensor& running_var() { return *running_var_; }
+  // After the engine broadcast replica 0's buffers to this replica: the host count follows the
+  // buffer, so every replica reports replica 0's num_batches_tracked().
+  void sync_replica(const Module& primary, size_t replica, ReplicaSync when) override;
 
  protected:
   Tensor forward_one(const Tensor& input) override;

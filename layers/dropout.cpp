@@ -81,6 +81,29 @@ Tensor Dropout::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+uint64_t Dropout::replica_seed(uint64_t seed, size_t replica) {
+  uint64_t z = seed ^ (0x9E3779B97F4A7C15ull * (replica + 1));
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+void Dropout::sync_replica(const Module& primary, size_t replica, ReplicaSync when) {
+  const auto* first = dynamic_cast<const Dropout*>(&primary);
+  CUDP_CHECK(first != nullptr, "Dropout: replica ", replica, "'s Dropout matches a ",
+             primary.type_name(), " in replica 0; replicas must have replica 0's structure");
+  switch (when) {
+    case ReplicaSync::Created:
+      set_seed(replica_seed(first->seed(), replica), first->offset());
+      break;
+    case ReplicaSync::BeforeForward:
+      set_offset(first->offset());
+      break;
+    case ReplicaSync::BuffersBroadcast:
+      break;
+  }
+}
+
 std::shared_ptr<Module> Dropout::make_empty_copy() const {
   auto copy = std::make_shared<Dropout>(p_, seed_);
   copy->offset_ = offset_;

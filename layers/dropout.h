@@ -16,7 +16,12 @@
 // each replay the host advances the offset as an eager forward would and writes it there, so
 // replays draw the masks eager steps would, and offset() stays right for checkpoints.
 //
-// Data parallelism: element i of a forward at offset o gets the mask of element i + d at offset
+// Data parallelism (sync_replica): each replica r >= 1 draws from its own seed, derived from
+// replica 0's seed and r, at replica 0's offset, taken before each forward: masks independent
+// across devices, as PyTorch's per-device generators give, and reproducible from replica 0's (seed,
+// offset). They are not the masks one device would draw for the whole batch; that would need the
+// property below with each replica's chunk offset in elements, known only inside the forward:
+// element i of a forward at offset o gets the mask of element i + d at offset
 // o - d, so replicas that each set offset = (the step's base offset) + (their chunk's first
 // element) draw together exactly the mask one device would draw for the whole batch.
 #pragma once
@@ -39,6 +44,12 @@ class Dropout : public Module {
     offset_ = offset;
   }
   void set_offset(uint64_t offset) { offset_ = offset; }
+  // Replica r >= 1 draws from its own seed, derived from replica 0's seed and r, at replica 0's
+  // offset (see the header comment's last paragraph for why not the one-device masks).
+  void sync_replica(const Module& primary, size_t replica, ReplicaSync when) override;
+  // Replica r's seed: `seed` mixed with r (splitmix64's finaliser), so that replicas' masks are
+  // independent of each other and reproducible from replica 0's seed.
+  static uint64_t replica_seed(uint64_t seed, size_t replica);
 
  protected:
   Tensor forward_one(const Tensor& input) override;

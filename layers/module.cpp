@@ -77,6 +77,7 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
   for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
     if (widened_[i]) grads[i] = convert(grads[i], DType::bf16);
   }
+  if (backward_hook_) backward_hook_();
   return grads;
 }
 
@@ -186,6 +187,16 @@ std::vector<std::pair<std::string, Tensor*>> Module::named_buffers() {
   }
   return out;
 }
+
+std::vector<Parameter*> Module::own_parameters() {
+  std::vector<Parameter*> out;
+  for (auto& [name, param] : params_) {
+    out.push_back(&param);
+  }
+  return out;
+}
+
+void Module::sync_replica(const Module&, size_t, ReplicaSync) {}
 
 int64_t Module::num_parameters() {
   int64_t n = 0;

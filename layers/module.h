@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,12 +50,38 @@ class Module : public std::enable_shared_from_this<Module> {
 
   Tensor forward(const Tensor& input);
   Tensor backward(const Tensor& grad_output);
-  TensorList forward_all(const TensorList& inputs);
-  TensorList backward_all(const TensorList& grad_outputs);
+  // Virtual so that a module with its own rules for where inputs may live overrides them and is
+  // still called through a Module& (DataParallel takes a host batch and scatters it; every layer
+  // uses these as they are).
+  virtual TensorList forward_all(const TensorList& inputs);
+  virtual TensorList backward_all(const TensorList& grad_outputs);
+
+  // Called at the end of every backward_all of this module, on the thread that ran it, once the
+  // kernels writing this module's own parameter gradients are enqueued on its device's current
+  // stream: the signal a gradient reducer (engine/parallel/reducer.h) waits for before it sums
+  // them across replicas while the rest of the backward still runs. One hook per module; an empty
+  // function removes it. Clones do not copy it.
+  void set_backward_hook(std::function<void()> hook) { backward_hook_ = std::move(hook); }
+
+  // Data parallelism: how per-replica state that is neither a parameter nor a buffer follows
+  // replica 0 (parameters and buffers are the engine's to broadcast and reduce). The engine
+  // (engine/parallel/replicate.h) calls it on every module of replica r >= 1 with the module at
+  // the same place in replica 0, so that it names no concrete layer itself. The default does
+  // nothing; Dropout derives its own random stream from replica 0's (Created) and takes replica
+  // 0's offset (BeforeForward); BatchNorm2d takes replica 0's host batch count after the engine
+  // has broadcast the running statistics (BuffersBroadcast).
+  enum class ReplicaSync {
+    Created,           // once, after the replica was cloned from replica 0
+    BeforeForward,     // on the calling thread, before each forward of the replicas
+    BuffersBroadcast,  // after replica 0's buffers were copied to this replica
+  };
+  virtual void sync_replica(const Module& primary, size_t replica, ReplicaSync when);
 
   // Parameters, buffers and children, recursively, with dotted PyTorch names, in registration order.
   std::vector<std::pair<std::string, Parameter*>> named_parameters();
   std::vector<Parameter*> parameters();
+  // This module's own parameters, without its children's, in registration order.
+  std::vector<Parameter*> own_parameters();
   std::vector<std::pair<std::string, Tensor*>> named_buffers();
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
     return children_;
@@ -188,6 +215,7 @@ class Module : public std::enable_shared_from_this<Module> {
   bool forward_done_ = false;
 
  private:
+  std::function<void()> backward_hook_;  // set_backward_hook
   std::vector<bool> widened_;  // inputs of the last forward converted from bf16 (takes_bf16)
   struct Entry;  // a parameter or buffer with its dotted name and owner (module.cpp)
   void collect_entries(const std::string& path, std::vector<Entry>& out);

@@ -1,11 +1,13 @@
 #include "layers/train.h"
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 #include <vector>
 
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
+#include "kernels/elementwise.h"
 
 namespace cudp {
 namespace {
@@ -71,6 +73,58 @@ StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& opt
   const PendingStep pending = train_step_async(model, criterion, optimizer, images, labels);
   const float loss = criterion.item();  // waits for the step, checks the labels' flag
   return {loss, pending.correct.to_vector<int32_t>()[0], pending.count};
+}
+
+// ---- gradient accumulation (train.h)
+// ---------------------------------------------------------------
+
+MicroBatchStep forward_backward_micro_batches(Module& model, CrossEntropyLoss& criterion,
+                                              const Tensor& images, const Tensor& labels,
+                                              int64_t micro_batches, const MicroBackward& backward,
+                                              const MicroGradient& gradient) {
+  CUDP_CHECK(micro_batches >= 1, "gradient accumulation: micro_batches must be at least 1, got ",
+             micro_batches);
+  CUDP_CHECK(images.dim() >= 1 && labels.dim() == 1 && images.size(0) == labels.size(0),
+             "gradient accumulation: images ", images.str(), " and labels ", labels.str(),
+             " must have the same rows");
+  const int64_t batch = labels.size(0);
+  CUDP_CHECK(batch >= micro_batches, "gradient accumulation: a batch of ", batch,
+             " rows cannot make ", micro_batches, " micro-batches; use a batch of at least ",
+             micro_batches, " rows or fewer micro-batches (--accumulate)");
+  // torch.chunk's sizes, as DataParallel's scatter: ceil(B / N) rows, the last shorter, and fewer
+  // micro-batches than asked when the rows run out first (6 rows in 4 give 2, 2, 2).
+  const int64_t rows = (batch + micro_batches - 1) / micro_batches;
+  MicroBatchStep result;
+  for (int64_t begin = 0; begin < batch; begin += rows) {
+    const int64_t end = std::min(batch, begin + rows);
+    const bool last = end == batch;
+    const Tensor x = images.slice(begin, end);
+    const Tensor y = labels.slice(begin, end);
+    const Tensor logits = model.forward(x);
+    const double weight = static_cast<double>(end - begin) / static_cast<double>(batch);
+    const Tensor loss = criterion.forward(logits, y, weight);  // the micro mean times n_j / B
+    const Tensor grad = gradient ? gradient(criterion, logits, y, weight) : criterion.backward();
+    if (backward) {
+      backward(grad, last);
+    } else {
+      model.backward(grad);
+    }
+    if (!result.logits.defined()) {
+      result.logits = Tensor::empty({batch, logits.size(1)}, logits.dtype(), logits.device());
+      result.loss = Tensor::zeros({}, DType::f32, loss.device());
+    }
+    result.logits.slice(begin, end).copy_from(logits);
+    // loss += this micro-batch's weighted loss, on its device's current stream.
+    float* total = result.loss.data<float>();
+    const float* part = loss.data<float>();
+    if (loss.device().is_cuda()) {
+      const cuda::DeviceGuard guard(loss.device().index);
+      kernels::add(total, part, total, 1, cuda::current_stream(loss.device().index));
+    } else {
+      kernels::add_cpu(total, part, total, 1);
+    }
+  }
+  return result;
 }
 
 // ---- GraphedStep (train.h, NOTE [Graphed training steps]) ---------------------------------------

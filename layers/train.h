@@ -55,6 +55,33 @@ PendingStep train_step_async(Module& model, CrossEntropyLoss& criterion, Optimiz
 StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& optimizer,
                       const Tensor& images, const Tensor& labels);
 
+// Gradient accumulation (cudp-vgg --accumulate N): the forward and backward of one batch of B rows
+// run as `micro_batches` micro-batches (torch.chunk's sizes along dim 0: ceil(B / N) rows, the
+// last shorter), so activations take 1/N of the memory. Micro-batch j of n_j rows computes its
+// loss with weight n_j / B (CrossEntropyLoss::forward's weight), so the gradients its backward
+// adds (parameter gradients accumulate, layers/module.h) sum to the whole batch's mean-loss
+// gradient, and its weighted losses to the batch's mean loss. `backward(grad_logits, last)` runs
+// the model's backward of one micro-batch; a DataParallel passes all but the last under
+// no_sync(), so the replicas sum their gradients once (DataParallel::no_sync), and without one
+// `model.backward` is used. `gradient(criterion, logits, labels, weight)` makes the gradient of
+// the logits after criterion.forward (label smoothing); null: criterion.backward(). Zero the
+// gradients before and step the optimizer after, as for one batch. Returns the batch's mean loss
+// (0-d, on the logits' device) and the logits of all B rows (for accuracy). BatchNorm in training
+// mode normalises each micro-batch with its own statistics, so a model with BatchNorm computes
+// another function than on the whole batch (as PyTorch's accumulation does).
+struct MicroBatchStep {
+  Tensor loss;    // 0-d f32: the batch's mean loss
+  Tensor logits;  // [B, classes]
+};
+using MicroBackward = std::function<void(const Tensor& grad_logits, bool last)>;
+using MicroGradient = std::function<Tensor(CrossEntropyLoss& criterion, const Tensor& logits,
+                                           const Tensor& labels, double weight)>;
+MicroBatchStep forward_backward_micro_batches(Module& model, CrossEntropyLoss& criterion,
+                                              const Tensor& images, const Tensor& labels,
+                                              int64_t micro_batches,
+                                              const MicroBackward& backward = {},
+                                              const MicroGradient& gradient = {});
+
 // NOTE [Graphed training steps]
 // A training step captured into a CUDA graph once and replayed (engine/core/graph.h): the host
 // issues ~one launch per step instead of ~150. GraphedStep runs a step body (train_step_async, or

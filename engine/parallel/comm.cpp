@@ -56,12 +56,12 @@ struct Completion {
   }
 };
 
-// Whether a compute stream of `devices` is being captured into a CUDA graph: a collective captured
+// Whether one of the compute streams is being captured into a CUDA graph: a collective captured
 // there does not run now, so there is nothing to watch (the graph's launches are the caller's).
-bool capturing(const std::vector<int>& devices) {
-  for (const int device : devices) {
+bool capturing(const std::vector<cudaStream_t>& streams) {
+  for (const cudaStream_t stream : streams) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    CUDP_CUDA_CHECK(cudaStreamIsCapturing(cuda::current_stream(device), &status));
+    CUDP_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
     if (status != cudaStreamCaptureStatusNone) return true;
   }
   return false;
@@ -240,17 +240,6 @@ Communicator::~Communicator() {
   }
 }
 
-std::shared_ptr<Communicator> Communicator::shared(const std::vector<int>& device_ids) {
-  static std::mutex mutex;
-  static auto* cache = new std::map<std::vector<int>, std::weak_ptr<Communicator>>;  // never freed
-  std::lock_guard lock(mutex);
-  auto& slot = (*cache)[device_ids];
-  if (auto comm = slot.lock()) return comm;
-  auto comm = std::make_shared<Communicator>(device_ids);
-  slot = comm;
-  return comm;
-}
-
 // ---- collectives
 // ---------------------------------------------------------------------------------
 
@@ -296,8 +285,25 @@ void Communicator::all_gather_many(const std::vector<TensorList>& inputs,
   run(Kind::AllGather, inputs, &outputs, 0, ReduceOp::Sum);
 }
 
+void Communicator::all_reduce_after(const TensorList& tensors,
+                                    const std::vector<cudaEvent_t>& after,
+                                    const std::vector<cudaEvent_t>& done,
+                                    const std::vector<cudaStream_t>& compute, ReduceOp op) {
+  CUDP_CHECK(after.size() == devices_.size() && done.size() == devices_.size() &&
+                 compute.size() == devices_.size(),
+             "Communicator::all_reduce_after: one event before, one after and one compute stream "
+             "per local rank (",
+             devices_.size(), "), got ", after.size(), ", ", done.size(), " and ", compute.size());
+  std::vector<TensorList> lists;
+  for (const Tensor& t : tensors) lists.push_back({t});
+  const Ordering ordering{&after, &done, &compute};
+  run(Kind::AllReduce, lists, nullptr, 0, op, &ordering);
+}
+
 void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
-                       const std::vector<TensorList>* outputs, int root, ReduceOp op) {
+                       const std::vector<TensorList>* outputs, int root, ReduceOp op,
+                       const Ordering* given) {
+  const Ordering ordering = given ? *given : Ordering{};
   static constexpr const char* kNames[] = {"all_reduce", "broadcast", "reduce", "all_gather"};
   const char* what = kNames[static_cast<int>(kind)];
   const size_t ranks = devices_.size();
@@ -350,8 +356,14 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
              "(Communicator::abort); make a new one to communicate again");
   // The watchdog's clock starts before the group: with NCCL's lazy connection set-up, ncclGroupEnd
   // itself can wait for a peer that never comes.
+  std::vector<cudaStream_t> compute;
+  if (ordering.compute) {
+    compute = *ordering.compute;
+  } else {
+    for (const int device : devices_) compute.push_back(cuda::current_stream(device));
+  }
   std::vector<std::shared_ptr<Completion>> completions;
-  for (size_t i = 0, watched = capturing(devices_) ? 0 : ranks; i < watched; ++i) {
+  for (size_t i = 0, watched = capturing(compute) ? 0 : ranks; i < watched; ++i) {
     int64_t bytes = 0;
     for (const Tensor& t : tensors[i]) bytes += static_cast<int64_t>(t.nbytes());
     auto completion = std::make_shared<Completion>();
@@ -369,11 +381,15 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
       }
     }
   } cancel_unrecorded{completions};
-  // 1. The comm stream waits for the compute work queued so far.
+  // 1. The comm stream waits for the compute work queued so far (or up to the caller's event).
   for (size_t i = 0; i < ranks; ++i) {
     cuda::DeviceGuard guard(devices_[i]);
-    ready_[i].record(cuda::current_stream(devices_[i]));
-    streams_[i].wait(ready_[i]);
+    if (ordering.after) {
+      CUDP_CUDA_CHECK(cudaStreamWaitEvent(streams_[i], (*ordering.after)[i], 0));
+    } else {
+      ready_[i].record(compute[i]);
+      streams_[i].wait(ready_[i]);
+    }
   }
   // 2. Every rank's calls in one group, issued from this thread.
   CUDP_NCCL_CHECK(ncclGroupStart());
@@ -417,11 +433,16 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
                ": ncclGroupEnd failed: ", ncclGetErrorString(end), " (", ncclGetLastError(nullptr),
                ")");
   }
-  // 3. Compute waits for the collective: results are read, and memory freed, only after it.
+  // 3. Compute waits for the collective: results are read, and memory freed, only after it (with
+  // the caller's `done` events, the caller makes it wait).
   for (size_t i = 0; i < ranks; ++i) {
     cuda::DeviceGuard guard(devices_[i]);
-    done_[i].record(streams_[i]);
-    CUDP_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(devices_[i]), done_[i].get(), 0));
+    if (ordering.done) {
+      CUDP_CUDA_CHECK(cudaEventRecord((*ordering.done)[i], streams_[i]));
+    } else {
+      done_[i].record(streams_[i]);
+      CUDP_CUDA_CHECK(cudaStreamWaitEvent(compute[i], done_[i].get(), 0));
+    }
     if (i < completions.size()) {
       completions[i]->event.record(streams_[i]);
       completions[i]->phase = Completion::Recorded;

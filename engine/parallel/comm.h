@@ -75,11 +75,6 @@ class Communicator {
   Communicator(int device, int rank, int world_size, const ncclUniqueId& id);
   static ncclUniqueId unique_id();
 
-  // The communicator of `device_ids` (in that order) shared by every user in the process, created
-  // on first use and destroyed with its last user: NCCL communicators cost memory and setup time,
-  // and the seed's two DataParallel members (features, classifier) need only one.
-  static std::shared_ptr<Communicator> shared(const std::vector<int>& device_ids);
-
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -110,6 +105,19 @@ class Communicator {
   void all_gather_many(const std::vector<TensorList>& inputs,
                        const std::vector<TensorList>& outputs);
 
+  // The reducer's collective (engine/parallel/reducer.h): all-reduce of tensors[i] (rank i's, one
+  // per local rank) on rank i's comm stream, after `after[i]` (an event the caller recorded on
+  // rank i's compute stream when that tensor was complete) instead of after everything queued on
+  // compute so far, and with `done[i]` recorded on the comm stream after it. Compute is not made
+  // to wait: the caller makes compute[i] wait for `done[i]` (NOTE [Comm stream ordering and memory
+  // lifetime], step 2) before anything reads or frees the tensors. Several such calls run on the
+  // comm stream in the order they are issued, so waiting for the last one's `done` waits for all.
+  // `compute[i]` is rank i's compute stream; it tells whether the call is being captured into a
+  // CUDA graph, since the calling thread need not be the one whose current stream it is.
+  void all_reduce_after(const TensorList& tensors, const std::vector<cudaEvent_t>& after,
+                        const std::vector<cudaEvent_t>& done,
+                        const std::vector<cudaStream_t>& compute, ReduceOp op = ReduceOp::Sum);
+
   // The deadline of each collective issued from now on (engine/parallel/watchdog.h). A new
   // communicator starts with default_timeout().
   void set_timeout(std::chrono::milliseconds timeout);
@@ -130,10 +138,18 @@ class Communicator {
 
  private:
   enum class Kind { AllReduce, Broadcast, Reduce, AllGather };
+  // all_reduce_after's events and streams; all null: the compute streams are the calling thread's
+  // current ones, and NOTE [Comm stream ordering and memory lifetime] runs in full.
+  struct Ordering {
+    const std::vector<cudaEvent_t>* after = nullptr;
+    const std::vector<cudaEvent_t>* done = nullptr;
+    const std::vector<cudaStream_t>* compute = nullptr;
+  };
   // Checks the lists, then runs NOTE [Comm stream ordering and memory lifetime] around one group
   // holding every rank's calls. `outputs` is all_gather's (null for the in-place collectives).
   void run(Kind kind, const std::vector<TensorList>& tensors,
-           const std::vector<TensorList>* outputs, int root, ReduceOp op);
+           const std::vector<TensorList>* outputs, int root, ReduceOp op,
+           const Ordering* ordering = nullptr);
   void create_streams();  // and the watchdog
   void abort_comms();     // once, whoever calls first: the watchdog or abort()
   std::string async_error(int i);

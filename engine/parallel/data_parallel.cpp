@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <unordered_map>
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
@@ -106,32 +107,29 @@ TensorList gather_outputs(const std::vector<TensorList>& outputs, int output_dev
   return gathered;
 }
 
-// The data_parallel() cache (see data_parallel.h).
-struct Cache {
-  std::mutex mutex;
-  std::map<std::pair<const Module*, std::vector<int>>, std::shared_ptr<ReplicaSet>> sets;
-};
-
-Cache& cache() {
-  static auto* c = new Cache;  // never freed: NCCL teardown at exit would race the CUDA runtime's
-  return *c;
-}
-
 }  // namespace
 
 // ---- DataParallel
 // --------------------------------------------------------------------------------
 
 DataParallel::DataParallel(std::shared_ptr<Module> module)
-    : DataParallel(std::move(module), std::nullopt, std::nullopt, 0, true) {}
+    : DataParallel(std::move(module), std::nullopt, DataParallelOptions{}, 0) {}
 
 DataParallel::DataParallel(std::shared_ptr<Module> module, std::vector<int> device_ids,
                            std::optional<int> output_device, int dim)
-    : DataParallel(std::move(module), std::move(device_ids), output_device, dim, true) {}
+    : DataParallel(std::move(module), std::move(device_ids),
+                   DataParallelOptions{
+                       .output_device = output_device, .communicator = nullptr, .reducer = {}},
+                   dim) {}
+
+DataParallel::DataParallel(std::shared_ptr<Module> module, std::vector<int> device_ids,
+                           DataParallelOptions options)
+    : DataParallel(std::move(module), std::optional(std::move(device_ids)), std::move(options), 0) {
+}
 
 DataParallel::DataParallel(std::shared_ptr<Module> module,
-                           std::optional<std::vector<int>> device_ids,
-                           std::optional<int> output_device, int dim, bool)
+                           std::optional<std::vector<int>> device_ids, DataParallelOptions options,
+                           int dim)
     : module_(std::move(module)), dim_(dim) {
   CUDP_CHECK(module_ != nullptr, "DataParallel: the module is null");
   CUDP_CHECK(dynamic_cast<DataParallel*>(module_.get()) == nullptr,
@@ -147,29 +145,30 @@ DataParallel::DataParallel(std::shared_ptr<Module> module,
   }
   device_ids_ = device_ids ? *device_ids : all_devices();
   check_device_ids(device_ids_, "DataParallel");
-  output_device_ = output_device.value_or(device_ids_[0]);
+  output_device_ = options.output_device.value_or(device_ids_[0]);
   check_output_device(output_device_, "DataParallel");
   warn_imbalance(device_ids_);
-  set_ = replicate(module_, device_ids_);
-  ++set_->wrappers;
+  set_ = std::make_unique<ReplicaSet>(module_, device_ids_, std::move(options.communicator),
+                                      options.reducer);
   device_ = output_device_ < 0 ? Device::cpu() : Device::cuda(output_device_);
 }
 
-DataParallel::~DataParallel() {
-  if (set_) --set_->wrappers;
+DataParallel::~DataParallel() = default;
+
+void DataParallel::set_reducer_options(ReducerOptions options) {
+  CUDP_CHECK(options.bucket_cap_bytes > 0, "DataParallel: bucket_cap_bytes must be positive, got ",
+             options.bucket_cap_bytes);
+  if (set_) set_->set_reducer_options(options);
+}
+
+ReducerOptions DataParallel::reducer_options() const {
+  return set_ ? set_->reducer_options() : ReducerOptions{};
 }
 
 std::shared_ptr<Module> DataParallel::make_empty_copy() const {
   CUDP_THROW(ValueError,
              "DataParallel cannot be cloned (it owns devices, threads and a NCCL "
              "communicator): clone its module() and wrap the copy in a new DataParallel");
-}
-
-Tensor DataParallel::forward(const Tensor& input) {
-  TensorList outputs = forward_all({input});
-  CUDP_CHECK(outputs.size() == 1, "DataParallel: forward() returns one tensor but the module has ",
-             outputs.size(), " outputs; call forward_all()");
-  return outputs[0];
 }
 
 TensorList DataParallel::forward_all(const TensorList& inputs) {
@@ -224,14 +223,21 @@ TensorList DataParallel::forward_impl(const TensorList& inputs) {
 std::vector<TensorList> DataParallel::run_backward(const std::vector<TensorList>& replica_grads) {
   if (!set_) return {module_->backward_all(replica_grads[0])};
   const size_t used = sizes_.size();
-  set_->zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
+  // Zeroes the mirrors when they hold the last total (NOTE [Replica gradients are scratch]) and
+  // arms the reducer: buckets are all-reduced as the replicas' backward completes them.
+  set_->begin_backward(used, gradient_sync_);
   std::vector<TensorList> input_grads(used);
-  set_->workers().run(used, [&](size_t i) {
-    const cuda::AllocationPurpose purpose(detail::str("replica ", i, "'s backward on cuda:",
-                                                      device_ids_[i], " (gradients of its ",
-                                                      sizes_[i], " rows)"));
-    input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]);
-  });
+  try {
+    set_->workers().run(used, [&](size_t i) {
+      const cuda::AllocationPurpose purpose(
+          detail::str("replica ", i, "'s backward on cuda:", device_ids_[i], " (gradients of its ",
+                      sizes_[i], " rows)"));
+      input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]);
+    });
+  } catch (...) {
+    set_->abandon_backward();
+    throw;
+  }
   return input_grads;
 }
 
@@ -270,19 +276,24 @@ TensorList DataParallel::backward_impl(const TensorList& grad_outputs) {
   const std::vector<TensorList> input_grads = run_backward(replica_grads);
 
   // Input gradients go back to the inputs' devices (not to the host: see the header). They are
-  // gathered before the all-reduce is enqueued, which makes every compute stream wait for it (NOTE
-  // [Comm stream ordering and memory lifetime]), so the gather's copies do not queue behind it.
+  // gathered before compute is made to wait for the last bucket of the all-reduce (NOTE [Comm
+  // stream ordering and memory lifetime]), so the gather's copies do not queue behind it.
   TensorList result;
-  for (size_t j = 0; j < input_devices_.size(); ++j) {
-    TensorList parts;
-    bool defined = input_devices_[j].is_cuda();
-    for (size_t i = 0; i < used && defined; ++i) {
-      defined = j < input_grads[i].size() && input_grads[i][j].defined();
-      if (defined) parts.push_back(input_grads[i][j]);
+  try {
+    for (size_t j = 0; j < input_devices_.size(); ++j) {
+      TensorList parts;
+      bool defined = input_devices_[j].is_cuda();
+      for (size_t i = 0; i < used && defined; ++i) {
+        defined = j < input_grads[i].size() && input_grads[i][j].defined();
+        if (defined) parts.push_back(input_grads[i][j]);
+      }
+      result.push_back(defined ? gather(parts, input_devices_[j].index, dim_) : Tensor());
     }
-    result.push_back(defined ? gather(parts, input_devices_[j].index, dim_) : Tensor());
+  } catch (...) {
+    set_->abandon_backward();
+    throw;
   }
-  set_->all_reduce_gradients();
+  set_->end_backward(gradient_sync_);
   return result;
 }
 
@@ -309,7 +320,7 @@ std::vector<TensorList> DataParallel::backward_replicas(
     }
   }
   std::vector<TensorList> input_grads = run_backward(grad_outputs);
-  if (set_) set_->all_reduce_gradients();
+  if (set_) set_->end_backward(gradient_sync_);
   return input_grads;
 }
 
@@ -403,7 +414,8 @@ void DataParallel::check_replicas_identical() const {
 
 namespace {
 
-TensorList run_data_parallel(const std::shared_ptr<Module>& module, const TensorList& inputs,
+TensorList run_data_parallel(ReplicaCache& cache, const std::shared_ptr<Module>& module,
+                             const TensorList& inputs,
                              const std::optional<std::vector<int>>& device_ids,
                              std::optional<int> output_device, int dim) {
   CUDP_CHECK(module != nullptr, "data_parallel: the module is null");
@@ -415,18 +427,11 @@ TensorList run_data_parallel(const std::shared_ptr<Module>& module, const Tensor
   const int out = output_device.value_or(ids[0]);
   check_output_device(out, "data_parallel");
 
-  std::shared_ptr<ReplicaSet> set;
-  {
-    Cache& c = cache();
-    std::lock_guard lock(c.mutex);
-    std::shared_ptr<ReplicaSet>& slot = c.sets[{module.get(), ids}];
-    if (!slot) slot = replicate(module, ids);
-    set = slot;
-  }
-  if (set->wrappers == 0) set->broadcast_parameters();
+  ReplicaSet& set = cache.replicas(module, ids);
+  set.broadcast_parameters();  // the module may have changed since the last call
   std::vector<int64_t> sizes;
   const auto outputs =
-      replicated_forward(*set, inputs, dim, BufferSync::Broadcast, "data_parallel", sizes);
+      replicated_forward(set, inputs, dim, BufferSync::Broadcast, "data_parallel", sizes);
   return gather_outputs(outputs, out, dim);
 }
 
@@ -439,13 +444,19 @@ Tensor single_output(TensorList outputs) {
 }  // namespace
 
 TensorList data_parallel_all(const std::shared_ptr<Module>& module, const TensorList& inputs) {
-  return run_data_parallel(module, inputs, std::nullopt, std::nullopt, 0);
+  return run_data_parallel(default_replica_cache(), module, inputs, std::nullopt, std::nullopt, 0);
 }
 
 TensorList data_parallel_all(const std::shared_ptr<Module>& module, const TensorList& inputs,
                              std::vector<int> device_ids, std::optional<int> output_device,
                              int dim) {
-  return run_data_parallel(module, inputs, device_ids, output_device, dim);
+  return run_data_parallel(default_replica_cache(), module, inputs, device_ids, output_device, dim);
+}
+
+TensorList data_parallel_all(ReplicaCache& cache, const std::shared_ptr<Module>& module,
+                             const TensorList& inputs, std::vector<int> device_ids,
+                             std::optional<int> output_device, int dim) {
+  return run_data_parallel(cache, module, inputs, device_ids, output_device, dim);
 }
 
 Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input) {
@@ -458,13 +469,66 @@ Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input,
       data_parallel_all(module, {input}, std::move(device_ids), output_device, dim));
 }
 
-void clear_replica_cache() {
-  std::map<std::pair<const Module*, std::vector<int>>, std::shared_ptr<ReplicaSet>> dropped;
-  {
-    Cache& c = cache();
-    std::lock_guard lock(c.mutex);
-    dropped.swap(c.sets);
+// ---- the replica cache
+// ---------------------------------------------------------------------------
+
+ReplicaSet& ReplicaCache::replicas(const std::shared_ptr<Module>& module,
+                                   const std::vector<int>& device_ids) {
+  std::lock_guard lock(mutex_);
+  Entry& entry = sets_[{module.get(), device_ids}];
+  if (!entry.set) {
+    entry.set = std::make_unique<ReplicaSet>(module, device_ids);
+    entry.module = module;
   }
-}  // the sets (and their threads and communicators, when last) go here, outside the lock
+  return *entry.set;
+}
+
+void ReplicaCache::clear() {
+  std::map<std::pair<const Module*, std::vector<int>>, Entry> dropped;
+  {
+    std::lock_guard lock(mutex_);
+    dropped.swap(sets_);
+  }
+}  // the sets (threads, communicators) end here, outside the lock
+
+size_t ReplicaCache::size() const {
+  std::lock_guard lock(mutex_);
+  return sets_.size();
+}
+
+ReplicaCache& default_replica_cache() {
+  static auto* cache = new ReplicaCache;  // never freed: see data_parallel.h
+  return *cache;
+}
+
+void clear_replica_cache() {
+  default_replica_cache().clear();
+}
+
+// ---- replicated optimizers
+// -----------------------------------------------------------------------
+
+std::vector<std::vector<Parameter*>> replica_parameter_lists(Module& model) {
+  std::vector<std::vector<Parameter*>> lists(1, model.parameters());
+  // Replica 0's parameter -> its replicas, from the DataParallel members found in the model.
+  std::unordered_map<const Parameter*, std::vector<Parameter*>> mirrors;
+  for (auto& [path, module] : model.named_modules()) {
+    const auto* dp = dynamic_cast<const DataParallel*>(module);
+    if (dp == nullptr) continue;
+    const auto replicas = dp->replica_parameters();
+    for (size_t r = 1; r < replicas.size(); ++r) {
+      for (size_t k = 0; k < replicas[0].size(); ++k) {
+        mirrors[replicas[0][k]].push_back(replicas[r][k]);
+      }
+    }
+  }
+  for (Parameter* p : lists[0]) {
+    const auto it = mirrors.find(p);
+    if (it == mirrors.end()) continue;
+    if (lists.size() < it->second.size() + 1) lists.resize(it->second.size() + 1);
+    for (size_t r = 0; r < it->second.size(); ++r) lists[r + 1].push_back(it->second[r]);
+  }
+  return lists;
+}
 
 }  // namespace cudp::parallel

@@ -1,4 +1,5 @@
-// DataParallel: PyTorch's nn.DataParallel (docs/architecture.md §3) on persistent replicas and NCCL.
+// DataParallel: PyTorch's nn.DataParallel (docs/architecture.md §3) on persistent replicas and
+// NCCL.
 //
 //   forward   scatter the batch along dim 0 (torch.chunk rules) -> each replica's forward on its
 //             device's worker thread -> (training) broadcast replica 0's buffers -> gather the
@@ -18,29 +19,36 @@
 // saves a device-to-host copy and a synchronisation per step that nothing would read.
 //
 // The optimizer runs on every replica: build it with Replicated<SGD> (or any optimizer of
-// layers/optim.h) on model.parameters() -- replica 0's, the module's own -- and it builds one
-// optimizer per replica from the engine's parameter registry (replicate.h), steps them together
+// layers/optim.h) on the model -- the DataParallel, or a bigger model holding DataParallel members
+// -- and it builds one optimizer per replica from those members' replicas, steps them together
 // with replica 0's learning rate and momentum (what schedulers change), so replicas stay
 // bit-identical without any re-broadcast. check_replicas_identical() verifies it. A plain SGD on
 // model.parameters() would update replica 0 only and the replicas would drift apart. (A departure
-// from docs/architecture.md §3a, which writes `SGD opt(model.parameters(), ...)`: layers/optim.h's Optimizer
-// has no hook through which the engine could add the replicas' parameters, so the replicated
-// optimizer is a wrapper; with such a hook it could become transparent.)
+// from PyTorch, where `SGD opt(model.parameters(), ...)` suffices: layers/optim.h's Optimizer has
+// no hook through which the engine could add the replicas' parameters, so the replicated optimizer
+// is a wrapper; with such a hook it could become transparent.)
+//
+// Gradients are summed by a Reducer (engine/parallel/reducer.h): buckets of the flat gradient
+// buffer (25 MiB unless set_reducer_options says otherwise), each all-reduced as soon as the
+// backward has completed it on every replica, on the communication streams; compute waits only for
+// the last, at the end of backward. set_gradient_sync(false) or a no_sync() guard leaves gradients
+// local to each replica (accumulation over micro-batches: one all-reduce at the end, PyTorch DDP's
+// no_sync()).
 //
 // Usage (docs/architecture.md §3a):
 //   auto net = vgg16({...});  net->cuda(0);
 //   DataParallel model(net, {0, 1});
-//   parallel::Replicated<SGD> opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
+//   parallel::Replicated<SGD> opt(model, {.lr = 0.05, .momentum = 0.9});
 //   Tensor out = model.forward(image);           // a pinned host batch, or a tensor on a GPU
 //   ... loss on `out` (on cuda:0) ...
 //   opt.zero_grad(); model.backward(grad_out); opt.step();
 //
 // Nesting: DataParallel is a Module, so a model may hold several (the seed wraps `features` and
 // `classifier` separately and flattens in between, on the output device) and call them in forward
-// and, in reverse, in backward. The members share their device threads and NCCL communicator.
-// Call forward() on a DataParallel typed as such: Module::forward (through a Module&) checks that
-// the input is on the module's device, which here is output_device, so a host batch is refused
-// there; DataParallel::forward takes inputs on any device.
+// and, in reverse, in backward. Each member owns its replicas, device threads and reducer; members
+// on the same devices may share one NCCL communicator (DataParallelOptions::communicator, from
+// the first member's shared_communicator()). forward_all overrides Module's, so a DataParallel
+// takes inputs on any device (a host batch, a GPU tensor) also when called through a Module&.
 //
 // Without any GPU and with device_ids left out, DataParallel runs the module as it is (PyTorch's
 // behaviour), so a CPU-only machine runs the same program.
@@ -51,7 +59,9 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -63,6 +73,14 @@
 
 namespace cudp::parallel {
 
+struct DataParallelOptions {
+  std::optional<int> output_device;  // device_ids[0] when left out; -1: the CPU
+  // Another DataParallel's communicator over the same device_ids (shared_communicator()), to share
+  // instead of making one; null: its own.
+  std::shared_ptr<Communicator> communicator;
+  ReducerOptions reducer;  // bucket size and overlap of the gradient all-reduce
+};
+
 class DataParallel : public Module {
  public:
   // device_ids: all visible devices when left out. output_device: device_ids[0] when left out, -1
@@ -71,6 +89,8 @@ class DataParallel : public Module {
   explicit DataParallel(std::shared_ptr<Module> module);
   DataParallel(std::shared_ptr<Module> module, std::vector<int> device_ids,
                std::optional<int> output_device = std::nullopt, int dim = 0);
+  DataParallel(std::shared_ptr<Module> module, std::vector<int> device_ids,
+               DataParallelOptions options);
   ~DataParallel() override;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -80,9 +100,8 @@ class DataParallel : public Module {
   std::string type_name() const override { return "DataParallel"; }
 
   // Inputs on any device (a host batch, or a GPU tensor from a previous layer); outputs on
-  // output_device. These hide Module::forward/forward_all, which require inputs on device().
-  Tensor forward(const Tensor& input);
-  TensorList forward_all(const TensorList& inputs);
+  // output_device. Module::forward comes here too.
+  TensorList forward_all(const TensorList& inputs) override;
 
   // The fast path without gather and scatter: outputs[i] is replica i's, on device_ids[i], for the
   // replicas that received a chunk; backward_replicas takes the gradients of those outputs, runs
@@ -118,9 +137,45 @@ class DataParallel : public Module {
   void set_buffer_sync(BufferSync sync) { buffer_sync_ = sync; }
   BufferSync buffer_sync() const { return buffer_sync_; }
   // The NCCL communicator of the replicas (null with one device or none): the hook for layers that
-  // synchronise across replicas themselves (a future SyncBatchNorm).
+  // synchronise across replicas themselves (a future SyncBatchNorm), and what another DataParallel
+  // on the same devices may share (DataParallelOptions::communicator).
   Communicator* communicator() const { return set_ ? set_->communicator() : nullptr; }
-  const std::shared_ptr<ReplicaSet>& replicas() const { return set_; }
+  std::shared_ptr<Communicator> shared_communicator() const {
+    return set_ ? set_->shared_communicator() : nullptr;
+  }
+  // The replicas, owned by this DataParallel (null: pass-through, no GPU).
+  ReplicaSet* replicas() const { return set_.get(); }
+
+  // The gradient all-reduce's buckets and overlap (engine/parallel/reducer.h); set them before a
+  // CUDA graph of the step is captured. reducer() is null with one device or without flat
+  // parameters.
+  void set_reducer_options(ReducerOptions options);
+  ReducerOptions reducer_options() const;
+  const Reducer* reducer() const { return set_ ? set_->reducer() : nullptr; }
+
+  // Whether backward sums the replicas' gradients (true unless set). Off, each replica keeps its
+  // own share and accumulates the next backward's onto it; the first backward with it on again
+  // sums everything accumulated (PyTorch DDP's require_backward_grad_sync). A captured CUDA graph
+  // keeps the setting it was captured with.
+  void set_gradient_sync(bool on) { gradient_sync_ = on; }
+  bool gradient_sync() const { return gradient_sync_; }
+  // PyTorch DDP's no_sync(): gradient sync off while the guard lives, then as it was.
+  class NoSync {
+   public:
+    explicit NoSync(DataParallel& dp) : dp_(&dp), was_(dp.gradient_sync()) {
+      dp.set_gradient_sync(false);
+    }
+    ~NoSync() { dp_->set_gradient_sync(was_); }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync(NoSync&&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    DataParallel* dp_;
+    bool was_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
  protected:
   TensorList forward_impl(const TensorList& inputs) override;
@@ -130,7 +185,7 @@ class DataParallel : public Module {
 
  private:
   DataParallel(std::shared_ptr<Module> module, std::optional<std::vector<int>> device_ids,
-               std::optional<int> output_device, int dim, bool);
+               DataParallelOptions options, int dim);
   std::vector<TensorList> run_forward(const TensorList& inputs);
   std::vector<TensorList> run_backward(const std::vector<TensorList>& replica_grads);
   std::vector<int> used_devices() const;
@@ -139,8 +194,9 @@ class DataParallel : public Module {
   std::vector<int> device_ids_;
   int output_device_ = -1;
   int dim_ = 0;
-  std::shared_ptr<ReplicaSet> set_;  // null: pass-through (no GPU)
+  std::unique_ptr<ReplicaSet> set_;  // null: pass-through (no GPU)
   BufferSync buffer_sync_ = BufferSync::Broadcast;
+  bool gradient_sync_ = true;
 
   // The last forward, for backward.
   std::vector<int64_t> sizes_;
@@ -149,11 +205,37 @@ class DataParallel : public Module {
   bool replicas_ran_ = false;
 };
 
-// One forward on the persistent replicas of `module` (evaluation, inference; docs/architecture.md §3a). The
-// replicas are those of a live DataParallel of the same module and device_ids, else made once and
-// cached until clear_replica_cache() (the cache holds the module). Without a DataParallel keeping
-// them in step, replica 0's parameters and buffers are broadcast before each call, since the module
-// may have changed since the last one. The forward overwrites what the replicas saved for backward.
+// The replicas data_parallel() keeps between calls, one ReplicaSet per (module, device_ids), each
+// holding its module alive. Its owner decides its lifetime: data_parallel_all(cache, ...) uses
+// the caller's; the forms without a cache use default_replica_cache(), which lives from its first
+// use to the end of the process (never destroyed: NCCL teardown at exit would race the CUDA
+// runtime's) and which clear_replica_cache() empties. Not thread-safe between calls on one module.
+class ReplicaCache {
+ public:
+  ReplicaCache() = default;
+  ReplicaCache(const ReplicaCache&) = delete;
+  ReplicaCache& operator=(const ReplicaCache&) = delete;
+  // The set of `module` on `device_ids`, made on first use.
+  ReplicaSet& replicas(const std::shared_ptr<Module>& module, const std::vector<int>& device_ids);
+  void clear();
+  size_t size() const;
+
+ private:
+  struct Entry {
+    std::shared_ptr<Module> module;  // keeps the key's address valid
+    std::unique_ptr<ReplicaSet> set;
+  };
+  mutable std::mutex mutex_;
+  std::map<std::pair<const Module*, std::vector<int>>, Entry> sets_;
+};
+ReplicaCache& default_replica_cache();
+void clear_replica_cache();  // default_replica_cache().clear()
+
+// One forward on persistent replicas of `module` (evaluation, inference; docs/architecture.md §3a):
+// PyTorch's data_parallel(module, inputs, device_ids, output_device). The replicas are the
+// cache's (above), not a DataParallel's, and replica 0's parameters and buffers are broadcast to
+// them before each call, since the module may have changed since the last one (PyTorch replicates
+// at every call). The forward overwrites what the replicas saved for backward.
 Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input);
 Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input,
                      std::vector<int> device_ids, std::optional<int> output_device = std::nullopt,
@@ -162,7 +244,14 @@ TensorList data_parallel_all(const std::shared_ptr<Module>& module, const Tensor
 TensorList data_parallel_all(const std::shared_ptr<Module>& module, const TensorList& inputs,
                              std::vector<int> device_ids,
                              std::optional<int> output_device = std::nullopt, int dim = 0);
-void clear_replica_cache();
+TensorList data_parallel_all(ReplicaCache& cache, const std::shared_ptr<Module>& module,
+                             const TensorList& inputs, std::vector<int> device_ids,
+                             std::optional<int> output_device = std::nullopt, int dim = 0);
+
+// lists[0] = model.parameters(); lists[r] = replica r's parameters matching them, found through
+// the DataParallel modules inside `model` (or `model` itself), for parameters that have an r-th
+// replica. Parameters outside any DataParallel appear in lists[0] only.
+std::vector<std::vector<Parameter*>> replica_parameter_lists(Module& model);
 
 // `flag` (a small tensor a step wrote, a skip flag) on each of `devices`: itself where it already
 // is, else copies[r] (made once, reused), copied on that device's current stream after the work
@@ -171,9 +260,9 @@ void clear_replica_cache();
 std::vector<Tensor> flag_on_devices(const Tensor& flag, const std::vector<Device>& devices,
                                     std::vector<Tensor>& copies);
 
-// One optimizer per replica, stepped together (docs/architecture.md §2.7). Built on parameters of replica 0
-// (model.parameters() of a DataParallel, or of a bigger model holding DataParallel members), it
-// builds Opt on them and one more Opt on each replica's matching parameters
+// One optimizer per replica, stepped together (docs/architecture.md §2.7). Built on a model (a
+// DataParallel, or a bigger model holding DataParallel members), it builds Opt on
+// model.parameters() and one more Opt on each replica's matching parameters
 // (replica_parameter_lists). Every replica starts from identical parameters and state and receives
 // the identical all-reduced gradient, so identical steps keep them bit-identical. Create it after
 // the DataParallel modules, and do not let it outlive them.
@@ -182,8 +271,12 @@ class Replicated {
  public:
   using Options = std::remove_cvref_t<decltype(std::declval<const Opt&>().options())>;
 
-  Replicated(const std::vector<Parameter*>& params, const Options& options) {
-    for (auto& list : replica_parameter_lists(params)) {
+  Replicated(Module& model, const Options& options)
+      : Replicated(replica_parameter_lists(model), options) {}
+  // lists[r]: replica r's parameters, matching lists[0] element by element.
+  Replicated(std::vector<std::vector<Parameter*>> lists, const Options& options) {
+    CUDP_CHECK(!lists.empty(), "Replicated: no parameter lists");
+    for (auto& list : lists) {
       optimizers_.push_back(std::make_unique<Opt>(std::move(list), options));
     }
   }

@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <deque>
 #include <exception>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -96,19 +95,6 @@ class Worker {
 
 namespace {
 
-// One worker per device in the process, kept while some DeviceWorkers holds it.
-std::shared_ptr<Worker> worker_for(int device) {
-  static std::mutex mutex;
-  static auto* workers =
-      new std::map<int, std::weak_ptr<Worker>>;  // never freed: no exit-time order
-  std::lock_guard lock(mutex);
-  std::weak_ptr<Worker>& slot = (*workers)[device];
-  if (auto worker = slot.lock()) return worker;
-  auto worker = std::make_shared<Worker>(device);
-  slot = worker;
-  return worker;
-}
-
 // The dynamic type of `e` without namespaces ("ValueError", "runtime_error"), as PyTorch prints the
 // exception class.
 std::string type_name_of(const std::exception& e) {
@@ -165,7 +151,7 @@ DeviceWorkers::DeviceWorkers(const std::vector<int>& devices) : devices_(devices
   for (const int device : devices_) {
     CUDP_CHECK(device >= -1, "DeviceWorkers: device ", device,
                " is neither a CUDA device id nor -1 (the host)");
-    workers_.push_back(worker_for(device));
+    workers_.push_back(std::make_unique<Worker>(device));
   }
 }
 

@@ -1,12 +1,12 @@
-// parallel_apply: one job per device, each on that device's persistent host thread (docs/architecture.md
-// §2.8).
+// parallel_apply: one job per device, each on that device's persistent host thread
+// (docs/architecture.md §2.8).
 //
-// Threads. The process has at most one worker thread per device, started the first time a
-// DeviceWorkers names the device and joined when the last DeviceWorkers naming it goes (a
-// DataParallel holds one for its whole life, so its threads are created once, not per step, and two
-// DataParallel members of one model share them). Each worker makes its device current once and then
-// waits on a job queue (a mutex and a condition variable). Device -1 names a host worker, for
-// CPU-only jobs.
+// Threads. A DeviceWorkers owns one worker thread per entry of its device list, started by its
+// constructor and joined by its destructor; nothing is shared through the process. A DataParallel
+// owns its DeviceWorkers for its whole life, so its threads are created once, not per step; two
+// DataParallel members of one model have a thread each per device, which costs a few idle threads
+// and no contention. Each worker makes its device current once and then waits on a job queue (a
+// mutex and a condition variable). Device -1 names a host worker, for CPU-only jobs.
 //
 // Streams. run() reads the caller's current stream of each device (cuda::current_stream, which a
 // StreamGuard may have changed) and the job runs with that stream current on its worker, so
@@ -42,7 +42,7 @@ class Worker;  // one persistent thread and its queue (parallel_apply.cpp)
 
 class DeviceWorkers {
  public:
-  // The workers of `devices` (CUDA ids, or -1 for the host), started if not running yet.
+  // One worker thread for each entry of `devices` (CUDA ids, or -1 for the host), started here.
   explicit DeviceWorkers(const std::vector<int>& devices);
   ~DeviceWorkers();
   DeviceWorkers(const DeviceWorkers&) = delete;
@@ -61,7 +61,7 @@ class DeviceWorkers {
 
  private:
   std::vector<int> devices_;
-  std::vector<std::shared_ptr<Worker>> workers_;
+  std::vector<std::unique_ptr<Worker>> workers_;
 };
 
 // PyTorch's parallel_apply: outputs[i] = modules[i]->forward_all(inputs[i]) on devices[i]'s worker.

@@ -75,7 +75,7 @@ ProcessGroup::ProcessGroup(LaunchInfo info, std::shared_ptr<Communicator> comm)
 
 std::shared_ptr<ProcessGroup> ProcessGroup::local(const std::vector<int>& device_ids,
                                                   ProcessGroupOptions options) {
-  auto comm = Communicator::shared(device_ids);
+  auto comm = std::make_shared<Communicator>(device_ids);
   comm->set_timeout(options.timeout);
   LaunchInfo info;
   info.world_size = comm->world_size();

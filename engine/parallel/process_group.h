@@ -4,7 +4,7 @@
 // world size and communicator and does not care how the ranks were started:
 //   - local(device_ids): one process drives every device (DataParallel's case,
 //     docs/architecture.md §2.8): ranks 0..N-1 are the devices, all in this process; the
-//     communicator is Communicator::shared(device_ids).
+//     communicator is a new one over device_ids, the group's own.
 //   - from_mpi(session) / create(info, device, broadcast): one rank per process, started by mpirun
 //     or srun (docs/distributed.md). The launch says which rank this is; the local rank (the rank
 //     among the processes of this machine) picks the device; rank 0 asks NCCL for a unique id and

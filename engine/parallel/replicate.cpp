@@ -2,36 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <sstream>
-#include <unordered_map>
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
-#include "layers/dropout.h"
 
 namespace cudp::parallel {
 namespace {
-
-// Parameter registry (replicate.h): replica 0's parameter -> its replicas in every live set.
-struct Registry {
-  std::mutex mutex;
-  std::unordered_map<const Parameter*, std::vector<Parameter*>> mirrors;
-};
-
-Registry& registry() {
-  static auto* r = new Registry;  // never freed: sets may outlive static destruction order
-  return *r;
-}
-
-// Replica r's Dropout seed: replica 0's, mixed with r (splitmix64's finaliser).
-uint64_t replica_seed(uint64_t seed, size_t r) {
-  uint64_t z = seed ^ (0x9E3779B97F4A7C15ull * (r + 1));
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 void check_module_device(Module& module, int device) {
   const Device expected = Device::cuda(device);
@@ -62,11 +39,20 @@ std::string element_str(const Tensor& host, size_t index) {
 
 }  // namespace
 
-ReplicaSet::ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& device_ids)
-    : devices_(device_ids) {
+ReplicaSet::ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& device_ids,
+                       std::shared_ptr<Communicator> comm, ReducerOptions reducer)
+    : devices_(device_ids), comm_(std::move(comm)), reducer_options_(reducer) {
   CUDP_CHECK(module != nullptr, "replicate: the module is null");
   check_device_ids(devices_, "replicate");
   check_module_device(*module, devices_[0]);
+  if (comm_) {
+    CUDP_CHECK(comm_->devices() == devices_ && comm_->world_size() == comm_->size(),
+               "replicate: the communicator to share drives devices ",
+               shape_str(Shape(comm_->devices().begin(), comm_->devices().end())),
+               " of a world of ", comm_->world_size(), " but the replicas are on ",
+               shape_str(Shape(devices_.begin(), devices_.end())),
+               "; share a communicator only between users of the same devices in this process");
+  }
   replicas_.push_back(std::move(module));
   const std::string advice =
       "Every GPU holds a whole copy of the model with its gradients and optimizer state: use a "
@@ -101,23 +87,17 @@ ReplicaSet::ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& d
     for (const auto& [name, m] : replica->named_modules()) modules.push_back(m);
     modules_.push_back(std::move(modules));
   }
-  for (size_t r = 1; r < replicas_.size(); ++r) {
-    for (size_t k = 0; k < modules_[0].size(); ++k) {
-      if (const auto* d0 = dynamic_cast<const Dropout*>(modules_[0][k])) {
-        dynamic_cast<Dropout&>(*modules_[r][k]).set_seed(replica_seed(d0->seed(), r), d0->offset());
-      }
-    }
-  }
+  sync_replicas(Module::ReplicaSync::Created);
   workers_ = std::make_unique<DeviceWorkers>(devices_);
   if (replicas_.size() > 1) {
-    comm_ = Communicator::shared(devices_);
+    if (!comm_) comm_ = std::make_shared<Communicator>(devices_);
     broadcast_parameters();
   }
-  register_mirrors();
+  make_reducer();
 }
 
 ReplicaSet::~ReplicaSet() {
-  unregister_mirrors();
+  reducer_.reset();  // its hooks leave the replicas' modules first
   for (const cuda::Event& event : copied_) cudaEventSynchronize(event.get());  // never throws
 }
 
@@ -161,26 +141,82 @@ void ReplicaSet::broadcast_parameters() {
   for (size_t r = 0; r < lists.size(); ++r)
     lists[r].insert(lists[r].end(), bufs[r].begin(), bufs[r].end());
   comm_->broadcast_many(lists, 0);
+  sync_replicas(Module::ReplicaSync::BuffersBroadcast);
 }
 
 void ReplicaSet::broadcast_buffers() {
   if (!comm_) return;
   const std::vector<TensorList> bufs = buffers();
-  if (!bufs[0].empty()) comm_->broadcast_many(bufs, 0);
+  if (bufs[0].empty()) return;
+  comm_->broadcast_many(bufs, 0);
+  sync_replicas(Module::ReplicaSync::BuffersBroadcast);
 }
 
 void ReplicaSet::zero_mirror_gradients() {
-  if (replicas_.size() < 2) return;
+  if (replicas_.size() < 2 || !mirrors_hold_total_) return;
   std::vector<TensorList> grads = parameter_tensors(/*grads=*/true);
   for (size_t r = 1; r < grads.size(); ++r) {
     for (Tensor& g : grads[r]) g.zero_();
   }
+  mirrors_hold_total_ = false;
 }
 
 void ReplicaSet::all_reduce_gradients() {
   if (!comm_) return;
   const nvtx::Range range("gradient all-reduce");
   comm_->all_reduce_many(parameter_tensors(/*grads=*/true), ReduceOp::Sum);
+  mirrors_hold_total_ = true;
+}
+
+void ReplicaSet::make_reducer() {
+  reducer_.reset();
+  group_.reset();
+  if (!comm_) return;
+  TensorList flat_grads;
+  for (const auto& [data, grad] : flat_) {
+    if (!grad.defined()) return;  // not flat: the per-parameter all-reduce
+    flat_grads.push_back(grad);
+  }
+  group_ = std::make_unique<CommunicatorGroup>(*comm_);
+  reducer_ = std::make_unique<Reducer>(params_, std::move(flat_grads), *group_, reducer_options_);
+  for (size_t r = 0; r < replicas_.size(); ++r) reducer_->attach(r, *replicas_[r]);
+}
+
+void ReplicaSet::set_reducer_options(ReducerOptions options) {
+  CUDP_CHECK(!reducing_, "ReplicaSet: the reducer's options cannot change during a backward");
+  reducer_options_ = options;
+  make_reducer();
+}
+
+void ReplicaSet::begin_backward(size_t active, bool reduce) {
+  zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
+  reducing_ = reduce && reducer_ && reducer_->layout_intact();
+  if (reducing_) reducer_->prepare(active);
+}
+
+void ReplicaSet::end_backward(bool reduce) {
+  if (!reduce) return;
+  if (reducing_) {
+    reducing_ = false;
+    const nvtx::Range range("gradient all-reduce (last buckets)");
+    reducer_->finish();
+    mirrors_hold_total_ = true;
+  } else {
+    all_reduce_gradients();
+  }
+}
+
+void ReplicaSet::abandon_backward() {
+  if (reducing_) reducer_->abandon();
+  reducing_ = false;
+}
+
+void ReplicaSet::sync_replicas(Module::ReplicaSync when) {
+  for (size_t r = 1; r < replicas_.size(); ++r) {
+    for (size_t k = 0; k < modules_[0].size(); ++k) {
+      modules_[r][k]->sync_replica(*modules_[0][k], r, when);
+    }
+  }
 }
 
 void ReplicaSet::prepare_forward() {
@@ -191,11 +227,9 @@ void ReplicaSet::prepare_forward() {
       Module& from = *modules_[0][k];
       Module& to = *modules_[r][k];
       if (to.is_training() != from.is_training()) to.train(from.is_training());
-      if (const auto* d0 = dynamic_cast<const Dropout*>(&from)) {
-        dynamic_cast<Dropout&>(to).set_offset(d0->offset());
-      }
     }
   }
+  sync_replicas(Module::ReplicaSync::BeforeForward);
 }
 
 void ReplicaSet::keep_until_copied(const TensorList& sources) {
@@ -258,60 +292,6 @@ void ReplicaSet::check_identical() const {
 
 void ReplicaSet::for_each(const std::function<void(Module&, size_t, int)>& fn) {
   workers_->run(size(), [&](size_t r) { fn(*replicas_[r], r, devices_[r]); });
-}
-
-// ---- registry
-// ------------------------------------------------------------------------------------
-
-void ReplicaSet::register_mirrors() {
-  const auto& params = params_;
-  Registry& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  for (size_t r = 1; r < params.size(); ++r) {
-    for (size_t k = 0; k < params[0].size(); ++k) reg.mirrors[params[0][k]].push_back(params[r][k]);
-  }
-}
-
-void ReplicaSet::unregister_mirrors() {
-  const auto& params = params_;
-  Registry& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  for (size_t r = 1; r < params.size(); ++r) {
-    for (size_t k = 0; k < params[0].size(); ++k) {
-      const auto it = reg.mirrors.find(params[0][k]);
-      if (it == reg.mirrors.end()) continue;
-      std::erase(it->second, params[r][k]);
-      if (it->second.empty()) reg.mirrors.erase(it);
-    }
-  }
-}
-
-std::vector<std::vector<Parameter*>> replica_parameter_lists(
-    const std::vector<Parameter*>& params) {
-  Registry& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  std::vector<std::vector<Parameter*>> lists(1, params);
-  for (Parameter* p : params) {
-    const auto it = reg.mirrors.find(p);
-    if (it == reg.mirrors.end()) continue;
-    if (lists.size() < it->second.size() + 1) lists.resize(it->second.size() + 1);
-    for (size_t r = 0; r < it->second.size(); ++r) lists[r + 1].push_back(it->second[r]);
-  }
-  return lists;
-}
-
-std::shared_ptr<ReplicaSet> replicate(const std::shared_ptr<Module>& module,
-                                      const std::vector<int>& device_ids) {
-  static std::mutex mutex;
-  static auto* sets =
-      new std::map<std::pair<const Module*, std::vector<int>>, std::weak_ptr<ReplicaSet>>;
-  std::lock_guard lock(mutex);
-  std::erase_if(*sets, [](const auto& entry) { return entry.second.expired(); });
-  auto& slot = (*sets)[{module.get(), device_ids}];
-  if (auto set = slot.lock()) return set;
-  auto set = std::make_shared<ReplicaSet>(module, device_ids);
-  slot = set;
-  return set;
 }
 
 }  // namespace cudp::parallel

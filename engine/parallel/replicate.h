@@ -6,13 +6,13 @@
 // the data and one for the gradients, so one NCCL call covers the model), and replica 0's
 // parameters and buffers are broadcast to the others through NCCL. From then on nothing is
 // re-broadcast:
-//   - gradients are summed across replicas by one all-reduce after each backward, so every replica
-//     holds the same gradient;
+//   - gradients are summed across replicas after each backward (below), so every replica holds the
+//     same gradient;
 //   - the optimizer runs on every replica (Replicated, data_parallel.h) from identical state, so
-//   the
-//     parameters stay bit-identical; checksums() and check_identical() verify it;
+//     the parameters stay bit-identical; checksums() and check_identical() verify it;
 //   - buffers (BatchNorm running statistics) are broadcast from replica 0 after each training
-//     forward (BufferSync::Broadcast, docs/architecture.md §3): replica 0's are PyTorch's, the others follow.
+//     forward (BufferSync::Broadcast, docs/architecture.md §3): replica 0's are PyTorch's, the
+//     others follow.
 //
 // NOTE [Replica gradients are scratch]
 // PyTorch's DataParallel accumulates gradients in the original module only; replicas are rebuilt at
@@ -23,20 +23,29 @@
 // gradient plus this backward's gradient of the whole batch, exactly PyTorch's accumulation.
 // Replicas that received no chunk (batch 1 on 2 GPUs) contribute their zeros and still receive the
 // sum, so they stay identical too. The user zeroes replica 0 (opt.zero_grad()) as with one device.
+// A backward that skips the all-reduce (DataParallel::no_sync) leaves each replica with its own
+// share, so the next backward does not zero them: they go on accumulating, and the all-reduce that
+// ends the accumulation sums replica 0's gradient (its earlier total and its shares) with every
+// other replica's shares since the last all-reduce: the whole accumulated batch's gradient.
 //
-// Dropout: each replica r >= 1 draws its masks from its own seed (derived from replica 0's seed and
-// r), at replica 0's offset, synchronised before each forward: the replicas' masks are independent
-// of each other, as with PyTorch's per-device generators, and reproducible from replica 0's (seed,
-// offset). They are not the masks one device would draw for the whole batch (that needs each
-// replica's chunk offset in elements, which the engine does not know before the forward).
+// Per-replica state that is neither a parameter nor a buffer (Dropout's random stream, BatchNorm's
+// host batch count) follows replica 0 through Module::sync_replica, which the set calls on every
+// module of replicas 1.. at creation, before each forward and after each buffer broadcast; the
+// engine names no concrete layer.
 //
-// Parameter registry: each live ReplicaSet records, for every parameter of replica 0, the matching
-// parameters of its other replicas. replica_parameter_lists() reads it, so an optimizer built on a
-// model's parameters() (which are replica 0's, also through a bigger model holding several
-// DataParallel members) can build one optimizer per replica (Replicated, data_parallel.h).
+// Ownership. A ReplicaSet is owned by one user (a DataParallel, or a ReplicaCache entry of
+// data_parallel()); it owns the replicas, the device worker threads, the gradient Reducer, and the
+// Communicator unless it was given one to share (two DataParallel members of one model on the same
+// devices may share one: NCCL communicators cost memory and set-up time). Nothing is registered
+// anywhere else: an optimizer finds the replicas' parameters through the DataParallel modules of
+// the model it is given (Replicated, data_parallel.h).
+//
+// Gradients are summed by the Reducer (engine/parallel/reducer.h) in buckets, overlapped with the
+// backward, when every replica's parameters view their flat buffers; otherwise (parameters that
+// cannot share one fp32 buffer, or re-flattened since) by one grouped all-reduce per parameter
+// after the backward.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -45,6 +54,7 @@
 
 #include "engine/parallel/comm.h"
 #include "engine/parallel/parallel_apply.h"
+#include "engine/parallel/reducer.h"
 #include "layers/module.h"
 
 namespace cudp::parallel {
@@ -58,7 +68,10 @@ enum class BufferSync {
 
 class ReplicaSet {
  public:
-  ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& device_ids);
+  // `comm`: a communicator over exactly `device_ids` to share, or null to make one (with two or
+  // more devices).
+  ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& device_ids,
+             std::shared_ptr<Communicator> comm = nullptr, ReducerOptions reducer = {});
   ~ReplicaSet();
   ReplicaSet(const ReplicaSet&) = delete;
   ReplicaSet& operator=(const ReplicaSet&) = delete;
@@ -71,16 +84,31 @@ class ReplicaSet {
   const std::vector<std::shared_ptr<Module>>& replicas() const { return replicas_; }
   // Null with one device (nothing to communicate).
   Communicator* communicator() const { return comm_.get(); }
+  const std::shared_ptr<Communicator>& shared_communicator() const { return comm_; }
   DeviceWorkers& workers() { return *workers_; }
 
   // Replica 0's parameters and buffers to the others (creation; after load_state_dict on replica
   // 0).
   void broadcast_parameters();
   void broadcast_buffers();
-  // NOTE [Replica gradients are scratch].
+  // NOTE [Replica gradients are scratch]: zeroes replicas 1.. when they hold the last
+  // all-reduce's total (not after backwards that skipped it: no_sync accumulation).
   void zero_mirror_gradients();
-  // Sums every replica's gradients; all hold the sum afterwards.
+  // Sums every replica's gradients with one all-reduce over the flat buffers (or one per
+  // parameter), after everything queued; all hold the sum afterwards.
   void all_reduce_gradients();
+  // The bucketed path around a backward of the first `active` replicas: begin_backward before the
+  // replicas' backward (it zeroes the mirrors as above), end_backward after it returned
+  // (`reduce` false: gradients stay local, for accumulation). With no reducer (one device, or
+  // parameters that are not flat) end_backward runs all_reduce_gradients.
+  void begin_backward(size_t active, bool reduce);
+  void end_backward(bool reduce);
+  void abandon_backward();
+  // The bucketed all-reduce's settings: the reducer is remade with them (not inside a captured
+  // step). Null reducer(): none (one device, or parameters that are not flat).
+  void set_reducer_options(ReducerOptions options);
+  const ReducerOptions& reducer_options() const { return reducer_options_; }
+  const Reducer* reducer() const { return reducer_.get(); }
   // Before a forward: replicas take replica 0's train/eval mode, module by module, and Dropout
   // offsets.
   void prepare_forward();
@@ -102,18 +130,14 @@ class ReplicaSet {
   // fn(replica, r, device) for every replica, on the devices' worker threads, in parallel.
   void for_each(const std::function<void(Module&, size_t, int)>& fn);
 
-  // DataParallel modules using this set (data_parallel() re-broadcasts only when none does, since
-  // nothing else keeps the replicas' parameters in step with replica 0).
-  std::atomic<int> wrappers{0};
-
  private:
   // Each replica's gradients (or data) as lists that match across replicas: the flat buffer when
   // every replica's parameters still view into theirs, else one tensor per parameter (someone
   // re-flattened replica 0, say another ReplicaSet of the same module).
   std::vector<TensorList> parameter_tensors(bool grads) const;
   std::vector<TensorList> buffers() const;
-  void register_mirrors();
-  void unregister_mirrors();
+  void make_reducer();
+  void sync_replicas(Module::ReplicaSync when);
 
   std::vector<int> devices_;
   std::vector<std::shared_ptr<Module>> replicas_;
@@ -125,18 +149,13 @@ class ReplicaSet {
   std::vector<std::pair<Tensor, Tensor>> flat_;  // per replica {data, grad}; undefined if not flat
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<DeviceWorkers> workers_;
+  ReducerOptions reducer_options_;
+  std::unique_ptr<CommunicatorGroup> group_;  // the reducer's view of comm_
+  std::unique_ptr<Reducer> reducer_;
+  bool reducing_ = false;            // between begin_backward and end_backward, with the reducer
+  bool mirrors_hold_total_ = false;  // replicas 1.. hold the last all-reduce's total
   TensorList held_;                  // keep_until_copied's tensors
   std::vector<cuda::Event> copied_;  // and an event per device recorded after their copies
 };
-
-// The replicas of `module` on `device_ids`: the live set of another user (a DataParallel, the
-// data_parallel() cache) when there is one, else a new one. Checks the ids and the module's device.
-std::shared_ptr<ReplicaSet> replicate(const std::shared_ptr<Module>& module,
-                                      const std::vector<int>& device_ids);
-
-// lists[0] = params; lists[r] = the replica-r parameters matching them (from every live ReplicaSet,
-// in order), for parameters that have an r-th replica. Parameters outside any DataParallel appear
-// in lists[0] only.
-std::vector<std::vector<Parameter*>> replica_parameter_lists(const std::vector<Parameter*>& params);
 
 }  // namespace cudp::parallel

@@ -235,7 +235,7 @@ int run(const Options& o) {
 
   // One SGD per replica, stepped together: every replica applies the same summed gradient, so they
   // stay identical without re-broadcasting weights.
-  parallel::Replicated<SGD> opt(model.parameters(), {.lr = o.lr, .momentum = o.momentum});
+  parallel::Replicated<SGD> opt(model, {.lr = o.lr, .momentum = o.momentum});
   CrossEntropyLoss criterion;
 
   int64_t step = 0;

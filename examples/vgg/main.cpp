@@ -276,9 +276,8 @@ class TrainOptimizer {
 template <class Opt>
 class ReplicatedOptimizer final : public TrainOptimizer {
  public:
-  ReplicatedOptimizer(const std::vector<Parameter*>& params,
-                      const typename parallel::Replicated<Opt>::Options& options)
-      : r_(params, options) {}
+  ReplicatedOptimizer(Module& model, const typename parallel::Replicated<Opt>::Options& options)
+      : r_(model, options) {}
   void zero_grad() override { r_.zero_grad(); }
   void step() override { r_.step(); }
   void step(const Tensor& skip) override { r_.step(skip); }
@@ -294,14 +293,13 @@ class ReplicatedOptimizer final : public TrainOptimizer {
   parallel::Replicated<Opt> r_;
 };
 
-std::unique_ptr<TrainOptimizer> make_optimizer(const Options& o,
-                                               const std::vector<Parameter*>& params) {
+std::unique_ptr<TrainOptimizer> make_optimizer(const Options& o, Module& model) {
   if (o.opt == "adamw") {
     return std::make_unique<ReplicatedOptimizer<AdamW>>(
-        params, AdamWOptions{.lr = o.lr, .beta1 = o.momentum, .weight_decay = o.weight_decay});
+        model, AdamWOptions{.lr = o.lr, .beta1 = o.momentum, .weight_decay = o.weight_decay});
   }
   return std::make_unique<ReplicatedOptimizer<SGD>>(
-      params, SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+      model, SGDOptions{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
 }
 
 // Linear warm-up over the first `warmup` steps (lr * (n + 1) / warmup), then `after` shifted by
@@ -402,11 +400,13 @@ uint64_t model_checksum(Module& model) {
 // (softmax - onehot) / N + e (onehot - 1/K) / N. The library's loss has no smoothing; its
 // gradient on all-zero logits is exactly (1/K - onehot) / N (a uniform softmax), so the second
 // term is that gradient scaled by -e, added on the logits' device.
+// `weight` is the one criterion.forward was given (a micro-batch's share of the batch,
+// --accumulate).
 Tensor smoothed_gradient(const CrossEntropyLoss& criterion, const Tensor& logits,
-                         const Tensor& labels, double smoothing) {
+                         const Tensor& labels, double smoothing, double weight = 1.0) {
   Tensor grad = criterion.backward();
   CrossEntropyLoss uniform;
-  uniform.forward(Tensor::zeros(logits.shape(), DType::f32, logits.device()), labels);
+  uniform.forward(Tensor::zeros(logits.shape(), DType::f32, logits.device()), labels, weight);
   const Tensor extra = uniform.backward(-smoothing);
   if (logits.device().is_cuda()) {
     const cuda::DeviceGuard guard(logits.device().index);
@@ -781,7 +781,7 @@ int run(Options o) {
     }
     std::printf("\n");
   }
-  std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model.parameters());
+  std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   if (!resume_file.empty()) {
     // Replica 0's optimizer from the checkpoint, then its state into every replica's.
@@ -898,12 +898,36 @@ int run(Options o) {
 
   // One training step: its results {loss, gradient norm, logits} stay on the device.
   const auto train_body = [&](const Tensor& images, const Tensor& labels) {
-    const Tensor out = model.forward(images);
-    const Tensor loss = criterion.forward(out, labels);
-    opt->zero_grad();
-    model.backward(o.label_smoothing > 0
-                       ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
-                       : criterion.backward());
+    Tensor out, loss;
+    if (o.accumulate > 1) {
+      // --accumulate: micro-batches whose gradients add up on each replica (no_sync), one
+      // all-reduce with the last one's backward (layers/train.h, forward_backward_micro_batches).
+      opt->zero_grad();
+      const MicroBatchStep micro = forward_backward_micro_batches(
+          model, criterion, images, labels, std::min<int64_t>(o.accumulate, labels.numel()),
+          [&](const Tensor& grad, bool last) {
+            if (last) {
+              model.backward(grad);
+            } else {
+              const auto no_sync = model.no_sync();
+              model.backward(grad);
+            }
+          },
+          o.label_smoothing > 0 ? MicroGradient([&](CrossEntropyLoss& c, const Tensor& logits,
+                                                    const Tensor& y, double weight) {
+            return smoothed_gradient(c, logits, y, o.label_smoothing, weight);
+          })
+                                : MicroGradient{});
+      out = micro.logits;
+      loss = micro.loss;
+    } else {
+      out = model.forward(images);
+      loss = criterion.forward(out, labels);
+      opt->zero_grad();
+      model.backward(o.label_smoothing > 0
+                         ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
+                         : criterion.backward());
+    }
     // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
     // only replica 0's is needed (all hold the same all-reduced gradients), and nothing is
     // scaled, so the replicas stay bit-identical.
@@ -924,6 +948,10 @@ int run(Options o) {
                        .enabled = o.graphs == "on",
                        .before_replay = [&opt] { opt->follow_primary(); }},
                       gpus);
+  if (o.accumulate > 1) {
+    std::printf("gradient accumulation: each batch as %lld micro-batches, one all-reduce\n",
+                static_cast<long long>(o.accumulate));
+  }
   if (!gpus.empty()) {
     std::printf("CUDA graphs: %s\n", o.graphs == "on" ? "on (full batches replay a captured step)"
                                                         : "off");

@@ -174,6 +174,12 @@ const std::vector<Setting>& settings() {
         &Options::label_smoothing, real(&Options::label_smoothing, 0, false, 1));
     add("--batch-size", "batch_size", true, "global batch size (split over the GPUs)",
         &Options::batch_size, integer(&Options::batch_size, 1, 1 << 20));
+    add("--accumulate", "accumulate", false,
+        "gradient accumulation: run each batch of --batch-size as this many micro-batches "
+        "(forward and backward each, gradients added up on every GPU, then one all-reduce and "
+        "one optimizer step), so activations need 1/N of the memory; the gradient is the whole "
+        "batch's (BatchNorm normalises each micro-batch by its own statistics)",
+        &Options::accumulate, integer(&Options::accumulate, 1, 1 << 20));
     add("--epochs", "epochs", false, "epochs (the schedule spans them)", &Options::epochs,
         integer(&Options::epochs, 1, 1000000));
     add("--precision", "precision", false,

@@ -50,6 +50,7 @@ struct Options {
   double clip_grad = 0;  // 0: off
   double label_smoothing = 0;
   int64_t batch_size = 256;
+  int64_t accumulate = 1;  // micro-batches per batch (gradient accumulation); 1: none
   int64_t epochs = 10;
   std::string precision = "fp32";
   uint64_t seed = 0;

@@ -91,7 +91,7 @@ TrainRun train(const std::vector<int>& gpus, const std::vector<HostBatch>& batch
   auto net = std::make_shared<SeedCnn>(SeedCnnOptions{.seed = 5});
   net->cuda(gpus[0]);
   DataParallel model(net, gpus);
-  Replicated<SGD> opt(model.parameters(), kSgd);
+  Replicated<SGD> opt(model, kSgd);
   CrossEntropyLoss criterion;
   TrainRun run;
   run.initial = parameters_of(*net);

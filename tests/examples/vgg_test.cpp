@@ -673,5 +673,33 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
   EXPECT_TRUE(contains(missing.output, "needs the sub-folders train/ and val/")) << missing.output;
 }
 
+// --accumulate 2: each batch of 8 as two micro-batches of 4 (no BatchNorm, whose statistics would
+// differ per micro-batch). The first step's loss is computed from the same weights either way: the
+// two weighted micro-batch means, each rounded once and added in fp32, differ from the one batch
+// mean by a few units of 2^-24 relative, so 1e-6 relative holds; a micro-batch counted with the
+// wrong weight (1 instead of 1/2) would double it.
+TEST(VggTrainer, AccumulationOverMicroBatchesGivesTheBatchLoss) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string run = kSmall +
+                          "--no-bn --epochs 1 --limit-train 16 --limit-test 8 "
+                          "--batch-size 8 --print-freq 1 ";
+  const auto first_loss = [&](const std::string& extra, const std::string& name) {
+    const std::string json = dir / name;
+    const RunResult r = run_on_cpu(dir, run + extra + "--json '" + json + "'");
+    EXPECT_EQ(r.code, 0) << r.output;
+    if (!extra.empty()) {
+      EXPECT_TRUE(contains(r.output, "gradient accumulation: each batch as 2 micro-batches"))
+          << r.output;
+    }
+    return nlohmann::json::parse(lines_of(read_text(json)).at(0))["loss"].get<double>();
+  };
+  const double whole = first_loss("", "whole.json");
+  const double accumulated = first_loss("--accumulate 2 ", "accumulated.json");
+  EXPECT_NEAR(accumulated, whole, 1e-6 * std::fabs(whole));
+  const RunResult bad = run_on_cpu(dir, run + "--accumulate 0");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--accumulate")) << bad.output;
+}
 
 }  // namespace

@@ -239,8 +239,8 @@ TEST(GraphedStepGpuDataParallel, ReplaysMatchEagerStepsBitForBit) {
   auto eager_net = small_vgg()->clone(kGpu);
   auto graph_net = eager_net->clone(kGpu);
   DataParallel eager_dp(eager_net, ids), graph_dp(graph_net, ids);
-  parallel::Replicated<SGD> eager_opt(eager_dp.parameters(), {.lr = 0.02, .momentum = 0.9});
-  parallel::Replicated<SGD> graph_opt(graph_dp.parameters(), {.lr = 0.02, .momentum = 0.9});
+  parallel::Replicated<SGD> eager_opt(eager_dp, {.lr = 0.02, .momentum = 0.9});
+  parallel::Replicated<SGD> graph_opt(graph_dp, {.lr = 0.02, .momentum = 0.9});
   CrossEntropyLoss eager_loss, graph_loss;
   const auto dp_step = [](DataParallel& dp, CrossEntropyLoss& criterion,
                           parallel::Replicated<SGD>& opt) {

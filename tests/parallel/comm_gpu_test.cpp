@@ -165,16 +165,6 @@ TEST(CommunicatorGpu, OneDeviceIsAnIdentity) {
   EXPECT_EQ(x.to_vector<float>(), a);
 }
 
-TEST(CommunicatorGpu, SharedCommunicatorsArePerDeviceList) {
-  CUDP_REQUIRE_GPUS(2);
-  const auto a = Communicator::shared({0, 1});
-  const auto b = Communicator::shared({0, 1});
-  const auto c = Communicator::shared({1, 0});
-  EXPECT_EQ(a, b);
-  EXPECT_NE(a, c);
-  EXPECT_EQ(c->devices(), (std::vector<int>{1, 0}));
-}
-
 TEST(CommunicatorGpu, ErrorTexts) {
   CUDP_REQUIRE_GPUS(2);
   Communicator comm({0, 1});

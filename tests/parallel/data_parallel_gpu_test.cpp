@@ -137,7 +137,7 @@ TEST(DataParallelGpu, OneDeviceIsBitwiseTheModuleAlone) {
   SGD ref_opt(reference->parameters(), kSgd);
   auto net = small_vgg(true, 0);
   DataParallel model(net, {0});
-  Replicated<SGD> opt(model.parameters(), kSgd);
+  Replicated<SGD> opt(model, kSgd);
   EXPECT_EQ(opt.size(), 1u);
   for (int step = 0; step < kSteps; ++step) {
     const Batch batch = make_batch(8, 100 + step);
@@ -163,7 +163,7 @@ TEST(DataParallelGpu, TwoGpusMatchOneGpuWithoutBatchNorm) {
       auto net = small_vgg(false, ids[0]);
       DataParallel model(net, ids);
       EXPECT_EQ(model.output_device(), ids[0]);
-      Replicated<SGD> opt(model.parameters(), kSgd);
+      Replicated<SGD> opt(model, kSgd);
       EXPECT_EQ(opt.size(), 2u);
       for (int step = 0; step < kSteps; ++step) {
         const Batch batch = make_batch(batch_size, 200 + step);
@@ -189,7 +189,7 @@ TEST(DataParallelGpu, TwoGpusMatchTheChunkedReferenceWithBatchNorm) {
       SGD ref_opt(reference->parameters(), kSgd);
       auto net = small_vgg(true, ids[0]);
       DataParallel model(net, ids);
-      Replicated<SGD> opt(model.parameters(), kSgd);
+      Replicated<SGD> opt(model, kSgd);
       for (int step = 0; step < kSteps; ++step) {
         const Batch batch = make_batch(batch_size, 300 + step);
         const float ref_loss = chunked_reference_step(*reference, ref_opt, batch, 2, 0);
@@ -213,7 +213,7 @@ TEST(DataParallelGpu, BatchOfOneOnTwoGpusRunsOnOneAndKeepsReplicasIdentical) {
   SGD ref_opt(reference->parameters(), kSgd);
   auto net = small_vgg(false, 0);
   DataParallel model(net, {0, 1});
-  Replicated<SGD> opt(model.parameters(), kSgd);
+  Replicated<SGD> opt(model, kSgd);
   for (int step = 0; step < kSteps; ++step) {
     const Batch batch = make_batch(1, 400 + step);
     const float ref_loss = chunked_reference_step(*reference, ref_opt, batch, 1, 0);
@@ -308,8 +308,8 @@ TEST(DataParallelGpu, SplitWrappingMatchesWholeModelWrapping) {
   auto split_net = small_vgg(true, 0);
   DataParallel whole(whole_net, {0, 1});
   auto split = std::make_shared<SplitVgg>(split_net, std::vector<int>{0, 1});
-  Replicated<SGD> whole_opt(whole.parameters(), kSgd);
-  Replicated<SGD> split_opt(split->parameters(), kSgd);
+  Replicated<SGD> whole_opt(whole, kSgd);
+  Replicated<SGD> split_opt(*split, kSgd);
   ASSERT_EQ(split_opt.size(), 2u);
   EXPECT_EQ(split_opt.replica(1).params().size(), split->parameters().size());
   for (int step = 0; step < kSteps; ++step) {
@@ -394,7 +394,7 @@ TEST(DataParallelGpu, GradientAccumulationMatchesOneDevice) {
   auto reference = small_vgg(false, 0);
   auto net = small_vgg(false, 0);
   DataParallel model(net, {0, 1});
-  Replicated<SGD> opt(model.parameters(), kSgd);
+  Replicated<SGD> opt(model, kSgd);
   opt.zero_grad();
   reference->zero_grad();
   for (int micro = 0; micro < 3; ++micro) {
@@ -425,7 +425,7 @@ void expect_replicas_skip_together(const typename Replicated<Opt>::Options& opti
   net->cuda(0);
   ref_net->cuda(0);
   DataParallel model(net, {0, 1}), ref_model(ref_net, {0, 1});
-  Replicated<Opt> opt(model.parameters(), options), ref_opt(ref_model.parameters(), options);
+  Replicated<Opt> opt(model, options), ref_opt(ref_model, options);
   const std::vector<bool> skips = {true, false, true, false, false};
   for (int step = 0; step < static_cast<int>(skips.size()); ++step) {
     Tensor x = Tensor::empty({10, 32}, DType::f32, Device::cuda(0));
@@ -532,7 +532,7 @@ TEST(DataParallelGpu, ReplicatedOptimizersFollowThePrimarysHyperparameters) {
   auto net = std::make_shared<Linear>(32, 16, true, 9);
   net->cuda(0);
   DataParallel model(net, {0, 1});
-  Replicated<AdamW> opt(model.parameters(), {.lr = 1e-3});
+  Replicated<AdamW> opt(model, {.lr = 1e-3});
   ASSERT_EQ(opt.size(), 2u);
   Tensor x = Tensor::empty({10, 32}, DType::f32, Device::cuda(0));
   x.uniform_(-1.f, 1.f, 21);
@@ -606,14 +606,33 @@ TEST(DataParallelGpu, OneCallForwardUsesPersistentReplicasAndSeesModuleChanges) 
   parallel::clear_replica_cache();
 }
 
-TEST(DataParallelGpu, ReplicasAreSharedByUsersOfTheSameModuleAndDevices) {
+TEST(DataParallelGpu, EachDataParallelOwnsItsReplicasAndMayShareACommunicator) {
   CUDP_REQUIRE_GPUS(2);
   auto net = small_vgg(false, 0);
+  auto other_net = small_vgg(false, 0);
+  other_net->cuda(0);
   DataParallel model(net, {0, 1});
-  EXPECT_EQ(parallel::replicate(net, {0, 1}), model.replicas());
-  const auto lists = parallel::replica_parameter_lists(model.parameters());
+  DataParallel other(other_net, {0, 1},
+                     parallel::DataParallelOptions{.output_device = std::nullopt,
+                                                   .communicator = model.shared_communicator(),
+                                                   .reducer = {}});
+  EXPECT_NE(model.replicas(), other.replicas());
+  EXPECT_EQ(model.communicator(), other.communicator());
+  // The optimizer finds the replicas through the DataParallel it is given, nothing global.
+  const auto lists = parallel::replica_parameter_lists(model);
   ASSERT_EQ(lists.size(), 2u);
   EXPECT_EQ(lists[1], model.replica_parameters()[1]);
+  // A communicator over other devices is refused, naming both.
+  auto third_net = small_vgg(false, 0);
+  third_net->cuda(1);
+  EXPECT_THROW(
+      DataParallel(
+          third_net, {1, 0},
+          parallel::DataParallelOptions{
+              .output_device = std::nullopt,
+              .communicator = std::make_shared<parallel::Communicator>(std::vector<int>{0, 1}),
+              .reducer = {}}),
+      ValueError);
 }
 
 // ---- threads

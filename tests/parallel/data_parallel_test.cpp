@@ -92,11 +92,20 @@ TEST(DataParallelPassThrough, CannotBeCloned) {
   EXPECT_THROW(dp.clone(Device::cpu()), ValueError);
 }
 
-TEST(ReplicaRegistry, ParametersOutsideAnyDataParallelHaveNoReplicas) {
+TEST(ReplicaParameterLists, ParametersOutsideAnyDataParallelHaveNoReplicas) {
   auto net = small_linear();
-  const auto lists = parallel::replica_parameter_lists(net->parameters());
+  const auto lists = parallel::replica_parameter_lists(*net);
   ASSERT_EQ(lists.size(), 1u);
   EXPECT_EQ(lists[0], net->parameters());
+}
+
+TEST(ReplicaParameterLists, APassThroughDataParallelHasOneList) {
+  if (cuda::device_count() > 0) GTEST_SKIP() << "the pass-through is for machines without a GPU";
+  auto net = small_linear();
+  DataParallel dp(net);
+  parallel::Replicated<SGD> opt(dp, {.lr = 0.1});
+  EXPECT_EQ(opt.size(), 1u);
+  EXPECT_EQ(opt.primary().params(), net->parameters());
 }
 
 }  // namespace

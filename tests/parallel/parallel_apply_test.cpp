@@ -32,11 +32,13 @@ TEST(DeviceWorkers, RunEveryJobOnAPersistentThreadThatIsNotTheCaller) {
   workers.run([&](size_t i) { second[i] = std::this_thread::get_id(); });
   EXPECT_EQ(first, second);  // the same threads, step after step
   EXPECT_NE(first[0], std::this_thread::get_id());
-  // A second handle on the same device shares the thread.
+  EXPECT_NE(first[0], first[1]);  // one thread per entry, even for the same device
+  // Another DeviceWorkers owns threads of its own: nothing is shared through the process.
   DeviceWorkers other({-1});
   std::thread::id id;
   other.run([&](size_t) { id = std::this_thread::get_id(); });
-  EXPECT_EQ(id, first[0]);
+  EXPECT_NE(id, first[0]);
+  EXPECT_NE(id, first[1]);
 }
 
 TEST(DeviceWorkers, RunsOnlyTheFirstNJobs) {

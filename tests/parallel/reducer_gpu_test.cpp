@@ -1,0 +1,262 @@
+// GPU tests of the bucketed gradient all-reduce (engine/parallel/reducer.h).
+//
+// The truth for "overlapped" is the same run unoverlapped: the Reducer issues the same NCCL calls
+// on the same buffers in the same order with overlap on or off, only earlier, so parameters after K
+// training steps must be equal bit for bit. The truth for "bucketed" is one all-reduce of the whole
+// flat buffer (a bucket cap above the model's size): with two ranks each element's sum is one
+// addition a + b whatever the call's size, so that comparison is bitwise too (it needs exactly two
+// GPUs to be a fair demand; with more, NCCL's order of an element's additions may depend on the
+// call's size, and the test skips). A CUDA graph of a step with several buckets is compared with
+// eager steps bit for bit as well.
+//
+// On one GPU the mechanics still run through a one-rank Communicator: the buckets are issued while
+// the backward runs (the reducer counts them), the step can be captured into a CUDA graph and
+// replayed, and the gradients (summed over one rank: unchanged) are the model's own, bit for bit.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/gpu.h"
+#include "common/tensor_bytes.h"
+#include "engine/core/graph.h"
+#include "engine/core/stream.h"
+#include "engine/parallel/data_parallel.h"
+#include "engine/parallel/reducer.h"
+#include "layers/activation.h"
+#include "layers/batchnorm.h"
+#include "layers/conv2d.h"
+#include "layers/flatten.h"
+#include "layers/linear.h"
+#include "layers/loss.h"
+#include "layers/pooling.h"
+#include "layers/sequential.h"
+#include "layers/train.h"
+
+namespace cudp {
+namespace {
+
+using parallel::DataParallel;
+using parallel::ReducerOptions;
+using parallel::Replicated;
+using testing::bitwise_equal;
+using testing::bytes_of;
+using testing::random_vector;
+
+const Device kGpu = Device::cuda(0);
+
+// conv-BN-ReLU-pool twice, then two Linear layers: ten parameters, several buckets at 4 KiB.
+std::shared_ptr<Module> small_net() {
+  return std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
+      std::make_shared<Conv2d>(3, 8, 3, 1, 1, true, 41), std::make_shared<BatchNorm2d>(8),
+      std::make_shared<ReLU>(true), std::make_shared<MaxPool2d>(2),
+      std::make_shared<Conv2d>(8, 16, 3, 1, 1, true, 42), std::make_shared<BatchNorm2d>(16),
+      std::make_shared<ReLU>(true), std::make_shared<MaxPool2d>(2), std::make_shared<Flatten>(),
+      std::make_shared<Linear>(16 * 3 * 3, 32, true, 43), std::make_shared<ReLU>(true),
+      std::make_shared<Linear>(32, 10, true, 44)});
+}
+
+std::pair<Tensor, Tensor> batch(int n, uint64_t seed) {
+  std::vector<int32_t> labels(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i)
+    labels[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + seed) % 10);
+  return {
+      Tensor::from_vector(random_vector(static_cast<size_t>(n) * 12 * 12 * 3, seed), {n, 12, 12, 3})
+          .to(kGpu),
+      Tensor::from_vector(labels, {n}).to(kGpu)};
+}
+
+std::vector<int> two_devices() {
+  return {0, 1};
+}
+
+// K SGD steps of a DataParallel over {0, 1} with the given reducer options; its state after them.
+std::map<std::string, std::vector<unsigned char>> train(ReducerOptions options, int steps,
+                                                        size_t* buckets = nullptr,
+                                                        size_t* early = nullptr) {
+  auto net = small_net()->clone(kGpu);
+  DataParallel model(net, two_devices());
+  model.set_reducer_options(options);
+  Replicated<SGD> opt(model, {.lr = 0.05, .momentum = 0.9});
+  CrossEntropyLoss criterion;
+  for (int step = 0; step < steps; ++step) {
+    const auto [x, y] = batch(16, 10 + static_cast<uint64_t>(step));
+    const Tensor out = model.forward(x);
+    criterion.forward(out, y);
+    opt.zero_grad();
+    model.backward(criterion.backward());
+    opt.step();
+  }
+  model.check_replicas_identical();
+  if (buckets) *buckets = model.reducer()->buckets().size();
+  if (early) *early = model.reducer()->issued_before_finish();
+  return bytes_of(net->state_dict());
+}
+
+TEST(ReducerGpu, OverlappedEqualsUnoverlappedAndUnbucketedBitForBit) {
+  CUDP_REQUIRE_GPUS(2);
+  if (cuda::device_count() != 2) {
+    GTEST_SKIP() << "the bucketed-against-unbucketed comparison is bitwise only with exactly 2 "
+                    "ranks (see the header); make two GPUs visible (CUDA_VISIBLE_DEVICES=0,1)";
+  }
+  constexpr int kSteps = 4;
+  size_t buckets = 0, early = 0, early_off = 0;
+  const auto overlapped =
+      train({.bucket_cap_bytes = 4096, .overlap = true}, kSteps, &buckets, &early);
+  const auto unoverlapped =
+      train({.bucket_cap_bytes = 4096, .overlap = false}, kSteps, nullptr, &early_off);
+  const auto unbucketed = train({.bucket_cap_bytes = int64_t{1} << 40, .overlap = true}, kSteps);
+  EXPECT_GE(buckets, 4u);
+  EXPECT_GT(early, 0u) << "no bucket was issued while the backward ran";
+  EXPECT_EQ(early_off, 0u);
+  EXPECT_EQ(overlapped, unoverlapped);
+  EXPECT_EQ(overlapped, unbucketed);
+}
+
+// Captured steps with several buckets against eager steps without overlap: bit for bit.
+TEST(ReducerGpu, AGraphedStepWithBucketsMatchesEagerSteps) {
+  CUDP_REQUIRE_GPUS(2);
+  auto eager_net = small_net()->clone(kGpu);
+  auto graph_net = eager_net->clone(kGpu);
+  DataParallel eager_dp(eager_net, two_devices()), graph_dp(graph_net, two_devices());
+  eager_dp.set_reducer_options({.bucket_cap_bytes = 4096, .overlap = false});
+  graph_dp.set_reducer_options({.bucket_cap_bytes = 4096, .overlap = true});
+  Replicated<SGD> eager_opt(eager_dp, {.lr = 0.05, .momentum = 0.9});
+  Replicated<SGD> graph_opt(graph_dp, {.lr = 0.05, .momentum = 0.9});
+  CrossEntropyLoss eager_loss, graph_loss;
+  const auto body = [](DataParallel& dp, CrossEntropyLoss& criterion, Replicated<SGD>& opt) {
+    return [&](const Tensor& x, const Tensor& y) {
+      const Tensor out = dp.forward(x);
+      const Tensor loss = criterion.forward(out, y);
+      opt.zero_grad();
+      dp.backward(criterion.backward());
+      opt.step();
+      return TensorList{loss};
+    };
+  };
+  GraphedStep graphed(
+      body(graph_dp, graph_loss, graph_opt), kGpu,
+      {.warmup_steps = 2, .enabled = true, .before_replay = [&] { graph_opt.follow_primary(); }},
+      two_devices());
+  const auto eager_step = body(eager_dp, eager_loss, eager_opt);
+  std::vector<float> eager_losses, graph_losses;
+  for (int step = 0; step < 6; ++step) {
+    const auto [x, y] = batch(16, 20 + static_cast<uint64_t>(step));
+    eager_losses.push_back(eager_step(x, y)[0].to_vector<float>()[0]);
+    graph_losses.push_back(graphed.run(x, y)[0].to_vector<float>()[0]);
+  }
+  EXPECT_EQ(graphed.replays(), 4);
+  EXPECT_GE(graph_dp.reducer()->buckets().size(), 4u);
+  EXPECT_TRUE(bitwise_equal(graph_losses, eager_losses));
+  EXPECT_EQ(bytes_of(graph_net->state_dict()), bytes_of(eager_net->state_dict()));
+  graph_dp.check_replicas_identical();
+}
+
+// One GPU: a one-rank communicator, buckets issued during the backward, eager and captured.
+TEST(ReducerGpu, OneRankOverlapsAndCapturesIntoAGraph) {
+  CUDP_REQUIRE_GPU();
+  auto reference = small_net()->clone(kGpu);
+  auto net = reference->clone(kGpu);
+  Tensor flat_grad = net->flatten_parameters().second;
+  parallel::Communicator comm({0});
+  parallel::CommunicatorGroup group(comm);
+  parallel::Reducer reducer({net->parameters()}, {flat_grad}, group,
+                            {.bucket_cap_bytes = 4096, .overlap = true});
+  reducer.attach(0, *net);
+  ASSERT_GE(reducer.buckets().size(), 4u);
+  const auto [x, y] = batch(8, 3);
+  CrossEntropyLoss criterion, reference_criterion;
+  reference->set_input_grad(false);
+  net->set_input_grad(false);
+  reference_criterion.forward(reference->forward(x), y);
+  reference->zero_grad();
+  reference->backward(reference_criterion.backward());
+  std::vector<float> expected;
+  for (Parameter* p : reference->parameters()) {
+    const auto g = p->grad.to_vector<float>();
+    expected.insert(expected.end(), g.begin(), g.end());
+  }
+  const auto grads = [&] {
+    std::vector<float> out;
+    for (Parameter* p : net->parameters()) {
+      const auto g = p->grad.to_vector<float>();
+      out.insert(out.end(), g.begin(), g.end());
+    }
+    return out;
+  };
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const cuda::StreamGuard guard(0, stream.get());
+  const auto step = [&] {
+    criterion.forward(net->forward(x), y);
+    net->zero_grad();
+    reducer.prepare(1);
+    net->backward(criterion.backward());
+    reducer.finish();
+  };
+  step();  // eager (and the warm-up of plans and pool for the capture)
+  EXPECT_EQ(reducer.issued_before_finish(), reducer.buckets().size());
+  EXPECT_TRUE(bitwise_equal(grads(), expected));
+  step();
+  cuda::CudaGraph graph;
+  graph.capture_begin(0, stream.get(), "a step with a bucketed all-reduce");
+  step();
+  graph.capture_end();
+  flat_grad.fill_(123.f);  // what the replay must overwrite
+  graph.launch(stream.get());
+  stream.synchronize();
+  EXPECT_TRUE(bitwise_equal(grads(), expected));
+}
+
+// no_sync accumulation on 2 GPUs: two micro-batches of 8 (the first under no_sync) against one
+// batch of 16, without BatchNorm (each micro-batch would use its own statistics). The gradients
+// agree up to the order of fp32 sums (a micro-batch's GEMM over 4 rows per GPU, then += and the
+// all-reduce, against 8 rows per GPU): a few units in the last place of |g|, below rtol 1e-5 with
+// atol 1e-6 for elements near zero (tests/parallel/data_parallel_gpu_test.cpp derives the same
+// bound for 1 against 2 GPUs). After the first micro-batch alone the replicas hold different
+// gradients: no all-reduce ran.
+TEST(ReducerGpu, NoSyncAccumulationMatchesOneBatch) {
+  CUDP_REQUIRE_GPUS(2);
+  const auto mlp = [] {
+    return std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
+        std::make_shared<Flatten>(), std::make_shared<Linear>(12 * 12 * 3, 64, true, 51),
+        std::make_shared<ReLU>(), std::make_shared<Linear>(64, 10, true, 52)});
+  };
+  auto whole_net = mlp()->clone(kGpu);
+  auto acc_net = whole_net->clone(kGpu);
+  DataParallel whole(whole_net, two_devices()), acc(acc_net, two_devices());
+  acc.set_reducer_options({.bucket_cap_bytes = 4096, .overlap = true});
+  const auto [x, y] = batch(16, 77);
+  CrossEntropyLoss whole_loss, acc_loss;
+  whole_loss.forward(whole.forward(x), y);
+  whole.backward(whole_loss.backward());
+  bool checked_local = false;
+  forward_backward_micro_batches(acc, acc_loss, x, y, 2, [&](const Tensor& g, bool last) {
+    if (last) {
+      acc.backward(g);
+      return;
+    }
+    {
+      const auto no_sync = acc.no_sync();
+      acc.backward(g);
+    }
+    const auto r0 = acc.replica_parameters()[0].back()->grad.to_vector<float>();
+    const auto r1 = acc.replica_parameters()[1].back()->grad.to_vector<float>();
+    EXPECT_NE(r0, r1) << "the replicas' gradients were summed under no_sync";
+    checked_local = true;
+  });
+  EXPECT_TRUE(checked_local);
+  EXPECT_TRUE(acc.gradient_sync());  // the guard restored it
+  const auto params = whole.replica_parameters();
+  const auto acc_params = acc.replica_parameters();
+  for (size_t r = 0; r < 2; ++r) {
+    for (size_t k = 0; k < params[0].size(); ++k) {
+      EXPECT_ALL_CLOSE(acc_params[r][k]->grad.to_vector<float>(),
+                       params[0][k]->grad.to_vector<float>(), 1e-5, 1e-6);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cudp

@@ -1,0 +1,272 @@
+// Host tests of the Reducer (engine/parallel/reducer.h) on CPU "ranks": two copies of a small model
+// with flat parameters, run one after the other on this thread, and a ReduceGroup that sums on the
+// host in rank order and logs every call. They check the bucket plan (reverse parameter order,
+// tiling the flat buffer), that a bucket is summed as soon as every rank has completed it (during
+// the backward, not after), only after each rank's mark, strictly in bucket order, that unused
+// modules and ranks without work are handled at finish/prepare, and that the sums are bit for bit
+// the element-wise sums of the ranks' own gradients (the truth computed here without any reducer).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "engine/parallel/reducer.h"
+#include "layers/activation.h"
+#include "layers/linear.h"
+#include "layers/sequential.h"
+
+namespace cudp {
+namespace {
+
+using parallel::ReduceGroup;
+using parallel::Reducer;
+using parallel::ReducerOptions;
+using testing::random_vector;
+
+// Sums views in rank order (r0 + r1 + ...) on the host, and logs "begin", "ready r b", "reduce b",
+// "finish". `backward_running` is set by the test while a backward runs, so the log shows which
+// reductions started during one.
+class HostGroup final : public ReduceGroup {
+ public:
+  explicit HostGroup(size_t ranks) : ranks_(ranks) {}
+  size_t local_ranks() const override { return ranks_; }
+  void begin(size_t buckets) override {
+    ready_.assign(buckets, std::vector<bool>(ranks_, false));
+    log.push_back("begin");
+  }
+  void mark_ready(size_t rank, size_t bucket) override {
+    EXPECT_FALSE(ready_[bucket][rank])
+        << "rank " << rank << " marked bucket " << bucket << " twice";
+    ready_[bucket][rank] = true;
+    log.push_back("ready " + std::to_string(rank) + " " + std::to_string(bucket));
+  }
+  void all_reduce(size_t bucket, const TensorList& views) override {
+    for (size_t r = 0; r < ranks_; ++r) {
+      EXPECT_TRUE(ready_[bucket][r])
+          << "bucket " << bucket << " reduced before rank " << r << " marked it";
+    }
+    std::vector<float> sum = views[0].to_vector<float>();
+    for (size_t r = 1; r < views.size(); ++r) {
+      const std::vector<float> v = views[r].to_vector<float>();
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += v[i];
+    }
+    for (Tensor view : views) view.copy_from(Tensor::from_vector(sum, view.shape()));
+    log.push_back("reduce " + std::to_string(bucket));
+    if (backward_running) ++during_backward;
+  }
+  void finish() override { log.push_back("finish"); }
+
+  std::vector<std::string> log;
+  bool backward_running = false;
+  int during_backward = 0;
+
+ private:
+  size_t ranks_;
+  std::vector<std::vector<bool>> ready_;
+};
+
+// Linear(8, 16) - ReLU - Linear(16, 12) - ReLU - Linear(12, 4): six parameters of 128, 16, 192,
+// 12, 48 and 4 floats; in the flat buffer each starts on a 64-float boundary.
+std::shared_ptr<Module> small_mlp() {
+  auto net = std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
+      std::make_shared<Linear>(8, 16, true, 1), std::make_shared<ReLU>(),
+      std::make_shared<Linear>(16, 12, true, 2), std::make_shared<ReLU>(),
+      std::make_shared<Linear>(12, 4, true, 3)});
+  return net;
+}
+
+struct Ranks {
+  std::vector<std::shared_ptr<Module>> models;
+  std::vector<std::vector<Parameter*>> params;
+  TensorList flat;
+};
+
+Ranks make_ranks(size_t n) {
+  Ranks ranks;
+  auto first = small_mlp();
+  for (size_t r = 0; r < n; ++r) {
+    auto model = r == 0 ? first : first->clone(Device::cpu());
+    ranks.flat.push_back(model->flatten_parameters().second);
+    ranks.params.push_back(model->parameters());
+    ranks.models.push_back(std::move(model));
+  }
+  return ranks;
+}
+
+Tensor input(size_t rank) {
+  return Tensor::from_vector(random_vector(5 * 8, 100 + rank), {5, 8});
+}
+Tensor grad_output(size_t rank) {
+  return Tensor::from_vector(random_vector(5 * 4, 200 + rank), {5, 4});
+}
+
+// Each rank's own flat gradient after one forward and backward, without any reducer.
+std::vector<std::vector<float>> own_gradients(size_t n) {
+  Ranks ranks = make_ranks(n);
+  std::vector<std::vector<float>> grads;
+  for (size_t r = 0; r < n; ++r) {
+    ranks.models[r]->forward(input(r));
+    ranks.models[r]->backward(grad_output(r));
+    grads.push_back(ranks.flat[r].to_vector<float>());
+  }
+  return grads;
+}
+
+// One step through the reducer: prepare, each active rank's forward and backward in turn, finish.
+void reduced_step(Ranks& ranks, Reducer& reducer, HostGroup& group, size_t active) {
+  reducer.prepare(active);
+  for (size_t r = 0; r < active; ++r) {
+    ranks.models[r]->forward(input(r));
+    group.backward_running = true;
+    ranks.models[r]->backward(grad_output(r));
+    group.backward_running = false;
+  }
+  reducer.finish();
+}
+
+TEST(Reducer, BucketsTileTheFlatBufferInReverseParameterOrder) {
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2);
+  // 1 KiB = 256 floats: each parameter (padded to 64-float multiples) is 192, 64, 192, 64, 64, 64.
+  Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 1024, .overlap = true});
+  const auto& buckets = reducer.buckets();
+  // From the last parameter: {5, 4, 3, 2} reaches 64 + 64 + 64 + 192 = 384 floats >= 256, then
+  // {1, 0} = 64 + 192 floats, the rest.
+  ASSERT_EQ(buckets.size(), 2u);
+  EXPECT_EQ(buckets[0].params, (std::vector<size_t>{5, 4, 3, 2}));
+  EXPECT_EQ(buckets[1].params, (std::vector<size_t>{1, 0}));
+  EXPECT_EQ(buckets[1].begin, 0);
+  EXPECT_EQ(buckets[1].end, buckets[0].begin);
+  EXPECT_EQ(buckets[0].end, ranks.flat[0].numel());
+  // A cap below every parameter: one bucket each, still in reverse order.
+  Reducer fine(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
+  ASSERT_EQ(fine.buckets().size(), 6u);
+  for (size_t b = 0; b < 6; ++b) EXPECT_EQ(fine.buckets()[b].params, (std::vector<size_t>{5 - b}));
+  // The default: one bucket for a model far below 25 MiB.
+  Reducer whole(ranks.params, ranks.flat, group);
+  EXPECT_EQ(whole.buckets().size(), 1u);
+  EXPECT_EQ(whole.options().bucket_cap_bytes, 25 << 20);
+}
+
+TEST(Reducer, SumsEveryBucketDuringTheBackwardBitForBit) {
+  const auto own = own_gradients(2);
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2);
+  Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
+  for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
+  reduced_step(ranks, reducer, group, 2);
+  // Every bucket was complete on both ranks during rank 1's backward, so all six were reduced
+  // then. A Linear's hook completes its weight (bucket 2i + 1) before its bias (bucket 2i), so
+  // bucket 2i + 1 waits for 2i: buckets go out strictly in order.
+  EXPECT_EQ(group.during_backward, 6);
+  EXPECT_EQ(reducer.issued_before_finish(), 6u);
+  const std::vector<std::string> expected = {
+      "begin",     "ready 0 1", "ready 0 0", "ready 0 3", "ready 0 2", "ready 0 5", "ready 0 4",
+      "ready 1 1", "ready 1 0", "reduce 0",  "reduce 1",  "ready 1 3", "ready 1 2", "reduce 2",
+      "reduce 3",  "ready 1 5", "ready 1 4", "reduce 4",  "reduce 5",  "finish"};
+  EXPECT_EQ(group.log, expected);
+  // The truth: each element is rank 0's gradient plus rank 1's, one float addition.
+  for (size_t r = 0; r < 2; ++r) {
+    const std::vector<float> got = ranks.flat[r].to_vector<float>();
+    ASSERT_EQ(got.size(), own[0].size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], own[0][i] + own[1][i]) << "rank " << r << " element " << i;
+    }
+  }
+}
+
+TEST(Reducer, OverlapOffIssuesTheSameCallsAfterTheBackward) {
+  Ranks on = make_ranks(2), off = make_ranks(2);
+  HostGroup group_on(2), group_off(2);
+  Reducer reducer_on(on.params, on.flat, group_on, {.bucket_cap_bytes = 1024, .overlap = true});
+  Reducer reducer_off(off.params, off.flat, group_off,
+                      {.bucket_cap_bytes = 1024, .overlap = false});
+  for (size_t r = 0; r < 2; ++r) {
+    reducer_on.attach(r, *on.models[r]);
+    reducer_off.attach(r, *off.models[r]);
+  }
+  reduced_step(on, reducer_on, group_on, 2);
+  reduced_step(off, reducer_off, group_off, 2);
+  EXPECT_EQ(group_on.during_backward, 2);
+  EXPECT_EQ(group_off.during_backward, 0);
+  EXPECT_EQ(reducer_off.issued_before_finish(), 0u);
+  const std::vector<std::string> off_expected = {"begin",     "ready 0 0", "ready 1 0", "ready 0 1",
+                                                 "ready 1 1", "reduce 0",  "reduce 1",  "finish"};
+  EXPECT_EQ(group_off.log, off_expected);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(on.flat[r].to_vector<float>(), off.flat[r].to_vector<float>()) << "rank " << r;
+  }
+}
+
+TEST(Reducer, ARankWithoutWorkIsReadyAtOnceAndAModuleWithoutBackwardAtFinish) {
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2);
+  Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
+  for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
+  // Rank 1 gets no chunk (a batch of 1 on 2 GPUs): its zero gradients are ready at prepare, and
+  // rank 0's backward issues every bucket.
+  reduced_step(ranks, reducer, group, 1);
+  EXPECT_EQ(group.during_backward, 6);
+
+  // The last Linear's backward is not run (as for a module whose output went unused): its two
+  // buckets (0 and 1) are marked and issued by finish, and the ones after them wait, in order.
+  HostGroup group2(2);
+  Ranks partial = make_ranks(2);
+  Reducer reducer2(partial.params, partial.flat, group2, {.bucket_cap_bytes = 4, .overlap = true});
+  for (size_t r = 0; r < 2; ++r) reducer2.attach(r, *partial.models[r]);
+  reducer2.prepare(2);
+  for (size_t r = 0; r < 2; ++r) {
+    auto& model = dynamic_cast<Sequential&>(*partial.models[r]);
+    model.forward(input(r));
+    // Backward from the second Linear's output, by hand, skipping the last Linear.
+    Tensor g = Tensor::from_vector(random_vector(5 * 12, 300 + r), {5, 12});
+    for (size_t m = 4; m-- > 0;) g = model.children()[m].second->backward(g);
+  }
+  EXPECT_EQ(reducer2.issued_before_finish(), 0u);  // bucket 0 never completed during backward
+  reducer2.finish();
+  const std::vector<std::string> expected = {
+      "begin",     "ready 0 3", "ready 0 2", "ready 0 5", "ready 0 4", "ready 1 3", "ready 1 2",
+      "ready 1 5", "ready 1 4", "ready 0 0", "ready 1 0", "ready 0 1", "ready 1 1", "reduce 0",
+      "reduce 1",  "reduce 2",  "reduce 3",  "reduce 4",  "reduce 5",  "finish"};
+  EXPECT_EQ(group2.log, expected);
+}
+
+TEST(Reducer, AModuleWhoseBackwardRunsTwiceIsAnErrorThatSaysWhatToDo) {
+  Ranks ranks = make_ranks(1);
+  HostGroup group(1);
+  Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
+  reducer.attach(0, *ranks.models[0]);
+  reducer.prepare(1);
+  auto& last = *dynamic_cast<Sequential&>(*ranks.models[0]).children()[4].second;
+  const Tensor x = Tensor::from_vector(random_vector(5 * 12, 7), {5, 12});
+  last.forward(x);
+  last.backward(grad_output(0));
+  try {
+    last.backward(grad_output(0));
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.message()).find("completed twice in one backward"), std::string::npos)
+        << e.message();
+    EXPECT_NE(std::string(e.message()).find("overlap off"), std::string::npos) << e.message();
+  }
+  reducer.abandon();
+}
+
+TEST(Reducer, RefusesGradientsThatAreNotFlat) {
+  auto a = small_mlp(), b = small_mlp();
+  HostGroup group(2);
+  const Tensor flat_a = a->flatten_parameters().second;
+  // b is not flattened: its gradients are separate tensors.
+  const Tensor not_flat = Tensor::zeros({flat_a.numel()});
+  try {
+    Reducer reducer({a->parameters(), b->parameters()}, {flat_a, not_flat}, group);
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.message()).find("call flatten_parameters()"), std::string::npos)
+        << e.message();
+  }
+}
+
+}  // namespace
+}  // namespace cudp
