@@ -243,6 +243,7 @@ TEST(Reducer, AModuleWhoseBackwardRunsTwiceIsAnErrorThatSaysWhatToDo) {
   last.forward(x);
   last.backward(grad_output(0));
   try {
+    last.forward(x);  // a module used twice in one step (a backward frees what its forward saved)
     last.backward(grad_output(0));
     FAIL() << "no error";
   } catch (const ValueError& e) {
