@@ -12,6 +12,7 @@
 //     module unchanged, and its error lists every problem, not just the first.
 #include "layers/module.h"
 
+#include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
 
 #include <set>
@@ -345,6 +346,10 @@ Module& Module::to(Device device) {
   if (device.is_cuda()) {
     cuda::check_device(device.index);
   }
+  const cuda::AllocationPurpose purpose(
+      detail::str(type_name(), "'s parameters, gradients and buffers, moved to ", device),
+      "The model's parameters alone do not fit in the device's free memory: free what else is on "
+      "it, or use a smaller model (DataParallel keeps a whole copy on every GPU).");
   for (auto& [path, module] : named_modules()) {
     for (auto& [name, param] : module->params_) {
       param.data = param.data.to(device);
