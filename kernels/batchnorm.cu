@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
                              const float* __restrict__ beta, float* __restrict__ running_mean,
                              float* __restrict__ running_var, float* __restrict__ save_mean,
                              float* __restrict__ save_invstd, float momentum, float eps,
-                             float* __restrict__ coef) {
+                             float* __restrict__ coef, float* __restrict__ summary_out) {
   __shared__ float s_n[kFinalRows][kFinalLanes], s_mean[kFinalRows][kFinalLanes],
       s_m2[kFinalRows][kFinalLanes];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -238,6 +238,13 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
   const float shift_k = to_f32(x[ch]);  // K: row 0
   mean_d = s_mean[0][tx];
   m2 = s_m2[0][tx];
+  if (summary_out) {  // the split forward: this participant's summary, nothing else
+    if (ch == 0) summary_out[0] = s_n[0][tx];
+    summary_out[1 + ch] = shift_k;
+    summary_out[1 + c + ch] = mean_d;
+    summary_out[1 + 2 * c + ch] = m2;
+    return;
+  }
   const float mean = shift_k + mean_d;
   const float var = m2 / float(rows);
   const float invstd = 1.f / sqrtf(var + eps);
@@ -399,7 +406,8 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_
     const float* __restrict__ part_dy, const float* __restrict__ part_dy_xmu, int parts,
     int64_t rows, int c, const float* __restrict__ gamma, const float* __restrict__ save_invstd,
     const float* __restrict__ running_var, float eps, float* __restrict__ dgamma,
-    float* __restrict__ dbeta, float beta_accumulate, float* __restrict__ coef) {
+    float* __restrict__ dbeta, float beta_accumulate, float* __restrict__ coef,
+    float* __restrict__ sums_out) {
   __shared__ float s_dy[kFinalRows][kFinalLanes], s_dy_xmu[kFinalRows][kFinalLanes];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int ch = blockIdx.x * kFinalLanes + tx;
@@ -439,6 +447,12 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_
   }
   if (dbeta) {
     dbeta[ch] = beta_accumulate == 0.f ? grad_beta : beta_accumulate * dbeta[ch] + grad_beta;
+  }
+  if (sums_out) {  // the split backward: this participant's sums; the dx pass comes later
+    sums_out[ch] = sum_dy;
+    sums_out[c + ch] = sum_dy_xmu;
+    if (ch == 0) sums_out[2 * c] = float(rows);
+    return;
   }
   const float m = float(rows);
   coef[ch] = gamma ? gamma[ch] * invstd : invstd;
@@ -499,6 +513,58 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
     if (mask) mv = load<T, V>(mask + at);
     *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
   }
+}
+
+// ---- split passes (kernels/batchnorm.h, "Split passes") -----------------------------------------
+
+// Per channel: merges the participants' summaries in slot order relative to slot 0's shift, then
+// writes what bn_stats_finalize_kernel writes. With one slot the merge is the identity (from an
+// empty summary Chan's merge takes the slot's mean and M2 as they are), so one participant gets the
+// single-device pass's bits.
+__global__ void bn_merge_stats_kernel(
+    const float* __restrict__ summaries, int parts, int c, const float* __restrict__ gamma,
+    const float* __restrict__ beta, float* __restrict__ running_mean,
+    float* __restrict__ running_var, float* __restrict__ save_mean, float* __restrict__ save_invstd,
+    float momentum, float eps, float* __restrict__ coef) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= c) return;
+  const int64_t size = 1 + 3 * int64_t(c);
+  const float shift_k = summaries[1 + ch];
+  float n = 0.f, mean_d = 0.f, m2 = 0.f;
+  for (int p = 0; p < parts; ++p) {
+    const float* s = summaries + p * size;
+    chan_merge(n, mean_d, m2, s[0], (s[1 + ch] - shift_k) + s[1 + c + ch], s[1 + 2 * c + ch]);
+  }
+  const float mean = shift_k + mean_d;
+  const float var = m2 / n;
+  const float invstd = 1.f / sqrtf(var + eps);
+  if (save_mean) save_mean[ch] = mean;
+  if (save_invstd) save_invstd[ch] = invstd;
+  if (running_mean) running_mean[ch] = (1.f - momentum) * running_mean[ch] + momentum * mean;
+  if (running_var) {
+    const float unbiased = m2 / (n - 1.f);
+    running_var[ch] = (1.f - momentum) * running_var[ch] + momentum * unbiased;
+  }
+  coef[ch] = shift_k;
+  coef[c + ch] = mean_d;
+  coef[2 * c + ch] = gamma ? gamma[ch] * invstd : invstd;
+  coef[3 * c + ch] = beta ? beta[ch] : 0.f;
+}
+
+// Per channel: the dx coefficients [k | a | b] from the summed sums, as bn_backward_finalize_kernel
+// computes them from its own.
+__global__ void bn_backward_coef_kernel(const float* __restrict__ sums, int c,
+                                        const float* __restrict__ gamma,
+                                        const float* __restrict__ save_invstd,
+                                        float* __restrict__ coef) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= c) return;
+  const float invstd = save_invstd[ch];
+  const float m = sums[2 * c];
+  const float grad_gamma = sums[c + ch] * invstd;
+  coef[ch] = gamma ? gamma[ch] * invstd : invstd;
+  coef[c + ch] = sums[ch] / m;
+  coef[2 * c + ch] = grad_gamma * invstd / m;
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -573,7 +639,7 @@ void forward_train(const T* x, T* y, const float* gamma, const float* beta, floa
          stream, x, rows, c, part_n, part_mean, part_m2);
   launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock, 0,
          stream, x, part_n, part_mean, part_m2, parts, rows, c, gamma, beta, running_mean,
-         running_var, save_mean, save_invstd, momentum, eps, coef);
+         running_var, save_mean, save_invstd, momentum, eps, coef, nullptr);
   const Plan apply = make_plan(bn_apply_kernel<T, V, false>, rows, c, V, 0);
   const ApplyParams params{coef, coef + c, coef + 2 * c, nullptr, coef + 3 * c, 0.f, relu};
   launch("bn_apply_kernel", bn_apply_kernel<T, V, false>, apply.grid, apply.block, 0, stream, x, y,
@@ -596,7 +662,7 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
          reduce.shared_bytes, stream, x, dy, mask, mean, rows, c, part_dy, part_dy_xmu);
   launch("bn_backward_finalize_kernel", bn_backward_finalize_kernel, finalize_grid(c), kFinalBlock,
          0, stream, part_dy, part_dy_xmu, parts, rows, c, gamma, save_invstd, running_var, eps,
-         dgamma, dbeta, beta_accumulate, coef);
+         dgamma, dbeta, beta_accumulate, coef, nullptr);
   auto dx_pass = [&]<bool Frozen>() {
     const Plan apply = make_plan(bn_backward_dx_kernel<T, V, Frozen>, rows, c, V, 0);
     launch("bn_backward_dx_kernel", bn_backward_dx_kernel<T, V, Frozen>, apply.grid, apply.block, 0,
@@ -669,6 +735,109 @@ void batchnorm_backward_eval(const T* x, const std::type_identity_t<T>* dy,
                    dbeta, rows, c, beta_accumulate, stream);
   });
 }
+
+template <typename T>
+void batchnorm_local_stats(const T* x, int64_t rows, int c, float* summary, cudaStream_t stream) {
+  CUDP_CHECK(c >= 1 && rows >= 1, "batchnorm_local_stats: needs rows >= 1 and c >= 1, got rows ",
+             rows, " and c ", c);
+  with_vector<T>(vectorizable<T>(c, {x}), [&]<int V>() {
+    const Plan stats = make_plan(bn_stats_kernel<T, V>, rows, c, V, (1 + 2 * V) * sizeof(float));
+    const int parts = int(stats.grid.y);
+    Workspace ws(size_t(parts) * (2 * c + 1) * sizeof(float), stream,
+                 "batch norm's partial statistics");
+    float* part_mean = ws.get();
+    float* part_m2 = part_mean + size_t(parts) * c;
+    float* part_n = part_m2 + size_t(parts) * c;
+    launch("bn_stats_kernel", bn_stats_kernel<T, V>, stats.grid, stats.block, stats.shared_bytes,
+           stream, x, rows, c, part_n, part_mean, part_m2);
+    launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock,
+           0, stream, x, part_n, part_mean, part_m2, parts, rows, c, nullptr, nullptr, nullptr,
+           nullptr, nullptr, nullptr, 0.f, 0.f, nullptr, summary);
+  });
+}
+
+void batchnorm_merge_stats(const float* summaries, int parts, int c, const float* gamma,
+                           const float* beta, float* running_mean, float* running_var,
+                           float* save_mean, float* save_invstd, float momentum, float eps,
+                           float* coef, cudaStream_t stream) {
+  CUDP_CHECK(c >= 1 && parts >= 1, "batchnorm_merge_stats: needs parts >= 1 and c >= 1, got ",
+             parts, " and ", c);
+  launch("bn_merge_stats_kernel", bn_merge_stats_kernel, dim3((c + 127) / 128), dim3(128), 0,
+         stream, summaries, parts, c, gamma, beta, running_mean, running_var, save_mean,
+         save_invstd, momentum, eps, coef);
+}
+
+template <typename T>
+void batchnorm_apply(const T* x, std::type_identity_t<T>* y, const float* coef, int64_t rows, int c,
+                     BnActivation act, cudaStream_t stream) {
+  detail::check_batchnorm("batchnorm_apply", rows, c, false);
+  if (rows == 0) return;
+  with_vector<T>(vectorizable<T>(c, {x, y}), [&]<int V>() {
+    const Plan apply = make_plan(bn_apply_kernel<T, V, false>, rows, c, V, 0);
+    const ApplyParams params{
+        coef, coef + c, coef + 2 * c, nullptr, coef + 3 * c, 0.f, act == BnActivation::relu};
+    launch("bn_apply_kernel", bn_apply_kernel<T, V, false>, apply.grid, apply.block, 0, stream, x,
+           y, rows, c, params);
+  });
+}
+
+template <typename T>
+void batchnorm_backward_local(const T* x, const std::type_identity_t<T>* dy,
+                              const std::type_identity_t<T>* relu_output, const float* save_mean,
+                              const float* save_invstd, int64_t rows, int c, float* sums,
+                              float* dgamma, float* dbeta, float beta_accumulate,
+                              cudaStream_t stream) {
+  CUDP_CHECK(c >= 1 && rows >= 1, "batchnorm_backward_local: needs rows >= 1 and c >= 1, got rows ",
+             rows, " and c ", c);
+  with_vector<T>(vectorizable<T>(c, {x, dy, relu_output}), [&]<int V>() {
+    const Plan reduce =
+        make_plan(bn_backward_reduce_kernel<T, V>, rows, c, V, 2 * V * sizeof(float));
+    const int parts = int(reduce.grid.y);
+    Workspace ws(size_t(parts) * 2 * c * sizeof(float), stream,
+                 "batch norm's partial gradient sums");
+    float* part_dy = ws.get();
+    float* part_dy_xmu = part_dy + size_t(parts) * c;
+    launch("bn_backward_reduce_kernel", bn_backward_reduce_kernel<T, V>, reduce.grid, reduce.block,
+           reduce.shared_bytes, stream, x, dy, relu_output, save_mean, rows, c, part_dy,
+           part_dy_xmu);
+    launch("bn_backward_finalize_kernel", bn_backward_finalize_kernel, finalize_grid(c),
+           kFinalBlock, 0, stream, part_dy, part_dy_xmu, parts, rows, c, nullptr, save_invstd,
+           nullptr, 0.f, dgamma, dbeta, beta_accumulate, nullptr, sums);
+  });
+}
+
+template <typename T>
+void batchnorm_backward_global(const T* x, const std::type_identity_t<T>* dy,
+                               const std::type_identity_t<T>* relu_output, const float* gamma,
+                               const float* save_mean, const float* save_invstd, const float* sums,
+                               std::type_identity_t<T>* dx, int64_t rows, int c,
+                               cudaStream_t stream) {
+  detail::check_batchnorm("batchnorm_backward_global", rows, c, false);
+  Workspace ws(3 * size_t(c) * sizeof(float), stream, "batch norm's gradient coefficients");
+  float* coef = ws.get();
+  launch("bn_backward_coef_kernel", bn_backward_coef_kernel, dim3((c + 127) / 128), dim3(128), 0,
+         stream, sums, c, gamma, save_invstd, coef);
+  if (rows == 0) return;
+  with_vector<T>(vectorizable<T>(c, {x, dy, relu_output, dx}), [&]<int V>() {
+    const Plan apply = make_plan(bn_backward_dx_kernel<T, V, false>, rows, c, V, 0);
+    launch("bn_backward_dx_kernel", bn_backward_dx_kernel<T, V, false>, apply.grid, apply.block, 0,
+           stream, x, dy, relu_output, save_mean, coef, dx, rows, c);
+  });
+}
+
+#define CUDP_BATCHNORM_SPLIT_INSTANTIATE(T)                                                     \
+  template void batchnorm_local_stats<T>(const T*, int64_t, int, float*, cudaStream_t);         \
+  template void batchnorm_apply<T>(const T*, T*, const float*, int64_t, int, BnActivation,      \
+                                   cudaStream_t);                                               \
+  template void batchnorm_backward_local<T>(const T*, const T*, const T*, const float*,         \
+                                            const float*, int64_t, int, float*, float*, float*, \
+                                            float, cudaStream_t);                               \
+  template void batchnorm_backward_global<T>(const T*, const T*, const T*, const float*,        \
+                                             const float*, const float*, const float*, T*,      \
+                                             int64_t, int, cudaStream_t);
+CUDP_BATCHNORM_SPLIT_INSTANTIATE(float)
+CUDP_BATCHNORM_SPLIT_INSTANTIATE(__nv_bfloat16)
+#undef CUDP_BATCHNORM_SPLIT_INSTANTIATE
 
 #define CUDP_BATCHNORM_INSTANTIATE(T)                                                             \
   template void batchnorm_forward_train<T>(const T*, T*, const float*, const float*, float*,      \

@@ -127,6 +127,89 @@ void batchnorm_backward_eval_cpu(const T* x, const std::type_identity_t<T>* dy,
                                  BnParam<T>* dgamma, BnParam<T>* dbeta, int64_t rows, int c,
                                  BnParam<T> eps, BnParam<T> beta_accumulate);
 
+// ---- Split passes for batch norm over several participants (layers/sync_batchnorm.h) -----------
+//
+// SyncBatchNorm2d normalises each participant's rows with the statistics of all participants'
+// rows together. The passes above are split at the points where the participants exchange
+// per-channel f32 vectors, and the exchange is the caller's (a StatsGroup sum):
+//
+//   forward   batchnorm_local_stats writes this participant's summary into its slot of a zeroed
+//             buffer of parts summaries; a sum over participants then gives every participant all
+//             slots (adding zeros is exact, so this sum is an all-gather, bit for bit); then
+//             batchnorm_merge_stats merges the slots in slot order and batchnorm_apply normalises.
+//   backward  batchnorm_backward_local writes [sum g | sum g * (x - mean) | rows] (2c + 1) and this
+//             participant's dgamma, dbeta (its rows' share: summed over participants they are the
+//             gradient of the whole batch, as the engine sums gradients); the caller sums the
+//             vector over participants; batchnorm_backward_global writes dx from the sums.
+//
+// A summary (batchnorm_summary_size(c) floats) is [n | K (c) | mean of x - K (c) | M2 (c)], the
+// numerically careful form of the forward (above): K = x[row 0] of the participant, so every value
+// is of the order of the data's spread, not of its mean. The merge works relative to K_0, slot 0's
+// shift (x[row 0] of the whole batch when slots follow the batch order, the single-device pass's
+// K): slot p's mean becomes (K_p - K_0) + mean_p, both terms a few standard deviations at most,
+// then Chan's merge in slot order, so every participant computes the same statistics bit for bit
+// and the running statistics stay identical. Counts are f32 sums, exact up to 2^24 rows in all.
+//
+// coef (4c floats on the GPU; doubles on the CPU, which computes in double) is [K_0 | mean of
+// x - K_0 | gamma * invstd | beta]: y = ((x - K_0) - mean_d) * scale + shift, as the single-device
+// forward. save_mean = K_0 + mean_d and save_invstd are the batch's, for the backward.
+inline int64_t batchnorm_summary_size(int c) {
+  return 1 + 3 * int64_t(c);
+}
+
+// T: float or __nv_bfloat16; rows >= 1.
+template <typename T>
+void batchnorm_local_stats(const T* x, int64_t rows, int c, float* summary, cudaStream_t stream);
+template <typename T>
+void batchnorm_local_stats_cpu(const T* x, int64_t rows, int c, float* summary);
+
+// summaries: parts slots of batchnorm_summary_size(c) floats. Needs more than one row in all.
+void batchnorm_merge_stats(const float* summaries, int parts, int c, const float* gamma,
+                           const float* beta, float* running_mean, float* running_var,
+                           float* save_mean, float* save_invstd, float momentum, float eps,
+                           float* coef, cudaStream_t stream);
+// The CPU's: merges in double; throws a ValueError when all slots hold one row or none.
+void batchnorm_merge_stats_cpu(const float* summaries, int parts, int c, const float* gamma,
+                               const float* beta, float* running_mean, float* running_var,
+                               float* save_mean, float* save_invstd, float momentum, float eps,
+                               double* coef);
+
+template <typename T>
+void batchnorm_apply(const T* x, std::type_identity_t<T>* y, const float* coef, int64_t rows, int c,
+                     BnActivation act, cudaStream_t stream);
+template <typename T>
+void batchnorm_apply_cpu(const T* x, std::type_identity_t<T>* y, const double* coef, int64_t rows,
+                         int c, BnActivation act = BnActivation::none);
+
+// sums: 2c + 1 floats, [sum g | sum g * (x - save_mean) | rows]; dgamma/dbeta as the backward
+// above (nullable, beta_accumulate), from this participant's rows.
+template <typename T>
+void batchnorm_backward_local(const T* x, const std::type_identity_t<T>* dy,
+                              const std::type_identity_t<T>* relu_output, const float* save_mean,
+                              const float* save_invstd, int64_t rows, int c, float* sums,
+                              float* dgamma, float* dbeta, float beta_accumulate,
+                              cudaStream_t stream);
+template <typename T>
+void batchnorm_backward_local_cpu(const T* x, const std::type_identity_t<T>* dy,
+                                  const std::type_identity_t<T>* relu_output,
+                                  const float* save_mean, const float* save_invstd, int64_t rows,
+                                  int c, float* sums, float* dgamma, float* dbeta,
+                                  float beta_accumulate);
+// sums: the participants' sums added up (their rows slot: the batch's rows M). dx = gamma * invstd
+// * (g - sum g / M - (x - mean) * invstd^2 * sum g (x - mean) / M).
+template <typename T>
+void batchnorm_backward_global(const T* x, const std::type_identity_t<T>* dy,
+                               const std::type_identity_t<T>* relu_output, const float* gamma,
+                               const float* save_mean, const float* save_invstd, const float* sums,
+                               std::type_identity_t<T>* dx, int64_t rows, int c,
+                               cudaStream_t stream);
+template <typename T>
+void batchnorm_backward_global_cpu(const T* x, const std::type_identity_t<T>* dy,
+                                   const std::type_identity_t<T>* relu_output, const float* gamma,
+                                   const float* save_mean, const float* save_invstd,
+                                   const float* sums, std::type_identity_t<T>* dx, int64_t rows,
+                                   int c);
+
 namespace detail {
 // Argument checks shared by the launchers and the CPU references; throw ValueError naming the
 // value.

@@ -216,6 +216,145 @@ void batchnorm_backward_eval_cpu(const T* x, const std::type_identity_t<T>* dy,
                double(beta_accumulate));
 }
 
+// ---- split passes (kernels/batchnorm.h, "Split passes") -----------------------------------------
+
+template <typename T>
+void batchnorm_local_stats_cpu(const T* x, int64_t rows, int c, float* summary) {
+  CUDP_CHECK(c >= 1 && rows >= 1, "batchnorm_local_stats: needs rows >= 1 and c >= 1, got rows ",
+             rows, " and c ", c);
+  // Two passes in double over d = x - K, K = x[row 0].
+  std::vector<double> mean(c, 0.0), m2(c, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int ch = 0; ch < c; ++ch) mean[ch] += load(x[r * c + ch]) - load(x[ch]);
+  }
+  for (int ch = 0; ch < c; ++ch) mean[ch] /= double(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int ch = 0; ch < c; ++ch) {
+      const double d = (load(x[r * c + ch]) - load(x[ch])) - mean[ch];
+      m2[ch] += d * d;
+    }
+  }
+  summary[0] = float(rows);
+  for (int ch = 0; ch < c; ++ch) {
+    summary[1 + ch] = float(load(x[ch]));  // exact: x is float or bf16
+    summary[1 + c + ch] = float(mean[ch]);
+    summary[1 + 2 * c + ch] = float(m2[ch]);
+  }
+}
+
+void batchnorm_merge_stats_cpu(const float* summaries, int parts, int c, const float* gamma,
+                               const float* beta, float* running_mean, float* running_var,
+                               float* save_mean, float* save_invstd, float momentum, float eps,
+                               double* coef) {
+  CUDP_CHECK(c >= 1 && parts >= 1, "batchnorm_merge_stats: needs parts >= 1 and c >= 1, got ",
+             parts, " and ", c);
+  const int64_t size = batchnorm_summary_size(c);
+  double total = 0.0;
+  for (int p = 0; p < parts; ++p) total += double(summaries[p * size]);
+  CUDP_CHECK(total > 1.0,
+             "batchnorm_merge_stats: expected more than 1 value per channel when training, got ",
+             total, " rows over all ", parts, " participants");
+  for (int ch = 0; ch < c; ++ch) {
+    const double k0 = double(summaries[1 + ch]);
+    double n = 0.0, mean = 0.0, m2 = 0.0;
+    for (int p = 0; p < parts; ++p) {  // Chan's merge, in slot order
+      const float* s = summaries + p * size;
+      const double n_b = double(s[0]);
+      if (n_b == 0.0) continue;
+      const double mean_b = (double(s[1 + ch]) - k0) + double(s[1 + c + ch]);
+      const double delta = mean_b - mean, sum = n + n_b;
+      m2 += double(s[1 + 2 * c + ch]) + delta * delta * n * n_b / sum;
+      mean += delta * n_b / sum;
+      n = sum;
+    }
+    const double var = m2 / n;
+    const double invstd = 1.0 / std::sqrt(var + double(eps));
+    if (save_mean) save_mean[ch] = float(k0 + mean);
+    if (save_invstd) save_invstd[ch] = float(invstd);
+    const double m = double(momentum);
+    if (running_mean) {
+      running_mean[ch] = float((1 - m) * double(running_mean[ch]) + m * (k0 + mean));
+    }
+    if (running_var) running_var[ch] = float((1 - m) * double(running_var[ch]) + m * m2 / (n - 1));
+    coef[ch] = k0;
+    coef[c + ch] = mean;
+    coef[2 * c + ch] = (gamma ? double(gamma[ch]) : 1.0) * invstd;
+    coef[3 * c + ch] = beta ? double(beta[ch]) : 0.0;
+  }
+}
+
+template <typename T>
+void batchnorm_apply_cpu(const T* x, std::type_identity_t<T>* y, const double* coef, int64_t rows,
+                         int c, BnActivation act) {
+  detail::check_batchnorm("batchnorm_apply", rows, c, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int ch = 0; ch < c; ++ch) {
+      const double d = (load(x[r * c + ch]) - coef[ch]) - coef[c + ch];
+      y[r * c + ch] = output<T>(d * coef[2 * c + ch] + coef[3 * c + ch], act);
+    }
+  }
+}
+
+template <typename T>
+void batchnorm_backward_local_cpu(const T* x, const std::type_identity_t<T>* dy,
+                                  const std::type_identity_t<T>* relu_output,
+                                  const float* save_mean, const float* save_invstd, int64_t rows,
+                                  int c, float* sums, float* dgamma, float* dbeta,
+                                  float beta_accumulate) {
+  detail::check_batchnorm("batchnorm_backward_local", rows, c, false);
+  std::vector<double> sum_dy(c, 0.0), sum_dy_xmu(c, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int ch = 0; ch < c; ++ch) {
+      const double g = masked(dy, relu_output, r * c + ch);
+      sum_dy[ch] += g;
+      sum_dy_xmu[ch] += g * (load(x[r * c + ch]) - double(save_mean[ch]));
+    }
+  }
+  const double a = double(beta_accumulate);
+  for (int ch = 0; ch < c; ++ch) {
+    sums[ch] = float(sum_dy[ch]);
+    sums[c + ch] = float(sum_dy_xmu[ch]);
+    const double grad_gamma = sum_dy_xmu[ch] * double(save_invstd[ch]);
+    if (dgamma) dgamma[ch] = float(a == 0 ? grad_gamma : a * double(dgamma[ch]) + grad_gamma);
+    if (dbeta) dbeta[ch] = float(a == 0 ? sum_dy[ch] : a * double(dbeta[ch]) + sum_dy[ch]);
+  }
+  sums[2 * c] = float(rows);
+}
+
+template <typename T>
+void batchnorm_backward_global_cpu(const T* x, const std::type_identity_t<T>* dy,
+                                   const std::type_identity_t<T>* relu_output, const float* gamma,
+                                   const float* save_mean, const float* save_invstd,
+                                   const float* sums, std::type_identity_t<T>* dx, int64_t rows,
+                                   int c) {
+  detail::check_batchnorm("batchnorm_backward_global", rows, c, false);
+  const double m = double(sums[2 * c]);
+  CUDP_CHECK(m > 1.0, "batchnorm_backward_global: the summed rows must be more than 1, got ", m);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int ch = 0; ch < c; ++ch) {
+      const double invstd = double(save_invstd[ch]);
+      const double k = (gamma ? double(gamma[ch]) : 1.0) * invstd;
+      const double g = masked(dy, relu_output, r * c + ch);
+      const double xhat = (load(x[r * c + ch]) - double(save_mean[ch])) * invstd;
+      dx[r * c + ch] =
+          store<T>(k * (g - double(sums[ch]) / m - xhat * double(sums[c + ch]) * invstd / m));
+    }
+  }
+}
+
+#define CUDP_BATCHNORM_SPLIT_INSTANTIATE(T)                                                      \
+  template void batchnorm_local_stats_cpu<T>(const T*, int64_t, int, float*);                    \
+  template void batchnorm_apply_cpu<T>(const T*, T*, const double*, int64_t, int, BnActivation); \
+  template void batchnorm_backward_local_cpu<T>(const T*, const T*, const T*, const float*,      \
+                                                const float*, int64_t, int, float*, float*,      \
+                                                float*, float);                                  \
+  template void batchnorm_backward_global_cpu<T>(const T*, const T*, const T*, const float*,     \
+                                                 const float*, const float*, const float*, T*,   \
+                                                 int64_t, int);
+CUDP_BATCHNORM_SPLIT_INSTANTIATE(float)
+CUDP_BATCHNORM_SPLIT_INSTANTIATE(__nv_bfloat16)
+#undef CUDP_BATCHNORM_SPLIT_INSTANTIATE
+
 #define CUDP_BATCHNORM_INSTANTIATE(T)                                                             \
   template void batchnorm_forward_train_cpu<T>(                                                   \
       const T*, T*, const BnParam<T>*, const BnParam<T>*, BnParam<T>*, BnParam<T>*, BnParam<T>*,  \

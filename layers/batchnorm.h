@@ -71,7 +71,7 @@ class BatchNorm2d : public Module {
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const override;
 
- private:
+ protected:  // shared with SyncBatchNorm2d (layers/sync_batchnorm.h)
   int64_t rows_of(const Tensor& input) const;
   void count_batch();
   template <typename T>

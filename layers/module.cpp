@@ -342,6 +342,14 @@ void Module::zero_grad() {
   }
 }
 
+void Module::replace_child(size_t index, std::shared_ptr<Module> child) {
+  CUDP_CHECK(index < children_.size(), type_name(), "::replace_child: index ", index, " of ",
+             children_.size(), " children");
+  CUDP_CHECK(child != nullptr, type_name(), "::replace_child: child ", children_[index].first,
+             " would be null");
+  children_[index].second = std::move(child);
+}
+
 Module& Module::to(Device device) {
   if (device.is_cuda()) {
     cuda::check_device(device.index);

@@ -86,6 +86,9 @@ class Module : public std::enable_shared_from_this<Module> {
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const {
     return children_;
   }
+  // Model surgery (convert_sync_batchnorm): child `index` (children() order) becomes `child`, under
+  // the same name. Do it before the module is wrapped (DataParallel copies the structure it sees).
+  void replace_child(size_t index, std::shared_ptr<Module> child);
   // This module (named "") and every descendant with its dotted path, parents before children.
   std::vector<std::pair<std::string, Module*>> named_modules();
   int64_t num_parameters();
