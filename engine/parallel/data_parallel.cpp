@@ -1,5 +1,8 @@
 #include "engine/parallel/data_parallel.h"
 
+#include "engine/parallel/stats_group.h"
+#include "layers/sync_batchnorm.h"
+
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -151,9 +154,21 @@ DataParallel::DataParallel(std::shared_ptr<Module> module,
   set_ = std::make_unique<ReplicaSet>(module_, device_ids_, std::move(options.communicator),
                                       options.reducer);
   device_ = output_device_ < 0 ? Device::cpu() : Device::cuda(output_device_);
+  if (set_->communicator()) {
+    auto group = std::make_shared<CommStatsGroup>(set_->shared_communicator());
+    size_t layers = 0;
+    for (size_t r = 0; r < set_->size(); ++r) {
+      layers = attach_stats_group(*set_->replica(r), group, r);
+    }
+    if (layers > 0) stats_group_ = std::move(group);
+  }
 }
 
-DataParallel::~DataParallel() = default;
+DataParallel::~DataParallel() {
+  // The module outlives its wrapper: its layers leave the replicas' group (they are BatchNorm2d
+  // again until wrapped anew).
+  if (stats_group_) attach_stats_group(*module_, nullptr, 0);
+}
 
 void DataParallel::set_reducer_options(ReducerOptions options) {
   CUDP_CHECK(options.bucket_cap_bytes > 0, "DataParallel: bucket_cap_bytes must be positive, got ",
@@ -194,6 +209,16 @@ std::vector<TensorList> DataParallel::run_forward(const TensorList& inputs) {
     sizes_ = {batch_size(inputs, dim_, "DataParallel")};
     outputs = {module_->forward_all(inputs)};
   } else {
+    if (stats_group_ && module_->is_training()) {
+      const int64_t batch = batch_size(inputs, dim_, "DataParallel");
+      const size_t used = parallel::chunk_sizes(batch, static_cast<int>(set_->size())).size();
+      CUDP_CHECK(used == set_->size(), "DataParallel: a training batch of ", batch,
+                 " rows reaches only ", used, " of the ", set_->size(),
+                 " replicas, but the module has synchronised batch norm layers (SyncBatchNorm), "
+                 "in which every replica takes part in each training forward; use batches of at "
+                 "least ",
+                 set_->size(), " rows (drop the last, smaller batch) or fewer devices");
+    }
     outputs = replicated_forward(*set_, inputs, dim_, buffer_sync_, "DataParallel", sizes_);
   }
   input_devices_.clear();

@@ -53,6 +53,13 @@
 // Without any GPU and with device_ids left out, DataParallel runs the module as it is (PyTorch's
 // behaviour), so a CPU-only machine runs the same program.
 //
+// Synchronised batch norm: layers that synchronise statistics across replicas (SyncBatchNorm2d,
+// made by convert_sync_batchnorm before wrapping) get one group over this DataParallel's
+// communicator (engine/parallel/stats_group.h), replica i as participant i, through
+// attach_stats_group: the engine names no layer. Every replica must then run every training
+// forward, so a training batch smaller than the devices is refused. With one device there is no
+// group and the layers are BatchNorm2d (PyTorch's SyncBatchNorm with one process).
+//
 // Replicas are made once (replicate.h) from the module as it is at construction. Changes to the
 // module's values outside the optimizer (load_state_dict) need broadcast_parameters(); changes to
 // its structure or device after wrapping are not supported. train()/eval() are followed.
@@ -70,6 +77,10 @@
 #include "engine/parallel/replicate.h"
 #include "engine/parallel/scatter_gather.h"
 #include "layers/optim.h"
+
+namespace cudp {
+class StatsGroup;
+}
 
 namespace cudp::parallel {
 
@@ -136,9 +147,9 @@ class DataParallel : public Module {
   // What happens to BatchNorm running statistics after a training forward (replicate.h).
   void set_buffer_sync(BufferSync sync) { buffer_sync_ = sync; }
   BufferSync buffer_sync() const { return buffer_sync_; }
-  // The NCCL communicator of the replicas (null with one device or none): the hook for layers that
-  // synchronise across replicas themselves (a future SyncBatchNorm), and what another DataParallel
-  // on the same devices may share (DataParallelOptions::communicator).
+  // The NCCL communicator of the replicas (null with one device or none): what layers that
+  // synchronise across replicas sum over (SyncBatchNorm2d, through CommStatsGroup), and what
+  // another DataParallel on the same devices may share (DataParallelOptions::communicator).
   Communicator* communicator() const { return set_ ? set_->communicator() : nullptr; }
   std::shared_ptr<Communicator> shared_communicator() const {
     return set_ ? set_->shared_communicator() : nullptr;
@@ -195,6 +206,8 @@ class DataParallel : public Module {
   int output_device_ = -1;
   int dim_ = 0;
   std::unique_ptr<ReplicaSet> set_;  // null: pass-through (no GPU)
+  // The replicas' SyncBatchNorm2d group (null: none, or one device).
+  std::shared_ptr<StatsGroup> stats_group_;
   BufferSync buffer_sync_ = BufferSync::Broadcast;
   bool gradient_sync_ = true;
 

@@ -64,15 +64,16 @@
 #include "engine/core/stream.h"
 #include "engine/parallel/comm.h"
 #include "engine/parallel/data_parallel.h"
-#include "kernels/elementwise.h"
-#include "kernels/matmul.h"
 #include "examples/vgg/options.h"
 #include "examples/vgg/run_folder.h"
+#include "kernels/elementwise.h"
+#include "kernels/matmul.h"
 #include "layers/checkpoint.h"
 #include "layers/dropout.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
 #include "layers/schedule.h"
+#include "layers/sync_batchnorm.h"
 #include "layers/train.h"
 #include "layers/vgg.h"
 
@@ -726,6 +727,18 @@ int run(Options o) {
   {
     const cuda::AllocationPurpose purpose("the model's parameters on the host", model_advice);
     net = build_model(o, d);
+  }
+  if (o.sync_bn) {
+    if (!o.bn) {
+      throw UsageError(
+          "--sync-bn synchronises the BatchNorm layers, but the model has none "
+          "(--no-bn, or the --resume checkpoint's setting): drop --sync-bn");
+    }
+    // PyTorch's convert_sync_batchnorm; DataParallel gives the layers their group. The state_dict
+    // keys do not change, so checkpoints load either way.
+    convert_sync_batchnorm(net);
+    std::printf("SyncBatchNorm: training normalises with the statistics of the whole batch%s\n",
+                gpus.size() > 1 ? " over all GPUs" : " (one device: the same as BatchNorm)");
   }
   const Precision precision = parse_precision(o.precision);
   net->set_precision(precision);

@@ -144,6 +144,11 @@ const std::vector<Setting>& settings() {
     add("--arch", "arch", true, "network: vgg11, vgg13, vgg16 or vgg19", &Options::arch,
         choice(&Options::arch, {"vgg11", "vgg13", "vgg16", "vgg19"}));
     add("--bn", "bn", true, "", &Options::bn, boolean(&Options::bn), true);
+    add("--sync-bn", "sync_bn", false,
+        "synchronised BatchNorm (PyTorch's SyncBatchNorm): training normalises with the mean "
+        "and variance of the whole batch over all GPUs, not of each GPU's share (the same on one "
+        "GPU); needs BatchNorm (not with --no-bn) and batches of at least one row per GPU",
+        &Options::sync_bn, boolean(&Options::sync_bn), true);
     add("--head", "head", true,
         "classifier: compact (512-512-N, 32x32 inputs only), torchvision (4096-4096-N, loads into "
         "torchvision.models.vgg*_bn) or auto (compact at 32x32, torchvision above)",
@@ -332,6 +337,12 @@ int parse_command_line(int argc, char** argv, Options& o) {
   }
   if (o.was_given("--bn") && o.was_given("--no-bn")) {
     std::fprintf(stderr, "cudp-vgg: --bn and --no-bn contradict each other; give one\n");
+    return kExitUsage;
+  }
+  if (o.was_given("--sync-bn") && o.was_given("--no-bn")) {
+    std::fprintf(stderr,
+                 "cudp-vgg: --sync-bn synchronises the BatchNorm layers and --no-bn leaves none; "
+                 "give one\n");
     return kExitUsage;
   }
   std::stringstream ss(gpus);

@@ -38,6 +38,7 @@ struct Options {
   std::string data_dir;
   std::string arch = "vgg16";
   bool bn = true;
+  bool sync_bn = false;       // SyncBatchNorm: batch statistics over all GPUs' rows
   std::string head = "auto";  // auto: compact at 32x32, torchvision above
   int64_t image_size = 32;
   // Optimisation. lr and weight_decay of 0 mean "the optimizer's default" until resolve_defaults.

@@ -205,6 +205,32 @@ TEST(VggTrainer, UsageErrors) {
   EXPECT_EQ(r.code, 2) << r.output;
 }
 
+// --sync-bn converts the model's BatchNorm layers; without a group of several devices they are
+// BatchNorm2d bit for bit (here: the CPU), and a checkpoint's keys do not change.
+TEST(VggTrainer, SyncBatchNormOnOneDeviceIsBatchNorm) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string run = kSmall +
+                          "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 1 "
+                          "--print-checksum ";
+  const RunResult plain = run_on_cpu(dir, run);
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  const RunResult sync = run_on_cpu(dir, run + "--sync-bn");
+  ASSERT_EQ(sync.code, 0) << sync.output;
+  EXPECT_TRUE(contains(sync.output,
+                       "SyncBatchNorm: training normalises with the statistics of "
+                       "the whole batch (one device: the same as BatchNorm)"))
+      << sync.output;
+  EXPECT_NE(checksum_of(sync), "");
+  EXPECT_EQ(checksum_of(sync), checksum_of(plain));
+  const RunResult both = run_on_cpu(dir, kSmall + "--sync-bn --no-bn");
+  EXPECT_EQ(both.code, 2) << both.output;
+  EXPECT_TRUE(contains(both.output,
+                       "--sync-bn synchronises the BatchNorm layers and --no-bn "
+                       "leaves none"))
+      << both.output;
+}
+
 // Validators say what is wrong in words: "--lr 0" once printed the smallest double in 300 digits.
 TEST(VggTrainer, ValidatorMessagesAreWords) {
   CUDP_REQUIRE_VGG();
