@@ -13,6 +13,7 @@
 #include "kernels/batchnorm.h"
 #include "layers/activation.h"
 #include "layers/batchnorm.h"
+#include "layers/precision.h"
 #include "layers/sequential.h"
 #include "layers/sync_batchnorm.h"
 #include "tests/common/tensor_bytes.h"
@@ -140,6 +141,31 @@ TEST(SyncBatchNorm2dTest, ShardsOnThreadsEqualBatchNormOverTheWholeBatch) {
   for (auto& r : replicas) {
     EXPECT_EQ(static_cast<SyncBatchNorm2d&>(*r).num_batches_tracked(), 2);
   }
+}
+
+// bf16 activations: both sides compute from the same bf16 values and round once to bf16 on store,
+// so y and dx differ by the f32 bounds plus at most one bf16 unit in the last place of the largest
+// value (a rounding boundary between them); the per-channel results are f32 and keep their bounds.
+TEST(SyncBatchNorm2dTest, Bf16ShardsEqualTheWholeBatch) {
+  BatchNorm2d bn(kC, kEps, kMomentum);
+  testing::randomize_parameters(bn, 13, 0.5f, 1.5f);
+  auto replicas = sync_replicas(bn, 2, std::make_shared<HostStatsGroup>(2));
+  const Tensor x = convert(batch(5, 90), DType::bf16);
+  const Tensor dy = convert(random_tensor(x.shape(), 91), DType::bf16);
+  const std::vector<float> gamma = values(bn.weight().data);
+  const BnStep truth = whole_batch_step(bn, x, dy);
+  const BnStep got = replicated_step(replicas, {0, 3, 5}, x, dy);
+  const auto tol =
+      testing::sync_bn_tolerance(values(x), values(dy), gamma, kC, kEps, kMomentum, 2, truth);
+  const auto bf16_ulp = [](const std::vector<float>& v) {
+    return std::ldexp(1.0, std::ilogb(testing::max_abs_of(v)) - 7);
+  };
+  testing::expect_within(got.y, truth.y, tol.y + bf16_ulp(truth.y), "y");
+  testing::expect_within(got.dx, truth.dx, tol.dx + bf16_ulp(truth.dx), "dx");
+  testing::expect_within(got.dgamma, truth.dgamma, tol.dgamma, "dgamma");
+  testing::expect_within(got.dbeta, truth.dbeta, tol.dbeta, "dbeta");
+  testing::expect_within(got.running_mean, truth.running_mean, tol.running_mean, "running_mean");
+  testing::expect_within(got.running_var, truth.running_var, tol.running_var, "running_var");
 }
 
 // The fused ReLU's mask on the synchronised path: Sequential{SyncBN, ReLU} on shards against
