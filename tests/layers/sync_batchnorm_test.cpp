@@ -229,6 +229,41 @@ TEST(SyncBatchNorm2dTest, AMissingParticipantIsAnErrorNamingIt) {
   EXPECT_THROW_WITH(replicas[0]->forward(batch(2, 70)), "make a new group");
 }
 
+// The host group sums in participant order and gives every participant the same bits; an error
+// in the sum (sizes that differ) reaches every participant, naming the culprit.
+TEST(SyncBatchNorm2dTest, HostGroupSumsInOrderAndReportsMismatchesToAll) {
+  HostStatsGroup group(3);
+  std::vector<Tensor> data = {Tensor::from_vector<float>({1e8f, 1.f}, {2}),
+                              Tensor::from_vector<float>({1.f, 2.f}, {2}),
+                              Tensor::from_vector<float>({-1e8f, 3.f}, {2})};
+  std::vector<std::thread> threads;
+  for (size_t p = 0; p < 3; ++p) {
+    threads.emplace_back([&, p] { group.all_reduce_sum(p, data[p], nullptr); });
+  }
+  for (auto& t : threads) t.join();
+  // ((1e8 + 1) + -1e8) in f32 is 0: the order (0, 1, 2), not a compensated or reordered sum.
+  for (const Tensor& d : data) EXPECT_EQ(values(d), (std::vector<float>{0.f, 6.f}));
+
+  HostStatsGroup mismatched(2);
+  std::vector<Tensor> bad = {Tensor::zeros({3}), Tensor::zeros({4})};
+  std::vector<std::string> errors(2);
+  threads.clear();
+  for (size_t p = 0; p < 2; ++p) {
+    threads.emplace_back([&, p] {
+      try {
+        mismatched.all_reduce_sum(p, bad[p], nullptr);
+      } catch (const std::exception& e) {
+        errors[p] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("participant 1 gave 4 elements but participant 0 gave 3"), std::string::npos)
+        << e;
+  }
+}
+
 TEST(SyncBatchNorm2dTest, ConvertReplacesEveryBatchNormKeepingItsState) {
   auto bn = std::make_shared<BatchNorm2d>(kC, 1e-3f, 0.3f);
   testing::randomize_parameters(*bn, 12);
