@@ -15,6 +15,7 @@ Rendezvous::Rendezvous(size_t participants, std::chrono::milliseconds timeout)
 void Rendezvous::arrive(size_t participant, void* slot, const char* what,
                         const std::function<void(const std::vector<void*>&)>& action) {
   std::unique_lock<std::mutex> lock(mutex_);
+  CUDP_CHECK(aborted_.empty(), what, ": aborted: ", aborted_);
   CUDP_CHECK(!broken_, what,
              ": the group is unusable since a participant failed to arrive (see that first "
              "error); make a new group");
@@ -41,7 +42,11 @@ void Rendezvous::arrive(size_t participant, void* slot, const char* what,
     if (error) std::rethrow_exception(error);
     return;
   }
-  const bool done = cv_.wait_for(lock, timeout_, [&] { return generation_ != round || broken_; });
+  const bool done = cv_.wait_for(
+      lock, timeout_, [&] { return generation_ != round || broken_ || !aborted_.empty(); });
+  if (generation_ == round && !aborted_.empty()) {
+    CUDP_THROW(ValueError, what, ": participant ", participant, " stopped waiting: ", aborted_);
+  }
   if (!done || generation_ == round) {
     std::string missing;
     for (size_t p = 0; p < arrived_.size(); ++p) {
@@ -57,6 +62,21 @@ void Rendezvous::arrive(size_t participant, void* slot, const char* what,
                "stopped)");
   }
   if (error_) std::rethrow_exception(error_);
+}
+
+void Rendezvous::abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_.empty()) aborted_ = reason.empty() ? std::string("aborted") : reason;  // the first
+  cv_.notify_all();
+}
+
+void Rendezvous::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  aborted_.clear();
+  broken_ = false;
+  count_ = 0;
+  std::fill(arrived_.begin(), arrived_.end(), false);
+  ++generation_;
 }
 
 void HostStatsGroup::all_reduce_sum(size_t participant, Tensor& data, cudaStream_t) {

@@ -37,6 +37,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "layers/batchnorm.h"
@@ -54,6 +55,12 @@ class StatsGroup {
   // participants, the same bits on every participant: for a CPU tensor when the call returns, for
   // a device tensor in `stream`'s order (work enqueued on it after the call reads the sum).
   virtual void all_reduce_sum(size_t participant, Tensor& data, cudaStream_t stream) = 0;
+  // For the engine, when a participant fails before its call and the others would wait for it
+  // until the timeout: participants waiting in all_reduce_sum, and every call until reset(), throw
+  // a ValueError carrying `reason`. reset() makes the group usable again (with no participant
+  // inside all_reduce_sum: before each pass of the replicas).
+  virtual void abort(const std::string& reason) = 0;
+  virtual void reset() = 0;
 };
 
 // Every participant of a round calls arrive(); the last to arrive runs `action` with all
@@ -68,6 +75,9 @@ class Rendezvous {
   size_t size() const { return slots_.size(); }
   void arrive(size_t participant, void* slot, const char* what,
               const std::function<void(const std::vector<void*>&)>& action);
+  // StatsGroup::abort and reset (reset also forgets a timeout's breakage).
+  void abort(const std::string& reason);
+  void reset();
 
  private:
   std::mutex mutex_;
@@ -78,6 +88,7 @@ class Rendezvous {
   uint64_t generation_ = 0;
   std::exception_ptr error_;  // the last round's action's
   bool broken_ = false;
+  std::string aborted_;  // non-empty: abort()'s reason, until reset()
   std::chrono::milliseconds timeout_;
 };
 
@@ -90,6 +101,8 @@ class HostStatsGroup : public StatsGroup {
       : rendezvous_(participants, timeout) {}
   size_t size() const override { return rendezvous_.size(); }
   void all_reduce_sum(size_t participant, Tensor& data, cudaStream_t stream) override;
+  void abort(const std::string& reason) override { rendezvous_.abort(reason); }
+  void reset() override { rendezvous_.reset(); }
 
  private:
   Rendezvous rendezvous_;

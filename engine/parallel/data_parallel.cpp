@@ -72,7 +72,8 @@ int64_t batch_size(const TensorList& inputs, int dim, const char* what) {
 // receives the chunk sizes.
 std::vector<TensorList> replicated_forward(ReplicaSet& set, const TensorList& inputs, int dim,
                                            BufferSync sync, const char* what,
-                                           std::vector<int64_t>& sizes) {
+                                           std::vector<int64_t>& sizes,
+                                           StatsGroup* group = nullptr) {
   const int64_t batch = batch_size(inputs, dim, what);
   sizes = chunk_sizes(batch, static_cast<int>(set.size()));
   const size_t used = sizes.size();
@@ -86,11 +87,18 @@ std::vector<TensorList> replicated_forward(ReplicaSet& set, const TensorList& in
   set.keep_until_copied(inputs);  // a pinned host batch is read asynchronously
   set.prepare_forward();
   std::vector<TensorList> outputs(used);
+  if (group) group->reset();
   set.workers().run(used, [&](size_t i) {
     const cuda::AllocationPurpose purpose(detail::str("replica ", i, "'s forward on cuda:", ids[i],
                                                       " (activations of ", sizes[i],
                                                       " of the batch's ", batch, " rows)"));
-    outputs[i] = set.replica(i)->forward_all(replica_inputs[i]);
+    try {
+      outputs[i] = set.replica(i)->forward_all(replica_inputs[i]);
+    } catch (const std::exception& e) {
+      // The other replicas' synchronised layers would wait for this one until the timeout.
+      if (group) group->abort(detail::str("replica ", i, "'s forward failed: ", e.what()));
+      throw;
+    }
   });
   for (size_t i = 1; i < used; ++i) {
     CUDP_CHECK(outputs[i].size() == outputs[0].size(), what, ": replica ", i, " returned ",
@@ -219,7 +227,8 @@ std::vector<TensorList> DataParallel::run_forward(const TensorList& inputs) {
                  "least ",
                  set_->size(), " rows (drop the last, smaller batch) or fewer devices");
     }
-    outputs = replicated_forward(*set_, inputs, dim_, buffer_sync_, "DataParallel", sizes_);
+    outputs = replicated_forward(*set_, inputs, dim_, buffer_sync_, "DataParallel", sizes_,
+                                 stats_group_.get());
   }
   input_devices_.clear();
   for (const Tensor& input : inputs) input_devices_.push_back(input.device());
@@ -252,12 +261,20 @@ std::vector<TensorList> DataParallel::run_backward(const std::vector<TensorList>
   // arms the reducer: buckets are all-reduced as the replicas' backward completes them.
   set_->begin_backward(used, gradient_sync_);
   std::vector<TensorList> input_grads(used);
+  if (stats_group_) stats_group_->reset();
   try {
     set_->workers().run(used, [&](size_t i) {
       const cuda::AllocationPurpose purpose(
           detail::str("replica ", i, "'s backward on cuda:", device_ids_[i], " (gradients of its ",
                       sizes_[i], " rows)"));
-      input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]);
+      try {
+        input_grads[i] = set_->replica(i)->backward_all(replica_grads[i]);
+      } catch (const std::exception& e) {
+        if (stats_group_) {
+          stats_group_->abort(detail::str("replica ", i, "'s backward failed: ", e.what()));
+        }
+        throw;
+      }
     });
   } catch (...) {
     set_->abandon_backward();

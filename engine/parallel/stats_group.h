@@ -34,6 +34,8 @@ class CommStatsGroup : public StatsGroup {
   size_t size() const override { return rendezvous_.size(); }
   // `data`: f32 on devices()[participant]; `stream`: that device's compute stream.
   void all_reduce_sum(size_t participant, Tensor& data, cudaStream_t stream) override;
+  void abort(const std::string& reason) override { rendezvous_.abort(reason); }
+  void reset() override { rendezvous_.reset(); }
 
  private:
   std::shared_ptr<Communicator> comm_;

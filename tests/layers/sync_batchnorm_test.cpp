@@ -264,6 +264,34 @@ TEST(SyncBatchNorm2dTest, HostGroupSumsInOrderAndReportsMismatchesToAll) {
   }
 }
 
+// abort() (the engine's, when a replica fails before its call) releases the waiting participants
+// with its reason at once, refuses calls until reset(), and the first reason stays.
+TEST(SyncBatchNorm2dTest, AbortReleasesTheWaitingAndResetRestores) {
+  HostStatsGroup group(2);  // the default timeout: ten minutes, so a hang would show
+  Tensor a = Tensor::from_vector<float>({1.f}, {1}), b = Tensor::from_vector<float>({2.f}, {1});
+  std::string error;
+  std::thread waiting([&] {
+    try {
+      group.all_reduce_sum(0, a, nullptr);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  group.abort("replica 1's forward failed: boom");
+  group.abort("a later reason");
+  waiting.join();
+  // (Waiting: "participant 0 stopped waiting: ..."; arriving after the abort: "aborted: ...".)
+  EXPECT_NE(error.find("replica 1's forward failed: boom"), std::string::npos) << error;
+  EXPECT_THROW_WITH(group.all_reduce_sum(1, b, nullptr), "aborted: replica 1's forward failed");
+  group.reset();
+  std::thread first([&] { group.all_reduce_sum(0, a, nullptr); });
+  group.all_reduce_sum(1, b, nullptr);
+  first.join();
+  EXPECT_EQ(values(a), std::vector<float>{3.f});
+  EXPECT_EQ(values(b), std::vector<float>{3.f});
+}
+
 TEST(SyncBatchNorm2dTest, ConvertReplacesEveryBatchNormKeepingItsState) {
   auto bn = std::make_shared<BatchNorm2d>(kC, 1e-3f, 0.3f);
   testing::randomize_parameters(*bn, 12);
