@@ -4,147 +4,26 @@
 // needed; the Reducer, the loss weighting, the broadcasts and no_sync are the ones a GPU run uses.
 //
 // The truth is computed on every rank without DDP and without MPI: one process, one model, the
-// whole global batch. Without SyncBatchNorm each rank's BatchNorm normalises its own shard by the
-// shard's statistics (as PyTorch's DDP and our DataParallel do), so the one-process run feeds the
-// global batch as the ranks' shards in turn, each shard's mean loss weighted by n_r / B, gradients
-// accumulating (exactly what DataParallel on W devices computes), then one SGD step. Its running
-// statistics are rank 0's shard's alone, which is what DDP's broadcast of rank 0's buffers before
-// each forward leaves on every rank.
+// whole global batch (ddp_truth.h says how, BatchNorm included).
 //
 // Run directly (no mpirun) it is a world of one, and the same checks hold.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <random>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/mpi_environment.h"
 #include "engine/parallel/ddp.h"
-#include "layers/activation.h"
-#include "layers/batchnorm.h"
-#include "layers/conv2d.h"
-#include "layers/flatten.h"
-#include "layers/linear.h"
-#include "layers/loss.h"
-#include "layers/optim.h"
-#include "layers/pooling.h"
-#include "layers/sequential.h"
+#include "parallel/ddp_truth.h"
 
 namespace cudp::parallel {
 namespace {
 
+using namespace testing::ddp;  // NOLINT: the shared model, batches and truth
 using testing::mpi_session;
-
-// Two classes of 8x8 one-channel images (a horizontal or a vertical bar over noise), NHWC.
-struct Batch {
-  Tensor images, labels;
-};
-
-Batch make_batch(int n, uint64_t seed) {
-  std::mt19937 gen(static_cast<uint32_t>(seed));
-  std::uniform_real_distribution<float> noise(0.f, 0.3f);
-  std::uniform_int_distribution<int> position(0, 7), label(0, 1);
-  std::vector<float> pixels(static_cast<size_t>(n) * 64);
-  std::vector<int32_t> labels(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    labels[i] = label(gen);
-    const int at = position(gen);
-    for (int y = 0; y < 8; ++y) {
-      for (int x = 0; x < 8; ++x) {
-        const bool on_bar = labels[i] == 0 ? y == at : x == at;
-        pixels[i * 64 + y * 8 + x] = noise(gen) + (on_bar ? 1.f : 0.f);
-      }
-    }
-  }
-  return {Tensor::from_vector(pixels, {n, 8, 8, 1}), Tensor::from_vector(labels, {n})};
-}
-
-std::shared_ptr<Sequential> tiny_net(uint64_t seed = 0) {
-  return std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
-      std::make_shared<Conv2d>(1, 8, 3, 1, 1, true, 11 + seed), std::make_shared<BatchNorm2d>(8),
-      std::make_shared<ReLU>(true), std::make_shared<MaxPool2d>(2),
-      std::make_shared<Conv2d>(8, 8, 3, 1, 1, true, 12 + seed), std::make_shared<BatchNorm2d>(8),
-      std::make_shared<ReLU>(true), std::make_shared<MaxPool2d>(2), std::make_shared<Flatten>(),
-      std::make_shared<Linear>(8 * 2 * 2, 2, true, 13 + seed)});
-}
-
-// Rank r's rows of a global batch of b: [b r / w, b (r + 1) / w). With b = 7 the shards are
-// uneven (3 + 4 on two ranks, 2 + 2 + 3 on three), so the n_r / B weights are not 1 / w.
-int64_t shard_begin(int r, int w, int64_t b) {
-  return b * r / w;
-}
-Batch shard(const Batch& batch, int r, int w) {
-  const int64_t b = batch.images.size(0);
-  const int64_t begin = shard_begin(r, w, b), end = shard_begin(r + 1, w, b);
-  return {batch.images.slice(begin, end), batch.labels.slice(begin, end)};
-}
-
-std::vector<Tensor> copies(const std::vector<std::pair<std::string, Tensor*>>& named) {
-  std::vector<Tensor> out;
-  for (const auto& [name, t] : named) out.push_back(t->to(Device::cpu()).clone());
-  return out;
-}
-void restore(const std::vector<std::pair<std::string, Tensor*>>& named,
-             const std::vector<Tensor>& values) {
-  for (size_t i = 0; i < named.size(); ++i) named[i].second->copy_from(values[i]);
-}
-
-// The number of this rank's elements that differ in bits from rank 0's (rank 0's bytes reach
-// every rank by MPI_Bcast).
-size_t differs_from_rank0(const Tensor& t) {
-  std::vector<uint8_t> mine(t.nbytes()), theirs(t.nbytes());
-  std::memcpy(mine.data(), t.data_ptr(), t.nbytes());
-  theirs = mine;
-  mpi_session()->broadcast(theirs.data(), theirs.size(), 0);
-  const size_t element = t.nbytes() / static_cast<size_t>(std::max<int64_t>(t.numel(), 1));
-  size_t wrong = 0;
-  for (size_t i = 0; i < mine.size(); i += element) {
-    if (std::memcmp(&mine[i], &theirs[i], element) != 0) ++wrong;
-  }
-  return wrong;
-}
-
-constexpr int kGlobalBatch = 7;
-constexpr int kSteps = 4;
-constexpr SGDOptions kSgd{.lr = 0.1, .momentum = 0.9};
-
-// The truth: one process, the global batch as W shards in turn (see the header comment). Returns
-// the model after kSteps steps; `last_buffers[r]` gets the buffers as rank r holds them after the
-// last step's forward: rank 0's running statistics up to the step before, updated by shard r.
-std::shared_ptr<Sequential> one_process(int world, double (*weight)(int64_t, int64_t),
-                                        std::vector<std::vector<Tensor>>* last_buffers) {
-  auto model = tiny_net();
-  model->flatten_parameters();
-  SGD sgd(model->parameters(), kSgd);
-  CrossEntropyLoss criterion;
-  const auto buffers = model->named_buffers();
-  if (last_buffers) last_buffers->assign(static_cast<size_t>(world), {});
-  for (int step = 0; step < kSteps; ++step) {
-    const Batch batch = make_batch(kGlobalBatch, 500 + step);
-    sgd.zero_grad();
-    const std::vector<Tensor> before = copies(buffers);
-    std::vector<Tensor> after_rank0;
-    for (int r = 0; r < world; ++r) {
-      if (r > 0) restore(buffers, before);
-      const Batch s = shard(batch, r, world);
-      const Tensor out = model->forward(s.images);
-      criterion.forward(out, s.labels, weight(s.images.size(0), kGlobalBatch));
-      model->backward(criterion.backward());
-      if (r == 0) after_rank0 = copies(buffers);
-      if (last_buffers && step == kSteps - 1) (*last_buffers)[r] = copies(buffers);
-    }
-    restore(buffers, after_rank0);
-    sgd.step();
-  }
-  return model;
-}
-
-double share_of_batch(int64_t n, int64_t b) {
-  return CrossEntropyLoss::chunk_weight(n, b);
-}
 
 // Tolerance of the parameters (and running statistics) after kSteps steps, against the truth.
 // Both runs compute every shard's gradient with the same kernels on the same values; they differ
@@ -207,7 +86,7 @@ TEST(MpiDdp, KStepsOnTheRanksShardsAreOneProcessOnTheWholeBatch) {
   DistributedDataParallel& ddp = *t.ddp;
   const int world = ddp.world_size();
   std::vector<std::vector<Tensor>> truth_buffers;
-  auto truth = one_process(world, share_of_batch, &truth_buffers);
+  auto truth = one_process(Device::cpu(), world, share_of_batch, &truth_buffers);
 
   const auto got = t.model->named_parameters();
   const auto want = truth->named_parameters();
@@ -246,7 +125,7 @@ TEST(MpiDdp, WeightingTheShardsByOneOverWIsCaught) {
   static int w = 0;
   w = world;
   auto wrong = one_process(
-      world, [](int64_t, int64_t) { return 1.0 / w; }, nullptr);
+      Device::cpu(), world, [](int64_t, int64_t) { return 1.0 / w; }, nullptr);
   double largest = 0;
   const auto got = t.model->parameters();
   const auto want = wrong->parameters();
