@@ -25,6 +25,10 @@
 // no_sync(): a scope in which backward leaves the gradients local (accumulation over
 // micro-batches); the first backward with sync on again sums everything accumulated.
 //
+// Not covered: BatchNorm2d's host copy of num_batches_tracked (num_batches_tracked()) is not
+// re-read after a broadcast; the buffer itself, which the module counts from and saves, is rank
+// 0's. The host copy differs only where ranks started with different counts.
+//
 // The ranks are reached through a DistributedGroup: nccl_group(process_group) for GPUs (NCCL, one
 // device per process), or mpi_host_group(session) for a model on the host, with MPI moving the
 // data (only in a build with MPI; what the tests run under mpirun without a GPU).
