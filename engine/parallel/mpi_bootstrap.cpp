@@ -67,6 +67,20 @@ void Session::broadcast(void* data, size_t bytes, int root) const {
   check(MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
 }
 
+void Session::all_reduce_sum(float* data, size_t count) const {
+  CUDP_CHECK(count <= static_cast<size_t>(INT_MAX), "mpi::Session::all_reduce_sum: ", count,
+             " floats is more than one MPI_Allreduce carries (", INT_MAX, "); split it");
+  check(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM,
+                      MPI_COMM_WORLD),
+        "MPI_Allreduce");
+}
+
+int64_t Session::all_reduce_sum(int64_t value) const {
+  int64_t sum = 0;
+  check(MPI_Allreduce(&value, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
+  return sum;
+}
+
 void Session::barrier() const {
   check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }

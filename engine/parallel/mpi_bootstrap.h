@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "engine/parallel/process_group.h"
 
@@ -32,6 +33,11 @@ class Session {
   // MPI_Bcast of `bytes` bytes from `root` on MPI_COMM_WORLD.
   void broadcast(void* data, size_t bytes, int root) const;
   void barrier() const;
+  // Host collectives on MPI_COMM_WORLD, for host tensors (DistributedDataParallel's MPI host
+  // group, engine/parallel/ddp.h, which makes it testable without GPUs): in-place MPI_Allreduce
+  // (MPI_SUM) of `count` floats, and the sum of one integer over every rank.
+  void all_reduce_sum(float* data, size_t count) const;
+  int64_t all_reduce_sum(int64_t value) const;
 
  private:
   bool owns_ = false;  // MPI_Init was ours

@@ -151,6 +151,12 @@ void Session::broadcast(void*, size_t, int) const {
 void Session::barrier() const {
   unavailable("Session::barrier");
 }
+void Session::all_reduce_sum(float*, size_t) const {
+  unavailable("Session::all_reduce_sum");
+}
+int64_t Session::all_reduce_sum(int64_t) const {
+  unavailable("Session::all_reduce_sum");
+}
 }  // namespace mpi
 #endif
 

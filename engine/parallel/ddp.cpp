@@ -1,0 +1,195 @@
+#include "engine/parallel/ddp.h"
+
+#include "engine/core/nvtx.h"
+#include "engine/parallel/mpi_bootstrap.h"
+
+namespace cudp::parallel {
+namespace {
+
+// ---- NCCL: one device per process
+// ---------------------------------------------------------------
+
+class NcclGroup final : public DistributedGroup {
+ public:
+  explicit NcclGroup(std::shared_ptr<ProcessGroup> group)
+      : group_(std::move(group)), reduce_(group_->comm()) {
+    CUDP_CHECK(group_->devices().size() == 1, "nccl_group: the process group drives ",
+               group_->devices().size(),
+               " devices in this process; DistributedDataParallel takes one device per process "
+               "(ProcessGroup::from_mpi, or local({device})); for several devices in one process "
+               "use DataParallel");
+  }
+  int rank() const override { return group_->rank(); }
+  int world_size() const override { return group_->world_size(); }
+  ReduceGroup& reduce_group() override { return reduce_; }
+  void broadcast(const TensorList& tensors, int root) override {
+    if (tensors.empty() || world_size() == 1) return;
+    for (const Tensor& t : tensors) {
+      CUDP_CHECK(t.is_cuda() && t.device().index == group_->devices()[0],
+                 "DistributedDataParallel: a tensor to broadcast is on ", t.device().str(),
+                 ", not on this rank's cuda:", group_->devices()[0],
+                 "; move the module to the group's device before wrapping it");
+    }
+    group_->comm().broadcast_many({tensors}, root);
+  }
+  int64_t sum(int64_t value) override {
+    if (world_size() == 1) return value;
+    // A count as f32 (exact below 2^24) through NCCL, then to the host.
+    CUDP_CHECK(value >= 0 && value < (int64_t{1} << 24), "nccl_group: the count ", value,
+               " is outside [0, 2^24), where an f32 all-reduce is exact");
+    Tensor t = Tensor::from_vector(std::vector<float>{static_cast<float>(value)}, {1})
+                   .to(Device::cuda(group_->devices()[0]));
+    group_->comm().all_reduce({t});
+    return static_cast<int64_t>(t.cpu().to_vector<float>()[0]);
+  }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  CommunicatorGroup reduce_;
+};
+
+// ---- MPI on the host
+// ----------------------------------------------------------------------------
+
+void check_host(const Tensor& t, const char* what) {
+  CUDP_CHECK(t.is_cpu(), "mpi_host_group: ", what, " is on ", t.device().str(),
+             "; the MPI host group moves host tensors only (use nccl_group for a model on a GPU)");
+}
+
+// The Reducer's calls on host tensors: the backward ran on this thread and is complete when a
+// bucket is marked, so marks are nothing and the all-reduce is MPI's, in place.
+class MpiHostReduceGroup final : public ReduceGroup {
+ public:
+  explicit MpiHostReduceGroup(const mpi::Session& session) : session_(session) {}
+  size_t local_ranks() const override { return 1; }
+  void begin(size_t) override {}
+  void mark_ready(size_t, size_t) override {}
+  void all_reduce(size_t, const TensorList& views) override {
+    const Tensor& view = views.at(0);
+    check_host(view, "a gradient bucket");
+    CUDP_CHECK(view.dtype() == DType::f32, "mpi_host_group: a gradient bucket is not f32");
+    session_.all_reduce_sum(static_cast<float*>(view.data_ptr()),
+                            static_cast<size_t>(view.numel()));
+  }
+  void finish() override {}
+
+ private:
+  const mpi::Session& session_;
+};
+
+class MpiHostGroup final : public DistributedGroup {
+ public:
+  explicit MpiHostGroup(const mpi::Session& session)
+      : session_(session), info_(session.info()), reduce_(session) {}
+  int rank() const override { return info_.rank; }
+  int world_size() const override { return info_.world_size; }
+  ReduceGroup& reduce_group() override { return reduce_; }
+  void broadcast(const TensorList& tensors, int root) override {
+    for (const Tensor& t : tensors) {
+      check_host(t, "a tensor to broadcast");
+      session_.broadcast(t.data_ptr(), t.nbytes(), root);
+    }
+  }
+  int64_t sum(int64_t value) override { return session_.all_reduce_sum(value); }
+
+ private:
+  const mpi::Session& session_;
+  LaunchInfo info_;
+  MpiHostReduceGroup reduce_;
+};
+
+}  // namespace
+
+std::shared_ptr<DistributedGroup> nccl_group(std::shared_ptr<ProcessGroup> group) {
+  CUDP_CHECK(group != nullptr, "nccl_group: the process group is null");
+  return std::make_shared<NcclGroup>(std::move(group));
+}
+
+std::shared_ptr<DistributedGroup> mpi_host_group(const mpi::Session& session) {
+  return std::make_shared<MpiHostGroup>(session);
+}
+
+// ---- DistributedDataParallel
+// ---------------------------------------------------------------------
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<Module> module,
+                                                 std::shared_ptr<DistributedGroup> group,
+                                                 DistributedDataParallelOptions options)
+    : module_(std::move(module)), group_(std::move(group)), options_(options) {
+  CUDP_CHECK(module_ != nullptr, "DistributedDataParallel: the module is null");
+  CUDP_CHECK(group_ != nullptr, "DistributedDataParallel: the group is null");
+  register_module("module", module_);
+  training_ = module_->is_training();
+  device_ = module_->device();
+  std::tie(flat_data_, flat_grad_) = module_->flatten_parameters();
+  broadcast_parameters();
+  reducer_ =
+      std::make_unique<Reducer>(std::vector<std::vector<Parameter*>>{module_->parameters()},
+                                TensorList{flat_grad_}, group_->reduce_group(), options_.reducer);
+  reducer_->attach(0, *module_);
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+TensorList DistributedDataParallel::buffer_tensors() {
+  TensorList buffers;
+  for (auto& [name, buffer] : module_->named_buffers()) {
+    if (buffer->defined() && buffer->numel() > 0) buffers.push_back(*buffer);
+  }
+  return buffers;
+}
+
+void DistributedDataParallel::broadcast_parameters() {
+  TensorList tensors{flat_data_};
+  for (const Tensor& b : buffer_tensors()) tensors.push_back(b);
+  group_->broadcast(tensors, 0);
+}
+
+void DistributedDataParallel::broadcast_buffers() {
+  const TensorList buffers = buffer_tensors();
+  if (!buffers.empty()) group_->broadcast(buffers, 0);
+}
+
+double DistributedDataParallel::loss_weight() {
+  CUDP_CHECK(local_rows_ > 0, "DistributedDataParallel::loss_weight: no forward has run yet");
+  if (global_rows_ < 0) global_rows_ = group_->sum(local_rows_);
+  return static_cast<double>(local_rows_) / static_cast<double>(global_rows_);
+}
+
+TensorList DistributedDataParallel::forward_impl(const TensorList& inputs) {
+  CUDP_CHECK(!inputs.empty() && inputs[0].dim() >= 1,
+             "DistributedDataParallel: the first input must have a batch dimension");
+  // Training forwards only: an evaluation on rank 0 alone (a validation pass) must not wait for
+  // the other ranks.
+  if (options_.broadcast_buffers && is_training() && world_size() > 1) broadcast_buffers();
+  local_rows_ = inputs[0].size(0);
+  global_rows_ = -1;
+  return module_->forward_all(inputs);
+}
+
+TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs) {
+  if (!gradient_sync_) return module_->backward_all(grad_outputs);
+  CUDP_CHECK(reducer_->layout_intact(),
+             "DistributedDataParallel: the module's gradients no longer view the flat buffer made "
+             "at construction (flatten_parameters() was called again, or the module was moved); "
+             "wrap the module anew after changing it");
+  const nvtx::Range range("DistributedDataParallel backward");
+  reducer_->prepare(1);
+  TensorList grads;
+  try {
+    grads = module_->backward_all(grad_outputs);
+  } catch (...) {
+    reducer_->abandon();
+    throw;
+  }
+  reducer_->finish();
+  return grads;
+}
+
+std::shared_ptr<Module> DistributedDataParallel::make_empty_copy() const {
+  CUDP_THROW(ValueError,
+             "DistributedDataParallel cannot be cloned: it holds a reducer bound to its group; "
+             "clone the wrapped module() and wrap the copy in a new DistributedDataParallel");
+}
+
+}  // namespace cudp::parallel

@@ -1,0 +1,153 @@
+// DistributedDataParallel: PyTorch's nn.parallel.DistributedDataParallel, one rank per process
+// (docs/distributed.md). Each process holds one replica of the model on its device and feeds it
+// its own shard of the global batch (data::DistributedSampler).
+//
+//   construction  the module's parameters are flattened (Module::flatten_parameters) and, with its
+//                 buffers, broadcast from rank 0, so every rank starts identical
+//   forward       in training mode (broadcast_buffers, as PyTorch's default) rank 0's buffers
+//                 (BatchNorm running statistics) to every rank, then the module's forward on this
+//                 rank's shard; in evaluation mode no collective, so rank 0 may evaluate alone
+//   backward      the module's backward; the Reducer (engine/parallel/reducer.h, one local rank)
+//                 all-reduces the flat gradient buffer in buckets as the backward completes them,
+//                 overlapped with the rest of it; compute waits for the last bucket at its end
+//
+// Gradients are summed over the ranks, not averaged, as DataParallel's (data_parallel.h): rank r's
+// loss is the mean over its n_r samples weighted by n_r / B (B the global batch, the sum of every
+// rank's n_r), so that the sum of the ranks' gradients is the gradient of the mean loss over the
+// global batch, uneven shards included, and 1 process on the whole batch is N processes on its
+// shards. loss_weight() gives n_r / B for the last forward (CrossEntropyLoss::forward's `weight`).
+// PyTorch's DDP averages instead (it divides by the world size); with equal shards the two agree.
+//
+// The optimizer is a plain one on ddp.parameters() (the replica of this process), made after the
+// DistributedDataParallel (flattening re-points the parameters). Every rank starts from the same
+// values and steps with the same summed gradient, so replicas stay bit-identical.
+//
+// no_sync(): a scope in which backward leaves the gradients local (accumulation over
+// micro-batches); the first backward with sync on again sums everything accumulated.
+//
+// Not covered: BatchNorm2d's host copy of num_batches_tracked (num_batches_tracked()) is not
+// re-read after a broadcast; the buffer itself, which the module counts from and saves, is rank
+// 0's. The host copy differs only where ranks started with different counts.
+//
+// The ranks are reached through a DistributedGroup: nccl_group(process_group) for GPUs (NCCL, one
+// device per process), or mpi_host_group(session) for a model on the host, with MPI moving the
+// data (only in a build with MPI; what the tests run under mpirun without a GPU).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "engine/parallel/process_group.h"
+#include "engine/parallel/reducer.h"
+
+namespace cudp::parallel {
+
+namespace mpi {
+class Session;
+}
+
+// What DistributedDataParallel needs from the ranks. Every call is collective: every rank makes it,
+// in the same order.
+class DistributedGroup {
+ public:
+  virtual ~DistributedGroup() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // The Reducer's interface to the ranks, with one local rank (this process).
+  virtual ReduceGroup& reduce_group() = 0;
+  // Rank `root`'s tensors to every rank, in place (same shapes and dtypes everywhere).
+  virtual void broadcast(const TensorList& tensors, int root) = 0;
+  // The sum of `value` over every rank, on the host.
+  virtual int64_t sum(int64_t value) = 0;
+};
+
+// A ProcessGroup of one device per process (ProcessGroup::from_mpi / create, or local({device}) for
+// a world of one): NCCL collectives on the group's communicator; tensors live on its device.
+std::shared_ptr<DistributedGroup> nccl_group(std::shared_ptr<ProcessGroup> group);
+// MPI_COMM_WORLD of `session`, on host (CPU) tensors: MPI_Allreduce and MPI_Bcast. The session
+// must outlive the group. Throws in a build without MPI (mpi::available()).
+std::shared_ptr<DistributedGroup> mpi_host_group(const mpi::Session& session);
+
+struct DistributedDataParallelOptions {
+  ReducerOptions reducer;         // bucket size and overlap of the gradient all-reduce
+  bool broadcast_buffers = true;  // rank 0's buffers to every rank before each forward
+};
+
+class DistributedDataParallel : public Module {
+ public:
+  // `module` must already be on the group's device (the host for mpi_host_group). Collective: every
+  // rank constructs it, with the same model structure.
+  DistributedDataParallel(std::shared_ptr<Module> module, std::shared_ptr<DistributedGroup> group,
+                          DistributedDataParallelOptions options = {});
+  ~DistributedDataParallel() override;
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+  DistributedDataParallel(DistributedDataParallel&&) = delete;
+  DistributedDataParallel& operator=(DistributedDataParallel&&) = delete;
+
+  std::string type_name() const override { return "DistributedDataParallel"; }
+
+  const std::shared_ptr<Module>& module() const { return module_; }
+  DistributedGroup& group() const { return *group_; }
+  int rank() const { return group_->rank(); }
+  int world_size() const { return group_->world_size(); }
+  const Reducer& reducer() const { return *reducer_; }
+
+  // n_r / B for the last forward: this rank's rows over the rows of every rank's last forward
+  // (collective: every rank calls it after the same forward; one host all-reduce of a count, made
+  // once per forward). The weight of this rank's mean loss.
+  double loss_weight();
+  int64_t local_batch() const { return local_rows_; }
+
+  // Rank 0's parameters and buffers to every rank (after changing them outside the optimizer, e.g.
+  // load_state_dict on rank 0 alone); rank 0's buffers only. Collective.
+  void broadcast_parameters();
+  void broadcast_buffers();
+
+  // Whether backward sums the gradients over the ranks (true unless set); PyTorch's
+  // require_backward_grad_sync.
+  void set_gradient_sync(bool on) { gradient_sync_ = on; }
+  bool gradient_sync() const { return gradient_sync_; }
+  // PyTorch DDP's no_sync(): gradient sync off while the guard lives, then as it was.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp), was_(ddp.gradient_sync()) {
+      ddp.set_gradient_sync(false);
+    }
+    ~NoSync() { ddp_->set_gradient_sync(was_); }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync(NoSync&&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    DistributedDataParallel* ddp_;
+    bool was_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+ protected:
+  TensorList forward_impl(const TensorList& inputs) override;
+  TensorList backward_impl(const TensorList& grad_outputs) override;
+  // A DistributedDataParallel owns a reducer bound to its group: clone the wrapped module and wrap
+  // the copy instead.
+  std::shared_ptr<Module> make_empty_copy() const override;
+
+ private:
+  TensorList buffer_tensors();
+
+  std::shared_ptr<Module> module_;
+  std::shared_ptr<DistributedGroup> group_;
+  DistributedDataParallelOptions options_;
+  Tensor flat_data_, flat_grad_;
+  std::unique_ptr<Reducer> reducer_;
+  bool gradient_sync_ = true;
+  int64_t local_rows_ = 0;
+  int64_t global_rows_ = -1;  // -1: not yet summed for the last forward
+};
+
+}  // namespace cudp::parallel
+
+namespace cudp {
+using parallel::DistributedDataParallel;
+}  // namespace cudp

@@ -1,0 +1,97 @@
+// DistributedDataParallel (engine/parallel/ddp.h) on one GPU through NCCL: a world of one
+// (ProcessGroup::local({0})), where the all-reduce of each bucket sums one rank and so must leave
+// every gradient as it was. The truth is the plain module, trained beside it from the same
+// initialisation without any DDP: gradients and weights are compared bit for bit after every step
+// (several buckets, so the reducer's slicing of the flat buffer is exercised). The multi-rank
+// semantics are tested on the host under mpirun (mpi_ddp_test.cpp); this test shows that the NCCL
+// group, the reducer's events and streams and the wrapping leave a GPU step unchanged.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "common/gpu.h"
+#include "common/tensor_bytes.h"
+#include "engine/parallel/ddp.h"
+#include "layers/activation.h"
+#include "layers/batchnorm.h"
+#include "layers/conv2d.h"
+#include "layers/flatten.h"
+#include "layers/linear.h"
+#include "layers/loss.h"
+#include "layers/optim.h"
+#include "layers/pooling.h"
+#include "layers/sequential.h"
+
+namespace cudp::parallel {
+namespace {
+
+using testing::bytes_of;
+
+std::shared_ptr<Sequential> tiny_net() {
+  return std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
+      std::make_shared<Conv2d>(3, 16, 3, 1, 1, true, 11), std::make_shared<BatchNorm2d>(16),
+      std::make_shared<ReLU>(true), std::make_shared<MaxPool2d>(2),
+      std::make_shared<Conv2d>(16, 16, 3, 1, 1, true, 12), std::make_shared<BatchNorm2d>(16),
+      std::make_shared<ReLU>(true), std::make_shared<MaxPool2d>(2), std::make_shared<Flatten>(),
+      std::make_shared<Linear>(16 * 2 * 2, 10, true, 13)});
+}
+
+TEST(DdpGpu, AWorldOfOneGivesThePlainModulesGradientsBitForBit) {
+  CUDP_REQUIRE_GPU();
+  const Device gpu = Device::cuda(0);
+  auto plain = tiny_net();
+  plain->cuda(0);
+  auto wrapped = tiny_net();
+  wrapped->cuda(0);
+  DistributedDataParallel ddp(wrapped, nccl_group(ProcessGroup::local({0})),
+                              {.reducer = {.bucket_cap_bytes = 4096, .overlap = true}});
+  ASSERT_GT(ddp.reducer().buckets().size(), 1u);
+  SGD sgd_plain(plain->parameters(), {.lr = 0.1, .momentum = 0.9});
+  SGD sgd_ddp(ddp.parameters(), {.lr = 0.1, .momentum = 0.9});
+  CrossEntropyLoss crit_plain, crit_ddp;
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<float> pixel(-1.f, 1.f);
+  std::uniform_int_distribution<int32_t> label(0, 9);
+  for (int step = 0; step < 3; ++step) {
+    const int n = 6;
+    std::vector<float> images(static_cast<size_t>(n) * 8 * 8 * 3);
+    for (float& v : images) v = pixel(gen);
+    std::vector<int32_t> labels(n);
+    for (int32_t& v : labels) v = label(gen);
+    const Tensor x = Tensor::from_vector(images, {n, 8, 8, 3}).to(gpu);
+    const Tensor y = Tensor::from_vector(labels, {n}).to(gpu);
+
+    sgd_plain.zero_grad();
+    crit_plain.forward(plain->forward(x), y);
+    plain->backward(crit_plain.backward());
+
+    sgd_ddp.zero_grad();
+    const Tensor out = ddp.forward(x);
+    EXPECT_EQ(ddp.loss_weight(), 1.0);  // one rank holds the whole batch
+    crit_ddp.forward(out, y, ddp.loss_weight());
+    ddp.backward(crit_ddp.backward());
+    EXPECT_EQ(ddp.reducer().issued_before_finish(), ddp.reducer().buckets().size())
+        << "every bucket's all-reduce starts during the backward";
+
+    const auto a = plain->named_parameters(), b = wrapped->named_parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t k = 0; k < a.size(); ++k) {
+      EXPECT_EQ(a[k].second->grad.to_vector<float>(), b[k].second->grad.to_vector<float>())
+          << "step " << step << ": the gradient of " << a[k].first;
+    }
+    sgd_plain.step();
+    sgd_ddp.step();
+  }
+  EXPECT_EQ(bytes_of(plain->state_dict()), bytes_of(wrapped->state_dict()));
+}
+
+TEST(DdpGpu, AWorldOfOneIsRankZeroAndSumsToItself) {
+  CUDP_REQUIRE_GPU();
+  auto group = nccl_group(ProcessGroup::local({0}));
+  EXPECT_EQ(group->world_size(), 1);
+  EXPECT_EQ(group->rank(), 0);
+  EXPECT_EQ(group->sum(7), 7);
+}
+
+}  // namespace
+}  // namespace cudp::parallel

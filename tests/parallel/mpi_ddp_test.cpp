@@ -1,0 +1,249 @@
+// DistributedDataParallel (engine/parallel/ddp.h) on the host, run by ctest under mpirun with 2 and
+// with 3 ranks (tests/CMakeLists.txt; built only with MPI). Each rank holds a small
+// conv/BatchNorm/linear model on the CPU, and MPI moves the data (mpi_host_group), so no GPU is
+// needed; the Reducer, the loss weighting, the broadcasts and no_sync are the ones a GPU run uses.
+//
+// The truth is computed on every rank without DDP and without MPI: one process, one model, the
+// whole global batch (ddp_truth.h says how, BatchNorm included).
+//
+// Run directly (no mpirun) it is a world of one, and the same checks hold.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/mpi_environment.h"
+#include "engine/parallel/ddp.h"
+#include "parallel/ddp_truth.h"
+
+namespace cudp::parallel {
+namespace {
+
+using namespace testing::ddp;  // NOLINT: the shared model, batches and truth
+using testing::mpi_session;
+
+// Tolerance of the parameters (and running statistics) after kSteps steps, against the truth.
+// Both runs compute every shard's gradient with the same kernels on the same values; they differ
+// only in how the W shard gradients g_r of an element are added. The truth accumulates them in the
+// layers' CPU kernels, which sum a shard's products in double and round once onto the gradient
+// already there: fl(G + a_r) with a_r exact-ish; DDP rounds each shard's g_r = fl(a_r) alone and
+// MPI adds the W floats in an order of its own. Each of the W - 1 additions on either side rounds
+// once, and each g_r is rounded once more, so one element's gradients differ by at most
+// about 3W u (|g_0| + ... + |g_{W-1}|), u = 2^-24: 1 to 2 ulps of the gradient's magnitude, a
+// relative 4e-7 (W = 2) or 5e-7 (W = 3). The first step moves the weights by lr = 0.1 times that;
+// later steps add the gradient's response to those differences (the curvature times lr, O(1) for a
+// step size that trains) and momentum 0.9 carries them on, so after kSteps = 4 steps the drift is a
+// few times 1e-7 relative to the parameters' and statistics' O(0.01..1) magnitudes (the test prints
+// the largest it saw; about 1e-7 on this machine). 1e-5 absolute + 1e-5 relative leaves a margin
+// of more than 10 over that and still catches a mis-weighted shard, which moves the parameters by
+// more than 1e-3 (WeightingTheShardsByOneOverWIsCaught). The conv biases before BatchNorm have a
+// true gradient of zero (BatchNorm removes the mean) and hold rounding noise of 1e-10; the
+// absolute term covers them.
+constexpr double kAbsolute = 1e-5, kRelative = 1e-5;
+
+double largest_error = 0;  // the largest |got - truth| seen, printed for the record
+
+void expect_close_to_truth(const std::vector<float>& got, const std::vector<float>& truth,
+                           const std::string& what) {
+  ASSERT_EQ(got.size(), truth.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    largest_error = std::max(largest_error, double(std::abs(got[i] - truth[i])));
+    ASSERT_NEAR(got[i], truth[i], kAbsolute + kRelative * std::abs(truth[i]))
+        << what << " element " << i;
+  }
+}
+
+struct Trained {
+  std::shared_ptr<Sequential> model;
+  std::unique_ptr<DistributedDataParallel> ddp;
+};
+
+// kSteps steps of DDP, each rank on its shard, weighting its loss by ddp.loss_weight().
+Trained ddp_run() {
+  Trained t;
+  t.model = tiny_net();
+  t.ddp = std::make_unique<DistributedDataParallel>(t.model, mpi_host_group(*mpi_session()));
+  DistributedDataParallel& ddp = *t.ddp;
+  SGD sgd(ddp.parameters(), kSgd);
+  CrossEntropyLoss criterion;
+  for (int step = 0; step < kSteps; ++step) {
+    const Batch s = shard(make_batch(kGlobalBatch, 500 + step), ddp.rank(), ddp.world_size());
+    sgd.zero_grad();
+    const Tensor out = ddp.forward(s.images);
+    criterion.forward(out, s.labels, ddp.loss_weight());
+    ddp.backward(criterion.backward());
+    sgd.step();
+  }
+  return t;
+}
+
+TEST(MpiDdp, KStepsOnTheRanksShardsAreOneProcessOnTheWholeBatch) {
+  ASSERT_NE(mpi_session(), nullptr);
+  Trained t = ddp_run();
+  DistributedDataParallel& ddp = *t.ddp;
+  const int world = ddp.world_size();
+  std::vector<std::vector<Tensor>> truth_buffers;
+  auto truth = one_process(Device::cpu(), world, share_of_batch, &truth_buffers);
+
+  const auto got = t.model->named_parameters();
+  const auto want = truth->named_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    expect_close_to_truth(got[k].second->data.to_vector<float>(),
+                          want[k].second->data.to_vector<float>(), got[k].first);
+    EXPECT_EQ(differs_from_rank0(got[k].second->data), 0u)
+        << "rank " << ddp.rank() << "'s " << got[k].first << " differs from rank 0's";
+  }
+  // Rank r's buffers are rank 0's up to the last step, then updated by shard r (the broadcast
+  // before each forward): without that broadcast they would hold shard r's statistics alone.
+  const auto buffers = t.model->named_buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (buffers[i].second->dtype() != DType::f32) continue;
+    expect_close_to_truth(buffers[i].second->to_vector<float>(),
+                          truth_buffers[static_cast<size_t>(ddp.rank())][i].to_vector<float>(),
+                          "buffer " + buffers[i].first);
+  }
+  std::printf("rank %d of %d: largest |DDP - one process| after %d steps: %.3g\n", ddp.rank(),
+              world, kSteps, largest_error);
+  // And broadcast_buffers() makes them rank 0's, bit for bit.
+  ddp.broadcast_buffers();
+  for (const auto& [name, buffer] : buffers) {
+    EXPECT_EQ(differs_from_rank0(*buffer), 0u) << "rank " << ddp.rank() << "'s buffer " << name;
+  }
+}
+
+// The test above can fail: the truth with each shard weighted 1 / W (PyTorch's averaging applied to
+// our summed convention with uneven shards) is far from DDP's result beyond the tolerance.
+TEST(MpiDdp, WeightingTheShardsByOneOverWIsCaught) {
+  ASSERT_NE(mpi_session(), nullptr);
+  const int world = mpi_session()->info().world_size;
+  if (world == 1) GTEST_SKIP() << "one rank: 1 / W is n_r / B";
+  Trained t = ddp_run();
+  static int w = 0;
+  w = world;
+  auto wrong = one_process(
+      Device::cpu(), world, [](int64_t, int64_t) { return 1.0 / w; }, nullptr);
+  double largest = 0;
+  const auto got = t.model->parameters();
+  const auto want = wrong->parameters();
+  for (size_t k = 0; k < got.size(); ++k) {
+    const auto a = got[k]->data.to_vector<float>(), b = want[k]->data.to_vector<float>();
+    for (size_t i = 0; i < a.size(); ++i)
+      largest = std::max(largest, double(std::abs(a[i] - b[i])));
+  }
+  EXPECT_GT(largest, 1e-3) << "a 1 / W weighting is not told apart from n_r / B";
+}
+
+TEST(MpiDdp, ConstructionMakesEveryRankRankZerosModel) {
+  ASSERT_NE(mpi_session(), nullptr);
+  const int rank = mpi_session()->info().rank;
+  // Each rank initialises with its own seeds and moves its running statistics with its own data.
+  auto model = tiny_net(static_cast<uint64_t>(rank) * 100);
+  model->forward(make_batch(5, 900 + static_cast<uint64_t>(rank)).images);
+  const std::vector<Tensor> own_params = [&] {
+    std::vector<Tensor> out;
+    for (Parameter* p : model->parameters()) out.push_back(p->data.clone());
+    return out;
+  }();
+  if (mpi_session()->info().world_size > 1) {
+    size_t differing = 0;
+    for (const Tensor& p : own_params) differing += differs_from_rank0(p);
+    if (rank > 0) {
+      EXPECT_GT(differing, 0u) << "the ranks' models must differ before DDP for this test to mean "
+                                  "anything";
+    }
+  }
+  DistributedDataParallel ddp(model, mpi_host_group(*mpi_session()));
+  const auto params = model->parameters();
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_EQ(differs_from_rank0(params[k]->data), 0u) << "rank " << rank << " parameter " << k;
+    if (rank == 0) {
+      EXPECT_EQ(params[k]->data.to_vector<float>(), own_params[k].to_vector<float>())
+          << "rank 0's parameter " << k << " changed";
+    }
+  }
+  for (const auto& [name, buffer] : model->named_buffers()) {
+    EXPECT_EQ(differs_from_rank0(*buffer), 0u) << "rank " << rank << " buffer " << name;
+  }
+}
+
+// no_sync: a backward inside it leaves this rank's own gradient (what a plain model computes on the
+// shard, bit for bit); the next backward, synced, sums both micro-batches over every rank.
+TEST(MpiDdp, NoSyncKeepsGradientsLocalUntilTheNextSyncedBackward) {
+  ASSERT_NE(mpi_session(), nullptr);
+  auto model = tiny_net();
+  DistributedDataParallel ddp(model, mpi_host_group(*mpi_session()));
+  const int rank = ddp.rank(), world = ddp.world_size();
+  CrossEntropyLoss criterion;
+  const Batch micro[2] = {make_batch(kGlobalBatch, 700), make_batch(kGlobalBatch, 701)};
+  ddp.zero_grad();
+  {
+    const auto guard = ddp.no_sync();
+    const Batch s = shard(micro[0], rank, world);
+    const Tensor out = ddp.forward(s.images);  // before loss_weight(): it is the forward's
+    criterion.forward(out, s.labels, ddp.loss_weight());
+    ddp.backward(criterion.backward());
+  }
+  EXPECT_TRUE(ddp.gradient_sync());
+  // Every parameter's gradient, one after the other.
+  const auto gradients = [](Module& model) {
+    std::vector<float> all;
+    for (Parameter* p : model.parameters()) {
+      const auto v = p->grad.to_vector<float>();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  // The truth of each micro-batch's shards: plain models from the same initialisation, no DDP.
+  std::vector<std::vector<std::vector<float>>> own(2);  // own[m][r]: shard r of micro-batch m
+  for (int m = 0; m < 2; ++m) {
+    for (int r = 0; r < world; ++r) {
+      auto plain = tiny_net();
+      const Batch s = shard(micro[m], r, world);
+      CrossEntropyLoss c;
+      const Tensor out = plain->forward(s.images);
+      c.forward(out, s.labels, CrossEntropyLoss::chunk_weight(s.images.size(0), kGlobalBatch));
+      plain->backward(c.backward());
+      own[m].push_back(gradients(*plain));
+    }
+  }
+  EXPECT_EQ(gradients(*model), own[0][static_cast<size_t>(rank)])
+      << "inside no_sync the gradient must be this rank's own";
+
+  const Batch s = shard(micro[1], rank, world);
+  const Tensor out = ddp.forward(s.images);
+  criterion.forward(out, s.labels, ddp.loss_weight());
+  ddp.backward(criterion.backward());
+  // Every rank: the sum of the 2W terms own[m][r]. DDP adds each rank's two (the kernel rounding
+  // the second, accumulated in double, onto the first) and MPI the W results in its order; the
+  // truth here adds them in float in its own order. Each side rounds at most 2W + 1 times, each
+  // rounding off by at most u = 2^-24 times the sum of the terms' magnitudes, so per element
+  // |DDP - truth| <= 2 (2W + 1) u sum |own[m][r]|: a bound derived for each element, not a guess.
+  const std::vector<float> got = gradients(*model);
+  std::vector<float> truth(got.size(), 0.f);
+  std::vector<double> magnitude(got.size(), 0.0);
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < truth.size(); ++i) {
+      truth[i] += own[0][r][i] + own[1][r][i];
+      magnitude[i] += std::abs(double(own[0][r][i])) + std::abs(double(own[1][r][i]));
+    }
+  }
+  const double u = std::ldexp(1.0, -24);
+  double worst = 0;  // the largest |error| / bound seen
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double bound = 2 * (2 * world + 1) * u * magnitude[i];
+    const double error = std::abs(double(got[i]) - double(truth[i]));
+    if (bound > 0) worst = std::max(worst, error / bound);
+    ASSERT_LE(error, bound) << "gradient element " << i << ": " << got[i] << " against "
+                            << truth[i];
+  }
+  std::printf("rank %d of %d: no_sync gradients: largest error %.2f of its bound\n", rank, world,
+              worst);
+  for (Parameter* p : ddp.parameters()) EXPECT_EQ(differs_from_rank0(p->grad), 0u);
+}
+
+}  // namespace
+}  // namespace cudp::parallel
