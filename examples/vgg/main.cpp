@@ -1231,7 +1231,8 @@ int run(Options o) {
     images_seen *= g_ranks.world;  // every rank's (the shards are equal: the sampler pads them)
     purpose.reset();  // the epoch's training allocations end here
     // Rank 0 evaluates the whole test set alone (the others go on to the next epoch and wait for
-    // it at its first collective); other ranks report zeros they never print.
+    // it at its first collective, a wait the collective timeout bounds on GPUs); other ranks
+    // report zeros they never print.
     const Eval test = rank == 0 ? evaluate() : Eval{0, 0, 0};
     if (tty) std::printf("\n");
     std::printf("epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "

@@ -13,7 +13,7 @@
 //     process's batch). The tolerance can fail: one process on another batch (4 images per step) is
 //     far outside it.
 //   - Rank 0 alone prints, and writes the JSON log, the run folder and the checkpoint: each line
-//     and record appears once.
+//     and record appears once; an error names its rank.
 //   - An exact resume on 2 ranks: 2 epochs straight equal 1 epoch, stop, and --resume for the
 //     second, bit for bit (the checksum of every state_dict entry), with BatchNorm, Dropout and the
 //     onecycle schedule on; the checkpoint records the number of ranks, and resuming it in one
@@ -185,6 +185,19 @@ TEST(VggMpi, ResumeOnTwoRanksIsExact) {
   EXPECT_TRUE(contains(second.output, "epoch 2/2:")) << second.output;
   EXPECT_EQ(checksum_of(second), sum) << "the resumed 2-rank run differs from the straight one:\n"
                                       << second.output;
+}
+
+// A rank's error names the rank, every rank's exit ends the job, and mpirun passes the exit code
+// on: --gpus with a list is refused (each rank drives the GPU of its local rank).
+TEST(VggMpi, ErrorsNameTheRank) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const RunResult r = run_ranks(dir, 2, "--gpus 0 --data synthetic");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "cudp-vgg: rank 0 of 2: --gpus with several processes"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "cudp-vgg: rank 1 of 2: --gpus with several processes"))
+      << r.output;
 }
 
 }  // namespace
