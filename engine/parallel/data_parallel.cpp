@@ -363,6 +363,7 @@ std::vector<TensorList> DataParallel::backward_replicas(
   }
   std::vector<TensorList> input_grads = run_backward(grad_outputs);
   if (set_) set_->end_backward(gradient_sync_);
+  forward_done_ = false;  // as Module::backward_all: a second backward needs a new forward
   return input_grads;
 }
 

@@ -156,7 +156,15 @@ double DistributedDataParallel::loss_weight() {
   return static_cast<double>(local_rows_) / static_cast<double>(global_rows_);
 }
 
+void DistributedDataParallel::check_not_broken() const {
+  CUDP_CHECK(!broken_, "DistributedDataParallel: rank ", rank(), " of ", world_size(),
+             ": an earlier backward failed part-way through its gradient all-reduce, so the "
+             "ranks' collectives are out of step; end the job on every rank and restart it "
+             "(from the last checkpoint)");
+}
+
 TensorList DistributedDataParallel::forward_impl(const TensorList& inputs) {
+  check_not_broken();
   CUDP_CHECK(!inputs.empty() && inputs[0].dim() >= 1,
              "DistributedDataParallel: the first input must have a batch dimension");
   // Training forwards only: an evaluation on rank 0 alone (a validation pass) must not wait for
@@ -168,6 +176,13 @@ TensorList DistributedDataParallel::forward_impl(const TensorList& inputs) {
 }
 
 TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs) {
+  // After a synced backward every rank holds the total. A rank other than 0 drops it before it adds
+  // another backward's part, or the next all-reduce would count it once per rank; rank 0 keeps it,
+  // so that gradients accumulate as in one model (DataParallel's replicas do the same). With a
+  // zero_grad() in between this is a redundant memset of the flat gradient buffer.
+  check_not_broken();
+  if (holds_total_ && rank() != 0) flat_grad_.zero_();
+  holds_total_ = false;
   if (!gradient_sync_) return module_->backward_all(grad_outputs);
   CUDP_CHECK(reducer_->layout_intact(),
              "DistributedDataParallel: the module's gradients no longer view the flat buffer made "
@@ -179,10 +194,15 @@ TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs
   try {
     grads = module_->backward_all(grad_outputs);
   } catch (...) {
+    // This rank issued only some of the step's buckets while the others issue them all: from here
+    // the ranks' collectives would pair up wrongly (or wait forever), so this wrapper refuses any
+    // further step instead of letting a caught error lead to silently wrong sums.
     reducer_->abandon();
+    broken_ = true;
     throw;
   }
   reducer_->finish();
+  holds_total_ = true;
   return grads;
 }
 

@@ -136,10 +136,14 @@ class DistributedDataParallel : public Module {
  private:
   TensorList buffer_tensors();
 
+  void check_not_broken() const;
+
   std::shared_ptr<Module> module_;
   std::shared_ptr<DistributedGroup> group_;
   DistributedDataParallelOptions options_;
   Tensor flat_data_, flat_grad_;
+  bool holds_total_ = false;  // the last backward was synced: flat_grad_ holds the ranks' total
+  bool broken_ = false;       // a backward failed mid-all-reduce: the ranks are out of step
   std::unique_ptr<Reducer> reducer_;
   bool gradient_sync_ = true;
   int64_t local_rows_ = 0;

@@ -189,8 +189,9 @@ void Reducer::on_backward(size_t rank, const std::vector<size_t>& params) {
     const int left = --left_[b][rank];
     CUDP_CHECK(left >= 0, "Reducer: parameter ", k, " of rank ", rank,
                " was completed twice in one backward (a module whose backward runs twice, "
-               "sharing its weights); its bucket may already be summed. Turn overlap off "
-               "(ReducerOptions::overlap, DataParallel::set_overlap(false)) for such a model");
+               "sharing its weights); its bucket may already be summed. Turn overlap off for "
+               "such a model: DataParallel::set_reducer_options({.overlap = false}), or "
+               "DistributedDataParallelOptions::reducer.overlap = false");
     if (left > 0) continue;
     group_.mark_ready(rank, b);
     if (--ranks_left_[b] == 0) {

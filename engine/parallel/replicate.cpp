@@ -190,8 +190,9 @@ void ReplicaSet::set_reducer_options(ReducerOptions options) {
 
 void ReplicaSet::begin_backward(size_t active, bool reduce) {
   zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
-  reducing_ = reduce && reducer_ && reducer_->layout_intact();
-  if (reducing_) reducer_->prepare(active);
+  const bool reducing = reduce && reducer_ && reducer_->layout_intact();
+  if (reducing) reducer_->prepare(active);  // first: if it throws, no backward is marked as running
+  reducing_ = reducing;
 }
 
 void ReplicaSet::end_backward(bool reduce) {

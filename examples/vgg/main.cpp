@@ -1,12 +1,14 @@
-// cudp-vgg: trains a VGG on Fashion-MNIST (the default), MNIST, CIFAR-10, an ImageFolder of your own
-// JPEGs and PNGs (data/image_folder.h) or generated data, on every visible GPU (or the ones given),
-// with the data-parallel engine. The program most users run first.
+// cudp-vgg: trains a VGG on Fashion-MNIST (the default), MNIST, CIFAR-10, an ImageFolder of your
+// own JPEGs and PNGs (data/image_folder.h) or generated data, on every visible GPU (or the ones
+// given), with the data-parallel engine. The program most users run first.
 //
 //   cudp-vgg                                       # VGG-16-BN, Fashion-MNIST, all GPUs, 10 epochs
-//   cudp-vgg --gpus 0 --epochs 2 --output runs/a   # run folder: metrics.csv, curves.png, checkpoints
-//   cudp-vgg --resume runs/a --epochs 4            # continues exactly where the checkpoint stopped
-//   cudp-vgg --data folder --data-dir pets --image-size 224   # pets/train/<class>/, pets/val/...
-//   cudp-vgg --data synthetic --arch vgg11 --epochs 1 --limit-train 64 --limit-test 32
+//   cudp-vgg --gpus 0 --epochs 2 --output runs/a   # run folder: metrics.csv, curves.png,
+//   checkpoints cudp-vgg --resume runs/a --epochs 4            # continues exactly where the
+//   checkpoint stopped mpirun -np 2 cudp-vgg --batch-size 128         # one process per GPU,
+//   DistributedDataParallel cudp-vgg --data folder --data-dir pets --image-size 224   #
+//   pets/train/<class>/, pets/val/... cudp-vgg --data synthetic --arch vgg11 --epochs 1
+//   --limit-train 64 --limit-test 32
 //            --batch-size 32                       # a CI smoke run on the CPU (the CPU references
 //                                                  # train a few images per second)
 //
@@ -22,19 +24,28 @@
 //
 // The loop, per step: the loader's next pinned batch is copied to the first GPU on a copy stream,
 // DataParallel scatters it, runs forward, gathers the logits on the first GPU, the loss and its
-// gradient are computed there, backward runs on the replicas with an NCCL all-reduce, the gradients'
-// global norm is reduced on the device (clipped with --clip-grad) and the optimizer updates every
-// replica. The step's loss, gradient norm, logits and labels stay on the device (the logits and
-// labels are copied to pinned host buffers on the stream); the host reads them only at a read point
-// (a progress line, every 64 steps, the end of the epoch), which is where the divergence guard looks
-// at them: no host synchronisation per step. --on-nan skip-step decides on the device: a flag
-// computed there from the loss and the norm (nonfinite_flag) is copied to every replica and the
-// optimizer skips the update there (Optimizer::step(skip), layers/optim.h); the host names the
+// gradient are computed there, backward runs on the replicas with an NCCL all-reduce, the
+// gradients' global norm is reduced on the device (clipped with --clip-grad) and the optimizer
+// updates every replica. The step's loss, gradient norm, logits and labels stay on the device (the
+// logits and labels are copied to pinned host buffers on the stream); the host reads them only at a
+// read point (a progress line, every 64 steps, the end of the epoch), which is where the divergence
+// guard looks at them: no host synchronisation per step. --on-nan skip-step decides on the device:
+// a flag computed there from the loss and the norm (nonfinite_flag) is copied to every replica and
+// the optimizer skips the update there (Optimizer::step(skip), layers/optim.h); the host names the
 // skipped steps at the next read point and counts them, from the optimizer, at the epoch's end.
 //
-// The divergence guard: a non-finite loss or gradient norm stops the run (exit 1) with the step, the
-// epoch and the last good checkpoint; before any checkpoint is written the model's state is checked
-// to be finite, so a diverged run never overwrites good weights.
+// Under mpirun (or srun; a world of more than one rank, engine/parallel/mpi_bootstrap.h, in a build
+// with MPI) every process is one rank: its local rank picks its GPU, the model is wrapped in
+// DistributedDataParallel (engine/parallel/ddp.h) over NCCL, or over MPI with --gpus none, each
+// rank trains on its DistributedSampler shard of every epoch's order with --batch-size images per
+// step, and its loss is weighted by loss_weight(). Rank 0 alone prints, evaluates, writes the JSON
+// log, the run folder and the checkpoints; the training metrics are summed over the ranks first.
+// The other ranks' standard output goes to /dev/null; their errors print with their rank. A
+// checkpoint records the number of ranks: resuming needs the same number (docs/distributed.md).
+//
+// The divergence guard: a non-finite loss or gradient norm stops the run (exit 1) with the step,
+// the epoch and the last good checkpoint; before any checkpoint is written the model's state is
+// checked to be finite, so a diverged run never overwrites good weights.
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -57,6 +68,7 @@
 #include "data/image_folder.h"
 #include "data/loader.h"
 #include "data/prefetcher.h"
+#include "data/sampler.h"
 #include "data/synthetic.h"
 #include "engine/core/device.h"
 #include "engine/core/memory.h"
@@ -64,6 +76,9 @@
 #include "engine/core/stream.h"
 #include "engine/parallel/comm.h"
 #include "engine/parallel/data_parallel.h"
+#include "engine/parallel/ddp.h"
+#include "engine/parallel/mpi_bootstrap.h"
+#include "engine/parallel/process_group.h"
 #include "examples/vgg/options.h"
 #include "examples/vgg/run_folder.h"
 #include "kernels/elementwise.h"
@@ -220,6 +235,7 @@ std::shared_ptr<Vgg> build_model(const Options& o, const Data& d) {
   v.in_channels = static_cast<int>(d.train->channels());
   v.num_classes = d.train->num_classes();
   v.batch_norm = o.bn;
+  v.dropout = static_cast<float>(o.dropout);
   v.head = o.head == "compact" ? VggHead::Compact : VggHead::Torchvision;
   v.seed = o.seed;
   const std::string& a = o.arch;
@@ -475,9 +491,11 @@ class StepResults {
   StepResults(int device, bool training, double smoothing = 0)
       : device_(device), training_(training), smoothing_(smoothing) {}
 
+  // `weight`: the one the loss was computed with (DistributedDataParallel's loss_weight(), n_r /
+  // B); the loss read back is divided by it, so the sums hold this rank's own mean losses.
   void add(int64_t step, int64_t batch, const Tensor& loss, const Tensor& norm,
-           const Tensor& logits, const Tensor& labels) {
-    Pending p{step, batch, loss, norm, {}, {}, labels.numel(), {}};
+           const Tensor& logits, const Tensor& labels, double weight = 1.0) {
+    Pending p{step, batch, loss, norm, {}, {}, labels.numel(), {}, weight};
     if (device_ < 0) {
       p.logits = logits.clone();
       p.labels = labels.clone();
@@ -509,9 +527,10 @@ class StepResults {
       }
       const double smoothed_sum = count_top_k(p);
       last_norm_ = norm;
-      const double mean_loss =
-          smoothing_ > 0 ? smoothed_sum / static_cast<double>(p.n) : static_cast<double>(loss);
+      const double mean_loss = smoothing_ > 0 ? smoothed_sum / static_cast<double>(p.n)
+                                              : static_cast<double>(loss) / p.weight;
       last_loss_ = static_cast<float>(mean_loss);
+      last_count_ = p.n;
       loss_sum_ += mean_loss * static_cast<double>(p.n);
       count_ += p.n;
     }
@@ -530,6 +549,10 @@ class StepResults {
   double top5() const { return count_ ? 100.0 * static_cast<double>(top5_) / count_ : 0.0; }
   float last_loss() const { return last_loss_; }
   float last_norm() const { return last_norm_; }  // the gradient norm before clipping
+  int64_t last_count() const { return last_count_; }
+  int64_t top1_count() const { return top1_; }
+  int64_t top5_count() const { return top5_; }
+  double loss_sum() const { return loss_sum_; }
 
  private:
   struct Buffers {
@@ -540,6 +563,7 @@ class StepResults {
     Tensor loss, norm, logits, labels;
     int64_t n;
     Buffers buffers;
+    double weight;
   };
 
   Buffers take(const Shape& logits_shape, int64_t n) {
@@ -597,6 +621,7 @@ class StepResults {
   double loss_sum_ = 0;
   int64_t count_ = 0, top1_ = 0, top5_ = 0;
   float last_loss_ = 0, last_norm_ = 0;
+  int64_t last_count_ = 0;
 };
 
 class JsonLog {
@@ -617,6 +642,58 @@ class JsonLog {
   std::string path_;
   std::ofstream out_;
 };
+
+// ---- ranks --------------------------------------------------------------------------------------
+
+// This process's place in a multi-process launch (mpirun -np N cudp-vgg ...): rank 0 of 1 without
+// one. Lives outside run() so that main can end a failed rank without MPI_Finalize (see main).
+struct Ranks {
+  int rank = 0, world = 1, local_rank = 0;
+  std::unique_ptr<parallel::mpi::Session> session;        // MPI, for every multi-process run
+  std::shared_ptr<parallel::ProcessGroup> process_group;  // NCCL, when the ranks train on GPUs
+  std::shared_ptr<parallel::DistributedGroup> group;      // what DistributedDataParallel uses
+
+  bool distributed() const { return world > 1; }
+  // The groups, then MPI (MPI_Finalize), in that order.
+  void finish() {
+    group.reset();
+    process_group.reset();
+    session.reset();
+  }
+  // Sums `values` over the ranks, in place (collective: every rank calls it at the same point).
+  // f32, as the collectives move them: the counts summed (images, correct answers of an epoch)
+  // are exact below 2^24, the loss sums good to 7 digits.
+  void sum(std::vector<float>& values) const {
+    if (!distributed() || values.empty()) return;
+    if (process_group) {
+      const Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())})
+                           .to(Device::cuda(process_group->devices()[0]));
+      process_group->comm().all_reduce({t});
+      values = t.cpu().to_vector<float>();
+    } else {
+      session->all_reduce_sum(values.data(), values.size());
+    }
+  }
+};
+Ranks g_ranks;
+
+// What a StepResults holds, summed over the ranks (collective), so that rank 0 prints the figures
+// of the global batch and epoch; a single process's own.
+struct Figures {
+  double mean_loss, top1, top5, last_loss;
+};
+Figures global_figures(const StepResults& r) {
+  if (!g_ranks.distributed()) return {r.mean_loss(), r.top1(), r.top5(), r.last_loss()};
+  std::vector<float> v{static_cast<float>(r.loss_sum()),
+                       static_cast<float>(r.count()),
+                       static_cast<float>(r.top1_count()),
+                       static_cast<float>(r.top5_count()),
+                       static_cast<float>(static_cast<double>(r.last_loss()) * r.last_count()),
+                       static_cast<float>(r.last_count())};
+  g_ranks.sum(v);
+  const auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+  return {ratio(v[0], v[1]), 100 * ratio(v[2], v[1]), 100 * ratio(v[3], v[1]), ratio(v[4], v[5])};
+}
 
 void progress(bool tty, int64_t epoch, int64_t epochs, int64_t step, int64_t steps,
               double images_per_s, float loss, double mean_loss, double eta) {
@@ -642,10 +719,62 @@ std::string resume_path(const std::string& given) {
   return given;
 }
 
+// Under a launcher that started more than one process (mpirun, srun): MPI, this process's rank,
+// and its standard output sent to /dev/null unless it is rank 0.
+void join_ranks() {
+  const parallel::LaunchInfo env = parallel::launch_info_from_env();
+  if (env.world_size <= 1) return;
+  if (!parallel::mpi::available()) {
+    throw UsageError(detail::str(
+        "this process is rank ", env.rank, " of ", env.world_size, " (", env.source,
+        "), but this cudp-vgg was built without MPI: rebuild with MPI (Debian: libopenmpi-dev, "
+        "cmake "
+        "-DCUDP_WITH_MPI=ON) to train as one of several processes, or run it as one process"));
+  }
+  g_ranks.session = std::make_unique<parallel::mpi::Session>();
+  const parallel::LaunchInfo info = g_ranks.session->info();
+  g_ranks.rank = info.rank;
+  g_ranks.world = info.world_size;
+  g_ranks.local_rank = info.local_rank;
+  if (g_ranks.rank != 0 && !std::freopen("/dev/null", "w", stdout)) {
+    CUDP_THROW(IoError, "rank ", g_ranks.rank, ": cannot send its standard output to /dev/null");
+  }
+}
+
 int run(Options o) {
+  join_ranks();
+  const bool distributed = g_ranks.distributed();
+  const int rank = g_ranks.rank;
+  if (distributed && o.accumulate > 1) {
+    throw UsageError(detail::str("--accumulate ", o.accumulate, " with ", g_ranks.world,
+                                 " processes: gradient accumulation is not built for "
+                                 "DistributedDataParallel yet; leave --accumulate out (or raise "
+                                 "--batch-size, which is per process)"));
+  }
+  if (distributed && o.sync_bn) {
+    throw UsageError(detail::str("--sync-bn with ", g_ranks.world,
+                                 " processes: SyncBatchNorm across processes is not built yet "
+                                 "(--sync-bn synchronises the GPUs of one process); leave "
+                                 "--sync-bn out, or train on one process with its GPUs"));
+  }
   const int visible = cuda::device_count();
   std::vector<int> gpus = o.gpus;
-  if (gpus.empty()) {
+  if (distributed && !o.no_gpus) {
+    // One GPU per rank, picked by the local rank (or device 0 of a rank that sees only one).
+    if (!gpus.empty()) {
+      throw UsageError(
+          "--gpus with several processes: each process drives one GPU, picked by its "
+          "local rank; leave --gpus out (restrict them with CUDA_VISIBLE_DEVICES), "
+          "or give --gpus none to train on the CPU");
+    }
+    if (visible == 0) {
+      throw UsageError(detail::str("rank ", rank,
+                                   " sees no GPU; give --gpus none to train on the "
+                                   "CPU with MPI moving the gradients"));
+    }
+    gpus.push_back(parallel::device_for_local_rank(g_ranks.local_rank, visible));
+  }
+  if (gpus.empty() && !o.no_gpus) {
     for (int i = 0; i < visible; ++i) gpus.push_back(i);
   }
   for (int g : gpus) {
@@ -656,8 +785,15 @@ int run(Options o) {
     }
   }
   const cuda::VisibleDevices vis = cuda::visible_devices();
-  std::printf("cudp-vgg: %d visible GPU(s)%s\n", visible,
-              vis.set ? (" (CUDA_VISIBLE_DEVICES=\"" + vis.raw + "\")").c_str() : "");
+  std::printf("cudp-vgg: %d visible GPU(s)%s%s\n", visible,
+              vis.set ? (" (CUDA_VISIBLE_DEVICES=\"" + vis.raw + "\")").c_str() : "",
+              o.no_gpus ? " (--gpus none: the CPU)" : "");
+  if (distributed) {
+    std::printf(
+        "processes: %d (rank 0 prints, evaluates and writes; the others are silent unless "
+        "they fail)\n",
+        g_ranks.world);
+  }
 
   // A resumed run takes the checkpoint's settings before anything depends on them.
   std::string resume_file, state_file;
@@ -683,17 +819,41 @@ int run(Options o) {
       throw UsageError(detail::str("--stop-after ", o.stop_after, ": the checkpoint is already at "
                                    "epoch ", start_epoch, "; give a later epoch or leave it out"));
     }
+    // Each rank's shard of an epoch, and so the training, depends on the number of ranks.
+    const int64_t saved_world =
+        resumed_meta.count("world_size")
+            ? metadata_int(resumed_meta, "world_size", 1, std::numeric_limits<int>::max(),
+                           state_file)
+            : 1;  // written before multi-process training: one process
+    if (resumed_meta.count("sampler_epoch") &&
+        metadata_int(resumed_meta, "sampler_epoch", 0, 1000000, state_file) != start_epoch) {
+      CUDP_THROW(IoError, state_file, ": the saved sampler position (epoch ",
+                 resumed_meta.at("sampler_epoch"), ") is not the checkpoint's epoch ", start_epoch,
+                 "; the file is damaged or was not written by cudp-vgg");
+    }
+    if (!o.eval_only && saved_world != g_ranks.world) {
+      throw UsageError(detail::str(
+          "--resume ", o.resume, ": the checkpoint was written by a run of ", saved_world,
+          " process(es), this run has ", g_ranks.world, "; an exact resume needs the same number (",
+          saved_world > 1 ? detail::str("mpirun -np ", saved_world, " cudp-vgg ...")
+                          : std::string("one process, without mpirun"),
+          "): each process's share of every epoch depends on it"));
+    }
   }
 
   // Every output is checked before anything is loaded or trained.
+  // Rank 0 alone writes files.
   const bool training = !o.eval_only;
+  const bool writer = rank == 0;
   std::unique_ptr<RunFolder> folder;
-  if (training && !o.checkpoint.empty()) check_output_file(o.checkpoint, "--checkpoint");
-  if (training && !o.checkpoint.empty()) {
+  if (writer && training && !o.checkpoint.empty()) {
+    check_output_file(o.checkpoint, "--checkpoint");
+  }
+  if (writer && training && !o.checkpoint.empty()) {
     check_output_file(optimizer_state_path(o.checkpoint), "--checkpoint");
   }
-  JsonLog json(o.json);
-  if (training && !o.output.empty()) {
+  JsonLog json(writer ? o.json : std::string());
+  if (writer && training && !o.output.empty()) {
     folder = std::make_unique<RunFolder>(o.output, start_epoch, o.command_line, settings_text(o));
   }
 
@@ -711,13 +871,29 @@ int run(Options o) {
     lo.random_crop = 4;
     lo.horizontal_flip = o.data == "cifar10" || (o.data == "synthetic" && o.image_size != 32);
   }
+  if (distributed) {
+    // This rank's shard of each epoch's order (the one a single process follows, from --seed and
+    // the epoch), padded as PyTorch's DistributedSampler pads it.
+    lo.sampler = std::make_shared<data::DistributedSampler>(
+        d.train->size(), data::DistributedSamplerOptions{.rank = rank,
+                                                         .world_size = g_ranks.world,
+                                                         .shuffle = true,
+                                                         .seed = o.seed,
+                                                         .drop_last = false});
+    std::printf(
+        "each process: %lld of the %lld train images per epoch, batches of %lld (global "
+        "batch %lld)\n",
+        static_cast<long long>(lo.sampler->size()), static_cast<long long>(d.train->size()),
+        static_cast<long long>(o.batch_size), static_cast<long long>(o.batch_size * g_ranks.world));
+  }
   data::Loader train_loader(*d.train, lo);
   data::LoaderOptions to = lo;
   to.shuffle = false;
+  to.sampler = nullptr;  // rank 0 evaluates the whole test set
   to.random_crop = 0;
   to.horizontal_flip = false;
   data::Loader test_loader(*d.test, to);
-  if (!o.save_test_set.empty()) {
+  if (writer && !o.save_test_set.empty()) {
     save_test_set(o.save_test_set, d, lo.normalization, static_cast<int>(o.workers));
   }
 
@@ -750,7 +926,7 @@ int run(Options o) {
     }
   }
   const Device main_device = gpus.empty() ? Device::cpu() : Device::cuda(gpus[0]);
-  std::string where = "the CPU (no GPU visible)";
+  std::string where = o.no_gpus ? "the CPU (--gpus none)" : "the CPU (no GPU visible)";
   if (!gpus.empty()) {
     where = "GPUs ";
     for (size_t i = 0; i < gpus.size(); ++i) where += (i ? "," : "") + std::to_string(gpus[i]);
@@ -778,12 +954,32 @@ int run(Options o) {
   // For the communicator DataParallel makes (at least a millisecond: the watchdog's resolution).
   parallel::Communicator::set_default_timeout(std::chrono::milliseconds(
       std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
-  // Without a GPU, DataParallel runs the module as it is (PyTorch's behaviour).
-  auto wrapped = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
-                              : std::make_unique<parallel::DataParallel>(net, gpus);
-  parallel::DataParallel& model = *wrapped;
+  // One process: DataParallel over its GPUs; without a GPU it runs the module as it is (PyTorch's
+  // behaviour). Several: DistributedDataParallel, rank 0's model broadcast to every rank.
+  std::unique_ptr<parallel::DataParallel> dp;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (distributed) {
+    const parallel::ProcessGroupOptions pgo{std::chrono::milliseconds(
+        std::max<long long>(1, std::llround(o.collective_timeout * 1000)))};
+    if (gpus.empty()) {
+      g_ranks.group = parallel::mpi_host_group(*g_ranks.session);
+    } else {
+      g_ranks.process_group = parallel::ProcessGroup::from_mpi(*g_ranks.session, pgo, gpus[0]);
+      g_ranks.group = parallel::nccl_group(g_ranks.process_group);
+    }
+    net->set_input_grad(false);
+    ddp = std::make_unique<DistributedDataParallel>(net, g_ranks.group);
+    std::printf("DistributedDataParallel: %d processes, each on %s (%s), batch %lld per process\n",
+                g_ranks.world, gpus.empty() ? "the CPU" : "one GPU",
+                gpus.empty() ? "MPI all-reduces the gradients" : "NCCL all-reduces the gradients",
+                static_cast<long long>(o.batch_size));
+  } else {
+    dp = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
+                      : std::make_unique<parallel::DataParallel>(net, gpus);
+  }
+  Module& model = dp ? static_cast<Module&>(*dp) : static_cast<Module&>(*ddp);
   model.set_input_grad(false);  // the images need no gradient: the first layer skips backward-data
-  if (!gpus.empty()) {
+  if (dp && !gpus.empty()) {
     std::printf("batch %lld split over %zu GPU(s):", static_cast<long long>(o.batch_size),
                 gpus.size());
     const auto n_gpus = static_cast<int64_t>(gpus.size());
@@ -803,7 +999,11 @@ int run(Options o) {
     for (size_t r = 1; r < opt->size(); ++r) {
       opt->replica(r).load_hyperparameters(opt->primary().hyperparameters());
     }
-    model.broadcast_parameters();
+    if (dp) {
+      dp->broadcast_parameters();
+    } else {
+      ddp->broadcast_parameters();  // every rank loaded the same file: a formality
+    }
     if (global_step != start_epoch * steps_per_epoch) {
       throw UsageError(detail::str("--resume ", o.resume, ": the checkpoint is at step ",
                                    global_step, " after epoch ", start_epoch, ", but this run has ",
@@ -828,16 +1028,20 @@ int run(Options o) {
 
   const auto print_checksum = [&] {
     if (!o.print_checksum) return;
-    if (model.num_replicas() > 1) {
-      model.check_replicas_identical();
-      std::printf("replicas: %zu, bit-identical\n", model.num_replicas());
+    if (dp && dp->num_replicas() > 1) {
+      dp->check_replicas_identical();
+      std::printf("replicas: %zu, bit-identical\n", dp->num_replicas());
     }
     std::printf("checksum %016llx\n", static_cast<unsigned long long>(model_checksum(*net)));
     std::fflush(stdout);
   };
 
   CrossEntropyLoss criterion;
-  const bool tty = isatty(fileno(stdout));
+  // Rank 0's answer on every rank: the progress lines, where the ranks sum their metrics, must come
+  // at the same steps everywhere (mpirun may give rank 0 a terminal and the others pipes).
+  int tty_flag = isatty(fileno(stdout)) ? 1 : 0;
+  if (distributed) g_ranks.session->broadcast(&tty_flag, sizeof tty_flag, 0);
+  const bool tty = tty_flag != 0;
   const int feed_device = main_device.is_cuda() ? main_device.index : -1;
   BatchFeed test_feed(test_loader, feed_device);
 
@@ -867,6 +1071,7 @@ int run(Options o) {
   };
 
   if (o.eval_only) {
+    if (rank != 0) return 0;  // rank 0 evaluates
     const Eval e = evaluate();
     std::printf("test loss %.4f, test accuracy %.2f%% (top-5 %.2f%%)\n", e.loss, e.top1, e.top5);
     json.write({{"event", "eval"}, {"test_loss", e.loss}, {"test_accuracy", e.top1 / 100},
@@ -910,6 +1115,7 @@ int run(Options o) {
   }
 
   // One training step: its results {loss, gradient norm, logits} stay on the device.
+  double loss_weight = 1.0;  // the last step's (DistributedDataParallel::loss_weight())
   const auto train_body = [&](const Tensor& images, const Tensor& labels) {
     Tensor out, loss;
     if (o.accumulate > 1) {
@@ -922,7 +1128,7 @@ int run(Options o) {
             if (last) {
               model.backward(grad);
             } else {
-              const auto no_sync = model.no_sync();
+              const auto no_sync = dp->no_sync();  // --accumulate: one process (run() checks)
               model.backward(grad);
             }
           },
@@ -935,10 +1141,13 @@ int run(Options o) {
       loss = micro.loss;
     } else {
       out = model.forward(images);
-      loss = criterion.forward(out, labels);
+      // DistributedDataParallel: this rank's mean loss weighted by its share of the global batch
+      // (n_r / B), so the ranks' summed gradients are the global batch's.
+      loss_weight = ddp ? ddp->loss_weight() : 1.0;
+      loss = criterion.forward(out, labels, loss_weight);
       opt->zero_grad();
       model.backward(o.label_smoothing > 0
-                         ? smoothed_gradient(criterion, out, labels, o.label_smoothing)
+                         ? smoothed_gradient(criterion, out, labels, o.label_smoothing, loss_weight)
                          : criterion.backward());
     }
     // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
@@ -958,7 +1167,7 @@ int run(Options o) {
   // training steps]); the schedule's rate reaches the replicas through follow_primary.
   GraphedStep graphed(train_body, main_device,
                       {.warmup_steps = GraphedStepOptions{}.warmup_steps,
-                       .enabled = o.graphs == "on",
+                       .enabled = o.graphs == "on" && !distributed,
                        .before_replay = [&opt] { opt->follow_primary(); }},
                       gpus);
   if (o.accumulate > 1) {
@@ -966,7 +1175,8 @@ int run(Options o) {
                 static_cast<long long>(o.accumulate));
   }
   if (!gpus.empty()) {
-    std::printf("CUDA graphs: %s\n", o.graphs == "on" ? "on (full batches replay a captured step)"
+    std::printf("CUDA graphs: %s\n", distributed ? "off (not yet with DistributedDataParallel)"
+                                     : o.graphs == "on" ? "on (full batches replay a captured step)"
                                                         : "off");
   }
 
@@ -994,7 +1204,7 @@ int run(Options o) {
       const Tensor &loss = r[0], &norm = r[1], &out = r[2];
       ++global_step;
       ++step;
-      results.add(global_step, step, loss, norm, out, labels);
+      results.add(global_step, step, loss, norm, out, labels, loss_weight);
       images_seen += labels.numel();
       lr = step_lr;
       if (schedule) schedule->step();
@@ -1003,12 +1213,19 @@ int run(Options o) {
       }
       if (step % print_every == 0 || step == steps_per_epoch) {
         const double t = seconds_since(epoch_start);
-        progress(tty, epoch, o.epochs, step, steps_per_epoch, images_seen / t, results.last_loss(),
-                 results.mean_loss(), t / static_cast<double>(step) * (steps_per_epoch - step));
-        json.write({{"event", "step"}, {"epoch", epoch + 1}, {"step", global_step},
-                    {"loss", results.last_loss()}, {"mean_loss", results.mean_loss()},
+        const Figures f = global_figures(results);  // collective under mpirun
+        const double images_per_s = images_seen * g_ranks.world / t;
+        progress(tty, epoch, o.epochs, step, steps_per_epoch, images_per_s,
+                 static_cast<float>(f.last_loss), f.mean_loss,
+                 t / static_cast<double>(step) * (steps_per_epoch - step));
+        json.write({{"event", "step"},
+                    {"epoch", epoch + 1},
+                    {"step", global_step},
+                    {"loss", f.last_loss},
+                    {"mean_loss", f.mean_loss},
                     {"grad_norm", results.last_norm()},
-                    {"lr", step_lr}, {"images_per_s", images_seen / t}});
+                    {"lr", step_lr},
+                    {"images_per_s", images_per_s}});
       }
     }
     check_steps(epoch, results.read());
@@ -1028,10 +1245,14 @@ int run(Options o) {
     if (main_device.is_cuda()) cuda::synchronize(main_device.index);
     const double epoch_seconds = seconds_since(epoch_start);
     train_seconds += epoch_seconds;
-    const double train_loss = results.mean_loss(), train_top1 = results.top1(),
-                 train_top5 = results.top5();
+    const Figures train = global_figures(results);  // collective under mpirun
+    const double train_loss = train.mean_loss, train_top1 = train.top1, train_top5 = train.top5;
+    images_seen *= g_ranks.world;  // every rank's (the shards are equal: the sampler pads them)
     purpose.reset();  // the epoch's training allocations end here
-    const Eval test = evaluate();
+    // Rank 0 evaluates the whole test set alone (the others go on to the next epoch and wait for
+    // it at its first collective, a wait the collective timeout bounds on GPUs); other ranks
+    // report zeros they never print.
+    const Eval test = rank == 0 ? evaluate() : Eval{0, 0, 0};
     if (tty) std::printf("\n");
     std::printf("epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "
                 "accuracy %.2f%% (top-5 %.2f%%), lr %.4g, %.1f s (%.0f img/s, input wait %.2f s), "
@@ -1053,6 +1274,7 @@ int run(Options o) {
     if (!o.checkpoint.empty()) targets.push_back(o.checkpoint);
     if (folder) targets.push_back(folder->last_checkpoint());
     if (folder && best) targets.push_back(folder->best_checkpoint());
+    if (!writer) targets.clear();  // rank 0 writes the checkpoints (every rank's model is the same)
     if (!targets.empty()) {
       if (const std::string bad = first_non_finite(*net); !bad.empty()) {
         throw DivergenceError(detail::str(
@@ -1065,6 +1287,11 @@ int run(Options o) {
       meta["epoch"] = std::to_string(epoch + 1);
       meta["step"] = std::to_string(global_step);
       meta["best_test_top1"] = detail::str(best_top1);
+      // The training state of a multi-process run: the number of ranks, which decides every
+      // rank's shard, and the epoch the samplers start at on --resume (their order is a function
+      // of the seed and the epoch alone, so that is their whole position).
+      meta["world_size"] = std::to_string(g_ranks.world);
+      meta["sampler_epoch"] = std::to_string(epoch + 1);
       save_dropout_state(*net, meta);
       const nvtx::Range range("checkpoint");
       for (const std::string& path : targets) save_checkpoint(path, *net, &opt->primary(), meta);
@@ -1102,23 +1329,34 @@ int main(int argc, char** argv) {
   if (const int code = parse_command_line(argc, argv, o); code >= 0) return code;
   const char* env = std::getenv("CUDP_VERBOSE");
   const bool verbose = o.verbose || (env && std::string(env) == "1");
+  // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
+  // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
+  // job. A run that succeeds finalizes MPI here.
+  const auto fail = [](int code, const char* message) {
+    if (g_ranks.distributed()) {
+      std::fprintf(stderr, "cudp-vgg: rank %d of %d: %s\n", g_ranks.rank, g_ranks.world, message);
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(code);
+    }
+    std::fprintf(stderr, "cudp-vgg: %s\n", message);
+    return code;
+  };
   try {
-    return run(o);
+    const int code = run(o);
+    std::fflush(stdout);
+    g_ranks.finish();
+    return code;
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "cudp-vgg: %s\n", e.what());
-    return kExitUsage;
+    return fail(kExitUsage, e.what());
   } catch (const cudp::Error& e) {
     // Source locations only when asked for: a user needs what went wrong, not our file names.
-    std::fprintf(stderr, "cudp-vgg: %s\n", verbose ? e.what() : e.message().c_str());
-    return kExitFailure;
+    return fail(kExitFailure, verbose ? e.what() : e.message().c_str());
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "cudp-vgg: out of host memory; lower --batch-size or -j/--workers\n");
-    return kExitFailure;
+    return fail(kExitFailure, "out of host memory; lower --batch-size or -j/--workers");
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "cudp-vgg: %s\n", e.what());
-    return kExitFailure;
+    return fail(kExitFailure, e.what());
   } catch (...) {
-    std::fprintf(stderr, "cudp-vgg: an unknown error ended the run\n");
-    return kExitFailure;
+    return fail(kExitFailure, "an unknown error ended the run");
   }
 }

@@ -153,6 +153,10 @@ const std::vector<Setting>& settings() {
         "classifier: compact (512-512-N, 32x32 inputs only), torchvision (4096-4096-N, loads into "
         "torchvision.models.vgg*_bn) or auto (compact at 32x32, torchvision above)",
         &Options::head, choice(&Options::head, {"auto", "compact", "torchvision"}));
+    add("--dropout", "dropout", true,
+        "probability of the classifier's two Dropout layers (torchvision's default 0.5; 0 turns "
+        "them off)",
+        &Options::dropout, real(&Options::dropout, 0, false, 0.999));
     add("--image-size", "image_size", true,
         "input side in pixels, a multiple of 32 (folder and synthetic data; the other sets are "
         "32x32)",
@@ -177,7 +181,9 @@ const std::vector<Setting>& settings() {
         "train on targets 1 - e on the label and e / classes spread over all (PyTorch's "
         "label_smoothing); the test loss stays plain cross-entropy",
         &Options::label_smoothing, real(&Options::label_smoothing, 0, false, 1));
-    add("--batch-size", "batch_size", true, "global batch size (split over the GPUs)",
+    add("--batch-size", "batch_size", true,
+        "images per step (split over the GPUs); under mpirun per process, as with torchrun and "
+        "DDP: the global batch is the number of processes times it",
         &Options::batch_size, integer(&Options::batch_size, 1, 1 << 20));
     add("--accumulate", "accumulate", false,
         "gradient accumulation: run each batch of --batch-size as this many micro-batches "
@@ -319,7 +325,9 @@ int parse_command_line(int argc, char** argv, Options& o) {
                           : "VALUE");
   }
   std::string gpus;
-  app.add_option("--gpus", gpus, "comma-separated device ids (default: all visible)");
+  app.add_option("--gpus", gpus,
+                 "comma-separated device ids, or none for the CPU (default: all visible; under "
+                 "mpirun one per process, picked by its local rank)");
   app.add_flag("-e,--evaluate,--eval-only", o.eval_only, "evaluate the --resume checkpoint and stop");
   app.add_flag("--print-checksum", o.print_checksum,
                "print a checksum of the model's parameters and buffers at the end (compares runs)");
@@ -345,7 +353,8 @@ int parse_command_line(int argc, char** argv, Options& o) {
                  "give one\n");
     return kExitUsage;
   }
-  std::stringstream ss(gpus);
+  o.no_gpus = gpus == "none";
+  std::stringstream ss(o.no_gpus ? std::string() : gpus);
   for (std::string id; std::getline(ss, id, ',');) {
     int64_t v = 0;
     if (!parse_integer(id, 0, 1 << 20, v)) {
@@ -460,7 +469,11 @@ std::string settings_text(const Options& o) {
   }
   std::string gpus;
   for (int g : o.gpus) gpus += (gpus.empty() ? "" : ",") + std::to_string(g);
-  out += "--gpus " + (gpus.empty() ? std::string("all") : gpus) + "\n";
+  out += "--gpus " +
+         (o.no_gpus      ? std::string("none")
+          : gpus.empty() ? std::string("all")
+                         : gpus) +
+         "\n";
   return out;
 }
 

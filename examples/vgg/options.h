@@ -41,6 +41,7 @@ struct Options {
   bool sync_bn = false;       // SyncBatchNorm: batch statistics over all GPUs' rows
   std::string head = "auto";  // auto: compact at 32x32, torchvision above
   int64_t image_size = 32;
+  double dropout = 0.5;  // the classifier's Dropout probability
   // Optimisation. lr and weight_decay of 0 mean "the optimizer's default" until resolve_defaults.
   std::string opt = "sgd";
   double lr = 0;
@@ -62,7 +63,8 @@ struct Options {
   std::string checkpoint, resume, json, output;
   std::string save_test_set;
   bool eval_only = false;
-  std::vector<int> gpus;  // empty: all visible
+  std::vector<int> gpus;  // empty: all visible (one per process, by local rank, under mpirun)
+  bool no_gpus = false;   // --gpus none: the CPU
   int64_t workers = 4;
   double collective_timeout = 600;  // seconds an NCCL collective may take
   int64_t print_freq = 0;  // 0: 10 steps on a terminal, a fifth of an epoch otherwise

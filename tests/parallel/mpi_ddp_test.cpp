@@ -170,6 +170,65 @@ TEST(MpiDdp, ConstructionMakesEveryRankRankZerosModel) {
   }
 }
 
+// Every parameter's gradient, one after the other.
+std::vector<float> gradients(Module& model) {
+  std::vector<float> all;
+  for (Parameter* p : model.parameters()) {
+    const auto v = p->grad.to_vector<float>();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+// own[m][r]: the gradient of shard r of micro-batch m, from a plain model of the same
+// initialisation (no DDP), weighted as its share of the micro-batch.
+std::vector<std::vector<std::vector<float>>> own_gradients(const Batch (&micro)[2], int world) {
+  std::vector<std::vector<std::vector<float>>> own(2);
+  for (int m = 0; m < 2; ++m) {
+    for (int r = 0; r < world; ++r) {
+      auto plain = tiny_net();
+      const Batch s = shard(micro[m], r, world);
+      CrossEntropyLoss c;
+      const Tensor out = plain->forward(s.images);
+      c.forward(out, s.labels, CrossEntropyLoss::chunk_weight(s.images.size(0), kGlobalBatch));
+      plain->backward(c.backward());
+      own[m].push_back(gradients(*plain));
+    }
+  }
+  return own;
+}
+
+// After two backwards over the micro-batches, every rank must hold the sum of the 2W terms
+// own[m][r], each counted once. DDP adds each rank's two (the kernel rounding the second,
+// accumulated in double, onto the first) and the all-reduce the W results in its order; the truth
+// here adds them in float in its own order. Each side rounds at most 2W + 1 times, each rounding
+// off by at most u = 2^-24 times the sum of the terms' magnitudes, so per element |DDP - truth| <=
+// 2 (2W + 1) u sum |own[m][r]|: a bound derived for each element, not a guess.
+void expect_both_micro_batches_summed_once(Module& model, const Batch (&micro)[2], int rank,
+                                           int world, const char* what) {
+  const auto own = own_gradients(micro, world);
+  const std::vector<float> got = gradients(model);
+  std::vector<float> truth(got.size(), 0.f);
+  std::vector<double> magnitude(got.size(), 0.0);
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < truth.size(); ++i) {
+      truth[i] += own[0][r][i] + own[1][r][i];
+      magnitude[i] += std::abs(double(own[0][r][i])) + std::abs(double(own[1][r][i]));
+    }
+  }
+  const double u = std::ldexp(1.0, -24);
+  double worst = 0;  // the largest |error| / bound seen
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double bound = 2 * (2 * world + 1) * u * magnitude[i];
+    const double error = std::abs(double(got[i]) - double(truth[i]));
+    if (bound > 0) worst = std::max(worst, error / bound);
+    ASSERT_LE(error, bound) << what << ": gradient element " << i << ": " << got[i] << " against "
+                            << truth[i];
+  }
+  std::printf("rank %d of %d: %s: largest error %.2f of its bound\n", rank, world, what, worst);
+  for (Parameter* p : model.parameters()) EXPECT_EQ(differs_from_rank0(p->grad), 0u);
+}
+
 // no_sync: a backward inside it leaves this rank's own gradient (what a plain model computes on the
 // shard, bit for bit); the next backward, synced, sums both micro-batches over every rank.
 TEST(MpiDdp, NoSyncKeepsGradientsLocalUntilTheNextSyncedBackward) {
@@ -188,61 +247,34 @@ TEST(MpiDdp, NoSyncKeepsGradientsLocalUntilTheNextSyncedBackward) {
     ddp.backward(criterion.backward());
   }
   EXPECT_TRUE(ddp.gradient_sync());
-  // Every parameter's gradient, one after the other.
-  const auto gradients = [](Module& model) {
-    std::vector<float> all;
-    for (Parameter* p : model.parameters()) {
-      const auto v = p->grad.to_vector<float>();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    return all;
-  };
-  // The truth of each micro-batch's shards: plain models from the same initialisation, no DDP.
-  std::vector<std::vector<std::vector<float>>> own(2);  // own[m][r]: shard r of micro-batch m
-  for (int m = 0; m < 2; ++m) {
-    for (int r = 0; r < world; ++r) {
-      auto plain = tiny_net();
-      const Batch s = shard(micro[m], r, world);
-      CrossEntropyLoss c;
-      const Tensor out = plain->forward(s.images);
-      c.forward(out, s.labels, CrossEntropyLoss::chunk_weight(s.images.size(0), kGlobalBatch));
-      plain->backward(c.backward());
-      own[m].push_back(gradients(*plain));
-    }
-  }
-  EXPECT_EQ(gradients(*model), own[0][static_cast<size_t>(rank)])
+  EXPECT_EQ(gradients(*model), own_gradients(micro, world)[0][static_cast<size_t>(rank)])
       << "inside no_sync the gradient must be this rank's own";
 
   const Batch s = shard(micro[1], rank, world);
   const Tensor out = ddp.forward(s.images);
   criterion.forward(out, s.labels, ddp.loss_weight());
   ddp.backward(criterion.backward());
-  // Every rank: the sum of the 2W terms own[m][r]. DDP adds each rank's two (the kernel rounding
-  // the second, accumulated in double, onto the first) and MPI the W results in its order; the
-  // truth here adds them in float in its own order. Each side rounds at most 2W + 1 times, each
-  // rounding off by at most u = 2^-24 times the sum of the terms' magnitudes, so per element
-  // |DDP - truth| <= 2 (2W + 1) u sum |own[m][r]|: a bound derived for each element, not a guess.
-  const std::vector<float> got = gradients(*model);
-  std::vector<float> truth(got.size(), 0.f);
-  std::vector<double> magnitude(got.size(), 0.0);
-  for (int r = 0; r < world; ++r) {
-    for (size_t i = 0; i < truth.size(); ++i) {
-      truth[i] += own[0][r][i] + own[1][r][i];
-      magnitude[i] += std::abs(double(own[0][r][i])) + std::abs(double(own[1][r][i]));
-    }
+  expect_both_micro_batches_summed_once(*model, micro, rank, world, "no_sync, then synced");
+}
+
+// Two synced backwards with no zero_grad between them accumulate as one model would: the first
+// backward's total counts once, not once per rank (every rank holds it after the all-reduce; the
+// ranks other than 0 drop it before the next backward adds to it, as DataParallel's replicas do).
+TEST(MpiDdp, TwoSyncedBackwardsWithoutZeroGradCountTheFirstOnce) {
+  ASSERT_NE(mpi_session(), nullptr);
+  auto model = tiny_net();
+  DistributedDataParallel ddp(model, mpi_host_group(*mpi_session()));
+  const int rank = ddp.rank(), world = ddp.world_size();
+  CrossEntropyLoss criterion;
+  const Batch micro[2] = {make_batch(kGlobalBatch, 710), make_batch(kGlobalBatch, 711)};
+  ddp.zero_grad();
+  for (const Batch& b : micro) {
+    const Batch s = shard(b, rank, world);
+    const Tensor out = ddp.forward(s.images);
+    criterion.forward(out, s.labels, ddp.loss_weight());
+    ddp.backward(criterion.backward());
   }
-  const double u = std::ldexp(1.0, -24);
-  double worst = 0;  // the largest |error| / bound seen
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double bound = 2 * (2 * world + 1) * u * magnitude[i];
-    const double error = std::abs(double(got[i]) - double(truth[i]));
-    if (bound > 0) worst = std::max(worst, error / bound);
-    ASSERT_LE(error, bound) << "gradient element " << i << ": " << got[i] << " against "
-                            << truth[i];
-  }
-  std::printf("rank %d of %d: no_sync gradients: largest error %.2f of its bound\n", rank, world,
-              worst);
-  for (Parameter* p : ddp.parameters()) EXPECT_EQ(differs_from_rank0(p->grad), 0u);
+  expect_both_micro_batches_summed_once(*model, micro, rank, world, "two synced backwards");
 }
 
 }  // namespace

@@ -1,0 +1,203 @@
+// cudp-vgg as several processes, launched as a user launches it: `mpirun -np 2 cudp-vgg --gpus none
+// ...` (host tests, built only with MPI; tests/CMakeLists.txt). Each rank trains on the CPU with
+// DistributedDataParallel over MPI (mpi_host_group), so no GPU is needed; the sampler, the loss
+// weighting, rank 0's outputs, the metric sums and the checkpoints are the ones a GPU run uses
+// (only the all-reduce differs: NCCL there).
+//
+// The test program itself is not started by mpirun: it runs mpirun, as a user's shell does.
+//   - 2 ranks with --batch-size 4 each against the truth, one process with --batch-size 8 (the same
+//     global batches: rank r's shard of an epoch is positions r, r + 2, ... of the order one
+//     process follows): the checkpoints agree within mpi_ddp_test's tolerance, whose derivation
+//     holds here (see kAbsolute); BatchNorm and Dropout are off, as each rank's BatchNorm
+//     normalises its own shard and each rank's Dropout draws its own rows' masks (neither is one
+//     process's batch). The tolerance can fail: one process on another batch (4 images per step) is
+//     far outside it.
+//   - Rank 0 alone prints, and writes the JSON log, the run folder and the checkpoint: each line
+//     and record appears once; an error names its rank.
+//   - An exact resume on 2 ranks: 2 epochs straight equal 1 epoch, stop, and --resume for the
+//     second, bit for bit (the checksum of every state_dict entry), with BatchNorm, Dropout and the
+//     onecycle schedule on; the checkpoint records the number of ranks, and resuming it in one
+//     process is refused, naming both numbers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "examples/run_binary.h"
+#include "layers/checkpoint.h"
+#include "layers/safetensors.h"
+
+namespace {
+
+using namespace cudp::testing;
+
+#ifndef CUDP_MPIEXEC
+#define CUDP_MPIEXEC ""
+#define CUDP_MPIEXEC_FLAGS ""
+#define CUDP_MPIEXEC_NUMPROC_FLAG "-np"
+#endif
+
+// cudp-vgg `args` as `ranks` processes under mpirun.
+RunResult run_ranks(const TempDir& dir, int ranks, const std::string& args) {
+  const std::string mpirun = std::string("'") + CUDP_MPIEXEC + "' " + CUDP_MPIEXEC_FLAGS + " " +
+                             CUDP_MPIEXEC_NUMPROC_FLAG + " " + std::to_string(ranks) + " ";
+  return run_vgg(dir, args, mpirun);
+}
+
+RunResult run_one(const TempDir& dir, const std::string& args) {
+  return run_vgg(dir, args);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+size_t count_of(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// A real VGG small enough for the CPU references (a few images per second): 16 training images,
+// 2 steps per epoch of 8 images. --gpus none: the CPU, on GPU machines too.
+const std::string kSmall =
+    "--gpus none --data synthetic --arch vgg11 --workers 1 --limit-train 16 --limit-test 8 "
+    "--print-checksum ";
+
+// The tolerance of tests/parallel/mpi_ddp_test.cpp, whose derivation applies unchanged: both runs
+// compute every image's gradient with the same CPU kernels on the same values and differ only in
+// how the W = 2 shards' gradients of an element are added (the one process's kernels sum the whole
+// batch in double and round once; each rank rounds its shard's sum and MPI adds the two floats), a
+// few ulps of the gradient, carried by lr and momentum over the steps. Here 2 steps (mpi_ddp_test
+// takes 4) of a model without BatchNorm, at lr 0.05 (its 0.1).
+constexpr double kAbsolute = 1e-5, kRelative = 1e-5;
+
+// The largest |a - b| over every f32 tensor of two checkpoints, and whether every element is within
+// kAbsolute + kRelative |b|; names the first element outside.
+struct Comparison {
+  double largest = 0;
+  std::string first_outside;
+};
+Comparison compare_checkpoints(const std::string& a_path, const std::string& b_path) {
+  const cudp::SafetensorsFile a = cudp::load_safetensors(a_path),
+                              b = cudp::load_safetensors(b_path);
+  Comparison c;
+  EXPECT_EQ(a.tensors.size(), b.tensors.size());
+  for (const auto& [name, ta] : a.tensors) {
+    const auto it = b.tensors.find(name);
+    if (it == b.tensors.end()) {
+      ADD_FAILURE() << name << " is in " << a_path << " but not in " << b_path;
+      continue;
+    }
+    if (ta.dtype() != cudp::DType::f32) continue;
+    const std::vector<float> x = ta.to_vector<float>(), y = it->second.to_vector<float>();
+    EXPECT_EQ(x.size(), y.size()) << name;
+    for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+      const double d = std::abs(double(x[i]) - double(y[i]));
+      c.largest = std::max(c.largest, d);
+      if (c.first_outside.empty() && !(d <= kAbsolute + kRelative * std::abs(double(y[i])))) {
+        c.first_outside = name + " element " + std::to_string(i) + ": " + std::to_string(x[i]) +
+                          " vs " + std::to_string(y[i]);
+      }
+    }
+  }
+  return c;
+}
+
+TEST(VggMpi, TwoRanksAreOneProcessOnTheGlobalBatch) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string model = kSmall + "--no-bn --dropout 0 --schedule constant --epochs 1 ";
+  const std::string out = dir / "run", json = dir / "log.json";
+  const RunResult ddp =
+      run_ranks(dir, 2, model + "--batch-size 4 --output '" + out + "' --json '" + json + "'");
+  ASSERT_EQ(ddp.code, 0) << ddp.output;
+  EXPECT_TRUE(contains(ddp.output, "processes: 2")) << ddp.output;
+  EXPECT_TRUE(contains(ddp.output,
+                       "8 of the 16 train images per epoch, batches of 4 (global "
+                       "batch 8)"))
+      << ddp.output;
+  // Rank 0 alone prints: every line once.
+  EXPECT_EQ(count_of(ddp.output, " visible GPU(s)"), 1u) << ddp.output;
+  EXPECT_EQ(count_of(ddp.output, "epoch 1/1: train loss"), 1u) << ddp.output;
+  EXPECT_EQ(count_of(ddp.output, "checksum "), 1u) << ddp.output;
+  EXPECT_FALSE(contains(ddp.output, "rank 1")) << ddp.output;
+  // ... and alone writes: one epoch record in the log and in metrics.csv, which two writers
+  // appending to the same files would double.
+  EXPECT_EQ(count_of(read_text(json), "\"event\":\"epoch\""), 1u) << read_text(json);
+  EXPECT_EQ(count_of(read_text(out + "/metrics.csv"), "\n"), 2u) << read_text(out + "/metrics.csv");
+  const cudp::Metadata meta = cudp::load_checkpoint_metadata(out + "/last.safetensors");
+  EXPECT_EQ(meta.at("world_size"), "2");
+  EXPECT_EQ(meta.at("sampler_epoch"), "1");
+
+  const std::string one = dir / "one.safetensors";
+  const RunResult single = run_one(dir, model + "--batch-size 8 --checkpoint '" + one + "'");
+  ASSERT_EQ(single.code, 0) << single.output;
+  const Comparison c = compare_checkpoints(out + "/last.safetensors", one);
+  EXPECT_EQ(c.first_outside, "") << "2 ranks differ from one process on the same global batch";
+  std::printf("largest |2 ranks - 1 process| after 2 steps: %.3g\n", c.largest);
+
+  // The comparison can fail: one process on batches of 4 (another training) is far outside it.
+  const std::string other = dir / "other.safetensors";
+  const RunResult half = run_one(dir, model + "--batch-size 4 --checkpoint '" + other + "'");
+  ASSERT_EQ(half.code, 0) << half.output;
+  const Comparison h = compare_checkpoints(out + "/last.safetensors", other);
+  EXPECT_NE(h.first_outside, "") << "another batch size passed for the same training";
+  EXPECT_GT(h.largest, 1e-3);
+}
+
+TEST(VggMpi, ResumeOnTwoRanksIsExact) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string common = kSmall + "--batch-size 4 --schedule onecycle --epochs 2 ";
+  const std::string a = dir / "a.safetensors", b = dir / "b.safetensors";
+  const RunResult straight = run_ranks(dir, 2, common + "--checkpoint '" + a + "'");
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  const std::string sum = checksum_of(straight);
+  ASSERT_NE(sum, "") << straight.output;
+
+  const RunResult first = run_ranks(dir, 2, common + "--stop-after 1 --checkpoint '" + b + "'");
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_NE(checksum_of(first), sum) << "one epoch left the weights as two did";
+  EXPECT_EQ(cudp::load_checkpoint_metadata(b).at("world_size"), "2");
+
+  // Another number of processes is refused, naming both.
+  const RunResult alone = run_one(dir, common + "--resume '" + b + "'");
+  EXPECT_EQ(alone.code, 2) << alone.output;
+  EXPECT_TRUE(contains(alone.output, "written by a run of 2 process(es), this run has 1"))
+      << alone.output;
+  EXPECT_TRUE(contains(alone.output, "mpirun -np 2")) << alone.output;
+
+  const RunResult second = run_ranks(dir, 2, common + "--resume '" + b + "'");
+  ASSERT_EQ(second.code, 0) << second.output;
+  EXPECT_TRUE(contains(second.output, "resumed from")) << second.output;
+  EXPECT_FALSE(contains(second.output, "epoch 1/2:")) << second.output;
+  EXPECT_TRUE(contains(second.output, "epoch 2/2:")) << second.output;
+  EXPECT_EQ(checksum_of(second), sum) << "the resumed 2-rank run differs from the straight one:\n"
+                                      << second.output;
+}
+
+// A rank's error names the rank, every rank's exit ends the job, and mpirun passes the exit code
+// on: --gpus with a list is refused (each rank drives the GPU of its local rank).
+TEST(VggMpi, ErrorsNameTheRank) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const RunResult r = run_ranks(dir, 2, "--gpus 0 --data synthetic");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "cudp-vgg: rank 0 of 2: --gpus with several processes"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "cudp-vgg: rank 1 of 2: --gpus with several processes"))
+      << r.output;
+}
+
+}  // namespace
