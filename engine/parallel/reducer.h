@@ -34,8 +34,8 @@
 //
 // The Reducer knows no DataParallel: it takes parameter lists, flat buffers and a ReduceGroup, the
 // interface to the ranks it sums over. CommunicatorGroup is that interface for a Communicator
-// (the local ranks of a DataParallel, or one rank of a ProcessGroup for a future
-// DistributedDataParallel); tests use a host one.
+// (the local ranks of a DataParallel, or one rank of a ProcessGroup under DistributedDataParallel,
+// engine/parallel/ddp.h, which also has an MPI host group); tests use a host one.
 #pragma once
 
 #include <atomic>

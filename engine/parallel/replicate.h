@@ -62,8 +62,8 @@ namespace cudp::parallel {
 // What happens to the replicas' buffers after a training forward.
 enum class BufferSync {
   Broadcast,  // replica 0's buffers are broadcast to the others (the default)
-  None,       // left as they are: for layers that synchronise themselves (a future SyncBatchNorm
-              // all-reducing batch statistics through communicator()) or for frozen statistics
+  None,       // left as they are: for frozen statistics, or models whose only buffers are
+              // SyncBatchNorm2d's (identical on every replica: layers/sync_batchnorm.h)
 };
 
 class ReplicaSet {
