@@ -171,21 +171,7 @@ class DataParallel : public Module {
   void set_gradient_sync(bool on) { gradient_sync_ = on; }
   bool gradient_sync() const { return gradient_sync_; }
   // PyTorch DDP's no_sync(): gradient sync off while the guard lives, then as it was.
-  class NoSync {
-   public:
-    explicit NoSync(DataParallel& dp) : dp_(&dp), was_(dp.gradient_sync()) {
-      dp.set_gradient_sync(false);
-    }
-    ~NoSync() { dp_->set_gradient_sync(was_); }
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-    NoSync(NoSync&&) = delete;
-    NoSync& operator=(NoSync&&) = delete;
-
-   private:
-    DataParallel* dp_;
-    bool was_;
-  };
+  using NoSync = GradientSyncOff<DataParallel>;
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
  protected:

@@ -109,21 +109,7 @@ class DistributedDataParallel : public Module {
   void set_gradient_sync(bool on) { gradient_sync_ = on; }
   bool gradient_sync() const { return gradient_sync_; }
   // PyTorch DDP's no_sync(): gradient sync off while the guard lives, then as it was.
-  class NoSync {
-   public:
-    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp), was_(ddp.gradient_sync()) {
-      ddp.set_gradient_sync(false);
-    }
-    ~NoSync() { ddp_->set_gradient_sync(was_); }
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-    NoSync(NoSync&&) = delete;
-    NoSync& operator=(NoSync&&) = delete;
-
-   private:
-    DistributedDataParallel* ddp_;
-    bool was_;
-  };
+  using NoSync = GradientSyncOff<DistributedDataParallel>;
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
  protected:

@@ -59,6 +59,25 @@ struct ReducerOptions {
 // What a Reducer needs from the ranks it sums over. Calls come in this order per step: begin, then
 // mark_ready for every (rank, bucket) and all_reduce for every bucket (in bucket order, each after
 // every rank's mark_ready of it), then finish.
+// PyTorch DDP's no_sync() for any owner of a reducer (DataParallel, DistributedDataParallel):
+// gradient sync off while the guard lives, then as it was.
+template <typename Owner>
+class GradientSyncOff {
+ public:
+  explicit GradientSyncOff(Owner& owner) : owner_(&owner), was_(owner.gradient_sync()) {
+    owner.set_gradient_sync(false);
+  }
+  ~GradientSyncOff() { owner_->set_gradient_sync(was_); }
+  GradientSyncOff(const GradientSyncOff&) = delete;
+  GradientSyncOff& operator=(const GradientSyncOff&) = delete;
+  GradientSyncOff(GradientSyncOff&&) = delete;
+  GradientSyncOff& operator=(GradientSyncOff&&) = delete;
+
+ private:
+  Owner* owner_;
+  bool was_;
+};
+
 class ReduceGroup {
  public:
   virtual ~ReduceGroup() = default;
