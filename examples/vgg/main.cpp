@@ -954,8 +954,9 @@ int run(Options o) {
   // For the communicator DataParallel makes (at least a millisecond: the watchdog's resolution).
   parallel::Communicator::set_default_timeout(std::chrono::milliseconds(
       std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
-  // One process: DataParallel over its GPUs; without a GPU it runs the module as it is (PyTorch's
-  // behaviour). Several: DistributedDataParallel, rank 0's model broadcast to every rank.
+  // One process: DataParallel over its GPUs; on the CPU (--gpus none, or no GPU visible) the
+  // module as it is, with no wrapper: DataParallel given no device list would take every visible
+  // GPU. Several: DistributedDataParallel, rank 0's model broadcast to every rank.
   std::unique_ptr<parallel::DataParallel> dp;
   std::unique_ptr<DistributedDataParallel> ddp;
   if (distributed) {
@@ -974,10 +975,9 @@ int run(Options o) {
                 gpus.empty() ? "MPI all-reduces the gradients" : "NCCL all-reduces the gradients",
                 static_cast<long long>(o.batch_size));
   } else {
-    dp = gpus.empty() ? std::make_unique<parallel::DataParallel>(net)
-                      : std::make_unique<parallel::DataParallel>(net, gpus);
+    if (!gpus.empty()) dp = std::make_unique<parallel::DataParallel>(net, gpus);
   }
-  Module& model = dp ? static_cast<Module&>(*dp) : static_cast<Module&>(*ddp);
+  Module& model = dp ? static_cast<Module&>(*dp) : ddp ? static_cast<Module&>(*ddp) : *net;
   model.set_input_grad(false);  // the images need no gradient: the first layer skips backward-data
   if (dp && !gpus.empty()) {
     std::printf("batch %lld split over %zu GPU(s):", static_cast<long long>(o.batch_size),
@@ -1001,7 +1001,7 @@ int run(Options o) {
     }
     if (dp) {
       dp->broadcast_parameters();
-    } else {
+    } else if (ddp) {
       ddp->broadcast_parameters();  // every rank loaded the same file: a formality
     }
     if (global_step != start_epoch * steps_per_epoch) {
@@ -1125,7 +1125,7 @@ int run(Options o) {
       const MicroBatchStep micro = forward_backward_micro_batches(
           model, criterion, images, labels, std::min<int64_t>(o.accumulate, labels.numel()),
           [&](const Tensor& grad, bool last) {
-            if (last) {
+            if (last || !dp) {  // on the CPU there is no all-reduce to hold back
               model.backward(grad);
             } else {
               const auto no_sync = dp->no_sync();  // --accumulate: one process (run() checks)
