@@ -1,17 +1,19 @@
 #include "engine/core/memory.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <atomic>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "engine/core/device.h"
 #include "engine/core/error.h"
+#include "engine/core/stream.h"
 
 namespace cudp::cuda {
 namespace {
@@ -172,8 +174,60 @@ void check_allocation(cudaError_t status, size_t bytes, std::string_view what, c
   detail::throw_cuda(status, call, __FILE__, __LINE__);
 }
 
+namespace {
+
+// NOTE [Memory that outlives its stream]: the handles of destroyed cuda::Streams and their devices.
+struct RetiredStreams {
+  std::mutex mutex;
+  std::unordered_map<cudaStream_t, int> devices;
+};
+RetiredStreams& retired_streams() {
+  static auto* r = new RetiredStreams;  // never destroyed: frees may run during static destruction
+  return *r;
+}
+std::atomic<bool> any_retired{false};  // the fast path of device_free: no lock until a stream died
+
+}  // namespace
+
+void retire_stream(cudaStream_t stream, int device) noexcept {
+  if (stream == nullptr) return;
+  RetiredStreams& r = retired_streams();
+  const std::lock_guard lock(r.mutex);
+  try {
+    r.devices[stream] = device;
+  } catch (...) {
+    return;  // out of host memory: the stream is not recorded (as before this registry existed)
+  }
+  any_retired.store(true, std::memory_order_release);
+}
+
+void unretire_stream(cudaStream_t stream) noexcept {
+  if (!any_retired.load(std::memory_order_acquire)) return;
+  RetiredStreams& r = retired_streams();
+  const std::lock_guard lock(r.mutex);
+  r.devices.erase(stream);
+}
+
 void device_free(void* ptr, cudaStream_t stream) noexcept {
   if (!ptr) return;
+  if (stream != nullptr && any_retired.load(std::memory_order_acquire)) {
+    int device = -1;
+    {
+      RetiredStreams& r = retired_streams();
+      const std::lock_guard lock(r.mutex);
+      const auto it = r.devices.find(stream);
+      if (it != r.devices.end()) device = it->second;
+    }
+    if (device >= 0) {
+      // The stream's work is over (its destructor waited): free on the device's default stream.
+      try {
+        stream = default_stream(device).get();
+      } catch (...) {
+        cudaFree(ptr);  // the default stream cannot be made: free synchronously
+        return;
+      }
+    }
+  }
   if (capture_open.load(std::memory_order_acquire) && capturing(stream)) {
     CaptureBook& book = capture_book();
     const std::lock_guard lock(book.mutex);

@@ -54,8 +54,23 @@ class AllocationPurpose {
 // and what to change.
 void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string_view what = {});
 // Frees on `stream`. During a stream capture (below), memory that the capture did not allocate is
-// freed when the capture ends instead.
+// freed when the capture ends instead. Memory whose stream was destroyed first is freed on its
+// device's default stream (NOTE [Memory that outlives its stream]).
 void device_free(void* ptr, cudaStream_t stream) noexcept;
+
+// NOTE [Memory that outlives its stream]
+// A tensor frees its memory on the stream it was allocated on, and tensors often outlive that
+// stream: an output made on a DataParallel's worker stream kept after the DataParallel is gone, a
+// user's stream of a StreamGuard destroyed before the tensors made under it. cudaFreeAsync on a
+// destroyed stream is undefined (it crashed in the driver in a test that did just that), so a
+// cuda::Stream tells the allocator when it dies: its destructor waits for the stream's work (the
+// memory's last uses on it are then over), destroys it and retires the handle here; device_free
+// then frees that memory on the device's default stream. A handle CUDA hands out again for a new
+// stream is un-retired when cuda::Stream::create receives it. Streams the caller created with the
+// CUDA API directly are the caller's to keep alive while memory allocated on them lives.
+// For cuda::Stream (stream.cpp) only.
+void retire_stream(cudaStream_t stream, int device) noexcept;
+void unretire_stream(cudaStream_t stream) noexcept;
 
 // NOTE [Allocations during stream capture]
 // While a stream is captured into a CUDA graph (engine/core/graph.h), cudaMallocFromPoolAsync and

@@ -8,6 +8,7 @@
 
 #include "engine/core/device.h"
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 
 namespace cudp::cuda {
 
@@ -16,11 +17,17 @@ Stream Stream::create(int device, int priority) {
   Stream s;
   CUDP_CUDA_CHECK(cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, priority));
   s.device_ = device;
+  unretire_stream(s.stream_);  // CUDA may reuse a destroyed stream's handle
   return s;
 }
 
 Stream::~Stream() {
-  if (stream_) cudaStreamDestroy(stream_);
+  if (!stream_) return;
+  // NOTE [Memory that outlives its stream] (memory.h): memory allocated on this stream may be freed
+  // after it is gone, on the device's default stream; its uses here must be over by then.
+  cudaStreamSynchronize(stream_);
+  cudaStreamDestroy(stream_);
+  retire_stream(stream_, device_);
 }
 
 Stream::Stream(Stream&& other) noexcept

@@ -140,6 +140,40 @@ TEST(TensorGpu, StreamGuardIsPerThread) {
   EXPECT_EQ(cuda::current_stream(0), default_stream);
 }
 
+// NOTE [Memory that outlives its stream] (engine/core/memory.h): tensors made under a StreamGuard
+// of a stream that is then destroyed keep their values and are freed afterwards without touching
+// the dead stream. Without the allocator's record of retired streams, the frees below call
+// cudaFreeAsync on a destroyed stream: a graphed reducer test that did this crashed in the driver.
+TEST(TensorGpu, TensorsOutliveTheStreamTheyWereMadeOn) {
+  CUDP_REQUIRE_GPU();
+  std::vector<Tensor> kept;
+  std::vector<std::vector<float>> expected;
+  for (int round = 0; round < 3; ++round) {
+    const cuda::Stream stream = cuda::Stream::create(0);
+    const cuda::StreamGuard guard(0, stream);
+    for (int i = 0; i < 8; ++i) {
+      const auto values = iota_floats(1000 + static_cast<size_t>(i), float(round * 100 + i));
+      kept.push_back(Tensor::from_vector(values, {1000 + i}).cuda(0));
+      Tensor filled = Tensor::empty({257}, DType::f32, Device::cuda(0));
+      filled.fill_(float(i));  // queued on the stream, which its destructor waits for
+      kept.push_back(filled);
+      expected.push_back(values);
+      expected.push_back(std::vector<float>(257, float(i)));
+    }
+  }
+  for (size_t k = 0; k < kept.size(); ++k) EXPECT_EQ(kept[k].cpu().to_vector<float>(), expected[k]);
+  kept.clear();  // every one freed after its stream was destroyed
+  // A stream made now may get a destroyed one's handle: memory made on it is freed on it.
+  const cuda::Stream fresh = cuda::Stream::create(0);
+  {
+    const cuda::StreamGuard guard(0, fresh);
+    const auto values = iota_floats(4096, 3.f);
+    EXPECT_EQ(Tensor::from_vector(values, {4096}).cuda(0).cpu().to_vector<float>(), values);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 TEST(TensorGpu, PeerCopiesBetweenTwoGpusBothWays) {
   CUDP_REQUIRE_GPUS(2);
   const auto matrix = cuda::peer_access_matrix();
