@@ -62,6 +62,7 @@ class Module : public std::enable_shared_from_this<Module> {
   // them across replicas while the rest of the backward still runs. One hook per module; an empty
   // function removes it. Clones do not copy it.
   void set_backward_hook(std::function<void()> hook) { backward_hook_ = std::move(hook); }
+  bool has_backward_hook() const { return static_cast<bool>(backward_hook_); }
 
   // Data parallelism: how per-replica state that is neither a parameter nor a buffer follows
   // replica 0 (parameters and buffers are the engine's to broadcast and reduce). The engine

@@ -135,6 +135,8 @@ void Reducer::attach(size_t rank, Module& model) {
   CUDP_CHECK(rank < params_.size(), "Reducer::attach: rank ", rank, " of ", params_.size());
   std::unordered_map<const Parameter*, size_t> index;
   for (size_t k = 0; k < params_[rank].size(); ++k) index.emplace(params_[rank][k], k);
+  // Everything is checked before any hook is set: a refused attach leaves the model as it was.
+  std::vector<std::pair<Module*, std::vector<size_t>>> hooks;
   size_t found = 0;
   for (auto& [path, module] : model.named_modules()) {
     std::vector<size_t> own;
@@ -147,12 +149,24 @@ void Reducer::attach(size_t rank, Module& model) {
       own.push_back(it->second);
     }
     if (own.empty()) continue;
+    // One owner per module: a second hook would replace the first, and the first owner's buckets
+    // would never complete (or two owners would sum the same gradients twice).
+    CUDP_CHECK(!module->has_backward_hook(), "Reducer::attach: module '", path, "' (",
+               module->type_name(), ") of rank ", rank,
+               " already signals its backward to another gradient reducer: the model is wrapped "
+               "by another DataParallel or DistributedDataParallel (or attached twice). Its "
+               "gradients can be all-reduced by one wrapper only: wrap the model once, or destroy "
+               "the first wrapper before making the second");
     found += own.size();
+    hooks.emplace_back(module, std::move(own));
+  }
+  CUDP_CHECK(found == params_[rank].size(), "Reducer::attach: rank ", rank, "'s model owns ", found,
+             " of the reducer's ", params_[rank].size(),
+             " parameters; attach the model whose parameters() made the reducer's lists");
+  for (auto& [module, own] : hooks) {
     module->set_backward_hook([this, rank, own = std::move(own)] { on_backward(rank, own); });
     hooked_.push_back(module);
   }
-  CUDP_CHECK(found == params_[rank].size(), "Reducer::attach: rank ", rank, "'s model owns ", found,
-             " of the reducer's ", params_[rank].size(), " parameters");
 }
 
 bool Reducer::layout_intact() const {

@@ -7,6 +7,7 @@
 // the element-wise sums of the ranks' own gradients (the truth computed here without any reducer).
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -174,6 +175,39 @@ TEST(Reducer, SumsEveryBucketDuringTheBackwardBitForBit) {
       ASSERT_EQ(got[i], own[0][i] + own[1][i]) << "rank " << r << " element " << i;
     }
   }
+}
+
+// A module's backward signals one reducer: a second one attached to the same model is refused
+// (the first one's hooks would be replaced and its buckets never completed), and the refusal
+// leaves the first reducer working, its sums still the truth; once it is destroyed, another may
+// attach.
+TEST(Reducer, ASecondReducerOnTheSameModelIsRefusedAndTheFirstStillWorks) {
+  const auto own = own_gradients(2);
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2), other_group(2);
+  auto first = std::make_unique<Reducer>(ranks.params, ranks.flat, group,
+                                         ReducerOptions{.bucket_cap_bytes = 4, .overlap = true});
+  for (size_t r = 0; r < 2; ++r) first->attach(r, *ranks.models[r]);
+  Reducer second(ranks.params, ranks.flat, other_group, {.bucket_cap_bytes = 4, .overlap = true});
+  try {
+    second.attach(1, *ranks.models[1]);
+    FAIL() << "a second reducer attached to rank 1's model";
+  } catch (const ValueError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("another gradient reducer"), std::string::npos) << what;
+    EXPECT_NE(what.find("wrap the model once"), std::string::npos) << what;
+  }
+  reduced_step(ranks, *first, group, 2);
+  EXPECT_EQ(first->issued_before_finish(), 6u) << "the refused attach took the first's hooks";
+  EXPECT_TRUE(other_group.log.empty());
+  for (size_t r = 0; r < 2; ++r) {
+    const std::vector<float> got = ranks.flat[r].to_vector<float>();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], own[0][i] + own[1][i]) << "rank " << r << " element " << i;
+    }
+  }
+  first.reset();  // removes its hooks
+  EXPECT_NO_THROW(second.attach(0, *ranks.models[0]));
 }
 
 TEST(Reducer, OverlapOffIssuesTheSameCallsAfterTheBackward) {
