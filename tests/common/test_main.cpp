@@ -16,7 +16,7 @@ void write_text(const char* text) {
   (void)ignored;
 }
 
-void on_crash(int signal) {
+[[maybe_unused]] void on_crash(int signal) {
   write_text("\n*** the test process received ");
   write_text(strsignal(signal));
   // Not async-signal-safe, and a best effort: the process is dying anyway.
@@ -37,6 +37,9 @@ void on_crash(int signal) {
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
+#if !defined( \
+    __SANITIZE_ADDRESS__)  // AddressSanitizer reports a crash better itself: leave it its own
   for (const int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) std::signal(signal, on_crash);
+#endif
   return RUN_ALL_TESTS();
 }
