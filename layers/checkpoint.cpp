@@ -250,31 +250,39 @@ Metadata load_checkpoint_metadata(const std::string& path) {
   return user_metadata(load_safetensors_metadata(files.train));
 }
 
-void save_checkpoint(const std::string& path, Module& model, const Optimizer* optimizer,
-                     const Metadata& metadata) {
+CheckpointSnapshot snapshot_checkpoint(Module& model, const Optimizer* optimizer,
+                                       const Metadata& metadata) {
   for (const auto& [key, value] : metadata) {
     CUDP_CHECK(!starts_with(key, "cudp.") && !starts_with(key, kOptimizerPrefix),
                "save_checkpoint: metadata key '", key,
                "' uses a reserved prefix (\"cudp.\" or \"optimizer.\")");
   }
+  // Module::state_dict and Optimizer::state_dict return fresh host tensors that never alias the
+  // live state (a model on the CPU included): the snapshot is theirs.
+  CheckpointSnapshot snapshot;
+  snapshot.train_metadata = metadata;
+  if (optimizer) {
+    snapshot.train = optimizer->state_dict(parameter_names(model, *optimizer));
+    snapshot.train_metadata[kTypeKey] = optimizer->type_name();
+    for (const auto& [key, value] : optimizer->hyperparameters()) {
+      snapshot.train_metadata[kOptimizerPrefix + key] = value;
+    }
+  }
+  snapshot.model = model.state_dict();
+  return snapshot;
+}
+
+void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapshot) {
   const std::string train_path = optimizer_state_path(path);
   const std::string prev = previous_checkpoint_path(path), prev_train = optimizer_state_path(prev);
   const std::string id = new_checkpoint_id();
-  Metadata train_metadata = metadata;
+  Metadata train_metadata = snapshot.train_metadata;
   train_metadata[kIdKey] = id;
-  TensorMap train_tensors;
-  if (optimizer) {
-    train_tensors = optimizer->state_dict(parameter_names(model, *optimizer));
-    train_metadata[kTypeKey] = optimizer->type_name();
-    for (const auto& [key, value] : optimizer->hyperparameters()) {
-      train_metadata[kOptimizerPrefix + key] = value;
-    }
-  }
   // 1. Both new files, complete and durable under temporary names (staging first removes what
   //    killed saves left behind). A failure here (a full disk) throws with nothing replaced; the
   //    temporaries go with the StagedFiles.
-  const auto new_train = stage_safetensors(train_path, train_tensors, train_metadata);
-  const auto new_model = stage_safetensors(path, model.state_dict(), {{"format", "pt"}, {kIdKey, id}});
+  const auto new_train = stage_safetensors(train_path, snapshot.train, train_metadata);
+  const auto new_model = stage_safetensors(path, snapshot.model, {{"format", "pt"}, {kIdKey, id}});
   fault("staged");
 
   // 2. The last complete save moves to the .prev names, training state first, so that at every
@@ -298,6 +306,40 @@ void save_checkpoint(const std::string& path, Module& model, const Optimizer* op
   fault("published training state");
   new_model->publish();
   fault("published model");
+}
+
+void save_checkpoint(const std::string& path, Module& model, const Optimizer* optimizer,
+                     const Metadata& metadata) {
+  write_checkpoint(path, snapshot_checkpoint(model, optimizer, metadata));
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) {
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "error: a checkpoint save did not complete: %s\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "error: a checkpoint save did not complete\n");
+    }
+  }
+}
+
+void CheckpointWriter::save(std::vector<std::string> paths, CheckpointSnapshot snapshot) {
+  wait();
+  thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
+    try {
+      for (const std::string& path : paths) write_checkpoint(path, snapshot);
+    } catch (...) {
+      error_ = std::current_exception();  // read by wait() after the join
+    }
+  });
+}
+
+void CheckpointWriter::wait() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
 Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* optimizer) {

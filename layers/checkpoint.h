@@ -40,9 +40,12 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <vector>
 
 #include "layers/module.h"
 #include "layers/optim.h"
@@ -54,6 +57,44 @@ namespace cudp {
 // parameters must all be parameters of `model` (their names come from the model).
 void save_checkpoint(const std::string& path, Module& model, const Optimizer* optimizer,
                      const Metadata& metadata = {});
+
+// A save in two halves, so that training can go on while the files are written: the snapshot is
+// every tensor and value the save writes, copied to host memory now (the device's work so far is
+// waited for; later updates of the model do not reach it); write_checkpoint then writes it with the
+// crash-safe protocol above, on any thread. save_checkpoint is the two in a row.
+struct CheckpointSnapshot {
+  TensorMap model;          // model.state_dict(), host copies
+  TensorMap train;          // the optimizer's state, host copies (empty without an optimizer)
+  Metadata train_metadata;  // the caller's metadata and the optimizer's type and hyperparameters
+};
+CheckpointSnapshot snapshot_checkpoint(Module& model, const Optimizer* optimizer,
+                                       const Metadata& metadata = {});
+void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapshot);
+
+// Writes snapshots on a thread of its own, one save at a time, while the caller trains on: a save
+// of two checkpoints of VGG-16 (4 files, 244 MB, each made durable with fsync) took 0.4 s of every
+// Fashion-MNIST epoch of 1.2 s on the GPU machine. The crash-safe protocol is unchanged, so a kill
+// at any moment still leaves the last complete checkpoint; what changes is when a save's failure
+// (a full disk) is seen: at the next save() or at wait(), which rethrow it.
+class CheckpointWriter {
+ public:
+  CheckpointWriter() = default;
+  // Waits for the save in flight. Its error, if nobody collected it with wait(), goes to stderr: a
+  // destructor cannot throw, and it runs when something else already failed.
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Waits for the previous save (rethrowing its error), then writes `snapshot` to each of `paths`
+  // in turn (one checkpoint each, as write_checkpoint) on the writer's thread.
+  void save(std::vector<std::string> paths, CheckpointSnapshot snapshot);
+  // Waits for the save in flight, if any; rethrows its error (once).
+  void wait();
+
+ private:
+  std::thread thread_;
+  std::exception_ptr error_;
+};
 
 // Loads the last complete save of the checkpoint at `path` (find_checkpoint): the model strictly
 // (every key, no extra: Module::load_state_dict) and, when `optimizer` is given, its state and

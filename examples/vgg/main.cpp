@@ -1088,6 +1088,27 @@ int run(Options o) {
   if (resume_file.empty() && o.checkpoint.empty() && o.output.empty()) {
     last_good = "none (give --checkpoint or --output to keep one)";
   }
+  // Checkpoints are written on the writer's thread while the next epoch trains; `pending_good` is
+  // the save in flight, which becomes `last_good` once it completed. settle() waits for it, so
+  // that a message naming the last good checkpoint names one that is complete.
+  CheckpointWriter checkpoint_writer;
+  std::string pending_good;
+  const auto settle = [&] {
+    if (pending_good.empty()) return;
+    const std::string pending = std::exchange(pending_good, std::string());
+    checkpoint_writer.wait();  // a failed save throws its error here
+    last_good = pending;
+  };
+  // The last good checkpoint for a divergence error: the save in flight completes first; if it
+  // failed, the one before it, and the failure is said.
+  const auto settled_last_good = [&]() -> std::string {
+    try {
+      settle();
+    } catch (const std::exception& e) {
+      return detail::str(last_good, "; the save after it did not complete: ", e.what());
+    }
+    return last_good;
+  };
   const bool skip_bad_steps = o.on_nan == "skip-step";
   // The non-finite steps a read found: the end of the run, or, with skip-step, steps the device
   // skipped (named here; counted at the end of the epoch).
@@ -1097,8 +1118,10 @@ int run(Options o) {
     if (!skip_bad_steps) {
       throw DivergenceError(detail::str(
           "training diverged at step ", bad[0].step, " (epoch ", epoch + 1, ", batch ",
-          bad[0].batch, " of ", steps_per_epoch, "): ", bad[0].what, ". No checkpoint was "
-          "written after it; the last good checkpoint is ", last_good, ". Lower --lr (", o.lr,
+          bad[0].batch, " of ", steps_per_epoch, "): ", bad[0].what,
+          ". No checkpoint was "
+          "written after it; the last good checkpoint is ",
+          settled_last_good(), ". Lower --lr (", o.lr,
           "), clip the gradients with --clip-grad, or pass --on-nan skip-step to skip such "
           "steps."));
     }
@@ -1237,10 +1260,12 @@ int run(Options o) {
                   __FILE__, __LINE__);
     }
     if (skipped == steps_per_epoch) {
-      throw DivergenceError(detail::str(
-          "every step of epoch ", epoch + 1, " was skipped (--on-nan skip-step): the run has "
-          "diverged. No checkpoint was written after it; the last good checkpoint is ", last_good,
-          ". Lower --lr (", o.lr, ") or clip the gradients with --clip-grad."));
+      throw DivergenceError(
+          detail::str("every step of epoch ", epoch + 1,
+                      " was skipped (--on-nan skip-step): the run has "
+                      "diverged. No checkpoint was written after it; the last good checkpoint is ",
+                      settled_last_good(), ". Lower --lr (", o.lr,
+                      ") or clip the gradients with --clip-grad."));
     }
     if (main_device.is_cuda()) cuda::synchronize(main_device.index);
     const double epoch_seconds = seconds_since(epoch_start);
@@ -1278,9 +1303,11 @@ int run(Options o) {
     if (!targets.empty()) {
       if (const std::string bad = first_non_finite(*net); !bad.empty()) {
         throw DivergenceError(detail::str(
-            "after epoch ", epoch + 1, " the model's ", bad, " holds non-finite values (an update, "
+            "after epoch ", epoch + 1, " the model's ", bad,
+            " holds non-finite values (an update, "
             "or a skipped step's BatchNorm statistics, overflowed), so no checkpoint was written. "
-            "The last good checkpoint is ", last_good, ". Lower --lr (", o.lr,
+            "The last good checkpoint is ",
+            settled_last_good(), ". Lower --lr (", o.lr,
             ") or clip the gradients with --clip-grad."));
       }
       Metadata meta = settings_metadata(o);
@@ -1293,15 +1320,17 @@ int run(Options o) {
       meta["world_size"] = std::to_string(g_ranks.world);
       meta["sampler_epoch"] = std::to_string(epoch + 1);
       save_dropout_state(*net, meta);
-      const nvtx::Range range("checkpoint");
-      for (const std::string& path : targets) save_checkpoint(path, *net, &opt->primary(), meta);
-      last_good = detail::str(targets.front(), " (after epoch ", epoch + 1, ")");
+      const nvtx::Range range("checkpoint snapshot");
+      settle();  // the previous save completed (or its error ends the run here)
+      checkpoint_writer.save(targets, snapshot_checkpoint(*net, &opt->primary(), meta));
+      pending_good = detail::str(targets.front(), " (after epoch ", epoch + 1, ")");
     }
     if (folder) {
       folder->add({epoch + 1, train_loss, train_top1, train_top5, test.loss, test.top1, test.top5,
                    lr, images_seen / epoch_seconds, epoch_seconds});
     }
   }
+  settle();  // the last save is complete before the run says it is done
   if (start_epoch >= end_epoch) {
     print_checksum();
     return 0;

@@ -56,6 +56,12 @@ void expect_same_values(const TensorMap& a, const TensorMap& b) {
   }
 }
 
+TensorMap clone_map(const TensorMap& m) {
+  TensorMap out;
+  for (const auto& [name, t] : m) out.emplace(name, t.clone());
+  return out;
+}
+
 class Checkpoint : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -112,6 +118,54 @@ TEST_F(Checkpoint, ResumesExactly) {
   sgd_.step();
   resumed_sgd.step();
   expect_same_values(resumed->state_dict(), model_->state_dict());
+}
+
+// A save in two halves (snapshot now, write later, on another thread): the files hold the state of
+// the snapshot's moment, not what the model and the optimizer became while they were written (on
+// the CPU the tensors are the live storage, so the snapshot must copy them); a second save waits
+// for the first, each leaving a complete checkpoint.
+TEST_F(Checkpoint, AWriterSavesTheSnapshotsMomentWhileTrainingGoesOn) {
+  const TensorMap model_then = clone_map(model_->state_dict());
+  const TensorMap state_then = clone_map(sgd_.state_dict());
+  // The snapshot alone, written after the step (deterministic: no thread).
+  const CheckpointSnapshot then = snapshot_checkpoint(*model_, &sgd_, metadata_);
+  CheckpointWriter writer;
+  writer.save({dir_.file("best.safetensors")}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+  set_grads(*model_, 5);  // training goes on at once: the weights and momentum change
+  sgd_.step();
+  write_checkpoint(path_, then);
+  const std::string later = dir_.file("later.safetensors");
+  writer.save({later}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+  writer.wait();
+  for (const std::string& path : {path_, dir_.file("best.safetensors")}) {
+    auto loaded = small_net(99);
+    SGD loaded_sgd(loaded->parameters(), {.lr = 1.0, .momentum = 0.9, .weight_decay = 5e-4});
+    EXPECT_EQ(load_checkpoint(path, *loaded, &loaded_sgd), metadata_);
+    expect_same_values(loaded->state_dict(), model_then);
+    expect_same_values(loaded_sgd.state_dict(), state_then);
+  }
+  auto loaded = small_net(99);
+  SGD loaded_sgd(loaded->parameters(), {.lr = 1.0, .momentum = 0.9, .weight_decay = 5e-4});
+  load_checkpoint(later, *loaded, &loaded_sgd);
+  expect_same_values(loaded->state_dict(), model_->state_dict());
+  expect_same_values(loaded_sgd.state_dict(), sgd_.state_dict());
+}
+
+// A save that fails on the writer's thread (here: its directory does not exist) is not lost: the
+// next save() or wait() throws its error, once.
+TEST_F(Checkpoint, AWritersFailedSaveIsRethrownOnce) {
+  CheckpointWriter writer;
+  const std::string nowhere = dir_.file("missing/ckpt.safetensors");
+  writer.save({nowhere}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+  EXPECT_THROW(writer.wait(), IoError);
+  EXPECT_NO_THROW(writer.wait());
+  writer.save({nowhere}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+  EXPECT_THROW(writer.save({path_}, snapshot_checkpoint(*model_, &sgd_, metadata_)), IoError);
+  writer.save({path_}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+  writer.wait();
+  auto loaded = small_net(99);
+  load_checkpoint(path_, *loaded);
+  expect_same_values(loaded->state_dict(), model_->state_dict());
 }
 
 // Real training steps (forward, loss, backward, SGD) resumed from a checkpoint: K + K steps are the
