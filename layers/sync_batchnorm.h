@@ -27,8 +27,9 @@
 // the others waiting (DataParallel refuses a batch smaller than its devices then).
 //
 // The group is abstract (StatsGroup): HostStatsGroup runs participants on host threads (CPU
-// modules; the tests), engine/parallel/stats_group.h's NcclStatsGroup sums over DataParallel's
-// NCCL communicator; a multi-process group (one rank per process) implements the same interface.
+// modules; the tests); engine/parallel/stats_group.h's CommStatsGroup sums over DataParallel's
+// NCCL communicator (the GPUs of one process), and its DistributedStatsGroup over
+// DistributedDataParallel's ranks (one participant per process, NCCL or MPI).
 #pragma once
 
 #include <chrono>
@@ -147,7 +148,8 @@ class SyncBatchNorm2d : public BatchNorm2d {
 // PyTorch's SyncBatchNorm.convert_sync_batchnorm: every BatchNorm2d in `module`'s tree (the
 // module itself included) replaced by a SyncBatchNorm2d with its configuration, parameters,
 // buffers (num_batches_tracked too), device, training flag and settings. Returns the module, or
-// the new layer when `module` is a BatchNorm2d. Convert before wrapping in DataParallel.
+// the new layer when `module` is a BatchNorm2d. Convert before wrapping in DataParallel or
+// DistributedDataParallel, which give the layers their group.
 std::shared_ptr<Module> convert_sync_batchnorm(std::shared_ptr<Module> module);
 
 // The engine's hook: every SyncBatchNorm2d in `module`'s tree becomes `participant` of `group`

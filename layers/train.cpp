@@ -1,6 +1,7 @@
 #include "layers/train.h"
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -81,9 +82,11 @@ StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& opt
 MicroBatchStep forward_backward_micro_batches(Module& model, CrossEntropyLoss& criterion,
                                               const Tensor& images, const Tensor& labels,
                                               int64_t micro_batches, const MicroBackward& backward,
-                                              const MicroGradient& gradient) {
+                                              const MicroGradient& gradient, double batch_weight) {
   CUDP_CHECK(micro_batches >= 1, "gradient accumulation: micro_batches must be at least 1, got ",
              micro_batches);
+  CUDP_CHECK(batch_weight > 0 && std::isfinite(batch_weight),
+             "gradient accumulation: batch_weight must be positive and finite, got ", batch_weight);
   CUDP_CHECK(images.dim() >= 1 && labels.dim() == 1 && images.size(0) == labels.size(0),
              "gradient accumulation: images ", images.str(), " and labels ", labels.str(),
              " must have the same rows");
@@ -101,8 +104,10 @@ MicroBatchStep forward_backward_micro_batches(Module& model, CrossEntropyLoss& c
     const Tensor x = images.slice(begin, end);
     const Tensor y = labels.slice(begin, end);
     const Tensor logits = model.forward(x);
-    const double weight = static_cast<double>(end - begin) / static_cast<double>(batch);
-    const Tensor loss = criterion.forward(logits, y, weight);  // the micro mean times n_j / B
+    const double weight =
+        batch_weight * static_cast<double>(end - begin) / static_cast<double>(batch);
+    // The micro-batch's mean times batch_weight n_j / B.
+    const Tensor loss = criterion.forward(logits, y, weight);
     const Tensor grad = gradient ? gradient(criterion, logits, y, weight) : criterion.backward();
     if (backward) {
       backward(grad, last);

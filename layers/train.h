@@ -69,6 +69,10 @@ StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& opt
 // (0-d, on the logits' device) and the logits of all B rows (for accuracy). BatchNorm in training
 // mode normalises each micro-batch with its own statistics, so a model with BatchNorm computes
 // another function than on the whole batch (as PyTorch's accumulation does).
+// `batch_weight` scales every micro-batch's weight (batch_weight n_j / B) and so the returned
+// loss: the weight of the whole batch's mean loss, DistributedDataParallel::loss_weight(B) on a
+// rank (n_r over the global batch), which DDP passes all but the last micro-batch under no_sync()
+// as DataParallel does.
 struct MicroBatchStep {
   Tensor loss;    // 0-d f32: the batch's mean loss
   Tensor logits;  // [B, classes]
@@ -80,7 +84,8 @@ MicroBatchStep forward_backward_micro_batches(Module& model, CrossEntropyLoss& c
                                               const Tensor& images, const Tensor& labels,
                                               int64_t micro_batches,
                                               const MicroBackward& backward = {},
-                                              const MicroGradient& gradient = {});
+                                              const MicroGradient& gradient = {},
+                                              double batch_weight = 1.0);
 
 // NOTE [Graphed training steps]
 // A training step captured into a CUDA graph once and replayed (engine/core/graph.h): the host

@@ -1,7 +1,10 @@
 #include "engine/parallel/ddp.h"
 
+#include <vector>
+
 #include "engine/core/nvtx.h"
 #include "engine/parallel/mpi_bootstrap.h"
+#include "engine/parallel/stats_group.h"
 
 namespace cudp::parallel {
 namespace {
@@ -42,10 +45,30 @@ class NcclGroup final : public DistributedGroup {
     group_->comm().all_reduce({t});
     return static_cast<int64_t>(t.cpu().to_vector<float>()[0]);
   }
+  // On the caller's stream, as CommStatsGroup does for DataParallel's replicas (comm.h's NOTE
+  // [Comm stream ordering and memory lifetime]): the comm stream waits for an event recorded on
+  // `stream` when `data` is complete, and `stream` waits for the collective's done event, so the
+  // host does not wait and `data` is freed only after NCCL is done with it. This process drives
+  // one rank from one thread, so there is no rendezvous to make: the call is the collective.
+  void all_reduce_sum(Tensor& data, cudaStream_t stream) override {
+    const int device = group_->devices()[0];
+    CUDP_CHECK(data.device() == Device::cuda(device) && data.dtype() == DType::f32,
+               "nccl_group: the tensor to sum must be f32 on this rank's cuda:", device, ", got ",
+               data.str());
+    if (world_size() == 1) return;
+    if (after_.get() == nullptr) {
+      after_ = cuda::Event::create(device);
+      done_ = cuda::Event::create(device);
+    }
+    after_.record(stream);
+    group_->comm().all_reduce_after({data}, {after_.get()}, {done_.get()}, {stream}, ReduceOp::Sum);
+    CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, done_.get(), 0));
+  }
 
  private:
   std::shared_ptr<ProcessGroup> group_;
   CommunicatorGroup reduce_;
+  cuda::Event after_, done_;  // all_reduce_sum's, made at its first call
 };
 
 // ---- MPI on the host
@@ -91,6 +114,25 @@ class MpiHostGroup final : public DistributedGroup {
     }
   }
   int64_t sum(int64_t value) override { return session_.all_reduce_sum(value); }
+  // Every rank's copy gathered, then summed in rank order, ((d_0 + d_1) + d_2) + ..., in f32 on
+  // every rank: the same bits everywhere whatever algorithm MPI would pick for an MPI_Allreduce
+  // (the standard promises no order, nor that every rank gets the same bits), and the bits of
+  // HostStatsGroup's participants on threads. world_size() copies: for small tensors.
+  void all_reduce_sum(Tensor& data, cudaStream_t) override {
+    check_host(data, "a tensor to sum");
+    CUDP_CHECK(data.dtype() == DType::f32, "mpi_host_group: the tensor to sum must be f32, got ",
+               data.str());
+    if (info_.world_size == 1) return;
+    const auto n = static_cast<size_t>(data.numel());
+    std::vector<float> all(n * static_cast<size_t>(info_.world_size));
+    session_.all_gather(data.data_ptr(), n * sizeof(float), all.data());
+    float* out = data.data<float>();
+    for (size_t i = 0; i < n; ++i) {
+      float sum = all[i];
+      for (size_t r = 1; r < static_cast<size_t>(info_.world_size); ++r) sum += all[r * n + i];
+      out[i] = sum;
+    }
+  }
 
  private:
   const mpi::Session& session_;
@@ -127,9 +169,19 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<Module> module,
       std::make_unique<Reducer>(std::vector<std::vector<Parameter*>>{module_->parameters()},
                                 TensorList{flat_grad_}, group_->reduce_group(), options_.reducer);
   reducer_->attach(0, *module_);
+  if (world_size() > 1) {
+    auto stats = std::make_shared<DistributedStatsGroup>(group_);
+    if (attach_stats_group(*module_, stats, static_cast<size_t>(rank())) > 0) {
+      stats_group_ = std::move(stats);
+    }
+  }
 }
 
-DistributedDataParallel::~DistributedDataParallel() = default;
+DistributedDataParallel::~DistributedDataParallel() {
+  // The module outlives its wrapper: its layers leave the ranks' group (they are BatchNorm2d
+  // again until wrapped anew).
+  if (stats_group_) attach_stats_group(*module_, nullptr, 0);
+}
 
 TensorList DistributedDataParallel::buffer_tensors() {
   TensorList buffers;
@@ -154,6 +206,12 @@ double DistributedDataParallel::loss_weight() {
   CUDP_CHECK(local_rows_ > 0, "DistributedDataParallel::loss_weight: no forward has run yet");
   if (global_rows_ < 0) global_rows_ = group_->sum(local_rows_);
   return static_cast<double>(local_rows_) / static_cast<double>(global_rows_);
+}
+
+double DistributedDataParallel::loss_weight(int64_t rows) {
+  CUDP_CHECK(rows > 0, "DistributedDataParallel::loss_weight: a batch of ", rows,
+             " rows; give the rows of this rank's whole batch (at least one)");
+  return static_cast<double>(rows) / static_cast<double>(group_->sum(rows));
 }
 
 void DistributedDataParallel::check_not_broken() const {

@@ -23,7 +23,19 @@
 // values and steps with the same summed gradient, so replicas stay bit-identical.
 //
 // no_sync(): a scope in which backward leaves the gradients local (accumulation over
-// micro-batches); the first backward with sync on again sums everything accumulated.
+// micro-batches); the first backward with sync on again sums everything accumulated. A batch run
+// as micro-batches weights its loss by loss_weight(rows) of the whole local batch (layers/train.h,
+// forward_backward_micro_batches' batch_weight), not by loss_weight() of one micro-batch.
+//
+// Synchronised batch norm across processes: construction gives every SyncBatchNorm2d in the module
+// (made by convert_sync_batchnorm before wrapping) one group over the ranks,
+// DistributedStatsGroup (engine/parallel/stats_group.h), this rank as participant rank(), through
+// attach_stats_group (the engine names no layer), as DataParallel does for its replicas; PyTorch's
+// SyncBatchNorm uses the default process group the same way. A training forward then normalises
+// with the statistics of every rank's rows, and the layers' sums are collectives issued in the
+// forward and backward, in the same order on every rank: every rank must run every training
+// forward and backward (the sampler's equal shards see to that). Evaluation makes none. With a
+// world of one the layers are BatchNorm2d. The destructor detaches them.
 //
 // Not covered: BatchNorm2d's host copy of num_batches_tracked (num_batches_tracked()) is not
 // re-read after a broadcast; the buffer itself, which the module counts from and saves, is rank
@@ -39,6 +51,10 @@
 
 #include "engine/parallel/process_group.h"
 #include "engine/parallel/reducer.h"
+
+namespace cudp {
+class StatsGroup;
+}
 
 namespace cudp::parallel {
 
@@ -59,6 +75,14 @@ class DistributedGroup {
   virtual void broadcast(const TensorList& tensors, int root) = 0;
   // The sum of `value` over every rank, on the host.
   virtual int64_t sum(int64_t value) = 0;
+  // The element-wise sum of `data` (f32, on this rank's device: the host for mpi_host_group) over
+  // every rank, in place, with the same bits on every rank; every rank gives the same numel. On a
+  // GPU the sum is ordered in `stream`, the stream the caller computes on (work enqueued there
+  // after the call reads it, and the host does not wait); ignored for host tensors. For small
+  // tensors: SyncBatchNorm2d's statistics across processes (DistributedStatsGroup,
+  // engine/parallel/stats_group.h); the MPI host group gathers every rank's copy to sum them in
+  // rank order.
+  virtual void all_reduce_sum(Tensor& data, cudaStream_t stream) = 0;
 };
 
 // A ProcessGroup of one device per process (ProcessGroup::from_mpi / create, or local({device}) for
@@ -97,6 +121,10 @@ class DistributedDataParallel : public Module {
   // (collective: every rank calls it after the same forward; one host all-reduce of a count, made
   // once per forward). The weight of this rank's mean loss.
   double loss_weight();
+  // rows / (the sum of every rank's `rows`): the weight of this rank's mean loss over a batch of
+  // `rows` rows that it runs as several forwards (gradient accumulation, layers/train.h), where the
+  // last forward's loss_weight() is a micro-batch's. Collective: one host all-reduce of a count.
+  double loss_weight(int64_t rows);
   int64_t local_batch() const { return local_rows_; }
 
   // Rank 0's parameters and buffers to every rank (after changing them outside the optimizer, e.g.
@@ -131,6 +159,8 @@ class DistributedDataParallel : public Module {
   bool holds_total_ = false;  // the last backward was synced: flat_grad_ holds the ranks' total
   bool broken_ = false;       // a backward failed mid-all-reduce: the ranks are out of step
   std::unique_ptr<Reducer> reducer_;
+  // The SyncBatchNorm2d layers' group over the ranks (null: none, or a world of one).
+  std::shared_ptr<StatsGroup> stats_group_;
   bool gradient_sync_ = true;
   int64_t local_rows_ = 0;
   int64_t global_rows_ = -1;  // -1: not yet summed for the last forward

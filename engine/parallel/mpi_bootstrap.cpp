@@ -81,6 +81,14 @@ int64_t Session::all_reduce_sum(int64_t value) const {
   return sum;
 }
 
+void Session::all_gather(const void* data, size_t bytes, void* out) const {
+  CUDP_CHECK(bytes <= static_cast<size_t>(INT_MAX), "mpi::Session::all_gather: ", bytes,
+             " bytes is more than one MPI_Allgather of MPI_BYTE carries (", INT_MAX, "); split it");
+  check(MPI_Allgather(data, static_cast<int>(bytes), MPI_BYTE, out, static_cast<int>(bytes),
+                      MPI_BYTE, MPI_COMM_WORLD),
+        "MPI_Allgather");
+}
+
 void Session::barrier() const {
   check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }

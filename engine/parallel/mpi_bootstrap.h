@@ -38,6 +38,10 @@ class Session {
   // (MPI_SUM) of `count` floats, and the sum of one integer over every rank.
   void all_reduce_sum(float* data, size_t count) const;
   int64_t all_reduce_sum(int64_t value) const;
+  // MPI_Allgather of `bytes` bytes from every rank: `out` (world_size * bytes) receives rank r's
+  // at offset r * bytes. What a sum in a fixed order is made of (the MPI host group's
+  // all_reduce_sum, engine/parallel/ddp.h), since MPI_Allreduce promises no order.
+  void all_gather(const void* data, size_t bytes, void* out) const;
 
  private:
   bool owns_ = false;  // MPI_Init was ours

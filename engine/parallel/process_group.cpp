@@ -157,6 +157,9 @@ void Session::all_reduce_sum(float*, size_t) const {
 int64_t Session::all_reduce_sum(int64_t) const {
   unavailable("Session::all_reduce_sum");
 }
+void Session::all_gather(const void*, size_t, void*) const {
+  unavailable("Session::all_gather");
+}
 }  // namespace mpi
 #endif
 

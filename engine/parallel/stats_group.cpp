@@ -1,5 +1,7 @@
 #include "engine/parallel/stats_group.h"
 
+#include "engine/parallel/ddp.h"
+
 namespace cudp::parallel {
 
 namespace {
@@ -53,6 +55,37 @@ void CommStatsGroup::all_reduce_sum(size_t participant, Tensor& data, cudaStream
                      });
   // Step 2 of comm.h's NOTE: compute reads (and frees) the sum only after the collective.
   CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, done_[participant].get(), 0));
+}
+
+// ---- DistributedStatsGroup ----------------------------------------------------------------------
+
+DistributedStatsGroup::DistributedStatsGroup(std::shared_ptr<DistributedGroup> group)
+    : group_(std::move(group)) {
+  CUDP_CHECK(group_ != nullptr, "DistributedStatsGroup: the group is null");
+  size_ = static_cast<size_t>(group_->world_size());
+  rank_ = static_cast<size_t>(group_->rank());
+}
+
+void DistributedStatsGroup::all_reduce_sum(size_t participant, Tensor& data, cudaStream_t stream) {
+  CUDP_CHECK(participant == rank_, "DistributedStatsGroup: participant ", participant,
+             " called on rank ", rank_, " of ", size_,
+             "; a process takes part as its own rank only (attach_stats_group with rank())");
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    CUDP_CHECK(aborted_.empty(), "DistributedStatsGroup::all_reduce_sum on rank ", rank_,
+               ": aborted: ", aborted_);
+  }
+  group_->all_reduce_sum(data, stream);
+}
+
+void DistributedStatsGroup::abort(const std::string& reason) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_.empty()) aborted_ = reason.empty() ? std::string("aborted") : reason;
+}
+
+void DistributedStatsGroup::reset() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  aborted_.clear();
 }
 
 }  // namespace cudp::parallel

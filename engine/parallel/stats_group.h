@@ -13,12 +13,18 @@
 // so the host does not wait for the GPU and the tensor is freed only after NCCL is done with it.
 // The sum is NCCL's (the same bits on every rank).
 //
-// Multi-process runs (one rank per process, DistributedDataParallel) need a group over that
-// process's single rank, which calls the collective directly; this one serves the one-process
-// engine only.
+// DistributedStatsGroup: the StatsGroup of DistributedDataParallel's ranks, one process each.
+// Participant r is rank r, and a process takes part as its own rank only; a sum is one
+// DistributedGroup::all_reduce_sum (engine/parallel/ddp.h), the collective itself, made by the
+// thread that runs the layer's forward or backward. No rendezvous is needed: this process drives
+// one rank from one thread, so comm.h's rule has nothing to interleave. The sum is the group's:
+// NCCL's on the caller's stream (nccl_group), or MPI's gathered copies added in rank order on the
+// host (mpi_host_group).
 #pragma once
 
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "engine/core/stream.h"
@@ -41,6 +47,28 @@ class CommStatsGroup : public StatsGroup {
   std::shared_ptr<Communicator> comm_;
   Rendezvous rendezvous_;
   std::vector<cuda::Event> after_, done_;  // per participant
+};
+
+class DistributedGroup;
+
+class DistributedStatsGroup : public StatsGroup {
+ public:
+  explicit DistributedStatsGroup(std::shared_ptr<DistributedGroup> group);
+  size_t size() const override { return size_; }  // the world size
+  // `participant` must be this process's rank; `data`: f32 on its device (the host for the MPI
+  // group), `stream`: the stream the caller computes on.
+  void all_reduce_sum(size_t participant, Tensor& data, cudaStream_t stream) override;
+  // A process cannot release its peers from a collective they wait in (the collective timeout,
+  // or the launcher ending the job when this process exits, does that): abort makes this rank's
+  // own later calls throw with `reason` until reset().
+  void abort(const std::string& reason) override;
+  void reset() override;
+
+ private:
+  std::shared_ptr<DistributedGroup> group_;
+  size_t size_ = 0, rank_ = 0;
+  std::mutex mutex_;
+  std::string aborted_;  // non-empty: abort()'s first reason, until reset()
 };
 
 }  // namespace cudp::parallel

@@ -745,18 +745,6 @@ int run(Options o) {
   join_ranks();
   const bool distributed = g_ranks.distributed();
   const int rank = g_ranks.rank;
-  if (distributed && o.accumulate > 1) {
-    throw UsageError(detail::str("--accumulate ", o.accumulate, " with ", g_ranks.world,
-                                 " processes: gradient accumulation is not built for "
-                                 "DistributedDataParallel yet; leave --accumulate out (or raise "
-                                 "--batch-size, which is per process)"));
-  }
-  if (distributed && o.sync_bn) {
-    throw UsageError(detail::str("--sync-bn with ", g_ranks.world,
-                                 " processes: SyncBatchNorm across processes is not built yet "
-                                 "(--sync-bn synchronises the GPUs of one process); leave "
-                                 "--sync-bn out, or train on one process with its GPUs"));
-  }
   const int visible = cuda::device_count();
   std::vector<int> gpus = o.gpus;
   if (distributed && !o.no_gpus) {
@@ -910,11 +898,14 @@ int run(Options o) {
           "--sync-bn synchronises the BatchNorm layers, but the model has none "
           "(--no-bn, or the --resume checkpoint's setting): drop --sync-bn");
     }
-    // PyTorch's convert_sync_batchnorm; DataParallel gives the layers their group. The state_dict
-    // keys do not change, so checkpoints load either way.
+    // PyTorch's convert_sync_batchnorm; DataParallel (the GPUs of this process) or
+    // DistributedDataParallel (the processes) gives the layers their group. The state_dict keys do
+    // not change, so checkpoints load either way.
     convert_sync_batchnorm(net);
     std::printf("SyncBatchNorm: training normalises with the statistics of the whole batch%s\n",
-                gpus.size() > 1 ? " over all GPUs" : " (one device: the same as BatchNorm)");
+                distributed       ? detail::str(" over all ", g_ranks.world, " processes").c_str()
+                : gpus.size() > 1 ? " over all GPUs"
+                                  : " (one device: the same as BatchNorm)");
   }
   const Precision precision = parse_precision(o.precision);
   net->set_precision(precision);
@@ -1142,16 +1133,24 @@ int run(Options o) {
   const auto train_body = [&](const Tensor& images, const Tensor& labels) {
     Tensor out, loss;
     if (o.accumulate > 1) {
-      // --accumulate: micro-batches whose gradients add up on each replica (no_sync), one
+      // --accumulate: micro-batches whose gradients add up on each replica or rank (no_sync), one
       // all-reduce with the last one's backward (layers/train.h, forward_backward_micro_batches).
+      // Under DistributedDataParallel the whole local batch's loss weight n_r / B scales every
+      // micro-batch's n_j / n_r. Every rank runs as many micro-batches, each forward a collective
+      // (the buffers' broadcast, SyncBatchNorm's sums): the sampler's shards are equal, so every
+      // rank's batch has the same rows.
+      loss_weight = ddp ? ddp->loss_weight(labels.numel()) : 1.0;
       opt->zero_grad();
       const MicroBatchStep micro = forward_backward_micro_batches(
           model, criterion, images, labels, std::min<int64_t>(o.accumulate, labels.numel()),
           [&](const Tensor& grad, bool last) {
-            if (last || !dp) {  // on the CPU there is no all-reduce to hold back
+            if (last || (!dp && !ddp)) {  // on one CPU there is no all-reduce to hold back
+              model.backward(grad);
+            } else if (dp) {
+              const auto no_sync = dp->no_sync();
               model.backward(grad);
             } else {
-              const auto no_sync = dp->no_sync();  // --accumulate: one process (run() checks)
+              const auto no_sync = ddp->no_sync();
               model.backward(grad);
             }
           },
@@ -1159,7 +1158,8 @@ int run(Options o) {
                                                     const Tensor& y, double weight) {
             return smoothed_gradient(c, logits, y, o.label_smoothing, weight);
           })
-                                : MicroGradient{});
+                                : MicroGradient{},
+          loss_weight);
       out = micro.logits;
       loss = micro.loss;
     } else {

@@ -146,8 +146,9 @@ const std::vector<Setting>& settings() {
     add("--bn", "bn", true, "", &Options::bn, boolean(&Options::bn), true);
     add("--sync-bn", "sync_bn", false,
         "synchronised BatchNorm (PyTorch's SyncBatchNorm): training normalises with the mean "
-        "and variance of the whole batch over all GPUs, not of each GPU's share (the same on one "
-        "GPU); needs BatchNorm (not with --no-bn) and batches of at least one row per GPU",
+        "and variance of the whole batch over all GPUs (and all processes under mpirun), not of "
+        "each GPU's or process's share (the same on one device); needs BatchNorm (not with "
+        "--no-bn) and batches of at least one row per GPU",
         &Options::sync_bn, boolean(&Options::sync_bn), true);
     add("--head", "head", true,
         "classifier: compact (512-512-N, 32x32 inputs only), torchvision (4096-4096-N, loads into "
@@ -187,9 +188,9 @@ const std::vector<Setting>& settings() {
         &Options::batch_size, integer(&Options::batch_size, 1, 1 << 20));
     add("--accumulate", "accumulate", false,
         "gradient accumulation: run each batch of --batch-size as this many micro-batches "
-        "(forward and backward each, gradients added up on every GPU, then one all-reduce and "
-        "one optimizer step), so activations need 1/N of the memory; the gradient is the whole "
-        "batch's (BatchNorm normalises each micro-batch by its own statistics)",
+        "(forward and backward each, gradients added up on every GPU or process, then one "
+        "all-reduce and one optimizer step), so activations need 1/N of the memory; the gradient "
+        "is the whole batch's (BatchNorm normalises each micro-batch by its own statistics)",
         &Options::accumulate, integer(&Options::accumulate, 1, 1 << 20));
     add("--epochs", "epochs", false, "epochs (the schedule spans them)", &Options::epochs,
         integer(&Options::epochs, 1, 1000000));

@@ -18,12 +18,19 @@
 //     second, bit for bit (the checksum of every state_dict entry), with BatchNorm, Dropout and the
 //     onecycle schedule on; the checkpoint records the number of ranks, and resuming it in one
 //     process is refused, naming both numbers.
+//   - --sync-bn on 2 ranks (BatchNorm on) against one process with plain BatchNorm on the global
+//     batch: within the same tolerance (SyncBatchNormOnTwoRanks says why it holds); 2 ranks with
+//     plain BatchNorm (each normalising its own shard) are far outside it.
+//   - --accumulate 2 on 2 ranks: without BatchNorm, the same training as without --accumulate;
+//     with --sync-bn, one process with --accumulate 2 (the ranks' micro-batches together are the
+//     one process's micro-batches), which 2 ranks with --sync-bn and no accumulation are not.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -185,6 +192,123 @@ TEST(VggMpi, ResumeOnTwoRanksIsExact) {
   EXPECT_TRUE(contains(second.output, "epoch 2/2:")) << second.output;
   EXPECT_EQ(checksum_of(second), sum) << "the resumed 2-rank run differs from the straight one:\n"
                                       << second.output;
+}
+
+// The runs the --sync-bn and --accumulate tests compare, each made once per test program (the
+// same configuration serves several comparisons), in a folder named after the first test that asks.
+class SharedRuns {
+ public:
+  struct Run {
+    RunResult result;
+    std::string checkpoint;
+  };
+  // cudp-vgg `args` as `ranks` processes (1: without mpirun), writing a checkpoint.
+  const Run& get(int ranks, const std::string& args) {
+    const std::string key = std::to_string(ranks) + " " + args;
+    auto it = runs_.find(key);
+    if (it != runs_.end()) return it->second;
+    Run run;
+    run.checkpoint = dir_ / ("run" + std::to_string(runs_.size()) + ".safetensors");
+    const std::string all = args + " --checkpoint '" + run.checkpoint + "'";
+    run.result = ranks == 1 ? run_one(dir_, all) : run_ranks(dir_, ranks, all);
+    return runs_.emplace(key, std::move(run)).first->second;
+  }
+
+ private:
+  TempDir dir_;
+  std::map<std::string, Run> runs_;
+};
+
+SharedRuns& shared_runs() {
+  static SharedRuns runs;
+  return runs;
+}
+
+// BatchNorm on, Dropout off (each rank draws its own rows' masks), 2 steps of 8 images.
+const std::string kBn = kSmall + "--dropout 0 --schedule constant --epochs 1 ";
+const std::string kNoBn = kSmall + "--no-bn --dropout 0 --schedule constant --epochs 1 ";
+
+// --sync-bn on 2 ranks against one process with plain BatchNorm on the same global batches: the
+// same images (rank r holds positions r, r + 2, ... of the one process's order), normalised with
+// the whole batch's statistics on both sides. Why the tolerance holds:
+// tests/parallel/mpi_sync_batchnorm_test.cpp pins SyncBatchNorm2d across processes to its
+// participants in one process bit for bit, and bounds what separates them from one BatchNorm2d:
+// each layer's summaries rounded once to f32 and merged, its backward sums rounded once per rank,
+// roundings of a few u = 2^-24 of the normalised values that carry through the layers and the
+// steps as rounding errors do (that test's kNetAbsolute derivation; the gradients' order is
+// mpi_ddp_test.cpp's, as in TwoRanksAreOneProcessOnTheGlobalBatch). The same holds for VGG-11's
+// 8 normalisations over 2 steps at lr 0.05: the largest difference seen is 1.2e-7 (0.6% of the
+// bound), in a running variance of 1.0. Plain BatchNorm on each rank normalises a shard by its own
+// 4 images' statistics, another function: its checkpoint is off by 0.09.
+TEST(VggMpi, SyncBatchNormOnTwoRanksIsBatchNormOnTheGlobalBatch) {
+  CUDP_REQUIRE_VGG();
+  SharedRuns& runs = shared_runs();
+  const auto& sync = runs.get(2, kBn + "--sync-bn --batch-size 4");
+  ASSERT_EQ(sync.result.code, 0) << sync.result.output;
+  EXPECT_TRUE(contains(sync.result.output,
+                       "SyncBatchNorm: training normalises with the statistics "
+                       "of the whole batch over all 2 processes"))
+      << sync.result.output;
+  const auto& one = runs.get(1, kBn + "--batch-size 8");
+  ASSERT_EQ(one.result.code, 0) << one.result.output;
+  const Comparison c = compare_checkpoints(sync.checkpoint, one.checkpoint);
+  EXPECT_EQ(c.first_outside, "") << "2 ranks with --sync-bn differ from one process";
+  std::printf("largest |2 ranks --sync-bn - 1 process| after 2 steps: %.3g\n", c.largest);
+
+  // The comparison can fail: BatchNorm per rank (no --sync-bn) is far outside it.
+  const auto& plain = runs.get(2, kBn + "--batch-size 4");
+  ASSERT_EQ(plain.result.code, 0) << plain.result.output;
+  const Comparison p = compare_checkpoints(plain.checkpoint, one.checkpoint);
+  EXPECT_NE(p.first_outside, "") << "per-rank BatchNorm passed for SyncBatchNorm";
+  EXPECT_GT(p.largest, 1e-3);
+  std::printf("largest |2 ranks, BatchNorm per rank - 1 process|: %.3g\n", p.largest);
+}
+
+// --accumulate 2 on 2 ranks: each rank runs its 4 images as 2 micro-batches of 2, the first under
+// no_sync, each weighted by its n_j / n_r times the rank's loss_weight n_r / B.
+//   - Without BatchNorm that is the gradient of the same global batch: the same training as 2 ranks
+//     without --accumulate, within TwoRanksAreOneProcessOnTheGlobalBatch's tolerance (the runs
+//     differ only in how an element's 4 shard gradients are added: each rank adds its 2 micro-
+//     batches' in the kernels, then MPI the 2 ranks', against one kernel sum per rank; the same
+//     few ulps). A micro-batch weighted by n_j / n_r alone would double the gradient: far outside.
+//   - With --sync-bn, micro-batch j of every rank together is micro-batch j of one process with
+//     --accumulate 2 (rank r's 2 rows of it are positions r and r + 2 of the one process's 4), so
+//     the two normalise the same rows: within SyncBatchNormOnTwoRanks's tolerance. It can fail: 2
+//     ranks that did not split their batch (no --accumulate) normalise all 8 images at once, far
+//     outside it.
+TEST(VggMpi, AccumulateOnTwoRanksSplitsAsOneProcessDoes) {
+  CUDP_REQUIRE_VGG();
+  SharedRuns& runs = shared_runs();
+  const auto& accumulated = runs.get(2, kNoBn + "--batch-size 4 --accumulate 2");
+  ASSERT_EQ(accumulated.result.code, 0) << accumulated.result.output;
+  EXPECT_EQ(count_of(accumulated.result.output,
+                     "gradient accumulation: each batch as 2 "
+                     "micro-batches"),
+            1u)
+      << accumulated.result.output;
+  const auto& whole = runs.get(2, kNoBn + "--batch-size 4");
+  ASSERT_EQ(whole.result.code, 0) << whole.result.output;
+  const Comparison a = compare_checkpoints(accumulated.checkpoint, whole.checkpoint);
+  EXPECT_EQ(a.first_outside, "") << "--accumulate 2 on 2 ranks changed the training";
+  std::printf("largest |2 ranks --accumulate 2 - 2 ranks| (no BatchNorm): %.3g\n", a.largest);
+
+  const auto& sync_accumulated = runs.get(2, kBn + "--sync-bn --batch-size 4 --accumulate 2");
+  ASSERT_EQ(sync_accumulated.result.code, 0) << sync_accumulated.result.output;
+  const auto& one_accumulated = runs.get(1, kBn + "--batch-size 8 --accumulate 2");
+  ASSERT_EQ(one_accumulated.result.code, 0) << one_accumulated.result.output;
+  const Comparison b = compare_checkpoints(sync_accumulated.checkpoint, one_accumulated.checkpoint);
+  EXPECT_EQ(b.first_outside, "") << "2 ranks with --sync-bn --accumulate 2 differ from one process "
+                                    "with --accumulate 2";
+  std::printf("largest |2 ranks --sync-bn --accumulate 2 - 1 process --accumulate 2|: %.3g\n",
+              b.largest);
+
+  const auto& sync_whole = runs.get(2, kBn + "--sync-bn --batch-size 4");
+  ASSERT_EQ(sync_whole.result.code, 0) << sync_whole.result.output;
+  const Comparison w = compare_checkpoints(sync_whole.checkpoint, one_accumulated.checkpoint);
+  EXPECT_NE(w.first_outside, "") << "batch norm over the whole batch passed for micro-batches";
+  EXPECT_GT(w.largest, 1e-3);
+  std::printf("largest |2 ranks --sync-bn, no accumulation - 1 process --accumulate 2|: %.3g\n",
+              w.largest);
 }
 
 // A rank's error names the rank, every rank's exit ends the job, and mpirun passes the exit code

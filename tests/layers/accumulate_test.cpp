@@ -122,5 +122,22 @@ TEST(GradientAccumulation, TheBackwardCallbackSeesOnlyTheLastMicroBatchAsLast) {
       ValueError);
 }
 
+// batch_weight (a rank's n_r / B under DistributedDataParallel) scales every micro-batch's weight:
+// with 0.5, a power of two, every gradient and the loss are exactly half of batch_weight 1's (each
+// rounding of the scaled values is the unscaled rounding, halved).
+TEST(GradientAccumulation, TheBatchWeightScalesEveryMicroBatch) {
+  auto one = mlp(), half = mlp();
+  CrossEntropyLoss a, b;
+  const MicroBatchStep s1 = forward_backward_micro_batches(*one, a, images(), labels(), 5);
+  const MicroBatchStep s2 =
+      forward_backward_micro_batches(*half, b, images(), labels(), 5, {}, {}, 0.5);
+  std::vector<float> halved = gradients(*one);
+  for (float& g : halved) g *= 0.5f;
+  EXPECT_EQ(gradients(*half), halved);
+  EXPECT_EQ(s2.loss.to_vector<float>()[0], 0.5f * s1.loss.to_vector<float>()[0]);
+  EXPECT_THROW(forward_backward_micro_batches(*half, b, images(), labels(), 5, {}, {}, 0.0),
+               ValueError);
+}
+
 }  // namespace
 }  // namespace cudp

@@ -44,17 +44,7 @@ void append(std::vector<float>& to, const std::vector<float>& v) {
 
 // One training step of the whole batch on `bn` (grads zeroed first).
 BnStep whole_batch_step(Module& bn, const Tensor& x, const Tensor& dy) {
-  bn.zero_grad();
-  BnStep s;
-  s.y = values(bn.forward(x));
-  s.dx = values(bn.backward(dy));
-  const auto params = bn.named_parameters();
-  s.dgamma = values(params.at(0).second->grad);
-  s.dbeta = values(params.at(1).second->grad);
-  const auto buffers = bn.named_buffers();
-  s.running_mean = values(*buffers.at(0).second);
-  s.running_var = values(*buffers.at(1).second);
-  return s;
+  return testing::bn_training_step(bn, x, dy);
 }
 
 // The same step on replicas (one thread each), replica i on rows [begin_i, end_i) of dim 0; y and

@@ -117,6 +117,23 @@ inline BnTolerance sync_bn_tolerance(const std::vector<float>& x, const std::vec
   return t;
 }
 
+// One training step of batch norm (or of a module around it) on `x` with output gradient `dy`, the
+// gradients zeroed first: y, dx, the first two parameters' gradients (gamma's and beta's) and the
+// first two buffers (the running mean and variance) after it.
+inline BnStep bn_training_step(Module& bn, const Tensor& x, const Tensor& dy) {
+  bn.zero_grad();
+  BnStep s;
+  s.y = values(bn.forward(x));
+  s.dx = values(bn.backward(dy));
+  const auto params = bn.named_parameters();
+  s.dgamma = values(params.at(0).second->grad);
+  s.dbeta = values(params.at(1).second->grad);
+  const auto buffers = bn.named_buffers();
+  s.running_mean = values(*buffers.at(0).second);
+  s.running_var = values(*buffers.at(1).second);
+  return s;
+}
+
 inline void expect_within(const std::vector<float>& actual, const std::vector<float>& expected,
                           double tolerance, const char* what) {
   ASSERT_EQ(actual.size(), expected.size()) << what;

@@ -277,5 +277,15 @@ TEST(MpiDdp, TwoSyncedBackwardsWithoutZeroGradCountTheFirstOnce) {
   expect_both_micro_batches_summed_once(*model, micro, rank, world, "two synced backwards");
 }
 
+// loss_weight(rows), the weight of a batch run as several forwards (gradient accumulation): this
+// rank's rows over every rank's, here uneven (rank r has r + 1 rows).
+TEST(MpiDdp, LossWeightOfABatchIsItsRowsOverEveryRanks) {
+  ASSERT_NE(mpi_session(), nullptr);
+  DistributedDataParallel ddp(tiny_net(), mpi_host_group(*mpi_session()));
+  const int rank = ddp.rank(), world = ddp.world_size();
+  EXPECT_EQ(ddp.loss_weight(rank + 1), double(rank + 1) / double(world * (world + 1) / 2));
+  EXPECT_THROW(ddp.loss_weight(0), ValueError);
+}
+
 }  // namespace
 }  // namespace cudp::parallel
