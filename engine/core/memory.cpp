@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -154,6 +155,10 @@ void* device_allocate(size_t bytes, int device, cudaStream_t stream, std::string
   if (injected_failure(bytes, device)) {
     throw_device_out_of_memory(bytes, device, what, __FILE__, __LINE__);
   }
+  // A stream allocated on is alive: if CUDA gave it the handle of a destroyed cuda::Stream (a
+  // stream made with the CUDA API directly, which Stream::create does not see), its frees must stay
+  // on it, not go to the default stream (NOTE [Memory that outlives its stream]).
+  unretire_stream(stream);
   void* ptr = nullptr;
   const cudaError_t status = cudaMallocFromPoolAsync(&ptr, bytes, pool(device), stream);
   if (status == cudaErrorMemoryAllocation) {
@@ -178,7 +183,7 @@ namespace {
 
 // NOTE [Memory that outlives its stream]: the handles of destroyed cuda::Streams and their devices.
 struct RetiredStreams {
-  std::mutex mutex;
+  std::shared_mutex mutex;  // frees and allocations look up (shared); retiring writes
   std::unordered_map<cudaStream_t, int> devices;
 };
 RetiredStreams& retired_streams() {
@@ -204,6 +209,10 @@ void retire_stream(cudaStream_t stream, int device) noexcept {
 void unretire_stream(cudaStream_t stream) noexcept {
   if (!any_retired.load(std::memory_order_acquire)) return;
   RetiredStreams& r = retired_streams();
+  {
+    const std::shared_lock lock(r.mutex);
+    if (r.devices.find(stream) == r.devices.end()) return;  // the common case: one lookup
+  }
   const std::lock_guard lock(r.mutex);
   r.devices.erase(stream);
 }
@@ -214,7 +223,7 @@ void device_free(void* ptr, cudaStream_t stream) noexcept {
     int device = -1;
     {
       RetiredStreams& r = retired_streams();
-      const std::lock_guard lock(r.mutex);
+      const std::shared_lock lock(r.mutex);
       const auto it = r.devices.find(stream);
       if (it != r.devices.end()) device = it->second;
     }

@@ -64,10 +64,12 @@ void device_free(void* ptr, cudaStream_t stream) noexcept;
 // user's stream of a StreamGuard destroyed before the tensors made under it. cudaFreeAsync on a
 // destroyed stream is undefined (it crashed in the driver in a test that did just that), so a
 // cuda::Stream tells the allocator when it dies: its destructor waits for the stream's work (the
-// memory's last uses on it are then over), destroys it and retires the handle here; device_free
+// memory's last uses on it are then over), retires the handle here and destroys it; device_free
 // then frees that memory on the device's default stream. A handle CUDA hands out again for a new
-// stream is un-retired when cuda::Stream::create receives it. Streams the caller created with the
-// CUDA API directly are the caller's to keep alive while memory allocated on them lives.
+// stream is un-retired when cuda::Stream::create receives it, or when memory is allocated on it
+// (a stream made with the CUDA API directly may receive it too: one allocated on is alive). Streams
+// the caller created with the CUDA API directly are the caller's to keep alive while memory
+// allocated on them lives.
 // For cuda::Stream (stream.cpp) only.
 void retire_stream(cudaStream_t stream, int device) noexcept;
 void unretire_stream(cudaStream_t stream) noexcept;

@@ -24,10 +24,18 @@ Stream Stream::create(int device, int priority) {
 Stream::~Stream() {
   if (!stream_) return;
   // NOTE [Memory that outlives its stream] (memory.h): memory allocated on this stream may be freed
-  // after it is gone, on the device's default stream; its uses here must be over by then.
-  cudaStreamSynchronize(stream_);
-  cudaStreamDestroy(stream_);
+  // after it is gone, on the device's default stream; its uses here must be over by then. Retired
+  // before it is destroyed: no free may reach the dead handle, and a stream made meanwhile on
+  // another thread cannot get the handle before it is retired (it un-retires it then). A stream in
+  // a capture cannot be synchronised (that would end the capture in error): destroying it there is
+  // the caller's mistake, and nothing is waited for.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream_, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    cudaStreamSynchronize(stream_);
+  }
   retire_stream(stream_, device_);
+  cudaStreamDestroy(stream_);
 }
 
 Stream::Stream(Stream&& other) noexcept

@@ -160,6 +160,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<Module> module,
     : module_(std::move(module)), group_(std::move(group)), options_(options) {
   CUDP_CHECK(module_ != nullptr, "DistributedDataParallel: the module is null");
   CUDP_CHECK(group_ != nullptr, "DistributedDataParallel: the group is null");
+  check_not_reduced(*module_, "DistributedDataParallel");  // before anything is flattened
   register_module("module", module_);
   training_ = module_->is_training();
   device_ = module_->device();

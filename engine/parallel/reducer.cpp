@@ -131,8 +131,23 @@ Reducer::~Reducer() {
   for (Module* m : hooked_) m->set_backward_hook({});
 }
 
+void check_not_reduced(Module& model, const std::string& who) {
+  // One owner per module: a second hook would replace the first, and the first owner's buckets
+  // would never complete (or two owners would sum the same gradients twice).
+  for (auto& [path, module] : model.named_modules()) {
+    CUDP_CHECK(!module->has_backward_hook(), who, ": module '", path.empty() ? "(the model)" : path,
+               "' (", module->type_name(),
+               ") already signals its backward to a gradient reducer: the model is wrapped by "
+               "another DataParallel or DistributedDataParallel, or data_parallel() keeps "
+               "replicas of it (parallel::clear_replica_cache() drops those). Its gradients can "
+               "be all-reduced by one wrapper only: wrap the model once, or destroy the first "
+               "wrapper before making the second");
+  }
+}
+
 void Reducer::attach(size_t rank, Module& model) {
   CUDP_CHECK(rank < params_.size(), "Reducer::attach: rank ", rank, " of ", params_.size());
+  check_not_reduced(model, detail::str("Reducer::attach (rank ", rank, ")"));
   std::unordered_map<const Parameter*, size_t> index;
   for (size_t k = 0; k < params_[rank].size(); ++k) index.emplace(params_[rank][k], k);
   // Everything is checked before any hook is set: a refused attach leaves the model as it was.
@@ -149,14 +164,6 @@ void Reducer::attach(size_t rank, Module& model) {
       own.push_back(it->second);
     }
     if (own.empty()) continue;
-    // One owner per module: a second hook would replace the first, and the first owner's buckets
-    // would never complete (or two owners would sum the same gradients twice).
-    CUDP_CHECK(!module->has_backward_hook(), "Reducer::attach: module '", path, "' (",
-               module->type_name(), ") of rank ", rank,
-               " already signals its backward to another gradient reducer: the model is wrapped "
-               "by another DataParallel or DistributedDataParallel (or attached twice). Its "
-               "gradients can be all-reduced by one wrapper only: wrap the model once, or destroy "
-               "the first wrapper before making the second");
     found += own.size();
     hooks.emplace_back(module, std::move(own));
   }

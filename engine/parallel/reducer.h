@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "engine/parallel/comm.h"
@@ -114,6 +115,12 @@ class CommunicatorGroup final : public ReduceGroup {
   std::vector<std::vector<cudaEvent_t>> ready_, done_;
   int64_t last_ = -1;  // the last bucket issued this step
 };
+
+// Throws ValueError when a module of `model` already signals its backward to a gradient reducer:
+// another DataParallel, DistributedDataParallel or data_parallel()'s cached replicas own it. The
+// wrappers call it before they change anything (flattening the parameters again would break the
+// first owner's buckets); `who` names the caller in the message.
+void check_not_reduced(Module& model, const std::string& who);
 
 class Reducer {
  public:

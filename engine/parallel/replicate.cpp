@@ -45,6 +45,7 @@ ReplicaSet::ReplicaSet(std::shared_ptr<Module> module, const std::vector<int>& d
   CUDP_CHECK(module != nullptr, "replicate: the module is null");
   check_device_ids(devices_, "replicate");
   check_module_device(*module, devices_[0]);
+  check_not_reduced(*module, "replicate");  // before anything is flattened
   if (comm_) {
     CUDP_CHECK(comm_->devices() == devices_ && comm_->world_size() == comm_->size(),
                "replicate: the communicator to share drives devices ",

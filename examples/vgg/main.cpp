@@ -38,10 +38,11 @@
 // with MPI) every process is one rank: its local rank picks its GPU, the model is wrapped in
 // DistributedDataParallel (engine/parallel/ddp.h) over NCCL, or over MPI with --gpus none, each
 // rank trains on its DistributedSampler shard of every epoch's order with --batch-size images per
-// step, and its loss is weighted by loss_weight(). Rank 0 alone prints, evaluates, writes the JSON
-// log, the run folder and the checkpoints; the training metrics are summed over the ranks first.
-// The other ranks' standard output goes to /dev/null; their errors print with their rank. A
-// checkpoint records the number of ranks: resuming needs the same number (docs/distributed.md).
+// step, and its loss is weighted by its share of the global batch, 1 / N. Rank 0 alone prints,
+// evaluates, writes the JSON log, the run folder and the checkpoints; the training metrics are
+// summed over the ranks first. The other ranks' standard output goes to /dev/null; their errors
+// print with their rank. A checkpoint records the number of ranks: resuming needs the same number
+// (docs/distributed.md).
 //
 // The divergence guard: a non-finite loss or gradient norm stops the run (exit 1) with the step,
 // the epoch and the last good checkpoint; before any checkpoint is written the model's state is
@@ -1087,7 +1088,13 @@ int run(Options o) {
   const auto settle = [&] {
     if (pending_good.empty()) return;
     const std::string pending = std::exchange(pending_good, std::string());
-    checkpoint_writer.wait();  // a failed save throws its error here
+    try {
+      checkpoint_writer.wait();  // a failed save throws its error here
+    } catch (const Error& e) {
+      CUDP_THROW(IoError, "the checkpoint save ", pending, " did not complete: ", e.what(),
+                 ". The last complete checkpoint is ", last_good,
+                 ". Make room on the disk (or fix the path), then continue from it with --resume");
+    }
     last_good = pending;
   };
   // The last good checkpoint for a divergence error: the save in flight completes first; if it
@@ -1129,7 +1136,11 @@ int run(Options o) {
   }
 
   // One training step: its results {loss, gradient norm, logits} stay on the device.
-  double loss_weight = 1.0;  // the last step's (DistributedDataParallel::loss_weight())
+  // Under DistributedDataParallel, this rank's share n_r / B of the global batch. The sampler pads
+  // the ranks' shards to equal length, so every rank's k-th batch has the same rows and the share
+  // is 1 / world: known without the collective that DistributedDataParallel::loss_weight() makes
+  // (through NCCL, with a wait for the device, every step).
+  const double loss_weight = ddp ? 1.0 / static_cast<double>(g_ranks.world) : 1.0;
   const auto train_body = [&](const Tensor& images, const Tensor& labels) {
     Tensor out, loss;
     if (o.accumulate > 1) {
@@ -1139,7 +1150,6 @@ int run(Options o) {
       // micro-batch's n_j / n_r. Every rank runs as many micro-batches, each forward a collective
       // (the buffers' broadcast, SyncBatchNorm's sums): the sampler's shards are equal, so every
       // rank's batch has the same rows.
-      loss_weight = ddp ? ddp->loss_weight(labels.numel()) : 1.0;
       opt->zero_grad();
       const MicroBatchStep micro = forward_backward_micro_batches(
           model, criterion, images, labels, std::min<int64_t>(o.accumulate, labels.numel()),
@@ -1166,7 +1176,6 @@ int run(Options o) {
       out = model.forward(images);
       // DistributedDataParallel: this rank's mean loss weighted by its share of the global batch
       // (n_r / B), so the ranks' summed gradients are the global batch's.
-      loss_weight = ddp ? ddp->loss_weight() : 1.0;
       loss = criterion.forward(out, labels, loss_weight);
       opt->zero_grad();
       model.backward(o.label_smoothing > 0

@@ -29,17 +29,26 @@ void write_text(const char* text) {
   write_text("; stack:\n");
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
-  std::signal(signal, SIG_DFL);
-  std::raise(signal);
+  std::raise(signal);  // SA_RESETHAND: the default action now
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
-#if !defined( \
-    __SANITIZE_ADDRESS__)  // AddressSanitizer reports a crash better itself: leave it its own
-  for (const int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) std::signal(signal, on_crash);
+  // AddressSanitizer reports a crash better itself: it keeps its own handlers.
+#if !defined(__SANITIZE_ADDRESS__)
+  // backtrace() loads libgcc (and allocates) on its first call: done here, not in a handler that a
+  // corrupted heap may have raised.
+  void* frames[1];
+  backtrace(frames, 1);
+  struct sigaction action {};
+  action.sa_handler = on_crash;
+  action.sa_flags = SA_RESETHAND;  // a crash inside the handler ends the process
+  sigemptyset(&action.sa_mask);
+  for (const int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) {
+    sigaction(signal, &action, nullptr);
+  }
 #endif
   return RUN_ALL_TESTS();
 }

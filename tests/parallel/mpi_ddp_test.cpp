@@ -277,6 +277,34 @@ TEST(MpiDdp, TwoSyncedBackwardsWithoutZeroGradCountTheFirstOnce) {
   expect_both_micro_batches_summed_once(*model, micro, rank, world, "two synced backwards");
 }
 
+// A second DistributedDataParallel around a wrapped model is refused before it changes anything
+// (flattening the parameters again left the first one's gradients outside its flat buffer, and its
+// reducer's hooks replaced), and the first one trains on: its synced backward still sums both
+// micro-batches once, as in the test above.
+TEST(MpiDdp, ASecondWrapperIsRefusedAndTheFirstTrainsOn) {
+  ASSERT_NE(mpi_session(), nullptr);
+  auto model = tiny_net();
+  DistributedDataParallel ddp(model, mpi_host_group(*mpi_session()));
+  try {
+    DistributedDataParallel second(model, mpi_host_group(*mpi_session()));
+    FAIL() << "a second DistributedDataParallel wrapped the same model";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("wrap the model once"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(ddp.reducer().layout_intact());
+  const int rank = ddp.rank(), world = ddp.world_size();
+  CrossEntropyLoss criterion;
+  const Batch micro[2] = {make_batch(kGlobalBatch, 720), make_batch(kGlobalBatch, 721)};
+  ddp.zero_grad();
+  for (const Batch& b : micro) {
+    const Batch s = shard(b, rank, world);
+    const Tensor out = ddp.forward(s.images);
+    criterion.forward(out, s.labels, ddp.loss_weight());
+    ddp.backward(criterion.backward());
+  }
+  expect_both_micro_batches_summed_once(*model, micro, rank, world, "after a refused wrapper");
+}
+
 // loss_weight(rows), the weight of a batch run as several forwards (gradient accumulation): this
 // rank's rows over every rank's, here uneven (rank r has r + 1 rows).
 TEST(MpiDdp, LossWeightOfABatchIsItsRowsOverEveryRanks) {
