@@ -181,7 +181,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<Module> module,
 DistributedDataParallel::~DistributedDataParallel() {
   // The module outlives its wrapper: its layers leave the ranks' group (they are BatchNorm2d
   // again until wrapped anew).
-  if (stats_group_) attach_stats_group(*module_, nullptr, 0);
+  if (!stats_group_) return;
+  try {
+    attach_stats_group(*module_, nullptr, 0);
+  } catch (...) {
+    // Out of host memory while walking the modules: the layers keep a group that outlives its
+    // wrapper (shared ownership), which is better than ending the process from a destructor.
+  }
 }
 
 TensorList DistributedDataParallel::buffer_tensors() {
