@@ -83,8 +83,7 @@ std::vector<Floats> arrays(int copies, size_t n, cudaStream_t stream, bool rando
   return out;
 }
 
-// ---- validation on reduced shapes
-// ----------------------------------------------------------------
+// ---- validation on reduced shapes ---------------------------------------------------------------
 
 std::vector<float> host_random(size_t n, uint64_t seed) {
   std::vector<float> v(n);

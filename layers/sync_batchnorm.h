@@ -14,9 +14,8 @@
 //             This keeps the single-device pass's care (sums of deviations from a sample, never
 //             sum x^2 - (sum x)^2 / n, which loses every digit for a channel with mean 1000 and
 //             spread 1), at the cost of P * (3C + 1) floats instead of 2C + 1.
-//   backward  each participant's [sum g | sum g * (x - mean) | rows] (2C + 1 floats, the mean is
-//   the
-//             global one) is summed across participants; dx uses the sums and the global count.
+//   backward  each participant's [sum g | sum g * (x - mean) | rows] (2C + 1 floats, the mean
+//             the global one) is summed across participants; dx uses the sums and the global count.
 // A participant's slot is its index in the group, so with slots in batch order (DataParallel's
 // chunks: replica i holds the i-th chunk) slot 0's shift is the whole batch's row 0, the shift
 // of BatchNorm2d over the whole batch.

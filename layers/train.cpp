@@ -76,8 +76,7 @@ StepResult train_step(Module& model, CrossEntropyLoss& criterion, Optimizer& opt
   return {loss, pending.correct.to_vector<int32_t>()[0], pending.count};
 }
 
-// ---- gradient accumulation (train.h)
-// ---------------------------------------------------------------
+// ---- gradient accumulation (train.h) ------------------------------------------------------------
 
 MicroBatchStep forward_backward_micro_batches(Module& model, CrossEntropyLoss& criterion,
                                               const Tensor& images, const Tensor& labels,

@@ -119,8 +119,7 @@ void check_device_ids(const std::vector<int>& device_ids, const char* what) {
   }
 }
 
-// ---- creation and destruction
-// --------------------------------------------------------------------
+// ---- creation and destruction -------------------------------------------------------------------
 
 Communicator::Communicator(const std::vector<int>& device_ids)
     : devices_(device_ids), world_size_(static_cast<int>(device_ids.size())) {
@@ -169,8 +168,7 @@ void Communicator::create_streams() {
       WatchdogHooks{[this](int i) { return async_error(i); }, [this] { abort_comms(); }}, options);
 }
 
-// ---- the watchdog's adapter: NCCL's asynchronous error and abort
-// -------------------------------------
+// ---- the watchdog's adapter: NCCL's asynchronous error and abort --------------------------------
 
 std::string Communicator::async_error(int i) {
   std::lock_guard lock(abort_mutex_);
@@ -240,8 +238,7 @@ Communicator::~Communicator() {
   }
 }
 
-// ---- collectives
-// ---------------------------------------------------------------------------------
+// ---- collectives --------------------------------------------------------------------------------
 
 void Communicator::all_reduce(const TensorList& tensors, ReduceOp op) {
   std::vector<TensorList> lists;

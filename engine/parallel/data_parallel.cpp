@@ -120,8 +120,7 @@ TensorList gather_outputs(const std::vector<TensorList>& outputs, int output_dev
 
 }  // namespace
 
-// ---- DataParallel
-// --------------------------------------------------------------------------------
+// ---- DataParallel -------------------------------------------------------------------------------
 
 DataParallel::DataParallel(std::shared_ptr<Module> module)
     : DataParallel(std::move(module), std::nullopt, DataParallelOptions{}, 0) {}
@@ -452,8 +451,7 @@ void DataParallel::check_replicas_identical() const {
   if (set_) set_->check_identical();
 }
 
-// ---- data_parallel
-// -------------------------------------------------------------------------------
+// ---- data_parallel ------------------------------------------------------------------------------
 
 namespace {
 
@@ -512,8 +510,7 @@ Tensor data_parallel(const std::shared_ptr<Module>& module, const Tensor& input,
       data_parallel_all(module, {input}, std::move(device_ids), output_device, dim));
 }
 
-// ---- the replica cache
-// ---------------------------------------------------------------------------
+// ---- the replica cache --------------------------------------------------------------------------
 
 ReplicaSet& ReplicaCache::replicas(const std::shared_ptr<Module>& module,
                                    const std::vector<int>& device_ids) {
@@ -548,8 +545,7 @@ void clear_replica_cache() {
   default_replica_cache().clear();
 }
 
-// ---- replicated optimizers
-// -----------------------------------------------------------------------
+// ---- replicated optimizers ----------------------------------------------------------------------
 
 std::vector<std::vector<Parameter*>> replica_parameter_lists(Module& model) {
   std::vector<std::vector<Parameter*>> lists(1, model.parameters());

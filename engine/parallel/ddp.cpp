@@ -9,8 +9,7 @@
 namespace cudp::parallel {
 namespace {
 
-// ---- NCCL: one device per process
-// ---------------------------------------------------------------
+// ---- NCCL: one device per process ---------------------------------------------------------------
 
 class NcclGroup final : public DistributedGroup {
  public:
@@ -71,8 +70,7 @@ class NcclGroup final : public DistributedGroup {
   cuda::Event after_, done_;  // all_reduce_sum's, made at its first call
 };
 
-// ---- MPI on the host
-// ----------------------------------------------------------------------------
+// ---- MPI on the host ----------------------------------------------------------------------------
 
 void check_host(const Tensor& t, const char* what) {
   CUDP_CHECK(t.is_cpu(), "mpi_host_group: ", what, " is on ", t.device().str(),
@@ -151,8 +149,7 @@ std::shared_ptr<DistributedGroup> mpi_host_group(const mpi::Session& session) {
   return std::make_shared<MpiHostGroup>(session);
 }
 
-// ---- DistributedDataParallel
-// ---------------------------------------------------------------------
+// ---- DistributedDataParallel --------------------------------------------------------------------
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<Module> module,
                                                  std::shared_ptr<DistributedGroup> group,

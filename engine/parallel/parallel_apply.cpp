@@ -18,8 +18,7 @@
 
 namespace cudp::parallel {
 
-// ---- the persistent worker thread
-// ----------------------------------------------------------------
+// ---- the persistent worker thread ---------------------------------------------------------------
 
 // The queue lives in a shared_ptr that the thread holds too, so the thread never touches freed
 // memory, whichever side finishes last.
@@ -144,8 +143,7 @@ std::string caught_message(const std::string& type, size_t replica, int device,
   return detail::str("Caught ", type, " in replica ", replica, " on device ", where, ": ", message);
 }
 
-// ---- DeviceWorkers
-// -------------------------------------------------------------------------------
+// ---- DeviceWorkers ------------------------------------------------------------------------------
 
 DeviceWorkers::DeviceWorkers(const std::vector<int>& devices) : devices_(devices) {
   for (const int device : devices_) {
@@ -227,8 +225,7 @@ void DeviceWorkers::run(size_t n, const std::function<void(size_t)>& job) {
   }
 }
 
-// ---- parallel_apply
-// ------------------------------------------------------------------------------
+// ---- parallel_apply -----------------------------------------------------------------------------
 
 std::vector<TensorList> parallel_apply(const std::vector<std::shared_ptr<Module>>& modules,
                                        const std::vector<TensorList>& inputs,

@@ -6,8 +6,7 @@
 
 namespace cudp::parallel {
 
-// ---- CommunicatorGroup
-// ---------------------------------------------------------------------------
+// ---- CommunicatorGroup --------------------------------------------------------------------------
 
 void CommunicatorGroup::begin(size_t buckets) {
   const std::vector<int>& devices = comm_.devices();
@@ -55,8 +54,7 @@ void CommunicatorGroup::finish() {
   last_ = -1;
 }
 
-// ---- Reducer
-// -------------------------------------------------------------------------------------
+// ---- Reducer ------------------------------------------------------------------------------------
 
 Reducer::Reducer(std::vector<std::vector<Parameter*>> params, TensorList flat_grads,
                  ReduceGroup& group, ReducerOptions options)

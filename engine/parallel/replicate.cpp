@@ -102,8 +102,7 @@ ReplicaSet::~ReplicaSet() {
   for (const cuda::Event& event : copied_) cudaEventSynchronize(event.get());  // never throws
 }
 
-// ---- collectives
-// ---------------------------------------------------------------------------------
+// ---- collectives --------------------------------------------------------------------------------
 
 std::vector<TensorList> ReplicaSet::parameter_tensors(bool grads) const {
   const auto& params = params_;
@@ -250,8 +249,7 @@ void ReplicaSet::keep_until_copied(const TensorList& sources) {
   }
 }
 
-// ---- inspection
-// ----------------------------------------------------------------------------------
+// ---- inspection ---------------------------------------------------------------------------------
 
 std::vector<uint64_t> ReplicaSet::checksums() const {
   std::vector<uint64_t> sums;

@@ -2,15 +2,14 @@
 // own JPEGs and PNGs (data/image_folder.h) or generated data, on every visible GPU (or the ones
 // given), with the data-parallel engine. The program most users run first.
 //
-//   cudp-vgg                                       # VGG-16-BN, Fashion-MNIST, all GPUs, 10 epochs
-//   cudp-vgg --gpus 0 --epochs 2 --output runs/a   # run folder: metrics.csv, curves.png,
-//   checkpoints cudp-vgg --resume runs/a --epochs 4            # continues exactly where the
-//   checkpoint stopped mpirun -np 2 cudp-vgg --batch-size 128         # one process per GPU,
-//   DistributedDataParallel cudp-vgg --data folder --data-dir pets --image-size 224   #
-//   pets/train/<class>/, pets/val/... cudp-vgg --data synthetic --arch vgg11 --epochs 1
-//   --limit-train 64 --limit-test 32
-//            --batch-size 32                       # a CI smoke run on the CPU (the CPU references
-//                                                  # train a few images per second)
+//   cudp-vgg                                      # VGG-16-BN, Fashion-MNIST, all GPUs, 10 epochs
+//   cudp-vgg --gpus 0 --epochs 2 --output runs/a  # a run folder: metrics, curves, checkpoints
+//   cudp-vgg --resume runs/a --epochs 4           # goes on exactly where the checkpoint stopped
+//   mpirun -np 2 cudp-vgg --batch-size 128        # one process per GPU: DistributedDataParallel
+//   cudp-vgg --data folder --data-dir pets --image-size 224  # pets/train/<class>/, pets/val/...
+//   cudp-vgg --data synthetic --arch vgg11 --epochs 1 --limit-train 64 --limit-test 32
+//            --batch-size 32                      # a CI smoke run on the CPU (the CPU references
+//                                                 # train a few images per second)
 //
 // Settings (examples/vgg/options.h): one table read by the command line and by --resume, so a
 // checkpoint's settings come back validated, and every recorded one comes back.

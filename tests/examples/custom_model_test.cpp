@@ -142,8 +142,7 @@ std::shared_ptr<SeedCnn> tiny_model() {
   return m;
 }
 
-// ---- structure
-// -----------------------------------------------------------------------------------
+// ---- structure ----------------------------------------------------------------------------------
 
 TEST(CustomModelTest, StateDictHasThePyTorchNamesAndShapes) {
   SeedCnn m;
@@ -178,8 +177,7 @@ TEST(CustomModelTest, CloneCopiesStructureAndValues) {
   EXPECT_EQ(values(a[1]), values(b[1]));
 }
 
-// ---- forward and backward against the reference
-// --------------------------------------------------
+// ---- forward and backward against the reference -------------------------------------------------
 
 TEST(CustomModelTest, ForwardMatchesTheDoubleReference) {
   auto m = tiny_model();
@@ -295,8 +293,7 @@ TEST(CustomModelTest, AnUnusedOutputCountsAsZero) {
   }
 }
 
-// ---- saving, loading, training
-// -------------------------------------------------------------------
+// ---- saving, loading, training ------------------------------------------------------------------
 
 TEST(CustomModelTest, WeightsRoundTripThroughSafetensors) {
   testing::TempDir dir;

@@ -96,8 +96,7 @@ const Conv2dShape kShapes[] = {
     {3, 5, 5, 1, 2, 5, 5, 1, 1, 2, 2}, {1, 8, 3, 2, 2, 3, 1, 3, 1, 0, 1},
 };
 
-// ---- shape
-// ---------------------------------------------------------------------------------------
+// ---- shape --------------------------------------------------------------------------------------
 
 TEST(Conv2dShape, OutputSize) {
   const Conv2dShape vgg{64, 224, 224, 3, 64, 3, 3, 1, 1, 1, 1};
@@ -147,8 +146,7 @@ TEST(Conv2dShape, ValidateNamesTheBadField) {
   }
 }
 
-// ---- hand-computed cases
-// -------------------------------------------------------------------------
+// ---- hand-computed cases ------------------------------------------------------------------------
 
 // x = 1..9 as a 3x3 single-channel image (row-major), used by the cases below.
 const std::vector<float> kNine = {1, 2, 3, 4, 5, 6, 7, 8, 9};
@@ -285,8 +283,7 @@ TEST(Conv2dBackwardWeightCpu, BetaAccumulatesAndZeroDoesNotRead) {
   }
 }
 
-// ---- the launchers' checks (no GPU needed: they throw before any CUDA call)
-// ----------------------
+// ---- the launchers' checks (no GPU needed: they throw before any CUDA call) ---------------------
 
 // Tensor-core math needs an sm_90 GPU: without one every pass says so and what to use instead.
 TEST(Conv2dLaunchers, TensorCoreMathWithoutAnSm90GpuSaysWhatToUse) {

@@ -128,8 +128,7 @@ float chunked_reference_step(Module& net, SGD& opt, const Batch& batch, int chun
   return loss;
 }
 
-// ---- 1 GPU
-// ---------------------------------------------------------------------------------------
+// ---- 1 GPU --------------------------------------------------------------------------------------
 
 TEST(DataParallelGpu, OneDeviceIsBitwiseTheModuleAlone) {
   CUDP_REQUIRE_GPU();
@@ -148,8 +147,7 @@ TEST(DataParallelGpu, OneDeviceIsBitwiseTheModuleAlone) {
   EXPECT_EQ(values_of(net->parameters()), values_of(reference->parameters()));
 }
 
-// ---- 2 GPUs against 1
-// ----------------------------------------------------------------------------
+// ---- 2 GPUs against 1 ---------------------------------------------------------------------------
 
 // Without BatchNorm: 2 GPUs against one GPU on the whole batch; orders (0,1) and (1,0); even and
 // uneven batches.
@@ -225,8 +223,7 @@ TEST(DataParallelGpu, BatchOfOneOnTwoGpusRunsOnOneAndKeepsReplicasIdentical) {
   EXPECT_NO_THROW(model.check_replicas_identical());
 }
 
-// ---- the loss per replica
-// ------------------------------------------------------------------------
+// ---- the loss per replica -----------------------------------------------------------------------
 
 TEST(DataParallelGpu, GatheredLossEqualsWeightedLossesPerReplica) {
   CUDP_REQUIRE_GPUS(2);
@@ -267,8 +264,7 @@ TEST(DataParallelGpu, GatheredLossEqualsWeightedLossesPerReplica) {
                    kRtol, 1e-7);
 }
 
-// ---- the seed's split wrapping
-// -------------------------------------------------------------------
+// ---- the seed's split wrapping ------------------------------------------------------------------
 
 // The seed program's model: features and classifier wrapped separately, flattened in between on the
 // output device.
@@ -336,8 +332,7 @@ TEST(DataParallelGpu, SplitWrappingMatchesWholeModelWrapping) {
   EXPECT_EQ(split->named_parameters()[0].first, "features.module.0.weight");
 }
 
-// ---- replicas
-// ------------------------------------------------------------------------------------
+// ---- replicas -----------------------------------------------------------------------------------
 
 TEST(DataParallelGpu, ReplicasStartIdenticalAndDriftWithoutAReplicatedOptimizer) {
   CUDP_REQUIRE_GPUS(2);
@@ -558,8 +553,7 @@ TEST(DataParallelGpu, ReplicatedOptimizersFollowThePrimarysHyperparameters) {
   }
 }
 
-// ---- input gradients
-// -----------------------------------------------------------------------------
+// ---- input gradients ----------------------------------------------------------------------------
 
 TEST(DataParallelGpu, InputGradientGoesBackToAGpuInputAndIsSkippedForAHostBatch) {
   CUDP_REQUIRE_GPUS(2);
@@ -585,8 +579,7 @@ TEST(DataParallelGpu, InputGradientGoesBackToAGpuInputAndIsSkippedForAHostBatch)
   EXPECT_FALSE(model.backward(g).defined());
 }
 
-// ---- data_parallel()
-// -----------------------------------------------------------------------------
+// ---- data_parallel() ----------------------------------------------------------------------------
 
 TEST(DataParallelGpu, OneCallForwardUsesPersistentReplicasAndSeesModuleChanges) {
   CUDP_REQUIRE_GPUS(2);
@@ -635,8 +628,7 @@ TEST(DataParallelGpu, EachDataParallelOwnsItsReplicasAndMayShareACommunicator) {
       ValueError);
 }
 
-// ---- threads
-// -------------------------------------------------------------------------------------
+// ---- threads ------------------------------------------------------------------------------------
 
 TEST(DataParallelGpu, ReplicasRunOnPersistentThreadsWithTheirDeviceAndTheCallersStream) {
   CUDP_REQUIRE_GPUS(2);
@@ -662,8 +654,7 @@ TEST(DataParallelGpu, ReplicasRunOnPersistentThreadsWithTheirDeviceAndTheCallers
   EXPECT_EQ(streams[1], s1.get());
 }
 
-// ---- exceptions and error texts
-// ------------------------------------------------------------------
+// ---- exceptions and error texts -----------------------------------------------------------------
 
 // A module that refuses to run on one device.
 class FailOnDevice : public Module {
