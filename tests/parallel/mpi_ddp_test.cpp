@@ -257,6 +257,19 @@ TEST(MpiDdp, NoSyncKeepsGradientsLocalUntilTheNextSyncedBackward) {
   expect_both_micro_batches_summed_once(*model, micro, rank, world, "no_sync, then synced");
 }
 
+// zero_grad, then each micro-batch's shard through a synced forward and backward, no zero_grad
+// between them.
+void two_synced_backwards(DistributedDataParallel& ddp, const Batch (&micro)[2]) {
+  CrossEntropyLoss criterion;
+  ddp.zero_grad();
+  for (const Batch& b : micro) {
+    const Batch s = shard(b, ddp.rank(), ddp.world_size());
+    const Tensor out = ddp.forward(s.images);
+    criterion.forward(out, s.labels, ddp.loss_weight());
+    ddp.backward(criterion.backward());
+  }
+}
+
 // Two synced backwards with no zero_grad between them accumulate as one model would: the first
 // backward's total counts once, not once per rank (every rank holds it after the all-reduce; the
 // ranks other than 0 drop it before the next backward adds to it, as DataParallel's replicas do).
@@ -265,15 +278,8 @@ TEST(MpiDdp, TwoSyncedBackwardsWithoutZeroGradCountTheFirstOnce) {
   auto model = tiny_net();
   DistributedDataParallel ddp(model, mpi_host_group(*mpi_session()));
   const int rank = ddp.rank(), world = ddp.world_size();
-  CrossEntropyLoss criterion;
   const Batch micro[2] = {make_batch(kGlobalBatch, 710), make_batch(kGlobalBatch, 711)};
-  ddp.zero_grad();
-  for (const Batch& b : micro) {
-    const Batch s = shard(b, rank, world);
-    const Tensor out = ddp.forward(s.images);
-    criterion.forward(out, s.labels, ddp.loss_weight());
-    ddp.backward(criterion.backward());
-  }
+  two_synced_backwards(ddp, micro);
   expect_both_micro_batches_summed_once(*model, micro, rank, world, "two synced backwards");
 }
 
@@ -293,15 +299,8 @@ TEST(MpiDdp, ASecondWrapperIsRefusedAndTheFirstTrainsOn) {
   }
   EXPECT_TRUE(ddp.reducer().layout_intact());
   const int rank = ddp.rank(), world = ddp.world_size();
-  CrossEntropyLoss criterion;
   const Batch micro[2] = {make_batch(kGlobalBatch, 720), make_batch(kGlobalBatch, 721)};
-  ddp.zero_grad();
-  for (const Batch& b : micro) {
-    const Batch s = shard(b, rank, world);
-    const Tensor out = ddp.forward(s.images);
-    criterion.forward(out, s.labels, ddp.loss_weight());
-    ddp.backward(criterion.backward());
-  }
+  two_synced_backwards(ddp, micro);
   expect_both_micro_batches_summed_once(*model, micro, rank, world, "after a refused wrapper");
 }
 
