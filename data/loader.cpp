@@ -40,6 +40,9 @@ struct BatchBuffer {
   uint64_t lease = 0;     // counts the times a worker took the buffer
   std::vector<cuda::Event> readers;  // one per device, created on first use
   std::vector<bool> pending;
+  // When the last take() began and returned (set under the loader's lock): in between, a worker
+  // waited for the device's reads of the buffer (NOTE [What the consumer waited for]).
+  std::chrono::steady_clock::time_point take_began{}, taken{};
 
   // The memory goes back when the last batch using it goes, possibly while a copy still reads it.
   ~BatchBuffer() {
@@ -108,6 +111,7 @@ class Loader::Impl {
   void start_epoch(int epoch, int64_t first_batch);
   bool next(Batch& batch);
   double wait_seconds() const;
+  double device_wait_seconds() const;
   LoaderPosition position() const;
   std::vector<int64_t> epoch_order(int epoch) const;
 
@@ -164,7 +168,8 @@ class Loader::Impl {
   std::map<int64_t, BufferPtr> ready_;
   BufferPtr held_;            // the buffer behind the batch the consumer has
   std::exception_ptr error_;
-  double waited_ = 0;
+  double waited_ = 0;  // NOTE [What the consumer waited for]
+  double device_waited_ = 0;
   std::vector<std::thread> threads_;
 };
 
@@ -304,6 +309,7 @@ void Loader::Impl::start_epoch(int epoch, int64_t first_batch) {
     next_schedule_ = next_deliver_ = first_batch;
     error_ = nullptr;
     waited_ = 0;
+    device_waited_ = 0;
   }
   work_cv_.notify_all();
 }
@@ -362,6 +368,7 @@ void Loader::Impl::work() {
                           std::min(options.batch_size, samples - index * options.batch_size)});
       free_.pop_front();
       job = std::prev(jobs_.end());
+      job->buffer->take_began = std::chrono::steady_clock::now();
       lock.unlock();
       try {
         job->buffer->take();
@@ -369,6 +376,7 @@ void Loader::Impl::work() {
         failure = std::current_exception();
       }
       lock.lock();
+      job->buffer->taken = std::chrono::steady_clock::now();
       job->open = true;
     } else {
       const int64_t begin = job->next_row, end = std::min(job->rows, begin + chunk_);
@@ -396,9 +404,23 @@ bool Loader::Impl::next(Batch& batch) {
   work_cv_.notify_all();
   if (next_deliver_ >= batches) return false;
   if (!error_ && !ready_.contains(next_deliver_)) {
+    // NOTE [What the consumer waited for]
+    // A wait here is the input pipeline's except while the batch's buffer was still the device's:
+    // take() waits for the copies that read it, and a copy queued behind the previous steps runs
+    // only when the device gets to it, so a device-bound run (the host ahead by the prefetch depth)
+    // waits here too. The part of the wait that overlaps the batch's take() is counted apart, so
+    // that "input wait" does not send a user adding workers to a run that the GPU bounds.
     const auto start = std::chrono::steady_clock::now();
     ready_cv_.wait(lock, [this] { return error_ || ready_.contains(next_deliver_); });
-    waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto end = std::chrono::steady_clock::now();
+    const auto seconds = [](auto d) { return std::chrono::duration<double>(d).count(); };
+    double device = 0;
+    if (!error_) {
+      const detail::BatchBuffer& b = *ready_.at(next_deliver_);
+      device = std::max(seconds(std::min(end, b.taken) - std::max(start, b.take_began)), 0.0);
+    }
+    device_waited_ += device;
+    waited_ += seconds(end - start) - device;
   }
   if (error_) std::rethrow_exception(error_);
   const int64_t index = next_deliver_++;
@@ -420,6 +442,11 @@ bool Loader::Impl::next(Batch& batch) {
 double Loader::Impl::wait_seconds() const {
   std::lock_guard lock(mutex_);
   return waited_;
+}
+
+double Loader::Impl::device_wait_seconds() const {
+  std::lock_guard lock(mutex_);
+  return device_waited_;
 }
 
 LoaderPosition Loader::Impl::position() const {
@@ -506,6 +533,9 @@ bool Loader::next(Batch& batch) { return impl_->next(batch); }
 int64_t Loader::batches_per_epoch() const { return impl_->batches; }
 LoaderPosition Loader::position() const { return impl_->position(); }
 double Loader::wait_seconds() const { return impl_->wait_seconds(); }
+double Loader::device_wait_seconds() const {
+  return impl_->device_wait_seconds();
+}
 std::vector<int64_t> Loader::epoch_order(int epoch) const { return impl_->epoch_order(epoch); }
 Shape Loader::image_shape() const { return {impl_->out_h, impl_->out_w, impl_->channels}; }
 const SampleSource& Loader::source() const { return impl_->source; }

@@ -18,13 +18,14 @@
 // batch) replays the same remaining batches.
 //
 // Pipeline: `workers` persistent threads fill batch buffers ahead of the consumer (at most
-// `prefetch` batches ahead). The workers share the samples of a batch: each claims the next chunk of
-// about batch_size / workers rows of the earliest batch not fully claimed, and starts a new batch
-// only when none is left, so every worker decodes even when only one or two batches are in flight,
-// and a batch is ready as soon as possible. Preparing batch i+1 overlaps the GPU's work on batch i;
-// next() hands batches out in order and counts the time it had to wait (wait_seconds(): the input
-// pipeline's share of a step). Buffers are allocated once and reused, in pinned memory where a CUDA
-// device is visible (asynchronous copies need it) and ordinary memory otherwise, so CPU-only
+// `prefetch` batches ahead). The workers share the samples of a batch: each claims the next chunk
+// of about batch_size / workers rows of the earliest batch not fully claimed, and starts a new
+// batch only when none is left, so every worker decodes even when only one or two batches are in
+// flight, and a batch is ready as soon as possible. Preparing batch i+1 overlaps the GPU's work on
+// batch i; next() hands batches out in order and counts the time it had to wait (wait_seconds():
+// the input pipeline's share of a step; the time a buffer was still read by the device,
+// device_wait_seconds(), apart). Buffers are allocated once and reused, in pinned memory where a
+// CUDA device is visible (asynchronous copies need it) and ordinary memory otherwise, so CPU-only
 // training and CI use the same code.
 //
 // Buffer lifetime (the contract that makes reuse safe): a Batch's tensors stay valid until the next
@@ -127,8 +128,13 @@ class Loader {
 
   int64_t batches_per_epoch() const;
   LoaderPosition position() const;
-  // Seconds next() waited for a batch to be ready since start_epoch().
+  // Seconds next() waited since start_epoch() for the workers to prepare a batch: the input
+  // pipeline's share of the consumer's time.
   double wait_seconds() const;
+  // Seconds next() waited since start_epoch() for a batch whose buffer was still read by the device
+  // (Batch::record_reader: a copy not yet run): the host ahead of a device-bound run, not slow
+  // input.
+  double device_wait_seconds() const;
   // The dataset indices of `epoch` in the order they are served (the sampler's; the identity
   // without a sampler and without shuffle).
   std::vector<int64_t> epoch_order(int epoch) const;

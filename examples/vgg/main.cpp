@@ -1287,19 +1287,29 @@ int run(Options o) {
     // report zeros they never print.
     const Eval test = rank == 0 ? evaluate() : Eval{0, 0, 0};
     if (tty) std::printf("\n");
-    std::printf("epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "
-                "accuracy %.2f%% (top-5 %.2f%%), lr %.4g, %.1f s (%.0f img/s, input wait %.2f s), "
-                "%.1f s so far%s\n",
-                static_cast<long long>(epoch + 1), static_cast<long long>(o.epochs), train_loss,
-                train_top1, test.loss, test.top1, test.top5, lr, epoch_seconds,
-                images_seen / epoch_seconds, train_loader.wait_seconds(), seconds_since(run_start),
-                skipped ? detail::str(", ", skipped, " step(s) skipped").c_str() : "");
-    json.write({{"event", "epoch"}, {"epoch", epoch + 1}, {"train_loss", train_loss},
-                {"train_accuracy", train_top1 / 100}, {"train_top5", train_top5 / 100},
-                {"test_loss", test.loss}, {"test_accuracy", test.top1 / 100},
-                {"test_top5", test.top5 / 100}, {"lr", lr}, {"seconds", epoch_seconds},
-                {"images_per_s", images_seen / epoch_seconds}, {"skipped_steps", skipped},
-                {"elapsed", seconds_since(run_start)}, {"input_wait", train_loader.wait_seconds()}});
+    std::printf(
+        "epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "
+        "accuracy %.2f%% (top-5 %.2f%%), lr %.4g, %.1f s (%.0f img/s, input wait %.2f s, "
+        "waiting for the device %.2f s), %.1f s so far%s\n",
+        static_cast<long long>(epoch + 1), static_cast<long long>(o.epochs), train_loss, train_top1,
+        test.loss, test.top1, test.top5, lr, epoch_seconds, images_seen / epoch_seconds,
+        train_loader.wait_seconds(), train_loader.device_wait_seconds(), seconds_since(run_start),
+        skipped ? detail::str(", ", skipped, " step(s) skipped").c_str() : "");
+    json.write({{"event", "epoch"},
+                {"epoch", epoch + 1},
+                {"train_loss", train_loss},
+                {"train_accuracy", train_top1 / 100},
+                {"train_top5", train_top5 / 100},
+                {"test_loss", test.loss},
+                {"test_accuracy", test.top1 / 100},
+                {"test_top5", test.top5 / 100},
+                {"lr", lr},
+                {"seconds", epoch_seconds},
+                {"images_per_s", images_seen / epoch_seconds},
+                {"skipped_steps", skipped},
+                {"elapsed", seconds_since(run_start)},
+                {"input_wait", train_loader.wait_seconds()},
+                {"device_wait", train_loader.device_wait_seconds()}});
 
     const bool best = test.top1 > best_top1;
     if (best) best_top1 = test.top1;

@@ -136,6 +136,40 @@ TEST(DevicePrefetcher, RestartsAnEpochWithACopyInFlight) {
   EXPECT_FALSE(prefetcher.next(b));
 }
 
+void CUDART_CB sleep_20_ms(void*) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
+// A device-bound epoch: each step holds the compute stream for 20 ms while the loader prepares a
+// small batch in well under a millisecond. The host runs ahead until the loader's buffers wait for
+// the copies queued behind those steps, so next() spends most of the epoch waiting, and that wait
+// is the device's (device_wait_seconds()), not the input pipeline's (wait_seconds()): a trainer
+// that printed it as input wait would send its user adding workers to a GPU-bound run.
+TEST(DevicePrefetcher, AWaitForTheDeviceIsNotInputWait) {
+  CUDP_REQUIRE_GPU();
+  const Dataset d = synthetic_set(320);
+  Loader loader(d, pipeline_options(d, 32));  // 10 batches, 2 buffers
+  DevicePrefetcher prefetcher(loader, {0});
+  prefetcher.start_epoch(0);
+  DeviceBatch b;
+  const auto start = std::chrono::steady_clock::now();
+  int batches = 0;
+  while (prefetcher.next(b)) {
+    CUDP_CUDA_CHECK(cudaLaunchHostFunc(cuda::current_stream(0), sleep_20_ms, nullptr));
+    ++batches;
+  }
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(0)));
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(batches, 10);
+  // 10 steps of 20 ms, of which the last 2 or 3 run after the last next() returned: the consumer
+  // waited for the device during at least 5 of them.
+  EXPECT_GT(loader.device_wait_seconds(), 0.1) << "wall " << wall << " s";
+  EXPECT_LT(loader.device_wait_seconds(), wall);
+  EXPECT_LT(loader.wait_seconds(), 0.25 * loader.device_wait_seconds())
+      << "the device's wait counted as input wait";
+}
+
 TEST(DevicePrefetcher, HostBuffersArePinned) {
   CUDP_REQUIRE_GPU();
   const Dataset d = synthetic_set(100);

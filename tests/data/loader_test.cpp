@@ -351,9 +351,13 @@ TEST(Loader, ReportsTheTimeItWaited) {
       EXPECT_GT(loader.wait_seconds(), 0.0);
     }
     EXPECT_LE(loader.wait_seconds(), wall);
+    // No device reads these buffers: a take() is a lock and a counter, so next() cannot have
+    // spent more than microseconds of its wait on one (loader_gpu_test has the device's case).
+    EXPECT_LT(loader.device_wait_seconds(), 1e-3);
   }
   loader.start_epoch(1);
   EXPECT_EQ(loader.wait_seconds(), 0.0) << "counted per epoch";
+  EXPECT_EQ(loader.device_wait_seconds(), 0.0) << "counted per epoch";
 }
 
 TEST(Loader, HostMemoryIsPinnedOnlyWhereCudaIs) {
