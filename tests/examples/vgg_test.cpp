@@ -646,6 +646,8 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
   damaged("seed", "-1");
   damaged("lr", "nan");
   damaged("dropout_seed.classifier.2", "x");
+  damaged("best_test_top1", "ninety");  // was read with strtod, which took it as 0
+  damaged("best_test_top1", "inf");
 }
 
 
