@@ -4,7 +4,8 @@
 // original, resizing against values worked out by hand (a constant stays constant, a linear ramp
 // stays linear, the centre crop keeps the middle). Through the loader: samples decoded on the
 // workers are those of decode_image + the transform done here sample by sample, whatever the number
-// of workers, and a file is read again at every epoch. (The transforms themselves are checked
+// of workers, and a file is read again at every epoch. A FIFO named like an image and a file above
+// 256 MiB are refused by name, without waiting or reading. (The transforms themselves are checked
 // against a reference in tests/data/image_transform_test.cpp.) Tests skip, saying which package is
 // missing, where the codecs are not installed.
 #include <gtest/gtest.h>
