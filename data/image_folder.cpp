@@ -7,10 +7,10 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include "engine/core/error.h"
+#include "engine/core/file.h"
 #include "kernels/philox.h"
 
 namespace cudp::data {
@@ -86,15 +86,19 @@ const Codecs& codecs() {
   return c;
 }
 
+// The largest image file read. A photograph is a few MiB; a file above this bound is far more
+// likely a mistaken path than a training image, and is refused before it is read into memory.
+constexpr uint64_t kMaxImageFileBytes = uint64_t{256} << 20;
+
 std::vector<unsigned char> read_file(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) {
-    CUDP_THROW(IoError, path, " is not a regular file");
+  // InputFile: a FIFO or a device planted in a class folder is an error, not a hang.
+  InputFile file(path, "JPEG or PNG image");
+  if (file.size() > kMaxImageFileBytes) {
+    CUDP_THROW(IoError, path, " is ", file.size(), " bytes: an image file is refused above ",
+               kMaxImageFileBytes >> 20, " MiB (is it an image?)");
   }
-  std::ifstream in(path, std::ios::binary);
-  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)),
-                                   std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) CUDP_THROW(IoError, "cannot read ", path);
+  std::vector<unsigned char> bytes(file.size());
+  file.read_exact(bytes.data(), bytes.size(), "its bytes");
   return bytes;
 }
 
@@ -421,7 +425,9 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options, st
     std::vector<std::string> names;
     for (const auto& entry : fs::directory_iterator(dir)) {
       bool jpeg = false;
-      if (entry.is_regular_file() && has_image_extension(entry.path(), &jpeg)) {
+      // Not only regular files: a FIFO or a broken link named like an image is a mistake in the
+      // data set that reading it reports by name (read_file), where a skip would hide a sample.
+      if (!entry.is_directory() && has_image_extension(entry.path(), &jpeg)) {
         names.push_back(entry.path().string());
         ++(jpeg ? jpegs : pngs);
       }

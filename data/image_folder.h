@@ -54,7 +54,8 @@ class ImageFolder final : public SampleSource {
   // Lists root/<class>/*.{jpg,jpeg,png} (extensions in any case; other files are ignored). Throws
   // IoError for a missing folder or class folder, or when a decoder the files need is not
   // installed; ValueError for a folder with no classes or no images. Files are not read here: one
-  // that does not decode is an IoError naming it when the loader reaches it.
+  // that does not decode (or is not a regular file: a FIFO, a broken link) is an IoError naming it
+  // when the loader reaches it.
   ImageFolder(const std::string& root, ImageFolderOptions options, std::string name = "folder");
 
   const std::string& name() const override { return name_; }
@@ -95,7 +96,9 @@ struct Image {
   std::vector<uint8_t> rgb;  // width * height * 3
 };
 
-// Decodes a JPEG or PNG file (chosen by its first bytes, not its name) to RGB.
+// Decodes a JPEG or PNG file (chosen by its first bytes, not its name) to RGB. Throws IoError
+// naming the file for one that does not decode, is not a regular file (a FIFO is refused without
+// waiting for a writer) or holds more than 256 MiB.
 Image decode_image(const std::string& path);
 
 // A rectangle of an image: rows [top, top + height), columns [left, left + width).

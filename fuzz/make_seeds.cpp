@@ -1,7 +1,7 @@
 // Writes the seed corpora of the fuzz targets: small valid files of every kind the readers accept,
 // made with the library's own writers, so no binary file is kept in the repository and the seeds
 // follow the formats as the code changes. Usage: cudp-fuzz-seeds <directory>; it creates
-// <directory>/{safetensors,checkpoint,idx,cifar,gzip}/.
+// <directory>/{safetensors,checkpoint,idx,cifar,gzip,image_decode}/.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +21,7 @@
 #include "layers/linear.h"
 #include "layers/pooling.h"
 #include "layers/sequential.h"
+#include "tests/examples/image_files.h"
 
 namespace fs = std::filesystem;
 using namespace cudp;
@@ -131,6 +132,19 @@ void gzip_seeds(const fs::path& dir) {
   fs::remove(b);
 }
 
+// A small image as a PNG (written by hand: tests/examples/image_files.h) and, where libjpeg-turbo
+// is installed, as a JPEG through its encoder.
+void image_decode_seeds(const fs::path& dir) {
+  std::vector<uint8_t> rgb;
+  for (int y = 0; y < 6; ++y) {
+    for (int x = 0; x < 5; ++x) rgb.insert(rgb.end(), {uint8_t(40 * x), uint8_t(30 * y), 128});
+  }
+  testing::write_png((dir / "rgb.png").string(), 5, 6, rgb);
+  if (!testing::write_jpeg((dir / "rgb.jpg").string(), 5, 6, rgb, 90)) {
+    std::fprintf(stderr, "cudp-fuzz-seeds: no JPEG seed (libturbojpeg.so.0 is not installed)\n");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,7 +155,8 @@ int main(int argc, char** argv) {
   try {
     const fs::path root = argv[1];
     const fs::path scratch = root / ".scratch";
-    for (const char* d : {"safetensors", "checkpoint", "idx", "cifar", "gzip", ".scratch"}) {
+    for (const char* d :
+         {"safetensors", "checkpoint", "idx", "cifar", "gzip", "image_decode", ".scratch"}) {
       fs::create_directories(root / d);
     }
     safetensors_seeds(root / "safetensors", scratch);
@@ -149,6 +164,7 @@ int main(int argc, char** argv) {
     idx_seeds(root / "idx");
     cifar_seeds(root / "cifar");
     gzip_seeds(root / "gzip");
+    image_decode_seeds(root / "image_decode");
     fs::remove_all(scratch);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cudp-fuzz-seeds: %s\n", e.what());

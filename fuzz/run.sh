@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-45}
 runs=${2:--1}
 build=${CUDP_FUZZ_BUILD_DIR:-build-fuzz}
-targets=(safetensors checkpoint idx cifar gzip)
+targets=(safetensors checkpoint idx cifar gzip image_decode)
 
 # The library is built as usual (g++); fuzz/CMakeLists.txt builds the targets with clang against it.
 # An existing build (CI passes build-ci) is reused: only the fuzz targets are added.
@@ -37,11 +37,15 @@ for t in "${targets[@]}"; do
   mkdir -p "$out/corpus/$t"
   echo "fuzz: $t for ${seconds}s$( ((runs > 0)) && echo " or $runs runs")"
   # The limits make an allocation out of proportion to the input (a reader trusting a size field)
-  # a finding: inputs are at most 64 KiB, so no reader needs 512 MB.
+  # a finding: inputs are at most 64 KiB, so no reader needs 512 MB. The image decoder is the
+  # exception by design: a JPEG's header of a few hundred bytes may ask for the largest image it
+  # accepts, 2^28 pixels (768 MiB of RGB), which it allocates before decoding.
+  malloc_mb=512
+  [[ $t == image_decode ]] && malloc_mb=1024
   if ! ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0 UBSAN_OPTIONS=print_stacktrace=1 \
        "$out/${t}_fuzz" "$out/corpus/$t" "$out/seeds/$t" \
        -max_total_time="$seconds" -runs="$runs" -max_len=65536 -timeout=10 \
-       -rss_limit_mb=2048 -malloc_limit_mb=512 -print_final_stats=1 \
+       -rss_limit_mb=2048 -malloc_limit_mb="$malloc_mb" -print_final_stats=1 \
        -artifact_prefix="$out/artifacts/$t-" 2>&1 | tee "$out/$t.log" | grep -E "^(stat::|#[0-9]+ +DONE|==[0-9]+==ERROR|SUMMARY|INFO: Running)" ; then
     :
   fi

@@ -7,7 +7,10 @@
 //                              layouts, buffers included) and nothing else, so that
 //                                m = torchvision.models.vgg16()
 //                                m.load_state_dict(safetensors.torch.load_file(path), strict=True)
-//                              works. Its __metadata__ (which load_file ignores) holds
+//                              works for a VGG-16 with torchvision's head (vgg16_bn() for one
+//                              with BatchNorm); cudp-vgg's compact head at 32x32 (layers/vgg.h)
+//                              is not torchvision's, so its files load only into the same layout.
+//                              Its __metadata__ (which load_file ignores) holds
 //                              "format": "pt" and "cudp.checkpoint_id".
 //   <stem>.train.safetensors   the training state (optimizer_state_path(path); <stem> is `path`
 //                              without a ".safetensors" suffix): the optimizer's tensors named

@@ -447,6 +447,9 @@ void Optimizer::load_hyperparameters(const Metadata& hyperparameters) {
   const auto steps = parse_entry<int64_t>(
       hyperparameters, "steps", type_name(),
       [](const std::string& s, size_t* used) { return static_cast<int64_t>(std::stoll(s, used)); });
+  // std::stod takes "inf" and "nan": a learning rate read from a file must be a usable one.
+  CUDP_CHECK(std::isfinite(lr) && lr >= 0, type_name(), ": hyperparameter \"lr\" is '",
+             hyperparameters.at("lr"), "', not a finite number >= 0");
   CUDP_CHECK(steps >= 0, type_name(), ": hyperparameter \"steps\" is negative: ", steps);
   fold_skips();  // skips before this must not be taken out of the restored count
   set_lr(lr);

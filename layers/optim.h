@@ -105,7 +105,8 @@ class Optimizer {
   virtual Metadata hyperparameters() const = 0;
   // Restores lr() and steps() from what hyperparameters() wrote, as PyTorch's load_state_dict
   // restores a group's lr. The other options stay as constructed (they are choices of the run, and
-  // a schedule sets the momentum it cycles).
+  // a schedule sets the momentum it cycles). An lr that is not a finite number >= 0, or steps that
+  // are not a whole number >= 0, is a ValueError naming the key; nothing changes then.
   void load_hyperparameters(const Metadata& hyperparameters);
 
  protected:

@@ -1,5 +1,6 @@
-// Timing for benchmarks (METHOD.md): CUDA events around the region, warm-up first, the median of many
-// repetitions, and rotation over several input sets so that L2 does not serve them.
+// Timing for benchmarks: CUDA events recorded on the stream around the timed region, untimed
+// warm-up runs first, the median of many repetitions reported (with the minimum and maximum), and
+// rotation over several input sets so that L2 does not serve them.
 #pragma once
 
 #include <cuda_runtime.h>

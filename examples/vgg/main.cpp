@@ -1129,9 +1129,10 @@ int run(Options o) {
     }
     skipped_seen += static_cast<int64_t>(bad.size());
   };
+  // Only decides when best is replaced; -1 until a run has evaluated (a percentage after).
   double best_top1 = -1;
-  if (const auto it = resumed_meta.find("best_test_top1"); it != resumed_meta.end()) {
-    best_top1 = std::strtod(it->second.c_str(), nullptr);  // only decides when best is replaced
+  if (resumed_meta.count("best_test_top1")) {
+    best_top1 = metadata_double(resumed_meta, "best_test_top1", -1, 100, state_file);
   }
 
   // One training step: its results {loss, gradient norm, logits} stay on the device.

@@ -289,8 +289,10 @@ bool parse_integer(const std::string& s, int64_t lo, int64_t hi, int64_t& out) {
 }
 
 int parse_command_line(int argc, char** argv, Options& o) {
-  CLI::App app{"cudp-vgg: train a VGG on Fashion-MNIST, MNIST, CIFAR-10 or generated data with "
-               "data parallelism over the visible GPUs (the CPU when there is none)"};
+  CLI::App app{
+      "cudp-vgg: train a VGG on Fashion-MNIST, MNIST, CIFAR-10, your own image folders "
+      "(--data folder) or generated data with data parallelism over the visible GPUs (the "
+      "CPU when there is none)"};
   app.footer(kExitCodes);
   const Options defaults;
   for (const Setting& s : settings()) {

@@ -1,5 +1,5 @@
 // Host entry points of the sm_90a tensor-core kernels (kernels/sm90/*.cu, built for sm_90a only).
-// kernels/matmul.cpp calls them after validating the problem and choosing the plan; nothing else
+// kernels/matmul.cu calls them after validating the problem and choosing the plan; nothing else
 // should. Each precision lives in its own translation unit (matmul_sm90_bf16.cu, _tf32.cu).
 #pragma once
 

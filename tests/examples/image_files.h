@@ -1,6 +1,7 @@
-// Writes small PNG and JPEG files for the ImageFolder tests, independently of the reader under test:
-// PNGs by hand (stored deflate blocks, CRC-32 and Adler-32 computed here, no zlib), JPEGs through
-// libjpeg-turbo's encoder loaded at run time (write_jpeg returns false where it is not installed).
+// Writes small PNG and JPEG files for the ImageFolder tests and the image fuzz target's seeds
+// (fuzz/make_seeds.cpp), independently of the reader under test: PNGs by hand (stored deflate
+// blocks, CRC-32 and Adler-32 computed here, no zlib), JPEGs through libjpeg-turbo's encoder loaded
+// at run time (write_jpeg returns false where it is not installed).
 #pragma once
 
 #include <dlfcn.h>

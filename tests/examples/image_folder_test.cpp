@@ -4,10 +4,12 @@
 // original, resizing against values worked out by hand (a constant stays constant, a linear ramp
 // stays linear, the centre crop keeps the middle). Through the loader: samples decoded on the
 // workers are those of decode_image + the transform done here sample by sample, whatever the number
-// of workers, and a file is read again at every epoch. (The transforms themselves are checked
+// of workers, and a file is read again at every epoch. A FIFO named like an image and a file above
+// 256 MiB are refused by name, without waiting or reading. (The transforms themselves are checked
 // against a reference in tests/data/image_transform_test.cpp.) Tests skip, saying which package is
 // missing, where the codecs are not installed.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstdint>
@@ -171,6 +173,48 @@ TEST(ImageFolder, ErrorsNameTheFile) {
   EXPECT_THROW(data::ImageFolder(dir / "empty", o), ValueError);
   o.classes = {"a", "b"};  // a split without a class folder the training split has
   EXPECT_THROW(data::ImageFolder(dir / "t", o), IoError);
+}
+
+// read(index) throws IoError whose message holds every one of `parts`.
+void expect_read_error(const data::ImageFolder& folder, int64_t index,
+                       const std::vector<std::string>& parts) {
+  std::vector<uint8_t> out(static_cast<size_t>(folder.height() * folder.width() * 3));
+  try {
+    folder.read(index, 1, 0, out.data());
+    ADD_FAILURE() << folder.file(index) << " was read";
+  } catch (const IoError& e) {
+    for (const std::string& part : parts) {
+      EXPECT_NE(e.message().find(part), std::string::npos) << e.message();
+    }
+  }
+}
+
+// A class folder is outside input. A FIFO named like an image, there when the folder is listed or
+// put in a file's place later, is refused by name when read: opening it for reading would wait for
+// a writer forever. A file above 256 MiB is refused by its size before it is read (a sparse file
+// here, whose PNG header and image are valid: the old reader decoded it).
+TEST(ImageFolder, RefusesFifosAndHugeFilesByName) {
+  REQUIRE_PNG();
+  TempDir dir;
+  const std::string a = dir / "t/a";
+  std::filesystem::create_directories(a);
+  write_png(a + "/0.png", 8, 8, random_rgb(8, 8, 1));
+  write_png(a + "/1.png", 8, 8, random_rgb(8, 8, 2));
+  ASSERT_EQ(::mkfifo((a + "/2.png").c_str(), 0600), 0);
+  data::ImageFolderOptions o;
+  o.size = 8;
+  const data::ImageFolder folder(dir / "t", o);
+  ASSERT_EQ(folder.size(), 3);
+  expect_read_error(folder, 2, {"2.png", "FIFO"});
+
+  std::filesystem::remove(a + "/0.png");
+  ASSERT_EQ(::mkfifo((a + "/0.png").c_str(), 0600), 0);
+  expect_read_error(folder, 0, {"0.png", "FIFO"});
+
+  const data::Image before = data::decode_image(a + "/1.png");
+  EXPECT_EQ(before.rgb, random_rgb(8, 8, 2));
+  std::filesystem::resize_file(a + "/1.png", (uint64_t{256} << 20) + 1);
+  expect_read_error(folder, 1, {"1.png", "268435457 bytes", "256 MiB"});
 }
 
 // A small tree of PNGs (and JPEGs where the encoder is there) of several sizes and aspect ratios:

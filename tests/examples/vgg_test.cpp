@@ -5,9 +5,11 @@
 // and checks its exit code and output:
 //   - a short synthetic VGG-11 run on the CPU trains one epoch and reports a finite loss and a test
 //     accuracy;
-//   - a checkpoint round trip: --eval-only --resume prints the checksum the training run printed;
+//   - a checkpoint round trip: --eval-only --resume (or -e, --evaluate) prints the checksum the
+//     training run printed;
 //   - an exact resume on the CPU: 2 epochs straight and 1 + 1 give the same checksum (the GPU test
 //     does the same at a larger scale on 1 and 2 GPUs);
+//   - the torchvision head at --image-size 64 trains a step, with torchvision's parameter count;
 //   - precision policies: bf16 emulated on the CPU trains and is remembered by the checkpoint;
 //     tf32 training is refused (exit 2);
 //   - refusals: CLI11 usage errors (exit 2), an invalid --gpus
@@ -86,6 +88,14 @@ TEST(VggTrainer, TrainsOneEpochOnTheCpu) {
   EXPECT_NE(checksum_of(r), "") << r.output;
 }
 
+// The "test loss L, test accuracy A%" of a run's output, or "" if it printed none.
+std::string test_result(const RunResult& r) {
+  std::smatch m;
+  if (std::regex_search(r.output, m, std::regex(R"(test loss \S+, test accuracy \S+%)")))
+    return m[0];
+  return "";
+}
+
 // The checkpoint holds the model bit for bit: evaluating it prints the training run's checksum.
 // And an exact resume: 2 epochs straight == 1 epoch, then --resume for the second, with the
 // default onecycle schedule stopped by --stop-after as an interrupted run is (the GPU test also
@@ -108,6 +118,16 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
   ASSERT_EQ(eval.code, 0) << eval.output;
   EXPECT_TRUE(contains(eval.output, "test accuracy")) << eval.output;
   EXPECT_EQ(checksum_of(eval), sum_a) << eval.output;
+  // -e and --evaluate (the spellings of PyTorch's ImageNet example) are --eval-only: the same
+  // evaluation of the same weights, and no training.
+  for (const std::string alias : {"-e", "--evaluate"}) {
+    const RunResult e =
+        run_on_cpu(dir, base + alias + " --resume '" + (dir / "a.safetensors") + "'");
+    ASSERT_EQ(e.code, 0) << alias << ": " << e.output;
+    EXPECT_EQ(checksum_of(e), sum_a) << alias << ": " << e.output;
+    EXPECT_EQ(test_result(e), test_result(eval)) << alias << ": " << e.output;
+    EXPECT_FALSE(contains(e.output, "step 1/")) << alias << ": " << e.output;
+  }
 
   const std::string first = "--epochs 2 --stop-after 1 ";
   const RunResult b1 =
@@ -374,6 +394,34 @@ TEST(VggTrainer, InvalidGpuIdNamesTheValidRange) {
         contains(r.output, "invalid device id 99: valid ids are 0.." + std::to_string(count - 1)))
         << r.output;
   }
+}
+
+// --image-size 64 --head torchvision: torchvision's VGG at 64x64 (AdaptiveAvgPool2d(7, 7), then
+// 25088-4096-4096-N) trains a step on the CPU. Its size is torchvision's: vgg11_bn() has
+// 132,868,840 parameters for 1000 classes; for 10, 990 * (4096 + 1) fewer. The compact head is
+// refused there.
+TEST(VggTrainer, TorchvisionHeadAt64Pixels) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string run = kSmall +
+                          "--image-size 64 --epochs 1 --limit-train 2 --limit-test 2 "
+                          "--batch-size 2 ";
+  const RunResult r = run_on_cpu(dir, run + "--head torchvision");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "data: synthetic (64x64x3, 10 classes)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "model: vgg11-bn (torchvision head, 64x64 input), " +
+                                     std::to_string(132868840 - 990 * 4097) + " parameters"))
+      << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(epoch 1/1: train loss (\S+),)")))
+      << r.output;
+  EXPECT_TRUE(std::isfinite(std::stod(m[1]))) << r.output;
+  EXPECT_NE(test_result(r), "") << r.output;
+
+  const RunResult compact = run_on_cpu(dir, run + "--head compact");
+  EXPECT_EQ(compact.code, 2) << compact.output;
+  EXPECT_TRUE(contains(compact.output, "--head compact needs 32x32 inputs, not --image-size 64"))
+      << compact.output;
 }
 
 TEST(VggTrainer, EvalOnlyNeedsResume) {
@@ -646,6 +694,8 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
   damaged("seed", "-1");
   damaged("lr", "nan");
   damaged("dropout_seed.classifier.2", "x");
+  damaged("best_test_top1", "ninety");  // was read with strtod, which took it as 0
+  damaged("best_test_top1", "inf");
 }
 
 

@@ -320,6 +320,30 @@ TEST(Optimizer, HyperparametersArePrintedExactly) {
   EXPECT_THROW(restored.load_hyperparameters(saved), ValueError);
 }
 
+// A checkpoint's learning rate is text: std::stod reads "inf" and "nan" as numbers, and an update
+// with either spoils every weight. They, and a negative rate, are refused naming the key, and
+// nothing is restored.
+TEST(Optimizer, LoadedLearningRateMustBeFiniteAndNonNegative) {
+  Params params;
+  SGD sgd(params.list(), {.lr = 0.5});
+  for (const char* lr : {"inf", "-inf", "nan", "-0.25", "1e999"}) {
+    const Metadata saved = {{"lr", lr}, {"steps", "3"}};
+    try {
+      sgd.load_hyperparameters(saved);
+      ADD_FAILURE() << "lr '" << lr << "' was accepted";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("hyperparameter \"lr\" is"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(lr), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(sgd.lr(), 0.5) << lr;
+    EXPECT_EQ(sgd.steps(), 0) << lr;
+  }
+  sgd.load_hyperparameters({{"lr", "0"}, {"steps", "3"}});  // zero is a learning rate
+  EXPECT_EQ(sgd.lr(), 0.0);
+  EXPECT_EQ(sgd.steps(), 3);
+}
+
 // ---- arguments ----------------------------------------------------------------------------------
 
 TEST(Optimizer, ValidatesLikePyTorch) {
