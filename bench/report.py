@@ -5,7 +5,8 @@ Reads, from --raw DIR (each file optional; what is absent, empty or unreadable i
 report and skipped):
 
   machine.json            scripts/bench-report.sh's collector: date, GPUs, driver, CUDA, cuDNN, NCCL, PyTorch
-  train_cudp.json         bench_train --json            (JSON lines, one object per configuration)
+  train_cudp*.json        bench_train --json            (JSON lines, one object per configuration;
+                          "processes" > 1 on the rows of `mpirun -np N bench_train`, 1 if absent)
   train_torch*.json       bench/pytorch_train.py --json (JSON lines; several files, e.g. fp32 and tf32)
   comm.json               bench_comm --json             (JSON lines, one object per size)
   gemm.json, conv2d.json, elementwise.json, norm_pool.json
@@ -133,10 +134,32 @@ def torch_setting(r):
     return label
 
 
+def processes_of(r):
+    """The processes a cudp row ran as: N under `mpirun -np N bench_train` (DistributedDataParallel,
+    one GPU each), 1 for one process on its GPUs (DataParallel) and for rows written before
+    bench_train had the field."""
+    p = num(r, "processes", 1)
+    return int(p) if p and p >= 1 else 1
+
+
+def cudp_mode(r):
+    """How a row's cudp ran: 1 GPU, DataParallel (one process on its GPUs) or DDP (N processes)."""
+    p = r.get("processes") or 1
+    if r["gpus"] <= 0:
+        return "CPU" + (f", {p} processes" if p > 1 else "")
+    if p > 1:
+        return f"DDP ({p} processes)"
+    return "1 GPU" if r["gpus"] == 1 else "DataParallel"
+
+
 def training(cudp_rows, torch_rows, run):
-    """Rows per (model, size, batch/GPU, cudp precision, GPUs, PyTorch setting and mode): img/s,
-    scaling efficiency, ratios, from one run (`run`: its name, carried by every row). Every row
-    carries cudp_precision (fp32 for rows written before bench_train had --precision)."""
+    """Rows per (model, size, batch/GPU, cudp precision, graphs, processes, GPUs, PyTorch setting
+    and mode): img/s, scaling efficiency, ratios, from one run (`run`: its name, carried by every
+    row). Every row carries cudp_precision (fp32 for rows written before bench_train had
+    --precision) and processes (1 for one process, N for N processes of one GPU each). A row of N
+    processes is set against PyTorch's DDP at the same GPU count, and against cudp's one process on
+    as many GPUs with the same precision and graphs (cudp_over_one_process); its scaling
+    efficiency is against that one process on 1 GPU."""
     configs = {}
     for r in cudp_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
@@ -144,7 +167,8 @@ def training(cudp_rows, torch_rows, run):
         key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
         c = configs.setdefault(key, {"cudp": {}, "torch": {}})
         # Rows written before bench_train had --graphs launched every kernel: graphs "off".
-        setting = (str(r.get("cudp_precision", "fp32")), str(r.get("cudp_graphs", "off")))
+        setting = (str(r.get("cudp_precision", "fp32")), str(r.get("cudp_graphs", "off")),
+                   processes_of(r))
         c["cudp"].setdefault(setting, {})[int(num(r, "gpus"))] = r
     for r in torch_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
@@ -157,18 +181,27 @@ def training(cudp_rows, torch_rows, run):
     rows = []
     for (model, size, batch), c in sorted(configs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         torch_gpus = {g for p in c["torch"].values() for m in p.values() for g in m}
-        for (cudp_precision, cudp_graphs), cudp in sorted(c["cudp"].items()) or [((None, None), {})]:
-            cudp_one = num(cudp.get(1, {}), "images_per_s")
-            for g in sorted(set(cudp) | torch_gpus):
+        settings = sorted(c["cudp"].items()) or [((None, None, 1), {})]
+        for (cudp_precision, cudp_graphs, processes), cudp in settings:
+            # One process with the same precision and graphs: the 1-GPU baseline of the scaling,
+            # and, for N processes, the same GPU count in one process.
+            one_process = c["cudp"].get((cudp_precision, cudp_graphs, 1), {})
+            cudp_one = num(one_process.get(1, {}), "images_per_s")
+            gpu_counts = set(cudp) if processes > 1 else set(cudp) | torch_gpus
+            for g in sorted(gpu_counts):
                 cr = cudp.get(g)
                 ips = num(cr, "images_per_s") if cr else None
                 eff = ratio(ips, cudp_one * g) if cudp_one else None
+                over_one = (ratio(ips, num(one_process.get(g, {}), "images_per_s"))
+                            if processes > 1 else None)
                 step_ms = num(cr, "step_ms") if cr else None
                 ar_ms = num(cr, "allreduce_ms") if cr else None
                 base = {
                     "run": run, "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
                     "cudp_precision": cudp_precision, "cudp_graphs": cudp_graphs,
+                    "processes": processes,
                     "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,
+                    "cudp_over_one_process": over_one,
                     "cudp_step_ms": step_ms,
                     "cudp_allreduce_ms": ar_ms if g > 1 else None,
                     "cudp_allreduce_share_of_step": ratio(ar_ms, step_ms) if g > 1 and ar_ms else None,
@@ -180,7 +213,8 @@ def training(cudp_rows, torch_rows, run):
                 torch_modes = []
                 for setting, modes in sorted(c["torch"].items()):
                     single = num(modes.get("single", {}).get(1, {}), "images_per_s")
-                    for mode in ("single", "dp", "ddp"):
+                    # N processes of cudp against PyTorch's N processes (DDP) only
+                    for mode in ("ddp",) if processes > 1 else ("single", "dp", "ddp"):
                         tr = modes.get(mode, {}).get(g)
                         if tr is None:
                             continue
@@ -212,7 +246,8 @@ def training_md(rows):
             mode = {"single": "1 GPU", "dp": "DataParallel", "ddp": "DDP"}.get(r["pytorch_mode"], r["pytorch_mode"])
             mode += f" ({r['pytorch_precision']})"
         body.append([
-            r.get("run", "—"), r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], (r.get("cudp_precision") or "—") + (" graphs" if r.get("cudp_graphs") == "on" else ""),
+            r.get("run", "—"), r["model"], f"{r['size']}²", r["batch_per_gpu"], r["gpus"], cudp_mode(r),
+            (r.get("cudp_precision") or "—") + (" graphs" if r.get("cudp_graphs") == "on" else ""),
             fmt(r["cudp_images_per_s"], 0), fmt(r["cudp_scaling_efficiency"], 2),
             mode, fmt(r.get("pytorch_images_per_s"), 0), fmt(r.get("pytorch_scaling_efficiency"), 2),
             fmt(r.get("cudp_over_pytorch"), 2, "×"),
@@ -221,11 +256,11 @@ def training_md(rows):
             fmt(r["cudp_peak_gib"], 2), fmt(r.get("pytorch_peak_gib"), 2),
         ])
     return md_table(
-        ["run", "model", "image", "batch/GPU", "GPUs", "cudp precision", "cudp img/s", "cudp scaling", "PyTorch",
+        ["run", "model", "image", "batch/GPU", "GPUs", "cudp", "cudp precision", "cudp img/s", "cudp scaling", "PyTorch",
          "PyTorch img/s", "PyTorch scaling", "cudp/PyTorch", "cudp all-reduce ms", "all-reduce / step",
          "cudp peak GiB", "PyTorch peak GiB"],
-        body, ["---", "---", "---", "---:", "---:", "---", "---:", "---:", "---", "---:", "---:", "---:", "---:",
-               "---:", "---:", "---:"])
+        body, ["---", "---", "---", "---:", "---:", "---", "---", "---:", "---:", "---", "---:", "---:", "---:",
+               "---:", "---:", "---:", "---:"])
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -349,7 +384,8 @@ def plot_scaling(train_rows, path):
     for r in train_rows:
         c = configs.setdefault((r["model"], r["size"], r["batch_per_gpu"]), {})
         if r["cudp_images_per_s"] is not None:
-            c.setdefault(("cudp", None), {})[r["gpus"]] = r["cudp_images_per_s"]
+            kind = "cudp_ddp" if (r.get("processes") or 1) > 1 else "cudp"
+            c.setdefault((kind, None), {})[r["gpus"]] = r["cudp_images_per_s"]
         if r.get("pytorch_images_per_s") is not None:
             mode, prec = r["pytorch_mode"], r["pytorch_precision"]
             if mode == "single":  # the first point of both multi-GPU lines
@@ -357,25 +393,31 @@ def plot_scaling(train_rows, path):
                     c.setdefault((m, prec), {})[1] = r["pytorch_images_per_s"]
             else:
                 c.setdefault((mode, prec), {})[r["gpus"]] = r["pytorch_images_per_s"]
+    for c in configs.values():  # cudp's N processes start from cudp's one process on 1 GPU
+        if ("cudp_ddp", None) in c and 1 in c.get(("cudp", None), {}):
+            c[("cudp_ddp", None)].setdefault(1, c[("cudp", None)][1])
     configs = {k: v for k, v in configs.items() if any(len(s) for s in v.values())}
     if not configs:
         return "no training results: no plot"
     fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.2), squeeze=False)
     styles = {"cudp": dict(color="tab:blue", marker="o", linestyle="-", linewidth=2),
               "dp": dict(color="tab:orange", marker="s", linestyle="--"),
-              "ddp": dict(color="tab:green", marker="^", linestyle="-.")}
-    names = {"cudp": "cudp", "dp": "PyTorch DataParallel", "ddp": "PyTorch DDP"}
+              "ddp": dict(color="tab:green", marker="^", linestyle="-."),
+              "cudp_ddp": dict(color="tab:purple", marker="v", linestyle="-")}
+    names = {"cudp": "cudp", "dp": "PyTorch DataParallel", "ddp": "PyTorch DDP",
+             "cudp_ddp": "cudp DDP (1 process per GPU)"}
     for ax, ((model, size, batch), series) in zip(axes[0], sorted(configs.items(), key=lambda kv: (kv[0][0], -kv[0][1]))):
         all_g = sorted({g for s in series.values() for g in s})
         cudp = series.get(("cudp", None), {})
         if 1 in cudp and len(all_g) > 1:
             ax.plot(all_g, [cudp[1] * g for g in all_g], color="grey", linewidth=0.8, linestyle=":",
                     label="cudp ideal (linear)")
-        for (kind, prec), points in sorted(series.items(), key=lambda kv: (kv[0][0] != "cudp", str(kv[0]))):
+        for (kind, prec), points in sorted(series.items(),
+                                           key=lambda kv: (not kv[0][0].startswith("cudp"), str(kv[0]))):
             if kind not in styles or not points:
                 continue
             gs = sorted(points)
-            if kind != "cudp" and gs == [1]:
+            if not kind.startswith("cudp") and gs == [1]:
                 continue  # a lone PyTorch single-GPU point: drawn once, below
             label = names[kind] + (f" ({prec})" if prec and prec != "fp32" else "")
             style = dict(styles[kind])
@@ -428,7 +470,21 @@ def headline(train, comm):
                          f"**{fmt(r['cudp_over_pytorch'], 2, '×')}**")
     seen = set()
     for r in train:
-        key = (r["model"], r["size"], r["gpus"])
+        key = (r["model"], r["size"], r["gpus"], r.get("processes") or 1)
+        if (r.get("processes") or 1) > 1:
+            if key not in seen and r["cudp_images_per_s"] is not None:
+                seen.add(key)
+                graphs = "graphs on" if r.get("cudp_graphs") == "on" else "graphs off"
+                lines.append(f"- {r['model']} {r['size']}², {r['processes']} processes of one GPU "
+                             f"(DDP, {r.get('cudp_precision') or 'fp32'}, {graphs}): cudp "
+                             f"{fmt(r['cudp_images_per_s'], 0)} img/s, "
+                             f"**{fmt(r.get('cudp_over_one_process'), 2, '×')}** one process on "
+                             f"{r['gpus']} GPUs (the bar: ≥ 0.98×), scaling efficiency "
+                             f"{fmt(r['cudp_scaling_efficiency'], 2)}")
+            if r.get("pytorch_mode") == "ddp" and r.get("cudp_over_pytorch"):
+                lines.append(f"- {r['model']} {r['size']}², {r['gpus']} GPUs: cudp DDP vs PyTorch DDP "
+                             f"({r['pytorch_precision']}) **{fmt(r['cudp_over_pytorch'], 2, '×')}**")
+            continue
         if r["gpus"] > 1 and r["cudp_scaling_efficiency"] is not None and key not in seen:
             seen.add(key)
             share = r["cudp_allreduce_share_of_step"]
@@ -508,7 +564,9 @@ def main():
            "## Training throughput (bench_train vs bench/pytorch_train.py)", "",
            "Images per second over timed steps (data already on the GPU). Scaling = img/s on g GPUs / "
            "(g × img/s on 1 GPU) of the same framework (PyTorch's DataParallel and DDP against PyTorch "
-           "on 1 GPU). cudp/PyTorch compares the same GPU count within one run (the run column). The "
+           "on 1 GPU). cudp/PyTorch compares the same GPU count within one run (the run column). cudp "
+           "runs as one process on its GPUs (1 GPU, DataParallel), or as N processes of one GPU each "
+           "(DDP, `mpirun -np N bench_train`), which are set against PyTorch's DDP only. The "
            "all-reduce column is cudp's gradient all-reduce timed alone, an upper bound of the "
            "communication a step exposes.", "",
            training_md(train), ""]

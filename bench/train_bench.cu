@@ -7,14 +7,34 @@
 // GPUs, run `--warmup` steps, then `--steps` timed steps between a device synchronisation and the
 // next (host clock): img/s = global batch * steps / seconds. Also reported: peak memory per GPU and
 // the time of the gradient all-reduce alone (NCCL on the flat gradient buffer, timed separately).
-// One JSON object per configuration with --json.
+// One JSON object per configuration with --json, each with "processes" (1 here).
+//
+// Several processes, one GPU each (DistributedDataParallel): started by a launcher with N > 1
+// processes (`mpirun -np N bench_train ...`, srun), bench_train runs as one rank of N and measures
+// that configuration only. MPI starts the ranks; each drives the GPU of its local rank (as cudp-vgg
+// does; --gpus N is refused), builds the model from the same seed, wraps it in
+// DistributedDataParallel over NCCL (ProcessGroup::from_mpi, nccl_group) and trains on its own
+// batch of --batch-per-gpu images, its loss weighted by its share of the global batch, 1/N. The
+// timed steps start after a barrier and end with each rank's device synchronised; the seconds are
+// the slowest rank's (gathered over MPI): img/s = batch per GPU * N * steps / seconds. Rank 0
+// prints and writes the JSON ("processes": N, "gpus": N); the other ranks print nothing. CUDA
+// graphs do not capture a DistributedDataParallel step yet: these rows run with graphs off, and the
+// one-process rows they are compared with must be too (--graphs off). --processes N only checks
+// that the launch is the one meant: without a launcher it is a usage error naming the mpirun
+// command. scripts/bench-report.sh runs `mpirun -np <GPUs> bench_train --graphs off` after the
+// one-process runs, and bench/report.py sets its rows against one process on as many GPUs.
+//
+// --gpus none: the CPU, for tests on machines without a GPU: one process (the model as it is, no
+// wrapper), or N processes under a launcher with MPI moving the gradients (mpi_host_group); graphs
+// off, no peak memory; "gpus": 0 in the JSON. --batch-per-gpu sets the batch of each GPU (of each
+// process on the CPU), 256 at 32^2 and 64 at 224^2 by default.
 //
 // Exposed communication (--exposed-comm on, the default): each multi-GPU configuration is timed a
-// second time with the gradient all-reduce switched off (DataParallel::set_gradient_sync(false):
-// the same forward, backward and optimizer kernels, no NCCL call), and the difference of the two
-// step times, as a fraction of the step with communication, is the communication the step leaves
-// exposed (what the bucketed all-reduce did not hide behind the backward). JSON fields
-// "step_ms_no_comm" and "cudp_exposed_comm_share" on multi-GPU rows.
+// second time with the gradient all-reduce switched off (set_gradient_sync(false) of DataParallel
+// or DistributedDataParallel: the same forward, backward and optimizer kernels, no all-reduce), and
+// the difference of the two step times, as a fraction of the step with communication, is the
+// communication the step leaves exposed (what the bucketed all-reduce did not hide behind the
+// backward). JSON fields "step_ms_no_comm" and "cudp_exposed_comm_share" on multi-GPU rows.
 //
 // --graphs on off: each configuration with its steps replayed from a CUDA graph (GraphedStep,
 // layers/train.h: two eager warm-up steps, the capture, then replays; at least 3 untimed steps) and
@@ -25,6 +45,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +56,8 @@
 #include "engine/core/nvtx.h"
 #include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
+#include "engine/parallel/ddp.h"
+#include "engine/parallel/mpi_bootstrap.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
 #include "layers/train.h"
@@ -43,18 +68,65 @@ namespace {
 using namespace cudp;
 using Clock = std::chrono::steady_clock;
 
+constexpr int kExitFailure = 1, kExitUsage = 2;
+
+// The command line or the launch is wrong: main prints the message and exits with kExitUsage.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// This process's place in a multi-process launch (mpirun -np N bench_train ...): rank 0 of 1
+// without one.
+struct Ranks {
+  int rank = 0, world = 1, local_rank = 0;
+  std::unique_ptr<parallel::mpi::Session> session;        // MPI, for every multi-process run
+  std::shared_ptr<parallel::ProcessGroup> process_group;  // NCCL, when the ranks drive GPUs
+
+  bool distributed() const { return world > 1; }
+  void barrier() const {
+    if (distributed()) session->barrier();
+  }
+  // The largest `value` over the ranks (collective: every rank calls it at the same point).
+  double max(double value) const {
+    if (!distributed()) return value;
+    std::vector<double> all(static_cast<size_t>(world));
+    session->all_gather(&value, sizeof value, all.data());
+    return *std::max_element(all.begin(), all.end());
+  }
+  // NCCL, then MPI (MPI_Finalize), in that order.
+  void finish() {
+    process_group.reset();
+    session.reset();
+  }
+};
+Ranks g_ranks;
+
+struct Options {
+  std::vector<std::string> archs = {"vgg16"};
+  std::vector<std::string> precisions = {"fp32"};
+  std::vector<std::string> graph_modes = {"on", "off"};
+  bool graphs_given = false;  // --graphs on the command line (not the default)
+  std::vector<int> sizes = {224, 32};
+  std::string gpus;           // "": all visible; "none": the CPU; else the largest GPU count
+  int64_t batch_per_gpu = 0;  // 0: 256 at 32^2, 64 at 224^2
+  int processes = 0;          // 0: whatever the launch is
+  int warmup = 3, steps = 10;
+  std::string json, exposed_comm = "on";
+};
+
 struct Config {
   std::string arch;
   int size;
-  int64_t batch_per_gpu;
-  int gpus;
+  int64_t batch_per_gpu;  // of each GPU, or of each process on the CPU
   Precision precision;
   bool graphs;
   bool comm = true;  // false: gradient all-reduce switched off (exposed-communication timing)
 };
 
 struct Result {
-  double images_per_s = 0, step_ms = 0, allreduce_ms = 0, peak_gib = 0;
+  double images_per_s = 0, step_ms = 0, allreduce_ms = 0;
+  double peak_gib = -1;         // the largest over the GPUs (and ranks); -1 on the CPU
   double step_ms_no_comm = -1;  // the same step with the all-reduce off (multi-GPU rows)
 };
 
@@ -62,9 +134,14 @@ char arch_config(const std::string& arch) {
   return arch == "vgg11" ? 'A' : arch == "vgg13" ? 'B' : arch == "vgg16" ? 'D' : 'E';
 }
 
-Result run(const Config& c, int warmup, int steps) {
-  std::vector<int> ids;
-  for (int i = 0; i < c.gpus; ++i) ids.push_back(i);
+// One configuration on `ids`, the GPUs of this process (empty: the CPU): DataParallel over them,
+// or, under a launcher, DistributedDataParallel over the ranks (one GPU or the CPU each).
+Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) {
+  const bool ranks = g_ranks.distributed();
+  const Device device = ids.empty() ? Device::cpu() : Device::cuda(ids[0]);
+  const auto synchronize = [&ids] {
+    for (int g : ids) cuda::synchronize(g);
+  };
   for (int g : ids) {
     cuda::synchronize(g);
     cuda::reset_peak_memory_stats(g);
@@ -74,164 +151,381 @@ Result run(const Config& c, int warmup, int steps) {
   o.batch_norm = false;
   o.head = c.size == 32 ? VggHead::Compact : VggHead::Torchvision;
   o.num_classes = c.size == 32 ? 10 : 1000;
-  o.seed = 1;
+  o.seed = 1;  // the same model on every rank (DistributedDataParallel broadcasts rank 0's anyway)
   auto net = vgg(arch_config(c.arch), o);
   net->set_precision(c.precision);
-  net->cuda(0);
+  net->to(device);
   Result r;
-  {
-    parallel::DataParallel model(net, ids);
-    model.set_input_grad(false);  // as the trainer: the images need no gradient
-    model.set_gradient_sync(c.comm);  // before any step: a captured graph keeps it
-    parallel::Replicated<SGD> opt(model, {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
-    CrossEntropyLoss criterion;
-    const int64_t batch = c.batch_per_gpu * c.gpus;
-    Tensor images = Tensor::empty({batch, c.size, c.size, 3}, DType::f32, Device::cuda(0));
-    images.normal_(0.f, 1.f, 7);
-    std::vector<int32_t> host_labels(batch);
-    for (int64_t i = 0; i < batch; ++i) host_labels[i] = static_cast<int32_t>(i % o.num_classes);
-    const Tensor labels = Tensor::from_vector(host_labels, {batch}, Device::cuda(0));
-    const auto body = [&](const Tensor& x, const Tensor& y) {
-      const Tensor out = model.forward(x);
-      const Tensor loss = criterion.forward(out, y);
-      opt.zero_grad();
-      model.backward(criterion.backward());
-      opt.step();
-      return TensorList{loss};
-    };
-    GraphedStep graphed(body, Device::cuda(0),
-                        {.warmup_steps = GraphedStepOptions{}.warmup_steps,
-                         .enabled = c.graphs,
-                         .before_replay = [&opt] { opt.follow_primary(); }},
-                        ids);
-    auto step = [&] {
-      const nvtx::Range range("training step");
-      graphed.run(images, labels);
-    };
-    // With graphs: the warm-up steps, the capture (and its first replay) stay untimed.
-    const int untimed = c.graphs ? std::max(warmup, GraphedStepOptions{}.warmup_steps + 1) : warmup;
-    for (int i = 0; i < untimed; ++i) step();
-    for (int g : ids) cuda::synchronize(g);
-    const auto t0 = Clock::now();
-    for (int i = 0; i < steps; ++i) step();
-    for (int g : ids) cuda::synchronize(g);
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    r.step_ms = 1e3 * seconds / steps;
-    r.images_per_s = static_cast<double>(batch) * steps / seconds;
-    criterion.check_labels();
+  std::unique_ptr<parallel::DataParallel> dp;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (ranks) {
+    net->set_input_grad(false);
+    ddp = std::make_unique<DistributedDataParallel>(
+        net, g_ranks.process_group ? parallel::nccl_group(g_ranks.process_group)
+                                   : parallel::mpi_host_group(*g_ranks.session));
+    ddp->set_gradient_sync(c.comm);
+  } else if (!ids.empty()) {
+    dp = std::make_unique<parallel::DataParallel>(net, ids);
+    dp->set_gradient_sync(c.comm);  // before any step: a captured graph keeps it
+  }
+  // On the CPU in one process: the module as it is (DataParallel given no device list would take
+  // every visible GPU).
+  Module& model = dp ? static_cast<Module&>(*dp) : ddp ? static_cast<Module&>(*ddp) : *net;
+  model.set_input_grad(false);  // as the trainer: the images need no gradient
+  parallel::Replicated<SGD> opt(model, {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
+  CrossEntropyLoss criterion;
+  const int64_t batch = c.batch_per_gpu * std::max<int64_t>(1, static_cast<int64_t>(ids.size()));
+  Tensor images = Tensor::empty({batch, c.size, c.size, 3}, DType::f32, device);
+  images.normal_(0.f, 1.f, 7 + static_cast<uint64_t>(g_ranks.rank));  // each rank its own images
+  std::vector<int32_t> host_labels(batch);
+  for (int64_t i = 0; i < batch; ++i) host_labels[i] = static_cast<int32_t>(i % o.num_classes);
+  const Tensor labels = Tensor::from_vector(host_labels, {batch}, device);
+  // Under DistributedDataParallel this rank's mean loss is weighted by its share of the global
+  // batch, 1/N (every rank has the same batch; engine/parallel/ddp.h), so that the summed
+  // gradients are the global batch's.
+  const double loss_weight = ranks ? 1.0 / static_cast<double>(g_ranks.world) : 1.0;
+  const auto body = [&](const Tensor& x, const Tensor& y) {
+    const Tensor out = model.forward(x);
+    const Tensor loss = criterion.forward(out, y, loss_weight);
+    opt.zero_grad();
+    model.backward(criterion.backward());
+    opt.step();
+    return TensorList{loss};
+  };
+  GraphedStep graphed(body, device,
+                      {.warmup_steps = GraphedStepOptions{}.warmup_steps,
+                       .enabled = c.graphs,
+                       .before_replay = [&opt] { opt.follow_primary(); }},
+                      ids);
+  auto step = [&] {
+    const nvtx::Range range("training step");
+    graphed.run(images, labels);
+  };
+  // With graphs: the warm-up steps, the capture (and its first replay) stay untimed.
+  const int untimed = c.graphs ? std::max(warmup, GraphedStepOptions{}.warmup_steps + 1) : warmup;
+  for (int i = 0; i < untimed; ++i) step();
+  synchronize();
+  g_ranks.barrier();  // the ranks start the timed steps together
+  const auto t0 = Clock::now();
+  for (int i = 0; i < steps; ++i) step();
+  synchronize();
+  // The slowest rank's time (a collective: it also ends the timed section on every rank).
+  const double seconds = g_ranks.max(std::chrono::duration<double>(Clock::now() - t0).count());
+  r.step_ms = 1e3 * seconds / steps;
+  r.images_per_s = static_cast<double>(batch) * g_ranks.world * steps / seconds;
+  criterion.check_labels();
+  if (!ids.empty()) {
+    double peak = 0;
+    for (int g : ids) peak = std::max(peak, cuda::max_memory_allocated(g) / double(1 << 30));
+    r.peak_gib = g_ranks.max(peak);
+  }
 
-    // The gradient all-reduce alone, on the same communicator and buffers.
-    if (c.gpus > 1 && c.comm) {
-      const auto t1 = Clock::now();
-      const int reps = 10;
-      for (int i = 0; i < reps; ++i) model.replicas()->all_reduce_gradients();
-      for (int g : ids) cuda::synchronize(g);
-      r.allreduce_ms = 1e3 * std::chrono::duration<double>(Clock::now() - t1).count() / reps;
+  // The gradient all-reduce alone, on the same communicator: DataParallel's flat gradient buffer;
+  // under DistributedDataParallel (whose buffer is its own) one of the same size, through NCCL or,
+  // on the CPU, MPI as its reducer calls them.
+  const int reps = 10;
+  if (dp && ids.size() > 1 && c.comm) {
+    const auto t1 = Clock::now();
+    for (int i = 0; i < reps; ++i) dp->replicas()->all_reduce_gradients();
+    synchronize();
+    r.allreduce_ms = 1e3 * std::chrono::duration<double>(Clock::now() - t1).count() / reps;
+  } else if (ddp && c.comm) {
+    const int64_t n = net->num_parameters();
+    Tensor grads = Tensor::zeros({n}, DType::f32, device);
+    synchronize();
+    g_ranks.barrier();
+    const auto t1 = Clock::now();
+    for (int i = 0; i < reps; ++i) {
+      if (g_ranks.process_group) {
+        g_ranks.process_group->comm().all_reduce({grads});
+      } else {
+        g_ranks.session->all_reduce_sum(grads.data<float>(), static_cast<size_t>(n));
+      }
+    }
+    synchronize();
+    r.allreduce_ms =
+        1e3 * g_ranks.max(std::chrono::duration<double>(Clock::now() - t1).count()) / reps;
+  }
+  return r;
+}
+
+// What one row says: the configuration, the number of processes and GPUs (0: the CPU), and the
+// figures; `scaling` and `exposed` below 0 when not measured.
+struct Row {
+  std::string arch, precision, graphs;
+  int size;
+  int64_t per_gpu;
+  int processes, gpus;
+  Result r;
+  double scaling = -1, exposed = -1;
+};
+
+void print_header() {
+  std::printf(
+      "| model | precision | graphs | image | batch/GPU | processes | GPUs | img/s | step ms | "
+      "scaling | all-reduce ms | step ms, no comm | exposed comm | peak GiB |\n"
+      "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+}
+
+// `value` with `digits` decimals, and `suffix`; "-" when not `known`.
+std::string fixed(bool known, double value, int digits, const char* suffix = "") {
+  if (!known) return "-";
+  char text[64];
+  std::snprintf(text, sizeof text, "%.*f%s", digits, value, suffix);
+  return text;
+}
+
+void print_row(const Row& w, FILE* json) {
+  const Result& r = w.r;
+  const std::string gpus = w.gpus > 0 ? std::to_string(w.gpus) : "0 (CPU)";
+  const std::string scaling = fixed(w.scaling >= 0, w.scaling, 2);
+  const std::string no_comm = fixed(w.exposed >= 0, r.step_ms_no_comm, 1);
+  const std::string share = fixed(w.exposed >= 0, 100 * w.exposed, 1, "%");
+  const std::string peak = fixed(r.peak_gib >= 0, r.peak_gib, 2);
+  std::printf("| %s | %s | %s | %d | %lld | %d | %s | %.0f | %.1f | %s | %.2f | %s | %s | %s |\n",
+              w.arch.c_str(), w.precision.c_str(), w.graphs.c_str(), w.size,
+              static_cast<long long>(w.per_gpu), w.processes, gpus.c_str(), r.images_per_s,
+              r.step_ms, scaling.c_str(), r.allreduce_ms, no_comm.c_str(), share.c_str(),
+              peak.c_str());
+  std::fflush(stdout);
+  if (!json) return;
+  std::string extra;
+  if (w.scaling >= 0) extra += ", \"scaling\": " + fixed(true, w.scaling, 3);
+  if (r.peak_gib >= 0) extra += ", \"peak_gib\": " + fixed(true, r.peak_gib, 3);
+  if (w.exposed >= 0) {
+    extra += detail::str(", \"step_ms_no_comm\": ", r.step_ms_no_comm,
+                         ", \"cudp_exposed_comm_share\": ", w.exposed);
+  }
+  std::fprintf(json,
+               "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", "
+               "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
+               "\"processes\": %d, \"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, "
+               "\"allreduce_ms\": %.3f%s}\n",
+               w.arch.c_str(), w.precision.c_str(), w.graphs.c_str(), w.size,
+               static_cast<long long>(w.per_gpu), w.processes, w.gpus, r.images_per_s, r.step_ms,
+               r.allreduce_ms, extra.c_str());
+  std::fflush(json);
+}
+
+// Under a launcher that started more than one process (mpirun, srun): MPI, this process's rank,
+// and its standard output sent to /dev/null unless it is rank 0. --processes is checked against
+// the launch.
+void join_ranks(const Options& o) {
+  const parallel::LaunchInfo env = parallel::launch_info_from_env();
+  if (env.world_size <= 1) {
+    if (o.processes > 1) {
+      const std::string n = std::to_string(o.processes);
+      throw UsageError("--processes " + n +
+                       ": several processes are the ranks a launcher starts, one GPU each: run "
+                       "`mpirun -np " +
+                       n + " bench_train ...` (--processes may then be left out)");
+    }
+    return;
+  }
+  if (!parallel::mpi::available()) {
+    throw UsageError(detail::str(
+        "this process is rank ", env.rank, " of ", env.world_size, " (", env.source,
+        "), but this bench_train was built without MPI: rebuild with MPI (Debian: libopenmpi-dev, "
+        "cmake -DCUDP_WITH_MPI=ON) to measure several processes, or run it as one process"));
+  }
+  g_ranks.session = std::make_unique<parallel::mpi::Session>();
+  const parallel::LaunchInfo info = g_ranks.session->info();
+  g_ranks.rank = info.rank;
+  g_ranks.world = info.world_size;
+  g_ranks.local_rank = info.local_rank;
+  if (g_ranks.rank != 0 && !std::freopen("/dev/null", "w", stdout)) {
+    CUDP_THROW(IoError, "rank ", g_ranks.rank, ": cannot send its standard output to /dev/null");
+  }
+  if (o.processes > 0 && o.processes != g_ranks.world) {
+    throw UsageError(detail::str("--processes ", o.processes, ", but the launcher started ",
+                                 g_ranks.world, " processes: launch `mpirun -np ", o.processes,
+                                 " bench_train ...`, or leave --processes out"));
+  }
+}
+
+int bench(Options o) {
+  join_ranks(o);
+  const bool ranks = g_ranks.distributed();
+  const bool cpu = o.gpus == "none";
+  int max_gpus = 0;
+  if (!cpu && !o.gpus.empty()) {
+    char* end = nullptr;
+    const long n = std::strtol(o.gpus.c_str(), &end, 10);
+    if (*end != '\0' || n < 1 || n > 1024) {
+      throw UsageError("--gpus " + o.gpus + ": give a GPU count (1, 2, ...) or none (the CPU)");
+    }
+    max_gpus = static_cast<int>(n);
+  }
+  const int visible = cuda::device_count();
+  std::vector<int> rank_gpu;  // under a launcher: this rank's GPU (none on the CPU)
+  if (ranks && !cpu) {
+    if (max_gpus > 0) {
+      throw UsageError(
+          "--gpus with several processes: each process drives one GPU, picked by its local rank; "
+          "leave --gpus out (restrict them with CUDA_VISIBLE_DEVICES), or give --gpus none to "
+          "measure on the CPU");
+    }
+    if (visible == 0) {
+      throw UsageError(
+          "this rank sees no CUDA device; make one GPU visible to each process, or give "
+          "--gpus none to measure on the CPU with MPI moving the gradients");
+    }
+    rank_gpu.push_back(parallel::device_for_local_rank(g_ranks.local_rank, visible));
+    g_ranks.process_group =
+        parallel::ProcessGroup::from_mpi(*g_ranks.session, {}, rank_gpu.front());
+  }
+  if (!ranks && !cpu) {
+    if (visible == 0) {
+      throw UsageError("no CUDA device is visible; give --gpus none to measure on the CPU");
+    }
+    if (max_gpus == 0 || max_gpus > visible) max_gpus = visible;
+  }
+  // CUDA graphs need a GPU, and do not capture a DistributedDataParallel step yet.
+  if (cpu || ranks) {
+    const bool asked = o.graphs_given && std::find(o.graph_modes.begin(), o.graph_modes.end(),
+                                                   "on") != o.graph_modes.end();
+    if (asked) {
+      throw UsageError(
+          cpu ? "--graphs on: CUDA graphs need a GPU; give --graphs off with --gpus none"
+              : "--graphs on: CUDA graphs do not capture a DistributedDataParallel step yet; give "
+                "--graphs off with several processes (and compare with one process's --graphs "
+                "off rows)");
+    }
+    o.graph_modes = {"off"};
+  }
+  if (ranks) {
+    std::printf(
+        "bench_train: %d processes, each on %s (DistributedDataParallel, %s all-reduces "
+        "the gradients); CUDA graphs off (not yet with DistributedDataParallel)\n",
+        g_ranks.world, cpu ? "the CPU" : "one GPU", cpu ? "MPI" : "NCCL");
+  } else if (cpu) {
+    std::printf("bench_train: one process on the CPU (--gpus none)\n");
+  }
+  FILE* out = nullptr;
+  if (!o.json.empty() && g_ranks.rank == 0) {
+    out = std::fopen(o.json.c_str(), "w");
+    if (!out) CUDP_THROW(IoError, "--json ", o.json, " cannot be opened for writing");
+  }
+  print_header();
+  std::vector<std::pair<std::string, std::string>> runs;  // (precision, arch)
+  for (const auto& name : o.precisions) {
+    for (const auto& arch : o.archs) runs.emplace_back(name, arch);
+  }
+  for (const auto& [name, arch] : runs) {
+    const Precision precision = parse_precision(name);
+    for (int size : o.sizes) {
+      for (const auto& mode : o.graph_modes) {
+        const bool graphs = mode == "on";
+        const int64_t per_gpu = o.batch_per_gpu > 0 ? o.batch_per_gpu : size == 32 ? 256 : 64;
+        const Config config{arch, size, per_gpu, precision, graphs};
+        // Exposed communication: the same configuration without the all-reduce. The share is
+        // clamped at 0 (a step without communication can time a little slower by noise).
+        const auto with_exposed = [&](Row& w, const std::vector<int>& ids) {
+          if (o.exposed_comm != "on") return;
+          Config quiet = config;
+          quiet.comm = false;
+          w.r.step_ms_no_comm = run(quiet, ids, o.warmup, o.steps).step_ms;
+          w.exposed = std::max(0.0, (w.r.step_ms - w.r.step_ms_no_comm) / w.r.step_ms);
+        };
+        if (ranks) {
+          // N processes of one GPU each (or the CPU): no one-process baseline in this launch.
+          Row w{arch,
+                name,
+                mode,
+                size,
+                per_gpu,
+                g_ranks.world,
+                cpu ? 0 : g_ranks.world,
+                run(config, rank_gpu, o.warmup, o.steps)};
+          with_exposed(w, rank_gpu);
+          print_row(w, out);
+        } else if (cpu) {
+          Row w{arch, name, mode, size, per_gpu, 1, 0, run(config, {}, o.warmup, o.steps)};
+          w.scaling = 1;
+          print_row(w, out);
+        } else {
+          double one = 0;
+          for (int g = 1; g <= max_gpus; ++g) {
+            std::vector<int> ids;
+            for (int i = 0; i < g; ++i) ids.push_back(i);
+            Row w{arch, name, mode, size, per_gpu, 1, g, run(config, ids, o.warmup, o.steps)};
+            if (g > 1) with_exposed(w, ids);
+            if (g == 1) one = w.r.images_per_s;
+            w.scaling = w.r.images_per_s / (one * g);
+            print_row(w, out);
+          }
+        }
+      }
     }
   }
-  for (int g : ids) r.peak_gib = std::max(r.peak_gib, cuda::max_memory_allocated(g) / double(1 << 30));
-  return r;
+  if (out) std::fclose(out);
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"bench_train: VGG training throughput on 1..N GPUs"};
-  std::vector<std::string> archs = {"vgg16"};
-  std::vector<std::string> precisions = {"fp32"};
-  std::vector<std::string> graph_modes = {"on", "off"};
-  std::vector<int> sizes = {224, 32};
-  int max_gpus = 0, warmup = 3, steps = 10;
-  std::string json, exposed_comm = "on";
-  app.add_option("--arch", archs, "vgg11 vgg13 vgg16 vgg19")->capture_default_str();
-  app.add_option("--size", sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")->capture_default_str();
-  app.add_option("--precision", precisions,
+  CLI::App app{"bench_train: VGG training throughput on 1..N GPUs, or N processes of one GPU"};
+  Options o;
+  app.add_option("--arch", o.archs, "vgg11 vgg13 vgg16 vgg19")->capture_default_str();
+  app.add_option("--size", o.sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")
+      ->capture_default_str();
+  app.add_option("--precision", o.precisions,
                  "fp32 and/or bf16 (bf16 operands on tensor cores, sm_90; tf32 trains no "
                  "convolution yet)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  app.add_option("--graphs", graph_modes,
-                 "on and/or off: steps replayed from a CUDA graph, or launched kernel by kernel")
-      ->check(CLI::IsMember({"on", "off"}))
+  auto* graphs = app.add_option("--graphs", o.graph_modes,
+                                "on and/or off: steps replayed from a CUDA graph, or launched "
+                                "kernel by kernel (off only with several processes or the CPU)")
+                     ->check(CLI::IsMember({"on", "off"}))
+                     ->capture_default_str();
+  app.add_option("--gpus", o.gpus,
+                 "largest GPU count of one process (default: all visible), or none: the CPU "
+                 "(under mpirun each process drives one GPU: leave it out)");
+  app.add_option("--batch-per-gpu", o.batch_per_gpu,
+                 "images per GPU (per process on the CPU); default 256 at 32, 64 at 224")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--processes", o.processes,
+                 "the number of processes, one GPU each, that the launcher started: measure "
+                 "N processes with `mpirun -np N bench_train` (a check; default: the launch's)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", o.warmup, "untimed steps")->capture_default_str();
+  app.add_option("--steps", o.steps, "timed steps")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--gpus", max_gpus, "largest GPU count (default: all visible)");
-  app.add_option("--warmup", warmup, "untimed steps")->capture_default_str();
-  app.add_option("--steps", steps, "timed steps")->capture_default_str();
-  app.add_option("--json", json, "write one JSON object per configuration here");
-  app.add_option("--exposed-comm", exposed_comm,
+  app.add_option("--json", o.json, "write one JSON object per configuration here (rank 0)");
+  app.add_option("--exposed-comm", o.exposed_comm,
                  "on: time each multi-GPU configuration again with the gradient all-reduce off; "
                  "the difference is the communication the step exposes (cudp_exposed_comm_share)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.graphs_given = graphs->count() > 0;
+  // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
+  // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
+  // job.
+  const auto fail = [](int code, const std::string& message) {
+    if (g_ranks.distributed()) {
+      std::fprintf(stderr, "bench_train: rank %d of %d: %s\n", g_ranks.rank, g_ranks.world,
+                   message.c_str());
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(code);
+    }
+    std::fprintf(stderr, "bench_train: %s\n", message.c_str());
+    return code;
+  };
   try {
-    const int visible = cuda::device_count();
-    if (visible == 0) {
-      std::fprintf(stderr, "bench_train: no CUDA device is visible\n");
-      return 1;
-    }
-    if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
-    FILE* out = json.empty() ? nullptr : std::fopen(json.c_str(), "w");
-    std::printf(
-        "| model | precision | graphs | image | batch/GPU | GPUs | img/s | step ms | scaling | "
-        "all-reduce ms | step ms, no comm | exposed comm | peak GiB |\n"
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    std::vector<std::pair<std::string, std::string>> runs;  // (precision, arch)
-    for (const auto& name : precisions) {
-      for (const auto& arch : archs) runs.emplace_back(name, arch);
-    }
-    for (const auto& [name, arch] : runs) {
-      const Precision precision = parse_precision(name);
-      for (int size : sizes) {
-        for (const auto& mode : graph_modes) {
-          const bool graphs = mode == "on";
-          const int64_t per_gpu = size == 32 ? 256 : 64;
-          double one = 0;
-          for (int g = 1; g <= max_gpus; ++g) {
-            Result r = run({arch, size, per_gpu, g, precision, graphs}, warmup, steps);
-            // Exposed communication: the same configuration without the all-reduce. The share is
-            // clamped at 0 (a step without communication can time a little slower by noise).
-            double exposed = -1;
-            if (g > 1 && exposed_comm == "on") {
-              Config quiet{arch, size, per_gpu, g, precision, graphs};
-              quiet.comm = false;
-              r.step_ms_no_comm = run(quiet, warmup, steps).step_ms;
-              exposed = std::max(0.0, (r.step_ms - r.step_ms_no_comm) / r.step_ms);
-            }
-            if (g == 1) one = r.images_per_s;
-            const double scaling = r.images_per_s / (one * g);
-            const std::string no_comm =
-                exposed < 0 ? "-" : detail::str(std::llround(r.step_ms_no_comm * 10) / 10.0);
-            const std::string share =
-                exposed < 0 ? "-" : detail::str(std::llround(exposed * 1000) / 10.0, "%");
-            std::printf(
-                "| %s | %s | %s | %d | %lld | %d | %.0f | %.1f | %.2f | %.2f | %s | %s | %.2f |\n",
-                arch.c_str(), name.c_str(), mode.c_str(), size, static_cast<long long>(per_gpu), g,
-                r.images_per_s, r.step_ms, scaling, r.allreduce_ms, no_comm.c_str(), share.c_str(),
-                r.peak_gib);
-            std::fflush(stdout);
-            if (out) {
-              const std::string extra =
-                  exposed < 0 ? std::string()
-                              : detail::str(", \"step_ms_no_comm\": ", r.step_ms_no_comm,
-                                            ", \"cudp_exposed_comm_share\": ", exposed);
-              std::fprintf(
-                  out,
-                  "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", "
-                  "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
-                  "\"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, \"scaling\": %.3f, "
-                  "\"allreduce_ms\": %.3f, \"peak_gib\": %.3f%s}\n",
-                  arch.c_str(), name.c_str(), mode.c_str(), size, static_cast<long long>(per_gpu),
-                  g, r.images_per_s, r.step_ms, scaling, r.allreduce_ms, r.peak_gib, extra.c_str());
-            }
-          }
-        }
-      }
-    }
-    if (out) std::fclose(out);
-    return 0;
+    const int code = bench(o);
+    std::fflush(stdout);
+    g_ranks.finish();
+    return code;
+  } catch (const UsageError& e) {
+    return fail(kExitUsage, e.what());
   } catch (const Error& e) {
-    std::fprintf(stderr, "bench_train: %s\n", e.what());
-    return 1;
+    return fail(kExitFailure, e.message());
+  } catch (const std::exception& e) {
+    return fail(kExitFailure, e.what());
   }
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark report in one command, on a GPU machine after a build in ./build: runs the standard
-# suite (bench_comm, bench_train, bench/pytorch_train.py, bench_gemm, bench_conv2d, bench_norm_pool,
-# bench_elementwise), each under a timeout and all within a total budget, collects the machine's
-# versions, then writes bench/report/{report.md,report.json,scaling.png} with bench/report.py.
+# suite (bench_comm, bench_train as one process and, with 2+ GPUs and mpirun, as one process per
+# GPU, bench/pytorch_train.py, bench_gemm, bench_conv2d, bench_norm_pool, bench_elementwise), each
+# under a timeout and all within a total budget, collects the machine's versions, then writes
+# bench/report/{report.md,report.json,scaling.png} with bench/report.py.
 #
 #   scripts/bench-report.sh                      # the standard suite (about 5-7 min on 2 H200s)
 #   scripts/bench-report.sh --quick              # fewer steps and sizes (about 2-3 min)
@@ -167,6 +168,26 @@ if [[ $report_only == 0 ]]; then
       run "train_cudp_$size" 150 "$bin/bench_train" --size "$size" --gpus "$gpus" \
         --json "$raw/train_cudp_$size.json" "${train_args[@]}"
     done
+    # One process per GPU (DistributedDataParallel), beside the one-process rows above: graphs off,
+    # as CUDA graphs do not capture a DistributedDataParallel step yet (the runs above include
+    # graphs off). Open MPI: as root it needs --allow-run-as-root, and it would bind each of 2
+    # ranks to one core (the host thread, NCCL's and the watchdog's threads on it): --bind-to none.
+    if (( gpus < 2 )); then
+      summary+=("$(printf '%-22s %s' train_cudp_np "skipped (one process per GPU needs 2+ GPUs)")")
+    elif ! command -v mpirun >/dev/null; then
+      summary+=("$(printf '%-22s %s' train_cudp_np "skipped (no mpirun: install openmpi-bin)")")
+    else
+      mpi_flags=()
+      if mpirun --version 2>&1 | grep -q 'Open MPI\|OpenRTE'; then
+        mpi_flags=(--bind-to none)
+        [[ $(id -u) == 0 ]] && mpi_flags+=(--allow-run-as-root)
+      fi
+      for size in 224 32; do
+        run "train_cudp_np${gpus}_$size" 150 mpirun "${mpi_flags[@]}" -np "$gpus" \
+          "$bin/bench_train" --size "$size" --graphs off \
+          --json "$raw/train_cudp_np${gpus}_$size.json" "${train_args[@]}"
+      done
+    fi
   fi
   if wants torch; then
     if python3 -c 'import torch, torchvision' 2>/dev/null; then

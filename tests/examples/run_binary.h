@@ -1,5 +1,5 @@
-// Runs the built cudp-vgg trainer as a user runs it, for the host and GPU tests of examples/vgg:
-// the binary's path comes from CUDP_VGG_BINARY (set by tests/CMakeLists.txt), each test gets a
+// Runs a built program as a user runs it, for the host and GPU tests of examples/vgg and bench:
+// cudp-vgg's path comes from CUDP_VGG_BINARY (set by tests/CMakeLists.txt), each test gets a
 // fresh temporary folder, and a run's exit code and output (stdout and stderr together) are
 // returned for the test to check.
 #pragma once
@@ -58,11 +58,13 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-// Runs `env` cudp-vgg `args` through the shell (env: variable assignments such as
-// "CUDA_VISIBLE_DEVICES= ", or empty), its output captured in a file of `dir`.
-inline RunResult run_vgg(const TempDir& dir, const std::string& args, const std::string& env = "") {
+// Runs `env` `program` `args` through the shell (env: variable assignments such as
+// "CUDA_VISIBLE_DEVICES= ", or a launcher such as "mpirun -np 2 ", or empty), its output captured
+// in a file of `dir`.
+inline RunResult run_program(const TempDir& dir, const std::string& program,
+                             const std::string& args, const std::string& env = "") {
   const std::string log = dir / "output.txt";
-  const std::string command = env + "'" + kVgg + "' " + args + " > '" + log + "' 2>&1";
+  const std::string command = env + "'" + program + "' " + args + " > '" + log + "' 2>&1";
   const int status = std::system(command.c_str());
   RunResult r;
   r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -71,6 +73,11 @@ inline RunResult run_vgg(const TempDir& dir, const std::string& args, const std:
   ss << in.rdbuf();
   r.output = ss.str();
   return r;
+}
+
+// cudp-vgg `args`, as run_program runs it.
+inline RunResult run_vgg(const TempDir& dir, const std::string& args, const std::string& env = "") {
+  return run_program(dir, kVgg, args, env);
 }
 
 // The state_dict checksum a run printed with --print-checksum, or "" if it printed none.
