@@ -16,18 +16,10 @@ namespace {
 
 using namespace cudp::testing;
 
-#ifndef CUDP_MPIEXEC
-#define CUDP_MPIEXEC ""
-#define CUDP_MPIEXEC_FLAGS ""
-#define CUDP_MPIEXEC_NUMPROC_FLAG "-np"
-#endif
-
 // bench_train `args` as `ranks` processes under mpirun, after `env` (variable assignments).
 RunResult run_ranks(const TempDir& dir, int ranks, const std::string& args,
                     const std::string& env = "") {
-  const std::string mpirun = env + "'" + CUDP_MPIEXEC + "' " + CUDP_MPIEXEC_FLAGS + " " +
-                             CUDP_MPIEXEC_NUMPROC_FLAG + " " + std::to_string(ranks) + " ";
-  return run_program(dir, kBenchTrain, args, mpirun);
+  return run_program(dir, kBenchTrain, args, mpirun_prefix(ranks, env));
 }
 
 TEST(MpiBenchTrain, TwoProcessesOnTheCpu) {

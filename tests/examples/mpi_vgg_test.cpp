@@ -45,17 +45,9 @@ namespace {
 
 using namespace cudp::testing;
 
-#ifndef CUDP_MPIEXEC
-#define CUDP_MPIEXEC ""
-#define CUDP_MPIEXEC_FLAGS ""
-#define CUDP_MPIEXEC_NUMPROC_FLAG "-np"
-#endif
-
 // cudp-vgg `args` as `ranks` processes under mpirun.
 RunResult run_ranks(const TempDir& dir, int ranks, const std::string& args) {
-  const std::string mpirun = std::string("'") + CUDP_MPIEXEC + "' " + CUDP_MPIEXEC_FLAGS + " " +
-                             CUDP_MPIEXEC_NUMPROC_FLAG + " " + std::to_string(ranks) + " ";
-  return run_vgg(dir, args, mpirun);
+  return run_vgg(dir, args, mpirun_prefix(ranks));
 }
 
 RunResult run_one(const TempDir& dir, const std::string& args) {

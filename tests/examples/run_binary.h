@@ -75,6 +75,20 @@ inline RunResult run_program(const TempDir& dir, const std::string& program,
   return r;
 }
 
+// The command prefix that starts a program as `ranks` processes under mpirun, after `env`
+// (variable assignments): mpirun, its flags and its process-count flag come from CUDP_MPIEXEC,
+// CUDP_MPIEXEC_FLAGS and CUDP_MPIEXEC_NUMPROC_FLAG (tests/CMakeLists.txt, for the tests that run
+// mpirun themselves); pass it as run_program's `env`.
+#ifndef CUDP_MPIEXEC  // a test built without MPI: its mpirun tests are not registered
+#define CUDP_MPIEXEC ""
+#define CUDP_MPIEXEC_FLAGS ""
+#define CUDP_MPIEXEC_NUMPROC_FLAG "-np"
+#endif
+inline std::string mpirun_prefix(int ranks, const std::string& env = "") {
+  return env + "'" + CUDP_MPIEXEC + "' " + CUDP_MPIEXEC_FLAGS + " " + CUDP_MPIEXEC_NUMPROC_FLAG +
+         " " + std::to_string(ranks) + " ";
+}
+
 // cudp-vgg `args`, as run_program runs it.
 inline RunResult run_vgg(const TempDir& dir, const std::string& args, const std::string& env = "") {
   return run_program(dir, kVgg, args, env);
