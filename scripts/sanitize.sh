@@ -26,7 +26,10 @@ for t in "${tests[@]}"; do
   name=$(basename "$t")
   # A binary whose every test the filter leaves out runs no CUDA code, which the sanitizer reports
   # as a failure of its own: say so instead.
-  if ! "$t" --gtest_filter="$filter" --gtest_list_tests 2>/dev/null | grep -q '^  '; then
+  # (grep -c reads the whole listing: grep -q would stop at the first match, and under pipefail the
+  # listing's SIGPIPE then read as "no tests" for binaries with long listings.)
+  selected=$("$t" --gtest_filter="$filter" --gtest_list_tests 2>/dev/null | grep -c '^  ')
+  if [[ ${selected:-0} == 0 ]]; then
     printf '%-40s %-9s the filter selects none of its tests (FILTER to choose)\n' "$name" "-"
     continue
   fi
