@@ -90,9 +90,10 @@ void conv2d_backward_weight_cpu(const Conv2dShape& shape, const float* x, const 
 //
 // Requirements: an sm_90 GPU (tensor_cores_available()); any channel counts (they are padded to
 // 16 bytes' worth when they are not); backward-data with stride 1 only (it runs as the forward
-// convolution of dy with the filters rotated by 180 degrees and K and C swapped); backward-weight
-// in BF16 only: TF32 wgmma reads only K-major operands, and backward-weight's reduction runs along
-// the rows of x and dy (MN-major), so Math::TF32 throws ValueError there (use BF16 or FP32).
+// convolution of dy with the filters rotated by 180 degrees and K and C swapped). Backward-weight
+// in TF32 takes fp32 x and dy through the float launcher only: TF32 wgmma reads only K-major
+// operands, and backward-weight's reduction runs along the rows of x and dy (MN-major), so the
+// launcher first writes K-major fp32 copies of both (a pass over each; kernels/conv2d_tc.cu).
 struct ConvOperands {
   Math math = Math::BF16;
   const void* x = nullptr;  // NHWC input (dy for backward-data)

@@ -347,6 +347,164 @@ __global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t 
   }
 }
 
+// ---- Backward-weight in TF32
+// --------------------------------------------------------------------- TF32 wgmma reads only
+// K-major operands, and backward-weight's reduction runs over output pixels, the rows of both NHWC
+// tensors (MN-major). So both go through K-major fp32 copies first, laid out on one pixel grid of n
+// x GH x GW positions (column j = (n * GH + hh) * GW + ww):
+//   dy^T[k][j] = dy[n][hh][ww][k] where (hh, ww) is an output pixel, else 0;
+//   stride 1, C a multiple of 64 (every VGG layer but the first): the grid is the zero-padded
+//     input, GH = H + 2 pad_h, GW = W + 2 pad_w, and x^T[c][j] = x[n][hh - pad_h][ww - pad_w][c]
+//     (0 in the padding). Then im2col(x)^T's row (r, s, c) is x^T's row c shifted by
+//     r * GW + s: for an output pixel, hh + r <= P - 1 + R - 1 = GH - 1, so the shift stays in
+//     the pixel's image; the kernel reads each tap as a 2-D box at the shifted columns
+//     (kWgradShift), and no im2col is written. Grid positions that are not output pixels have
+//     dy^T = 0, so whatever x^T holds at their shift adds 0 (NOTE: non-finite values of x there
+//     would add NaN from 0 * inf, which the direct sum would not see; a training step with
+//     non-finite activations is already lost, and the divergence guard stops it).
+//   otherwise (the first layer, 3 channels; strided layers): the grid is the output, GH = P,
+//     GW = Q, and x^T is im2col(x)^T written out, R*S*C rows padded with zeros to a multiple of
+//     64 (the slab height); the kernel then runs with one tap and no shift.
+// The copies cost a pass over x and dy (written once in fp32 each); the product then runs at the
+// K-major TF32 mainloop's rate. dw is R*S*C columns of each of K rows in both layouts (the
+// explicit one after dropping the padded rows).
+
+struct KMajorCopy {
+  const float* src;  // NHWC: n x h x w x c
+  int n, h, w, c;
+  int r, s, stride_h, stride_w, off_h, off_w;  // taps, and where grid position (0, 0) reads
+  int grid_h, grid_w;
+  int rows;    // of the copy: r * s * c, padded with zero rows
+  int64_t ld;  // columns of the copy: n * grid_h * grid_w, padded with zero columns
+  float* dst;
+};
+
+// dst[(ri * s + si) * c + ci][j] = src[n][hh * stride_h + ri - off_h][ww * stride_w + si -
+// off_w][ci] for j = (n * grid_h + hh) * grid_w + ww, 0 outside src and in the padded rows and
+// columns. 32 x 32 tiles through shared memory: the reads run along src's channels, the writes
+// along the grid.
+__global__ void k_major_copy_kernel(const KMajorCopy a) {
+  __shared__ float tile[32][33];
+  const int64_t j0 = int64_t(blockIdx.x) * 32;
+  const int row0 = blockIdx.y * 32;
+  const int row = row0 + threadIdx.x;
+  int ri = 0, si = 0, ci = 0;
+  const bool row_in = row < a.r * a.s * a.c;
+  if (row_in) {
+    const int rs = row / a.c;
+    ci = row - rs * a.c;
+    ri = rs / a.s;
+    si = rs - ri * a.s;
+  }
+  const int64_t plane = int64_t(a.grid_h) * a.grid_w;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t j = j0 + i;
+    float v = 0.f;
+    const int img = static_cast<int>(j / plane);
+    if (row_in && img < a.n) {
+      const int rest = static_cast<int>(j - img * plane);
+      const int hh = rest / a.grid_w, ww = rest - hh * a.grid_w;
+      const int h = hh * a.stride_h + ri - a.off_h, w = ww * a.stride_w + si - a.off_w;
+      if (unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w)) {
+        v = a.src[((int64_t(img) * a.h + h) * a.w + w) * a.c + ci];
+      }
+    }
+    tile[threadIdx.x][i] = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t j = j0 + threadIdx.x;
+    if (row0 + i < a.rows && j < a.ld) a.dst[int64_t(row0 + i) * a.ld + j] = tile[i][threadIdx.x];
+  }
+}
+
+void k_major_copy(const KMajorCopy& a, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((a.ld + 31) / 32),
+                  static_cast<unsigned>((a.rows + 31) / 32));
+  CUDP_CHECK(grid.y <= 65535, "conv2d_backward_weight (TF32): ", a.rows,
+             " rows are too many for the K-major copy");
+  launch("k_major_copy_kernel", k_major_copy_kernel, grid, dim3(32, 8), 0, stream, a);
+}
+
+// dw (K x R*S*C) = beta*dw + the product's result, fp32 x and dy, TF32 products.
+void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float* dy, float* dw,
+                              float beta, cudaStream_t stream) {
+  CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
+  const bool shift = s.stride_h == 1 && s.stride_w == 1 && s.c % 64 == 0;
+  const int grid_h = shift ? s.h + 2 * s.pad_h : s.p();
+  const int grid_w = shift ? s.w + 2 * s.pad_w : s.q();
+  const int64_t rsc = int64_t(s.r) * s.s * s.c;
+  const int rows_x = shift ? s.c : static_cast<int>(round_up(rsc, 64));
+  const int64_t ld = round_up(int64_t(s.n) * grid_h * grid_w, 4);  // 16-byte rows for TMA
+  CUDP_CHECK(ld + int64_t(s.r) * grid_w + s.s <= std::numeric_limits<int>::max(),
+             "conv2d_backward_weight (TF32): ", ld,
+             " pixel positions are too many for one product; "
+             "split the batch");
+  Workspace dyt(size_t(s.k) * size_t(ld) * sizeof(float), stream,
+                "backward-weight's K-major copy of dy (TF32)");
+  Workspace xt(size_t(rows_x) * size_t(ld) * sizeof(float), stream,
+               "backward-weight's K-major copy of x (TF32)");
+  k_major_copy({dy, s.n, s.p(), s.q(), s.k, 1, 1, 1, 1, 0, 0, grid_h, grid_w, s.k, ld, dyt.get()},
+               stream);
+  if (shift) {
+    k_major_copy(
+        {x, s.n, s.h, s.w, s.c, 1, 1, 1, 1, s.pad_h, s.pad_w, grid_h, grid_w, rows_x, ld, xt.get()},
+        stream);
+  } else {
+    k_major_copy({x, s.n, s.h, s.w, s.c, s.r, s.s, s.stride_h, s.stride_w, s.pad_h, s.pad_w, grid_h,
+                  grid_w, rows_x, ld, xt.get()},
+                 stream);
+  }
+  sm90::PatchTiles taps;
+  taps.r = shift ? s.r : 1;
+  taps.s = shift ? s.s : 1;
+  taps.c_blocks = rows_x / 64;
+  taps.grid_w = shift ? grid_w : 0;
+  const int columns = static_cast<int>(int64_t(taps.r) * taps.s * rows_x);  // of im2col(x)^T
+  MatmulProblem p;
+  p.math = Math::TF32;
+  p.k = static_cast<int>(ld);
+  p.c_type = DType::F32;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead.
+  const bool transposed = s.k <= 64;
+  if (!transposed && columns == rsc) {  // dw itself, beta in the epilogue
+    p.m = s.k;
+    p.n = columns;
+    p.a = dyt.get();
+    p.lda = ld;
+    p.b = xt.get();
+    p.ldb = ld;
+    p.c = dw;
+    p.ldc = rsc;
+    p.beta = beta;
+    detail::run_mainloop(p, plan_matmul(p, device), nullptr, stream, detail::Feed::WgradShift,
+                         &taps);
+    return;
+  }
+  Workspace part(size_t(s.k) * size_t(columns) * sizeof(float), stream,
+                 "backward-weight's product before its layout pass (TF32)");
+  p.m = transposed ? columns : s.k;
+  p.n = transposed ? s.k : columns;
+  p.a = transposed ? xt.get() : dyt.get();
+  p.lda = ld;
+  p.b = transposed ? dyt.get() : xt.get();
+  p.ldb = ld;
+  p.c = part.get();
+  p.ldc = p.n;
+  detail::run_mainloop(p, plan_matmul(p, device), nullptr, stream,
+                       transposed ? detail::Feed::WgradShiftT : detail::Feed::WgradShift, &taps);
+  const int64_t total = int64_t(s.k) * rsc;
+  if (transposed) {  // part is columns x K; its first R*S*C rows are dw^T
+    launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
+           stream, part.get(), s.k, static_cast<int>(rsc), beta, dw);
+  } else {  // part is K x columns; its first R*S*C columns are dw's
+    launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(total), 256, 0, stream,
+           part.get(), int64_t(s.k), static_cast<int>(rsc), columns, beta, dw);
+  }
+}
+
 }  // namespace
 
 void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream) {
@@ -433,10 +591,12 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
                                    float* dw, float beta, cudaStream_t stream, Math math,
                                    const Bf16Operands& converted) {
   check_tc("conv2d_backward_weight", shape, math);
-  CUDP_CHECK(math == Math::BF16,
-             "conv2d_backward_weight: Math::TF32 is not implemented on tensor cores (TF32 wgmma "
-             "reads only K-major operands; backward-weight's are MN-major): use Math::BF16 or "
-             "Math::FP32");
+  if (math == Math::TF32) {
+    CUDP_CHECK(!converted.x && !converted.dy,
+               "conv2d_backward_weight: Math::TF32 takes fp32 x and dy, not bf16 copies");
+    run_backward_weight_tf32(shape, x, dy, dw, beta, stream);
+    return;
+  }
   CUDP_CHECK((x || converted.x) && (dy || converted.dy) && dw,
              "conv2d_backward_weight: x, dy and dw must not be null");
   const int cp = bf16_channels(shape.c);

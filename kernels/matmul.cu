@@ -292,6 +292,9 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     CUDP_CHECK(!tma || patch != nullptr, "conv: the patch feed of backward-weight needs its tiling");
     sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt, tma ? patch : nullptr,
                           feed == Feed::WgradTmaT);
+  } else if (feed == Feed::WgradShift || feed == Feed::WgradShiftT) {
+    CUDP_CHECK(!bf16 && patch != nullptr, "backward-weight's shifted feed needs TF32 and its taps");
+    sm90::conv_wgrad_tf32(p, *patch, plan, ws, stream, feed == Feed::WgradShiftT);
   } else if (conv != nullptr) {
     bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
   } else {

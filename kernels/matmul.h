@@ -102,7 +102,20 @@ namespace detail {
 //   WgradTma backward-weight with both operands as 4-D TMA boxes over `patch` tiles of 64 output
 //            pixels (dy for A, conv->x shifted by each tap for B); problem.k = patches * 64.
 //            WgradTmaT computes dw^T instead (A = im2col(conv->x)^T, B = dy = problem.b).
-enum class Feed { Tma, Im2col, Wgrad, WgradAlt, ConvTma, WgradTma, WgradTmaT };
+//   WgradShift backward-weight in TF32: A = dy^T and B = x^T, K-major fp32 copies on a padded
+//            pixel grid, each 64-row slab of B shifted along it by its tap (`patch` holds the
+//            taps and the grid width); WgradShiftT computes dw^T (A = x^T, B = dy^T).
+enum class Feed {
+  Tma,
+  Im2col,
+  Wgrad,
+  WgradAlt,
+  ConvTma,
+  WgradTma,
+  WgradTmaT,
+  WgradShift,
+  WgradShiftT
+};
 
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
 // reduction.

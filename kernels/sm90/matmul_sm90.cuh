@@ -131,7 +131,8 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //   kWgrad  backward-weight: A = dy^T by TMA and B = im2col(x)^T gathered, both MN-major (the
 //           reduction runs over output pixels, which are the rows of both tensors); bf16 only.
 // kWgradAlt swaps the two byte offsets of the MN-major descriptors (see wgrad_descriptor).
-//   kConvTma forward/backward-data of stride-1 layers whose C is a multiple of the k-block: a tile's
+//   kConvTma forward/backward-data of stride-1 layers whose C is a multiple of the k-block: a
+//   tile's
 //           128 rows are a patch of wb x hb x nb output pixels, and each k-block of A (one tap,
 //           one block of channels) is one 4-D TMA box of x shifted by the tap; the padding is
 //           TMA's zero fill. One producer thread, as for kGemm.
@@ -143,6 +144,14 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           that hang over the output's edge read zeros of dy there, so they add nothing.
 //   kWgradTmaT the same with the roles swapped, for layers of 64 or fewer output channels (a
 //           128-row tile of them would be half empty): A = im2col(x)^T, B = dy^T, C = dw^T.
+//   kWgradShift backward-weight in TF32, whose wgmma reads K-major operands only: the reduction
+//           runs along K-major fp32 copies of dy (dy^T, K rows) and x (x^T, C rows), both laid out
+//           on one zero-padded pixel grid (kernels/conv2d_tc.cu), where tap (r, s) of a filter is a
+//           shift of r * grid_w + s along the grid. A is dy^T by 2-D TMA; each 64-row slab of B
+//           (one tap, 64 channels) is a 2-D box of x^T at the k-block's columns plus the slab's
+//           shift. A grid position that is not an output pixel holds zeros in dy^T, so what x^T
+//           holds at its shift adds nothing. kWgradShiftT swaps the roles (C = dw^T) as
+//           kWgradTmaT does. K-major, so the consumers are kGemm's.
 enum Mode : int {
   kGemm = 0,
   kConv_ = 1,
@@ -150,7 +159,9 @@ enum Mode : int {
   kWgradAlt = 3,
   kConvTma = 4,
   kWgradTma = 5,
-  kWgradTmaT = 6
+  kWgradTmaT = 6,
+  kWgradShift = 7,
+  kWgradShiftT = 8
 };
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -607,7 +618,34 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
           mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
-          if constexpr (kMode == kWgradTma || kMode == kWgradTmaT) {
+          if constexpr (kMode == kWgradShift || kMode == kWgradShiftT) {
+            // Slab `block` of x^T: tap (r, s) of 64 channels, read at this k-block's grid columns
+            // shifted by the tap. Slabs past R*S*C load any box (tap 0); none of it is stored.
+            const PatchTiles& t = p.patch;
+            const int k0 = kb * Cfg::kBlockK;
+            const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int block) {
+              const int rs = block / t.c_blocks;
+              const int cb = block - rs * t.c_blocks;
+              int r = rs / t.s, s = rs - r * t.s;
+              if (r >= t.r) r = s = 0;
+              tma_load_2d(dst, map, full_bar(stage), k0 + r * t.grid_w + s, cb * 64);
+            };
+            const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
+            const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+            if constexpr (kMode == kWgradShift) {
+              tma_load_2d(a, &map_a, full_bar(stage), k0, w.tile_m * kTileM);
+#pragma unroll
+              for (int slab = 0; slab < kTileN / 64; ++slab) {
+                load_x(b + slab * 64 * kRowBytes, &map_b, w.tile_n * (kTileN / 64) + slab);
+              }
+            } else {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                load_x(a + half * 64 * kRowBytes, &map_a, w.tile_m * 2 + half);
+              }
+              tma_load_2d(b, &map_b, full_bar(stage), k0, w.tile_n * kTileN);
+            }
+          } else if constexpr (kMode == kWgradTma || kMode == kWgradTmaT) {
             // k-block kb is patch kb of the output pixels: dy there, and x shifted by the tap of
             // each 64-column block of im2col(x) (kWgradTma: dy is A, x is B; kWgradTmaT the
             // other way round).
@@ -656,7 +694,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_m * kTileM);
           }
-          if constexpr (kMode != kWgradTma && kMode != kWgradTmaT) {
+          if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
+                        kMode != kWgradShiftT) {
             tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_n * kTileN);
           }
@@ -759,19 +798,28 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       conv ? ConvGather{dy_is_b ? prob.b : prob.a, conv->n, conv->p, conv->q,
                         int(dy_is_b ? prob.ldb : prob.lda), conv->p, conv->q, 1, 1, 1, 1, 0, 0}
            : ConvGather{};
+  // kWgradShift: x^T's slabs are 64-row boxes of its c_blocks * 64 rows.
+  const int shifted_rows = patch ? patch->c_blocks * 64 : 0;
   const CUtensorMap map_a =
-      mode == kWgrad || mode == kWgradAlt
+      mode == kWgradShift
+          ? encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM)
+      : mode == kWgradShiftT
+          ? encode_k_major(prob.a, kType, sizeof(Elem), shifted_rows, prob.k, prob.lda, 64)
+      : mode == kWgrad || mode == kWgradAlt
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
       : mode == kWgradTma  ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
       : mode == kWgradTmaT ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
       : mode == kConvTma   ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : conv              ? CUtensorMap{}
-                          : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      : conv               ? CUtensorMap{}
+             : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
-      mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
-      : mode == kWgradTma  ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : mode == kWgradTmaT ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
-                           : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+      mode == kWgradShift
+          ? encode_k_major(prob.b, kType, sizeof(Elem), shifted_rows, prob.k, prob.ldb, 64)
+      : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
+      : mode == kWgradTma                   ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : mode == kWgradTmaT
+          ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
+          : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -787,7 +835,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
   p.workspace = workspace;
   const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
-  p.patch = mode == kConvTma || wgrad_tma ? *patch : PatchTiles{};
+  const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
+  p.patch = mode == kConvTma || wgrad_tma || shifted ? *patch : PatchTiles{};
   if (mode == kConvTma) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
@@ -800,8 +849,14 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
     if (mode == kWgradTma) return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
     if (mode == kWgradTmaT) return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
   }
-  CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode,
-             " needs bf16 operands");
+  if constexpr (!kBf16) {
+    if (mode == kWgradShift)
+      return run(&matmul_kernel<Elem, kTileN, kWgradShift>, ConvGather{}), check_launch();
+    if (mode == kWgradShiftT)
+      return run(&matmul_kernel<Elem, kTileN, kWgradShiftT>, ConvGather{}), check_launch();
+  }
+  CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode, " needs ",
+             kBf16 ? "fp32 (TF32)" : "bf16", " operands");
   if (mode == kConvTma) {
     run(&matmul_kernel<Elem, kTileN, kConvTma>, *conv);
   } else if (conv) {

@@ -35,4 +35,19 @@ void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const P
   }
 }
 
+void conv_wgrad_tf32(const MatmulProblem& problem, const PatchTiles& patch, const MatmulPlan& plan,
+                     float* workspace, cudaStream_t stream, bool transposed) {
+  const int mode = transposed ? kWgradShiftT : kWgradShift;
+  switch (plan.tile_n) {
+    case 64:
+      return launch_mainloop<float, 64>(problem, plan, workspace, stream, nullptr, mode, &patch);
+    case 128:
+      return launch_mainloop<float, 128>(problem, plan, workspace, stream, nullptr, mode, &patch);
+    case 256:
+      return launch_mainloop<float, 256>(problem, plan, workspace, stream, nullptr, mode, &patch);
+    default:
+      CUDP_CHECK(false, "conv: no tf32 kernel with tile width ", plan.tile_n);
+  }
+}
+
 }  // namespace cudp::kernels::sm90
