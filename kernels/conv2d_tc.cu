@@ -354,18 +354,21 @@ __global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t 
 // x GH x GW positions (column j = (n * GH + hh) * GW + ww):
 //   dy^T[k][j] = dy[n][hh][ww][k] where (hh, ww) is an output pixel, else 0;
 //   stride 1, C a multiple of 64 (every VGG layer but the first): the grid is the zero-padded
-//     input, GH = H + 2 pad_h, GW = W + 2 pad_w, and x^T[c][j] = x[n][hh - pad_h][ww - pad_w][c]
-//     (0 in the padding). Then im2col(x)^T's row (r, s, c) is x^T's row c shifted by
-//     r * GW + s: for an output pixel, hh + r <= P - 1 + R - 1 = GH - 1, so the shift stays in
-//     the pixel's image; the kernel reads each tap as a 2-D box at the shifted columns
-//     (kWgradShift), and no im2col is written. Grid positions that are not output pixels have
+//     input, GH = H + 2 pad_h, GW = W + 2 pad_w rounded up to a multiple of 4, and x^T holds S
+//     copies of x, copy s shifted by s: x^T[s][c][j] = x[n][hh - pad_h][ww + s - pad_w][c] (0 in
+//     the padding). Then im2col(x)^T's row (r, s, c) is row c of copy s shifted by r * GW: for
+//     an output pixel, hh + r <= P - 1 + R - 1 < GH and ww + s < GW, so the shift stays in the
+//     pixel's image; the kernel reads each tap as a 2-D box at the shifted columns
+//     (kWgradShift), and no im2col is written. (One copy shifted by r * GW + s would do, but TMA
+//     faults on a box whose first element is not 16-byte aligned, so the shifts along the grid
+//     stay multiples of 4 floats.) Grid positions that are not output pixels have
 //     dy^T = 0, so whatever x^T holds at their shift adds 0 (NOTE: non-finite values of x there
 //     would add NaN from 0 * inf, which the direct sum would not see; a training step with
 //     non-finite activations is already lost, and the divergence guard stops it).
 //   otherwise (the first layer, 3 channels; strided layers): the grid is the output, GH = P,
 //     GW = Q, and x^T is im2col(x)^T written out, R*S*C rows padded with zeros to a multiple of
 //     64 (the slab height); the kernel then runs with one tap and no shift.
-// The copies cost a pass over x and dy (written once in fp32 each); the product then runs at the
+// The copies cost a pass over x and dy (x written S times, dy once); the product then runs at the
 // K-major TF32 mainloop's rate. dw is R*S*C columns of each of K rows in both layouts (the
 // explicit one after dropping the padded rows).
 
@@ -432,24 +435,25 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
   const bool shift = s.stride_h == 1 && s.stride_w == 1 && s.c % 64 == 0;
   const int grid_h = shift ? s.h + 2 * s.pad_h : s.p();
-  const int grid_w = shift ? s.w + 2 * s.pad_w : s.q();
+  const int grid_w = shift ? static_cast<int>(round_up(s.w + 2 * s.pad_w, 4)) : s.q();
   const int64_t rsc = int64_t(s.r) * s.s * s.c;
-  const int rows_x = shift ? s.c : static_cast<int>(round_up(rsc, 64));
+  const int rows_x = shift ? s.c : static_cast<int>(round_up(rsc, 64));  // of one copy
   const int64_t ld = round_up(int64_t(s.n) * grid_h * grid_w, 4);  // 16-byte rows for TMA
   CUDP_CHECK(ld + int64_t(s.r) * grid_w + s.s <= std::numeric_limits<int>::max(),
              "conv2d_backward_weight (TF32): ", ld,
-             " pixel positions are too many for one product; "
-             "split the batch");
+             " pixel positions are too many for one product; split the batch");
   Workspace dyt(size_t(s.k) * size_t(ld) * sizeof(float), stream,
                 "backward-weight's K-major copy of dy (TF32)");
-  Workspace xt(size_t(rows_x) * size_t(ld) * sizeof(float), stream,
+  const int copies = shift ? s.s : 1;
+  Workspace xt(size_t(copies) * size_t(rows_x) * size_t(ld) * sizeof(float), stream,
                "backward-weight's K-major copy of x (TF32)");
   k_major_copy({dy, s.n, s.p(), s.q(), s.k, 1, 1, 1, 1, 0, 0, grid_h, grid_w, s.k, ld, dyt.get()},
                stream);
   if (shift) {
-    k_major_copy(
-        {x, s.n, s.h, s.w, s.c, 1, 1, 1, 1, s.pad_h, s.pad_w, grid_h, grid_w, rows_x, ld, xt.get()},
-        stream);
+    // Copy si's row c is x's channel c at filter column si: an im2col of one filter row.
+    k_major_copy({x, s.n, s.h, s.w, s.c, 1, s.s, 1, 1, s.pad_h, s.pad_w, grid_h, grid_w,
+                  copies * rows_x, ld, xt.get()},
+                 stream);
   } else {
     k_major_copy({x, s.n, s.h, s.w, s.c, s.r, s.s, s.stride_h, s.stride_w, s.pad_h, s.pad_w, grid_h,
                   grid_w, rows_x, ld, xt.get()},

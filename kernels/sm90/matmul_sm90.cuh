@@ -147,11 +147,12 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //   kWgradShift backward-weight in TF32, whose wgmma reads K-major operands only: the reduction
 //           runs along K-major fp32 copies of dy (dy^T, K rows) and x (x^T, C rows), both laid out
 //           on one zero-padded pixel grid (kernels/conv2d_tc.cu), where tap (r, s) of a filter is a
-//           shift of r * grid_w + s along the grid. A is dy^T by 2-D TMA; each 64-row slab of B
-//           (one tap, 64 channels) is a 2-D box of x^T at the k-block's columns plus the slab's
-//           shift. A grid position that is not an output pixel holds zeros in dy^T, so what x^T
-//           holds at its shift adds nothing. kWgradShiftT swaps the roles (C = dw^T) as
-//           kWgradTmaT does. K-major, so the consumers are kGemm's.
+//           shift of r * grid_w + s along the grid. x^T holds S copies of x, copy s already
+//           shifted by s (TMA needs 16-byte aligned boxes; grid_w is a multiple of 4). A is dy^T
+//           by 2-D TMA; each 64-row slab of B (one tap, 64 channels) is a 2-D box of copy s of
+//           x^T at the k-block's columns plus r * grid_w. A grid position that is not an output
+//           pixel holds zeros in dy^T, so what x^T holds at its shift adds nothing. kWgradShiftT
+//           swaps the roles (C = dw^T) as kWgradTmaT does. K-major, so the consumers are kGemm's.
 enum Mode : int {
   kGemm = 0,
   kConv_ = 1,
@@ -619,8 +620,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(empty_bar(stage), phase ^ 1);
           mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
           if constexpr (kMode == kWgradShift || kMode == kWgradShiftT) {
-            // Slab `block` of x^T: tap (r, s) of 64 channels, read at this k-block's grid columns
-            // shifted by the tap. Slabs past R*S*C load any box (tap 0); none of it is stored.
+            // Slab `block`: tap (r, s) of 64 channels, from x^T's rows of filter column s (each
+            // copy already shifted by s) at this k-block's grid columns plus r rows of the grid.
+            // (TMA faults on a box whose first element is not 16-byte aligned: the shifts along
+            // the innermost dimension stay multiples of 4 floats.) Slabs past R*S*C load any box
+            // (tap 0); none of it is stored.
             const PatchTiles& t = p.patch;
             const int k0 = kb * Cfg::kBlockK;
             const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int block) {
@@ -628,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               const int cb = block - rs * t.c_blocks;
               int r = rs / t.s, s = rs - r * t.s;
               if (r >= t.r) r = s = 0;
-              tma_load_2d(dst, map, full_bar(stage), k0 + r * t.grid_w + s, cb * 64);
+              tma_load_2d(dst, map, full_bar(stage), k0 + r * t.grid_w, (s * t.c_blocks + cb) * 64);
             };
             const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
             const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
@@ -798,8 +802,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       conv ? ConvGather{dy_is_b ? prob.b : prob.a, conv->n, conv->p, conv->q,
                         int(dy_is_b ? prob.ldb : prob.lda), conv->p, conv->q, 1, 1, 1, 1, 0, 0}
            : ConvGather{};
-  // kWgradShift: x^T's slabs are 64-row boxes of its c_blocks * 64 rows.
-  const int shifted_rows = patch ? patch->c_blocks * 64 : 0;
+  // kWgradShift: x^T's slabs are 64-row boxes of its S copies of c_blocks * 64 rows.
+  const int shifted_rows = patch ? patch->s * patch->c_blocks * 64 : 0;
   const CUtensorMap map_a =
       mode == kWgradShift
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM)

@@ -20,8 +20,9 @@ struct PatchTiles {
   int q = 0, p = 0, n = 0;  // output extent
   int s = 0, pad_h = 0, pad_w = 0, c_blocks = 0;  // filter width, padding, C / k-block
   int r = 0;  // filter height (kWgradTma: taps past R*S are not loaded from x)
-  // kWgradShift: the width of the padded pixel grid both K-major copies are laid out on; tap (r, s)
-  // is the shift r * grid_w + s along it (0 for an explicit im2col copy, whose taps are rows).
+  // kWgradShift: the width of the padded pixel grid both K-major copies are laid out on (a
+  // multiple of 4); filter row r is the shift r * grid_w along it, and x^T holds one copy of x per
+  // filter column s, shifted by s (grid_w 0 for an explicit im2col copy, whose taps are rows).
   int grid_w = 0;
 };
 
@@ -61,8 +62,9 @@ void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const
                      const PatchTiles* patch = nullptr, bool transposed = false);
 
 // Backward-weight in TF32 (kWgradShift): both operands are K-major fp32 copies laid out on one
-// padded pixel grid (kernels/conv2d_tc.cu): dy^T (K rows) and x^T (patch.c_blocks * 64 rows, with
-// tap (r, s) of row c at column offset r * patch.grid_w + s). Not `transposed`: dw = dy^T x^T'
+// padded pixel grid (kernels/conv2d_tc.cu): dy^T (K rows) and x^T (patch.s copies of
+// patch.c_blocks * 64 rows, copy s shifted by s; tap (r, s) of row c at column offset
+// r * patch.grid_w in copy s). Not `transposed`: dw = dy^T x^T'
 // (problem.a = dy^T, problem.b = x^T, m = K, n = R*S*C'); `transposed`: dw^T (problem.a = x^T,
 // problem.b = dy^T, m = R*S*C', n = K). problem.k is the grid's length.
 void conv_wgrad_tf32(const MatmulProblem& problem, const PatchTiles& patch, const MatmulPlan& plan,
