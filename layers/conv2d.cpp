@@ -85,10 +85,6 @@ Tensor Conv2d::forward_one(const Tensor& input) {
 Tensor Conv2d::backward_one(const Tensor& grad_output) {
   const kernels::Conv2dShape& s = saved_shape_;
   check_shape(grad_output, {s.n, s.p(), s.q(), s.k}, "Conv2d: grad_output");
-  CUDP_CHECK(precision_ != Precision::tf32,
-             "Conv2d: backward under the tf32 precision policy is not available: the weight "
-             "gradient has no TF32 tensor-core kernel yet; train with bf16 or fp32 "
-             "(set_precision(Precision::bf16)), tf32 serves forward passes");
   if (precision_ == Precision::bf16) {
     return backward_bf16(grad_output);
   }
@@ -102,6 +98,11 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
   float* out = input_grad_ ? dx.data<float>() : nullptr;
   const int64_t rows = s.y_size() / s.k;
+  // fp32 and tf32. On the GPU math() picks the SIMT kernels (fp32) or the tensor cores (tf32: fp32
+  // operands rounded to TF32 by the MMA, fp32 accumulation) for both products; the bias gradient
+  // is a reduction of dy, fp32 under either. The CPU path computes both policies with the fp32
+  // operands (TF32's rounding is not emulated, layers/precision.h): under tf32 it gives fp32's
+  // results, as its forward does.
   run(
       [&] {
         if (out) kernels::conv2d_backward_data_cpu(s, dy, w, out);

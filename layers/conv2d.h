@@ -7,12 +7,14 @@
 // it as PyTorch's OIHW [out, in, kh, kw] and load_state_dict() converts back, so torchvision
 // checkpoints load unchanged. The bias is [out].
 //
-// Products follow the model's precision policy (layers/precision.h): fp32; tf32 (forward only:
-// backward-weight has no TF32 kernel yet, backward throws naming bf16 and fp32); or bf16, where the
+// Products follow the model's precision policy (layers/precision.h): fp32; tf32 (fp32 tensors
+// throughout, forward, backward-data and backward-weight on TF32 tensor cores); or bf16, where the
 // layer takes f32 or bf16 input, writes a bf16 output (bias and a ReLU that follows in a Sequential
 // applied to the fp32 accumulator before the one rounding), takes a bf16 output gradient, returns
 // the input gradient in the input's dtype and accumulates fp32 weight gradients. Under bf16 the
-// CPU path rounds the operands and the output as the GPU does, so it stays the GPU's reference.
+// CPU path rounds the operands and the output as the GPU does, so it stays the GPU's reference;
+// under tf32 it computes with the fp32 operands, fp32's results. On the tensor cores (tf32, bf16)
+// backward-data takes stride 1 only (kernels/conv2d.h): a strided layer's input gradient throws.
 //
 // Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its
 // input for the weight gradient. Parameters are initialised as torchvision's VGG does

@@ -2,9 +2,9 @@
 // with Module::set_precision (replicas and clones inherit it).
 //
 //   fp32  fp32 storage, fp32 products (the SIMT kernels; every GPU).
-//   tf32  fp32 storage, TF32 tensor-core products (10-bit mantissa operands, fp32 accumulation).
-//         Convolution backward-weight has no TF32 kernel yet, so a model with a Conv2d trains in
-//         bf16 or fp32; tf32 serves evaluation (forward passes) and Linear-only models.
+//   tf32  fp32 storage, TF32 tensor-core products (10-bit mantissa operands, fp32 accumulation)
+//         for every Conv2d and Linear product, forward and backward; activations, gradients,
+//         weights and optimizer state stay fp32.
 //   bf16  bf16 operands for every Conv2d and Linear product (rounded to nearest even), fp32
 //         accumulation, fp32 weight gradients; the fp32 master weights stay the parameters.
 //         Activations and their gradients are bf16 between the layers that take bf16
@@ -19,7 +19,8 @@
 // ValueError saying so (no silent fallback to fp32). On the CPU, layers emulate the policy's
 // operand rounding (operand_view below) so that the CPU path is the GPU path's reference: bf16
 // operands are rounded exactly as the GPU rounds them; TF32's rounding happens inside the tensor
-// core and is not emulated (the CPU computes with the fp32 operands).
+// core and is not emulated (the CPU computes with the fp32 operands): under tf32 the CPU path,
+// forward and backward, gives fp32's results bit for bit.
 #pragma once
 
 #include <cstdint>

@@ -42,7 +42,7 @@ struct Options {
   double lr = 0.05, momentum = 0.9;
   uint64_t seed = 0;
   std::string save;
-  std::string precision = "fp32";  // or "bf16" (tensor cores, sm_90)
+  std::string precision = "fp32";  // or "bf16" or "tf32" (tensor cores, sm_90)
   bool print_checksum = false;
 };
 
@@ -50,7 +50,7 @@ const char* kUsage =
     "usage: custom_model [--data fashion-mnist|synthetic] [--data-dir DIR] [--gpus 0,1,...]\n"
     "                    [--epochs N] [--steps N] [--batch-size N] [--lr X] [--momentum X]\n"
     "                    [--seed N] [--synthetic-size N] [--save PATH] [--print-checksum]\n"
-    "                    [--precision fp32|bf16]\n";
+    "                    [--precision fp32|bf16|tf32]\n";
 
 // A hand-written parser (the installed cudp does not bring CLI11 along): `--name value` pairs.
 Options parse(int argc, char** argv) {
@@ -92,8 +92,8 @@ Options parse(int argc, char** argv) {
       throw std::invalid_argument("unknown option " + arg);
     }
   }
-  if (o.precision != "fp32" && o.precision != "bf16")
-    throw std::invalid_argument("--precision is fp32 or bf16, not " + o.precision);
+  if (o.precision != "fp32" && o.precision != "bf16" && o.precision != "tf32")
+    throw std::invalid_argument("--precision is fp32, bf16 or tf32, not " + o.precision);
   if (o.data != "fashion-mnist" && o.data != "synthetic")
     throw std::invalid_argument("--data is fashion-mnist or synthetic, not " + o.data);
   if (o.batch_size <= 0 || o.epochs < 0 || o.steps < 0 || o.synthetic_size <= 0)
@@ -214,7 +214,8 @@ int run(const Options& o) {
                            .image_size = static_cast<int>(d.train.height),
                            .seed = o.seed});
   // bf16: every convolution and linear product on bf16 tensor cores (fp32 accumulation, fp32
-  // weights); on the CPU the operands are rounded the same way (layers/precision.h).
+  // weights); on the CPU the operands are rounded the same way (layers/precision.h). tf32: the
+  // same products on TF32 tensor cores with fp32 tensors; on the CPU they are computed in fp32.
   net->set_precision(parse_precision(o.precision));
   net->to(device);
   // (Conv2d keeps its weights as [out, kh, kw, in] for the NHWC kernels; state_dict() and the

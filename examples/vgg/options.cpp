@@ -196,8 +196,9 @@ const std::vector<Setting>& settings() {
         integer(&Options::epochs, 1, 1000000));
     add("--precision", "precision", false,
         "how the convolutions and linear layers compute: fp32, bf16 (bf16 operands on tensor "
-        "cores, fp32 accumulation and master weights) or tf32 (with --eval-only: TF32 training "
-        "of convolutions is not built yet); bf16 and tf32 need an sm_90 GPU",
+        "cores, fp32 accumulation and master weights) or tf32 (fp32 tensors, TF32 operands on "
+        "tensor cores, fp32 accumulation); bf16 and tf32 need an sm_90 GPU (on the CPU bf16 is "
+        "emulated, tf32 computes as fp32)",
         &Options::precision, choice(&Options::precision, {"fp32", "tf32", "bf16"}));
     add("--seed", "seed", true, "seed of weights, data order and dropout, 0 to 2^64-1",
         &Options::seed, [](Options& o, const std::string& v) -> std::string {
@@ -374,11 +375,6 @@ int parse_command_line(int argc, char** argv, Options& o) {
 void resolve_and_check(Options& o) {
   if (o.lr == 0) o.lr = o.opt == "adamw" ? 1e-3 : 0.05;
   if (o.weight_decay < 0) o.weight_decay = o.opt == "adamw" ? 0.05 : 5e-4;
-  if (o.precision == "tf32" && !o.eval_only) {
-    throw UsageError("--precision tf32 evaluates (--eval-only) but does not train yet: the "
-                     "convolutions' weight gradient has no TF32 kernel; train with --precision "
-                     "bf16 (tensor cores) or fp32");
-  }
   if (o.eval_only && o.resume.empty()) {
     throw UsageError("--eval-only needs --resume CHECKPOINT (the checkpoint to evaluate)");
   }

@@ -12,7 +12,8 @@
 // Also on the device path: the divergence guard (the step's loss and gradient norm read from the
 // device at the read points) stops an absurd learning rate with the named error and leaves the
 // checkpoint untouched; and a run folder with AdamW, warm-up, clipping and label smoothing on two
-// GPUs keeps the replicas bit-identical and its metrics agree with the console.
+// GPUs keeps the replicas bit-identical and its metrics agree with the console. Under bf16 and
+// tf32 (tensor cores) the exact resume holds too, and a tiny tf32 run trains.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -24,6 +25,7 @@
 
 #include "common/gpu.h"
 #include "examples/run_binary.h"
+#include "layers/checkpoint.h"
 
 namespace {
 
@@ -143,6 +145,44 @@ TEST(VggTrainerGpu, Bf16ResumeIsBitIdenticalOnOneGpu) {
   CUDP_REQUIRE_TENSOR_CORES();
   CUDP_REQUIRE_VGG();
   expect_exact_resume("0", "constant", 1, "bf16");
+}
+
+// tf32 products on tensor cores (every convolution's and linear layer's forward, backward-data and
+// backward-weight): trains, is deterministic, resumes bit for bit, and the checkpoint keeps the
+// policy (the evaluation in expect_exact_resume takes it from there).
+TEST(VggTrainerGpu, Tf32ResumeIsBitIdenticalOnOneGpu) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_VGG();
+  expect_exact_resume("0", "constant", 1, "tf32");
+}
+
+// A tiny tf32 run trains: its loss falls like fp32's, its weights are not fp32's (the products ran
+// on the tensor cores), and its checkpoint records tf32.
+TEST(VggTrainerGpu, Tf32TrainsATinyRun) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string common =
+      "--data synthetic --arch vgg11 --limit-train 1024 --limit-test 256 --batch-size 128 "
+      "--epochs 3 --schedule constant --lr 0.02 --print-checksum --gpus 0 ";
+  const RunResult fp32 = run_vgg(dir, common + "--precision fp32");
+  ASSERT_EQ(fp32.code, 0) << fp32.output;
+  const std::string ckpt = dir / "tf32.safetensors";
+  const RunResult tf32 = run_vgg(dir, common + "--precision tf32 --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(tf32.code, 0) << tf32.output;
+  EXPECT_TRUE(contains(tf32.output, "tf32 products, on GPUs 0")) << tf32.output;
+  ASSERT_NE(checksum_of(tf32), "") << tf32.output;
+  EXPECT_NE(checksum_of(tf32), checksum_of(fp32)) << "tf32 trained the same weights as fp32";
+  EXPECT_EQ(cudp::load_checkpoint_metadata(ckpt).at("precision"), "tf32");
+  auto epoch_loss = [](const RunResult& r, int epoch) {
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(
+        r.output, m, std::regex("epoch " + std::to_string(epoch) + "/3: train loss ([0-9.]+)")))
+        << r.output;
+    return m.empty() ? -1.0 : std::stod(m[1]);
+  };
+  EXPECT_LT(epoch_loss(tf32, 3), epoch_loss(tf32, 1)) << tf32.output;
+  EXPECT_LT(epoch_loss(fp32, 3), epoch_loss(fp32, 1)) << fp32.output;
 }
 
 TEST(VggTrainerGpu, Bf16ResumeIsBitIdenticalOnTwoGpus) {

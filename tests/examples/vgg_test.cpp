@@ -11,7 +11,7 @@
 //     does the same at a larger scale on 1 and 2 GPUs);
 //   - the torchvision head at --image-size 64 trains a step, with torchvision's parameter count;
 //   - precision policies: bf16 emulated on the CPU trains and is remembered by the checkpoint;
-//     tf32 training is refused (exit 2);
+//     tf32 trains on the CPU as fp32 (TF32's rounding is not emulated) and is remembered too;
 //   - refusals: CLI11 usage errors (exit 2), an invalid --gpus
 //     id (the message names the valid range, or says no GPU is visible), --eval-only without
 //     --resume, a resume with another --seed or --batch-size;
@@ -161,8 +161,9 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
 }
 
 // --precision bf16 on the CPU emulates the GPU's operand rounding (layers/precision.h): it trains,
-// says so, gives other weights than fp32, and the checkpoint remembers it. tf32 trains no
-// convolution yet: refused with the way out, unless evaluating.
+// says so, gives other weights than fp32, and the checkpoint remembers it. tf32's rounding happens
+// inside the tensor cores and is not emulated: on the CPU it trains, says that it computes in
+// fp32, gives fp32's weights bit for bit, and the checkpoint remembers it.
 TEST(VggTrainer, PrecisionPolicies) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
@@ -183,11 +184,20 @@ TEST(VggTrainer, PrecisionPolicies) {
   ASSERT_EQ(eval.code, 0) << eval.output;
   EXPECT_TRUE(contains(eval.output, "bf16 products")) << eval.output;
 
-  const RunResult tf32 = run_on_cpu(dir, kSmall + "--precision tf32");
-  EXPECT_EQ(tf32.code, 2) << tf32.output;
-  EXPECT_TRUE(contains(tf32.output, "--precision tf32 evaluates (--eval-only) but does not train"))
+  const RunResult tf32 =
+      run_on_cpu(dir, run + "--precision tf32 --checkpoint '" + (dir / "tf32.safetensors") + "'");
+  ASSERT_EQ(tf32.code, 0) << tf32.output;
+  EXPECT_TRUE(contains(tf32.output,
+                       "tf32 products (computed in fp32 on the CPU: TF32's rounding "
+                       "is not emulated)"))
       << tf32.output;
-  EXPECT_TRUE(contains(tf32.output, "train with --precision bf16")) << tf32.output;
+  EXPECT_EQ(checksum_of(tf32), checksum_of(fp32)) << "tf32 on the CPU did not train as fp32";
+  EXPECT_EQ(cudp::load_checkpoint_metadata(dir / "tf32.safetensors").at("precision"), "tf32");
+  const RunResult tf32_eval =
+      run_on_cpu(dir, "--eval-only --print-checksum --resume '" + (dir / "tf32.safetensors") + "'");
+  ASSERT_EQ(tf32_eval.code, 0) << tf32_eval.output;
+  EXPECT_TRUE(contains(tf32_eval.output, "tf32 products")) << tf32_eval.output;
+  EXPECT_EQ(checksum_of(tf32_eval), checksum_of(tf32)) << tf32_eval.output;
 }
 
 TEST(VggTrainer, UsageErrors) {

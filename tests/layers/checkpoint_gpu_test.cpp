@@ -1,6 +1,6 @@
 // GPU tests of checkpoints: real training steps on one GPU resumed from a checkpoint, K + K steps
-// against 2K straight, bit for bit (tests/layers/resume_testing.h), under fp32 and under bf16 on
-// the tensor cores. The host twin (checkpoint_test) runs the same check on the CPU path.
+// against 2K straight, bit for bit (tests/layers/resume_testing.h), under fp32 and under bf16 and
+// tf32 on the tensor cores. The host twin (checkpoint_test) runs the same check on the CPU path.
 #include <gtest/gtest.h>
 
 #include "common/gpu.h"
@@ -18,6 +18,12 @@ TEST(CheckpointResumeGpu, Bf16TrainingResumesBitExactly) {
   CUDP_REQUIRE_TENSOR_CORES();
   testing::expect_precision_changes_training(Device::cuda(0), Precision::bf16, 3);
   testing::expect_exact_resume(Device::cuda(0), Precision::bf16, 3);
+}
+
+TEST(CheckpointResumeGpu, Tf32TrainingResumesBitExactly) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  testing::expect_precision_changes_training(Device::cuda(0), Precision::tf32, 3);
+  testing::expect_exact_resume(Device::cuda(0), Precision::tf32, 3);
 }
 
 }  // namespace

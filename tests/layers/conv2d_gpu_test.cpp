@@ -7,6 +7,7 @@
 
 #include <tuple>
 
+#include "common/compare.h"
 #include "common/gpu.h"
 #include "layers/conv2d.h"
 #include "tests/layers/layer_testing.h"
@@ -46,6 +47,36 @@ TEST(Conv2dGpuTest, Bf16MatchesTheCpuPathWithRoundedOperands) {
     conv.set_precision(Precision::bf16);
     SCOPED_TRACE(::testing::Message() << "c " << c << " k " << k << " kernel " << kernel);
     expect_gpu_matches_cpu(conv, random_tensor({2, 9, 11, c}, 12), 13, 1e-4, 1e-4);
+  }
+}
+
+// Under the tf32 policy the GPU runs forward, backward-data and backward-weight on TF32 tensor
+// cores, and the CPU path computes with the unrounded fp32 operands (layers/precision.h), so the
+// difference is TF32's operand rounding. Per output, as tests/kernels/matmul_gpu_test.cpp derives:
+// at most 2^-9 |c| (each operand truncated to 10 mantissa bits, 2^-10 relative, a possible bias
+// toward zero) plus 6 * 2^-10 * sqrt(sum p^2) for the random part. With operands uniform in
+// [-1, 1) the terms have random signs, so sqrt(sum p^2) is about the outputs' standard deviation,
+// and the largest of a tensor's >= 100 outputs is at least 2.5 of them: the random part is below
+// 6 / 2.5 * 2^-10 = 2.4 * 2^-10 of max|c|, gpu_close's atol. The fp32 kernels would pass too; the
+// last check rules them out (results bit-identical to the GPU's fp32 ones).
+TEST(Conv2dGpuTest, Tf32MatchesTheCpuPathWithinTf32Precision) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  constexpr double kRtol = 1.0 / 512, kAtol = 2.4 / 1024;
+  for (const auto& [c, k, kernel, pad] :
+       {std::tuple{5, 7, 3, 1}, std::tuple{3, 64, 3, 1}, std::tuple{64, 64, 3, 1},
+        std::tuple{16, 24, 1, 0}, std::tuple{8, 12, 5, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "c " << c << " k " << k << " kernel " << kernel);
+    Conv2d conv(c, k, kernel, 1, pad, true);
+    testing::randomize_parameters(conv, 21);
+    Conv2d fp32_conv(c, k, kernel, 1, pad, true);
+    fp32_conv.load_state_dict(conv.state_dict());
+    conv.set_precision(Precision::tf32);
+    const Tensor x = random_tensor({2, 9, 11, c}, 22);
+    const std::shared_ptr<Module> tf32 = expect_gpu_matches_cpu(conv, x, 23, kRtol, kAtol);
+    const std::shared_ptr<Module> fp32 = expect_gpu_matches_cpu(fp32_conv, x, 23, 1e-5, 1e-4);
+    EXPECT_FALSE(testing::bitwise_equal(testing::values(tf32->named_parameters()[0].second->grad),
+                                        testing::values(fp32->named_parameters()[0].second->grad)))
+        << "the tf32 weight gradient is the fp32 kernels'";
   }
 }
 
