@@ -2,12 +2,13 @@
 // NHWC/KRSC, on VGG-16's convolution shapes at 224² batch 64 and 32² batch 256, for the forward,
 // backward-data and backward-weight passes.
 //
-// --math bf16|tf32: our tensor-core convolutions (conv2d_forward_tc, conv2d_backward_data_tc) on
-// operands of the math's type (bf16 tensors with a bf16 output; fp32 tensors for TF32) against
-// cuDNN on the same types with CUDNN_TENSOR_OP_MATH, its fastest algorithm from cudnnFind*Ex. The
-// first layer's 3 input channels are padded to 8 (bf16) or 4 (fp32) for ours, as a layer does;
-// cuDNN reads 3. Backward-weight runs in bf16 only (ours writes fp32 dw, cuDNN bf16); TF32
-// backward-weight is not on tensor cores, so its rows are skipped. Validation:
+// --math bf16|tf32: our tensor-core convolutions (conv2d_forward_tc, conv2d_backward_data_tc,
+// and for backward-weight conv2d_backward_weight_tc (bf16) or conv2d_backward_weight with
+// Math::TF32 (fp32 x, dy and dw)) on operands of the math's type (bf16 tensors with a bf16 output;
+// fp32 tensors for TF32) against cuDNN on the same types with CUDNN_TENSOR_OP_MATH (TF32 allowed on
+// fp32 tensors), its fastest algorithm from cudnnFind*Ex. The first layer's 3 input channels are
+// padded to 8 (bf16) or 4 (fp32) for ours, as a layer does; cuDNN reads 3. Ours writes dw in fp32
+// under either math; cuDNN writes it in the tensors' type (bf16, or fp32 for TF32). Validation:
 // relative L2 distance to cuDNN within 2^-7 (bf16 output: both round to bf16) or 2^-8 (TF32).
 //
 // For every (layer, pass): cuDNN times all its algorithms (cudnnFind*AlgorithmEx, math
@@ -496,7 +497,6 @@ void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, con
   const DType out_type = bf16 ? DType::BF16 : DType::F32;
   for (const Pass pass : kPasses) {
     if (pass == Pass::BackwardData && layer == 1) continue;  // the first layer needs no dx
-    if (pass == Pass::BackwardWeight && !bf16) continue;    // TF32 backward-weight: not on TCs
     const int64_t out_n = pass == Pass::Forward ? s.y_size()
                           : pass == Pass::BackwardData ? s.x_size()
                                                        : s.w_size();
@@ -512,9 +512,13 @@ void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, con
       } else if (pass == Pass::BackwardData) {
         conv2d_backward_data_tc(s, {math, dy[i].get(), w[i].get(), ours.get(), out_type, nullptr,
                                     false}, stream);
-      } else {
+      } else if (bf16) {
         conv2d_backward_weight_tc(padded, our_x(i), dy[i].get(), static_cast<float*>(ours.get()),
                                   0.f, stream);
+      } else {  // TF32: the float launcher on fp32 operands, x with its channels padded as above
+        conv2d_backward_weight(padded, static_cast<const float*>(our_x(i)),
+                               static_cast<const float*>(dy[i].get()),
+                               static_cast<float*>(ours.get()), 0.f, stream, Math::TF32);
       }
     };
     const auto in0 = [&](int i) { return pass == Pass::BackwardData ? dy[i].get() : x[i].get(); };

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """PyTorch side of bench_train: the same VGG configurations, the same measurement.
 
-Runs torchvision's VGG (no BatchNorm) with SGD(momentum 0.9, weight decay 5e-4), data already on
-the GPU, `--warmup` untimed steps then `--steps` timed steps between synchronisations, on one GPU,
-with nn.DataParallel, and with DistributedDataParallel (one process per GPU, NCCL). The 32x32
-configuration uses cudp's compact head (512 -> 512 -> 512 -> 10), built here from torchvision's
-features. Prints a Markdown table and writes JSON lines with --json.
+Runs torchvision's VGG (no BatchNorm; --bn: torchvision's vgg*_bn, "bn": true in the JSON) with
+SGD(momentum 0.9, weight decay 5e-4), data already on the GPU, `--warmup` untimed steps then
+`--steps` timed steps between synchronisations, on one GPU, with nn.DataParallel, and with
+DistributedDataParallel (one process per GPU, NCCL). The 32x32 configuration uses cudp's compact
+head (512 -> 512 -> 512 -> 10), built here from torchvision's features. Prints a Markdown table and
+writes JSON lines with --json.
 
   python3 bench/pytorch_train.py --json out.json              # fp32, TF32 off
   python3 bench/pytorch_train.py --tf32                       # PyTorch's default cuDNN TF32
@@ -25,7 +26,8 @@ import torch.nn as nn
 import torchvision
 
 
-def build(arch, size):
+def build(arch, size, bn=False):
+    arch = arch + "_bn" if bn else arch
     if size == 32:
         features = getattr(torchvision.models, arch)().features
         head = nn.Sequential(nn.Flatten(), nn.Linear(512, 512), nn.ReLU(True), nn.Dropout(),
@@ -75,7 +77,7 @@ def timed_steps(model, opt, x, y, warmup, steps, devices, args):
 def single_or_dp(arch, size, per_gpu, gpus, args):
     settings(args)
     torch.manual_seed(1)
-    model, classes = build(arch, size)
+    model, classes = build(arch, size, args.bn)
     model = model.cuda(0)
     for d in range(gpus):
         torch.cuda.reset_peak_memory_stats(d)
@@ -98,7 +100,7 @@ def ddp_worker(rank, world, arch, size, per_gpu, args, queue):
     torch.cuda.set_device(rank)
     settings(args)
     torch.manual_seed(1)
-    model, classes = build(arch, size)
+    model, classes = build(arch, size, args.bn)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = nn.parallel.DistributedDataParallel(model.cuda(rank), device_ids=[rank])
@@ -136,6 +138,8 @@ def main():
                    help="fp32 (TF32 off), tf32, or bf16 autocast (TF32 for what stays fp32)")
     p.add_argument("--channels-last", action="store_true", help="NHWC activations and weights")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--bn", action="store_true",
+                   help="BatchNorm after every convolution (torchvision's vgg16_bn, ...)")
     p.add_argument("--modes", nargs="+", default=["single", "dp", "ddp"])
     p.add_argument("--json")
     args = p.parse_args()
@@ -152,7 +156,8 @@ def main():
                 runs += [(m, g) for m in ("dp", "ddp") if m in args.modes]
             for mode, g in runs:
                 ips, peak = (ddp if mode == "ddp" else single_or_dp)(arch, size, per_gpu, g, args)
-                row = {"framework": "pytorch " + torch.__version__, "model": arch, "size": size,
+                row = {"framework": "pytorch " + torch.__version__, "model": arch, "bn": args.bn,
+                       "size": size,
                        "batch_per_gpu": per_gpu, "gpus": g, "mode": mode,
                        "precision": args.precision, "channels_last": args.channels_last,
                        "compile": args.compile, "images_per_s": round(ips, 1),
@@ -160,8 +165,9 @@ def main():
                 rows.append(row)
                 setting = args.precision + (" NHWC" if args.channels_last else "") + (
                     " compiled" if args.compile else "")
-                print(f"| pytorch {setting} | {arch} | {size} | {per_gpu} | {g} | {mode} | {ips:.0f} | "
-                      f"{peak:.2f} |", flush=True)
+                name = arch + ("-bn" if args.bn else "")
+                print(f"| pytorch {setting} | {name} | {size} | {per_gpu} | {g} | {mode} | "
+                      f"{ips:.0f} | {peak:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             for r in rows:

@@ -142,6 +142,13 @@ def processes_of(r):
     return int(p) if p and p >= 1 else 1
 
 
+def model_of(r):
+    """The model a training row timed: its name, with "-bn" when it has BatchNorm after every
+    convolution (bench_train --bn, pytorch_train.py --bn; rows without the field have none), so
+    that VGG-16-BN is never set against VGG-16."""
+    return str(r.get("model", "?")) + ("-bn" if r.get("bn") is True else "")
+
+
 def cudp_mode(r):
     """How a row's cudp ran: 1 GPU, DataParallel (one process on its GPUs) or DDP (N processes)."""
     p = r.get("processes") or 1
@@ -155,16 +162,17 @@ def cudp_mode(r):
 def training(cudp_rows, torch_rows, run):
     """Rows per (model, size, batch/GPU, cudp precision, graphs, processes, GPUs, PyTorch setting
     and mode): img/s, scaling efficiency, ratios, from one run (`run`: its name, carried by every
-    row). Every row carries cudp_precision (fp32 for rows written before bench_train had
-    --precision) and processes (1 for one process, N for N processes of one GPU each). A row of N
-    processes is set against PyTorch's DDP at the same GPU count, and against cudp's one process on
-    as many GPUs with the same precision and graphs (cudp_over_one_process); its scaling
-    efficiency is against that one process on 1 GPU."""
+    row). The model is "vgg16-bn" for VGG-16 with BatchNorm (model_of; every row has "bn"), set
+    against PyTorch's with BatchNorm only. Every row carries cudp_precision (fp32, tf32 or bf16;
+    fp32 for rows written before bench_train had --precision) and processes (1 for one process, N
+    for N processes of one GPU each). A row of N processes is set against PyTorch's DDP at the
+    same GPU count, and against cudp's one process on as many GPUs with the same precision and
+    graphs (cudp_over_one_process); its scaling efficiency is against that one process on 1 GPU."""
     configs = {}
     for r in cudp_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
             continue
-        key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
+        key = (model_of(r), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
         c = configs.setdefault(key, {"cudp": {}, "torch": {}})
         # Rows written before bench_train had --graphs launched every kernel: graphs "off".
         setting = (str(r.get("cudp_precision", "fp32")), str(r.get("cudp_graphs", "off")),
@@ -173,7 +181,7 @@ def training(cudp_rows, torch_rows, run):
     for r in torch_rows:
         if num(r, "images_per_s") is None or num(r, "gpus") is None:
             continue
-        key = (str(r.get("model", "?")), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
+        key = (model_of(r), int(num(r, "size", 0)), int(num(r, "batch_per_gpu", 0)))
         mode = str(r.get("mode", "single"))
         c = configs.setdefault(key, {"cudp": {}, "torch": {}})
         c["torch"].setdefault(torch_setting(r), {}).setdefault(mode, {})[int(num(r, "gpus"))] = r
@@ -197,7 +205,8 @@ def training(cudp_rows, torch_rows, run):
                 step_ms = num(cr, "step_ms") if cr else None
                 ar_ms = num(cr, "allreduce_ms") if cr else None
                 base = {
-                    "run": run, "model": model, "size": size, "batch_per_gpu": batch, "gpus": g,
+                    "run": run, "model": model, "bn": model.endswith("-bn"), "size": size,
+                    "batch_per_gpu": batch, "gpus": g,
                     "cudp_precision": cudp_precision, "cudp_graphs": cudp_graphs,
                     "processes": processes,
                     "cudp_images_per_s": ips, "cudp_scaling_efficiency": eff,

@@ -1,7 +1,10 @@
 // bench_train: VGG training throughput of cudp's engine: img/s on 1..N GPUs at 224^2 (batch 64 per
 // GPU, torchvision head, 1000 classes) and 32^2 (batch 256 per GPU, compact head, 10 classes), with
-// the products in fp32 or bf16 (--precision; layers/precision.h), SGD with momentum, the data
-// already on the first GPU (the input pipeline is measured by cudp-vgg).
+// the products in fp32, tf32 or bf16 (--precision; layers/precision.h: the model's
+// set_precision), SGD with momentum, the data already on the first GPU (the input pipeline is
+// measured by cudp-vgg). --bn puts a BatchNorm2d after every convolution (VGG-16-BN, the model
+// cudp-vgg trains by default; per-device statistics, no SyncBatchNorm): "bn" in the JSON, "-bn"
+// after the model's name in the table.
 //
 // Per configuration: build the model from a fixed seed, wrap it in DataParallel over the first g
 // GPUs, run `--warmup` steps, then `--steps` timed steps between a device synchronisation and the
@@ -27,7 +30,9 @@
 // --gpus none: the CPU, for tests on machines without a GPU: one process (the model as it is, no
 // wrapper), or N processes under a launcher with MPI moving the gradients (mpi_host_group); graphs
 // off, no peak memory; "gpus": 0 in the JSON. --batch-per-gpu sets the batch of each GPU (of each
-// process on the CPU), 256 at 32^2 and 64 at 224^2 by default.
+// process on the CPU), 256 at 32^2 and 64 at 224^2 by default. The CPU runs fp32 and bf16 (whose
+// operand rounding the layers emulate there) but refuses tf32: TF32's rounding happens inside the
+// tensor cores and is not emulated, so a CPU "tf32" row would time fp32 products under tf32's name.
 //
 // Exposed communication (--exposed-comm on, the default): each multi-GPU configuration is timed a
 // second time with the gradient all-reduce switched off (set_gradient_sync(false) of DataParallel
@@ -44,6 +49,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -105,6 +111,7 @@ Ranks g_ranks;
 struct Options {
   std::vector<std::string> archs = {"vgg16"};
   std::vector<std::string> precisions = {"fp32"};
+  bool bn = false;  // a BatchNorm2d after every convolution
   std::vector<std::string> graph_modes = {"on", "off"};
   bool graphs_given = false;  // --graphs on the command line (not the default)
   std::vector<int> sizes = {224, 32};
@@ -121,6 +128,7 @@ struct Config {
   int64_t batch_per_gpu;  // of each GPU, or of each process on the CPU
   Precision precision;
   bool graphs;
+  bool bn;
   bool comm = true;  // false: gradient all-reduce switched off (exposed-communication timing)
 };
 
@@ -128,6 +136,7 @@ struct Result {
   double images_per_s = 0, step_ms = 0, allreduce_ms = 0;
   double peak_gib = -1;         // the largest over the GPUs (and ranks); -1 on the CPU
   double step_ms_no_comm = -1;  // the same step with the all-reduce off (multi-GPU rows)
+  int64_t parameters = 0;       // the model's (BatchNorm's weight and bias included)
 };
 
 char arch_config(const std::string& arch) {
@@ -148,7 +157,7 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) 
   }
   VggOptions o;
   o.in_channels = 3;
-  o.batch_norm = false;
+  o.batch_norm = c.bn;
   o.head = c.size == 32 ? VggHead::Compact : VggHead::Torchvision;
   o.num_classes = c.size == 32 ? 10 : 1000;
   o.seed = 1;  // the same model on every rank (DistributedDataParallel broadcasts rank 0's anyway)
@@ -156,6 +165,7 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) 
   net->set_precision(c.precision);
   net->to(device);
   Result r;
+  r.parameters = net->num_parameters();
   std::unique_ptr<parallel::DataParallel> dp;
   std::unique_ptr<DistributedDataParallel> ddp;
   if (ranks) {
@@ -252,7 +262,9 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) 
 // What one row says: the configuration, the number of processes and GPUs (0: the CPU), and the
 // figures; `scaling` and `exposed` below 0 when not measured.
 struct Row {
-  std::string arch, precision, graphs;
+  std::string arch;
+  bool bn;
+  std::string precision, graphs;
   int size;
   int64_t per_gpu;
   int processes, gpus;
@@ -282,8 +294,9 @@ void print_row(const Row& w, FILE* json) {
   const std::string no_comm = fixed(w.exposed >= 0, r.step_ms_no_comm, 1);
   const std::string share = fixed(w.exposed >= 0, 100 * w.exposed, 1, "%");
   const std::string peak = fixed(r.peak_gib >= 0, r.peak_gib, 2);
+  const std::string model = w.arch + (w.bn ? "-bn" : "");
   std::printf("| %s | %s | %s | %d | %lld | %d | %s | %.0f | %.1f | %s | %.2f | %s | %s | %s |\n",
-              w.arch.c_str(), w.precision.c_str(), w.graphs.c_str(), w.size,
+              model.c_str(), w.precision.c_str(), w.graphs.c_str(), w.size,
               static_cast<long long>(w.per_gpu), w.processes, gpus.c_str(), r.images_per_s,
               r.step_ms, scaling.c_str(), r.allreduce_ms, no_comm.c_str(), share.c_str(),
               peak.c_str());
@@ -296,14 +309,15 @@ void print_row(const Row& w, FILE* json) {
     extra += detail::str(", \"step_ms_no_comm\": ", r.step_ms_no_comm,
                          ", \"cudp_exposed_comm_share\": ", w.exposed);
   }
-  std::fprintf(json,
-               "{\"framework\": \"cudp\", \"model\": \"%s\", \"cudp_precision\": \"%s\", "
-               "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
-               "\"processes\": %d, \"gpus\": %d, \"images_per_s\": %.1f, \"step_ms\": %.3f, "
-               "\"allreduce_ms\": %.3f%s}\n",
-               w.arch.c_str(), w.precision.c_str(), w.graphs.c_str(), w.size,
-               static_cast<long long>(w.per_gpu), w.processes, w.gpus, r.images_per_s, r.step_ms,
-               r.allreduce_ms, extra.c_str());
+  std::fprintf(
+      json,
+      "{\"framework\": \"cudp\", \"model\": \"%s\", \"bn\": %s, \"cudp_precision\": \"%s\", "
+      "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
+      "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
+      "\"step_ms\": %.3f, \"allreduce_ms\": %.3f%s}\n",
+      w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
+      static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
+      r.images_per_s, r.step_ms, r.allreduce_ms, extra.c_str());
   std::fflush(json);
 }
 
@@ -380,6 +394,14 @@ int bench(Options o) {
     }
     if (max_gpus == 0 || max_gpus > visible) max_gpus = visible;
   }
+  // TF32 is a tensor-core rounding that the CPU does not emulate (layers/precision.h): a CPU row
+  // would time fp32 products named tf32.
+  if (cpu && std::find(o.precisions.begin(), o.precisions.end(), "tf32") != o.precisions.end()) {
+    throw UsageError(
+        "--precision tf32 with --gpus none: TF32 rounds inside an sm_90 GPU's tensor cores and "
+        "the CPU does not emulate it (its products would be fp32); measure tf32 on a GPU, or give "
+        "--precision fp32 or bf16 with --gpus none");
+  }
   // CUDA graphs need a GPU, and do not capture a DistributedDataParallel step yet.
   if (cpu || ranks) {
     const bool asked = o.graphs_given && std::find(o.graph_modes.begin(), o.graph_modes.end(),
@@ -417,7 +439,7 @@ int bench(Options o) {
       for (const auto& mode : o.graph_modes) {
         const bool graphs = mode == "on";
         const int64_t per_gpu = o.batch_per_gpu > 0 ? o.batch_per_gpu : size == 32 ? 256 : 64;
-        const Config config{arch, size, per_gpu, precision, graphs};
+        const Config config{arch, size, per_gpu, precision, graphs, o.bn};
         // Exposed communication: the same configuration without the all-reduce. The share is
         // clamped at 0 (a step without communication can time a little slower by noise).
         const auto with_exposed = [&](Row& w, const std::vector<int>& ids) {
@@ -430,6 +452,7 @@ int bench(Options o) {
         if (ranks) {
           // N processes of one GPU each (or the CPU): no one-process baseline in this launch.
           Row w{arch,
+                o.bn,
                 name,
                 mode,
                 size,
@@ -440,7 +463,7 @@ int bench(Options o) {
           with_exposed(w, rank_gpu);
           print_row(w, out);
         } else if (cpu) {
-          Row w{arch, name, mode, size, per_gpu, 1, 0, run(config, {}, o.warmup, o.steps)};
+          Row w{arch, o.bn, name, mode, size, per_gpu, 1, 0, run(config, {}, o.warmup, o.steps)};
           w.scaling = 1;
           print_row(w, out);
         } else {
@@ -448,7 +471,7 @@ int bench(Options o) {
           for (int g = 1; g <= max_gpus; ++g) {
             std::vector<int> ids;
             for (int i = 0; i < g; ++i) ids.push_back(i);
-            Row w{arch, name, mode, size, per_gpu, 1, g, run(config, ids, o.warmup, o.steps)};
+            Row w{arch, o.bn, name, mode, size, per_gpu, 1, g, run(config, ids, o.warmup, o.steps)};
             if (g > 1) with_exposed(w, ids);
             if (g == 1) one = w.r.images_per_s;
             w.scaling = w.r.images_per_s / (one * g);
@@ -471,10 +494,11 @@ int main(int argc, char** argv) {
   app.add_option("--size", o.sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")
       ->capture_default_str();
   app.add_option("--precision", o.precisions,
-                 "fp32 and/or bf16 (bf16 operands on tensor cores, sm_90; tf32 trains no "
-                 "convolution yet)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+                 "fp32, tf32 and/or bf16 (tf32 and bf16: products on tensor cores, sm_90; on the "
+                 "CPU fp32 and bf16 only)")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16"}))
       ->capture_default_str();
+  app.add_flag("--bn", o.bn, "VGG with BatchNorm2d after every convolution (VGG-16-BN)");
   auto* graphs = app.add_option("--graphs", o.graph_modes,
                                 "on and/or off: steps replayed from a CUDA graph, or launched "
                                 "kernel by kernel (off only with several processes or the CPU)")

@@ -5,8 +5,10 @@
 #   scripts/gpu-check.sh                 # build + all tests
 #   scripts/gpu-check.sh --bench         # and the kernel benchmarks
 #   scripts/gpu-check.sh --train         # and VGG-16 training img/s (bf16, 1 GPU) against PyTorch's
-#                                        # bf16 channels_last in the same run, and cudp-vgg on
-#                                        # Fashion-MNIST in bf16 (.data/fashion-mnist or the system's)
+#                                        # bf16 channels_last in the same run, cudp's tf32 and its
+#                                        # VGG-16-BN (bf16, 32², batch 256: the Fashion-MNIST
+#                                        # step), and cudp-vgg on Fashion-MNIST in bf16
+#                                        # (.data/fashion-mnist or the system's)
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
 set -uo pipefail
@@ -57,6 +59,12 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
     timeout 150 build/bench/bench_train --precision bf16 --gpus 1 --size 224 32 \
       --json "$out/train.json" > "$out/train.md" 2>&1
     step "bench_train bf16" "rc=$?"
+    timeout 90 build/bench/bench_train --precision tf32 --gpus 1 --size 224 32 \
+      --json "$out/train_tf32.json" > "$out/train_tf32.md" 2>&1
+    step "bench_train tf32" "rc=$?"
+    timeout 60 build/bench/bench_train --precision bf16 --bn --gpus 1 --size 32 \
+      --batch-per-gpu 256 --json "$out/train_bn.json" > "$out/train_bn.md" 2>&1
+    step "bench_train bf16 --bn 32²" "rc=$?"
     timeout 150 python3 bench/pytorch_train.py --modes single --gpus 1 --precision bf16 \
       --channels-last --json "$out/pytorch.json" > "$out/pytorch.md" 2>&1
     step "pytorch_train bf16 NHWC" "rc=$?"
@@ -84,7 +92,9 @@ cat "$out/devices.txt" 2>/dev/null | head -12
 echo "--- CUDA_VISIBLE_DEVICES=1 ---"; cat "$out/devices-visible1.txt" 2>/dev/null | head -6
 for line in "${summary[@]}"; do echo "$line"; done
 if [[ $train == 1 ]]; then
-  for f in "$out/train.md" "$out/pytorch.md"; do [[ -f $f ]] && grep '^|' "$f"; done
+  for f in "$out/train.md" "$out/train_tf32.md" "$out/train_bn.md" "$out/pytorch.md"; do
+    [[ -f $f ]] && grep '^|' "$f"
+  done
   tail -4 "$out/fmnist.log" 2>/dev/null
 fi
 if [[ $bench == 1 ]]; then
