@@ -385,11 +385,23 @@ struct KMajorCopy {
 // dst[(ri * s + si) * c + ci][j] = src[n][hh * stride_h + ri - off_h][ww * stride_w + si -
 // off_w][ci] for j = (n * grid_h + hh) * grid_w + ww, 0 outside src and in the padded rows and
 // columns. 32 x 32 tiles through shared memory: the reads run along src's channels, the writes
-// along the grid.
+// along the grid. The tile's 32 grid positions are decomposed once (32-bit: the caller keeps ld
+// below 2^31), not per element: a division per element made this copy slower than the product it
+// feeds.
 __global__ void k_major_copy_kernel(const KMajorCopy a) {
   __shared__ float tile[32][33];
-  const int64_t j0 = int64_t(blockIdx.x) * 32;
+  __shared__ int img_of[32], hh_of[32], ww_of[32];
+  const int j0 = blockIdx.x * 32;
   const int row0 = blockIdx.y * 32;
+  if (threadIdx.y == 0) {
+    const int plane = a.grid_h * a.grid_w;
+    const int j = j0 + threadIdx.x;
+    const int img = j / plane;
+    const int rest = j - img * plane;
+    img_of[threadIdx.x] = img;
+    hh_of[threadIdx.x] = rest / a.grid_w;
+    ww_of[threadIdx.x] = rest - (rest / a.grid_w) * a.grid_w;
+  }
   const int row = row0 + threadIdx.x;
   int ri = 0, si = 0, ci = 0;
   const bool row_in = row < a.r * a.s * a.c;
@@ -399,15 +411,12 @@ __global__ void k_major_copy_kernel(const KMajorCopy a) {
     ri = rs / a.s;
     si = rs - ri * a.s;
   }
-  const int64_t plane = int64_t(a.grid_h) * a.grid_w;
+  __syncthreads();
   for (int i = threadIdx.y; i < 32; i += blockDim.y) {
-    const int64_t j = j0 + i;
     float v = 0.f;
-    const int img = static_cast<int>(j / plane);
+    const int img = img_of[i];
     if (row_in && img < a.n) {
-      const int rest = static_cast<int>(j - img * plane);
-      const int hh = rest / a.grid_w, ww = rest - hh * a.grid_w;
-      const int h = hh * a.stride_h + ri - a.off_h, w = ww * a.stride_w + si - a.off_w;
+      const int h = hh_of[i] * a.stride_h + ri - a.off_h, w = ww_of[i] * a.stride_w + si - a.off_w;
       if (unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w)) {
         v = a.src[((int64_t(img) * a.h + h) * a.w + w) * a.c + ci];
       }
@@ -416,7 +425,7 @@ __global__ void k_major_copy_kernel(const KMajorCopy a) {
   }
   __syncthreads();
   for (int i = threadIdx.y; i < 32; i += blockDim.y) {
-    const int64_t j = j0 + threadIdx.x;
+    const int j = j0 + threadIdx.x;
     if (row0 + i < a.rows && j < a.ld) a.dst[int64_t(row0 + i) * a.ld + j] = tile[i][threadIdx.x];
   }
 }

@@ -54,6 +54,10 @@ struct MainloopParams {
   EpilogueArgs epilogue;
   float* workspace;
   PatchTiles patch;  // kConvTma: how a tile of 128 rows maps to output pixels
+  // Work items in split-major order: the blocks running at one time take the same k-range of
+  // different tiles, so the operand they share (dy^T for backward-weight) is read from memory once
+  // per k-range, not once per tile.
+  int split_major;
 };
 
 
@@ -196,8 +200,9 @@ struct WorkItem {
 };
 
 __device__ __forceinline__ WorkItem work_item(const MainloopParams& p, int index) {
-  const int tile = index / p.splits;
-  const int split = index - tile * p.splits;
+  const int tiles = p.tiles_m * p.tiles_n;
+  const int tile = p.split_major ? index % tiles : index / p.splits;
+  const int split = p.split_major ? index / tiles : index - tile * p.splits;
   const int per_group = kGroupM * p.tiles_n;
   const int group = tile / per_group;
   const int first_m = group * kGroupM;
@@ -841,6 +846,7 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
   p.patch = mode == kConvTma || wgrad_tma || shifted ? *patch : PatchTiles{};
+  p.split_major = shifted;
   if (mode == kConvTma) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
