@@ -3,11 +3,14 @@
 # timed step (after one warm-up step) and prints the kernels grouped by name with their total time,
 # launch count and share, largest first. ncu serialises kernels and (with --clock-control none)
 # keeps the GPU's own clocks, so the sum is the kernel time of a step without overlap.
-#   scripts/step-profile.sh [size] [precision]        e.g. scripts/step-profile.sh 224 bf16
+#   scripts/step-profile.sh [size] [precision] [bench_train flags...]
+#     e.g. scripts/step-profile.sh 224 bf16;  scripts/step-profile.sh 32 bf16 --bn
 set -uo pipefail
 cd "$(dirname "$0")/.."
 size=${1:-224}
 precision=${2:-bf16}
+shift $(( $# < 2 ? $# : 2 ))
+extra=("$@")
 out=${OUT:-$PWD/out}; mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH
 [[ -f build/build.ninja ]] || cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
@@ -18,7 +21,7 @@ ncu --clock-control none --nvtx --nvtx-include "training step/" --nvtx-include "
   --nvtx-include "VGG backward/" \
   --metrics gpu__time_duration.sum --csv --print-units base \
   build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off \
-  --warmup 1 --steps 1 \
+  --warmup 1 --steps 1 "${extra[@]}" \
   > "$csv" 2> "$out/profile-ncu.log"
 python3 - "$csv" <<'PY'
 import csv, sys, collections, re
