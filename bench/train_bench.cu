@@ -30,9 +30,8 @@
 // --gpus none: the CPU, for tests on machines without a GPU: one process (the model as it is, no
 // wrapper), or N processes under a launcher with MPI moving the gradients (mpi_host_group); graphs
 // off, no peak memory; "gpus": 0 in the JSON. --batch-per-gpu sets the batch of each GPU (of each
-// process on the CPU), 256 at 32^2 and 64 at 224^2 by default. The CPU runs fp32 and bf16 (whose
-// operand rounding the layers emulate there) but refuses tf32: TF32's rounding happens inside the
-// tensor cores and is not emulated, so a CPU "tf32" row would time fp32 products under tf32's name.
+// process on the CPU), 256 at 32^2 and 64 at 224^2 by default. The CPU runs every precision: the
+// layers emulate there bf16's operand rounding and TF32's truncation (layers/precision.h).
 //
 // Exposed communication (--exposed-comm on, the default): each multi-GPU configuration is timed a
 // second time with the gradient all-reduce switched off (set_gradient_sync(false) of DataParallel
@@ -394,14 +393,6 @@ int bench(Options o) {
     }
     if (max_gpus == 0 || max_gpus > visible) max_gpus = visible;
   }
-  // TF32 is a tensor-core rounding that the CPU does not emulate (layers/precision.h): a CPU row
-  // would time fp32 products named tf32.
-  if (cpu && std::find(o.precisions.begin(), o.precisions.end(), "tf32") != o.precisions.end()) {
-    throw UsageError(
-        "--precision tf32 with --gpus none: TF32 rounds inside an sm_90 GPU's tensor cores and "
-        "the CPU does not emulate it (its products would be fp32); measure tf32 on a GPU, or give "
-        "--precision fp32 or bf16 with --gpus none");
-  }
   // CUDA graphs need a GPU, and do not capture a DistributedDataParallel step yet.
   if (cpu || ranks) {
     const bool asked = o.graphs_given && std::find(o.graph_modes.begin(), o.graph_modes.end(),
@@ -495,7 +486,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--precision", o.precisions,
                  "fp32, tf32 and/or bf16 (tf32 and bf16: products on tensor cores, sm_90; on the "
-                 "CPU fp32 and bf16 only)")
+                 "CPU their operand rounding is emulated)")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16"}))
       ->capture_default_str();
   app.add_flag("--bn", o.bn, "VGG with BatchNorm2d after every convolution (VGG-16-BN)");

@@ -1,5 +1,5 @@
 // CPU references of layout.h: each conversion written with its own index formula (not through the
-// batched-transpose view the CUDA side uses), and bf16 rounding on the bits.
+// batched-transpose view the CUDA side uses), and bf16 rounding and TF32 truncation on the bits.
 #include <cstring>
 
 #include "engine/core/error.h"
@@ -33,6 +33,15 @@ uint16_t f32_to_bf16_bits(float x) {
   // exponent is the right answer (up to inf for the largest finite values).
   const uint32_t odd = (u >> 16) & 1u;
   return static_cast<uint16_t>((u + 0x7FFFu + odd) >> 16);
+}
+
+uint32_t f32_to_tf32_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    return (u & 0xFFFFE000u) | 0x00400000u;  // NaN: sign and high payload kept, quiet
+  }
+  return u & 0xFFFFE000u;  // 1 sign + 8 exponent + 10 mantissa bits
 }
 
 }  // namespace detail
@@ -103,6 +112,14 @@ void bf16_to_f32_cpu(const __nv_bfloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const __nv_bfloat16_raw raw = src[i];
     const uint32_t u = static_cast<uint32_t>(raw.x) << 16;
+    std::memcpy(&dst[i], &u, sizeof u);
+  }
+}
+
+void f32_to_tf32_cpu(const float* src, float* dst, int64_t n) {
+  detail::check_elementwise("f32_to_tf32_cpu", n, {src, dst});
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = detail::f32_to_tf32_bits(src[i]);
     std::memcpy(&dst[i], &u, sizeof u);
   }
 }

@@ -73,7 +73,13 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   const float* w = weight_->data.data<float>();
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   float* out = y.data<float>();
-  run([&] { kernels::conv2d_forward_cpu(s, x, w, b, out, /*relu=*/false); },
+  // The CPU path sees the operands as the policy's products do (tf32: truncated, OperandView).
+  run(
+      [&] {
+        const OperandView xr(x, input.numel(), precision_),
+            wr(w, weight_->data.numel(), precision_);
+        kernels::conv2d_forward_cpu(s, xr.get(), wr.get(), b, out, /*relu=*/false);
+      },
       [&](cudaStream_t stream) {
         kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
       });
@@ -99,14 +105,19 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   float* out = input_grad_ ? dx.data<float>() : nullptr;
   const int64_t rows = s.y_size() / s.k;
   // fp32 and tf32. On the GPU math() picks the SIMT kernels (fp32) or the tensor cores (tf32: fp32
-  // operands rounded to TF32 by the MMA, fp32 accumulation) for both products; the bias gradient
-  // is a reduction of dy, fp32 under either. The CPU path computes both policies with the fp32
-  // operands (TF32's rounding is not emulated, layers/precision.h): under tf32 it gives fp32's
-  // results, as its forward does.
+  // operands truncated to TF32 by the MMA, fp32 accumulation) for both products; the bias gradient
+  // is a reduction of dy, fp32 under either. The CPU path runs the fp32 references on the operands
+  // as the products see them (OperandView: truncated under tf32, layers/precision.h); the bias
+  // gradient takes dy as it is.
   run(
       [&] {
-        if (out) kernels::conv2d_backward_data_cpu(s, dy, w, out);
-        kernels::conv2d_backward_weight_cpu(s, x, dy, dw, /*beta=*/1.0f);
+        const OperandView dyr(dy, grad_output.numel(), precision_);
+        if (out) {
+          const OperandView wr(w, weight_->data.numel(), precision_);
+          kernels::conv2d_backward_data_cpu(s, dyr.get(), wr.get(), out);
+        }
+        const OperandView xr(x, input_.numel(), precision_);
+        kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
         if (db) kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
       },
       [&](cudaStream_t stream) {

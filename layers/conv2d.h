@@ -13,8 +13,9 @@
 // applied to the fp32 accumulator before the one rounding), takes a bf16 output gradient, returns
 // the input gradient in the input's dtype and accumulates fp32 weight gradients. Under bf16 the
 // CPU path rounds the operands and the output as the GPU does, so it stays the GPU's reference;
-// under tf32 it computes with the fp32 operands, fp32's results. On the tensor cores (tf32, bf16)
-// backward-data takes stride 1 only (kernels/conv2d.h): a strided layer's input gradient throws.
+// under tf32 it truncates each product's operands to TF32 as the tensor cores read them, then
+// computes in fp32. On the tensor cores (tf32, bf16) backward-data takes stride 1 only
+// (kernels/conv2d.h): a strided layer's input gradient throws.
 //
 // Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its
 // input for the weight gradient. Parameters are initialised as torchvision's VGG does

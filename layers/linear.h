@@ -36,8 +36,8 @@ class Linear : public Module {
   Parameter& bias();                        // [out]; throws when built without a bias
 
   // The GEMM math of the products, from the precision policy (Module::set_precision): fp32, TF32
-  // or bf16 operands with fp32 accumulation (layers/precision.h); the CPU path rounds bf16
-  // operands as the GPU does.
+  // or bf16 operands with fp32 accumulation (layers/precision.h); the CPU path rounds bf16 and
+  // TF32 operands as the GPU does.
   kernels::Math math() const { return precision_math(precision_); }
 
  protected:

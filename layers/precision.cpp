@@ -39,10 +39,14 @@ kernels::Math precision_math(Precision precision) {
 }
 
 OperandView::OperandView(const float* data, int64_t n, Precision precision) : data_(data) {
-  if (precision != Precision::bf16 || n == 0) return;
+  if (precision == Precision::fp32 || n == 0) return;
+  rounded_.resize(static_cast<size_t>(n));
+  if (precision == Precision::tf32) {
+    kernels::f32_to_tf32_cpu(data, rounded_.data(), n);
+    return;
+  }
   std::vector<__nv_bfloat16> bf16(static_cast<size_t>(n));
   kernels::f32_to_bf16_cpu(data, bf16.data(), n);
-  rounded_.resize(static_cast<size_t>(n));
   kernels::bf16_to_f32_cpu(bf16.data(), rounded_.data(), n);
 }
 

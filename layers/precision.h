@@ -17,10 +17,10 @@
 //
 // tf32 and bf16 need an sm_90 GPU (kernels/matmul.h); on another GPU their first product throws
 // ValueError saying so (no silent fallback to fp32). On the CPU, layers emulate the policy's
-// operand rounding (operand_view below) so that the CPU path is the GPU path's reference: bf16
-// operands are rounded exactly as the GPU rounds them; TF32's rounding happens inside the tensor
-// core and is not emulated (the CPU computes with the fp32 operands): under tf32 the CPU path,
-// forward and backward, gives fp32's results bit for bit.
+// operand rounding (OperandView below) so that the CPU path is the GPU path's reference: bf16
+// operands are rounded to nearest even, as the GPU's conversion does; tf32 operands are truncated
+// to TF32 (10 mantissa bits, kernels/layout.h: the tensor core reads only the top 19 bits of the
+// fp32 operands it is given), then the fp32 CPU references run, accumulation and all else as fp32.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +42,8 @@ Precision parse_precision(const std::string& name);
 kernels::Math precision_math(Precision precision);
 
 // An fp32 operand as the policy's products see it, for the CPU path: under bf16 a rounded copy
-// (round to nearest even, what the GPU's conversion does), otherwise the data itself.
+// (round to nearest even, what the GPU's conversion does), under tf32 a truncated copy (what the
+// tensor core reads of an fp32 operand), under fp32 the data itself.
 class OperandView {
  public:
   OperandView(const float* data, int64_t n, Precision precision);

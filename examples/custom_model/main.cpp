@@ -215,7 +215,8 @@ int run(const Options& o) {
                            .seed = o.seed});
   // bf16: every convolution and linear product on bf16 tensor cores (fp32 accumulation, fp32
   // weights); on the CPU the operands are rounded the same way (layers/precision.h). tf32: the
-  // same products on TF32 tensor cores with fp32 tensors; on the CPU they are computed in fp32.
+  // same products on TF32 tensor cores with fp32 tensors; on the CPU their operands are truncated
+  // to TF32 and the products computed in fp32.
   net->set_precision(parse_precision(o.precision));
   net->to(device);
   // (Conv2d keeps its weights as [out, kh, kw, in] for the NHWC kernels; state_dict() and the

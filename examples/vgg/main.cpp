@@ -922,12 +922,12 @@ int run(Options o) {
     where = "GPUs ";
     for (size_t i = 0; i < gpus.size(); ++i) where += (i ? "," : "") + std::to_string(gpus[i]);
   }
-  // On the CPU bf16's operand rounding is emulated; TF32's is not (layers/precision.h), so a tf32
-  // run there computes, and trains, exactly as fp32.
+  // On the CPU the layers emulate the policy's operand rounding: bf16's rounding to nearest even,
+  // TF32's truncation (layers/precision.h).
   const char* cpu_note = "";
   if (gpus.empty() && precision == Precision::bf16) cpu_note = " (emulated on the CPU)";
   if (gpus.empty() && precision == Precision::tf32) {
-    cpu_note = " (computed in fp32 on the CPU: TF32's rounding is not emulated)";
+    cpu_note = " (emulated on the CPU: operands truncated to TF32, fp32 arithmetic)";
   }
   std::printf("model: %s%s (%s head, %lldx%lld input), %lld parameters, %s products%s, on %s\n",
               o.arch.c_str(), o.bn ? "-bn" : "", o.head.c_str(),

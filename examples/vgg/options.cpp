@@ -197,8 +197,8 @@ const std::vector<Setting>& settings() {
     add("--precision", "precision", false,
         "how the convolutions and linear layers compute: fp32, bf16 (bf16 operands on tensor "
         "cores, fp32 accumulation and master weights) or tf32 (fp32 tensors, TF32 operands on "
-        "tensor cores, fp32 accumulation); bf16 and tf32 need an sm_90 GPU (on the CPU bf16 is "
-        "emulated, tf32 computes as fp32)",
+        "tensor cores, fp32 accumulation); bf16 and tf32 need an sm_90 GPU (on the CPU both are "
+        "emulated)",
         &Options::precision, choice(&Options::precision, {"fp32", "tf32", "bf16"}));
     add("--seed", "seed", true, "seed of weights, data order and dropout, 0 to 2^64-1",
         &Options::seed, [](Options& o, const std::string& v) -> std::string {

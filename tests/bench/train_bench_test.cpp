@@ -1,7 +1,7 @@
-// bench_train as one process on the CPU (--gpus none), with and without --bn, and the usage
-// errors a command line without a GPU or a launcher meets (--precision tf32 among them). The
-// figures are checked against what they must be whatever the speed: the global batch they imply
-// (run_bench_train.h), one row per configuration, "processes": 1, BatchNorm's parameter count.
+// bench_train as one process on the CPU (--gpus none), with and without --bn and in tf32, and the
+// usage errors a command line without a GPU or a launcher meets. The figures are checked against
+// what they must be whatever the speed: the global batch they imply (run_bench_train.h), one row
+// per configuration, "processes": 1, BatchNorm's parameter count.
 #include "bench/run_bench_train.h"
 
 namespace {
@@ -58,22 +58,21 @@ TEST(BenchTrain, BatchNormOnTheCpu) {
   EXPECT_EQ(count_of(plain.output, "| vgg11-bn |"), 0u) << plain.output;
 }
 
-// tf32 is a precision bench_train takes (CLI11 refuses a value outside --precision's list with
-// exit 105), but not on the CPU, which does not emulate TF32's rounding: a usage error (exit 2)
-// before any configuration runs, also when fp32 is asked for beside it.
-TEST(BenchTrain, Tf32OnTheCpuIsAUsageError) {
+// tf32 on the CPU: the layers truncate its operands there (layers/precision.h), so it is measured
+// like the other precisions, a row of its own after fp32's.
+TEST(BenchTrain, Tf32OnTheCpu) {
   CUDP_REQUIRE_BENCH_TRAIN();
   TempDir dir;
-  for (const std::string precision : {"tf32", "fp32 tf32"}) {
-    const RunResult r = run_program(dir, kBenchTrain,
-                                    "--gpus none --arch vgg11 --size 32 --batch-per-gpu 4 "
-                                    "--steps 1 --warmup 0 --precision " +
-                                        precision + " --json '" + (dir / "t.json") + "'");
-    EXPECT_EQ(r.code, 2) << r.output;
-    EXPECT_TRUE(contains(r.output, "--precision tf32 with --gpus none")) << r.output;
-    EXPECT_TRUE(contains(r.output, "measure tf32 on a GPU")) << r.output;
-    EXPECT_EQ(count_of(r.output, "| vgg11 |"), 0u) << r.output;  // nothing measured
-  }
+  const RunResult r = run_program(dir, kBenchTrain,
+                                  kTinyCpu + "--precision tf32 --json '" + (dir / "t.json") + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto rows = json_lines(dir / "t.json");
+  ASSERT_EQ(rows.size(), 2u) << r.output;  // fp32 (kTinyCpu's), then tf32
+  EXPECT_EQ(rows[0].at("cudp_precision"), "fp32") << rows[0].dump();
+  EXPECT_EQ(rows[1].at("cudp_precision"), "tf32") << rows[1].dump();
+  EXPECT_EQ(rows[1].at("gpus"), 0);
+  expect_global_batch(rows[1], 4);
+  EXPECT_EQ(count_of(r.output, "| vgg11 | tf32 | off | 32 | 4 | 1 | 0 (CPU) |"), 1u) << r.output;
 }
 
 TEST(BenchTrain, ProcessesWithoutALauncherSaysHowToLaunch) {

@@ -10,8 +10,8 @@
 //   - an exact resume on the CPU: 2 epochs straight and 1 + 1 give the same checksum (the GPU test
 //     does the same at a larger scale on 1 and 2 GPUs);
 //   - the torchvision head at --image-size 64 trains a step, with torchvision's parameter count;
-//   - precision policies: bf16 emulated on the CPU trains and is remembered by the checkpoint;
-//     tf32 trains on the CPU as fp32 (TF32's rounding is not emulated) and is remembered too;
+//   - precision policies: bf16 and tf32, emulated on the CPU, train weights of their own,
+//     reproducibly, and are remembered by the checkpoint;
 //   - refusals: CLI11 usage errors (exit 2), an invalid --gpus
 //     id (the message names the valid range, or says no GPU is visible), --eval-only without
 //     --resume, a resume with another --seed or --batch-size;
@@ -160,10 +160,10 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
   EXPECT_TRUE(contains(r.output, "first 16 of 2000 test images")) << r.output;
 }
 
-// --precision bf16 on the CPU emulates the GPU's operand rounding (layers/precision.h): it trains,
-// says so, gives other weights than fp32, and the checkpoint remembers it. tf32's rounding happens
-// inside the tensor cores and is not emulated: on the CPU it trains, says that it computes in
-// fp32, gives fp32's weights bit for bit, and the checkpoint remembers it.
+// --precision bf16 and tf32 on the CPU emulate the GPU's operand rounding (layers/precision.h:
+// bf16's rounding to nearest even, TF32's truncation): each trains, says so, gives other weights
+// than fp32 and than each other, and the checkpoint remembers it; a second tf32 run gives its
+// weights bit for bit.
 TEST(VggTrainer, PrecisionPolicies) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
@@ -188,10 +188,15 @@ TEST(VggTrainer, PrecisionPolicies) {
       run_on_cpu(dir, run + "--precision tf32 --checkpoint '" + (dir / "tf32.safetensors") + "'");
   ASSERT_EQ(tf32.code, 0) << tf32.output;
   EXPECT_TRUE(contains(tf32.output,
-                       "tf32 products (computed in fp32 on the CPU: TF32's rounding "
-                       "is not emulated)"))
+                       "tf32 products (emulated on the CPU: operands truncated to TF32, fp32 "
+                       "arithmetic)"))
       << tf32.output;
-  EXPECT_EQ(checksum_of(tf32), checksum_of(fp32)) << "tf32 on the CPU did not train as fp32";
+  EXPECT_NE(checksum_of(tf32), "");
+  EXPECT_NE(checksum_of(tf32), checksum_of(fp32)) << "tf32 trained the same weights as fp32";
+  EXPECT_NE(checksum_of(tf32), checksum_of(bf16)) << "tf32 trained the same weights as bf16";
+  const RunResult tf32_again = run_on_cpu(dir, run + "--precision tf32");
+  ASSERT_EQ(tf32_again.code, 0) << tf32_again.output;
+  EXPECT_EQ(checksum_of(tf32_again), checksum_of(tf32)) << tf32_again.output;
   EXPECT_EQ(cudp::load_checkpoint_metadata(dir / "tf32.safetensors").at("precision"), "tf32");
   const RunResult tf32_eval =
       run_on_cpu(dir, "--eval-only --print-checksum --resume '" + (dir / "tf32.safetensors") + "'");

@@ -1,7 +1,9 @@
-// Host tests of the layout and bf16 CPU references (kernels/layout.h): hand-checked indices, round
-// trips, bf16 rounding of known values and against CUDA's own host-side conversion, errors.
+// Host tests of the layout, bf16 and TF32 CPU references (kernels/layout.h): hand-checked indices,
+// round trips, bf16 rounding of known values and against CUDA's own host-side conversion, TF32
+// truncation of known values and against a frexp-based bound, errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -177,6 +179,92 @@ TEST(Bf16, WidensExactlyAllPatterns) {
       ASSERT_EQ(bits_of(back[b]), b) << "bf16 0x" << std::hex << b;
     }
   }
+}
+
+// TF32 truncation toward zero: the low 13 mantissa bits cleared. The halfway and just-below cases
+// are where rounding to nearest would differ (it would go up); the largest float stays finite.
+TEST(Tf32, TruncatesKnownValues) {
+  struct Case {
+    uint32_t f32, tf32;
+    const char* what;
+  };
+  const Case cases[] = {
+      {0x3F800000u, 0x3F800000u, "1.0: exact"},
+      {0xBF800000u, 0xBF800000u, "-1.0: exact"},
+      {0x00000000u, 0x00000000u, "+0"},
+      {0x80000000u, 0x80000000u, "-0"},
+      {0x3F802000u, 0x3F802000u, "1 + 2^-10: exact"},
+      {0x3F801000u, 0x3F800000u, "1 + 2^-11: halfway, even kept part: down"},
+      {0x3F803000u, 0x3F802000u, "1 + 3*2^-11: halfway, odd kept part: down (nearest-even: up)"},
+      {0x3F803FFFu, 0x3F802000u, "just below 1 + 2^-9: down (nearest: up)"},
+      {0x3F801FFFu, 0x3F800000u, "just below 1 + 2^-10: down"},
+      {0xBF803FFFu, 0xBF802000u, "negative: toward zero, the magnitude truncated"},
+      {0xBF801000u, 0xBF800000u, "negative halfway: toward zero"},
+      {0x3EAAAAABu, 0x3EAAA000u, "1/3"},
+      {0x7F7FFFFFu, 0x7F7FE000u, "the largest float stays finite"},
+      {0x00800000u, 0x00800000u, "the smallest normal: exact"},
+      {0x007FFFFFu, 0x007FE000u, "the largest subnormal: truncated, not flushed"},
+      {0x00003FFFu, 0x00002000u, "a small subnormal: truncated"},
+      {0x00001FFFu, 0x00000000u, "below TF32's smallest subnormal: +0"},
+      {0x80001FFFu, 0x80000000u, "negative, below the smallest subnormal: -0"},
+      {0x7F800000u, 0x7F800000u, "inf"},
+      {0xFF800000u, 0xFF800000u, "-inf"},
+      {0x7FC00000u, 0x7FC00000u, "quiet NaN"},
+      {0xFFC00001u, 0xFFC00000u, "negative quiet NaN: sign kept"},
+      {0x7F800001u, 0x7FC00000u, "NaN whose payload is only in the cleared bits: not inf"},
+      {0xFF801000u, 0xFFC00000u, "negative such NaN: not -inf"},
+      {0x7FBFFFFFu, 0x7FFFE000u, "signalling NaN: quietened, high payload kept"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(detail::f32_to_tf32_bits(from_bits(c.f32)), c.tf32)
+        << std::hex << c.what << ": 0x" << c.f32;
+    const float in = from_bits(c.f32);
+    float out = testing::kPoison;
+    f32_to_tf32_cpu(&in, &out, 1);
+    uint32_t got;
+    std::memcpy(&got, &out, sizeof got);
+    EXPECT_EQ(got, c.tf32) << std::hex << c.what << ": 0x" << c.f32;
+  }
+}
+
+// Against the definition, computed with frexp instead of masks, on every 251st bit pattern: the
+// result has TF32's form (low 13 bits zero), the sign of x, is no further from zero than x, and is
+// less than one TF32 unit (2^(e-10) for x in [2^e, 2^(e+1)); 2^-136 below the normals) below it.
+TEST(Tf32, TruncatesTowardZeroWithinOneUnit) {
+  int64_t checked = 0, bad = 0;
+  for (uint64_t u = 0; u <= 0xFFFFFFFFu; u += 251) {
+    const float x = from_bits(static_cast<uint32_t>(u));
+    const uint32_t bits = detail::f32_to_tf32_bits(x);
+    const float t = from_bits(bits);
+    bool ok;
+    if (std::isnan(x)) {
+      ok = std::isnan(t) && std::signbit(t) == std::signbit(x);
+    } else if (std::isinf(x)) {
+      ok = t == x;
+    } else {
+      int e;
+      std::frexp(x, &e);  // |x| in [2^(e-1), 2^e)
+      const double unit = std::ldexp(1.0, std::max(e - 11, -136));
+      const double gap = std::fabs(double(x)) - std::fabs(double(t));
+      ok = (bits & 0x1FFFu) == 0 && std::signbit(t) == std::signbit(x) && gap >= 0 && gap < unit;
+    }
+    if (!ok && bad++ < 5) {
+      ADD_FAILURE() << std::hex << "f32 0x" << u << " -> 0x" << bits;
+    }
+    ++checked;
+  }
+  EXPECT_EQ(bad, 0) << "of " << checked;
+}
+
+TEST(Tf32, InPlaceAndBadArguments) {
+  std::vector<float> v = {1.0f + std::ldexp(1.0f, -12), -3.0f, 0.1f};
+  f32_to_tf32_cpu(v.data(), v.data(), 3);
+  EXPECT_EQ(v[0], 1.0f);
+  EXPECT_EQ(v[1], -3.0f);
+  EXPECT_EQ(v[2], from_bits(0x3DCCC000u));  // 0.1 = 0x3DCCCCCD
+  f32_to_tf32_cpu(nullptr, nullptr, 0);
+  EXPECT_THROW(f32_to_tf32_cpu(nullptr, v.data(), 3), ValueError);
+  EXPECT_THROW(f32_to_tf32_cpu(v.data(), v.data(), -1), ValueError);
 }
 
 }  // namespace

@@ -169,7 +169,7 @@ TEST_F(Checkpoint, AWritersFailedSaveIsRethrownOnce) {
 }
 
 // Real training steps (forward, loss, backward, SGD) resumed from a checkpoint: K + K steps are the
-// 2K straight bit for bit, under fp32 and under bf16, whose storage the CPU path emulates
+// 2K straight bit for bit, under fp32, bf16 and tf32, whose operand rounding the CPU path emulates
 // (tests/layers/resume_testing.h). The GPU twin is in checkpoint_gpu_test.
 TEST(CheckpointResume, Fp32TrainingResumesBitExactlyOnTheCpu) {
   testing::expect_exact_resume(Device::cpu(), Precision::fp32, 3);
@@ -178,6 +178,11 @@ TEST(CheckpointResume, Fp32TrainingResumesBitExactlyOnTheCpu) {
 TEST(CheckpointResume, Bf16TrainingResumesBitExactlyOnTheCpu) {
   testing::expect_precision_changes_training(Device::cpu(), Precision::bf16, 3);
   testing::expect_exact_resume(Device::cpu(), Precision::bf16, 3);
+}
+
+TEST(CheckpointResume, Tf32TrainingResumesBitExactlyOnTheCpu) {
+  testing::expect_precision_changes_training(Device::cpu(), Precision::tf32, 3);
+  testing::expect_exact_resume(Device::cpu(), Precision::tf32, 3);
 }
 
 TEST_F(Checkpoint, ResumesAdamWAndTheModelAlone) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "common/bf16.h"
+#include "common/tf32.h"
 #include "engine/core/error.h"
 #include "layers/conv2d.h"
 #include "tests/layers/layer_testing.h"
@@ -142,27 +143,39 @@ TEST(Conv2dTest, Bf16PolicyRoundsTheOperandsAndTheOutputOnTheCpu) {
   EXPECT_THROW_WITH(conv.backward(g), "a gradient has its value's dtype");
 }
 
-// Under tf32 the GPU rounds the operands inside the tensor core, which the CPU path does not
-// emulate (layers/precision.h): on the CPU the tf32 policy trains, forward and backward, with the
-// fp32 references, so it gives fp32's output and gradients bit for bit (the GPU tests compare the
-// tensor cores with fp32 within TF32's precision).
-TEST(Conv2dTest, Tf32PolicyTrainsWithTheFp32ReferencesOnTheCpu) {
-  Conv2d tf32(4, 6, 3, 1, 1, true), fp32(4, 6, 3, 1, 1, true);
-  testing::randomize_parameters(tf32, 24);
-  fp32.load_state_dict(tf32.state_dict());
-  tf32.set_precision(Precision::tf32);
+// Under tf32 the CPU path truncates each product's operands to TF32 as the tensor cores read them
+// (layers/precision.h) and computes in fp32. Checked against an fp32 layer run on truncated
+// tensors (its output from truncated x and w, dx from truncated dy and w, dW from truncated x and
+// dy) and against fp32 on the tensors as they are, which each product must differ from; the bias
+// gradient is a reduction of dy as it is, fp32's.
+TEST(Conv2dTest, Tf32PolicyTruncatesTheOperandsOfEveryProductOnTheCpu) {
+  Conv2d conv(4, 6, 3, 1, 1, true), fp32(4, 6, 3, 1, 1, true), reference(4, 6, 3, 1, 1, true);
+  testing::randomize_parameters(conv, 24);
+  fp32.load_state_dict(conv.state_dict());
+  auto truncated = [](const Tensor& t) {
+    std::vector<float> v = values(t);
+    for (float& f : v) f = testing::tf32_truncated(f);
+    return Tensor::from_vector(v, t.shape());
+  };
+  reference.weight().data.copy_from(truncated(conv.weight().data));
+  reference.bias().data.copy_from(conv.bias().data);
+  conv.set_precision(Precision::tf32);
   const Tensor x = random_tensor({2, 5, 5, 4}, 25), g = random_tensor({2, 5, 5, 6}, 26);
-  const Tensor y = tf32.forward(x);
+  const Tensor y = conv.forward(x);
   EXPECT_EQ(y.dtype(), DType::f32);
-  EXPECT_EQ(values(y), values(fp32.forward(x)));
-  tf32.zero_grad();
+  EXPECT_EQ(values(y), values(reference.forward(truncated(x))));
+  EXPECT_NE(values(y), values(fp32.forward(x)));
+  conv.zero_grad();
   fp32.zero_grad();
-  const Tensor dx = tf32.backward(g);
+  reference.zero_grad();
+  const Tensor dx = conv.backward(g);
   EXPECT_EQ(dx.dtype(), DType::f32);
-  EXPECT_EQ(values(dx), values(fp32.backward(g)));
-  EXPECT_EQ(values(tf32.weight().grad), values(fp32.weight().grad));
-  EXPECT_EQ(values(tf32.bias().grad), values(fp32.bias().grad));
-  EXPECT_NE(values(tf32.weight().grad), std::vector<float>(6 * 3 * 3 * 4, 0.0f));
+  EXPECT_EQ(values(dx), values(reference.backward(truncated(g))));
+  EXPECT_NE(values(dx), values(fp32.backward(g)));
+  EXPECT_EQ(values(conv.weight().grad), values(reference.weight().grad));
+  EXPECT_NE(values(conv.weight().grad), values(fp32.weight().grad));
+  EXPECT_EQ(values(conv.bias().grad), values(fp32.bias().grad));
+  EXPECT_NE(values(conv.bias().grad), values(reference.bias().grad));
 }
 
 TEST(Conv2dTest, InitIsKaimingFanOut) {

@@ -1,9 +1,11 @@
 // Linear on the CPU: forward against y = x W^T + b in double, finite-difference gradients (2-D and
-// 3-D inputs, with and without bias), PyTorch's [out, in] weight layout in state_dict, the init.
+// 3-D inputs, with and without bias), PyTorch's [out, in] weight layout in state_dict, the tf32
+// policy's operand truncation, the init.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
+#include "common/tf32.h"
 #include "layers/linear.h"
 #include "tests/layers/layer_testing.h"
 
@@ -50,6 +52,37 @@ TEST(LinearTest, RejectsAWrongInput) {
   Linear linear(4, 3);
   EXPECT_THROW_WITH(linear.forward(random_tensor({2, 5}, 1)),
                     "Linear: expected an f32 input [*, 4], got Tensor[2, 5]");
+}
+
+// Under tf32 the CPU path truncates each product's operands to TF32 as the tensor cores read them
+// (layers/precision.h) and computes in fp32: checked as Conv2d's test does, against an fp32 layer
+// run on truncated tensors and against fp32 on the tensors as they are.
+TEST(LinearTest, Tf32PolicyTruncatesTheOperandsOfEveryProductOnTheCpu) {
+  Linear linear(7, 5, true), fp32(7, 5, true), reference(7, 5, true);
+  testing::randomize_parameters(linear, 31);
+  fp32.load_state_dict(linear.state_dict());
+  auto truncated = [](const Tensor& t) {
+    std::vector<float> v = values(t);
+    for (float& f : v) f = testing::tf32_truncated(f);
+    return Tensor::from_vector(v, t.shape());
+  };
+  reference.weight().data.copy_from(truncated(linear.weight().data));
+  reference.bias().data.copy_from(linear.bias().data);
+  linear.set_precision(Precision::tf32);
+  const Tensor x = random_tensor({2, 3, 7}, 32), g = random_tensor({2, 3, 5}, 33);
+  const Tensor y = linear.forward(x);
+  EXPECT_EQ(values(y), values(reference.forward(truncated(x))));
+  EXPECT_NE(values(y), values(fp32.forward(x)));
+  linear.zero_grad();
+  fp32.zero_grad();
+  reference.zero_grad();
+  const Tensor dx = linear.backward(g);
+  EXPECT_EQ(values(dx), values(reference.backward(truncated(g))));
+  EXPECT_NE(values(dx), values(fp32.backward(g)));
+  EXPECT_EQ(values(linear.weight().grad), values(reference.weight().grad));
+  EXPECT_NE(values(linear.weight().grad), values(fp32.weight().grad));
+  EXPECT_EQ(values(linear.bias().grad), values(fp32.bias().grad));
+  EXPECT_NE(values(linear.bias().grad), values(reference.bias().grad));
 }
 
 TEST(LinearTest, InitIsNormalWithStd001) {
