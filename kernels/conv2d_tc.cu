@@ -347,11 +347,11 @@ __global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t 
   }
 }
 
-// ---- Backward-weight in TF32
-// --------------------------------------------------------------------- TF32 wgmma reads only
-// K-major operands, and backward-weight's reduction runs over output pixels, the rows of both NHWC
-// tensors (MN-major). So both go through K-major fp32 copies first, laid out on one pixel grid of n
-// x GH x GW positions (column j = (n * GH + hh) * GW + ww):
+// ---- Backward-weight in TF32 ----------------------------------------------------------------
+//
+// TF32 wgmma reads only K-major operands, and backward-weight's reduction runs over output pixels,
+// the rows of both NHWC tensors (MN-major). So both go through K-major fp32 copies first, laid out
+// on one pixel grid of n x GH x GW positions (column j = (n * GH + hh) * GW + ww):
 //   dy^T[k][j] = dy[n][hh][ww][k] where (hh, ww) is an output pixel, else 0;
 //   stride 1, C a multiple of 64 (every VGG layer but the first): the grid is the zero-padded
 //     input, GH = H + 2 pad_h, GW = W + 2 pad_w rounded up to a multiple of 4, and x^T holds S
@@ -382,12 +382,12 @@ struct KMajorCopy {
   float* dst;
 };
 
-// dst[(ri * s + si) * c + ci][j] = src[n][hh * stride_h + ri - off_h][ww * stride_w + si -
-// off_w][ci] for j = (n * grid_h + hh) * grid_w + ww, 0 outside src and in the padded rows and
-// columns. 32 x 32 tiles through shared memory: the reads run along src's channels, the writes
-// along the grid. The tile's 32 grid positions are decomposed once (32-bit: the caller keeps ld
-// below 2^31), not per element: a division per element made this copy slower than the product it
-// feeds.
+// dst[(ri * s + si) * c + ci][j] =
+//     src[n][hh * stride_h + ri - off_h][ww * stride_w + si - off_w][ci]
+// for j = (n * grid_h + hh) * grid_w + ww, 0 outside src and in the padded rows and columns. 32 x
+// 32 tiles through shared memory: the reads run along src's channels, the writes along the grid.
+// The tile's 32 grid positions are decomposed once (32-bit: the caller keeps ld below 2^31), not
+// per element: a division per element made this copy slower than the product it feeds.
 __global__ void k_major_copy_kernel(const KMajorCopy a) {
   __shared__ float tile[32][33];
   __shared__ int img_of[32], hh_of[32], ww_of[32];
