@@ -537,23 +537,11 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   p.c_type = DType::F32;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead.
+  // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead. dw
+  // itself (beta in the epilogue) when neither a transpose nor padded columns stand between.
   const bool transposed = s.k <= 64;
-  if (!transposed && columns == rsc) {  // dw itself, beta in the epilogue
-    p.m = s.k;
-    p.n = columns;
-    p.a = dyt.get();
-    p.lda = ld;
-    p.b = xt.get();
-    p.ldb = ld;
-    p.c = dw;
-    p.ldc = rsc;
-    p.beta = beta;
-    detail::run_mainloop(p, plan_matmul(p, device), nullptr, stream, detail::Feed::WgradShift,
-                         &taps);
-    return;
-  }
-  Workspace part(size_t(s.k) * size_t(columns) * sizeof(float), stream,
+  const bool direct = !transposed && columns == rsc;
+  Workspace part(direct ? 0 : size_t(s.k) * size_t(columns) * sizeof(float), stream,
                  "backward-weight's product before its layout pass (TF32)");
   p.m = transposed ? columns : s.k;
   p.n = transposed ? s.k : columns;
@@ -561,10 +549,12 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   p.lda = ld;
   p.b = transposed ? dyt.get() : xt.get();
   p.ldb = ld;
-  p.c = part.get();
+  p.c = direct ? static_cast<void*>(dw) : part.get();
   p.ldc = p.n;
+  p.beta = direct ? beta : 0.f;
   detail::run_mainloop(p, plan_matmul(p, device), nullptr, stream,
                        transposed ? detail::Feed::WgradShiftT : detail::Feed::WgradShift, &taps);
+  if (direct) return;
   const int64_t total = int64_t(s.k) * rsc;
   if (transposed) {  // part is columns x K; its first R*S*C rows are dw^T
     launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
