@@ -430,6 +430,63 @@ __global__ void k_major_copy_kernel(const KMajorCopy a) {
   }
 }
 
+// The copies of the stride-1 path, one read of src for all of them: dst[si * c + ci][j] =
+// v(ci, j + si) for si < copies, where v(ci, j) = src[n][hh - off_h][ww - off_w][ci] for
+// j = (n * grid_h + hh) * grid_w + ww (0 outside src, past the last image and in the padded rows).
+// A block stages 32 channels of 128 + copies - 1 grid positions in shared memory (each pixel's 32
+// channels one 128-byte read) and writes every copy's 32 rows of 128 positions from it, each warp
+// instruction 128 contiguous bytes. (k_major_copy_kernel read x once per copy, at about a third of
+// HBM bandwidth: bench/NOTES-tensor-cores.md.) Position j + si crossing into the next grid row is
+// a position whose dy^T is 0, so what it holds does not matter.
+constexpr int kCopyPositions = 128, kCopyChannels = 32, kCopyMaxCopies = 32;
+
+__global__ void __launch_bounds__(256) shifted_copies_kernel(const KMajorCopy a, int copies) {
+  __shared__ float tile[kCopyChannels][kCopyPositions + kCopyMaxCopies + 1];  // odd row stride
+  __shared__ int pixel_of[kCopyPositions + kCopyMaxCopies];
+  const int j0 = blockIdx.x * kCopyPositions;
+  const int c0 = blockIdx.y * kCopyChannels;
+  const int span = kCopyPositions + copies - 1;
+  const int tid = threadIdx.y * 32 + threadIdx.x;
+  const int plane = a.grid_h * a.grid_w;
+  for (int p = tid; p < span; p += 256) {
+    const int j = j0 + p;  // below 2^31: the caller checks ld + copies
+    const int img = j / plane;
+    const int rest = j - img * plane;
+    const int hh = rest / a.grid_w;
+    const int h = hh - a.off_h, w = rest - hh * a.grid_w - a.off_w;
+    const bool inside = img < a.n && unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w);
+    pixel_of[p] = inside ? (img * a.h + h) * a.w + w : -1;
+  }
+  __syncthreads();
+  const int ci = c0 + threadIdx.x;
+  for (int p = threadIdx.y; p < span; p += 8) {
+    const int pixel = pixel_of[p];
+    tile[threadIdx.x][p] = pixel >= 0 && ci < a.c ? a.src[int64_t(pixel) * a.c + ci] : 0.f;
+  }
+  __syncthreads();
+  for (int r = threadIdx.y; r < copies * kCopyChannels; r += 8) {
+    const int si = r / kCopyChannels, local = r - si * kCopyChannels;
+    const int c = c0 + local;
+    if (c >= a.c) continue;
+    float* dst = a.dst + (int64_t(si) * a.c + c) * a.ld;
+#pragma unroll
+    for (int k = 0; k < kCopyPositions / 32; ++k) {
+      const int q = 32 * k + threadIdx.x;
+      if (j0 + int64_t(q) < a.ld) dst[j0 + q] = tile[local][q + si];
+    }
+  }
+}
+
+void shifted_copies(const KMajorCopy& a, int copies, cudaStream_t stream) {
+  CUDP_CHECK(copies >= 1 && copies <= kCopyMaxCopies, "conv2d_backward_weight (TF32): ", copies,
+             " filter columns are more than the copy kernel's ", kCopyMaxCopies);
+  const dim3 grid(static_cast<unsigned>((a.ld + kCopyPositions - 1) / kCopyPositions),
+                  static_cast<unsigned>((a.c + kCopyChannels - 1) / kCopyChannels));
+  CUDP_CHECK(grid.y <= 65535, "conv2d_backward_weight (TF32): ", a.c,
+             " channels are too many for the K-major copy");
+  launch("shifted_copies_kernel", shifted_copies_kernel, grid, dim3(32, 8), 0, stream, a, copies);
+}
+
 void k_major_copy(const KMajorCopy& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((a.ld + 31) / 32),
                   static_cast<unsigned>((a.rows + 31) / 32));
@@ -448,7 +505,7 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   const int64_t rsc = int64_t(s.r) * s.s * s.c;
   const int rows_x = shift ? s.c : static_cast<int>(round_up(rsc, 64));  // of one copy
   const int64_t ld = round_up(int64_t(s.n) * grid_h * grid_w, 4);  // 16-byte rows for TMA
-  CUDP_CHECK(ld + int64_t(s.r) * grid_w + s.s <= std::numeric_limits<int>::max(),
+  CUDP_CHECK(ld + int64_t(s.r) * grid_w + s.s + kCopyPositions <= std::numeric_limits<int>::max(),
              "conv2d_backward_weight (TF32): ", ld,
              " pixel positions are too many for one product; split the batch");
   Workspace dyt(size_t(s.k) * size_t(ld) * sizeof(float), stream,
@@ -456,13 +513,13 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   const int copies = shift ? s.s : 1;
   Workspace xt(size_t(copies) * size_t(rows_x) * size_t(ld) * sizeof(float), stream,
                "backward-weight's K-major copy of x (TF32)");
-  k_major_copy({dy, s.n, s.p(), s.q(), s.k, 1, 1, 1, 1, 0, 0, grid_h, grid_w, s.k, ld, dyt.get()},
-               stream);
+  shifted_copies({dy, s.n, s.p(), s.q(), s.k, 1, 1, 1, 1, 0, 0, grid_h, grid_w, s.k, ld, dyt.get()},
+                 1, stream);
   if (shift) {
     // Copy si's row c is x's channel c at filter column si: an im2col of one filter row.
-    k_major_copy({x, s.n, s.h, s.w, s.c, 1, s.s, 1, 1, s.pad_h, s.pad_w, grid_h, grid_w,
-                  copies * rows_x, ld, xt.get()},
-                 stream);
+    shifted_copies({x, s.n, s.h, s.w, s.c, 1, 1, 1, 1, s.pad_h, s.pad_w, grid_h, grid_w,
+                    copies * rows_x, ld, xt.get()},
+                   copies, stream);
   } else {
     k_major_copy({x, s.n, s.h, s.w, s.c, s.r, s.s, s.stride_h, s.stride_w, s.pad_h, s.pad_w, grid_h,
                   grid_w, rows_x, ld, xt.get()},
@@ -480,23 +537,11 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   p.c_type = DType::F32;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead.
+  // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead. dw
+  // itself (beta in the epilogue) when neither a transpose nor padded columns stand between.
   const bool transposed = s.k <= 64;
-  if (!transposed && columns == rsc) {  // dw itself, beta in the epilogue
-    p.m = s.k;
-    p.n = columns;
-    p.a = dyt.get();
-    p.lda = ld;
-    p.b = xt.get();
-    p.ldb = ld;
-    p.c = dw;
-    p.ldc = rsc;
-    p.beta = beta;
-    detail::run_mainloop(p, plan_matmul(p, device), nullptr, stream, detail::Feed::WgradShift,
-                         &taps);
-    return;
-  }
-  Workspace part(size_t(s.k) * size_t(columns) * sizeof(float), stream,
+  const bool direct = !transposed && columns == rsc;
+  Workspace part(direct ? 0 : size_t(s.k) * size_t(columns) * sizeof(float), stream,
                  "backward-weight's product before its layout pass (TF32)");
   p.m = transposed ? columns : s.k;
   p.n = transposed ? s.k : columns;
@@ -504,10 +549,12 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   p.lda = ld;
   p.b = transposed ? dyt.get() : xt.get();
   p.ldb = ld;
-  p.c = part.get();
+  p.c = direct ? static_cast<void*>(dw) : part.get();
   p.ldc = p.n;
+  p.beta = direct ? beta : 0.f;
   detail::run_mainloop(p, plan_matmul(p, device), nullptr, stream,
                        transposed ? detail::Feed::WgradShiftT : detail::Feed::WgradShift, &taps);
+  if (direct) return;
   const int64_t total = int64_t(s.k) * rsc;
   if (transposed) {  // part is columns x K; its first R*S*C rows are dw^T
     launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
