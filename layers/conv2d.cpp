@@ -67,7 +67,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   if (precision_ == Precision::bf16) {
     return forward_bf16(input, s);
   }
-  CUDP_CHECK(!relu_fused_, "Conv2d: a fused ReLU needs the bf16 precision policy");
+  const bool relu = relu_fused_;
   Tensor y = Tensor::empty({s.n, s.p(), s.q(), s.k}, DType::f32, device_);
   const float* x = input.data<float>();
   const float* w = weight_->data.data<float>();
@@ -78,13 +78,12 @@ Tensor Conv2d::forward_one(const Tensor& input) {
       [&] {
         const OperandView xr(x, input.numel(), precision_),
             wr(w, weight_->data.numel(), precision_);
-        kernels::conv2d_forward_cpu(s, xr.get(), wr.get(), b, out, /*relu=*/false);
+        kernels::conv2d_forward_cpu(s, xr.get(), wr.get(), b, out, relu);
       },
-      [&](cudaStream_t stream) {
-        kernels::conv2d_forward(s, x, w, b, out, false, stream, math());
-      });
+      [&](cudaStream_t stream) { kernels::conv2d_forward(s, x, w, b, out, relu, stream, math()); });
   input_ = input;
-  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = output_ = Tensor();
+  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
+  output_ = relu ? y : Tensor();
   return y;
 }
 
@@ -96,9 +95,13 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   }
   CUDP_CHECK(grad_output.dtype() == DType::f32, "Conv2d: grad_output is ", grad_output.str(),
              " but the output was f32; a gradient has its value's dtype");
+  // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward) in the pass that
+  // takes the bias gradient; both products then read the masked dy.
+  const bool relu = output_.defined();
+  Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
   const float* x = input_.data<float>();
-  const float* dy = grad_output.data<float>();
+  const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
@@ -111,19 +114,29 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // gradient takes dy as it is.
   run(
       [&] {
-        const OperandView dyr(dy, grad_output.numel(), precision_);
+        if (relu) {
+          kernels::relu_mask_bias_grad_cpu(output_.data<float>(), grad_output.data<float>(),
+                                           dym.data<float>(), db, rows, s.k, /*beta=*/1.0f);
+        } else if (db) {
+          kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
+        }
+        const OperandView dyr(dy, dym.numel(), precision_);
         if (out) {
           const OperandView wr(w, weight_->data.numel(), precision_);
           kernels::conv2d_backward_data_cpu(s, dyr.get(), wr.get(), out);
         }
         const OperandView xr(x, input_.numel(), precision_);
         kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
-        if (db) kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
       },
       [&](cudaStream_t stream) {
+        if (relu) {
+          kernels::relu_mask_bias_grad(output_.data<float>(), grad_output.data<float>(),
+                                       dym.data<float>(), db, rows, s.k, 1.0f, stream);
+        } else if (db) {
+          kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
+        }
         if (out) kernels::conv2d_backward_data(s, dy, w, out, stream, math());
         kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math());
-        if (db) kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
       });
   return dx;
 }

@@ -38,9 +38,10 @@ class Conv2d : public Module {
          int padding = 0, bool bias = true);
 
   std::string type_name() const override { return "Conv2d"; }
-  // Under the bf16 policy: bf16 in and out, and a following ReLU applied in the epilogue.
+  // Under the bf16 policy: bf16 in and out. Under every policy a following ReLU is applied in the
+  // epilogue and its backward's mask in the bias gradient's pass (Module::can_fuse_relu).
   bool takes_bf16() const override { return precision_ == Precision::bf16; }
-  bool can_fuse_relu() const override { return precision_ == Precision::bf16; }
+  bool can_fuse_relu() const override { return true; }
 
   // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);

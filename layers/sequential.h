@@ -2,7 +2,7 @@
 // own checked forward()/backward(). Children are named by their index ("0", "1", ...), as in
 // PyTorch, so a torchvision state_dict's "features.10.weight" lands on the eleventh child.
 //
-// A ReLU that directly follows a child able to apply it (Module::can_fuse_relu: Conv2d, Linear,
+// A ReLU that directly follows a child able to apply it (Module::can_fuse_relu: Conv2d,
 // BatchNorm2d) runs inside that child: one pass over the data instead of two in each direction.
 #pragma once
 

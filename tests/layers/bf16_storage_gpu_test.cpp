@@ -195,19 +195,28 @@ TEST(Bf16StorageGpu, ASmallVggMatchesTheCpuEndToEnd) {
   testing::expect_gpu_matches_cpu(*net, random_tensor({4, 16, 16, 3}, 11), 12, 1e-2, 1e-2);
 }
 
-TEST(Bf16StorageGpu, AFusedReluGivesTheReluModulesBits) {
-  CUDP_REQUIRE_TENSOR_CORES();
+// The fused ReLU on the GPU, under every policy: the SIMT kernels (fp32) and the tensor cores
+// (tf32, bf16) give the ReLU module's bits.
+class FusedReluGpu : public ::testing::TestWithParam<Precision> {};
+
+TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
+  if (GetParam() == Precision::fp32) {
+    CUDP_REQUIRE_GPU();
+  } else {
+    CUDP_REQUIRE_TENSOR_CORES();
+  }
   const Device gpu = Device::cuda(0);
   auto fused = small_net(13);
   auto separate = small_net(13);
-  fused->set_precision(Precision::bf16);
-  separate->set_precision(Precision::bf16);
+  fused->set_precision(GetParam());
+  separate->set_precision(GetParam());
   separate->set_fusion(false);
   fused->to(gpu);
   separate->to(gpu);
   const Tensor x = random_tensor({4, 16, 16, 3}, 14, -1.f, 1.f, gpu);
   const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
   EXPECT_TRUE((*fused)[0]->relu_fused());
+  EXPECT_FALSE((*separate)[0]->relu_fused());
   EXPECT_EQ(values(y1), values(y2));
   const Tensor g = random_tensor(y1.shape(), 15, -1.f, 1.f, gpu);
   fused->zero_grad();
@@ -218,6 +227,10 @@ TEST(Bf16StorageGpu, AFusedReluGivesTheReluModulesBits) {
     EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Bf16StorageGpu, FusedReluGpu,
+                         ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
+                         [](const auto& info) { return std::string(precision_name(info.param)); });
 
 }  // namespace
 }  // namespace cudp

@@ -75,13 +75,16 @@ TEST(Bf16Storage, ThroughASequentialTheModelsInputGradientIsF32) {
   EXPECT_EQ(net->backward(random_tensor(y.shape(), 6)).dtype(), DType::f32);
 }
 
-// The ReLU that follows a Conv2d runs in its epilogue under bf16: the same bits as the ReLU module
-// in forward, backward and every parameter gradient, and the ReLU module is not run.
-TEST(Bf16Storage, AFusedReluGivesTheReluModulesBits) {
+// The ReLU that follows a Conv2d runs in its epilogue under every precision policy: the same bits
+// as the ReLU module in forward, backward and every parameter gradient, and the ReLU module is not
+// run.
+class FusedRelu : public ::testing::TestWithParam<Precision> {};
+
+TEST_P(FusedRelu, GivesTheReluModulesBits) {
   auto fused = small_net(7);
   auto separate = small_net(7);
-  fused->set_precision(Precision::bf16);
-  separate->set_precision(Precision::bf16);
+  fused->set_precision(GetParam());
+  separate->set_precision(GetParam());
   separate->set_fusion(false);
   const Tensor x = random_tensor({3, 8, 8, 3}, 8);
   const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
@@ -94,9 +97,17 @@ TEST(Bf16Storage, AFusedReluGivesTheReluModulesBits) {
   separate->zero_grad();
   EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
   EXPECT_EQ(gradients(*fused), gradients(*separate));
+  // The gradient reached the first layer's parameters through the masks (not all zero).
+  const std::vector<float> first = values((*fused)[0]->parameters()[0]->grad);
+  EXPECT_TRUE(std::any_of(first.begin(), first.end(), [](float v) { return v != 0.0f; }));
   // The inplace ReLU (layer 1) was skipped: it never ran, so it has nothing for a backward.
-  EXPECT_THROW_WITH((*fused)[1]->backward(convert(g, DType::bf16)), "without a forward()");
+  const Tensor g1 = GetParam() == Precision::bf16 ? convert(g, DType::bf16) : g;
+  EXPECT_THROW_WITH((*fused)[1]->backward(g1), "without a forward()");
 }
+
+INSTANTIATE_TEST_SUITE_P(Bf16Storage, FusedRelu,
+                         ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
+                         [](const auto& info) { return std::string(precision_name(info.param)); });
 
 // fuse_relu(true) holds for one forward: a layer called directly after a Sequential's forward
 // computes itself alone (negative outputs stay).
@@ -112,14 +123,10 @@ TEST(Bf16Storage, AFusedReluHoldsForOneForwardOnly) {
   EXPECT_LT(*std::min_element(alone.begin(), alone.end()), 0.0f);
 }
 
-// Under fp32 nothing fuses (the fp32 kernels keep the separate ReLU): the flag stays off and the
-// ReLU module runs.
-TEST(Bf16Storage, Fp32DoesNotFuse) {
-  auto net = small_net(10);
-  net->forward(random_tensor({1, 8, 8, 3}, 11));
-  EXPECT_FALSE((*net)[0]->relu_fused());
-  EXPECT_FALSE((*net)[0]->can_fuse_relu());
+// Linear does not fuse (a layer that cannot refuses to be asked).
+TEST(Bf16Storage, LinearDoesNotFuse) {
   Linear linear(4, 4);
+  EXPECT_FALSE(linear.can_fuse_relu());
   EXPECT_THROW_WITH(linear.fuse_relu(true), "Linear cannot apply a ReLU to its output");
 }
 
