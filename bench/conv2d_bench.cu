@@ -325,14 +325,14 @@ void bench_layer(std::vector<Result>& results, int input_size, int layer, const 
   }
 }
 
-void write_json(const std::string& path, const Machine& machine,
+void write_json(const std::string& path, const Machine& machine, const std::string& feed,
                 const std::vector<Result>& results) {
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (!f) CUDP_THROW(IoError, "cannot write ", path);
   std::fprintf(f,
                "{\n  \"benchmark\": \"conv2d\",\n  \"peak_fp32_tflops\": %.3f,\n"
-               "  \"copy_bandwidth_gbs\": %.3f,\n  \"results\": [\n",
-               machine.peak_tflops, machine.copy_gbs);
+               "  \"copy_bandwidth_gbs\": %.3f,\n  \"feed\": \"%s\",\n  \"results\": [\n",
+               machine.peak_tflops, machine.copy_gbs, feed.c_str());
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     const Conv2dShape& s = r.shape;
@@ -581,7 +581,17 @@ int main(int argc, char** argv) {
                  "fp32: the SIMT kernels vs cuDNN FMA math; bf16 / tf32: the tensor-core kernels vs "
                  "cuDNN tensor-op math")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
+  std::string feed = "auto";
+  app.add_option("--feed", feed,
+                 "tensor cores, stride-1 layers: how our kernels feed the gathered operand. auto "
+                 "(the library's per-shape choice), patch (4-D TMA boxes over patch tiles) or "
+                 "gather (im2col by the producer warps)")
+      ->check(CLI::IsMember({"auto", "patch", "gather"}));
   CLI11_PARSE(app, argc, argv);
+  cudp::kernels::detail::set_conv_feed(feed == "patch" ? cudp::kernels::detail::ConvFeed::patch
+                                       : feed == "gather"
+                                           ? cudp::kernels::detail::ConvFeed::gather
+                                           : cudp::kernels::detail::ConvFeed::automatic);
   const bool tensor_cores = math_text != "fp32";
   const Math math = math_text == "bf16" ? Math::BF16 : math_text == "tf32" ? Math::TF32 : Math::FP32;
   if (layers.empty()) layers = {1, 2, 3, 4, 5, 6, 7, 8, 9};
@@ -622,7 +632,7 @@ int main(int argc, char** argv) {
       }
     }
     print_tables(machine, results);
-    if (!json.empty()) write_json(json, machine, results);
+    if (!json.empty()) write_json(json, machine, feed, results);
     cudnnDestroy(handle);
     const bool all_valid =
         std::all_of(results.begin(), results.end(), [](const Result& r) { return r.valid; });

@@ -144,10 +144,13 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
 // The MN-major descriptor layout the backward-weight kernels use: 0 or 1 forces one for the tests
 // that establish which is right; -1 (the default) is the established one.
 void set_wgrad_descriptor_variant(int variant);
-// Forward and backward-data of stride-1 layers with C a multiple of the k-block read A as 4-D TMA
-// boxes over patch tiles (on by default); off, they use the im2col gather like every other layer.
-// The tests run both.
-void set_conv_patch_feed(bool enabled);
+// How the tensor-core convolutions of stride-1 layers whose C is a multiple of the k-block feed
+// their gathered operand: `automatic` (the default) picks per shape and precision from measurements
+// (kernels/conv2d_tc.cu); `patch` takes the 4-D TMA boxes over patch tiles wherever they apply,
+// `gather` the im2col gather that every other layer uses. The tests run both forced feeds on every
+// shape, and bench_conv2d --feed times them.
+enum class ConvFeed { automatic, patch, gather };
+void set_conv_feed(ConvFeed feed);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -152,7 +152,7 @@ void check_tc(const char* name, const Conv2dShape& shape, Math math) {
   detail::require_tensor_cores(name, math);
 }
 
-std::atomic<bool> g_patch_feed{true};
+std::atomic<detail::ConvFeed> g_feed{detail::ConvFeed::automatic};
 
 // The largest power of two that divides v, at most `cap`.
 int pow2_divisor(int v, int cap) {
@@ -233,11 +233,13 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   // TMA patches win everywhere except on 28x28 to 56x56 outputs with 256-wide tiles, where the
   // gather was 10-30% faster; why is not established yet. An empirical rule, until the plan can
   // time both feeds once per shape.
+  const detail::ConvFeed feed = g_feed.load();
   const bool patch_wins = !(plan.tile_n == 256 && s.q() >= 28 && s.q() <= 56);
-  if (g_patch_feed.load() && patch_wins && s.stride_h == 1 && s.stride_w == 1 &&
-      s.c % k_block == 0) {
-    const sm90::PatchTiles patch = patch_tiles(s, 128, k_block);
-    detail::run_mainloop(p, plan, &gather, stream, detail::Feed::ConvTma, &patch);
+  const bool patch =
+      feed == detail::ConvFeed::patch || (feed == detail::ConvFeed::automatic && patch_wins);
+  if (patch && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
+    const sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
+    detail::run_mainloop(p, plan, &gather, stream, detail::Feed::ConvTma, &patch_tiling);
     return;
   }
   detail::run_mainloop(p, plan, &gather, stream);
@@ -298,8 +300,8 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   // Both operands by TMA over patches of output pixels where the slabs of B are whole taps (C a
   // multiple of 64) and the taps are shifts (stride 1); the gather elsewhere, and for the tests
   // that pin the descriptor layout or turn the patch feed off.
-  if (g_patch_feed.load() && variant < 0 && s.stride_h == 1 && s.stride_w == 1 &&
-      s.c % 64 == 0) {
+  if (g_feed.load() != detail::ConvFeed::gather && variant < 0 && s.stride_h == 1 &&
+      s.stride_w == 1 && s.c % 64 == 0) {
     const sm90::PatchTiles patch = patch_tiles(s, 64, 64);
     const int64_t padded = int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64;
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
@@ -645,7 +647,9 @@ void conv2d_pad_bf16(const void* src, int64_t pixels, int c, void* dst, cudaStre
 namespace detail {
 
 void set_wgrad_descriptor_variant(int variant) { g_wgrad_variant.store(variant); }
-void set_conv_patch_feed(bool enabled) { g_patch_feed.store(enabled); }
+void set_conv_feed(ConvFeed feed) {
+  g_feed.store(feed);
+}
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
                                    float* dw, float beta, cudaStream_t stream, Math math,

@@ -119,9 +119,10 @@ class Conv2dTcGpu : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     CUDP_REQUIRE_TENSOR_CORES();
-    detail::set_conv_patch_feed(GetParam().patch_feed);
+    detail::set_conv_feed(GetParam().patch_feed ? detail::ConvFeed::patch
+                                                : detail::ConvFeed::gather);
   }
-  void TearDown() override { detail::set_conv_patch_feed(true); }
+  void TearDown() override { detail::set_conv_feed(detail::ConvFeed::automatic); }
 };
 
 TEST_P(Conv2dTcGpu, ForwardWithBiasAndRelu) {
