@@ -581,17 +581,15 @@ int main(int argc, char** argv) {
                  "fp32: the SIMT kernels vs cuDNN FMA math; bf16 / tf32: the tensor-core kernels vs "
                  "cuDNN tensor-op math")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
-  std::string feed = "auto";
+  std::string feed = "patch";
   app.add_option("--feed", feed,
-                 "tensor cores, stride-1 layers: how our kernels feed the gathered operand. auto "
-                 "(the library's per-shape choice), patch (4-D TMA boxes over patch tiles) or "
-                 "gather (im2col by the producer warps)")
-      ->check(CLI::IsMember({"auto", "patch", "gather"}));
+                 "tensor cores, stride-1 layers: how our kernels feed the gathered operand. patch "
+                 "(the default: 4-D TMA boxes over patch tiles) or gather (im2col by the producer "
+                 "warps)")
+      ->check(CLI::IsMember({"patch", "gather"}));
   CLI11_PARSE(app, argc, argv);
-  cudp::kernels::detail::set_conv_feed(feed == "patch" ? cudp::kernels::detail::ConvFeed::patch
-                                       : feed == "gather"
-                                           ? cudp::kernels::detail::ConvFeed::gather
-                                           : cudp::kernels::detail::ConvFeed::automatic);
+  cudp::kernels::detail::set_conv_feed(feed == "gather" ? cudp::kernels::detail::ConvFeed::gather
+                                                        : cudp::kernels::detail::ConvFeed::patch);
   const bool tensor_cores = math_text != "fp32";
   const Math math = math_text == "bf16" ? Math::BF16 : math_text == "tf32" ? Math::TF32 : Math::FP32;
   if (layers.empty()) layers = {1, 2, 3, 4, 5, 6, 7, 8, 9};

@@ -152,7 +152,7 @@ void check_tc(const char* name, const Conv2dShape& shape, Math math) {
   detail::require_tensor_cores(name, math);
 }
 
-std::atomic<detail::ConvFeed> g_feed{detail::ConvFeed::automatic};
+std::atomic<detail::ConvFeed> g_feed{detail::ConvFeed::patch};
 
 // The largest power of two that divides v, at most `cap`.
 int pow2_divisor(int v, int cap) {
@@ -229,14 +229,12 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
                                 s.pad_h,  s.pad_w};
   const int k_block = ops.math == Math::BF16 ? 64 : 32;
   const MatmulPlan plan = plan_matmul(p, device);
-  // Which A feed: measured on the H200 over VGG-16's layers (bench/NOTES-tensor-cores.md), the
-  // TMA patches win everywhere except on 28x28 to 56x56 outputs with 256-wide tiles, where the
-  // gather was 10-30% faster; why is not established yet. An empirical rule, until the plan can
-  // time both feeds once per shape.
-  const detail::ConvFeed feed = g_feed.load();
-  const bool patch_wins = !(plan.tile_n == 256 && s.q() >= 28 && s.q() <= 56);
-  const bool patch =
-      feed == detail::ConvFeed::patch || (feed == detail::ConvFeed::automatic && patch_wins);
+  // Which A feed: the TMA patches wherever they apply. Measured on the H200 over VGG-16's layers,
+  // both feeds forced in one session (bench_conv2d --feed, bench/NOTES-tensor-cores.md), the
+  // patches were as fast or faster on every forward and backward-data shape at 224^2 and 32^2, in
+  // bf16 and in TF32 (the 28-56 wide outputs too, where an earlier measurement had favoured the
+  // gather).
+  const bool patch = g_feed.load() != detail::ConvFeed::gather;
   if (patch && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
     const sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
     detail::run_mainloop(p, plan, &gather, stream, detail::Feed::ConvTma, &patch_tiling);

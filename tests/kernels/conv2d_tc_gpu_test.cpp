@@ -122,7 +122,7 @@ class Conv2dTcGpu : public ::testing::TestWithParam<Param> {
     detail::set_conv_feed(GetParam().patch_feed ? detail::ConvFeed::patch
                                                 : detail::ConvFeed::gather);
   }
-  void TearDown() override { detail::set_conv_feed(detail::ConvFeed::automatic); }
+  void TearDown() override { detail::set_conv_feed(detail::ConvFeed::patch); }
 };
 
 TEST_P(Conv2dTcGpu, ForwardWithBiasAndRelu) {
