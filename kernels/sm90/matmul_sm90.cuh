@@ -188,6 +188,15 @@ __device__ __forceinline__ void keep_in_registers(float* acc) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// Named barriers 1 and 2 (0 is __syncthreads) pass the mainloop turn between the two consumer
+// warpgroups of the ping-pong schedule: one warpgroup arrives, the other waits, 256 threads in all.
+__device__ __forceinline__ void turn_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void turn_wait(int id) {
+  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+}
+
 template <typename Elem, int kTileN>
 struct Mma;
 template <int kTileN>
@@ -525,6 +534,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
   constexpr bool kWgradMode = kWgradGather || kMode == kWgradTma || kMode == kWgradTmaT;  // MN-major
   constexpr bool kGathers = kConv || kWgradGather;
+  // The ping-pong schedule (forward and backward-data tiles up to 128 wide, whose short reductions
+  // leave the epilogue a large share of a tile's time): each consumer warpgroup takes whole tiles,
+  // the block's work items alternately, and the two take turns at the tensor cores, so that one
+  // runs its mainloop while the other stores its tile. Wider tiles would need 2 x kTileN / 2
+  // accumulators per thread (more than the register file gives past 128); they keep the
+  // cooperative schedule, both warpgroups on one tile's two 64-row halves.
+  constexpr bool kPingPong = (kMode == kConv_ || kMode == kConvTma) && kTileN <= 128;
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
   const uint32_t raw = smem_addr(shared_raw);
@@ -538,7 +554,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(full_bar(s), kGathers ? 1 + 128 : 1);  // + a cp.async arrival per producer thread
-      mbar_init(empty_bar(s), kConsumers * 4);  // one arrival per consumer warp
+      // One arrival per warp of the warpgroups that read the stage (both, or one in ping-pong).
+      mbar_init(empty_bar(s), kPingPong ? 4 : kConsumers * 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -724,21 +741,88 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = warpgroup - 1;
     const bool arrives = threadIdx.x % 32 == 0;
     int stage = 0, phase = 0;
-    float acc[Cfg::kAccumulators];
-    for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
-      const WorkItem w = work_item(p, index);
-      const int kb_begin = w.split * p.k_blocks_per_split;
-      const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
-      int previous = -1;
-      for (int kb = kb_begin; kb < kb_end; ++kb) {
-        mbar_wait(full_bar(stage), phase);
-        // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
-        if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
-        const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
-        wgmma_fence();
-        if constexpr (kWgradMode) {
-          // MN-major: a k16 step is 16 rows of 128 bytes further.
+    if constexpr (kPingPong) {
+      // Consumer c takes the block's work items j = c, c + 2, ... whole (both 64-row halves of
+      // the tile: acc[0] and acc[1]), and skips the stages the producer filled for the other's
+      // items. Turns: item j's mainloop starts after item j - 1's has finished (named barrier
+      // 1 + c, arrived at by the other consumer), so the mainloops run in the producer's order
+      // and one warpgroup's epilogue overlaps the other's mainloop. Each wait matches exactly one
+      // arrival: a consumer arrives after item j's mainloop only if item j + 1 exists.
+      float acc[2][Cfg::kAccumulators];
+      int j = 0;
+      for (int index = blockIdx.x; index < work_items; index += gridDim.x, ++j) {
+        const WorkItem w = work_item(p, index);
+        const int kb_begin = w.split * p.k_blocks_per_split;
+        const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+        if ((j & 1) != consumer) {
+          for (int kb = kb_begin; kb < kb_end; ++kb) {
+            if (++stage == Cfg::kStages) {
+              stage = 0;
+              phase ^= 1;
+            }
+          }
+          continue;
+        }
+        if (j > 0) turn_wait(1 + consumer);
+        int previous = -1;
+        for (int kb = kb_begin; kb < kb_end; ++kb) {
+          mbar_wait(full_bar(stage), phase);
+          // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
+          if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
+          const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              Mma<Elem, kTileN>::mma(acc[half],
+                                     smem_descriptor(a + half * 64 * kRowBytes + 32 * kk),
+                                     smem_descriptor(b + 32 * kk), kb > kb_begin || kk > 0);
+            }
+          }
+          wgmma_commit();
+          wgmma_wait<1>();
+          keep_in_registers<Cfg::kAccumulators>(acc[0]);
+          keep_in_registers<Cfg::kAccumulators>(acc[1]);
+          if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
+          previous = stage;
+          if (++stage == Cfg::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+        wgmma_wait<0>();
+        keep_in_registers<Cfg::kAccumulators>(acc[0]);
+        keep_in_registers<Cfg::kAccumulators>(acc[1]);
+        if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
+        if (index + int(gridDim.x) < work_items) turn_arrive(2 - consumer);
+        if (kb_end <= kb_begin) {
+#pragma unroll
+          for (int i = 0; i < Cfg::kAccumulators; ++i) acc[0][i] = acc[1][i] = 0.f;
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          store_tile<kTileN, kMode == kConvTma>(p, acc[half], w.tile_m, half * 64,
+                                                w.tile_n * kTileN, w.split);
+        }
+      }
+    } else {
+      float acc[Cfg::kAccumulators];
+      for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+        const WorkItem w = work_item(p, index);
+        const int kb_begin = w.split * p.k_blocks_per_split;
+        const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+        int previous = -1;
+        for (int kb = kb_begin; kb < kb_end; ++kb) {
+          mbar_wait(full_bar(stage), phase);
+          // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
+          if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
+          const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+          wgmma_fence();
+          if constexpr (kWgradMode) {
+            // MN-major: a k16 step is 16 rows of 128 bytes further.
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
             WgmmaBf16MN<kTileN>::mma(acc, wgrad_descriptor<kMode>(a + 16 * kRowBytes * kk),
@@ -771,6 +855,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       store_tile<kTileN, kMode == kConvTma>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN,
                                             w.split);
+    }
     }
   }
 }
