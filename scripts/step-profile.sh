@@ -24,7 +24,8 @@ ncu --clock-control none --nvtx --nvtx-include "training step/" --nvtx-include "
   --warmup 1 --steps 1 "${extra[@]}" \
   > "$csv" 2> "$out/profile-ncu.log"
 python3 - "$csv" <<'PY'
-import csv, sys, collections, re
+import csv, sys, collections, re, signal
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head = rows[0]; data = rows[1:]
 name_i, value_i, id_i = head.index("Kernel Name"), head.index("Metric Value"), head.index("ID")
