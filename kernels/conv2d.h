@@ -102,6 +102,9 @@ struct ConvOperands {
   DType y_type = DType::F32;
   const float* bias = nullptr;  // forward only: K floats, or null
   bool relu = false;            // forward only
+  // Backward-data only, or null: the layer's input x (dx's layout and type). Where x is <= 0,
+  // dx is stored as 0: the backward of the ReLU that produced x, fused into the epilogue.
+  const void* mask = nullptr;
 };
 
 // y = relu?(conv(x, w) + bias), typed operands. x and w must be 16-byte aligned with C a multiple

@@ -83,26 +83,35 @@ __global__ void rotate_filters_kernel(const In* __restrict__ w, int k, int r, in
 
 // dst (K x R x S x cp bf16) = w (K x R x S x C fp32) with the channels zero-padded, and, when
 // `rotated` is not null, rotated (C x R x S x K bf16) = w'[c][r][s][k] = w[k][R-1-r][S-1-s][c]: the
-// filters of backward-data, from the same read. One thread per element of dst.
+// filters of backward-data, from the same read. Block (x, y, tap) converts the 32 x 32 tile of
+// filters k0..k0+31 x channels c0..c0+31 of one tap (r, s): rows of w and dst are read and written
+// along c, and the tile goes through shared memory so that the rotated copy is written along k
+// too (written element by element at a stride of K, it ran at an eighth of the bandwidth).
+constexpr int kFilterTile = 32;
+
 __global__ void filters_to_bf16_kernel(const float* __restrict__ w, int k, int r, int s, int c,
                                        int cp, __nv_bfloat16* __restrict__ dst,
                                        __nv_bfloat16* __restrict__ rotated) {
-  const int64_t total = int64_t(k) * r * s * cp;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t rest = i;
-    const int cc = static_cast<int>(rest % cp);
-    rest /= cp;
-    const int ss = static_cast<int>(rest % s);
-    rest /= s;
-    const int rr = static_cast<int>(rest % r);
-    const int kk = static_cast<int>(rest / r);
-    const float v = cc < c ? w[((int64_t(kk) * r + rr) * s + ss) * c + cc] : 0.f;
-    const __nv_bfloat16 b = __float2bfloat16_rn(v);
-    dst[i] = b;
-    if (rotated != nullptr && cc < c) {
-      rotated[((int64_t(cc) * r + (r - 1 - rr)) * s + (s - 1 - ss)) * k + kk] = b;
-    }
+  __shared__ __nv_bfloat16 tile[kFilterTile][kFilterTile + 2];
+  const int c0 = blockIdx.x * kFilterTile, k0 = blockIdx.y * kFilterTile;
+  const int tap = blockIdx.z;
+  const int rr = tap / s, ss = tap - rr * s;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  for (int i = ty; i < kFilterTile; i += blockDim.y) {
+    const int kk = k0 + i, cc = c0 + tx;
+    if (kk >= k || cc >= cp) continue;
+    const int64_t row = (int64_t(kk) * r + rr) * s + ss;
+    const __nv_bfloat16 b = __float2bfloat16_rn(cc < c ? w[row * c + cc] : 0.f);
+    dst[row * cp + cc] = b;
+    tile[i][tx] = b;
+  }
+  if (rotated == nullptr) return;  // uniform across the block
+  __syncthreads();
+  const int64_t rtap = int64_t(r - 1 - rr) * s + (s - 1 - ss);
+  for (int i = ty; i < kFilterTile; i += blockDim.y) {
+    const int cc = c0 + i, kk = k0 + tx;
+    if (cc >= c || kk >= k) continue;
+    rotated[(int64_t(cc) * r * s + rtap) * k + kk] = tile[tx][i];
   }
 }
 
@@ -220,6 +229,7 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   p.c_type = ops.y_type;
   p.bias = ops.bias;
   p.relu = ops.relu;
+  p.mask = ops.mask;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const std::string why = matmul_unsupported_reason(p, device);
@@ -619,8 +629,10 @@ void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst,
   shape.validate();
   CUDP_CHECK(w && dst, "conv2d_filters_to_bf16: w and dst must not be null");
   const int cp = static_cast<int>(round_up(shape.c, 8));
-  const int64_t n = int64_t(shape.k) * shape.r * shape.s * cp;
-  launch("filters_to_bf16_kernel", filters_to_bf16_kernel, blocks_for(n), 256, 0, stream, w,
+  const dim3 grid(static_cast<unsigned>((cp + kFilterTile - 1) / kFilterTile),
+                  static_cast<unsigned>((shape.k + kFilterTile - 1) / kFilterTile),
+                  static_cast<unsigned>(shape.r * shape.s));
+  launch("filters_to_bf16_kernel", filters_to_bf16_kernel, grid, dim3(kFilterTile, 8), 0, stream, w,
          shape.k, shape.r, shape.s, shape.c, cp, static_cast<__nv_bfloat16*>(dst),
          static_cast<__nv_bfloat16*>(rotated));
 }

@@ -91,10 +91,14 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int splits, i
     if (c_is_bf16) {
       auto* dst = static_cast<__nv_bfloat16*>(c) + int64_t(row) * ldc + col;
       const float old = e.beta != 0.f ? __bfloat162float(*dst) : 0.f;
-      *dst = __float2bfloat16_rn(apply_epilogue(e, sum, old, col));
+      float v = apply_epilogue(e, sum, old, col);
+      if (e.mask != nullptr) v = apply_mask(e, v, int64_t(row) * ldc + col, true);
+      *dst = __float2bfloat16_rn(v);
     } else {
       float* dst = static_cast<float*>(c) + int64_t(row) * ldc + col;
-      *dst = apply_epilogue(e, sum, e.beta != 0.f ? *dst : 0.f, col);
+      float v = apply_epilogue(e, sum, e.beta != 0.f ? *dst : 0.f, col);
+      if (e.mask != nullptr) v = apply_mask(e, v, int64_t(row) * ldc + col, false);
+      *dst = v;
     }
   }
 }
@@ -104,7 +108,7 @@ void splitk_reduce(const MatmulProblem& p, const float* ws, int splits, cudaStre
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65536));
   launch("splitk_reduce_kernel", splitk_reduce_kernel, dim3(blocks), dim3(256), 0, stream, ws,
          splits, p.m, p.n, p.c, p.ldc, int(p.c_type == DType::BF16),
-         EpilogueArgs{p.alpha, p.beta, p.bias, int(p.relu)});
+         EpilogueArgs{p.alpha, p.beta, p.bias, int(p.relu), p.mask});
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -192,6 +196,10 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
   if (p.m == 0 || p.n == 0) return "";
   if (p.c == nullptr) return "C is null";
   if (p.ldc < p.n) return str("ldc=", p.ldc, " is smaller than n=", p.n);
+  if (p.mask != nullptr && (p.beta != 0.f || p.bias != nullptr || p.relu)) {
+    return "a ReLU mask (backward-data's fused ReLU backward) goes with beta 0, no bias and no "
+           "ReLU";
+  }
   if (p.k == 0) return "";
   const int esize = p.math == Math::BF16 ? 2 : 4;
   const char* want = p.math == Math::BF16 ? "bf16" : "fp32";

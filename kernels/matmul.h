@@ -45,6 +45,9 @@ struct MatmulProblem {
   float alpha = 1.f, beta = 0.f;
   const float* bias = nullptr;  // n floats, or null
   bool relu = false;
+  // Or null: C's layout and type; where it is <= 0 the stored value is 0 (the backward of a ReLU
+  // whose output is `mask`, fused into backward-data). Only with beta 0, no bias and no ReLU.
+  const void* mask = nullptr;
 };
 
 // How a product runs: C is cut into tile_m x tile_n tiles and k into `splits` chunks of

@@ -2,6 +2,8 @@
 // split-K reduction so that both round alike: v = alpha*acc (+ beta*old) (+ bias) (max 0).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cstdint>
 
 namespace cudp::kernels {
 
@@ -9,6 +11,10 @@ struct EpilogueArgs {
   float alpha, beta;
   const float* bias;  // one per column, or null
   int relu;
+  // Or null. C's layout and type (backward-data of a layer whose input is a fused ReLU's output):
+  // where it is <= 0 the value stored is 0 (NaN passes), the ReLU's backward applied to the
+  // product. Only with beta 0, no bias and no ReLU (kernels/matmul.cu checks).
+  const void* mask = nullptr;
 };
 
 // Each step is rounded on its own (no contraction of alpha*acc + bias into one FMA, which the
@@ -27,6 +33,15 @@ __device__ __forceinline__ float apply_epilogue(const EpilogueArgs& e, float acc
   if (e.bias != nullptr) v = __fadd_rn(v, e.bias[col]);
   if (e.relu) v = relu_keep_nan(v);
   return v;
+}
+
+// The mask's ReLU backward at element `at` of C (row * ldc + col): relu_grad's select, so that the
+// fused mask stores what a separate pass over the product's output would.
+__device__ __forceinline__ float apply_mask(const EpilogueArgs& e, float v, int64_t at,
+                                            bool c_is_bf16) {
+  const float m = c_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(e.mask)[at])
+                            : static_cast<const float*>(e.mask)[at];
+  return m <= 0.f ? 0.f : v;
 }
 
 }  // namespace cudp::kernels

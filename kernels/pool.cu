@@ -245,11 +245,13 @@ __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
 
 // 2x2 stride 2, no padding, without an index tensor: each window's maximum is found again in the
 // saved input x, with the forward's comparisons in the forward's order (so the same element), and
-// dy goes to it; the window's other elements get 0. One thread per window, as above.
+// dy goes to it; the window's other elements get 0. One thread per window, as above. With
+// `relu_mask` (x is a fused ReLU's output) dy goes there only where that maximum is not <= 0: the
+// ReLU's backward (relu_grad's select) applied to dx in the same pass.
 template <typename T, int V, typename I>
 __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy,
                                                         const T* __restrict__ x, T* __restrict__ dx,
-                                                        Geometry g, I total) {
+                                                        Geometry g, I total, bool relu_mask) {
   const int vectors = g.c / V;
   const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -274,6 +276,7 @@ __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy
         if (takes(v01[k], best)) best = v01[k], at[k] = 1;
         if (takes(v10[k], best)) best = v10[k], at[k] = 2;
         if (takes(v11[k], best)) best = v11[k], at[k] = 3;
+        if (relu_mask && best <= 0.f) d[k] = 0.f;
       }
     }
     for (int dh = 0; dh < 2; ++dh) {
@@ -449,7 +452,7 @@ void max_pool2d_backward_impl(const T* dy, const int32_t* indices, T* dx, int n,
 
 template <typename T>
 void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, int h, int w, int c,
-                                         cudaStream_t stream) {
+                                         cudaStream_t stream, bool relu_mask) {
   detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
   const Geometry g = max_geometry(h, w, c, 2, 2, 2, 2, 0, 0);
   const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) &&
@@ -458,21 +461,21 @@ void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, 
   dispatch(vec4, windows, [&]<int V, typename I>(I items) {
     launch("max_pool_2x2_backward_from_input_kernel",
            max_pool_2x2_backward_from_input_kernel<T, V, I>, blocks_for(items), kThreads, 0, stream,
-           dy, x, dx, g, items);
+           dy, x, dx, g, items, relu_mask);
   });
 }
 
 }  // namespace
 
 void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
-                                    int c, cudaStream_t stream) {
-  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
+                                    int c, cudaStream_t stream, bool relu_mask) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask);
 }
 
 void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
                                     __nv_bfloat16* dx, int n, int h, int w, int c,
-                                    cudaStream_t stream) {
-  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream);
+                                    cudaStream_t stream, bool relu_mask) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask);
 }
 
 void max_pool2d_forward(const float* x, float* y, int32_t* indices, int n, int h, int w, int c,

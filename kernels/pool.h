@@ -74,12 +74,14 @@ void max_pool2d_backward_cpu(const T* dy, const int32_t* indices, std::type_iden
 // take indices = null, and this backward finds each window's maximum again in the saved input x
 // (the forward's comparisons in its order: the same element, NaNs and ties included) and sends dy
 // there. It reads x instead of the indices and spares the forward their write and their memory
-// (4 bytes per output: 0.39 GB for VGG-16 at 224^2, batch 64). GPU only.
+// (4 bytes per output: 0.39 GB for VGG-16 at 224^2, batch 64). GPU only. With `relu_mask` (x is
+// the output of a fused ReLU) dx is also zeroed where x <= 0 in the same pass: the ReLU's backward
+// (kernels/elementwise.h's relu_grad), bit for bit, without a pass of its own.
 void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
-                                    int c, cudaStream_t stream);
+                                    int c, cudaStream_t stream, bool relu_mask = false);
 void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
                                     __nv_bfloat16* dx, int n, int h, int w, int c,
-                                    cudaStream_t stream);
+                                    cudaStream_t stream, bool relu_mask = false);
 
 // bf16: the gradients summed in float (double on the CPU) and rounded once to bf16; with windows
 // that do not overlap (VGG's 2x2 stride 2) nothing is summed and dx holds dy's values exactly.

@@ -60,10 +60,53 @@ kernels::Conv2dShape Conv2d::shape_for(const Tensor& input) const {
   return s;
 }
 
+namespace {
+
+// The pass over a fused-ReLU layer's output gradient before its products: dym = dy masked by
+// y > 0 with the bias gradient taken from it (y not null), or the bias gradient alone (the mask
+// done already, or no ReLU). On the GPU when `stream` is given, else the CPU references.
+template <typename T>
+void output_grad_pass(const T* y, const T* dy, T* dym, float* db, int64_t rows, int k,
+                      std::optional<cudaStream_t> stream) {
+  if (y != nullptr) {
+    if (stream) {
+      kernels::relu_mask_bias_grad(y, dy, dym, db, rows, k, 1.0f, *stream);
+    } else {
+      kernels::relu_mask_bias_grad_cpu(y, dy, dym, db, rows, k, 1.0f);
+    }
+  } else if (db != nullptr) {
+    if (stream) {
+      kernels::bias_grad(dy, db, rows, k, 1.0f, *stream);
+    } else {
+      kernels::bias_grad_cpu(dy, db, rows, k, 1.0f);
+    }
+  }
+}
+
+// dx zeroed where x <= 0, in place, on the CPU: the mask of the ReLU before the layer.
+void relu_mask_cpu(const Tensor& x, Tensor& dx) {
+  CUDP_CHECK(x.dtype() == dx.dtype() && x.numel() == dx.numel(),
+             "Conv2d: the input mask and dx differ: ", x.str(), " and ", dx.str());
+  if (dx.dtype() == DType::bf16) {
+    auto* d = dx.data<__nv_bfloat16>();
+    kernels::relu_mask_bias_grad_cpu(x.data<__nv_bfloat16>(), d, d, nullptr, dx.numel(), 1, 0.f);
+  } else {
+    float* d = dx.data<float>();
+    kernels::relu_mask_bias_grad_cpu(x.data<float>(), d, d, nullptr, dx.numel(), 1, 0.f);
+  }
+}
+
+}  // namespace
+
 Tensor Conv2d::forward_one(const Tensor& input) {
   const kernels::Conv2dShape s = shape_for(input);
   saved_shape_ = s;
   input_dtype_ = input.dtype();
+  // The ReLU mask of the layer before: done in backward-data's epilogue under bf16 on the GPU
+  // (the tensor-core path), or after the CPU reference.
+  const bool tc_dgrad = precision_ == Precision::bf16 && input.dtype() == DType::bf16 &&
+                        kernels::bf16_channels(s.c) == s.c && kernels::bf16_channels(s.k) == s.k;
+  input_grad_masked_ = mask_requested_ && input_grad_ && (device_.is_cpu() || tc_dgrad);
   if (precision_ == Precision::bf16) {
     return forward_bf16(input, s);
   }
@@ -96,8 +139,9 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   CUDP_CHECK(grad_output.dtype() == DType::f32, "Conv2d: grad_output is ", grad_output.str(),
              " but the output was f32; a gradient has its value's dtype");
   // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward) in the pass that
-  // takes the bias gradient; both products then read the masked dy.
-  const bool relu = output_.defined();
+  // takes the bias gradient, unless the next layer did it (output_grad_masked_); both products
+  // then read the masked dy.
+  const bool relu = output_.defined() && !output_grad_masked_;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
   const float* x = input_.data<float>();
@@ -114,27 +158,20 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // gradient takes dy as it is.
   run(
       [&] {
-        if (relu) {
-          kernels::relu_mask_bias_grad_cpu(output_.data<float>(), grad_output.data<float>(),
-                                           dym.data<float>(), db, rows, s.k, /*beta=*/1.0f);
-        } else if (db) {
-          kernels::bias_grad_cpu(dy, db, rows, s.k, /*beta=*/1.0f);
-        }
+        output_grad_pass(relu ? output_.data<float>() : nullptr, grad_output.data<float>(),
+                         dym.data<float>(), db, rows, s.k, std::nullopt);
         const OperandView dyr(dy, dym.numel(), precision_);
         if (out) {
           const OperandView wr(w, weight_->data.numel(), precision_);
           kernels::conv2d_backward_data_cpu(s, dyr.get(), wr.get(), out);
+          if (input_grad_masked_) relu_mask_cpu(input_, dx);
         }
         const OperandView xr(x, input_.numel(), precision_);
         kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
       },
       [&](cudaStream_t stream) {
-        if (relu) {
-          kernels::relu_mask_bias_grad(output_.data<float>(), grad_output.data<float>(),
-                                       dym.data<float>(), db, rows, s.k, 1.0f, stream);
-        } else if (db) {
-          kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
-        }
+        output_grad_pass(relu ? output_.data<float>() : nullptr, grad_output.data<float>(),
+                         dym.data<float>(), db, rows, s.k, stream);
         if (out) kernels::conv2d_backward_data(s, dy, w, out, stream, math());
         kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math());
       });
@@ -244,37 +281,32 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   CUDP_CHECK(grad_output.dtype() == DType::bf16, "Conv2d: grad_output is ", grad_output.str(),
              " but the output was bf16 (the bf16 precision policy); a gradient has its value's "
              "dtype");
-  const bool relu = output_.defined();
+  const bool relu =
+      output_.defined() && !output_grad_masked_;  // the mask not done by the next layer
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::bf16, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, input_dtype_, device_) : Tensor();
   if (device_.is_cpu()) {
-    const auto* dy = grad_output.data<__nv_bfloat16>();
-    if (relu) {
-      kernels::relu_mask_bias_grad_cpu(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
-                                       db, rows, s.k, 1.0f);
-    } else if (db) {
-      kernels::bias_grad_cpu(dy, db, rows, s.k, 1.0f);
-    }
+    output_grad_pass(relu ? output_.data<__nv_bfloat16>() : nullptr,
+                     grad_output.data<__nv_bfloat16>(), dym.data<__nv_bfloat16>(), db, rows, s.k,
+                     std::nullopt);
     const std::vector<float> g = cpu_operand(dym, true), x = cpu_operand(input_, true),
                              w = cpu_operand(weight_->data, true);
     kernels::conv2d_backward_weight_cpu(s, x.data(), g.data(), dw, 1.0f);
     if (!input_grad_) return dx;
     std::vector<float> out(static_cast<size_t>(s.x_size()));
     kernels::conv2d_backward_data_cpu(s, g.data(), w.data(), out.data());
-    return cpu_tensor(out, dx.shape(), input_dtype_);
+    Tensor dxt = cpu_tensor(out, dx.shape(), input_dtype_);
+    if (input_grad_masked_) relu_mask_cpu(input_, dxt);
+    return dxt;
   }
   run([] {},
       [&](cudaStream_t stream) {
-        const auto* dy = grad_output.data<__nv_bfloat16>();
-        if (relu) {
-          kernels::relu_mask_bias_grad(output_.data<__nv_bfloat16>(), dy, dym.data<__nv_bfloat16>(),
-                                       db, rows, s.k, 1.0f, stream);
-        } else if (db) {
-          kernels::bias_grad(dy, db, rows, s.k, 1.0f, stream);
-        }
+        output_grad_pass(relu ? output_.data<__nv_bfloat16>() : nullptr,
+                         grad_output.data<__nv_bfloat16>(), dym.data<__nv_bfloat16>(), db, rows,
+                         s.k, stream);
         const int cp = kernels::bf16_channels(s.c), kp = kernels::bf16_channels(s.k);
         Tensor dyp = dym;
         if (kp != s.k) {
@@ -286,7 +318,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
           // The model's input needs no gradient: backward-data is skipped.
         } else if (cp == s.c && kp == s.k) {
           const bool rotated = weight_rot_bf16_.defined();
-          const kernels::ConvOperands ops{
+          kernels::ConvOperands ops{
               kernels::Math::BF16,
               dyp.data_ptr(),
               rotated ? weight_rot_bf16_.data_ptr() : weight_bf16_.data_ptr(),
@@ -294,6 +326,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
               input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
               nullptr,
               false};
+          // The ReLU before this layer: its mask in the epilogue (input_bf16_ is the input).
+          ops.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
           if (rotated) {
             kernels::conv2d_backward_data_tc_rotated(s, ops, stream);
           } else {

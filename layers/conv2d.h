@@ -42,6 +42,11 @@ class Conv2d : public Module {
   // epilogue and its backward's mask in the bias gradient's pass (Module::can_fuse_relu).
   bool takes_bf16() const override { return precision_ == Precision::bf16; }
   bool can_fuse_relu() const override { return true; }
+  // The fused ReLU's mask can be left to the next layer (Module's hand-off): the backward then
+  // takes only the bias gradient from dy. And this layer does the mask of a ReLU before it in
+  // backward-data's epilogue, under bf16 on the GPU (the tensor-core path: bf16 input, channels
+  // multiples of 8), and on the CPU.
+  bool can_take_masked_grad() const override { return true; }
 
   // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);

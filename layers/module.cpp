@@ -59,9 +59,12 @@ TensorList Module::forward_all(const TensorList& inputs) {
       widened_[i] = true;
     }
   }
+  input_grad_masked_ = false;
+  output_grad_masked_ = false;
   TensorList outputs = forward_impl(widened.empty() ? inputs : widened);
   last_relu_fused_ = relu_fused_;
   relu_fused_ = false;  // fuse_relu(true) holds for one forward
+  mask_requested_ = false;
   forward_done_ = true;
   return outputs;
 }

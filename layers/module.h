@@ -134,6 +134,20 @@ class Module : public std::enable_shared_from_this<Module> {
   void set_fusion(bool on);
   bool fusion() const { return fusion_; }
 
+  // ReLU mask hand-off. A fused ReLU's backward (dy zeroed where y <= 0) can be done by the layer
+  // that reads y next, where that layer's backward writes the gradient anyway: max pooling's
+  // backward finds its window's maximum in y already, and backward-data's epilogue writes dx. Then
+  // nothing reads and writes dy a second time for the mask. Sequential asks the layer after a
+  // fused ReLU (request_input_grad_mask(true), for its next forward); the layer says in that
+  // forward whether it will (can_mask_input_grad: only where it costs no pass of its own on the
+  // GPU); if so, its backward returns dx zeroed where its input is <= 0 (input_grad_masked()),
+  // and the fused layer is told its gradient arrives masked (set_output_grad_masked). The results
+  // are the same bit for bit (the mask is a select).
+  virtual bool can_take_masked_grad() const { return false; }  // a fused layer that can hand off
+  void request_input_grad_mask(bool on) { mask_requested_ = on; }
+  bool input_grad_masked() const { return input_grad_masked_; }
+  void set_output_grad_masked(bool on) { output_grad_masked_ = on; }
+
   void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
@@ -215,6 +229,13 @@ class Module : public std::enable_shared_from_this<Module> {
   // and whether the last forward did.
   bool relu_fused_ = false;
   bool last_relu_fused_ = false;
+  // The ReLU mask hand-off (above). mask_requested_ holds for one forward, in which a layer that
+  // honours it sets input_grad_masked_ (cleared before each forward); output_grad_masked_ is set
+  // by Sequential after the forward of the layer that reads this one's output, cleared before
+  // this one's next forward.
+  bool mask_requested_ = false;
+  bool input_grad_masked_ = false;
+  bool output_grad_masked_ = false;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
 

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "kernels/bias.h"
 #include "kernels/pool.h"
 
 namespace cudp {
@@ -45,6 +46,9 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   // input, which is kept instead (shared, no copy: the layer before keeps it too, for its own
   // backward), kernels/pool.h.
   const bool from_input = device_.is_cuda() && kernel_ == 2 && stride_ == 2 && padding_ == 0;
+  // The ReLU mask of a fused layer before (Module's hand-off): free where backward reads the input
+  // anyway (from_input), and after the reference on the CPU (which then keeps the input).
+  input_grad_masked_ = mask_requested_ && (from_input || device_.is_cpu());
   Tensor indices = from_input ? Tensor() : Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
   int32_t* idx = from_input ? nullptr : indices.data<int32_t>();
   const int k = kernel_, st = stride_, pad = padding_;
@@ -67,7 +71,7 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   input_dtype_ = input.dtype();
   output_shape_ = y.shape();
   indices_ = indices;
-  input_ = from_input ? input : Tensor();
+  input_ = from_input || input_grad_masked_ ? input : Tensor();
   return y;
 }
 
@@ -85,10 +89,14 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
         [&] {
           kernels::max_pool2d_backward_cpu(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad,
                                            pad);
+          if (input_grad_masked_) {
+            kernels::relu_mask_bias_grad_cpu(x, out, out, nullptr, dx.numel(), 1, 0.f);
+          }
         },
         [&](cudaStream_t stream) {
           if (idx == nullptr) {
-            kernels::max_pool2d_backward_from_input(dy, x, out, s.n, s.h, s.w, s.c, stream);
+            kernels::max_pool2d_backward_from_input(dy, x, out, s.n, s.h, s.w, s.c, stream,
+                                                    input_grad_masked_);
           } else {
             kernels::max_pool2d_backward(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
                                          stream);

@@ -37,7 +37,7 @@ class MaxPool2d : public Module {
   Shape input_shape_, output_shape_;  // saved for backward
   DType input_dtype_ = DType::f32;
   Tensor indices_;  // the maxima's positions, or (2x2 stride 2 on the GPU) none and:
-  Tensor input_;    // the input, where backward finds them again
+  Tensor input_;    // the input, where backward finds them again (and the ReLU mask it may do)
 };
 
 class AdaptiveAvgPool2d : public Module {

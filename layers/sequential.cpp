@@ -38,7 +38,11 @@ Tensor Sequential::forward_one(const Tensor& input) {
       child.fuse_relu(fuse);
       if (fuse) skipped_[i + 1] = true;
     }
+    // The layer after a fused ReLU is asked to do the ReLU's backward mask (Module's hand-off).
+    Module* fused = i >= 2 && skipped_[i - 1] ? modules[i - 2].second.get() : nullptr;
+    child.request_input_grad_mask(fused != nullptr && fused->can_take_masked_grad());
     x = child.forward(x);
+    if (fused != nullptr) fused->set_output_grad_masked(child.input_grad_masked());
     if (i + 1 < modules.size() && skipped_[i + 1]) ++i;
   }
   return x;

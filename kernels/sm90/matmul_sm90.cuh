@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "engine/core/error.h"
@@ -257,9 +258,14 @@ __device__ __forceinline__ void for_each_pair(const float* acc, const int (&rows
 // path below spent ~1,270 instructions per warp and tile on 16 pairs (ncu, L2's bf16 forward at
 // 224^2), more than the tile's 9 k-blocks of wgmma, and both consumer warpgroups wait on it. The
 // arithmetic is apply_epilogue's, step for step, so the two paths give the same bits.
-template <int kTileN, bool kBias, bool kRelu, typename Out>
+template <int kTileN, bool kBias, bool kRelu, bool kMask, typename Out>
 __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const float* acc,
                                                  const int (&rows)[2], int base_col) {
+  constexpr bool kBf16 = std::is_same_v<Out, __nv_bfloat16>;
+  // The mask's pairs are loaded kChunk at a time ahead of their stores, through the read-only
+  // path (which the stores cannot alias, so nothing orders the loads after them): loaded pair by
+  // pair, each store waited on its load, and L2's backward-data took 1.6x as long.
+  constexpr int kChunk = kTileN / 8 < 16 ? kTileN / 8 : 16;
   const float alpha = p.epilogue.alpha;
   float bias[kTileN / 4];
   if constexpr (kBias) {
@@ -272,23 +278,52 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (rows[h] < 0) continue;
-    Out* dst = static_cast<Out*>(p.c) + int64_t(rows[h]) * p.ldc + base_col;
+    const int64_t row_at = int64_t(rows[h]) * p.ldc + base_col;
+    Out* dst = static_cast<Out*>(p.c) + row_at;
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-      float v0 = __fmul_rn(alpha, acc[4 * j + 2 * h]);
-      float v1 = __fmul_rn(alpha, acc[4 * j + 2 * h + 1]);
-      if constexpr (kBias) {
-        v0 = __fadd_rn(v0, bias[2 * j]);
-        v1 = __fadd_rn(v1, bias[2 * j + 1]);
+    for (int j0 = 0; j0 < kTileN / 8; j0 += kChunk) {
+      uint32_t mask[kChunk];  // bf16: the pair's bits; fp32: bit e set where element e is masked
+      if constexpr (kMask) {
+#pragma unroll
+        for (int t = 0; t < kChunk; ++t) {
+          const Out* m = static_cast<const Out*>(p.epilogue.mask) + row_at + 8 * (j0 + t);
+          if constexpr (kBf16) {
+            mask[t] = __ldg(reinterpret_cast<const unsigned int*>(m));
+          } else {
+            const float2 f = __ldg(reinterpret_cast<const float2*>(m));
+            mask[t] = uint32_t(f.x <= 0.f) | uint32_t(f.y <= 0.f) << 1;
+          }
+        }
       }
-      if constexpr (kRelu) {
-        v0 = relu_keep_nan(v0);
-        v1 = relu_keep_nan(v1);
-      }
-      if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(v0, v1);
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) {
+        const int j = j0 + t;
+        float v0 = __fmul_rn(alpha, acc[4 * j + 2 * h]);
+        float v1 = __fmul_rn(alpha, acc[4 * j + 2 * h + 1]);
+        if constexpr (kBias) {
+          v0 = __fadd_rn(v0, bias[2 * j]);
+          v1 = __fadd_rn(v1, bias[2 * j + 1]);
+        }
+        if constexpr (kRelu) {
+          v0 = relu_keep_nan(v0);
+          v1 = relu_keep_nan(v1);
+        }
+        if constexpr (kMask) {
+          if constexpr (kBf16) {
+            __nv_bfloat162 pair;
+            memcpy(&pair, &mask[t], sizeof(pair));
+            v0 = __low2float(pair) <= 0.f ? 0.f : v0;  // relu_grad's select
+            v1 = __high2float(pair) <= 0.f ? 0.f : v1;
+          } else {
+            v0 = (mask[t] & 1u) ? 0.f : v0;
+            v1 = (mask[t] & 2u) ? 0.f : v1;
+          }
+        }
+        if constexpr (kBf16) {
+          *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(v0, v1);
+        } else {
+          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(v0, v1);
+        }
       }
     }
   }
@@ -298,14 +333,16 @@ template <int kTileN, typename Out>
 __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const float* acc,
                                                  const int (&rows)[2], int base_col) {
   const bool bias = p.epilogue.bias != nullptr, relu = p.epilogue.relu != 0;
-  if (bias && relu) {
-    store_whole_tile<kTileN, true, true, Out>(p, acc, rows, base_col);
+  if (p.epilogue.mask != nullptr) {  // backward-data: never with a bias or a ReLU
+    store_whole_tile<kTileN, false, false, true, Out>(p, acc, rows, base_col);
+  } else if (bias && relu) {
+    store_whole_tile<kTileN, true, true, false, Out>(p, acc, rows, base_col);
   } else if (bias) {
-    store_whole_tile<kTileN, true, false, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, true, false, false, Out>(p, acc, rows, base_col);
   } else if (relu) {
-    store_whole_tile<kTileN, false, true, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, false, true, false, Out>(p, acc, rows, base_col);
   } else {
-    store_whole_tile<kTileN, false, false, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, false, false, false, Out>(p, acc, rows, base_col);
   }
 }
 
@@ -357,15 +394,17 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
   if (p.c_is_bf16) {
     __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c);
     for_each_pair<kTileN>(acc, rows, base_col, n, [&](int row, int col, float a0, float a1) {
-      __nv_bfloat16* dst = c + int64_t(row) * p.ldc + col;
+      const int64_t at = int64_t(row) * p.ldc + col;
+      __nv_bfloat16* dst = c + at;
       const bool pair = col + 1 < n;
-      const float v0 = apply_epilogue(e, a0, e.beta != 0.f ? __bfloat162float(dst[0]) : 0.f, col);
+      float v0 = apply_epilogue(e, a0, e.beta != 0.f ? __bfloat162float(dst[0]) : 0.f, col);
+      if (e.mask != nullptr) v0 = apply_mask(e, v0, at, true);
       if (!pair) {
         dst[0] = __float2bfloat16_rn(v0);
         return;
       }
-      const float v1 =
-          apply_epilogue(e, a1, e.beta != 0.f ? __bfloat162float(dst[1]) : 0.f, col + 1);
+      float v1 = apply_epilogue(e, a1, e.beta != 0.f ? __bfloat162float(dst[1]) : 0.f, col + 1);
+      if (e.mask != nullptr) v1 = apply_mask(e, v1, at + 1, true);
       if (vec) {
         *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
       } else {
@@ -377,14 +416,17 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
   }
   float* c = static_cast<float*>(p.c);
   for_each_pair<kTileN>(acc, rows, base_col, n, [&](int row, int col, float a0, float a1) {
-    float* dst = c + int64_t(row) * p.ldc + col;
+    const int64_t at = int64_t(row) * p.ldc + col;
+    float* dst = c + at;
     const bool pair = col + 1 < n;
-    const float v0 = apply_epilogue(e, a0, e.beta != 0.f ? dst[0] : 0.f, col);
+    float v0 = apply_epilogue(e, a0, e.beta != 0.f ? dst[0] : 0.f, col);
+    if (e.mask != nullptr) v0 = apply_mask(e, v0, at, false);
     if (!pair) {
       dst[0] = v0;
       return;
     }
-    const float v1 = apply_epilogue(e, a1, e.beta != 0.f ? dst[1] : 0.f, col + 1);
+    float v1 = apply_epilogue(e, a1, e.beta != 0.f ? dst[1] : 0.f, col + 1);
+    if (e.mask != nullptr) v1 = apply_mask(e, v1, at + 1, false);
     if (vec) {
       *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
     } else {
@@ -926,7 +968,7 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.c = prob.c;
   p.ldc = prob.ldc;
   p.c_is_bf16 = prob.c_type == DType::BF16;
-  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu};
+  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
   p.workspace = workspace;
   const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <optional>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "common/compare.h"
@@ -74,13 +75,14 @@ struct Case {
   float alpha = 1.f, beta = 0.f;
   bool bias = false, relu = false;
   int pad = 0;  // extra elements per row (kept a multiple of 16 bytes for A and B)
+  bool mask = false;  // a ReLU mask in C's layout and type (backward-data's fused ReLU backward)
 };
 
 std::string describe(const Case& c) {
   std::ostringstream s;
   s << math_name(c.math) << " m " << c.m << " n " << c.n << " k " << c.k << " C "
     << dtype_name(c.c_type) << " alpha " << c.alpha << " beta " << c.beta << " bias " << c.bias
-    << " relu " << c.relu << " pad " << c.pad;
+    << " relu " << c.relu << " pad " << c.pad << " mask " << c.mask;
   return s.str();
 }
 
@@ -98,9 +100,16 @@ class Product {
     if (c.c_type == DType::BF16) {
       for (float& v : c0_) v = bf16_value(detail::f32_to_bf16_bits(v));
     }
+    // Mask values in C's type, both signs and exact zeros (masked like negatives).
+    mask_ = testing::random_vector(size_t(c.m) * ldc_, seed + 4);
+    for (size_t i = 0; i < mask_.size(); i += 5) mask_[i] = 0.f;
+    if (c.c_type == DType::BF16) {
+      for (float& v : mask_) v = bf16_value(detail::f32_to_bf16_bits(v));
+    }
   }
 
-  MatmulProblem problem(const void* a, const void* b, void* cbuf, const float* bias) const {
+  MatmulProblem problem(const void* a, const void* b, void* cbuf, const float* bias,
+                        const void* mask = nullptr) const {
     MatmulProblem p;
     p.m = c_.m;
     p.n = c_.n;
@@ -117,6 +126,7 @@ class Product {
     p.beta = c_.beta;
     p.bias = c_.bias ? bias : nullptr;
     p.relu = c_.relu;
+    p.mask = mask;
     return p;
   }
 
@@ -130,14 +140,15 @@ class Product {
     std::vector<float> start = c_.beta != 0.f ? c0_ : std::vector<float>(count, kPoison);
     std::vector<float> out(count);
     if (c_.c_type == DType::F32) {
-      DeviceBuffer<float> dc(start);
-      launch(da.get(), db.get(), dc.get(), dbias.get(), plan);
+      DeviceBuffer<float> dc(start), dmask(mask_);
+      launch(da.get(), db.get(), dc.get(), dbias.get(), c_.mask ? dmask.get() : nullptr, plan);
       out = dc.download();
     } else {
-      std::vector<uint16_t> bits(count);
+      std::vector<uint16_t> bits(count), mask_bits(count);
       for (size_t i = 0; i < count; ++i) bits[i] = detail::f32_to_bf16_bits(start[i]);
-      DeviceBuffer<uint16_t> dc(bits);
-      launch(da.get(), db.get(), dc.get(), dbias.get(), plan);
+      for (size_t i = 0; i < count; ++i) mask_bits[i] = detail::f32_to_bf16_bits(mask_[i]);
+      DeviceBuffer<uint16_t> dc(bits), dmask(mask_bits);
+      launch(da.get(), db.get(), dc.get(), dbias.get(), c_.mask ? dmask.get() : nullptr, plan);
       bits = dc.download();
       for (size_t i = 0; i < count; ++i) out[i] = bf16_value(bits[i]);
     }
@@ -163,6 +174,7 @@ class Product {
         if (c_.beta != 0.f) ref += double(c_.beta) * c0_[at];
         if (c_.bias) ref += bias_[j];
         if (c_.relu) ref = std::max(ref, 0.0);
+        if (c_.mask && mask_[at] <= 0.f) ref = 0.0;
         double tol = std::ldexp(64.0, -24) * std::fabs(c_.alpha) * abs_sum +
                      std::ldexp(1.0, -22) * (std::fabs(ref) + 1.0);
         if (c_.math == Math::TF32) {
@@ -203,9 +215,9 @@ class Product {
 
  private:
   template <typename C>
-  void launch(const void* a, const void* b, C* cbuf, const float* bias,
+  void launch(const void* a, const void* b, C* cbuf, const float* bias, const void* mask,
               const std::optional<MatmulPlan>& plan) const {
-    const MatmulProblem p = problem(a, b, cbuf, bias);
+    const MatmulProblem p = problem(a, b, cbuf, bias, mask);
     if (plan) {
       matmul_with_plan(p, *plan, nullptr);
     } else {
@@ -219,7 +231,7 @@ class Product {
   int64_t lda_;
   Operand a_, b_;
   int64_t ldc_;
-  std::vector<float> bias_, c0_;
+  std::vector<float> bias_, c0_, mask_;
 };
 
 
@@ -278,6 +290,47 @@ TEST_P(MatmulGpu, Epilogues) {
   }
 }
 
+// The ReLU mask of backward-data: fp32 and bf16 C, whole and partial tiles, every tile width and
+// split count (the split-K reduction applies it too); masked elements are exact zeros.
+TEST_P(MatmulGpu, ReluMask) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  uint64_t seed = 700;
+  for (DType c_type : {DType::F32, DType::BF16}) {
+    Case c{200, 300, 777, math, c_type};
+    c.mask = true;
+    const Product run(c, seed += 10);
+    int device = 0;
+    CUDP_CUDA_CHECK(cudaGetDevice(&device));
+    const int sms = detail::multiprocessor_count(device);
+    for (int tile_n : {64, 128, 256}) {
+      for (int splits : {1, 3}) {
+        const MatmulPlan plan =
+            make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), tile_n, splits, sms);
+        SCOPED_TRACE(::testing::Message() << "tile_n " << tile_n << " splits " << plan.splits);
+        run.check(run.gpu(plan));
+      }
+    }
+  }
+}
+
+// A mask goes with beta 0, no bias and no ReLU: anything else is refused with the reason.
+TEST_P(MatmulGpu, ReluMaskRefusesAnEpilogue) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  Case c{64, 64, 64, GetParam()};
+  c.mask = true;
+  c.beta = 1.f;
+  const Product run(c, 3);
+  try {
+    run.gpu(std::nullopt);
+    ADD_FAILURE() << "a mask with beta 1 was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("goes with beta 0, no bias and no ReLU"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_P(MatmulGpu, VggClassifierShapes) {
   CUDP_REQUIRE_TENSOR_CORES();
   const Math math = GetParam();
@@ -289,6 +342,12 @@ TEST_P(MatmulGpu, VggClassifierShapes) {
     const Product product(cc, 900);
     product.check(product.gpu(std::nullopt));
   }
+  // The weight gradient as Linear runs it: accumulated into .grad (beta 1), whole tiles.
+  Case acc{4096, 4096, 64};
+  acc.math = math;
+  acc.beta = 1.f;
+  const Product product(acc, 901);
+  product.check(product.gpu(std::nullopt));
 }
 
 TEST_P(MatmulGpu, Deterministic) {

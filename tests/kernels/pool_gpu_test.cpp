@@ -12,6 +12,7 @@
 #include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "engine/core/vendor_check.h"
+#include "kernels/bias.h"
 #include "kernels/pool.h"
 
 namespace cudp::kernels {
@@ -152,6 +153,14 @@ TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
                                      k.h, k.w, k.c, nullptr);
       EXPECT_TRUE(bitwise_equal(download_at(y2, offset), download_at(y1, offset)));
       EXPECT_TRUE(bitwise_equal(download_at(dx2, offset), download_at(dx1, offset)));
+      // With the ReLU mask of x (a fused ReLU's output) in the same pass: the indexed backward
+      // followed by the ReLU's own backward (zeros masked, NaNs kept), bit for bit.
+      DeviceBuffer<float> dx3 = upload_at(std::vector<float>(k.in_size()), offset, 7.f);
+      max_pool2d_backward_from_input(dy.get() + offset, xd.get() + offset, dx3.get() + offset, k.n,
+                                     k.h, k.w, k.c, nullptr, /*relu_mask=*/true);
+      relu_mask_bias_grad(xd.get() + offset, dx1.get() + offset, dx1.get() + offset, nullptr,
+                          int64_t(k.in_size()), 1, 0.f, nullptr);
+      EXPECT_TRUE(bitwise_equal(download_at(dx3, offset), download_at(dx1, offset)));
     }
   }
   // Other windows need their indices.

@@ -109,6 +109,56 @@ INSTANTIATE_TEST_SUITE_P(Bf16Storage, FusedRelu,
                          ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
                          [](const auto& info) { return std::string(precision_name(info.param)); });
 
+// The ReLU mask hand-off (Module::request_input_grad_mask): a fused ReLU followed by a Conv2d or a
+// MaxPool2d leaves its backward's mask to that layer, which applies it to the gradient it returns
+// (on the CPU after its reference; on the GPU in backward-data's epilogue or pooling's pass). Same
+// bits as the ReLU modules, under every precision. A Flatten after a fused ReLU is not asked.
+std::shared_ptr<Sequential> handoff_net(uint64_t seed, int hw) {
+  auto net = std::make_shared<Sequential>();
+  net->add(std::make_shared<Conv2d>(3, 8, 3, 1, 1));
+  net->add(std::make_shared<ReLU>());
+  net->add(std::make_shared<Conv2d>(8, 16, 3, 1, 1));  // masks the first conv's ReLU
+  net->add(std::make_shared<ReLU>());
+  net->add(std::make_shared<MaxPool2d>(2));  // masks the second conv's ReLU
+  net->add(std::make_shared<Conv2d>(16, 16, 3, 1, 1));
+  net->add(std::make_shared<ReLU>());
+  net->add(std::make_shared<Flatten>());  // does not mask: the third conv masks its own
+  net->add(std::make_shared<Linear>(16 * (hw / 2) * (hw / 2), 10));
+  testing::randomize_parameters(*net, seed, -0.5f, 0.5f);
+  return net;
+}
+
+class ReluMaskHandOff : public ::testing::TestWithParam<Precision> {};
+
+TEST_P(ReluMaskHandOff, GivesTheReluModulesBits) {
+  auto fused = handoff_net(31, 8);
+  auto separate = handoff_net(31, 8);
+  fused->set_precision(GetParam());
+  separate->set_precision(GetParam());
+  separate->set_fusion(false);
+  const Tensor x = random_tensor({3, 8, 8, 3}, 32);
+  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  EXPECT_TRUE((*fused)[2]->input_grad_masked());
+  EXPECT_TRUE((*fused)[4]->input_grad_masked());
+  EXPECT_FALSE((*fused)[0]->input_grad_masked());  // nothing fused before it
+  EXPECT_FALSE((*fused)[7]->input_grad_masked());  // Flatten is not asked
+  EXPECT_FALSE((*separate)[2]->input_grad_masked());
+  EXPECT_EQ(values(y1), values(y2));
+  const Tensor g = random_tensor(y1.shape(), 33);
+  fused->zero_grad();
+  separate->zero_grad();
+  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
+  EXPECT_EQ(gradients(*fused), gradients(*separate));
+  // A layer called alone after the Sequential's forward is asked nothing.
+  Module& conv = *(*fused)[2];
+  conv.forward((*fused)[0]->forward(x));
+  EXPECT_FALSE(conv.input_grad_masked());
+}
+
+INSTANTIATE_TEST_SUITE_P(Bf16Storage, ReluMaskHandOff,
+                         ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
+                         [](const auto& info) { return std::string(precision_name(info.param)); });
+
 // fuse_relu(true) holds for one forward: a layer called directly after a Sequential's forward
 // computes itself alone (negative outputs stay).
 TEST(Bf16Storage, AFusedReluHoldsForOneForwardOnly) {
