@@ -258,14 +258,23 @@ __device__ __forceinline__ void for_each_pair(const float* acc, const int (&rows
 // path below spent ~1,270 instructions per warp and tile on 16 pairs (ncu, L2's bf16 forward at
 // 224^2), more than the tile's 9 k-blocks of wgmma, and both consumer warpgroups wait on it. The
 // arithmetic is apply_epilogue's, step for step, so the two paths give the same bits.
-template <int kTileN, bool kBias, bool kRelu, bool kMask, typename Out>
+//
+// kBeta (fp32 C, beta != 0: Linear's weight gradients accumulated into .grad, and backward-weight
+// without split-K) reads C's old values the same way as the mask below. Each element is read once,
+// by the thread that then writes it, so the read-only path sees C as it was before the kernel.
+template <int kTileN, bool kBias, bool kRelu, bool kMask, bool kBeta, typename Out>
 __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const float* acc,
                                                  const int (&rows)[2], int base_col) {
   constexpr bool kBf16 = std::is_same_v<Out, __nv_bfloat16>;
-  // The mask's pairs are loaded kChunk at a time ahead of their stores, through the read-only
-  // path (which the stores cannot alias, so nothing orders the loads after them): loaded pair by
-  // pair, each store waited on its load, and L2's backward-data took 1.6x as long.
-  constexpr int kChunk = kTileN / 8 < 16 ? kTileN / 8 : 16;
+  static_assert(!kBeta || !kBf16, "beta != 0 whole tiles are fp32");
+  // The mask's pairs (and the old values) are loaded kChunk at a time ahead of their stores,
+  // through the read-only path (which the stores cannot alias, so nothing orders the loads after
+  // them): loaded pair by pair, each store waited on its load; L2's backward-data took 1.6x as
+  // long, and VGG's classifier backward-weight at batch 64 (all epilogue) ran at a quarter of the
+  // memory bandwidth.
+  constexpr int kMaxChunk = kBeta ? 8 : 16;
+  constexpr int kChunk = kTileN / 8 < kMaxChunk ? kTileN / 8 : kMaxChunk;
+  [[maybe_unused]] const float beta = p.epilogue.beta;
   const float alpha = p.epilogue.alpha;
   float bias[kTileN / 4];
   if constexpr (kBias) {
@@ -283,6 +292,13 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
 #pragma unroll
     for (int j0 = 0; j0 < kTileN / 8; j0 += kChunk) {
       uint32_t mask[kChunk];  // bf16: the pair's bits; fp32: bit e set where element e is masked
+      float2 old[kChunk];
+      if constexpr (kBeta) {
+#pragma unroll
+        for (int t = 0; t < kChunk; ++t) {
+          old[t] = __ldg(reinterpret_cast<const float2*>(dst + 8 * (j0 + t)));
+        }
+      }
       if constexpr (kMask) {
 #pragma unroll
         for (int t = 0; t < kChunk; ++t) {
@@ -300,6 +316,10 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
         const int j = j0 + t;
         float v0 = __fmul_rn(alpha, acc[4 * j + 2 * h]);
         float v1 = __fmul_rn(alpha, acc[4 * j + 2 * h + 1]);
+        if constexpr (kBeta) {
+          v0 = __fmaf_rn(beta, old[t].x, v0);
+          v1 = __fmaf_rn(beta, old[t].y, v1);
+        }
         if constexpr (kBias) {
           v0 = __fadd_rn(v0, bias[2 * j]);
           v1 = __fadd_rn(v1, bias[2 * j + 1]);
@@ -334,15 +354,15 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
                                                  const int (&rows)[2], int base_col) {
   const bool bias = p.epilogue.bias != nullptr, relu = p.epilogue.relu != 0;
   if (p.epilogue.mask != nullptr) {  // backward-data: never with a bias or a ReLU
-    store_whole_tile<kTileN, false, false, true, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, false, false, true, false, Out>(p, acc, rows, base_col);
   } else if (bias && relu) {
-    store_whole_tile<kTileN, true, true, false, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, true, true, false, false, Out>(p, acc, rows, base_col);
   } else if (bias) {
-    store_whole_tile<kTileN, true, false, false, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, true, false, false, false, Out>(p, acc, rows, base_col);
   } else if (relu) {
-    store_whole_tile<kTileN, false, true, false, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, false, true, false, false, Out>(p, acc, rows, base_col);
   } else {
-    store_whole_tile<kTileN, false, false, false, Out>(p, acc, rows, base_col);
+    store_whole_tile<kTileN, false, false, false, false, Out>(p, acc, rows, base_col);
   }
 }
 
@@ -389,6 +409,11 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
     } else {
       store_whole_tile<kTileN, float>(p, acc, rows, base_col);
     }
+    return;
+  }
+  if (vec && col0 + kTileN <= n && !p.c_is_bf16 && e.bias == nullptr && !e.relu &&
+      e.mask == nullptr) {  // C += A * B^T (beta != 0)
+    store_whole_tile<kTileN, false, false, false, true, float>(p, acc, rows, base_col);
     return;
   }
   if (p.c_is_bf16) {

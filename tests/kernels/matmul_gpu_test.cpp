@@ -253,22 +253,31 @@ TEST_P(MatmulGpu, OddShapesMatchTheCpuReference) {
 TEST_P(MatmulGpu, EveryTileWidthAndSplitCount) {
   CUDP_REQUIRE_TENSOR_CORES();
   const Math math = GetParam();
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int sms = detail::multiprocessor_count(device);
+  // C += A * B^T without a bias takes the whole-tile accumulation path; with one, the general.
+  for (bool bias : {true, false}) {
+    Case c{200, 300, 777};
+    c.math = math;
+    c.beta = 0.5f;
+    c.bias = bias;
+    const Product run(c, 7);
+    for (int tile_n : {64, 128, 256}) {
+      for (int splits : {1, 2, 3, 7, 16}) {
+        const MatmulPlan plan =
+            make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), tile_n, splits, sms);
+        SCOPED_TRACE(::testing::Message()
+                     << "bias " << bias << " tile_n " << tile_n << " splits " << plan.splits);
+        run.check(run.gpu(plan));
+      }
+    }
+  }
   Case c{200, 300, 777};
   c.math = math;
   c.beta = 0.5f;
   c.bias = true;
   const Product run(c, 7);
-  int device = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  const int sms = detail::multiprocessor_count(device);
-  for (int tile_n : {128, 256}) {
-    for (int splits : {1, 2, 3, 7, 16}) {
-      const MatmulPlan plan = make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr),
-                                               tile_n, splits, sms);
-      SCOPED_TRACE(::testing::Message() << "tile_n " << tile_n << " splits " << plan.splits);
-      run.check(run.gpu(plan));
-    }
-  }
   // A grid smaller than the work: each persistent block walks several tiles.
   MatmulPlan few = make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), 128, 2, 3);
   SCOPED_TRACE("grid of 3 blocks");
