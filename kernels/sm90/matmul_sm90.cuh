@@ -822,12 +822,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int kb_begin = w.split * p.k_blocks_per_split;
         const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
         if ((j & 1) != consumer) {
-          for (int kb = kb_begin; kb < kb_end; ++kb) {
-            if (++stage == Cfg::kStages) {
-              stage = 0;
-              phase ^= 1;
-            }
-          }
+          // The other consumer's stages: the ring moves on by their count, the phase flipping
+          // once per wrap.
+          stage += max(kb_end - kb_begin, 0);
+          phase ^= (stage / Cfg::kStages) & 1;
+          stage %= Cfg::kStages;
           continue;
         }
         if (j > 0) turn_wait(1 + consumer);

@@ -196,7 +196,10 @@ TEST(Bf16StorageGpu, ASmallVggMatchesTheCpuEndToEnd) {
 }
 
 // The fused ReLU on the GPU, under every policy: the SIMT kernels (fp32) and the tensor cores
-// (tf32, bf16) give the ReLU module's bits.
+// (tf32, bf16) give the ReLU module's bits, with the mask hand-off
+// (Module::request_input_grad_mask) where it applies: the pooling after a fused ReLU masks in its
+// backward's pass under every policy, the Conv2d after one in backward-data's epilogue under bf16
+// (fp32 and tf32 keep the mask in the fused layer's own pass).
 class FusedReluGpu : public ::testing::TestWithParam<Precision> {};
 
 TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
@@ -217,6 +220,10 @@ TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
   const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
   EXPECT_TRUE((*fused)[0]->relu_fused());
   EXPECT_FALSE((*separate)[0]->relu_fused());
+  EXPECT_EQ((*fused)[2]->input_grad_masked(), GetParam() == Precision::bf16);
+  EXPECT_TRUE((*fused)[4]->input_grad_masked());
+  EXPECT_TRUE((*fused)[7]->input_grad_masked());
+  EXPECT_FALSE((*separate)[4]->input_grad_masked());
   EXPECT_EQ(values(y1), values(y2));
   const Tensor g = random_tensor(y1.shape(), 15, -1.f, 1.f, gpu);
   fused->zero_grad();
@@ -227,59 +234,6 @@ TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
     EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
   }
 }
-
-// The ReLU mask hand-off on the GPU: a MaxPool2d after a fused ReLU masks in its backward's pass
-// under every policy; a Conv2d in backward-data's epilogue under bf16 (fp32 and tf32 keep the mask
-// in the fused layer's own pass). The ReLU modules' bits either way.
-class ReluMaskHandOffGpu : public ::testing::TestWithParam<Precision> {};
-
-TEST_P(ReluMaskHandOffGpu, GivesTheReluModulesBits) {
-  if (GetParam() == Precision::fp32) {
-    CUDP_REQUIRE_GPU();
-  } else {
-    CUDP_REQUIRE_TENSOR_CORES();
-  }
-  const Device gpu = Device::cuda(0);
-  const auto net = [](uint64_t seed) {
-    auto n = std::make_shared<Sequential>();
-    n->add(std::make_shared<Conv2d>(3, 16, 3, 1, 1));
-    n->add(std::make_shared<ReLU>());
-    n->add(std::make_shared<Conv2d>(16, 32, 3, 1, 1));
-    n->add(std::make_shared<ReLU>());
-    n->add(std::make_shared<MaxPool2d>(2));
-    n->add(std::make_shared<Conv2d>(32, 16, 3, 1, 1));
-    n->add(std::make_shared<ReLU>());
-    n->add(std::make_shared<Flatten>());
-    n->add(std::make_shared<Linear>(16 * 10 * 10, 10));
-    testing::randomize_parameters(*n, seed, -0.5f, 0.5f);
-    return n;
-  };
-  auto fused = net(41);
-  auto separate = net(41);
-  fused->set_precision(GetParam());
-  separate->set_precision(GetParam());
-  separate->set_fusion(false);
-  fused->to(gpu);
-  separate->to(gpu);
-  // 20 x 20: the products' tiles (128 pixels) hang over the edge of the images.
-  const Tensor x = random_tensor({3, 20, 20, 3}, 42, -1.f, 1.f, gpu);
-  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
-  EXPECT_EQ((*fused)[2]->input_grad_masked(), GetParam() == Precision::bf16);
-  EXPECT_TRUE((*fused)[4]->input_grad_masked());
-  EXPECT_EQ(values(y1), values(y2));
-  const Tensor g = random_tensor(y1.shape(), 43, -1.f, 1.f, gpu);
-  fused->zero_grad();
-  separate->zero_grad();
-  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
-  const auto a = fused->parameters(), b = separate->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Bf16StorageGpu, ReluMaskHandOffGpu,
-                         ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
-                         [](const auto& info) { return std::string(precision_name(info.param)); });
 
 INSTANTIATE_TEST_SUITE_P(Bf16StorageGpu, FusedReluGpu,
                          ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),

@@ -46,6 +46,26 @@ std::vector<float> gradients(Module& m) {
   return out;
 }
 
+// `fused` and `separate` (the same model, set_fusion(false)) under `precision`: the same output for
+// x, the same input gradient and parameter gradients for a random output gradient. Returns the
+// fused model, forward and backward done.
+std::shared_ptr<Sequential> expect_fusion_is_exact(std::shared_ptr<Sequential> fused,
+                                                   std::shared_ptr<Sequential> separate,
+                                                   Precision precision, const Tensor& x,
+                                                   uint64_t seed) {
+  fused->set_precision(precision);
+  separate->set_precision(precision);
+  separate->set_fusion(false);
+  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  EXPECT_EQ(values(y1), values(y2));
+  const Tensor g = random_tensor(y1.shape(), seed);
+  fused->zero_grad();
+  separate->zero_grad();
+  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
+  EXPECT_EQ(gradients(*fused), gradients(*separate));
+  return fused;
+}
+
 TEST(Bf16Storage, EachLayerReturnsItsDtypeAndGradientsHaveTheirValuesDtype) {
   auto net = small_net(1);
   net->set_precision(Precision::bf16);
@@ -81,26 +101,17 @@ TEST(Bf16Storage, ThroughASequentialTheModelsInputGradientIsF32) {
 class FusedRelu : public ::testing::TestWithParam<Precision> {};
 
 TEST_P(FusedRelu, GivesTheReluModulesBits) {
-  auto fused = small_net(7);
   auto separate = small_net(7);
-  fused->set_precision(GetParam());
-  separate->set_precision(GetParam());
-  separate->set_fusion(false);
-  const Tensor x = random_tensor({3, 8, 8, 3}, 8);
-  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  auto fused =
+      expect_fusion_is_exact(small_net(7), separate, GetParam(), random_tensor({3, 8, 8, 3}, 8), 9);
   EXPECT_TRUE((*fused)[0]->relu_fused());
   EXPECT_TRUE((*fused)[3]->relu_fused());
   EXPECT_FALSE((*separate)[0]->relu_fused());
-  EXPECT_EQ(values(y1), values(y2));
-  const Tensor g = random_tensor(y1.shape(), 9);
-  fused->zero_grad();
-  separate->zero_grad();
-  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
-  EXPECT_EQ(gradients(*fused), gradients(*separate));
   // The gradient reached the first layer's parameters through the masks (not all zero).
   const std::vector<float> first = values((*fused)[0]->parameters()[0]->grad);
   EXPECT_TRUE(std::any_of(first.begin(), first.end(), [](float v) { return v != 0.0f; }));
   // The inplace ReLU (layer 1) was skipped: it never ran, so it has nothing for a backward.
+  const Tensor g = random_tensor({3, 8, 8, 8}, 10);
   const Tensor g1 = GetParam() == Precision::bf16 ? convert(g, DType::bf16) : g;
   EXPECT_THROW_WITH((*fused)[1]->backward(g1), "without a forward()");
 }
@@ -131,24 +142,14 @@ std::shared_ptr<Sequential> handoff_net(uint64_t seed, int hw) {
 class ReluMaskHandOff : public ::testing::TestWithParam<Precision> {};
 
 TEST_P(ReluMaskHandOff, GivesTheReluModulesBits) {
-  auto fused = handoff_net(31, 8);
   auto separate = handoff_net(31, 8);
-  fused->set_precision(GetParam());
-  separate->set_precision(GetParam());
-  separate->set_fusion(false);
   const Tensor x = random_tensor({3, 8, 8, 3}, 32);
-  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  auto fused = expect_fusion_is_exact(handoff_net(31, 8), separate, GetParam(), x, 33);
   EXPECT_TRUE((*fused)[2]->input_grad_masked());
   EXPECT_TRUE((*fused)[4]->input_grad_masked());
   EXPECT_FALSE((*fused)[0]->input_grad_masked());  // nothing fused before it
   EXPECT_FALSE((*fused)[7]->input_grad_masked());  // Flatten is not asked
   EXPECT_FALSE((*separate)[2]->input_grad_masked());
-  EXPECT_EQ(values(y1), values(y2));
-  const Tensor g = random_tensor(y1.shape(), 33);
-  fused->zero_grad();
-  separate->zero_grad();
-  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
-  EXPECT_EQ(gradients(*fused), gradients(*separate));
   // A layer called alone after the Sequential's forward is asked nothing.
   Module& conv = *(*fused)[2];
   conv.forward((*fused)[0]->forward(x));
