@@ -83,35 +83,54 @@ __global__ void rotate_filters_kernel(const In* __restrict__ w, int k, int r, in
 
 // dst (K x R x S x cp bf16) = w (K x R x S x C fp32) with the channels zero-padded, and, when
 // `rotated` is not null, rotated (C x R x S x K bf16) = w'[c][r][s][k] = w[k][R-1-r][S-1-s][c]: the
-// filters of backward-data, from the same read. Block (x, y, tap) converts the 32 x 32 tile of
-// filters k0..k0+31 x channels c0..c0+31 of one tap (r, s): rows of w and dst are read and written
-// along c, and the tile goes through shared memory so that the rotated copy is written along k
-// too (written element by element at a stride of K, it ran at an eighth of the bandwidth).
-constexpr int kFilterTile = 32;
+// filters of backward-data, from the same read. Block (x, y, tap) converts the tile of filters
+// k0.. x channels c0.. of one tap (r, s): rows of w and dst are read and written along c, and the
+// tile goes through shared memory so that the rotated copy is written along k too (written element
+// by element at a stride of K, it ran at an eighth of the bandwidth). kPair 2 (C and K even): each
+// thread moves pairs (float2 in, bf16x2 out) of a 64 x 64 tile; kPair 1 (VGG's first layer, C = 3)
+// single elements of a 32 x 32 tile.
+constexpr int kFilterThreads = 32;
 
+template <int kPair>
 __global__ void filters_to_bf16_kernel(const float* __restrict__ w, int k, int r, int s, int c,
                                        int cp, __nv_bfloat16* __restrict__ dst,
                                        __nv_bfloat16* __restrict__ rotated) {
-  __shared__ __nv_bfloat16 tile[kFilterTile][kFilterTile + 2];
-  const int c0 = blockIdx.x * kFilterTile, k0 = blockIdx.y * kFilterTile;
+  constexpr int kTile = kFilterThreads * kPair;
+  __shared__ __nv_bfloat16 tile[kTile][kTile + 2];  // [filter][channel]
+  const int c0 = blockIdx.x * kTile, k0 = blockIdx.y * kTile;
   const int tap = blockIdx.z;
   const int rr = tap / s, ss = tap - rr * s;
   const int tx = threadIdx.x, ty = threadIdx.y;
-  for (int i = ty; i < kFilterTile; i += blockDim.y) {
-    const int kk = k0 + i, cc = c0 + tx;
+  for (int i = ty; i < kTile; i += blockDim.y) {
+    const int kk = k0 + i, cc = c0 + kPair * tx;
     if (kk >= k || cc >= cp) continue;
     const int64_t row = (int64_t(kk) * r + rr) * s + ss;
-    const __nv_bfloat16 b = __float2bfloat16_rn(cc < c ? w[row * c + cc] : 0.f);
-    dst[row * cp + cc] = b;
-    tile[i][tx] = b;
+    if constexpr (kPair == 2) {  // c even: a pair is wholly inside C or wholly padding
+      const float2 v =
+          cc < c ? *reinterpret_cast<const float2*>(w + row * c + cc) : make_float2(0.f, 0.f);
+      const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+      *reinterpret_cast<__nv_bfloat162*>(dst + row * cp + cc) = b;
+      tile[i][2 * tx] = b.x;
+      tile[i][2 * tx + 1] = b.y;
+    } else {
+      const __nv_bfloat16 b = __float2bfloat16_rn(cc < c ? w[row * c + cc] : 0.f);
+      dst[row * cp + cc] = b;
+      tile[i][tx] = b;
+    }
   }
   if (rotated == nullptr) return;  // uniform across the block
   __syncthreads();
   const int64_t rtap = int64_t(r - 1 - rr) * s + (s - 1 - ss);
-  for (int i = ty; i < kFilterTile; i += blockDim.y) {
-    const int cc = c0 + i, kk = k0 + tx;
+  for (int i = ty; i < kTile; i += blockDim.y) {
+    const int cc = c0 + i, kk = k0 + kPair * tx;
     if (cc >= c || kk >= k) continue;
-    rotated[(int64_t(cc) * r * s + rtap) * k + kk] = tile[tx][i];
+    __nv_bfloat16* out = rotated + (int64_t(cc) * r * s + rtap) * k + kk;
+    if constexpr (kPair == 2) {  // k even: kk + 1 < k
+      *reinterpret_cast<__nv_bfloat162*>(out) =
+          __halves2bfloat162(tile[2 * tx][i], tile[2 * tx + 1][i]);
+    } else {
+      *out = tile[tx][i];
+    }
   }
 }
 
@@ -629,12 +648,21 @@ void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst,
   shape.validate();
   CUDP_CHECK(w && dst, "conv2d_filters_to_bf16: w and dst must not be null");
   const int cp = static_cast<int>(round_up(shape.c, 8));
-  const dim3 grid(static_cast<unsigned>((cp + kFilterTile - 1) / kFilterTile),
-                  static_cast<unsigned>((shape.k + kFilterTile - 1) / kFilterTile),
-                  static_cast<unsigned>(shape.r * shape.s));
-  launch("filters_to_bf16_kernel", filters_to_bf16_kernel, grid, dim3(kFilterTile, 8), 0, stream, w,
-         shape.k, shape.r, shape.s, shape.c, cp, static_cast<__nv_bfloat16*>(dst),
-         static_cast<__nv_bfloat16*>(rotated));
+  const auto run = [&](auto kernel, int pair) {
+    const int tile = kFilterThreads * pair;
+    const dim3 grid(static_cast<unsigned>((cp + tile - 1) / tile),
+                    static_cast<unsigned>((shape.k + tile - 1) / tile),
+                    static_cast<unsigned>(shape.r * shape.s));
+    launch("filters_to_bf16_kernel", kernel, grid, dim3(kFilterThreads, 8), 0, stream, w, shape.k,
+           shape.r, shape.s, shape.c, cp, static_cast<__nv_bfloat16*>(dst),
+           static_cast<__nv_bfloat16*>(rotated));
+  };
+  if (shape.c % 2 == 0 && shape.k % 2 == 0 && reinterpret_cast<uintptr_t>(w) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(dst) % 4 == 0 && reinterpret_cast<uintptr_t>(rotated) % 4 == 0) {
+    run(filters_to_bf16_kernel<2>, 2);
+  } else {
+    run(filters_to_bf16_kernel<1>, 1);
+  }
 }
 
 int bf16_channels(int c) { return static_cast<int>(round_up(c, 8)); }

@@ -183,6 +183,51 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTcGpu, ::testing::ValuesIn(params()), [](
          (info.param.patch_feed ? "_patch" : "_gather");
 });
 
+// The filters' bf16 copies, bit for bit against the host's rounding: channels zero-padded to 8, and
+// the rotated copy of backward-data. Both kernels (pairs: C and K even; single elements otherwise),
+// partial tiles on both sides, 1x1 and 3x3 taps.
+TEST(Conv2dTcTyped, FiltersToBf16AndTheirRotation) {
+  CUDP_REQUIRE_GPU();
+  struct Filters {
+    int k, r, s, c;
+  };
+  for (const Filters f : {Filters{64, 3, 3, 3}, Filters{6, 3, 3, 10}, Filters{72, 3, 3, 68},
+                          Filters{130, 1, 1, 66}, Filters{5, 3, 3, 7}, Filters{2, 3, 5, 2}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "K " << f.k << " R " << f.r << " S " << f.s << " C " << f.c);
+    const Conv2dShape shape{1, 8, 8, f.c, f.k, f.r, f.s, 1, 1, 0, 0};
+    const int cp = bf16_channels(f.c);
+    const size_t taps = size_t(f.r) * f.s;
+    const std::vector<float> w = testing::random_vector(size_t(f.k) * taps * f.c, 300 + f.c);
+    DeviceBuffer<float> dw(w);
+    DeviceBuffer<uint16_t> dst(size_t(f.k) * taps * cp), rot(size_t(f.c) * taps * f.k);
+    dst.fill(0xFFFF);
+    rot.fill(0xFFFF);
+    conv2d_filters_to_bf16(dw.get(), shape, dst.get(), rot.get(), nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = dst.download(), got_rot = rot.download();
+    int64_t bad = 0, bad_rot = 0;
+    for (int k = 0; k < f.k; ++k) {
+      for (int r = 0; r < f.r; ++r) {
+        for (int sx = 0; sx < f.s; ++sx) {
+          const size_t tap = size_t(r) * f.s + sx;
+          for (int c = 0; c < cp; ++c) {
+            const float v = c < f.c ? w[(k * taps + tap) * f.c + c] : 0.f;
+            bad += got[(k * taps + tap) * cp + c] != detail::f32_to_bf16_bits(v);
+          }
+          const size_t rtap = size_t(f.r - 1 - r) * f.s + (f.s - 1 - sx);
+          for (int c = 0; c < f.c; ++c) {
+            bad_rot += got_rot[(c * taps + rtap) * f.k + k] !=
+                       detail::f32_to_bf16_bits(w[(k * taps + tap) * f.c + c]);
+          }
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << "elements of the padded copy differ";
+    EXPECT_EQ(bad_rot, 0) << "elements of the rotated copy differ";
+  }
+}
+
 // The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
 TEST(Conv2dTcTyped, Bf16InBf16Out) {
   CUDP_REQUIRE_TENSOR_CORES();
