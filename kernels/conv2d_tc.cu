@@ -598,6 +598,9 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
 
 void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream) {
   check_tc("conv2d_forward_tc", shape, ops.math);
+  CUDP_CHECK(ops.mask == nullptr,
+             "conv2d_forward_tc: a ReLU mask is backward-data's (the ReLU before the layer); the "
+             "forward takes none");
   run_forward(shape, ops, stream);
 }
 

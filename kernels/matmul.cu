@@ -200,6 +200,9 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
     return "a ReLU mask (backward-data's fused ReLU backward) goes with beta 0, no bias and no "
            "ReLU";
   }
+  if (p.mask != nullptr && !aligned16(p.mask)) {
+    return "the ReLU mask must be 16-byte aligned (it is read in pairs with C's row stride)";
+  }
   if (p.k == 0) return "";
   const int esize = p.math == Math::BF16 ? 2 : 4;
   const char* want = p.math == Math::BF16 ? "bf16" : "fp32";

@@ -61,7 +61,13 @@ TensorList Module::forward_all(const TensorList& inputs) {
   }
   input_grad_masked_ = false;
   output_grad_masked_ = false;
-  TensorList outputs = forward_impl(widened.empty() ? inputs : widened);
+  TensorList outputs;
+  try {
+    outputs = forward_impl(widened.empty() ? inputs : widened);
+  } catch (...) {
+    relu_fused_ = mask_requested_ = false;  // hold for one forward, failed ones included
+    throw;
+  }
   last_relu_fused_ = relu_fused_;
   relu_fused_ = false;  // fuse_relu(true) holds for one forward
   mask_requested_ = false;

@@ -228,6 +228,44 @@ TEST(Conv2dTcTyped, FiltersToBf16AndTheirRotation) {
   }
 }
 
+// Backward-data with the ReLU mask of the layer before (ConvOperands::mask), on the patch tiles a
+// VGG layer runs (64 input channels: whole tiles 64 and 128 wide): the unmasked product with the
+// mask's select applied afterwards, bit for bit; masked elements are +0, every element written.
+TEST(Conv2dTcTyped, BackwardDataAppliesTheReluMask) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const Conv2dShape s : {Conv2dShape{2, 12, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{3, 10, 12, 128, 64, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "C " << s.c << " K " << s.k);
+    std::vector<float> mask = operand(size_t(s.x_size()), 13, Math::BF16);
+    for (size_t i = 0; i < mask.size(); i += 5) mask[i] = 0.f;
+    auto bits = [](const std::vector<float>& v) {
+      std::vector<uint16_t> b(v.size());
+      for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
+      return b;
+    };
+    DeviceBuffer<uint16_t> dy(bits(operand(size_t(s.y_size()), 11, Math::BF16))),
+        w(bits(operand(size_t(s.w_size()), 12, Math::BF16))), dmask(bits(mask)),
+        plain(size_t(s.x_size())), masked(size_t(s.x_size()));
+    plain.fill(0xFFFF);
+    masked.fill(0xFFFF);
+    ConvOperands ops{Math::BF16, dy.get(), w.get(), plain.get(), DType::BF16, nullptr, false};
+    conv2d_backward_data_tc(s, ops, nullptr);
+    ops.y = masked.get();
+    ops.mask = dmask.get();
+    conv2d_backward_data_tc(s, ops, nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> p = plain.download(), m = masked.download();
+    int64_t bad = 0, zeros = 0;
+    for (size_t i = 0; i < p.size(); ++i) {
+      const uint16_t want = mask[i] <= 0.f ? uint16_t(0) : p[i];
+      bad += m[i] != want;
+      zeros += mask[i] <= 0.f;
+    }
+    EXPECT_EQ(bad, 0) << "of " << p.size() << " elements (" << zeros << " masked)";
+    EXPECT_GT(zeros, 0);
+  }
+}
+
 // The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
 TEST(Conv2dTcTyped, Bf16InBf16Out) {
   CUDP_REQUIRE_TENSOR_CORES();

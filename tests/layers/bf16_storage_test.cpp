@@ -123,7 +123,7 @@ INSTANTIATE_TEST_SUITE_P(Bf16Storage, FusedRelu,
 // The ReLU mask hand-off (Module::request_input_grad_mask): a fused ReLU followed by a Conv2d or a
 // MaxPool2d leaves its backward's mask to that layer, which applies it to the gradient it returns
 // (on the CPU after its reference; on the GPU in backward-data's epilogue or pooling's pass). Same
-// bits as the ReLU modules, under every precision. A Flatten after a fused ReLU is not asked.
+// bits as the ReLU modules, under every precision. A Flatten after a fused ReLU declines.
 std::shared_ptr<Sequential> handoff_net(uint64_t seed, int hw) {
   auto net = std::make_shared<Sequential>();
   net->add(std::make_shared<Conv2d>(3, 8, 3, 1, 1));
@@ -133,7 +133,7 @@ std::shared_ptr<Sequential> handoff_net(uint64_t seed, int hw) {
   net->add(std::make_shared<MaxPool2d>(2));  // masks the second conv's ReLU
   net->add(std::make_shared<Conv2d>(16, 16, 3, 1, 1));
   net->add(std::make_shared<ReLU>());
-  net->add(std::make_shared<Flatten>());  // does not mask: the third conv masks its own
+  net->add(std::make_shared<Flatten>());  // declines: the third conv masks its own
   net->add(std::make_shared<Linear>(16 * (hw / 2) * (hw / 2), 10));
   testing::randomize_parameters(*net, seed, -0.5f, 0.5f);
   return net;
@@ -148,11 +148,17 @@ TEST_P(ReluMaskHandOff, GivesTheReluModulesBits) {
   EXPECT_TRUE((*fused)[2]->input_grad_masked());
   EXPECT_TRUE((*fused)[4]->input_grad_masked());
   EXPECT_FALSE((*fused)[0]->input_grad_masked());  // nothing fused before it
-  EXPECT_FALSE((*fused)[7]->input_grad_masked());  // Flatten is not asked
+  EXPECT_FALSE((*fused)[7]->input_grad_masked());  // Flatten is asked and declines
   EXPECT_FALSE((*separate)[2]->input_grad_masked());
   // A layer called alone after the Sequential's forward is asked nothing.
   Module& conv = *(*fused)[2];
   conv.forward((*fused)[0]->forward(x));
+  EXPECT_FALSE(conv.input_grad_masked());
+  // A request holds for one forward, one that fails included.
+  const Tensor h = (*fused)[0]->forward(x);
+  conv.request_input_grad_mask(true);
+  EXPECT_THROW(conv.forward(random_tensor({3, 8, 8, 5}, 34)), std::exception);
+  conv.forward(h);
   EXPECT_FALSE(conv.input_grad_masked());
 }
 
