@@ -5,6 +5,7 @@
 
 #include "engine/core/memory.h"
 #include "kernels/bias.h"
+#include "kernels/elementwise.h"
 #include "kernels/layout.h"
 
 namespace cudp {
@@ -83,16 +84,16 @@ void output_grad_pass(const T* y, const T* dy, T* dym, float* db, int64_t rows, 
   }
 }
 
-// dx zeroed where x <= 0, in place, on the CPU: the mask of the ReLU before the layer.
+// The backward of the ReLU before the layer on the CPU, in place: the ReLU module's own
+// (kernels::relu_backward_cpu, x being that ReLU's output).
 void relu_mask_cpu(const Tensor& x, Tensor& dx) {
   CUDP_CHECK(x.dtype() == dx.dtype() && x.numel() == dx.numel(),
              "Conv2d: the input mask and dx differ: ", x.str(), " and ", dx.str());
   if (dx.dtype() == DType::bf16) {
     auto* d = dx.data<__nv_bfloat16>();
-    kernels::relu_mask_bias_grad_cpu(x.data<__nv_bfloat16>(), d, d, nullptr, dx.numel(), 1, 0.f);
+    kernels::relu_backward_cpu(x.data<__nv_bfloat16>(), d, d, dx.numel());
   } else {
-    float* d = dx.data<float>();
-    kernels::relu_mask_bias_grad_cpu(x.data<float>(), d, d, nullptr, dx.numel(), 1, 0.f);
+    kernels::relu_backward_cpu(x.data<float>(), dx.data<float>(), dx.data<float>(), dx.numel());
   }
 }
 

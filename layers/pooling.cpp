@@ -2,7 +2,7 @@
 
 #include <limits>
 
-#include "kernels/bias.h"
+#include "kernels/elementwise.h"
 #include "kernels/pool.h"
 
 namespace cudp {
@@ -89,9 +89,7 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
         [&] {
           kernels::max_pool2d_backward_cpu(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad,
                                            pad);
-          if (input_grad_masked_) {
-            kernels::relu_mask_bias_grad_cpu(x, out, out, nullptr, dx.numel(), 1, 0.f);
-          }
+          if (input_grad_masked_) kernels::relu_backward_cpu(x, out, out, dx.numel());
         },
         [&](cudaStream_t stream) {
           if (idx == nullptr) {
