@@ -149,8 +149,10 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
 void set_wgrad_descriptor_variant(int variant);
 // How the tensor-core convolutions of stride-1 layers whose C is a multiple of the k-block feed
 // their gathered operand: `patch` (the default: 4-D TMA boxes over patch tiles, the faster on every
-// VGG-16 shape measured) or `gather` (the im2col gather that every other layer uses). The tests run
-// both on every shape, and bench_conv2d --feed times them.
+// VGG-16 shape measured) or `gather` (the im2col gather that every other layer uses). `gather` also
+// turns off the forward and backward-weight kernels of 8-channel inputs (kernels/conv2d_narrow.h),
+// so that those layers run on the mainloop. The tests run both on every shape, and bench_conv2d
+// --feed times them.
 enum class ConvFeed { patch, gather };
 void set_conv_feed(ConvFeed feed);
 }  // namespace detail

@@ -20,6 +20,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/conv2d.h"
+#include "kernels/conv2d_narrow.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
 #include "kernels/sm90/matmul_sm90.h"
@@ -253,6 +254,12 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const std::string why = matmul_unsupported_reason(p, device);
   CUDP_CHECK(why.empty(), "conv (tensor cores): ", why);
+  // Eight input channels (VGG's first layer, padded): the reduction is about one k-block, which
+  // the mainloop cannot pipeline; a kernel of its own (kernels/conv2d_narrow.cu).
+  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_forward_applies(s, ops)) {
+    detail::conv2d_forward_narrow(s, ops, stream);
+    return;
+  }
   const sm90::ConvGather gather{ops.x,    s.n,        s.h,        s.w,     s.c,    s.p(),
                                 s.q(),    s.r,        s.s,        s.stride_h, s.stride_w,
                                 s.pad_h,  s.pad_w};
@@ -323,6 +330,12 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   const sm90::ConvGather gather{x, s.n, s.h, s.w, s.c, s.p(), s.q(), s.r, s.s,
                                 s.stride_h, s.stride_w, s.pad_h, s.pad_w};
   const int variant = g_wgrad_variant.load();
+  // Eight input channels (VGG's first layer, padded): a kernel of its own, as for the forward.
+  if (g_feed.load() != detail::ConvFeed::gather && variant < 0 &&
+      detail::narrow_wgrad_applies(s, x, dy)) {
+    detail::conv2d_backward_weight_narrow(s, x, dy, dw, beta, stream);
+    return;
+  }
   const bool alt = variant < 0 ? kWgradAltByDefault : variant == 1;
   // Both operands by TMA over patches of output pixels where the slabs of B are whole taps (C a
   // multiple of 64) and the taps are shifts (stride 1); the gather elsewhere, and for the tests

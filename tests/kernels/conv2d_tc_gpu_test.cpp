@@ -24,6 +24,7 @@
 #include "common/device_buffer.h"
 #include "common/gpu.h"
 #include "kernels/conv2d.h"
+#include "kernels/conv2d_narrow.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
 
@@ -92,6 +93,12 @@ const Case kCases[] = {
     {"nonsquare", {3, 7, 9, 5, 9, 3, 5, 1, 1, 2, 1}},
     {"c1", {3, 7, 7, 1, 9, 3, 3, 1, 1, 1, 1}},
     {"c3_k64", {2, 9, 10, 3, 64, 3, 3, 1, 1, 1, 1}},
+    // The kernels of 8-channel inputs (kernels/conv2d_narrow.h) with the patch feed: tiles that
+    // hang over both edges, 1x1 and 2x3 filters, no padding.
+    {"c3_k64_h37w45", {2, 37, 45, 3, 64, 3, 3, 1, 1, 1, 1}},
+    {"c8_k64_r1", {2, 11, 13, 8, 64, 1, 1, 1, 1, 0, 0}},
+    {"c3_k64_p0_w70", {3, 20, 70, 3, 64, 3, 3, 1, 1, 0, 0}},
+    {"c5_k64_r2s3", {2, 15, 33, 5, 64, 2, 3, 1, 1, 1, 0}},
     {"c24_k136", {2, 6, 19, 24, 136, 3, 3, 1, 1, 1, 1}},
     {"c68_k72", {2, 5, 5, 68, 72, 3, 3, 1, 1, 1, 1}},
     {"c96_k300", {2, 9, 9, 96, 300, 3, 3, 1, 1, 1, 1}},
@@ -390,6 +397,102 @@ TEST(Conv2dTcTyped, ConvertedOperandsGiveTheSameResults) {
     EXPECT_THROW(conv2d_forward(s, dx_in.get(), dw_in.get(), nullptr, y1.get(), false, nullptr,
                                 Math::FP32, converted),
                  ValueError);
+  }
+}
+
+// The first layer's kernels (kernels/conv2d_narrow.h) through the typed entry points a bf16
+// training step uses: bf16 x of 8 channels (3 real, the rest zero), bias and ReLU into bf16 and
+// fp32 y, and backward-weight accumulating into dw (beta 1); against the CPU reference, bitwise
+// deterministic, and within the same bound as the mainloop (the gather feed) on the same operands.
+// VGG-16's first layer (padded) must take them: a change that turned them off would otherwise
+// pass every accuracy test.
+TEST(Conv2dTcTyped, NarrowFirstLayer) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Conv2dShape vgg{64, 224, 224, 8, 64, 3, 3, 1, 1, 1, 1};
+  alignas(16) static uint16_t dummy[8] = {};  // only the pointers' alignment is looked at
+  const ConvOperands vgg_ops{Math::BF16, dummy, dummy, dummy, DType::BF16, nullptr, true};
+  EXPECT_TRUE(detail::narrow_forward_applies(vgg, vgg_ops));
+  EXPECT_TRUE(detail::narrow_wgrad_applies(vgg, dummy, dummy));
+  for (const Conv2dShape real : {Conv2dShape{3, 19, 70, 3, 64, 3, 3, 1, 1, 1, 1},
+                                 Conv2dShape{2, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(::testing::Message() << real.n << "x" << real.h << "x" << real.w);
+    Conv2dShape s = real;
+    s.c = 8;
+    // Operands with channels 3..7 zero, as conv2d_to_bf16 and conv2d_filters_to_bf16 pad them.
+    std::vector<float> x = operand(size_t(s.x_size()), 41, Math::BF16);
+    std::vector<float> w = operand(size_t(s.w_size()), 42, Math::BF16);
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (i % 8 >= 3) x[i] = 0.f;
+    }
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (i % 8 >= 3) w[i] = 0.f;
+    }
+    const std::vector<float> bias = testing::random_vector(size_t(s.k), 43);
+    std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
+    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), ref.data(), true);
+    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
+    auto bits = [](const std::vector<float>& v) {
+      std::vector<uint16_t> b(v.size());
+      for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
+      return b;
+    };
+    auto widen = [](const std::vector<uint16_t>& b) {
+      std::vector<float> v(b.size());
+      for (size_t i = 0; i < b.size(); ++i) {
+        const uint32_t wide = uint32_t(b[i]) << 16;
+        std::memcpy(&v[i], &wide, 4);
+      }
+      return v;
+    };
+    DeviceBuffer<uint16_t> dx(bits(x)), dw(bits(w)), yb(size_t(s.y_size()));
+    DeviceBuffer<float> db(bias), yf(size_t(s.y_size()));
+    ConvOperands ops{Math::BF16, dx.get(), dw.get(), yb.get(), DType::BF16, db.get(), true};
+    ASSERT_TRUE(detail::narrow_forward_applies(s, ops));
+    std::vector<uint16_t> first;
+    for (int run = 0; run < 2; ++run) {
+      yb.fill(0xFFFF);
+      conv2d_forward_tc(s, ops, nullptr);
+      const std::vector<uint16_t> got = yb.download();
+      if (run == 1) {
+        EXPECT_EQ(got, first) << "forward not deterministic";
+        break;
+      }
+      first = got;
+      const std::vector<float> v = widen(got);
+      for (size_t i = 0; i < v.size(); ++i) {
+        ASSERT_LE(std::fabs(v[i] - ref[i]), std::ldexp(1.0, -8) * std::fabs(ref[i]) +
+                                                std::ldexp(64.0, -24) * abs_sum[i] + 1e-6)
+            << "bf16 y " << i;
+      }
+    }
+    // fp32 y: the fp32 bound, and the mainloop's result (gather feed) within it too.
+    ops.y = yf.get();
+    ops.y_type = DType::F32;
+    yf.fill(kPoison);
+    conv2d_forward_tc(s, ops, nullptr);
+    expect_within_bound(yf.download(), ref, abs_sum, Math::BF16, "narrow forward, fp32 y");
+    detail::set_conv_feed(detail::ConvFeed::gather);
+    yf.fill(kPoison);
+    conv2d_forward_tc(s, ops, nullptr);
+    detail::set_conv_feed(detail::ConvFeed::patch);
+    expect_within_bound(yf.download(), ref, abs_sum, Math::BF16, "mainloop forward, fp32 y");
+
+    // Backward-weight, accumulating (beta 1) into a random dw.
+    const std::vector<float> dy = operand(size_t(s.y_size()), 44, Math::BF16);
+    const std::vector<float> dw0 = testing::random_vector(size_t(s.w_size()), 45);
+    std::vector<float> wref = dw0, wabs(size_t(s.w_size()));
+    conv2d_backward_weight_cpu(s, x.data(), dy.data(), wref.data(), 1.f);
+    conv2d_backward_weight_cpu(s, absolute(x).data(), absolute(dy).data(), wabs.data(), 0.f);
+    for (size_t i = 0; i < wabs.size(); ++i) wabs[i] += std::fabs(dw0[i]);
+    DeviceBuffer<uint16_t> ddy(bits(dy));
+    ASSERT_TRUE(detail::narrow_wgrad_applies(s, dx.get(), ddy.get()));
+    DeviceBuffer<float> gw(dw0), gw2(dw0);
+    conv2d_backward_weight_tc(s, dx.get(), ddy.get(), gw.get(), 1.f, nullptr);
+    const std::vector<float> got = gw.download();
+    expect_within_bound(got, wref, wabs, Math::BF16, "narrow backward-weight");
+    conv2d_backward_weight_tc(s, dx.get(), ddy.get(), gw2.get(), 1.f, nullptr);
+    EXPECT_EQ(std::memcmp(got.data(), gw2.download().data(), got.size() * 4), 0)
+        << "backward-weight not deterministic";
   }
 }
 

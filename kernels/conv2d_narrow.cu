@@ -1,0 +1,436 @@
+// The forward convolution of a layer with few input channels (VGG's first: 3, padded to 8) on
+// tensor cores, bf16 operands, without the GEMM mainloop.
+//
+// Why a kernel of its own: with C = 8 the implicit GEMM's reduction is R*S*8 = 72 for a 3x3
+// filter, about one k-block, so the mainloop's pipeline never fills, its gather moves one 16-byte
+// chunk per pixel and tap, and 44% of each 128-wide k-block is padding. The layer's real cost is
+// writing y (at 224^2 and batch 64: 411 MB of bf16, ~0.09 ms at HBM bandwidth); the mainloop took
+// 0.62 ms. Here a block owns an 8 x 32 patch of output pixels and all 64 output channels:
+//   - the patch's input halo ((8 + R - 1) x (32 + S - 1) pixels of 16 bytes) comes to shared
+//     memory with cp.async, zero-filled outside the image (the padding), double-buffered across
+//     the block's tiles (persistent blocks);
+//   - warp w computes output row w, 16 pixels at a time, with mma.sync m16n8k16 (bf16 in, fp32
+//     accumulation): the reduction index is tap * 8 + channel, so a k16 step is two taps, and an A
+//     fragment is one ldmatrix.x4 whose lanes point at the 16-byte pixels of the halo that the two
+//     taps read (a tap past R*S points at a zero chunk). The filters (B) live in registers,
+//     loaded once per block: warp w holds the 32 output channels of its half (w % 2);
+//   - the epilogue adds the bias and applies the ReLU exactly as the mainloop's epilogue does
+//     (kernels/matmul_epilogue.cuh: each step rounded on its own), rounds once, and writes the
+//     16 x 64 tile of each row through shared memory so that global stores are whole 16-byte
+//     chunks of consecutive pixels.
+// Requirements (narrow_forward_applies): bf16 x with C = 8, bf16 KRSC filters, K = 64, R and S at
+// most 3, stride 1, no mask; any H, W, padding and batch. Sums run in a fixed order: deterministic.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "engine/core/launch.cuh"
+#include "kernels/conv2d_narrow.h"
+#include "kernels/matmul.h"
+#include "kernels/matmul_epilogue.cuh"
+#include "kernels/workspace.h"
+
+namespace cudp::kernels::detail {
+namespace {
+
+constexpr int kC = 8;                   // input channels (one 16-byte chunk per pixel)
+constexpr int kK = 64;                  // output channels
+constexpr int kTileH = 8, kTileW = 32;  // output pixels of a block's tile
+constexpr int kMaxR = 3, kMaxS = 3;
+constexpr int kSteps = (kMaxR * kMaxS + 1) / 2;  // k16 steps: two taps each
+constexpr int kHaloH = kTileH + kMaxR - 1, kHaloW = kTileW + kMaxS - 1;
+constexpr int kHaloChunks = kHaloH * kHaloW + 1;  // + one zero chunk for taps past R*S
+constexpr int kWarps = 2 * kTileH;                // (row, half of the channels)
+constexpr int kThreads = 32 * kWarps;
+constexpr int kStageStride = kK + 8;  // elements per staged pixel: 16 or 32 bytes of padding
+                                      // keep the fragment writes free of bank conflicts
+
+struct NarrowArgs {
+  const __nv_bfloat16* x;  // n x h x w x 8
+  const __nv_bfloat16* w;  // 64 x r x s x 8
+  const float* bias;       // 64 or null
+  void* y;                 // n x p x q x 64
+  int n, h, w_in, p, q, r, s, pad_h, pad_w, relu;
+  int tiles_q, tiles_p, tiles;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Starts the copy of tile `tile`'s halo into `halo` (kHaloH x kHaloW chunks of 16 bytes, row
+// stride kHaloW), zero-filled outside the image.
+__device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* halo) {
+  const int tq = tile % a.tiles_q;
+  const int rest = tile / a.tiles_q;
+  const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
+  const int h0 = tp * kTileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
+  const int rows = kTileH + a.r - 1, cols = kTileW + a.s - 1;
+  for (int i = threadIdx.x; i < rows * cols; i += kThreads) {
+    const int hy = i / cols, hx = i - hy * cols;
+    const int h = h0 + hy, w = w0 + hx;
+    const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
+    const __nv_bfloat16* src = inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * kC : a.x;
+    asm volatile(
+        "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
+        "l"(src), "r"(inside ? 16 : 0)
+        : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const NarrowArgs a) {
+  __shared__ uint4 halo[2][kHaloChunks];
+  __shared__ __align__(16) Out stage[kTileH * 16][kStageStride];  // a 16-pixel block of each row
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = warp / 2, half = warp % 2;  // output row of the tile, 32-channel half
+  const int taps = a.r * a.s;
+  if (threadIdx.x < 2) halo[threadIdx.x][kHaloChunks - 1] = make_uint4(0, 0, 0, 0);
+
+  // B fragments (col-major k16 x n8: the thread holds k = 2*(lane%4) + {0,1} (+8), n = lane/4):
+  // b[j][t][e] = w[channel][tap 2t + e][2*(lane%4) .. +1] for channel = 32*half + 8j + lane/4.
+  uint32_t b[4][kSteps][2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int channel = 32 * half + 8 * j + lane / 4;
+#pragma unroll
+    for (int t = 0; t < kSteps; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tap = 2 * t + e;
+        b[j][t][e] = tap < taps ? __ldg(reinterpret_cast<const unsigned int*>(
+                                      a.w + (int64_t(channel) * taps + tap) * kC + 2 * (lane % 4)))
+                                : 0u;
+      }
+    }
+  }
+  float bias[4][2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int channel = 32 * half + 8 * j + 2 * (lane % 4);
+    bias[j][0] = a.bias ? __ldg(a.bias + channel) : 0.f;
+    bias[j][1] = a.bias ? __ldg(a.bias + channel + 1) : 0.f;
+  }
+  // The halo offset of the pixel this lane addresses for ldmatrix, per k16 step: lanes 8i..8i+7
+  // give the rows of matrix i = (pixel block (i & 1), tap 2t + (i >> 1)); -1 for a tap past R*S.
+  const int matrix = lane / 8;
+  const int pixel = (matrix & 1) * 8 + lane % 8;  // within the 16-pixel block
+  int tap_at[kSteps];
+#pragma unroll
+  for (int t = 0; t < kSteps; ++t) {
+    const int tap = 2 * t + (matrix >> 1);
+    const int r = tap / a.s, s = tap - (tap / a.s) * a.s;
+    tap_at[t] = tap < taps ? (row + r) * kHaloW + pixel + s : -1;
+  }
+
+  int buffer = 0;
+  if (blockIdx.x < a.tiles) load_halo(a, blockIdx.x, halo[0]);
+  for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+    const int next = tile + gridDim.x;
+    if (next < a.tiles) {
+      load_halo(a, next, halo[buffer ^ 1]);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // the halo is complete for every thread
+    const uint32_t halo_base = smem_u32(halo[buffer]);
+    const int tq = tile % a.tiles_q;
+    const int rest = tile / a.tiles_q;
+    const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
+#pragma unroll 1
+    for (int block = 0; block < kTileW / 16; ++block) {
+      float acc[4][4] = {};
+#pragma unroll
+      for (int t = 0; t < kSteps; ++t) {
+        const uint32_t at =
+            halo_base + 16u * uint32_t(tap_at[t] >= 0 ? tap_at[t] + 16 * block : kHaloChunks - 1);
+        uint32_t frag[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+                     : "r"(at)
+                     : "memory");
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_bf16(acc[j], frag, b[j][t][0], b[j][t][1]);
+      }
+      // acc[j]: pixels lane/4 (elements 0, 1) and lane/4 + 8 (2, 3) of the block, channels
+      // 32*half + 8j + 2*(lane%4) + {0, 1}.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float v0 = acc[j][2 * hh], v1 = acc[j][2 * hh + 1];
+          if (a.bias) {
+            v0 = __fadd_rn(v0, bias[j][0]);
+            v1 = __fadd_rn(v1, bias[j][1]);
+          }
+          if (a.relu) {
+            v0 = relu_keep_nan(v0);
+            v1 = relu_keep_nan(v1);
+          }
+          Out* dst = &stage[row * 16 + lane / 4 + 8 * hh][32 * half + 8 * j + 2 * (lane % 4)];
+          if constexpr (sizeof(Out) == 2) {
+            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+          }
+        }
+      }
+      __syncthreads();  // the block's 8 x 16 pixels are staged
+      // 16-byte chunks of consecutive pixels: row-major over (tile row, pixel, chunk).
+      constexpr int kChunks = kK * int(sizeof(Out)) / 16;  // per pixel
+      for (int i = threadIdx.x; i < kTileH * 16 * kChunks; i += kThreads) {
+        const int staged = i / kChunks, chunk = i - staged * kChunks;
+        const int pp = tp * kTileH + staged / 16, qq = tq * kTileW + 16 * block + staged % 16;
+        if (pp >= a.p || qq >= a.q) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(&stage[staged][chunk * 16 / sizeof(Out)]);
+        Out* y = static_cast<Out*>(a.y) + ((int64_t(img) * a.p + pp) * a.q + qq) * kK;
+        reinterpret_cast<uint4*>(y)[chunk] = v;
+      }
+      __syncthreads();  // the stage is free again
+    }
+    buffer ^= 1;
+  }
+}
+
+// ---- backward-weight ------------------------------------------------------------------------
+//
+// dw[k][tap][c] = sum over output pixels of dy[pixel][k] * x[pixel shifted by tap][c]: a product of
+// M = 64 output channels by N = R*S*8 (one n8 tile per tap) over the pixels. A block takes the same
+// 8 x 32 output tiles as the forward; per tile it copies dy's 256 x 64 (32 KB) and x's halo to
+// shared memory, and its 8 warps (warp % 4: 16 output channels, warp / 4: half of the tile's
+// sixteen 16-pixel rows) run mma.sync with both fragments from ldmatrix.trans (the pixels, the
+// reduction, are the rows of both tensors). dy's 16-byte chunks are XOR-swizzled by pixel so that
+// the eight pixels of one ldmatrix matrix fall in different banks. Each block keeps its sums over
+// all its tiles in registers and writes one partial dw; a second kernel adds the blocks' partials
+// in a fixed order (deterministic), with beta. Output pixels past the edge of the output read dy
+// as zeros there, so they add nothing (as the mainloop's zero fill; a non-finite x there would add
+// NaN, which a training step with non-finite activations has lost anyway).
+constexpr int kWgradThreads = 256;
+constexpr int kWgradBlocksPerSm = 3;
+constexpr int kTileRows = kTileH * (kTileW / 16);  // 16-pixel rows of a tile
+
+struct NarrowWgradArgs {
+  const __nv_bfloat16* x;   // n x h x w x 8
+  const __nv_bfloat16* dy;  // n x p x q x 64
+  float* partial;           // [block][64][taps * 8]
+  int n, h, w_in, p, q, r, s, pad_h, pad_w;
+  int tiles_q, tiles_p, tiles;
+  int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s, its offset in the halo (0 past R*S)
+};
+
+__global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
+    narrow_wgrad_kernel(const NarrowWgradArgs a) {
+  __shared__ uint4 halo[kHaloChunks];
+  __shared__ uint4 dys[kTileH * kTileW * 8];  // chunk j of pixel i at i * 8 + (j ^ (i & 7))
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int mt = warp % 4, set = warp / 4;
+  const int taps = a.r * a.s;
+  const int matrix = lane / 8, j8 = lane % 8;
+  float acc[kMaxR * kMaxS + 1][4] = {};
+  for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+    const int tq = tile % a.tiles_q;
+    const int rest = tile / a.tiles_q;
+    const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
+    __syncthreads();  // the last tile's reads are done
+    {
+      const int h0 = tp * kTileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
+      const int rows = kTileH + a.r - 1, cols = kTileW + a.s - 1;
+      for (int i = threadIdx.x; i < rows * cols; i += kWgradThreads) {
+        const int hy = i / cols, hx = i - hy * cols;
+        const int h = h0 + hy, w = w0 + hx;
+        const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
+        const __nv_bfloat16* src =
+            inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * kC : a.x;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                         smem_u32(halo + hy * kHaloW + hx)),
+                     "l"(src), "r"(inside ? 16 : 0)
+                     : "memory");
+      }
+      for (int i = threadIdx.x; i < kTileH * kTileW * 8; i += kWgradThreads) {
+        const int pixel = i / 8, chunk = i % 8;
+        const int pp = tp * kTileH + pixel / kTileW, qq = tq * kTileW + pixel % kTileW;
+        const bool inside = pp < a.p && qq < a.q;
+        const __nv_bfloat16* src =
+            inside ? a.dy + ((int64_t(img) * a.p + pp) * a.q + qq) * kK + chunk * 8 : a.dy;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                         smem_u32(dys + pixel * 8 + (chunk ^ (pixel & 7)))),
+                     "l"(src), "r"(inside ? 16 : 0)
+                     : "memory");
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();
+    const uint32_t halo_base = smem_u32(halo), dy_base = smem_u32(dys);
+#pragma unroll 1
+    for (int g = set * (kTileRows / 2); g < (set + 1) * (kTileRows / 2); ++g) {
+      const int row = g / (kTileW / 16), block = g % (kTileW / 16);
+      // A = dy^T (m16 x k16): matrix i holds channels 16*mt + 8*(i & 1).., pixels 8*(i >> 1)..
+      const int a_pixel = row * kTileW + 16 * block + 8 * (matrix >> 1) + j8;
+      const int a_chunk = 2 * mt + (matrix & 1);
+      uint32_t frag[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+                   : "r"(dy_base + 16u * uint32_t(a_pixel * 8 + (a_chunk ^ (a_pixel & 7))))
+                   : "memory");
+      // B = the taps' x (k16 x n8 per tap): matrix i holds tap 2u + (i >> 1), pixels 8*(i & 1)..
+      const int b_pixel = row * kHaloW + 16 * block + 8 * (matrix & 1) + j8;
+#pragma unroll
+      for (int u = 0; u < (kMaxR * kMaxS + 1) / 2; ++u) {
+        if (2 * u >= taps) break;
+        const int off = (matrix >> 1) ? a.tap_off[2 * u + 1] : a.tap_off[2 * u];
+        uint32_t bf[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(bf[0]), "=r"(bf[1]), "=r"(bf[2]), "=r"(bf[3])
+                     : "r"(halo_base + 16u * uint32_t(b_pixel + off))
+                     : "memory");
+        mma_bf16(acc[2 * u], frag, bf[0], bf[1]);
+        if (2 * u + 1 < taps) mma_bf16(acc[2 * u + 1], frag, bf[2], bf[3]);
+      }
+    }
+  }
+  // The two halves' sums: set 1 through shared memory (dys is free once every warp is past its
+  // last tile), set 0 adds them and writes the block's partial dw.
+  __syncthreads();
+  float* other = reinterpret_cast<float*>(dys);
+  constexpr int kAcc = (kMaxR * kMaxS + 1) * 4;
+  if (set == 1) {
+#pragma unroll
+    for (int t = 0; t < kMaxR * kMaxS + 1; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) other[(mt * kAcc + t * 4 + e) * 32 + lane] = acc[t][e];
+    }
+  }
+  __syncthreads();
+  if (set == 0) {
+    const int cols = taps * 8;
+    float* out = a.partial + int64_t(blockIdx.x) * kK * cols;
+#pragma unroll
+    for (int t = 0; t < kMaxR * kMaxS + 1; ++t) {
+      if (t >= taps) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = __fadd_rn(acc[t][e], other[(mt * kAcc + t * 4 + e) * 32 + lane]);
+        const int m = 16 * mt + lane / 4 + 8 * (e >> 1), n = t * 8 + 2 * (lane % 4) + (e & 1);
+        out[m * cols + n] = v;
+      }
+    }
+  }
+}
+
+// dw[i] = beta * dw[i] + the blocks' partials summed in block order (beta 0: dw is not read).
+__global__ void narrow_wgrad_sum_kernel(const float* __restrict__ partial, int blocks, int size,
+                                        float beta, float* __restrict__ dw) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= size) return;
+  float sum = 0.f;
+  for (int b = 0; b < blocks; ++b) sum = __fadd_rn(sum, partial[int64_t(b) * size + i]);
+  dw[i] = beta == 0.f ? sum : __fmaf_rn(beta, dw[i], sum);
+}
+
+int sm_count() {
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  return multiprocessor_count(device);
+}
+
+}  // namespace
+
+bool narrow_forward_applies(const Conv2dShape& s, const ConvOperands& ops) {
+  return ops.math == Math::BF16 && s.c == kC && s.k == kK && s.r <= kMaxR && s.s <= kMaxS &&
+         s.stride_h == 1 && s.stride_w == 1 && ops.mask == nullptr &&
+         reinterpret_cast<uintptr_t>(ops.x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(ops.w) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(ops.y) % 16 == 0;
+}
+
+void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
+  CUDP_CHECK(narrow_forward_applies(s, ops),
+             "conv2d_forward_narrow: needs bf16 operands with C = 8, K = 64, a filter of at most "
+             "3 x 3, stride 1, no mask and 16-byte aligned tensors");
+  NarrowArgs a;
+  a.x = static_cast<const __nv_bfloat16*>(ops.x);
+  a.w = static_cast<const __nv_bfloat16*>(ops.w);
+  a.bias = ops.bias;
+  a.y = ops.y;
+  a.n = s.n;
+  a.h = s.h;
+  a.w_in = s.w;
+  a.p = s.p();
+  a.q = s.q();
+  a.r = s.r;
+  a.s = s.s;
+  a.pad_h = s.pad_h;
+  a.pad_w = s.pad_w;
+  a.relu = ops.relu ? 1 : 0;
+  a.tiles_q = (a.q + kTileW - 1) / kTileW;
+  a.tiles_p = (a.p + kTileH - 1) / kTileH;
+  const int64_t tiles = int64_t(a.tiles_q) * a.tiles_p * s.n;
+  CUDP_CHECK(tiles <= (int64_t(1) << 30), "conv2d_forward_narrow: ", tiles,
+             " tiles are too many for one launch; split the batch");
+  a.tiles = static_cast<int>(tiles);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+  if (ops.y_type == DType::BF16) {
+    launch("narrow_forward_kernel", narrow_forward_kernel<__nv_bfloat16>, grid, kThreads, 0, stream,
+           a);
+  } else {
+    launch("narrow_forward_kernel", narrow_forward_kernel<float>, grid, kThreads, 0, stream, a);
+  }
+}
+
+bool narrow_wgrad_applies(const Conv2dShape& s, const void* x, const void* dy) {
+  return s.c == kC && s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 &&
+         s.stride_w == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(dy) % 16 == 0;
+}
+
+void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const void* dy, float* dw,
+                                   float beta, cudaStream_t stream) {
+  CUDP_CHECK(narrow_wgrad_applies(s, x, dy) && dw != nullptr,
+             "conv2d_backward_weight_narrow: needs bf16 x with C = 8 and dy with K = 64, a filter "
+             "of at most 3 x 3, stride 1 and 16-byte aligned tensors");
+  NarrowWgradArgs a;
+  a.x = static_cast<const __nv_bfloat16*>(x);
+  a.dy = static_cast<const __nv_bfloat16*>(dy);
+  a.n = s.n;
+  a.h = s.h;
+  a.w_in = s.w;
+  a.p = s.p();
+  a.q = s.q();
+  a.r = s.r;
+  a.s = s.s;
+  a.pad_h = s.pad_h;
+  a.pad_w = s.pad_w;
+  for (int t = 0; t <= kMaxR * kMaxS; ++t) {
+    a.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
+  }
+  a.tiles_q = (a.q + kTileW - 1) / kTileW;
+  a.tiles_p = (a.p + kTileH - 1) / kTileH;
+  const int64_t tiles = int64_t(a.tiles_q) * a.tiles_p * s.n;
+  CUDP_CHECK(tiles <= (int64_t(1) << 30), "conv2d_backward_weight_narrow: ", tiles,
+             " tiles are too many for one launch; split the batch");
+  a.tiles = static_cast<int>(tiles);
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(tiles, int64_t(kWgradBlocksPerSm) * sm_count()));
+  const int size = kK * s.r * s.s * kC;
+  Workspace partial(size_t(blocks) * size_t(size) * sizeof(float), stream,
+                    "backward-weight's per-block partial sums (first layer)");
+  a.partial = partial.get();
+  launch("narrow_wgrad_kernel", narrow_wgrad_kernel, blocks, kWgradThreads, 0, stream, a);
+  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel, grid_for(size, 256), 256, 0, stream,
+         partial.get(), blocks, size, beta, dw);
+}
+
+}  // namespace cudp::kernels::detail

@@ -1,0 +1,31 @@
+// The forward and backward-weight convolutions of layers with 8 (padded) input channels and 64
+// output channels, VGG's first layer, on tensor cores without the GEMM mainloop
+// (kernels/conv2d_narrow.cu says why). kernels/conv2d_tc.cu dispatches to them; nothing else
+// should call them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/conv2d.h"
+
+namespace cudp::kernels::detail {
+
+// Whether conv2d_forward_narrow takes this forward: bf16 x (C = 8) and filters, K = 64, R and S
+// at most 3, stride 1, no mask, 16-byte aligned x, w and y (bf16 or fp32 y).
+bool narrow_forward_applies(const Conv2dShape& shape, const ConvOperands& ops);
+
+// y = relu?(conv(x, w) + bias), the same epilogue arithmetic as the mainloop's. Throws ValueError
+// where narrow_forward_applies does not hold.
+void conv2d_forward_narrow(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream);
+
+// Whether conv2d_backward_weight_narrow takes this backward-weight: bf16 x (C = 8) and dy (K = 64),
+// R and S at most 3, stride 1, 16-byte aligned x and dy.
+bool narrow_wgrad_applies(const Conv2dShape& shape, const void* x, const void* dy);
+
+// dw (fp32, K x R x S x 8) = beta * dw + dy^T (*) x; beta 0 does not read dw. Deterministic (one
+// partial per block, summed in a fixed order). Throws ValueError where narrow_wgrad_applies does
+// not hold.
+void conv2d_backward_weight_narrow(const Conv2dShape& shape, const void* x, const void* dy,
+                                   float* dw, float beta, cudaStream_t stream);
+
+}  // namespace cudp::kernels::detail
