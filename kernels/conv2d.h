@@ -93,7 +93,8 @@ void conv2d_backward_weight_cpu(const Conv2dShape& shape, const float* x, const 
 // convolution of dy with the filters rotated by 180 degrees and K and C swapped). Backward-weight
 // in TF32 takes fp32 x and dy through the float launcher only: TF32 wgmma reads only K-major
 // operands, and backward-weight's reduction runs along the rows of x and dy (MN-major), so the
-// launcher first writes K-major fp32 copies of both (a pass over each; kernels/conv2d_tc.cu).
+// launcher first writes K-major fp32 copies of both (a pass over each; kernels/conv2d_tc.cu),
+// except for inputs of at most 4 channels and 64 output channels (kernels/conv2d_narrow.h).
 struct ConvOperands {
   Math math = Math::BF16;
   const void* x = nullptr;  // NHWC input (dy for backward-data)
@@ -150,8 +151,9 @@ void set_wgrad_descriptor_variant(int variant);
 // How the tensor-core convolutions of stride-1 layers whose C is a multiple of the k-block feed
 // their gathered operand: `patch` (the default: 4-D TMA boxes over patch tiles, the faster on every
 // VGG-16 shape measured) or `gather` (the im2col gather that every other layer uses). `gather` also
-// turns off the forward and backward-weight kernels of 8-channel inputs (kernels/conv2d_narrow.h),
-// so that those layers run on the mainloop. The tests run both on every shape, and bench_conv2d
+// turns off the forward and backward-weight kernels of inputs with one 16-byte chunk of channels
+// (kernels/conv2d_narrow.h), so that those layers run on the mainloop. The tests run both on every
+// shape, and bench_conv2d
 // --feed times them.
 enum class ConvFeed { patch, gather };
 void set_conv_feed(ConvFeed feed);

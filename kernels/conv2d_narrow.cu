@@ -1,25 +1,29 @@
-// The forward convolution of a layer with few input channels (VGG's first: 3, padded to 8) on
-// tensor cores, bf16 operands, without the GEMM mainloop.
+// The forward and backward-weight convolutions of a layer with few input channels (VGG's first: 3,
+// padded to one 16-byte chunk per pixel, 8 bf16 or 4 fp32) on tensor cores, bf16 or TF32 operands,
+// without the GEMM mainloop.
 //
-// Why a kernel of its own: with C = 8 the implicit GEMM's reduction is R*S*8 = 72 for a 3x3
+// Why kernels of their own: with C = 8 the implicit GEMM's reduction is R*S*8 = 72 for a 3x3
 // filter, about one k-block, so the mainloop's pipeline never fills, its gather moves one 16-byte
 // chunk per pixel and tap, and 44% of each 128-wide k-block is padding. The layer's real cost is
 // writing y (at 224^2 and batch 64: 411 MB of bf16, ~0.09 ms at HBM bandwidth); the mainloop took
-// 0.62 ms. Here a block owns an 8 x 32 patch of output pixels and all 64 output channels:
+// 0.31 ms. Here a block owns an 8 x 32 patch of output pixels and all 64 output channels:
 //   - the patch's input halo ((8 + R - 1) x (32 + S - 1) pixels of 16 bytes) comes to shared
 //     memory with cp.async, zero-filled outside the image (the padding), double-buffered across
 //     the block's tiles (persistent blocks);
-//   - warp w computes output row w, 16 pixels at a time, with mma.sync m16n8k16 (bf16 in, fp32
-//     accumulation): the reduction index is tap * 8 + channel, so a k16 step is two taps, and an A
-//     fragment is one ldmatrix.x4 whose lanes point at the 16-byte pixels of the halo that the two
-//     taps read (a tap past R*S points at a zero chunk). The filters (B) live in registers,
-//     loaded once per block: warp w holds the 32 output channels of its half (w % 2);
+//   - warp w computes output row w / 2 of the tile for the 32 output channels of half w % 2, 16
+//     pixels at a time, with mma.sync (bf16 m16n8k16 or TF32 m16n8k8, fp32 accumulation): the
+//     reduction index is tap * C + channel, so a k step is two taps, and an A fragment is one
+//     ldmatrix.x4 whose lanes point at the 16-byte pixels of the halo that the two taps read (a
+//     tap past R*S points at a zero chunk). The filters (B) live in registers, loaded once per
+//     block;
 //   - the epilogue adds the bias and applies the ReLU exactly as the mainloop's epilogue does
 //     (kernels/matmul_epilogue.cuh: each step rounded on its own), rounds once, and writes the
 //     16 x 64 tile of each row through shared memory so that global stores are whole 16-byte
 //     chunks of consecutive pixels.
-// Requirements (narrow_forward_applies): bf16 x with C = 8, bf16 KRSC filters, K = 64, R and S at
-// most 3, stride 1, no mask; any H, W, padding and batch. Sums run in a fixed order: deterministic.
+// Requirements (narrow_forward_applies): x with one 16-byte chunk of channels (C = 8 bf16 or 4
+// fp32), filters of the same type, K = 64, R and S at most 3, stride 1, no mask; any H, W, padding
+// and batch. Sums run in a fixed order: deterministic on a given GPU (backward-weight's partials
+// are one per block, so their count follows the number of SMs).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -34,11 +38,14 @@
 namespace cudp::kernels::detail {
 namespace {
 
-constexpr int kC = 8;                   // input channels (one 16-byte chunk per pixel)
+// Input channels: one 16-byte chunk per pixel, 8 bf16 or 4 fp32 (TF32 products).
+template <typename Elem>
+constexpr int kChannels = 16 / int(sizeof(Elem));
+constexpr int kC = 8;                   // the bf16 kernels'
 constexpr int kK = 64;                  // output channels
 constexpr int kTileH = 8, kTileW = 32;  // output pixels of a block's tile
 constexpr int kMaxR = 3, kMaxS = 3;
-constexpr int kSteps = (kMaxR * kMaxS + 1) / 2;  // k16 steps: two taps each
+constexpr int kSteps = (kMaxR * kMaxS + 1) / 2;  // k steps (k16 bf16, k8 TF32): two taps each
 constexpr int kHaloH = kTileH + kMaxR - 1, kHaloW = kTileW + kMaxS - 1;
 constexpr int kHaloChunks = kHaloH * kHaloW + 1;  // + one zero chunk for taps past R*S
 constexpr int kWarps = 2 * kTileH;                // (row, half of the channels)
@@ -47,8 +54,8 @@ constexpr int kStageStride = kK + 8;  // elements per staged pixel: 16 or 32 byt
                                       // keep the fragment writes free of bank conflicts
 
 struct NarrowArgs {
-  const __nv_bfloat16* x;  // n x h x w x 8
-  const __nv_bfloat16* w;  // 64 x r x s x 8
+  const void* x;           // n x h x w x 8 bf16, or 4 fp32
+  const void* w;           // 64 x r x s x 8 bf16, or 4 fp32
   const float* bias;       // 64 or null
   void* y;                 // n x p x q x 64
   int n, h, w_in, p, q, r, s, pad_h, pad_w, relu;
@@ -61,6 +68,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // Starts the copy of tile `tile`'s halo into `halo` (kHaloH x kHaloW chunks of 16 bytes, row
 // stride kHaloW), zero-filled outside the image.
+template <typename Elem>
 __device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* halo) {
   const int tq = tile % a.tiles_q;
   const int rest = tile / a.tiles_q;
@@ -71,7 +79,8 @@ __device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* 
     const int hy = i / cols, hx = i - hy * cols;
     const int h = h0 + hy, w = w0 + hx;
     const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
-    const __nv_bfloat16* src = inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * kC : a.x;
+    const Elem* x = static_cast<const Elem*>(a.x);
+    const Elem* src = inside ? x + ((int64_t(img) * a.h + h) * a.w_in + w) * kChannels<Elem> : x;
     asm volatile(
         "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
         "l"(src), "r"(inside ? 16 : 0)
@@ -89,8 +98,34 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <typename Out>
+// TF32: m16n8k8, fp32 bit patterns as operands (the tensor cores read their TF32 part, as the
+// wgmma path's operands).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename Elem>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (sizeof(Elem) == 2) {
+    mma_bf16(d, a, b0, b1);
+  } else {
+    mma_tf32(d, a, b0, b1);
+  }
+}
+
+// Elem: bf16 (m16n8k16: a k step is two taps of 8 channels) or float (TF32, m16n8k8: two taps of 4
+// channels). Either way a k step's A fragment is one ldmatrix.x4 of 16-byte pixels: for TF32 the
+// b16 matrix's 8 x 8 is 8 pixels x 4 floats, and the thread's 32-bit word (row lane/4, word
+// lane%4) is the fragment's element (pixel lane/4, channel lane%4).
+template <typename Elem, typename Out>
 __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const NarrowArgs a) {
+  constexpr int kCe = kChannels<Elem>;
   __shared__ uint4 halo[2][kHaloChunks];
   __shared__ __align__(16) Out stage[kTileH * 16][kStageStride];  // a 16-pixel block of each row
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -98,9 +133,11 @@ __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const Narro
   const int taps = a.r * a.s;
   if (threadIdx.x < 2) halo[threadIdx.x][kHaloChunks - 1] = make_uint4(0, 0, 0, 0);
 
-  // B fragments (col-major k16 x n8: the thread holds k = 2*(lane%4) + {0,1} (+8), n = lane/4):
-  // b[j][t][e] = w[channel][tap 2t + e][2*(lane%4) .. +1] for channel = 32*half + 8j + lane/4.
+  // B fragments (col-major k x n8, n = lane/4; bf16: the thread holds k = 2*(lane%4) + {0,1}
+  // (+8), TF32: k = lane%4 (+4)): b[j][t][e] = w[channel][tap 2t + e][the thread's channels] for
+  // channel = 32*half + 8j + lane/4.
   uint32_t b[4][kSteps][2];
+  const Elem* wt = static_cast<const Elem*>(a.w);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int channel = 32 * half + 8 * j + lane / 4;
@@ -109,9 +146,8 @@ __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const Narro
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tap = 2 * t + e;
-        b[j][t][e] = tap < taps ? __ldg(reinterpret_cast<const unsigned int*>(
-                                      a.w + (int64_t(channel) * taps + tap) * kC + 2 * (lane % 4)))
-                                : 0u;
+        const Elem* at = wt + (int64_t(channel) * taps + tap) * kCe + (lane % 4) * (kCe / 4);
+        b[j][t][e] = tap < taps ? __ldg(reinterpret_cast<const unsigned int*>(at)) : 0u;
       }
     }
   }
@@ -135,11 +171,11 @@ __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const Narro
   }
 
   int buffer = 0;
-  if (blockIdx.x < a.tiles) load_halo(a, blockIdx.x, halo[0]);
+  if (blockIdx.x < a.tiles) load_halo<Elem>(a, blockIdx.x, halo[0]);
   for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
     const int next = tile + gridDim.x;
     if (next < a.tiles) {
-      load_halo(a, next, halo[buffer ^ 1]);
+      load_halo<Elem>(a, next, halo[buffer ^ 1]);
       asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -162,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const Narro
                      : "r"(at)
                      : "memory");
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_bf16(acc[j], frag, b[j][t][0], b[j][t][1]);
+        for (int j = 0; j < 4; ++j) mma<Elem>(acc[j], frag, b[j][t][0], b[j][t][1]);
       }
       // acc[j]: pixels lane/4 (elements 0, 1) and lane/4 + 8 (2, 3) of the block, channels
       // 32*half + 8j + 2*(lane%4) + {0, 1}.
@@ -330,14 +366,137 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
   }
 }
 
-// dw[i] = beta * dw[i] + the blocks' partials summed in block order (beta 0: dw is not read).
-__global__ void narrow_wgrad_sum_kernel(const float* __restrict__ partial, int blocks, int size,
-                                        float beta, float* __restrict__ dw) {
+// dw[m][tap][c] = beta * dw + the blocks' partials summed in block order (beta 0: dw is not read),
+// for the c < channels of each tap's `padded` partial columns.
+__global__ void narrow_wgrad_sum_kernel(const float* __restrict__ partial, int blocks, int taps,
+                                        int channels, int padded, float beta,
+                                        float* __restrict__ dw) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= size) return;
+  if (i >= kK * taps * channels) return;
+  const int m = i / (taps * channels), rest = i - m * taps * channels;
+  const int tap = rest / channels, c = rest - tap * channels;
+  const int size = kK * taps * padded, at = (m * taps + tap) * padded + c;
   float sum = 0.f;
-  for (int b = 0; b < blocks; ++b) sum = __fadd_rn(sum, partial[int64_t(b) * size + i]);
+  for (int b = 0; b < blocks; ++b) sum = __fadd_rn(sum, partial[int64_t(b) * size + at]);
   dw[i] = beta == 0.f ? sum : __fmaf_rn(beta, dw[i], sum);
+}
+
+// Backward-weight in TF32 (m16n8k8): fp32 x of 1 to 4 channels (each pixel's channels copied to a
+// 16-byte halo slot, zero past C) and fp32 dy; tiles of 4 x 32 output pixels (dy's 128 x 64 floats
+// are 32 KB). A k8 step is 8 pixels; an n8 tile is two taps of 4 channels. TF32 fragments are
+// 32-bit words, which ldmatrix.trans cannot transpose, so both come by 32-bit shared loads: dy's
+// 16-byte chunks are XOR-swizzled by (pixel % 4) so that the 4 pixels x 8 channels of a load fall
+// in 32 different banks.
+constexpr int kTf32TileH = 4;
+
+struct NarrowWgradTf32Args {
+  const float* x;   // n x h x w x c (c <= 4)
+  const float* dy;  // n x p x q x 64
+  float* partial;   // [block][64][taps * 4]
+  int n, h, w_in, c, p, q, r, s, pad_h, pad_w;
+  int tiles_q, tiles_p, tiles;
+  int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s (0 past R*S)
+};
+
+__global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
+    narrow_wgrad_tf32_kernel(const NarrowWgradTf32Args a) {
+  constexpr int kPixels = kTf32TileH * kTileW;
+  constexpr int kTiles = (kMaxR * kMaxS + 1) / 2;  // n8 tiles: two taps each
+  __shared__ float4 halo[(kTf32TileH + kMaxR - 1) * kHaloW];
+  __shared__ float4 dys[kPixels * 16];  // chunk j of pixel i at i * 16 + (j ^ ((i & 3) << 1))
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int mt = warp % 4, set = warp / 4;
+  const int g = lane / 4, t = lane % 4;
+  const int taps = a.r * a.s;
+  float acc[kTiles][4] = {};
+  for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+    const int tq = tile % a.tiles_q;
+    const int rest = tile / a.tiles_q;
+    const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
+    __syncthreads();  // the last tile's reads are done
+    const int h0 = tp * kTf32TileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
+    const int rows = kTf32TileH + a.r - 1, cols = kTileW + a.s - 1;
+    for (int i = threadIdx.x; i < rows * cols * 4; i += kWgradThreads) {
+      const int slot = i / 4, c = i % 4;
+      const int hy = slot / cols, hx = slot - hy * cols;
+      const int h = h0 + hy, w = w0 + hx;
+      const bool inside = c < a.c && unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
+      const float* src = inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * a.c + c : a.x;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
+                       smem_u32(reinterpret_cast<float*>(halo + hy * kHaloW + hx) + c)),
+                   "l"(src), "r"(inside ? 4 : 0)
+                   : "memory");
+    }
+    for (int i = threadIdx.x; i < kPixels * 16; i += kWgradThreads) {
+      const int pixel = i / 16, chunk = i % 16;
+      const int pp = tp * kTf32TileH + pixel / kTileW, qq = tq * kTileW + pixel % kTileW;
+      const bool inside = pp < a.p && qq < a.q;
+      const float* src =
+          inside ? a.dy + ((int64_t(img) * a.p + pp) * a.q + qq) * kK + chunk * 4 : a.dy;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                       smem_u32(dys + pixel * 16 + (chunk ^ ((pixel & 3) << 1)))),
+                   "l"(src), "r"(inside ? 16 : 0)
+                   : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    const float* dyf = reinterpret_cast<const float*>(dys);
+    const float* hf = reinterpret_cast<const float*>(halo);
+#pragma unroll 1
+    for (int grp = set * (kPixels / 16); grp < (set + 1) * (kPixels / 16); ++grp) {
+      const int row = grp / (kTileW / 8), q8 = (grp % (kTileW / 8)) * 8;
+      // A = dy^T (m16 x k8): a0 (channel g, pixel t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t +
+      // 4).
+      uint32_t frag[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pixel = row * kTileW + q8 + t + 4 * (e >> 1);
+        const int ch = 16 * mt + g + 8 * (e & 1);
+        const int chunk = (ch / 4) ^ ((pixel & 3) << 1);
+        frag[e] = __float_as_uint(dyf[pixel * 64 + chunk * 4 + ch % 4]);
+      }
+      // B (k8 x n8 per pair of taps): b0 (pixel t, tap 2u + g/4, channel g%4), b1 (pixel t + 4).
+      const int b_pixel = row * kHaloW + q8 + t;
+#pragma unroll
+      for (int u = 0; u < kTiles; ++u) {
+        if (2 * u >= taps) break;
+        const int tap = 2 * u + g / 4;
+        const bool real = tap < taps;
+        const int at = (b_pixel + (g / 4 ? a.tap_off[2 * u + 1] : a.tap_off[2 * u])) * 4 + g % 4;
+        const uint32_t b0 = real ? __float_as_uint(hf[at]) : 0u;
+        const uint32_t b1 = real ? __float_as_uint(hf[at + 16]) : 0u;  // 4 pixels further
+        mma_tf32(acc[u], frag, b0, b1);
+      }
+    }
+  }
+  __syncthreads();
+  float* other = reinterpret_cast<float*>(dys);
+  constexpr int kAcc = kTiles * 4;
+  if (set == 1) {
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) other[(mt * kAcc + u * 4 + e) * 32 + lane] = acc[u][e];
+    }
+  }
+  __syncthreads();
+  if (set == 0) {
+    const int cols = taps * 4;
+    float* out = a.partial + int64_t(blockIdx.x) * kK * cols;
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        // C fragment: rows g (+8 for e >= 2), columns 2t + (e & 1) of tile u: tap 2u + col / 4.
+        const int m = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        const int n = (2 * u + col / 4) * 4 + col % 4;
+        if (n < cols) {
+          out[m * cols + n] = __fadd_rn(acc[u][e], other[(mt * kAcc + u * 4 + e) * 32 + lane]);
+        }
+      }
+    }
+  }
 }
 
 int sm_count() {
@@ -349,20 +508,22 @@ int sm_count() {
 }  // namespace
 
 bool narrow_forward_applies(const Conv2dShape& s, const ConvOperands& ops) {
-  return ops.math == Math::BF16 && s.c == kC && s.k == kK && s.r <= kMaxR && s.s <= kMaxS &&
-         s.stride_h == 1 && s.stride_w == 1 && ops.mask == nullptr &&
-         reinterpret_cast<uintptr_t>(ops.x) % 16 == 0 &&
+  const bool channels = ops.math == Math::BF16   ? s.c == kChannels<__nv_bfloat16>
+                        : ops.math == Math::TF32 ? s.c == kChannels<float>
+                                                 : false;
+  return channels && s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 &&
+         s.stride_w == 1 && ops.mask == nullptr && reinterpret_cast<uintptr_t>(ops.x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(ops.w) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(ops.y) % 16 == 0;
 }
 
 void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
   CUDP_CHECK(narrow_forward_applies(s, ops),
-             "conv2d_forward_narrow: needs bf16 operands with C = 8, K = 64, a filter of at most "
-             "3 x 3, stride 1, no mask and 16-byte aligned tensors");
+             "conv2d_forward_narrow: needs bf16 operands with C = 8 or TF32 with C = 4, K = 64, a "
+             "filter of at most 3 x 3, stride 1, no mask and 16-byte aligned tensors");
   NarrowArgs a;
-  a.x = static_cast<const __nv_bfloat16*>(ops.x);
-  a.w = static_cast<const __nv_bfloat16*>(ops.w);
+  a.x = ops.x;
+  a.w = ops.w;
   a.bias = ops.bias;
   a.y = ops.y;
   a.n = s.n;
@@ -382,11 +543,17 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
              " tiles are too many for one launch; split the batch");
   a.tiles = static_cast<int>(tiles);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
-  if (ops.y_type == DType::BF16) {
-    launch("narrow_forward_kernel", narrow_forward_kernel<__nv_bfloat16>, grid, kThreads, 0, stream,
-           a);
+  const bool bf16_out = ops.y_type == DType::BF16;
+  if (ops.math == Math::BF16) {
+    launch("narrow_forward_kernel",
+           bf16_out ? narrow_forward_kernel<__nv_bfloat16, __nv_bfloat16>
+                    : narrow_forward_kernel<__nv_bfloat16, float>,
+           grid, kThreads, 0, stream, a);
   } else {
-    launch("narrow_forward_kernel", narrow_forward_kernel<float>, grid, kThreads, 0, stream, a);
+    launch("narrow_forward_kernel",
+           bf16_out ? narrow_forward_kernel<float, __nv_bfloat16>
+                    : narrow_forward_kernel<float, float>,
+           grid, kThreads, 0, stream, a);
   }
 }
 
@@ -424,13 +591,59 @@ void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const vo
   a.tiles = static_cast<int>(tiles);
   const int blocks =
       static_cast<int>(std::min<int64_t>(tiles, int64_t(kWgradBlocksPerSm) * sm_count()));
-  const int size = kK * s.r * s.s * kC;
+  const int taps = s.r * s.s, size = kK * taps * kC;
   Workspace partial(size_t(blocks) * size_t(size) * sizeof(float), stream,
                     "backward-weight's per-block partial sums (first layer)");
   a.partial = partial.get();
   launch("narrow_wgrad_kernel", narrow_wgrad_kernel, blocks, kWgradThreads, 0, stream, a);
   launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel, grid_for(size, 256), 256, 0, stream,
-         partial.get(), blocks, size, beta, dw);
+         partial.get(), blocks, taps, kC, kC, beta, dw);
+}
+
+bool narrow_wgrad_tf32_applies(const Conv2dShape& s) {
+  return s.c <= kChannels<float> && s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 &&
+         s.stride_w == 1;
+}
+
+void conv2d_backward_weight_narrow_tf32(const Conv2dShape& s, const float* x, const float* dy,
+                                        float* dw, float beta, cudaStream_t stream) {
+  CUDP_CHECK(
+      narrow_wgrad_tf32_applies(s) && x && dy && dw && reinterpret_cast<uintptr_t>(dy) % 16 == 0,
+      "conv2d_backward_weight_narrow_tf32: needs fp32 x with at most 4 channels, dy with K "
+      "= 64 (16-byte aligned), a filter of at most 3 x 3 and stride 1");
+  NarrowWgradTf32Args a;
+  a.x = x;
+  a.dy = dy;
+  a.n = s.n;
+  a.h = s.h;
+  a.w_in = s.w;
+  a.c = s.c;
+  a.p = s.p();
+  a.q = s.q();
+  a.r = s.r;
+  a.s = s.s;
+  a.pad_h = s.pad_h;
+  a.pad_w = s.pad_w;
+  for (int t = 0; t <= kMaxR * kMaxS; ++t) {
+    a.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
+  }
+  a.tiles_q = (a.q + kTileW - 1) / kTileW;
+  a.tiles_p = (a.p + kTf32TileH - 1) / kTf32TileH;
+  const int64_t tiles = int64_t(a.tiles_q) * a.tiles_p * s.n;
+  CUDP_CHECK(tiles <= (int64_t(1) << 30), "conv2d_backward_weight_narrow_tf32: ", tiles,
+             " tiles are too many for one launch; split the batch");
+  a.tiles = static_cast<int>(tiles);
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(tiles, int64_t(kWgradBlocksPerSm) * sm_count()));
+  const int taps = s.r * s.s;
+  const int size = kK * taps * kChannels<float>;
+  Workspace partial(size_t(blocks) * size_t(size) * sizeof(float), stream,
+                    "backward-weight's per-block partial sums (first layer, TF32)");
+  a.partial = partial.get();
+  launch("narrow_wgrad_tf32_kernel", narrow_wgrad_tf32_kernel, blocks, kWgradThreads, 0, stream, a);
+  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel,
+         grid_for(int64_t(kK) * taps * s.c, 256), 256, 0, stream, partial.get(), blocks, taps, s.c,
+         kChannels<float>, beta, dw);
 }
 
 }  // namespace cudp::kernels::detail

@@ -1,7 +1,7 @@
-// The forward and backward-weight convolutions of layers with 8 (padded) input channels and 64
-// output channels, VGG's first layer, on tensor cores without the GEMM mainloop
-// (kernels/conv2d_narrow.cu says why). kernels/conv2d_tc.cu dispatches to them; nothing else
-// should call them.
+// The forward and backward-weight convolutions of layers with one 16-byte chunk of input channels
+// (8 bf16 or 4 fp32, padded) and 64 output channels, VGG's first layer, on tensor cores without the
+// GEMM mainloop (kernels/conv2d_narrow.cu says why). kernels/conv2d_tc.cu dispatches to them;
+// nothing else should call them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,8 +10,9 @@
 
 namespace cudp::kernels::detail {
 
-// Whether conv2d_forward_narrow takes this forward: bf16 x (C = 8) and filters, K = 64, R and S
-// at most 3, stride 1, no mask, 16-byte aligned x, w and y (bf16 or fp32 y).
+// Whether conv2d_forward_narrow takes this forward: bf16 x (C = 8) and filters, or TF32 (fp32 x
+// with C = 4 and filters), K = 64, R and S at most 3, stride 1, no mask, 16-byte aligned x, w and
+// y (bf16 or fp32 y).
 bool narrow_forward_applies(const Conv2dShape& shape, const ConvOperands& ops);
 
 // y = relu?(conv(x, w) + bias), the same epilogue arithmetic as the mainloop's. Throws ValueError
@@ -27,5 +28,11 @@ bool narrow_wgrad_applies(const Conv2dShape& shape, const void* x, const void* d
 // not hold.
 void conv2d_backward_weight_narrow(const Conv2dShape& shape, const void* x, const void* dy,
                                    float* dw, float beta, cudaStream_t stream);
+
+// The same in TF32 (fp32 operands, as the float launcher's Math::TF32): x of at most 4 channels as
+// it is (no padded copy), dy with K = 64; dw is K x R x S x C.
+bool narrow_wgrad_tf32_applies(const Conv2dShape& shape);
+void conv2d_backward_weight_narrow_tf32(const Conv2dShape& shape, const float* x, const float* dy,
+                                        float* dw, float beta, cudaStream_t stream);
 
 }  // namespace cudp::kernels::detail

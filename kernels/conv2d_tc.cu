@@ -254,8 +254,9 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const std::string why = matmul_unsupported_reason(p, device);
   CUDP_CHECK(why.empty(), "conv (tensor cores): ", why);
-  // Eight input channels (VGG's first layer, padded): the reduction is about one k-block, which
-  // the mainloop cannot pipeline; a kernel of its own (kernels/conv2d_narrow.cu).
+  // One 16-byte chunk of input channels (VGG's first layer, padded: 8 bf16 or 4 fp32): the
+  // reduction is about one k-block, which the mainloop cannot pipeline; a kernel of its own
+  // (kernels/conv2d_narrow.cu).
   if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_forward_applies(s, ops)) {
     detail::conv2d_forward_narrow(s, ops, stream);
     return;
@@ -407,9 +408,10 @@ __global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t 
 //     dy^T = 0, so whatever x^T holds at their shift adds 0 (NOTE: non-finite values of x there
 //     would add NaN from 0 * inf, which the direct sum would not see; a training step with
 //     non-finite activations is already lost, and the divergence guard stops it).
-//   otherwise (the first layer, 3 channels; strided layers): the grid is the output, GH = P,
-//     GW = Q, and x^T is im2col(x)^T written out, R*S*C rows padded with zeros to a multiple of
-//     64 (the slab height); the kernel then runs with one tap and no shift.
+//   otherwise (strided layers; C not a multiple of 64 where the narrow kernel does not apply):
+//     the grid is the output, GH = P, GW = Q, and x^T is im2col(x)^T written out, R*S*C rows
+//     padded with zeros to a multiple of 64 (the slab height); the kernel then runs with one tap
+//     and no shift.
 // The copies cost a pass over x and dy (x written S times, dy once); the product then runs at the
 // K-major TF32 mainloop's rate. dw is R*S*C columns of each of K rows in both layouts (the
 // explicit one after dropping the padded rows).
@@ -541,6 +543,13 @@ void k_major_copy(const KMajorCopy& a, cudaStream_t stream) {
 void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float* dy, float* dw,
                               float beta, cudaStream_t stream) {
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
+  // At most 4 input channels (VGG's first layer): a kernel of its own, no copies
+  // (kernels/conv2d_narrow.cu).
+  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_wgrad_tf32_applies(s) &&
+      reinterpret_cast<uintptr_t>(dy) % 16 == 0) {
+    detail::conv2d_backward_weight_narrow_tf32(s, x, dy, dw, beta, stream);
+    return;
+  }
   const bool shift = s.stride_h == 1 && s.stride_w == 1 && s.c % 64 == 0;
   const int grid_h = shift ? s.h + 2 * s.pad_h : s.p();
   const int grid_w = shift ? static_cast<int>(round_up(s.w + 2 * s.pad_w, 4)) : s.q();

@@ -99,6 +99,15 @@ const Case kCases[] = {
     {"c8_k64_r1", {2, 11, 13, 8, 64, 1, 1, 1, 1, 0, 0}},
     {"c3_k64_p0_w70", {3, 20, 70, 3, 64, 3, 3, 1, 1, 0, 0}},
     {"c5_k64_r2s3", {2, 15, 33, 5, 64, 2, 3, 1, 1, 1, 0}},
+    {"c1_k64", {2, 13, 40, 1, 64, 3, 3, 1, 1, 1, 1}},
+    {"c4_k64_r3s1", {2, 9, 35, 4, 64, 3, 1, 1, 1, 1, 0}},
+    {"c2_k64_r2s2", {2, 11, 37, 2, 64, 2, 2, 1, 1, 1, 0}},
+    {"c3_k64_r1", {2, 9, 33, 3, 64, 1, 1, 1, 1, 0, 0}},
+    // More tiles than blocks (448 forward and backward-weight tiles, 896 in TF32): the narrow
+    // kernels' double buffer and their sums across a block's tiles.
+    {"c3_k64_h128_n7", {7, 128, 128, 3, 64, 3, 3, 1, 1, 1, 1}},
+    // Backward-data of 3 output channels runs as the narrow forward (dy padded to 8 or 4).
+    {"c64_k3", {2, 9, 37, 64, 3, 3, 3, 1, 1, 1, 1}},
     {"c24_k136", {2, 6, 19, 24, 136, 3, 3, 1, 1, 1, 1}},
     {"c68_k72", {2, 5, 5, 68, 72, 3, 3, 1, 1, 1, 1}},
     {"c96_k300", {2, 9, 9, 96, 300, 3, 3, 1, 1, 1, 1}},
@@ -400,12 +409,12 @@ TEST(Conv2dTcTyped, ConvertedOperandsGiveTheSameResults) {
   }
 }
 
-// The first layer's kernels (kernels/conv2d_narrow.h) through the typed entry points a bf16
-// training step uses: bf16 x of 8 channels (3 real, the rest zero), bias and ReLU into bf16 and
-// fp32 y, and backward-weight accumulating into dw (beta 1); against the CPU reference, bitwise
-// deterministic, and within the same bound as the mainloop (the gather feed) on the same operands.
-// VGG-16's first layer (padded) must take them: a change that turned them off would otherwise
-// pass every accuracy test.
+// The first layer's kernels (kernels/conv2d_narrow.h; their TF32 variants run in the Shapes cases
+// with 1 to 4 channels and K = 64) through the typed entry points a bf16 training step uses: bf16 x
+// of 8 channels (3 real, the rest zero), bias and ReLU into bf16 and fp32 y, and backward-weight
+// accumulating into dw (beta 1); against the CPU reference, bitwise deterministic, and within the
+// same bound as the mainloop (the gather feed) on the same operands. VGG-16's first layer (padded)
+// must take them: a change that turned them off would otherwise pass every accuracy test.
 TEST(Conv2dTcTyped, NarrowFirstLayer) {
   CUDP_REQUIRE_TENSOR_CORES();
   const Conv2dShape vgg{64, 224, 224, 8, 64, 3, 3, 1, 1, 1, 1};
@@ -413,6 +422,16 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
   const ConvOperands vgg_ops{Math::BF16, dummy, dummy, dummy, DType::BF16, nullptr, true};
   EXPECT_TRUE(detail::narrow_forward_applies(vgg, vgg_ops));
   EXPECT_TRUE(detail::narrow_wgrad_applies(vgg, dummy, dummy));
+  // TF32: the float launcher pads x to 4 channels for the forward; backward-weight reads x as it
+  // is.
+  Conv2dShape vgg_tf32 = vgg;
+  vgg_tf32.c = 4;
+  ConvOperands tf32_ops = vgg_ops;
+  tf32_ops.math = Math::TF32;
+  tf32_ops.y_type = DType::F32;
+  EXPECT_TRUE(detail::narrow_forward_applies(vgg_tf32, tf32_ops));
+  vgg_tf32.c = 3;
+  EXPECT_TRUE(detail::narrow_wgrad_tf32_applies(vgg_tf32));
   for (const Conv2dShape real : {Conv2dShape{3, 19, 70, 3, 64, 3, 3, 1, 1, 1, 1},
                                  Conv2dShape{2, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1}}) {
     SCOPED_TRACE(::testing::Message() << real.n << "x" << real.h << "x" << real.w);
