@@ -53,13 +53,20 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kStageStride = kK + 8;  // elements per staged pixel: 16 or 32 bytes of padding
                                       // keep the fragment writes free of bank conflicts
 
-struct NarrowArgs {
-  const void* x;           // n x h x w x 8 bf16, or 4 fp32
-  const void* w;           // 64 x r x s x 8 bf16, or 4 fp32
-  const float* bias;       // 64 or null
-  void* y;                 // n x p x q x 64
-  int n, h, w_in, p, q, r, s, pad_h, pad_w, relu;
+// What every narrow kernel knows of its convolution: the shape, and the output cut into tiles of
+// tile_h x kTileW pixels (tiles_q across, tiles_p down, per image); each tap's offset in the halo.
+struct NarrowGeometry {
+  int n, h, w_in, p, q, r, s, pad_h, pad_w;
   int tiles_q, tiles_p, tiles;
+  int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s (0 past R*S)
+};
+
+struct NarrowArgs : NarrowGeometry {
+  const void* x;      // n x h x w x 8 bf16, or 4 fp32
+  const void* w;      // 64 x r x s x 8 bf16, or 4 fp32
+  const float* bias;  // 64 or null
+  void* y;            // n x p x q x 64
+  int relu;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -257,14 +264,37 @@ constexpr int kWgradThreads = 256;
 constexpr int kWgradBlocksPerSm = 3;
 constexpr int kTileRows = kTileH * (kTileW / 16);  // 16-pixel rows of a tile
 
-struct NarrowWgradArgs {
+struct NarrowWgradArgs : NarrowGeometry {
   const __nv_bfloat16* x;   // n x h x w x 8
   const __nv_bfloat16* dy;  // n x p x q x 64
   float* partial;           // [block][64][taps * 8]
-  int n, h, w_in, p, q, r, s, pad_h, pad_w;
-  int tiles_q, tiles_p, tiles;
-  int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s, its offset in the halo (0 past R*S)
 };
+
+// Adds warp set 1's accumulators to set 0's (each set summed half of a block's pixels) through
+// shared memory `scratch` (free once every warp is past its last tile). True in set 0's warps,
+// whose acc then holds the block's sums (set 0's + set 1's, in that order).
+template <int kN>
+__device__ __forceinline__ bool add_sets(float (&acc)[kN][4], float* scratch, int set, int mt,
+                                         int lane) {
+  __syncthreads();
+  if (set == 1) {
+#pragma unroll
+    for (int t = 0; t < kN; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) scratch[((mt * kN + t) * 4 + e) * 32 + lane] = acc[t][e];
+    }
+  }
+  __syncthreads();
+  if (set != 0) return false;
+#pragma unroll
+  for (int t = 0; t < kN; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[t][e] = __fadd_rn(acc[t][e], scratch[((mt * kN + t) * 4 + e) * 32 + lane]);
+    }
+  }
+  return true;
+}
 
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
     narrow_wgrad_kernel(const NarrowWgradArgs a) {
@@ -337,20 +367,7 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
       }
     }
   }
-  // The two halves' sums: set 1 through shared memory (dys is free once every warp is past its
-  // last tile), set 0 adds them and writes the block's partial dw.
-  __syncthreads();
-  float* other = reinterpret_cast<float*>(dys);
-  constexpr int kAcc = (kMaxR * kMaxS + 1) * 4;
-  if (set == 1) {
-#pragma unroll
-    for (int t = 0; t < kMaxR * kMaxS + 1; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) other[(mt * kAcc + t * 4 + e) * 32 + lane] = acc[t][e];
-    }
-  }
-  __syncthreads();
-  if (set == 0) {
+  if (add_sets(acc, reinterpret_cast<float*>(dys), set, mt, lane)) {
     const int cols = taps * 8;
     float* out = a.partial + int64_t(blockIdx.x) * kK * cols;
 #pragma unroll
@@ -358,7 +375,7 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
       if (t >= taps) break;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float v = __fadd_rn(acc[t][e], other[(mt * kAcc + t * 4 + e) * 32 + lane]);
+        const float v = acc[t][e];
         const int m = 16 * mt + lane / 4 + 8 * (e >> 1), n = t * 8 + 2 * (lane % 4) + (e & 1);
         out[m * cols + n] = v;
       }
@@ -389,13 +406,11 @@ __global__ void narrow_wgrad_sum_kernel(const float* __restrict__ partial, int b
 // in 32 different banks.
 constexpr int kTf32TileH = 4;
 
-struct NarrowWgradTf32Args {
+struct NarrowWgradTf32Args : NarrowGeometry {
   const float* x;   // n x h x w x c (c <= 4)
   const float* dy;  // n x p x q x 64
   float* partial;   // [block][64][taps * 4]
-  int n, h, w_in, c, p, q, r, s, pad_h, pad_w;
-  int tiles_q, tiles_p, tiles;
-  int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s (0 past R*S)
+  int c;
 };
 
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
@@ -470,18 +485,7 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
       }
     }
   }
-  __syncthreads();
-  float* other = reinterpret_cast<float*>(dys);
-  constexpr int kAcc = kTiles * 4;
-  if (set == 1) {
-#pragma unroll
-    for (int u = 0; u < kTiles; ++u) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) other[(mt * kAcc + u * 4 + e) * 32 + lane] = acc[u][e];
-    }
-  }
-  __syncthreads();
-  if (set == 0) {
+  if (add_sets(acc, reinterpret_cast<float*>(dys), set, mt, lane)) {
     const int cols = taps * 4;
     float* out = a.partial + int64_t(blockIdx.x) * kK * cols;
 #pragma unroll
@@ -492,7 +496,7 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
         const int m = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
         const int n = (2 * u + col / 4) * 4 + col % 4;
         if (n < cols) {
-          out[m * cols + n] = __fadd_rn(acc[u][e], other[(mt * kAcc + u * 4 + e) * 32 + lane]);
+          out[m * cols + n] = acc[u][e];
         }
       }
     }
@@ -503,6 +507,45 @@ int sm_count() {
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   return multiprocessor_count(device);
+}
+
+NarrowGeometry narrow_geometry(const Conv2dShape& s, int tile_h, const char* what) {
+  NarrowGeometry g;
+  g.n = s.n;
+  g.h = s.h;
+  g.w_in = s.w;
+  g.p = s.p();
+  g.q = s.q();
+  g.r = s.r;
+  g.s = s.s;
+  g.pad_h = s.pad_h;
+  g.pad_w = s.pad_w;
+  for (int t = 0; t <= kMaxR * kMaxS; ++t) {
+    g.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
+  }
+  g.tiles_q = (g.q + kTileW - 1) / kTileW;
+  g.tiles_p = (g.p + tile_h - 1) / tile_h;
+  const int64_t tiles = int64_t(g.tiles_q) * g.tiles_p * s.n;
+  CUDP_CHECK(tiles <= (int64_t(1) << 30), what, ": ", tiles,
+             " tiles are too many for one launch; split the batch");
+  g.tiles = static_cast<int>(tiles);
+  return g;
+}
+
+// Runs a backward-weight kernel on a.tiles tiles (kWgradBlocksPerSm blocks per SM at most, one
+// partial each) and sums the partials into dw (`padded` columns per tap in a partial, of which the
+// first `channels` are dw's).
+template <typename Args>
+void run_wgrad(const char* name, void (*kernel)(Args), Args a, int padded, int channels, float beta,
+               float* dw, cudaStream_t stream) {
+  const int blocks = std::min(a.tiles, kWgradBlocksPerSm * sm_count());
+  const int taps = a.r * a.s;
+  Workspace partial(size_t(blocks) * size_t(kK) * size_t(taps * padded) * sizeof(float), stream,
+                    "the first layer's backward-weight partial sums");
+  a.partial = partial.get();
+  launch(name, kernel, blocks, kWgradThreads, 0, stream, a);
+  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel, grid_for(kK * taps * channels, 256),
+         256, 0, stream, partial.get(), blocks, taps, channels, padded, beta, dw);
 }
 
 }  // namespace
@@ -522,27 +565,13 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
              "conv2d_forward_narrow: needs bf16 operands with C = 8 or TF32 with C = 4, K = 64, a "
              "filter of at most 3 x 3, stride 1, no mask and 16-byte aligned tensors");
   NarrowArgs a;
+  static_cast<NarrowGeometry&>(a) = narrow_geometry(s, kTileH, "conv2d_forward_narrow");
   a.x = ops.x;
   a.w = ops.w;
   a.bias = ops.bias;
   a.y = ops.y;
-  a.n = s.n;
-  a.h = s.h;
-  a.w_in = s.w;
-  a.p = s.p();
-  a.q = s.q();
-  a.r = s.r;
-  a.s = s.s;
-  a.pad_h = s.pad_h;
-  a.pad_w = s.pad_w;
   a.relu = ops.relu ? 1 : 0;
-  a.tiles_q = (a.q + kTileW - 1) / kTileW;
-  a.tiles_p = (a.p + kTileH - 1) / kTileH;
-  const int64_t tiles = int64_t(a.tiles_q) * a.tiles_p * s.n;
-  CUDP_CHECK(tiles <= (int64_t(1) << 30), "conv2d_forward_narrow: ", tiles,
-             " tiles are too many for one launch; split the batch");
-  a.tiles = static_cast<int>(tiles);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min(a.tiles, sm_count()));
   const bool bf16_out = ops.y_type == DType::BF16;
   if (ops.math == Math::BF16) {
     launch("narrow_forward_kernel",
@@ -569,35 +598,10 @@ void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const vo
              "conv2d_backward_weight_narrow: needs bf16 x with C = 8 and dy with K = 64, a filter "
              "of at most 3 x 3, stride 1 and 16-byte aligned tensors");
   NarrowWgradArgs a;
+  static_cast<NarrowGeometry&>(a) = narrow_geometry(s, kTileH, "conv2d_backward_weight_narrow");
   a.x = static_cast<const __nv_bfloat16*>(x);
   a.dy = static_cast<const __nv_bfloat16*>(dy);
-  a.n = s.n;
-  a.h = s.h;
-  a.w_in = s.w;
-  a.p = s.p();
-  a.q = s.q();
-  a.r = s.r;
-  a.s = s.s;
-  a.pad_h = s.pad_h;
-  a.pad_w = s.pad_w;
-  for (int t = 0; t <= kMaxR * kMaxS; ++t) {
-    a.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
-  }
-  a.tiles_q = (a.q + kTileW - 1) / kTileW;
-  a.tiles_p = (a.p + kTileH - 1) / kTileH;
-  const int64_t tiles = int64_t(a.tiles_q) * a.tiles_p * s.n;
-  CUDP_CHECK(tiles <= (int64_t(1) << 30), "conv2d_backward_weight_narrow: ", tiles,
-             " tiles are too many for one launch; split the batch");
-  a.tiles = static_cast<int>(tiles);
-  const int blocks =
-      static_cast<int>(std::min<int64_t>(tiles, int64_t(kWgradBlocksPerSm) * sm_count()));
-  const int taps = s.r * s.s, size = kK * taps * kC;
-  Workspace partial(size_t(blocks) * size_t(size) * sizeof(float), stream,
-                    "backward-weight's per-block partial sums (first layer)");
-  a.partial = partial.get();
-  launch("narrow_wgrad_kernel", narrow_wgrad_kernel, blocks, kWgradThreads, 0, stream, a);
-  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel, grid_for(size, 256), 256, 0, stream,
-         partial.get(), blocks, taps, kC, kC, beta, dw);
+  run_wgrad("narrow_wgrad_kernel", narrow_wgrad_kernel, a, kC, kC, beta, dw, stream);
 }
 
 bool narrow_wgrad_tf32_applies(const Conv2dShape& s) {
@@ -612,38 +616,13 @@ void conv2d_backward_weight_narrow_tf32(const Conv2dShape& s, const float* x, co
       "conv2d_backward_weight_narrow_tf32: needs fp32 x with at most 4 channels, dy with K "
       "= 64 (16-byte aligned), a filter of at most 3 x 3 and stride 1");
   NarrowWgradTf32Args a;
+  static_cast<NarrowGeometry&>(a) =
+      narrow_geometry(s, kTf32TileH, "conv2d_backward_weight_narrow_tf32");
   a.x = x;
   a.dy = dy;
-  a.n = s.n;
-  a.h = s.h;
-  a.w_in = s.w;
   a.c = s.c;
-  a.p = s.p();
-  a.q = s.q();
-  a.r = s.r;
-  a.s = s.s;
-  a.pad_h = s.pad_h;
-  a.pad_w = s.pad_w;
-  for (int t = 0; t <= kMaxR * kMaxS; ++t) {
-    a.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
-  }
-  a.tiles_q = (a.q + kTileW - 1) / kTileW;
-  a.tiles_p = (a.p + kTf32TileH - 1) / kTf32TileH;
-  const int64_t tiles = int64_t(a.tiles_q) * a.tiles_p * s.n;
-  CUDP_CHECK(tiles <= (int64_t(1) << 30), "conv2d_backward_weight_narrow_tf32: ", tiles,
-             " tiles are too many for one launch; split the batch");
-  a.tiles = static_cast<int>(tiles);
-  const int blocks =
-      static_cast<int>(std::min<int64_t>(tiles, int64_t(kWgradBlocksPerSm) * sm_count()));
-  const int taps = s.r * s.s;
-  const int size = kK * taps * kChannels<float>;
-  Workspace partial(size_t(blocks) * size_t(size) * sizeof(float), stream,
-                    "backward-weight's per-block partial sums (first layer, TF32)");
-  a.partial = partial.get();
-  launch("narrow_wgrad_tf32_kernel", narrow_wgrad_tf32_kernel, blocks, kWgradThreads, 0, stream, a);
-  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel,
-         grid_for(int64_t(kK) * taps * s.c, 256), 256, 0, stream, partial.get(), blocks, taps, s.c,
-         kChannels<float>, beta, dw);
+  run_wgrad("narrow_wgrad_tf32_kernel", narrow_wgrad_tf32_kernel, a, kChannels<float>, s.c, beta,
+            dw, stream);
 }
 
 }  // namespace cudp::kernels::detail
