@@ -153,8 +153,7 @@ void set_wgrad_descriptor_variant(int variant);
 // VGG-16 shape measured) or `gather` (the im2col gather that every other layer uses). `gather` also
 // turns off the forward and backward-weight kernels of inputs with one 16-byte chunk of channels
 // (kernels/conv2d_narrow.h), so that those layers run on the mainloop. The tests run both on every
-// shape, and bench_conv2d
-// --feed times them.
+// shape, and bench_conv2d --feed times them.
 enum class ConvFeed { patch, gather };
 void set_conv_feed(ConvFeed feed);
 }  // namespace detail

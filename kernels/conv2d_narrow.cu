@@ -41,7 +41,7 @@ namespace {
 // Input channels: one 16-byte chunk per pixel, 8 bf16 or 4 fp32 (TF32 products).
 template <typename Elem>
 constexpr int kChannels = 16 / int(sizeof(Elem));
-constexpr int kC = 8;                   // the bf16 kernels'
+constexpr int kC = kChannels<__nv_bfloat16>;  // the bf16 kernels'
 constexpr int kK = 64;                  // output channels
 constexpr int kTileH = 8, kTileW = 32;  // output pixels of a block's tile
 constexpr int kMaxR = 3, kMaxS = 3;
@@ -548,16 +548,24 @@ void run_wgrad(const char* name, void (*kernel)(Args), Args a, int padded, int c
          256, 0, stream, partial.get(), blocks, taps, channels, padded, beta, dw);
 }
 
+// The shape every narrow kernel takes, whatever its channels: 64 output channels, a filter of at
+// most kMaxR x kMaxS, stride 1.
+bool narrow_shape(const Conv2dShape& s) {
+  return s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 && s.stride_w == 1;
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 }  // namespace
 
 bool narrow_forward_applies(const Conv2dShape& s, const ConvOperands& ops) {
   const bool channels = ops.math == Math::BF16   ? s.c == kChannels<__nv_bfloat16>
                         : ops.math == Math::TF32 ? s.c == kChannels<float>
                                                  : false;
-  return channels && s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 &&
-         s.stride_w == 1 && ops.mask == nullptr && reinterpret_cast<uintptr_t>(ops.x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(ops.w) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(ops.y) % 16 == 0;
+  return channels && narrow_shape(s) && ops.mask == nullptr && aligned16(ops.x) &&
+         aligned16(ops.w) && aligned16(ops.y);
 }
 
 void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
@@ -587,9 +595,7 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
 }
 
 bool narrow_wgrad_applies(const Conv2dShape& s, const void* x, const void* dy) {
-  return s.c == kC && s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 &&
-         s.stride_w == 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(dy) % 16 == 0;
+  return s.c == kC && narrow_shape(s) && aligned16(x) && aligned16(dy);
 }
 
 void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const void* dy, float* dw,
@@ -604,17 +610,15 @@ void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const vo
   run_wgrad("narrow_wgrad_kernel", narrow_wgrad_kernel, a, kC, kC, beta, dw, stream);
 }
 
-bool narrow_wgrad_tf32_applies(const Conv2dShape& s) {
-  return s.c <= kChannels<float> && s.k == kK && s.r <= kMaxR && s.s <= kMaxS && s.stride_h == 1 &&
-         s.stride_w == 1;
+bool narrow_wgrad_tf32_applies(const Conv2dShape& s, const float* dy) {
+  return s.c <= kChannels<float> && narrow_shape(s) && aligned16(dy);
 }
 
 void conv2d_backward_weight_narrow_tf32(const Conv2dShape& s, const float* x, const float* dy,
                                         float* dw, float beta, cudaStream_t stream) {
-  CUDP_CHECK(
-      narrow_wgrad_tf32_applies(s) && x && dy && dw && reinterpret_cast<uintptr_t>(dy) % 16 == 0,
-      "conv2d_backward_weight_narrow_tf32: needs fp32 x with at most 4 channels, dy with K "
-      "= 64 (16-byte aligned), a filter of at most 3 x 3 and stride 1");
+  CUDP_CHECK(narrow_wgrad_tf32_applies(s, dy) && x && dy && dw,
+             "conv2d_backward_weight_narrow_tf32: needs fp32 x with at most 4 channels, dy with K "
+             "= 64 (16-byte aligned), a filter of at most 3 x 3 and stride 1");
   NarrowWgradTf32Args a;
   static_cast<NarrowGeometry&>(a) =
       narrow_geometry(s, kTf32TileH, "conv2d_backward_weight_narrow_tf32");

@@ -30,8 +30,8 @@ void conv2d_backward_weight_narrow(const Conv2dShape& shape, const void* x, cons
                                    float* dw, float beta, cudaStream_t stream);
 
 // The same in TF32 (fp32 operands, as the float launcher's Math::TF32): x of at most 4 channels as
-// it is (no padded copy), dy with K = 64; dw is K x R x S x C.
-bool narrow_wgrad_tf32_applies(const Conv2dShape& shape);
+// it is (no padded copy), dy with K = 64 (16-byte aligned); dw is K x R x S x C.
+bool narrow_wgrad_tf32_applies(const Conv2dShape& shape, const float* dy);
 void conv2d_backward_weight_narrow_tf32(const Conv2dShape& shape, const float* x, const float* dy,
                                         float* dw, float beta, cudaStream_t stream);
 

@@ -545,8 +545,7 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
   // At most 4 input channels (VGG's first layer): a kernel of its own, no copies
   // (kernels/conv2d_narrow.cu).
-  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_wgrad_tf32_applies(s) &&
-      reinterpret_cast<uintptr_t>(dy) % 16 == 0) {
+  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_wgrad_tf32_applies(s, dy)) {
     detail::conv2d_backward_weight_narrow_tf32(s, x, dy, dw, beta, stream);
     return;
   }

@@ -431,7 +431,7 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
   tf32_ops.y_type = DType::F32;
   EXPECT_TRUE(detail::narrow_forward_applies(vgg_tf32, tf32_ops));
   vgg_tf32.c = 3;
-  EXPECT_TRUE(detail::narrow_wgrad_tf32_applies(vgg_tf32));
+  EXPECT_TRUE(detail::narrow_wgrad_tf32_applies(vgg_tf32, reinterpret_cast<const float*>(dummy)));
   for (const Conv2dShape real : {Conv2dShape{3, 19, 70, 3, 64, 3, 3, 1, 1, 1, 1},
                                  Conv2dShape{2, 32, 32, 3, 64, 3, 3, 1, 1, 1, 1}}) {
     SCOPED_TRACE(::testing::Message() << real.n << "x" << real.h << "x" << real.w);
