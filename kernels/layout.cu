@@ -91,38 +91,6 @@ __device__ __forceinline__ float widen(uint32_t bf16_bits) {
   return __uint_as_float(bf16_bits << 16);
 }
 
-// dst = bf16(src) and dst_t = bf16(src)^T for a rows x cols matrix, through 32 x 32 tiles in shared
-// memory so that the reads and both writes are coalesced. Grid-stride over the tiles.
-__global__ void __launch_bounds__(kTile* kTileRows, 8)
-    f32_to_bf16_both_kernel(const float* src, __nv_bfloat16* dst, __nv_bfloat16* dst_t,
-                            int64_t rows, int64_t cols) {
-  __shared__ __nv_bfloat16 tile[kTile][kTile + 2];
-  const int64_t tiles_r = (rows + kTile - 1) / kTile;
-  const int64_t tiles_c = (cols + kTile - 1) / kTile;
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  for (int64_t t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kTile, c0 = (t % tiles_c) * kTile;
-    const int64_t c = c0 + tx;
-#pragma unroll
-    for (int j = 0; j < kTile; j += kTileRows) {
-      const int64_t r = r0 + ty + j;
-      if (c < cols && r < rows) {
-        const __nv_bfloat16 v = __float2bfloat16_rn(src[r * cols + c]);
-        dst[r * cols + c] = v;
-        tile[ty + j][tx] = v;
-      }
-    }
-    __syncthreads();
-    const int64_t r = r0 + tx;
-#pragma unroll
-    for (int j = 0; j < kTile; j += kTileRows) {
-      const int64_t cc = c0 + ty + j;
-      if (r < rows && cc < cols) dst_t[cc * rows + r] = tile[tx][ty + j];
-    }
-    __syncthreads();
-  }
-}
-
 __global__ void f32_to_bf16_kernel(const float* src, __nv_bfloat16* dst, int64_t n, int64_t head,
                                    int64_t vectors) {
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -201,20 +169,6 @@ void f32_to_bf16(const float* src, __nv_bfloat16* dst, int64_t n, cudaStream_t s
   const detail::VectorSplit split = detail::vector_split(n, {{src, 4}, {dst, 2}});
   launch("f32_to_bf16", f32_to_bf16_kernel, blocks_for(n, split), kThreads, 0, stream, src, dst, n,
          split.head, split.vectors);
-}
-
-void f32_to_bf16_with_transpose(const float* src, __nv_bfloat16* dst, __nv_bfloat16* dst_t,
-                                int64_t rows, int64_t cols, cudaStream_t stream) {
-  CUDP_CHECK(rows >= 0 && cols >= 0, "f32_to_bf16_with_transpose: invalid size ", rows, " x ",
-             cols);
-  detail::check_elementwise("f32_to_bf16_with_transpose", rows * cols, {src, dst, dst_t});
-  if (rows == 0 || cols == 0) {
-    return;
-  }
-  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
-  launch("f32_to_bf16_both_kernel", f32_to_bf16_both_kernel,
-         static_cast<unsigned>(std::min<int64_t>(tiles, kMaxBlocks)), dim3(kTile, kTileRows), 0,
-         stream, src, dst, dst_t, rows, cols);
 }
 
 void bf16_to_f32(const __nv_bfloat16* src, float* dst, int64_t n, cudaStream_t stream) {

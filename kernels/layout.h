@@ -56,11 +56,6 @@ void krsc_to_oihw_cpu(const float* src, float* dst, int64_t k, int64_t c, int64_
 void f32_to_bf16(const float* src, __nv_bfloat16* dst, int64_t n, cudaStream_t stream);
 void f32_to_bf16_cpu(const float* src, __nv_bfloat16* dst, int64_t n);
 
-// dst = src and dst_t = src^T, a rows x cols matrix rounded to bf16 once (the weights of a bf16
-// Linear layer: both orientations of its products' K-major operand, from one read).
-void f32_to_bf16_with_transpose(const float* src, __nv_bfloat16* dst, __nv_bfloat16* dst_t,
-                                int64_t rows, int64_t cols, cudaStream_t stream);
-
 void bf16_to_f32(const __nv_bfloat16* src, float* dst, int64_t n, cudaStream_t stream);
 void bf16_to_f32_cpu(const __nv_bfloat16* src, float* dst, int64_t n);
 

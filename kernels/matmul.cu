@@ -208,7 +208,15 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
   const char* want = p.math == Math::BF16 ? "bf16" : "fp32";
   if (p.a == nullptr || p.b == nullptr) return "A or B is null";
   if (p.lda < p.k) return str("lda=", p.lda, " is smaller than k=", p.k);
-  if (p.ldb < p.k) return str("ldb=", p.ldb, " is smaller than k=", p.k);
+  if (p.b_transposed && p.math != Math::BF16) {
+    return str(
+        "B stored k x n (b_transposed) needs bf16 operands: TF32 tensor cores read K-major "
+        "operands only; pass B as n x k");
+  }
+  const int64_t b_row = p.b_transposed ? p.n : p.k;
+  if (p.ldb < b_row) {
+    return str("ldb=", p.ldb, " is smaller than ", p.b_transposed ? "n=" : "k=", b_row);
+  }
   if (!aligned16(p.a) || !aligned16(p.b)) {
     return str("A and B must be 16-byte aligned for the tensor-core loads (", want,
                " operands); copy them into aligned buffers");

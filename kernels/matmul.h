@@ -37,8 +37,11 @@ struct MatmulProblem {
   Math math = Math::BF16;  // BF16: A and B are bf16. TF32: A and B are fp32, rounded by the MMA.
   const void* a = nullptr;  // m x k, row stride lda (elements)
   int64_t lda = 0;
-  const void* b = nullptr;  // n x k, row stride ldb (elements)
+  const void* b = nullptr;  // n x k, row stride ldb (elements); k x n when b_transposed
   int64_t ldb = 0;
+  // B stored k x n (row stride ldb >= n) instead of n x k: C = A * B. BF16 only (TF32 wgmma reads
+  // K-major operands alone); a Linear layer's backward-data (dx = dy W) reads W so, with no copy.
+  bool b_transposed = false;
   void* c = nullptr;  // m x n, row stride ldc (elements)
   int64_t ldc = 0;
   DType c_type = DType::F32;

@@ -13,9 +13,8 @@ namespace cudp {
 namespace {
 
 constexpr const char* kBf16Advice =
-    "Under bf16 the layer makes them at each forward (the weight once, and its transpose for a "
-    "training backward) and keeps them until the backward: reduce the batch size (--batch-size) "
-    "to leave room for them.";
+    "Under bf16 the layer makes it at each forward and keeps it until the backward: reduce the "
+    "batch size (--batch-size) to leave room for it.";
 
 // The GEMM launchers take int extents.
 int gemm_extent(int64_t n, const char* what) {
@@ -25,9 +24,11 @@ int gemm_extent(int64_t n, const char* what) {
 }
 
 // c (m x n, row-major, of c_type) = a b^T (+ bias) on tensor cores, with a (m x k) and b (n x k)
-// bf16 and row-major: the products of the bf16 path.
+// bf16 and row-major: the products of the bf16 path. With b_transposed, b is stored k x n and
+// c = a b (backward-data reads the weight as it is).
 void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c,
-                  kernels::DType c_type, const float* bias, cudaStream_t stream) {
+                  kernels::DType c_type, const float* bias, cudaStream_t stream,
+                  bool b_transposed = false) {
   kernels::MatmulProblem p;
   p.m = m;
   p.n = n;
@@ -36,7 +37,8 @@ void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c
   p.a = a.data_ptr();
   p.lda = k;
   p.b = b.data_ptr();
-  p.ldb = k;
+  p.ldb = b_transposed ? n : k;
+  p.b_transposed = b_transposed;
   p.c = c;
   p.ldc = n;
   p.c_type = c_type;
@@ -76,8 +78,9 @@ Parameter& Linear::bias() {
 }
 
 // Under bf16 on the GPU the products whose operands TMA can read as they are (rows of 16 bytes)
-// run on bf16 copies made once per forward: x as it comes (or converted), W and W^T from one pass
-// (f32_to_bf16_with_transpose), dy converted once; the bias is added in the epilogue. The rest (the
+// run on bf16 copies made once per forward: x as it comes (or converted), W (forward reads it as
+// B = W, n x k; backward-data as B = W stored k x n, wgmma's transposed B, so no W^T copy), dy
+// converted once; the bias is added in the epilogue. The rest (the
 // weight gradient, whose operands are transposed, and layers with odd feature counts) takes the
 // float launchers, which round the same operands the same way.
 bool Linear::direct_bf16(int64_t k) const {
@@ -97,27 +100,19 @@ Tensor Linear::forward_one(const Tensor& input) {
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   float* out = y.data<float>();
   input_dtype_ = input.dtype();
-  weight_bf16_ = weight_t_bf16_ = input_bf16_ = Tensor();
+  weight_bf16_ = input_bf16_ = Tensor();
   if (direct_bf16(in_)) {
     run([] {},
         [&](cudaStream_t s) {
           input_bf16_ = convert(input, DType::bf16);
-          // W^T, the operand of backward-data, when a backward that runs it directly follows.
-          const bool transpose = training_ && input_grad_ && direct_bf16(out_);
           {
             const cuda::AllocationPurpose purpose(
-                detail::str("Linear(", in_, ", ", out_, ")'s bf16 copies of its weight"),
+                detail::str("Linear(", in_, ", ", out_, ")'s bf16 copy of its weight"),
                 kBf16Advice);
             weight_bf16_ = Tensor::empty({out_, in_}, DType::bf16, device_);
-            if (transpose) weight_t_bf16_ = Tensor::empty({in_, out_}, DType::bf16, device_);
           }
-          const float* w = weight_->data.data<float>();
-          if (transpose) {
-            kernels::f32_to_bf16_with_transpose(w, weight_bf16_.data<__nv_bfloat16>(),
-                                                weight_t_bf16_.data<__nv_bfloat16>(), out_, in_, s);
-          } else {
-            kernels::f32_to_bf16(w, weight_bf16_.data<__nv_bfloat16>(), out_ * in_, s);
-          }
+          kernels::f32_to_bf16(weight_->data.data<float>(), weight_bf16_.data<__nv_bfloat16>(),
+                               out_ * in_, s);
           bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s);
         });
     // The weight gradient's float launcher takes x in fp32: an fp32 input is kept as it came
@@ -161,7 +156,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   // fp32 operands for the float launchers (x widened from its bf16 copy when it was kept so).
   const Tensor x32 = input_.defined() ? input_ : convert(input_bf16_, DType::f32);
   const float* x = x32.data<float>();
-  const bool direct_dx = input_grad_ && weight_t_bf16_.defined();
+  // Backward-data on the forward's bf16 weight (read as B stored k x n) when dy's rows are 16-byte
+  // multiples too.
+  const bool direct_dx = input_grad_ && weight_bf16_.defined() && direct_bf16(out_);
   Tensor dx;
   if (input_grad_) {
     dx = Tensor::empty(saved.shape(), direct_dx ? input_dtype_ : DType::f32, device_);
@@ -183,9 +180,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
       [&](cudaStream_t s) {
         if (direct_dx) {
           const Tensor dy_bf16 = convert(grad_output, DType::bf16);
-          bf16_product(rows, k, n, dy_bf16, weight_t_bf16_, dx.data_ptr(),
+          bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),
                        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
-                       nullptr, s);
+                       nullptr, s, /*b_transposed=*/true);
         } else if (out) {
           kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
         }

@@ -47,7 +47,6 @@ class Linear : public Module {
     input_ = Tensor();
     input_bf16_ = Tensor();
     weight_bf16_ = Tensor();
-    weight_t_bf16_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
 
@@ -58,8 +57,8 @@ class Linear : public Module {
   bool direct_bf16(int64_t k) const;
 
   // Saved for backward: the input (fp32, or widened), or under bf16 on the GPU its bf16 copy and
-  // the weights' bf16 copies (W^T for backward-data when it runs on them).
-  Tensor input_, input_bf16_, weight_bf16_, weight_t_bf16_;
+  // the weight's bf16 copy (backward-data reads it as B stored k x n: no W^T copy).
+  Tensor input_, input_bf16_, weight_bf16_;
   DType input_dtype_ = DType::f32;
 };
 

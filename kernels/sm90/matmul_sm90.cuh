@@ -158,6 +158,10 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           x^T at the k-block's columns plus r * grid_w. A grid position that is not an output
 //           pixel holds zeros in dy^T, so what x^T holds at its shift adds nothing. kWgradShiftT
 //           swaps the roles (C = dw^T) as kWgradTmaT does. K-major, so the consumers are kGemm's.
+//   kGemmBT  kGemm with B stored k x n (bf16 only): each k-block of B is kTileN / 64 TMA boxes of
+//           64 rows (k) x 128 bytes (64 columns), the MN-major slab layout of backward-weight's
+//           operands, read by wgmma with B's transpose bit (a Linear layer's backward-data,
+//           dx = dy W, reads W as it is stored instead of a transposed copy).
 enum Mode : int {
   kGemm = 0,
   kConv_ = 1,
@@ -167,7 +171,8 @@ enum Mode : int {
   kWgradTma = 5,
   kWgradTmaT = 6,
   kWgradShift = 7,
-  kWgradShiftT = 8
+  kWgradShiftT = 8,
+  kGemmBT = 9
 };
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -787,8 +792,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_m * kTileM);
           }
-          if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
-                        kMode != kWgradShiftT) {
+          if constexpr (kMode == kGemmBT) {
+#pragma unroll
+            for (int slab = 0; slab < kTileN / 64; ++slab) {
+              tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
+                          full_bar(stage), w.tile_n * kTileN + 64 * slab, kb * Cfg::kBlockK);
+            }
+          } else if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
+                               kMode != kWgradShiftT) {
             tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_n * kTileN);
           }
@@ -895,13 +906,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                                      wgrad_descriptor<kMode>(b + 16 * kRowBytes * kk),
                                      kb > kb_begin || kk > 0);
           }
-        } else {
+          } else if constexpr (kMode == kGemmBT) {
+            // A K-major (32 bytes further per k16 step), B MN-major (16 rows of 128 bytes further).
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+              WgmmaBf16BT<kTileN>::mma(acc, smem_descriptor(a + 32 * kk),
+                                       wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk),
+                                       kb > kb_begin || kk > 0);
+            }
+          } else {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
             Mma<Elem, kTileN>::mma(acc, smem_descriptor(a + 32 * kk), smem_descriptor(b + 32 * kk),
                                    kb > kb_begin || kk > 0);
           }
-        }
+          }
         wgmma_commit();
         wgmma_wait<1>();
         keep_in_registers<Cfg::kAccumulators>(acc);
@@ -976,10 +995,12 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       mode == kWgradShift
           ? encode_k_major(prob.b, kType, sizeof(Elem), shifted_rows, prob.k, prob.ldb, 64)
       : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
-      : mode == kWgradTma                   ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : mode == kWgradTmaT
-          ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
-          : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+      : mode == kGemmBT  // B stored k x n: 64-row boxes of 64 columns
+          ? encode_k_major(prob.b, kType, sizeof(Elem), prob.k, prob.n, prob.ldb, 64)
+          : mode == kWgradTma ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+            : mode == kWgradTmaT
+                ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
+                : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -1009,6 +1030,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
     if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
     if (mode == kWgradTma) return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
     if (mode == kWgradTmaT) return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
+    if (mode == kGemmBT)
+      return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
   }
   if constexpr (!kBf16) {
     if (mode == kWgradShift)

@@ -76,13 +76,15 @@ struct Case {
   bool bias = false, relu = false;
   int pad = 0;  // extra elements per row (kept a multiple of 16 bytes for A and B)
   bool mask = false;  // a ReLU mask in C's layout and type (backward-data's fused ReLU backward)
+  bool b_transposed = false;  // B stored k x n (MatmulProblem::b_transposed)
 };
 
 std::string describe(const Case& c) {
   std::ostringstream s;
   s << math_name(c.math) << " m " << c.m << " n " << c.n << " k " << c.k << " C "
     << dtype_name(c.c_type) << " alpha " << c.alpha << " beta " << c.beta << " bias " << c.bias
-    << " relu " << c.relu << " pad " << c.pad << " mask " << c.mask;
+    << " relu " << c.relu << " pad " << c.pad << " mask " << c.mask << " B k x n "
+    << c.b_transposed;
   return s.str();
 }
 
@@ -92,8 +94,11 @@ class Product {
       : c_(c),
         esize_(c.math == Math::BF16 ? 2 : 4),
         lda_((c.k + 16 / esize_ - 1) / (16 / esize_) * (16 / esize_) + 16 / esize_ * c.pad),
+        ldb_(c.b_transposed
+                 ? (c.n + 16 / esize_ - 1) / (16 / esize_) * (16 / esize_) + 16 / esize_ * c.pad
+                 : lda_),
         a_(c.m, c.k, lda_, c.math, seed),
-        b_(c.n, c.k, lda_, c.math, seed + 1),
+        b_(c.b_transposed ? c.k : c.n, c.b_transposed ? c.n : c.k, ldb_, c.math, seed + 1),
         ldc_(c.n + c.pad) {
     bias_ = testing::random_vector(size_t(c.n), seed + 2);
     c0_ = testing::random_vector(size_t(c.m) * ldc_, seed + 3);
@@ -118,7 +123,8 @@ class Product {
     p.a = a;
     p.lda = lda_;
     p.b = b;
-    p.ldb = lda_;
+    p.ldb = ldb_;
+    p.b_transposed = c_.b_transposed;
     p.c = cbuf;
     p.ldc = ldc_;
     p.c_type = c_.c_type;
@@ -164,7 +170,8 @@ class Product {
       for (int j = 0; j < c_.n; ++j) {
         double sum = 0, abs_sum = 0, sq_sum = 0;
         for (int l = 0; l < c_.k; ++l) {
-          const double p = double(a_.values[size_t(i) * lda_ + l]) * b_.values[size_t(j) * lda_ + l];
+          const size_t b_at = c_.b_transposed ? size_t(l) * ldb_ + j : size_t(j) * ldb_ + l;
+          const double p = double(a_.values[size_t(i) * lda_ + l]) * b_.values[b_at];
           sum += p;
           abs_sum += std::fabs(p);
           sq_sum += p * p;
@@ -228,7 +235,7 @@ class Product {
 
   Case c_;
   int esize_;
-  int64_t lda_;
+  int64_t lda_, ldb_;
   Operand a_, b_;
   int64_t ldc_;
   std::vector<float> bias_, c0_, mask_;
@@ -282,6 +289,53 @@ TEST_P(MatmulGpu, EveryTileWidthAndSplitCount) {
   MatmulPlan few = make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), 128, 2, 3);
   SCOPED_TRACE("grid of 3 blocks");
   run.check(run.gpu(few));
+}
+
+// B stored k x n (a Linear layer's W in dx = dy W): bf16 through wgmma's transposed-B descriptors,
+// on odd shapes, every tile width and split count and a bf16 output; TF32 refuses it (K-major
+// only).
+TEST_P(MatmulGpu, BStoredKByN) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Math math = GetParam();
+  if (math == Math::TF32) {
+    Case c{64, 64, 64, math};
+    c.b_transposed = true;
+    const Product product(c, 1);
+    DeviceBuffer<float> buf(size_t(64) * 64 * 2);
+    const MatmulProblem p = product.problem(buf.get(), buf.get(), buf.get(), nullptr);
+    try {
+      matmul(p, nullptr);
+      FAIL() << "TF32 with B stored k x n was accepted";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("b_transposed"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int sms = detail::multiprocessor_count(device);
+  uint64_t seed = 900;
+  for (const Case& base :
+       {Case{1, 1, 1}, Case{127, 129, 67}, Case{130, 257, 200}, Case{300, 77, 333},
+        Case{64, 4096, 72}, Case{259, 515, 1031}, Case{5, 3, 2000}, Case{64, 1000, 4096}}) {
+    Case c = base;
+    c.math = math;
+    c.b_transposed = true;
+    c.pad = 1;
+    const Product product(c, seed += 10);
+    product.check(product.gpu(std::nullopt));
+  }
+  Case c{200, 300, 777, math, DType::BF16, 0.5f, 0.f, true, true, 0};
+  c.b_transposed = true;
+  const Product run(c, 17);
+  for (int tile_n : {64, 128, 256}) {
+    for (int splits : {1, 3, 16}) {
+      const MatmulPlan plan =
+          make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), tile_n, splits, sms);
+      SCOPED_TRACE(::testing::Message() << "tile_n " << tile_n << " splits " << plan.splits);
+      run.check(run.gpu(plan));
+    }
+  }
 }
 
 TEST_P(MatmulGpu, Epilogues) {

@@ -34,6 +34,32 @@ TEST(MatmulCpu, SmallProductWithEveryEpilogueTerm) {
   EXPECT_EQ(c, (std::vector<float>{12.5f, 0.f, 17.5f, 0.f}));
 }
 
+TEST(MatmulCpu, BStoredKByN) {
+  // A = [[1, 2, 3]] (1 x 3), B stored k x n = [[1, 0], [2, -1], [0, 4]] with one padding column
+  // (ldb 3): C = A B = [[5, 10]].
+  const float pad = 1e30f;
+  const std::vector<float> a = {1, 2, 3}, b = {1, 0, pad, 2, -1, pad, 0, 4, pad};
+  std::vector<uint16_t> a16(3), b16(9), c(2, 0xFFFF);
+  for (int i = 0; i < 3; ++i) a16[i] = detail::f32_to_bf16_bits(a[i]);
+  for (int i = 0; i < 9; ++i) b16[i] = detail::f32_to_bf16_bits(b[i]);
+  MatmulProblem p;
+  p.m = 1;
+  p.n = 2;
+  p.k = 3;
+  p.math = Math::BF16;
+  p.a = a16.data();
+  p.lda = 3;
+  p.b = b16.data();
+  p.ldb = 3;
+  p.b_transposed = true;
+  p.c = c.data();
+  p.ldc = 2;
+  p.c_type = DType::BF16;
+  matmul_cpu(p);
+  EXPECT_EQ(c[0], detail::f32_to_bf16_bits(5.f));
+  EXPECT_EQ(c[1], detail::f32_to_bf16_bits(10.f));
+}
+
 TEST(MatmulCpu, Bf16OperandsAndOutput) {
   const std::vector<float> values = {1.5f, -2.f, 0.25f, 3.f};
   std::vector<uint16_t> a(4), b(4), c(4, 0xFFFF);  // C starts as NaN: beta = 0 must not read it

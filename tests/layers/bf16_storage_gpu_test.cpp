@@ -149,7 +149,8 @@ TEST(Bf16StorageGpu, FiltersRotatedInTheForwardGiveTheSameInputGradient) {
   EXPECT_EQ(values(conv->backward(g)), trained);
 }
 
-// Linear under bf16: the products on bf16 copies of x, W and W^T (feature counts multiples of 8),
+// Linear under bf16: the products on bf16 copies of x and W (W read k x n by backward-data; feature
+// counts multiples of 8),
 // and the float launchers' path (odd counts), each against the CPU path, with f32 and bf16 inputs;
 // the input gradient has the input's dtype.
 TEST(Bf16StorageGpu, LinearOnBothPathsMatchesTheCpu) {

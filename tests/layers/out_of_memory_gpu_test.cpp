@@ -15,17 +15,17 @@
 namespace cudp {
 namespace {
 
-TEST(LayerOutOfMemoryGpu, LinearsBf16WeightCopiesNameTheLayerAndTheBatchSize) {
+TEST(LayerOutOfMemoryGpu, LinearsBf16WeightCopyNamesTheLayerAndTheBatchSize) {
   CUDP_REQUIRE_TENSOR_CORES();
   const Device gpu = Device::cuda(0);
-  // 8192 x 8192: a bf16 copy of the weight is 128 MiB, far more than the test's input and output.
+  // 8192 x 8192: its bf16 copy of the weight is 128 MiB, far more than the test's input and output.
   Linear failing(8192, 8192, true, 5), twin(8192, 8192, true, 5);
   for (Linear* m : {&failing, &twin}) {
     m->to(gpu);
     m->set_precision(Precision::bf16);
   }
   const Tensor x = Tensor::full({8, 8192}, 0.5f, gpu);
-  // The twin's forward, before memory is filled; the copies it keeps stay allocated through it.
+  // The twin's forward, before memory is filled; the copy it keeps stays allocated through it.
   const std::vector<float> expected = twin.forward(x).cpu().to_vector<float>();
   std::string what;
   {
@@ -33,14 +33,14 @@ TEST(LayerOutOfMemoryGpu, LinearsBf16WeightCopiesNameTheLayerAndTheBatchSize) {
     ASSERT_LT(hog.free_bytes(), size_t{128} << 20);
     try {
       failing.forward(x);
-      ADD_FAILURE() << "the bf16 copies fitted in " << hog.free_bytes() << " free bytes";
+      ADD_FAILURE() << "the bf16 copy fitted in " << hog.free_bytes() << " free bytes";
     } catch (const OutOfMemoryError& e) {
       what = e.what();
     }
   }
   for (const std::string part :
        {"CUDA out of memory on cuda:0", "(134217728 bytes)",
-        "for Linear(8192, 8192)'s bf16 copies of its weight", "(a tensor [8192, 8192] bf16)",
+        "for Linear(8192, 8192)'s bf16 copy of its weight", "(a tensor [8192, 8192] bf16)",
         "free of", "reduce the batch size (--batch-size)"}) {
     EXPECT_NE(what.find(part), std::string::npos) << "lacks \"" << part << "\": " << what;
   }
