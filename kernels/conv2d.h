@@ -113,12 +113,19 @@ struct ConvOperands {
 void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream);
 
 // dx = conv^T(dy, w), typed operands: ops.x is dy (N x P x Q x K), ops.y is dx. K a multiple of
-// 8 (bf16) or 4 (fp32); stride 1.
+// 8 (bf16) or 4 (fp32); stride 1. In bf16 with K a multiple of 64 the kernel reads w as it is,
+// rotated per tap (conv2d_backward_data_reads_filters_as_they_are); otherwise the filters are
+// rotated into a workspace first.
 void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
                              cudaStream_t stream);
 
+// Whether conv2d_backward_data_tc in bf16 reads `shape`'s filters as they are (no rotated copy
+// made per call, none needed beforehand): stride 1, K a multiple of 64.
+bool conv2d_backward_data_reads_filters_as_they_are(const Conv2dShape& shape);
+
 // The same with the filters already rotated: ops.w is C x R x S x K (conv2d_filters_to_bf16's
-// `rotated`), so nothing is rotated per call.
+// `rotated`), so nothing is rotated per call (TF32, and bf16 layers whose K is not a multiple of
+// 64).
 void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperands& ops,
                                      cudaStream_t stream);
 

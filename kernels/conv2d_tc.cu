@@ -227,8 +227,23 @@ __global__ void transpose_accumulate_kernel(const float* __restrict__ t, int row
   }
 }
 
+// Whether run_forward can take backward-data's view `s` with the forward's own filters (bf16, the
+// TMA patches: kConvTmaBT reads them rotated per tap), so that no rotated copy is needed. The
+// filters' channels (the view's k) a multiple of 8: every box starts on 16 bytes.
+bool unrotated_applies(const Conv2dShape& s, const ConvOperands& ops) {
+  return ops.math == Math::BF16 && g_feed.load() != detail::ConvFeed::gather && s.stride_h == 1 &&
+         s.stride_w == 1 && s.c % 64 == 0 && s.k % 8 == 0 && aligned16(ops.w) &&
+         !detail::narrow_forward_applies(s, ops);
+}
+
+// The forward view of backward-data: input dy (c = K padded), k = C, rotated filters.
+Conv2dShape backward_data_view(const Conv2dShape& s, int kp);
+
 // The forward convolution of typed operands whose channel count suits the gather (checked).
-void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream) {
+// `unrotated` (backward-data's view, where unrotated_applies): ops.w is the forward's K x R*S*C
+// filters, not the rotated copy.
+void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t stream,
+                 bool unrotated = false) {
   const int chunk = chunk_elements(ops.math);
   CUDP_CHECK(s.c % chunk == 0, "conv (tensor cores): C = ", s.c, " must be a multiple of ", chunk,
              " for ", math_name(ops.math), " operands; pad the channels with zeros");
@@ -244,6 +259,10 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   p.lda = p.k;
   p.b = ops.w;
   p.ldb = p.k;
+  if (unrotated) {  // per tap, K rows of n channels with row stride R*S*n (validated as k x n)
+    p.b_transposed = true;
+    p.ldb = int64_t(s.r) * s.s * p.n;
+  }
   p.c = ops.y;
   p.ldc = s.k;
   p.c_type = ops.y_type;
@@ -257,7 +276,8 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   // One 16-byte chunk of input channels (VGG's first layer, padded: 8 bf16 or 4 fp32): the
   // reduction is about one k-block, which the mainloop cannot pipeline; a kernel of its own
   // (kernels/conv2d_narrow.cu).
-  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_forward_applies(s, ops)) {
+  if (!unrotated && g_feed.load() != detail::ConvFeed::gather &&
+      detail::narrow_forward_applies(s, ops)) {
     detail::conv2d_forward_narrow(s, ops, stream);
     return;
   }
@@ -274,9 +294,12 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   const bool patch = g_feed.load() != detail::ConvFeed::gather;
   if (patch && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
     const sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
-    detail::run_mainloop(p, plan, &gather, stream, detail::Feed::ConvTma, &patch_tiling);
+    detail::run_mainloop(p, plan, &gather, stream,
+                         unrotated ? detail::Feed::ConvTmaUnrotated : detail::Feed::ConvTma,
+                         &patch_tiling);
     return;
   }
+  CUDP_CHECK(!unrotated, "conv (tensor cores): unrotated filters outside the TMA patch feed");
   detail::run_mainloop(p, plan, &gather, stream);
 }
 
@@ -633,6 +656,13 @@ void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
              " must be a multiple of ", chunk, " for ", math_name(ops.math), " operands");
   CUDP_CHECK(ops.w != nullptr, "conv2d_backward_data_tc: w must not be null");
   const Conv2dShape view = backward_data_view(shape, shape.k);
+  ConvOperands v = ops;
+  v.bias = nullptr;
+  v.relu = false;
+  if (unrotated_applies(view, v)) {  // bf16: the filters as they are, read rotated per tap
+    run_forward(view, v, stream, /*unrotated=*/true);
+    return;
+  }
   const DType type = operand_type(ops.math);
   Workspace rotated_ws(size_t(shape.w_size() * dtype_size(type)), stream);
   void* rotated = rotated_ws.get<void>();
@@ -641,11 +671,18 @@ void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
   } else {
     rotate_filters(static_cast<const float*>(ops.w), shape, shape.k, rotated, type, stream);
   }
-  ConvOperands v = ops;
   v.w = rotated;
-  v.bias = nullptr;
-  v.relu = false;
   run_forward(view, v, stream);
+}
+
+bool conv2d_backward_data_reads_filters_as_they_are(const Conv2dShape& shape) {
+  if (shape.stride_h != 1 || shape.stride_w != 1 || shape.pad_h > shape.r - 1 ||
+      shape.pad_w > shape.s - 1 || shape.k % 64 != 0) {
+    return false;
+  }
+  ConvOperands ops;
+  ops.math = Math::BF16;
+  return unrotated_applies(backward_data_view(shape, shape.k), ops);
 }
 
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
@@ -797,8 +834,14 @@ void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, cons
   const int kp = static_cast<int>(round_up(shape.k, chunk_elements(math)));
   const Conv2dShape view = backward_data_view(shape, kp);
   Workspace rotated(size_t(int64_t(shape.c) * shape.r * shape.s * kp * dtype_size(type)), stream);
-  rotate_filters(w, shape, kp, rotated.get<void>(), type, stream);
   ConvOperands ops{math, dy, rotated.get<void>(), dx, DType::F32, nullptr, false};
+  // bf16 with K a multiple of 64: the filters' bf16 copy as they are (read rotated per tap).
+  const bool unrotated = kp == shape.k && unrotated_applies(view, ops);
+  if (unrotated) {
+    f32_to_bf16(w, rotated.get<__nv_bfloat16>(), shape.w_size(), stream);
+  } else {
+    rotate_filters(w, shape, kp, rotated.get<void>(), type, stream);
+  }
   const bool direct = type == DType::F32 && kp == shape.k && aligned16(dy);
   const int64_t pixels = int64_t(shape.n) * shape.p() * shape.q();
   Workspace dyp(direct || converted.dy ? 0 : size_t(pixels * kp * dtype_size(type)), stream);
@@ -808,7 +851,7 @@ void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, cons
     pad_channels(dy, pixels, shape.k, kp, dyp.get<void>(), type, stream);
     ops.x = dyp.get<void>();
   }
-  run_forward(view, ops, stream);
+  run_forward(view, ops, stream, unrotated);
 }
 
 }  // namespace detail

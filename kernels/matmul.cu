@@ -207,11 +207,17 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
   const int esize = p.math == Math::BF16 ? 2 : 4;
   const char* want = p.math == Math::BF16 ? "bf16" : "fp32";
   if (p.a == nullptr || p.b == nullptr) return "A or B is null";
-  if (p.lda < p.k) return str("lda=", p.lda, " is smaller than k=", p.k);
-  if (p.b_transposed && p.math != Math::BF16) {
-    return str(
-        "B stored k x n (b_transposed) needs bf16 operands: TF32 tensor cores read K-major "
-        "operands only; pass B as n x k");
+  if ((p.a_transposed || p.b_transposed) && p.math != Math::BF16) {
+    return "operands stored k x m or k x n (a_transposed, b_transposed) need bf16: TF32 tensor "
+           "cores read K-major operands only; pass A as m x k and B as n x k";
+  }
+  if (p.a_transposed && !p.b_transposed) {
+    return "A stored k x m (a_transposed) is supported with B stored k x n (b_transposed) only; "
+           "pass A as m x k";
+  }
+  const int64_t a_row = p.a_transposed ? p.m : p.k;
+  if (p.lda < a_row) {
+    return str("lda=", p.lda, " is smaller than ", p.a_transposed ? "m=" : "k=", a_row);
   }
   const int64_t b_row = p.b_transposed ? p.n : p.k;
   if (p.ldb < b_row) {
@@ -300,9 +306,11 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
                      "the tensor-core product's split-K partial sums");
   float* ws = partials.get();
   const bool bf16 = p.math == Math::BF16;
-  if (feed == Feed::ConvTma) {
+  if (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) {
     CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
-    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream)
+    CUDP_CHECK(bf16 || feed == Feed::ConvTma,
+               "conv: unrotated filters need bf16 (TF32 reads K-major operands only)");
+    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream, feed == Feed::ConvTmaUnrotated)
          : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
   } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
              feed == Feed::WgradTmaT) {

@@ -35,13 +35,16 @@ int dtype_size(DType dtype);
 struct MatmulProblem {
   int m = 0, n = 0, k = 0;
   Math math = Math::BF16;  // BF16: A and B are bf16. TF32: A and B are fp32, rounded by the MMA.
-  const void* a = nullptr;  // m x k, row stride lda (elements)
+  const void* a = nullptr;  // m x k, row stride lda (elements); k x m when a_transposed
   int64_t lda = 0;
   const void* b = nullptr;  // n x k, row stride ldb (elements); k x n when b_transposed
   int64_t ldb = 0;
   // B stored k x n (row stride ldb >= n) instead of n x k: C = A * B. BF16 only (TF32 wgmma reads
   // K-major operands alone); a Linear layer's backward-data (dx = dy W) reads W so, with no copy.
   bool b_transposed = false;
+  // A stored k x m (row stride lda >= m) too: C = A^T * B, with b_transposed only (both operands
+  // MN-major). A Linear layer's backward-weight (dW = dy^T x) reads dy and x so.
+  bool a_transposed = false;
   void* c = nullptr;  // m x n, row stride ldc (elements)
   int64_t ldc = 0;
   DType c_type = DType::F32;
@@ -105,6 +108,8 @@ namespace detail {
 //            gathered, both MN-major; WgradAlt swaps the MN-major descriptor offsets (a test of
 //            which layout the hardware wants; see the tests).
 //   ConvTma  forward / backward-data with A as 4-D TMA boxes of conv->x over `patch` tiles.
+//   ConvTmaUnrotated backward-data (bf16) as ConvTma, with B = the forward's filters (K x R*S*C,
+//            problem.b) read per tap rotated by 180 degrees instead of a rotated copy.
 //   WgradTma backward-weight with both operands as 4-D TMA boxes over `patch` tiles of 64 output
 //            pixels (dy for A, conv->x shifted by each tap for B); problem.k = patches * 64.
 //            WgradTmaT computes dw^T instead (A = im2col(conv->x)^T, B = dy = problem.b).
@@ -117,6 +122,7 @@ enum class Feed {
   Wgrad,
   WgradAlt,
   ConvTma,
+  ConvTmaUnrotated,
   WgradTma,
   WgradTmaT,
   WgradShift,

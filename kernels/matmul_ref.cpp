@@ -29,9 +29,12 @@ void matmul_cpu(const MatmulProblem& p) {
   CUDP_CHECK(p.m >= 0 && p.n >= 0 && p.k >= 0, "matmul_cpu: negative size");
   if (p.m == 0 || p.n == 0) return;
   CUDP_CHECK(p.c != nullptr && p.ldc >= p.n, "matmul_cpu: bad C");
-  CUDP_CHECK(p.k == 0 || (p.a != nullptr && p.b != nullptr && p.lda >= p.k &&
-                          p.ldb >= (p.b_transposed ? p.n : p.k)),
-             "matmul_cpu: bad A or B");
+  CUDP_CHECK(
+      p.k == 0 || (p.a != nullptr && p.b != nullptr && p.lda >= (p.a_transposed ? p.m : p.k) &&
+                   p.ldb >= (p.b_transposed ? p.n : p.k)),
+      "matmul_cpu: bad A or B");
+  // Element (i, l) of A as m x k: at i * lda + l, or at l * lda + i when A is stored k x m.
+  const int64_t a_row = p.a_transposed ? 1 : p.lda, a_col = p.a_transposed ? p.lda : 1;
   // Element (j, l) of B as n x k: at j * ldb + l, or at l * ldb + j when B is stored k x n.
   const int64_t b_row = p.b_transposed ? 1 : p.ldb, b_col = p.b_transposed ? p.ldb : 1;
   const bool bf16 = p.math == Math::BF16;
@@ -40,7 +43,7 @@ void matmul_cpu(const MatmulProblem& p) {
     for (int j = 0; j < p.n; ++j) {
       double acc = 0;
       for (int l = 0; l < p.k; ++l) {
-        acc += load(p.a, int64_t(i) * p.lda + l, bf16) * load(p.b, j * b_row + l * b_col, bf16);
+        acc += load(p.a, i * a_row + l * a_col, bf16) * load(p.b, j * b_row + l * b_col, bf16);
       }
       const int64_t at = int64_t(i) * p.ldc + j;
       double v = double(p.alpha) * acc;

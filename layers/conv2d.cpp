@@ -249,10 +249,12 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
           weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
           // The rotated filters of backward-data come from the same pass, when a backward that
           // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
-          // channel padding).
+          // channel padding) and does not read these filters as they are (K a multiple of 64,
+          // every VGG layer's backward-data: kernels/conv2d.h).
           const bool rotate = training_ && input_grad_ && cp == s.c &&
                               kernels::bf16_channels(s.k) == s.k && s.stride_h == 1 &&
-                              s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1;
+                              s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1 &&
+                              !kernels::conv2d_backward_data_reads_filters_as_they_are(s);
           weight_rot_bf16_ =
               rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
           purpose.reset();

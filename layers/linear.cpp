@@ -23,22 +23,30 @@ int gemm_extent(int64_t n, const char* what) {
   return static_cast<int>(n);
 }
 
-// c (m x n, row-major, of c_type) = a b^T (+ bias) on tensor cores, with a (m x k) and b (n x k)
-// bf16 and row-major: the products of the bf16 path. With b_transposed, b is stored k x n and
-// c = a b (backward-data reads the weight as it is).
+// The layouts of bf16_product's operands: a (m x k) and b (n x k) row-major, c = a b^T (forward);
+// b stored k x n, c = a b (backward-data reads the weight as it is); both stored k-major-last,
+// c += a^T b (backward-weight reads dy and x as they are).
+enum class Operands { kForward, kBStoredKN, kBothStoredK };
+
+// c (m x n, row-major, of c_type) = the product of bf16 row-major a and b on tensor cores, laid
+// out as `operands` says, (+ bias), c accumulated into when kBothStoredK.
 void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c,
                   kernels::DType c_type, const float* bias, cudaStream_t stream,
-                  bool b_transposed = false) {
+                  Operands operands = Operands::kForward) {
+  const bool a_t = operands == Operands::kBothStoredK;
+  const bool b_t = operands != Operands::kForward;
   kernels::MatmulProblem p;
   p.m = m;
   p.n = n;
   p.k = k;
   p.math = kernels::Math::BF16;
   p.a = a.data_ptr();
-  p.lda = k;
+  p.lda = a_t ? m : k;
+  p.a_transposed = a_t;
   p.b = b.data_ptr();
-  p.ldb = b_transposed ? n : k;
-  p.b_transposed = b_transposed;
+  p.ldb = b_t ? n : k;
+  p.b_transposed = b_t;
+  p.beta = a_t ? 1.f : 0.f;
   p.c = c;
   p.ldc = n;
   p.c_type = c_type;
@@ -78,11 +86,11 @@ Parameter& Linear::bias() {
 }
 
 // Under bf16 on the GPU the products whose operands TMA can read as they are (rows of 16 bytes)
-// run on bf16 copies made once per forward: x as it comes (or converted), W (forward reads it as
-// B = W, n x k; backward-data as B = W stored k x n, wgmma's transposed B, so no W^T copy), dy
-// converted once; the bias is added in the epilogue. The rest (the
-// weight gradient, whose operands are transposed, and layers with odd feature counts) takes the
-// float launchers, which round the same operands the same way.
+// run on bf16 copies made once per forward: x as it comes (or converted), W, and dy converted
+// once in backward. Each product reads them as they are stored (kernels/matmul.h): forward
+// y = x W^T (+ bias in the epilogue), backward-data dx = dy W (W as B stored k x n: no W^T copy),
+// backward-weight dW += dy^T x (both stored k x m / k x n). Layers with an odd feature count take
+// the float launchers, which round the same operands the same way.
 bool Linear::direct_bf16(int64_t k) const {
   return device_.is_cuda() && precision_ == Precision::bf16 && k % 8 == 0;
 }
@@ -115,9 +123,10 @@ Tensor Linear::forward_one(const Tensor& input) {
                                out_ * in_, s);
           bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s);
         });
-    // The weight gradient's float launcher takes x in fp32: an fp32 input is kept as it came
-    // (shared, no copy), so that backward need not widen the bf16 copy back.
-    input_ = input.dtype() == DType::f32 ? input : Tensor();
+    // Where the weight gradient takes the float launcher (an odd out_features), it takes x in
+    // fp32: an fp32 input is kept as it came (shared, no copy), so that backward need not widen
+    // the bf16 copy back.
+    input_ = input.dtype() == DType::f32 && !direct_bf16(out_) ? input : Tensor();
     return y;
   }
   input_ = convert(input, DType::f32);  // bf16 values widened exactly
@@ -153,12 +162,15 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
-  // fp32 operands for the float launchers (x widened from its bf16 copy when it was kept so).
-  const Tensor x32 = input_.defined() ? input_ : convert(input_bf16_, DType::f32);
-  const float* x = x32.data<float>();
-  // Backward-data on the forward's bf16 weight (read as B stored k x n) when dy's rows are 16-byte
-  // multiples too.
+  // Backward-data on the forward's bf16 weight (read as B stored k x n) and backward-weight on the
+  // bf16 copies of dy and x as they are stored, when dy's rows are 16-byte multiples too.
   const bool direct_dx = input_grad_ && weight_bf16_.defined() && direct_bf16(out_);
+  const bool direct_dw = input_bf16_.defined() && direct_bf16(out_);
+  // fp32 operands for the float launchers (x widened from its bf16 copy when it was kept so).
+  const Tensor x32 = input_.defined() ? input_
+                     : direct_dw      ? Tensor()
+                                      : convert(input_bf16_, DType::f32);
+  const float* x = x32.defined() ? x32.data<float>() : nullptr;
   Tensor dx;
   if (input_grad_) {
     dx = Tensor::empty(saved.shape(), direct_dx ? input_dtype_ : DType::f32, device_);
@@ -178,15 +190,21 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         }
       },
       [&](cudaStream_t s) {
+        const Tensor dy_bf16 =
+            direct_dx || direct_dw ? convert(grad_output, DType::bf16) : Tensor();
         if (direct_dx) {
-          const Tensor dy_bf16 = convert(grad_output, DType::bf16);
           bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),
                        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
-                       nullptr, s, /*b_transposed=*/true);
+                       nullptr, s, Operands::kBStoredKN);
         } else if (out) {
           kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
         }
-        kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k, s, math());
+        if (direct_dw) {  // dW += dy^T x
+          bf16_product(n, k, rows, dy_bf16, input_bf16_, dw, kernels::DType::F32, nullptr, s,
+                       Operands::kBothStoredK);
+        } else {
+          kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k, s, math());
+        }
         if (db) {
           kernels::bias_grad(dy, db, rows, n, 1.0f, s);
         }

@@ -162,6 +162,14 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           64 rows (k) x 128 bytes (64 columns), the MN-major slab layout of backward-weight's
 //           operands, read by wgmma with B's transpose bit (a Linear layer's backward-data,
 //           dx = dy W, reads W as it is stored instead of a transposed copy).
+//   kGemmTT  kGemmBT with A stored k x m too (bf16 only): A's k-block is two such boxes (64 rows
+//           each), and the consumers are backward-weight's (both operands MN-major; a Linear
+//           layer's backward-weight, dW = dy^T x, reads dy and x as they are stored).
+//   kConvTmaBT kConvTma's backward-data (bf16) on the forward's own filters instead of a rotated
+//           copy: B is the K x R*S*C filter matrix, and k-block (tap rs, channel block cb) of the
+//           view reads its 64 rows cb of tap R*S - 1 - rs (the 180-degree rotation) as kTileN / 64
+//           MN-major boxes, as kGemmBT does. (A tile's last boxes may reach into the next tap's
+//           columns: those are output columns past n, never stored.)
 enum Mode : int {
   kGemm = 0,
   kConv_ = 1,
@@ -172,7 +180,9 @@ enum Mode : int {
   kWgradTmaT = 6,
   kWgradShift = 7,
   kWgradShiftT = 8,
-  kGemmBT = 9
+  kGemmBT = 9,
+  kGemmTT = 10,
+  kConvTmaBT = 11
 };
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -604,7 +614,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Cfg = Config<Elem, kTileN>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
-  constexpr bool kWgradMode = kWgradGather || kMode == kWgradTma || kMode == kWgradTmaT;  // MN-major
+  constexpr bool kWgradMode =  // both operands MN-major
+      kWgradGather || kMode == kWgradTma || kMode == kWgradTmaT || kMode == kGemmTT;
   constexpr bool kGathers = kConv || kWgradGather;
   // The ping-pong schedule (forward and backward-data tiles up to 128 wide, whose short reductions
   // leave the epilogue a large share of a tile's time): each consumer warpgroup takes whole tiles,
@@ -612,7 +623,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // runs its mainloop while the other stores its tile. Wider tiles would need 2 x kTileN / 2
   // accumulators per thread (more than the register file gives past 128); they keep the
   // cooperative schedule, both warpgroups on one tile's two 64-row halves.
-  constexpr bool kPingPong = (kMode == kConv_ || kMode == kConvTma) && kTileN <= 128;
+  constexpr bool kConvPatch = kMode == kConvTma || kMode == kConvTmaBT;  // A by patch boxes
+  constexpr bool kBStoredKN = kMode == kGemmBT || kMode == kConvTmaBT;   // B MN-major, A K-major
+  constexpr bool kPingPong = (kMode == kConv_ || kConvPatch) && kTileN <= 128;
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
   const uint32_t raw = smem_addr(shared_raw);
@@ -703,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
         // kConvTma: where the tile's patch starts, and the tap / channel block of each k-block.
         int q0 = 0, p0 = 0, n0 = 0;
-        if constexpr (kMode == kConvTma) {
+        if constexpr (kConvPatch) {
           const PatchTiles& t = p.patch;
           q0 = (w.tile_m % t.tiles_q) * t.wb;
           const int rest = w.tile_m / t.tiles_q;
@@ -781,25 +794,39 @@ __global__ void __launch_bounds__(kThreads, 1)
                 load_dy(b + slab * 64 * kRowBytes, &map_b, w.tile_n * kTileN + 64 * slab);
               }
             }
-          } else if constexpr (kMode == kConvTma) {
+          } else if constexpr (kConvPatch) {
             const PatchTiles& t = p.patch;
             const int rs = kb / t.c_blocks;
             const int cb = kb - rs * t.c_blocks;
             const int r = rs / t.s, s = rs - r * t.s;
             tma_load_4d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         cb * Cfg::kBlockK, q0 + s - t.pad_w, p0 + r - t.pad_h, n0);
+            if constexpr (kMode == kConvTmaBT) {
+              const int column0 = (t.r * t.s - 1 - rs) * p.n + w.tile_n * kTileN;
+#pragma unroll
+              for (int slab = 0; slab < kTileN / 64; ++slab) {
+                tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
+                            full_bar(stage), column0 + 64 * slab, cb * Cfg::kBlockK);
+              }
+            }
+          } else if constexpr (kMode == kGemmTT) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              tma_load_2d(stages_a + stage * Cfg::kStageBytesA + half * 64 * kRowBytes, &map_a,
+                          full_bar(stage), w.tile_m * kTileM + 64 * half, kb * Cfg::kBlockK);
+            }
           } else {
             tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_m * kTileM);
           }
-          if constexpr (kMode == kGemmBT) {
+          if constexpr (kMode == kGemmBT || kMode == kGemmTT) {
 #pragma unroll
             for (int slab = 0; slab < kTileN / 64; ++slab) {
               tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
                           full_bar(stage), w.tile_n * kTileN + 64 * slab, kb * Cfg::kBlockK);
             }
           } else if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
-                               kMode != kWgradShiftT) {
+                               kMode != kWgradShiftT && kMode != kConvTmaBT) {
             tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_n * kTileN);
           }
@@ -853,9 +880,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              Mma<Elem, kTileN>::mma(acc[half],
-                                     smem_descriptor(a + half * 64 * kRowBytes + 32 * kk),
-                                     smem_descriptor(b + 32 * kk), kb > kb_begin || kk > 0);
+              if constexpr (kBStoredKN) {
+                WgmmaBf16BT<kTileN>::mma(
+                    acc[half], smem_descriptor(a + half * 64 * kRowBytes + 32 * kk),
+                    wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk), kb > kb_begin || kk > 0);
+              } else {
+                Mma<Elem, kTileN>::mma(acc[half],
+                                       smem_descriptor(a + half * 64 * kRowBytes + 32 * kk),
+                                       smem_descriptor(b + 32 * kk), kb > kb_begin || kk > 0);
+              }
             }
           }
           wgmma_commit();
@@ -880,8 +913,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          store_tile<kTileN, kMode == kConvTma>(p, acc[half], w.tile_m, half * 64,
-                                                w.tile_n * kTileN, w.split);
+          store_tile<kTileN, kConvPatch>(p, acc[half], w.tile_m, half * 64, w.tile_n * kTileN,
+                                         w.split);
         }
       }
     } else {
@@ -906,7 +939,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                      wgrad_descriptor<kMode>(b + 16 * kRowBytes * kk),
                                      kb > kb_begin || kk > 0);
           }
-          } else if constexpr (kMode == kGemmBT) {
+          } else if constexpr (kBStoredKN) {
             // A K-major (32 bytes further per k16 step), B MN-major (16 rows of 128 bytes further).
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -938,8 +971,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
       }
-      store_tile<kTileN, kMode == kConvTma>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN,
-                                            w.split);
+      store_tile<kTileN, kConvPatch>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN, w.split);
     }
     }
   }
@@ -988,19 +1020,26 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
       : mode == kWgradTma  ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
       : mode == kWgradTmaT ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : mode == kConvTma   ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : conv               ? CUtensorMap{}
-             : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      : mode == kConvTma || mode == kConvTmaBT
+          ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+      : mode == kGemmTT  // A stored k x m: 64-row boxes of 64 columns
+          ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
+          : conv ? CUtensorMap{}
+                 : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
   const CUtensorMap map_b =
       mode == kWgradShift
           ? encode_k_major(prob.b, kType, sizeof(Elem), shifted_rows, prob.k, prob.ldb, 64)
       : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
-      : mode == kGemmBT  // B stored k x n: 64-row boxes of 64 columns
+      : mode == kGemmBT || mode == kGemmTT  // B stored k x n: 64-row boxes of 64 columns
           ? encode_k_major(prob.b, kType, sizeof(Elem), prob.k, prob.n, prob.ldb, 64)
-          : mode == kWgradTma ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-            : mode == kWgradTmaT
-                ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
-                : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k, prob.ldb, kTileN);
+          : mode == kConvTmaBT  // the filters, K x R*S*C (the view's reduction channels x taps*n)
+                ? encode_k_major(prob.b, kType, sizeof(Elem), patch->c_blocks * 64,
+                                 patch->r * patch->s * prob.n,
+                                 int64_t(patch->r) * patch->s * prob.n, 64)
+                : mode == kWgradTma    ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
+                  : mode == kWgradTmaT ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
+                                       : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k,
+                                                        prob.ldb, kTileN);
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -1017,9 +1056,10 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.workspace = workspace;
   const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
-  p.patch = mode == kConvTma || wgrad_tma || shifted ? *patch : PatchTiles{};
+  const bool conv_patch = mode == kConvTma || mode == kConvTmaBT;
+  p.patch = conv_patch || wgrad_tma || shifted ? *patch : PatchTiles{};
   p.split_major = shifted;
-  if (mode == kConvTma) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
+  if (conv_patch) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
@@ -1032,6 +1072,10 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
     if (mode == kWgradTmaT) return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
     if (mode == kGemmBT)
       return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
+    if (mode == kGemmTT)
+      return run(&matmul_kernel<Elem, kTileN, kGemmTT>, ConvGather{}), check_launch();
+    if (mode == kConvTmaBT)
+      return run(&matmul_kernel<Elem, kTileN, kConvTmaBT>, *conv), check_launch();
   }
   if constexpr (!kBf16) {
     if (mode == kWgradShift)

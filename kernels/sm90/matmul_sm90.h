@@ -47,8 +47,11 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
                float* workspace, cudaStream_t stream);
 
 // The forward convolution with A by 4-D TMA boxes (stride 1, C a multiple of the k-block).
+// `unrotated` (backward-data's view): problem.b is the forward's K x R*S*C filters, read per tap
+// rotated by 180 degrees (kConvTmaBT), not the rotated C x R*S*K copy.
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
-                   const MatmulPlan& plan, float* workspace, cudaStream_t stream);
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream,
+                   bool unrotated = false);
 void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream);
 

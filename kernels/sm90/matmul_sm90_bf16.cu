@@ -7,7 +7,7 @@ namespace cudp::kernels::sm90 {
 
 void matmul_bf16(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
                  cudaStream_t stream) {
-  const int mode = problem.b_transposed ? kGemmBT : kGemm;
+  const int mode = problem.a_transposed ? kGemmTT : problem.b_transposed ? kGemmBT : kGemm;
   switch (plan.tile_n) {
     case 64:
       return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, nullptr, mode);
@@ -42,11 +42,18 @@ void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const
 }
 
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
-                   const MatmulPlan& plan, float* workspace, cudaStream_t stream) {
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream, bool unrotated) {
+  const int mode = unrotated ? kConvTmaBT : kConvTma;
   switch (plan.tile_n) {
-    case 64: return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
-    case 128: return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
-    case 256: return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    case 64:
+      return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode,
+                                                &patch);
+    case 128:
+      return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, mode,
+                                                 &patch);
+    case 256:
+      return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream, &conv, mode,
+                                                 &patch);
     default: CUDP_CHECK(false, "conv: no bf16 kernel with tile width ", plan.tile_n);
   }
 }

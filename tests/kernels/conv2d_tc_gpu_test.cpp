@@ -123,6 +123,11 @@ const Case kCases[] = {
     // Patches that hang over the output's edges (Q = 12: wb 4; P = 10: hb 2; n = 3: nb 16).
     {"c64_k64_h10w12_n3", {3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1}},
     {"c128_k192_r5_p2", {2, 9, 13, 128, 192, 5, 5, 1, 1, 2, 2}},
+    // bf16 backward-data on the filters as they are (K a multiple of 64), C not a multiple of the
+    // 64-channel boxes: a tile's last box reads into the next tap's columns (never stored); a
+    // non-square filter with one-sided padding.
+    {"c200_k128", {2, 7, 9, 200, 128, 3, 3, 1, 1, 1, 1}},
+    {"c72_k64_r2s3", {2, 8, 11, 72, 64, 2, 3, 1, 1, 1, 0}},
 };
 
 struct Param {

@@ -77,14 +77,15 @@ struct Case {
   int pad = 0;  // extra elements per row (kept a multiple of 16 bytes for A and B)
   bool mask = false;  // a ReLU mask in C's layout and type (backward-data's fused ReLU backward)
   bool b_transposed = false;  // B stored k x n (MatmulProblem::b_transposed)
+  bool a_transposed = false;  // A stored k x m (MatmulProblem::a_transposed)
 };
 
 std::string describe(const Case& c) {
   std::ostringstream s;
   s << math_name(c.math) << " m " << c.m << " n " << c.n << " k " << c.k << " C "
     << dtype_name(c.c_type) << " alpha " << c.alpha << " beta " << c.beta << " bias " << c.bias
-    << " relu " << c.relu << " pad " << c.pad << " mask " << c.mask << " B k x n "
-    << c.b_transposed;
+    << " relu " << c.relu << " pad " << c.pad << " mask " << c.mask << " B k x n " << c.b_transposed
+    << " A k x m " << c.a_transposed;
   return s.str();
 }
 
@@ -93,11 +94,12 @@ class Product {
   explicit Product(const Case& c, uint64_t seed)
       : c_(c),
         esize_(c.math == Math::BF16 ? 2 : 4),
-        lda_((c.k + 16 / esize_ - 1) / (16 / esize_) * (16 / esize_) + 16 / esize_ * c.pad),
+        lda_(((c.a_transposed ? c.m : c.k) + 16 / esize_ - 1) / (16 / esize_) * (16 / esize_) +
+             16 / esize_ * c.pad),
         ldb_(c.b_transposed
                  ? (c.n + 16 / esize_ - 1) / (16 / esize_) * (16 / esize_) + 16 / esize_ * c.pad
                  : lda_),
-        a_(c.m, c.k, lda_, c.math, seed),
+        a_(c.a_transposed ? c.k : c.m, c.a_transposed ? c.m : c.k, lda_, c.math, seed),
         b_(c.b_transposed ? c.k : c.n, c.b_transposed ? c.n : c.k, ldb_, c.math, seed + 1),
         ldc_(c.n + c.pad) {
     bias_ = testing::random_vector(size_t(c.n), seed + 2);
@@ -125,6 +127,7 @@ class Product {
     p.b = b;
     p.ldb = ldb_;
     p.b_transposed = c_.b_transposed;
+    p.a_transposed = c_.a_transposed;
     p.c = cbuf;
     p.ldc = ldc_;
     p.c_type = c_.c_type;
@@ -171,7 +174,8 @@ class Product {
         double sum = 0, abs_sum = 0, sq_sum = 0;
         for (int l = 0; l < c_.k; ++l) {
           const size_t b_at = c_.b_transposed ? size_t(l) * ldb_ + j : size_t(j) * ldb_ + l;
-          const double p = double(a_.values[size_t(i) * lda_ + l]) * b_.values[b_at];
+          const size_t a_at = c_.a_transposed ? size_t(l) * lda_ + i : size_t(i) * lda_ + l;
+          const double p = double(a_.values[a_at]) * b_.values[b_at];
           sum += p;
           abs_sum += std::fabs(p);
           sq_sum += p * p;
@@ -291,49 +295,66 @@ TEST_P(MatmulGpu, EveryTileWidthAndSplitCount) {
   run.check(run.gpu(few));
 }
 
-// B stored k x n (a Linear layer's W in dx = dy W): bf16 through wgmma's transposed-B descriptors,
-// on odd shapes, every tile width and split count and a bf16 output; TF32 refuses it (K-major
-// only).
-TEST_P(MatmulGpu, BStoredKByN) {
+// Operands stored k x n (B: a Linear layer's W in dx = dy W) and k x m (A too: dy in dW = dy^T x),
+// bf16 through wgmma's transposed descriptors, on odd shapes, every tile width and split count and
+// a bf16 output. TF32 refuses both (K-major only), and A stored k x m alone is refused.
+TEST_P(MatmulGpu, OperandsStoredKMajorLast) {
   CUDP_REQUIRE_TENSOR_CORES();
   const Math math = GetParam();
-  if (math == Math::TF32) {
-    Case c{64, 64, 64, math};
-    c.b_transposed = true;
+  const auto refused = [&](bool a_t, bool b_t, Math m, const char* why) {
+    Case c{64, 64, 64, m};
+    c.a_transposed = a_t;
+    c.b_transposed = b_t;
     const Product product(c, 1);
     DeviceBuffer<float> buf(size_t(64) * 64 * 2);
     const MatmulProblem p = product.problem(buf.get(), buf.get(), buf.get(), nullptr);
     try {
       matmul(p, nullptr);
-      FAIL() << "TF32 with B stored k x n was accepted";
+      ADD_FAILURE() << describe(c) << " was accepted";
     } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find("b_transposed"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
     }
+  };
+  if (math == Math::TF32) {
+    refused(false, true, math, "need bf16");
+    refused(true, true, math, "need bf16");
     return;
   }
+  refused(true, false, math, "with B stored k x n (b_transposed) only");
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = detail::multiprocessor_count(device);
   uint64_t seed = 900;
-  for (const Case& base :
-       {Case{1, 1, 1}, Case{127, 129, 67}, Case{130, 257, 200}, Case{300, 77, 333},
-        Case{64, 4096, 72}, Case{259, 515, 1031}, Case{5, 3, 2000}, Case{64, 1000, 4096}}) {
-    Case c = base;
-    c.math = math;
+  for (bool a_t : {false, true}) {
+    for (const Case& base : {Case{1, 1, 1}, Case{127, 129, 67}, Case{130, 257, 200},
+                             Case{300, 77, 333}, Case{64, 4096, 72}, Case{259, 515, 1031},
+                             Case{5, 3, 2000}, Case{64, 1000, 4096}, Case{1000, 4096, 64}}) {
+      Case c = base;
+      c.math = math;
+      c.a_transposed = a_t;
+      c.b_transposed = true;
+      c.pad = 1;
+      const Product product(c, seed += 10);
+      product.check(product.gpu(std::nullopt));
+    }
+    // dW += dy^T x as a Linear layer runs it (beta 1, fp32 C), and a bf16 output with the epilogue.
+    Case acc{1000, 520, 300, math, DType::F32, 1.f, 1.f, false, false, 0};
+    acc.a_transposed = a_t;
+    acc.b_transposed = true;
+    const Product accumulate(acc, seed += 10);
+    accumulate.check(accumulate.gpu(std::nullopt));
+    Case c{200, 300, 777, math, DType::BF16, 0.5f, 0.f, true, true, 0};
+    c.a_transposed = a_t;
     c.b_transposed = true;
-    c.pad = 1;
-    const Product product(c, seed += 10);
-    product.check(product.gpu(std::nullopt));
-  }
-  Case c{200, 300, 777, math, DType::BF16, 0.5f, 0.f, true, true, 0};
-  c.b_transposed = true;
-  const Product run(c, 17);
-  for (int tile_n : {64, 128, 256}) {
-    for (int splits : {1, 3, 16}) {
-      const MatmulPlan plan =
-          make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), tile_n, splits, sms);
-      SCOPED_TRACE(::testing::Message() << "tile_n " << tile_n << " splits " << plan.splits);
-      run.check(run.gpu(plan));
+    const Product run(c, 17);
+    for (int tile_n : {64, 128, 256}) {
+      for (int splits : {1, 3, 16}) {
+        const MatmulPlan plan =
+            make_matmul_plan(run.problem(nullptr, nullptr, nullptr, nullptr), tile_n, splits, sms);
+        SCOPED_TRACE(::testing::Message()
+                     << "A k x m " << a_t << " tile_n " << tile_n << " splits " << plan.splits);
+        run.check(run.gpu(plan));
+      }
     }
   }
 }

@@ -60,6 +60,32 @@ TEST(MatmulCpu, BStoredKByN) {
   EXPECT_EQ(c[1], detail::f32_to_bf16_bits(10.f));
 }
 
+TEST(MatmulCpu, BothOperandsStoredKMajorLast) {
+  // A stored k x m = [[1, 2], [3, 4], [5, 6]] (A^T = [[1, 3, 5], [2, 4, 6]]), B stored k x n =
+  // [[1], [0], [-1]]: C = A^T B = [[-4], [-4]], accumulated into C = [[1], [2]] with beta 1.
+  std::vector<uint16_t> a(6), b(3);
+  const float av[] = {1, 2, 3, 4, 5, 6}, bv[] = {1, 0, -1};
+  for (int i = 0; i < 6; ++i) a[i] = detail::f32_to_bf16_bits(av[i]);
+  for (int i = 0; i < 3; ++i) b[i] = detail::f32_to_bf16_bits(bv[i]);
+  std::vector<float> c = {1, 2};
+  MatmulProblem p;
+  p.m = 2;
+  p.n = 1;
+  p.k = 3;
+  p.math = Math::BF16;
+  p.a = a.data();
+  p.lda = 2;
+  p.a_transposed = true;
+  p.b = b.data();
+  p.ldb = 1;
+  p.b_transposed = true;
+  p.c = c.data();
+  p.ldc = 1;
+  p.beta = 1.f;
+  matmul_cpu(p);
+  EXPECT_EQ(c, (std::vector<float>{-3.f, -2.f}));
+}
+
 TEST(MatmulCpu, Bf16OperandsAndOutput) {
   const std::vector<float> values = {1.5f, -2.f, 0.25f, 3.f};
   std::vector<uint16_t> a(4), b(4), c(4, 0xFFFF);  // C starts as NaN: beta = 0 must not read it
