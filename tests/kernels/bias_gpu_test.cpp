@@ -9,15 +9,21 @@
 // is 3.2M rows: ~200 per thread + lanes + chunks); we allow 512. That bound cannot see a single
 // element missing from a long sum, so a second test sums small integers, where every partial sum
 // is exact in fp32 whatever the order: there the GPU must equal the reference exactly.
+//
+// The order itself is fixed (kernels/bias.h), so a host emulation of it, addition for addition,
+// must match the GPU bit for bit: that test covers the chunking and both stages (each case run
+// twice back to back on one stream).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/compare.h"
 #include "common/gpu.h"
 #include "common/guarded_buffer.h"
@@ -167,6 +173,224 @@ TEST(BiasGpu, BiasGradIsDeterministic) {
     bias_grad(ddy.get(), second.get(), rows, cols, 0.0f, stream);
     const std::vector<float> a = first.download(), b = second.download();
     EXPECT_EQ(std::memcmp(a.data(), b.data(), cols * sizeof(float)), 0) << "run " << i;
+  }
+}
+
+// ---- bias_grad's exact order, emulated on the host ----
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The vector width bias_grad_dispatch picks (kernels/bias.cu) for dy (and y, dy_masked) `shift`
+// elements into cudaMalloc'd (256-byte aligned) allocations.
+template <typename T>
+int vector_width(int64_t cols, int shift) {
+  if (sizeof(T) == 2 && cols % 8 == 0 && shift % 8 == 0) {
+    return 8;
+  }
+  return cols % 4 == 0 && shift % 4 == 0 ? 4 : 1;
+}
+
+// bias_grad_impl's cut of the work: 256 threads a block, `width` column groups of v columns by
+// `lanes` lanes; `chunks` blocks of chunk_rows rows down each of `tiles` column tiles.
+struct Chunking {
+  int width, lanes;
+  int64_t tiles, chunks, chunk_rows;
+};
+Chunking chunking(int64_t rows, int64_t cols, int v) {
+  Chunking k{};
+  const int64_t cols_v = cols / v;
+  k.width = static_cast<int>(std::min<int64_t>(cols_v, 256));
+  k.lanes = 256 / k.width;
+  k.tiles = ceil_div(cols_v, k.width);
+  k.chunks =
+      std::clamp<int64_t>(ceil_div(rows, k.lanes * 4), 1, std::max<int64_t>(1, 1024 / k.tiles));
+  k.chunk_rows = std::max<int64_t>(1, ceil_div(rows, k.chunks));
+  k.chunks = std::max<int64_t>(1, ceil_div(rows, k.chunk_rows));
+  return k;
+}
+
+// What bias_grad computes, addition for addition, from x (dy as floats, masked when fused):
+// stage 1, per chunk g and column c: lane l (< lanes) sums rows g * chunk_rows + l, + lanes, ...
+// from 0.0f, then the lanes are added in order (from lane 0's sum). With one chunk, that is the
+// sum; otherwise stage 2: lane l of 32 sums chunks l, l + 32, ... from 0.0f, the 32 lanes are
+// added in order (from lane 0's), and dbias = beta == 0 ? total : fmaf(beta, dbias, total).
+// (Only additions in a fixed order, which vectorising across columns does not change.)
+std::vector<float> emulate_bias_grad(const std::vector<float>& x, std::vector<float> dbias,
+                                     int64_t rows, int64_t cols, int v, float beta) {
+  const Chunking k = chunking(rows, cols, v);
+  std::vector<float> partial(static_cast<size_t>(k.chunks * cols));
+  std::vector<float> lane(static_cast<size_t>(k.lanes * cols));
+  for (int64_t g = 0; g < k.chunks; ++g) {
+    const int64_t end = std::min(rows, (g + 1) * k.chunk_rows);
+    std::fill(lane.begin(), lane.end(), 0.0f);
+    for (int l = 0; l < k.lanes; ++l) {
+      float* acc = lane.data() + l * cols;
+      for (int64_t r = g * k.chunk_rows + l; r < end; r += k.lanes) {
+        const float* row = x.data() + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          acc[c] += row[c];
+        }
+      }
+    }
+    float* out = partial.data() + g * cols;
+    std::copy(lane.begin(), lane.begin() + cols, out);
+    for (int l = 1; l < k.lanes; ++l) {
+      for (int64_t c = 0; c < cols; ++c) {
+        out[c] += lane[l * cols + c];
+      }
+    }
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    float total = partial[c];
+    if (k.chunks > 1) {
+      float sums[32];
+      for (int l = 0; l < 32; ++l) {
+        sums[l] = 0.0f;
+        for (int64_t g = l; g < k.chunks; g += 32) {
+          sums[l] += partial[g * cols + c];
+        }
+      }
+      total = sums[0];
+      for (int l = 1; l < 32; ++l) {
+        total += sums[l];
+      }
+    }
+    dbias[c] = beta == 0.0f ? total : std::fmaf(beta, dbias[c], total);
+  }
+  return dbias;
+}
+
+// Many chunks (more than 32: every lane of stage 2 sums several), few (2 to 32), exactly 32 and
+// 33, several column tiles (the last one partial), each with every vector width.
+const Shape kOrderShapes[] = {{100000, 64}, {1024, 512}, {3000, 2500}, {3000, 2504}, {40, 2500},
+                              {4096, 64},   {4097, 64},  {1000, 64},   {200, 64},    {100003, 3}};
+
+// The emulation itself, on the host: within the summation bound of the double reference, and exact
+// on small integers (every partial sum exact), for the shapes the GPU test uses.
+TEST(BiasGradOrder, EmulationMatchesTheCpuReference) {
+  uint64_t seed = 60;
+  bool many_tiled = false, few_tiled = false, at_32 = false, at_33 = false;
+  for (const Shape& shape : kOrderShapes) {
+    for (int v : {1, 4, 8}) {
+      if (shape.cols % v != 0) {
+        continue;
+      }
+      const Chunking k = chunking(shape.rows, shape.cols, v);
+      many_tiled |= k.chunks > 32 && k.tiles > 1;
+      few_tiled |= k.chunks > 1 && k.chunks <= 32 && k.tiles > 1;
+      at_32 |= k.chunks == 32;
+      at_33 |= k.chunks == 33;
+      SCOPED_TRACE(where(shape, 0, 0) + ", V = " + std::to_string(v));
+      const int64_t n = shape.rows * shape.cols;
+      const std::vector<float> dy = testing::random_vector(n, ++seed);
+      const std::vector<float> dbias = testing::random_vector(shape.cols, ++seed);
+      std::vector<float> expected = dbias;
+      bias_grad_cpu(dy.data(), expected.data(), shape.rows, shape.cols, 0.5f);
+      EXPECT_ALL_CLOSE(emulate_bias_grad(dy, dbias, shape.rows, shape.cols, v, 0.5f), expected, 0.0,
+                       summation_atol(dy, dbias, shape.rows, shape.cols, 0.5f));
+      std::vector<float> ints = dy;
+      for (float& x : ints) {
+        x = std::round(8.0f * x);
+      }
+      expected = dbias;
+      bias_grad_cpu(ints.data(), expected.data(), shape.rows, shape.cols, 0.0f);
+      EXPECT_ALL_CLOSE(emulate_bias_grad(ints, dbias, shape.rows, shape.cols, v, 0.0f), expected,
+                       0.0, 0.0);
+    }
+  }
+  EXPECT_TRUE(many_tiled && few_tiled && at_32 && at_33) << "kOrderShapes misses a case";
+}
+
+template <typename T>
+T to(float x) {
+  if constexpr (sizeof(T) == 2) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return x;
+  }
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// One case of the test below: bias_grad (or relu_mask_bias_grad with `relu`) run twice back to back
+// on the stream into two outputs, each equal to the emulation bit for bit.
+template <typename T>
+void check_exact_order(const Shape& shape, int shift, bool relu, float beta, uint64_t seed,
+                       cudaStream_t stream) {
+  const int v = vector_width<T>(shape.cols, shift);
+  const Chunking k = chunking(shape.rows, shape.cols, v);
+  SCOPED_TRACE(where(shape, shift, 0, beta) + (sizeof(T) == 2 ? ", bf16" : ", fp32") +
+               (relu ? ", ReLU mask" : "") + ", V = " + std::to_string(v) +
+               ", chunks = " + std::to_string(k.chunks) + ", tiles = " + std::to_string(k.tiles));
+  const int64_t n = shape.rows * shape.cols;
+  std::vector<float> dyf = testing::random_vector(n, seed);
+  std::vector<float> yf = testing::random_vector(n, seed + 1);  // half of it <= 0: masked
+  if constexpr (sizeof(T) == 2) {
+    for (float& x : dyf) x = testing::bf16_rounded(x);
+    for (float& x : yf) x = testing::bf16_rounded(x);
+  }
+  std::vector<T> dy(n), y(n), masked(n);
+  std::vector<float> x = dyf;  // what is summed
+  for (int64_t i = 0; i < n; ++i) {
+    dy[i] = to<T>(dyf[i]);
+    y[i] = to<T>(yf[i]);
+    if (relu) {
+      x[i] = yf[i] <= 0.0f ? 0.0f : dyf[i];  // detail::relu_grad
+    }
+    masked[i] = to<T>(x[i]);
+  }
+  const std::vector<float> dbias = testing::random_vector(shape.cols, seed + 2);
+  const std::vector<float> expected = emulate_bias_grad(x, dbias, shape.rows, shape.cols, v, beta);
+
+  const T poison = to<T>(testing::kPoison);
+  testing::GuardedBuffer<T> ddy(n, shift, poison), dyv(n, shift, poison), dmasked(n, shift, poison);
+  Slice first(shape.cols, 0), second(shape.cols, 0);
+  ddy.upload(dy);
+  dyv.upload(y);
+  if (beta != 0.0f) {
+    first.upload(dbias);  // beta = 0: the outputs stay poisoned, and must not be read
+    second.upload(dbias);
+  }
+  for (Slice* out : {&first, &second}) {
+    if (relu) {
+      relu_mask_bias_grad(dyv.get(), ddy.get(), dmasked.get(), out->get(), shape.rows, shape.cols,
+                          beta, stream);
+    } else {
+      bias_grad(ddy.get(), out->get(), shape.rows, shape.cols, beta, stream);
+    }
+  }
+  const std::vector<float> a = first.download(), b = second.download();
+  EXPECT_TRUE(testing::bitwise_equal(a, expected)) << "first run against the emulation";
+  EXPECT_TRUE(testing::bitwise_equal(b, a)) << "second run against the first";
+  EXPECT_TRUE(first.guards_intact());
+  EXPECT_TRUE(second.guards_intact());
+  if (relu) {
+    EXPECT_TRUE(same_bits(dmasked.download(), masked)) << "dy_masked";
+    EXPECT_TRUE(dmasked.guards_intact());
+  }
+}
+
+TEST(BiasGpu, BiasGradFollowsItsExactOrderBitForBit) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  uint64_t seed = 70;
+  for (const Shape& shape : kOrderShapes) {
+    for (bool relu : {false, true}) {
+      for (float beta : {0.0f, 0.5f}) {
+        // fp32: V = 4, 1; bf16: V = 8, 4, 1 (where cols allows).
+        for (int shift : {0, 1}) {
+          check_exact_order<float>(shape, shift, relu, beta, seed += 3, stream);
+        }
+        for (int shift : {0, 4, 1}) {
+          check_exact_order<__nv_bfloat16>(shape, shift, relu, beta, seed += 3, stream);
+        }
+      }
+    }
   }
 }
 
