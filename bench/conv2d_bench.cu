@@ -584,12 +584,21 @@ int main(int argc, char** argv) {
   std::string feed = "patch";
   app.add_option("--feed", feed,
                  "tensor cores, stride-1 layers: how our kernels feed the gathered operand. patch "
-                 "(the default: 4-D TMA boxes over patch tiles) or gather (im2col by the producer "
-                 "warps)")
-      ->check(CLI::IsMember({"patch", "gather"}));
+                 "(the default: 4-D TMA boxes over patch tiles), gather (im2col by the producer "
+                 "warps) or patch-streamed (patches, with bf16 filters streamed per k-block even "
+                 "where they fit in shared memory whole)")
+      ->check(CLI::IsMember({"patch", "gather", "patch-streamed"}));
+  std::string wgrad_order = "split";
+  app.add_option("--wgrad-order", wgrad_order,
+                 "bf16 backward-weight's split-K work items: split (split-major, the default) or "
+                 "tile (tile-major)")
+      ->check(CLI::IsMember({"split", "tile"}));
   CLI11_PARSE(app, argc, argv);
-  cudp::kernels::detail::set_conv_feed(feed == "gather" ? cudp::kernels::detail::ConvFeed::gather
-                                                        : cudp::kernels::detail::ConvFeed::patch);
+  cudp::kernels::detail::set_wgrad_split_major(wgrad_order == "split");
+  using cudp::kernels::detail::ConvFeed;
+  cudp::kernels::detail::set_conv_feed(feed == "gather"           ? ConvFeed::gather
+                                       : feed == "patch-streamed" ? ConvFeed::patch_streamed
+                                                                  : ConvFeed::patch);
   const bool tensor_cores = math_text != "fp32";
   const Math math = math_text == "bf16" ? Math::BF16 : math_text == "tf32" ? Math::TF32 : Math::FP32;
   if (layers.empty()) layers = {1, 2, 3, 4, 5, 6, 7, 8, 9};

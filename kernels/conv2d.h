@@ -159,10 +159,20 @@ void set_wgrad_descriptor_variant(int variant);
 // their gathered operand: `patch` (the default: 4-D TMA boxes over patch tiles, the faster on every
 // VGG-16 shape measured) or `gather` (the im2col gather that every other layer uses). `gather` also
 // turns off the forward and backward-weight kernels of inputs with one 16-byte chunk of channels
-// (kernels/conv2d_narrow.h), so that those layers run on the mainloop. The tests run both on every
-// shape, and bench_conv2d --feed times them.
-enum class ConvFeed { patch, gather };
+// (kernels/conv2d_narrow.h), so that those layers run on the mainloop. `patch_streamed` is `patch`
+// with the filters streamed through the pipeline stages even where they would stay resident in
+// shared memory (bf16 layers of 64 output channels): the same products, for the tests that compare
+// the two bit for bit. The tests run every feed, and bench_conv2d --feed times them.
+enum class ConvFeed { patch, gather, patch_streamed };
 void set_conv_feed(ConvFeed feed);
+// How many k-blocks of bf16 filters the forward of `shape` (or, with backward_data, the forward
+// view that runs its backward-data) keeps resident in shared memory under the current feed: 0
+// where they are streamed through the stages. For the tests that must know which kernel ran.
+int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data);
+// The order of the bf16 backward-weight's split-K work items (TMA patches): split-major (the
+// default: the blocks running at one time read the same pixels) or tile-major. The same sums in
+// the same order either way; for the test that shows it and bench_conv2d --wgrad-order.
+void set_wgrad_split_major(bool split_major);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -182,6 +182,7 @@ void check_tc(const char* name, const Conv2dShape& shape, Math math) {
 }
 
 std::atomic<detail::ConvFeed> g_feed{detail::ConvFeed::patch};
+std::atomic<bool> g_wgrad_split_major{true};
 
 // The largest power of two that divides v, at most `cap`.
 int pow2_divisor(int v, int cap) {
@@ -293,7 +294,8 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   // gather).
   const bool patch = g_feed.load() != detail::ConvFeed::gather;
   if (patch && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
-    const sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
+    sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
+    patch_tiling.filters_resident = g_feed.load() != detail::ConvFeed::patch_streamed;
     detail::run_mainloop(p, plan, &gather, stream,
                          unrotated ? detail::Feed::ConvTmaUnrotated : detail::Feed::ConvTma,
                          &patch_tiling);
@@ -366,7 +368,8 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   // that pin the descriptor layout or turn the patch feed off.
   if (g_feed.load() != detail::ConvFeed::gather && variant < 0 && s.stride_h == 1 &&
       s.stride_w == 1 && s.c % 64 == 0) {
-    const sm90::PatchTiles patch = patch_tiles(s, 64, 64);
+    sm90::PatchTiles patch = patch_tiles(s, 64, 64);
+    patch.split_major = g_wgrad_split_major.load();
     const int64_t padded = int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64;
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
                " output pixels (with the patch padding) are too many for one product");
@@ -709,6 +712,12 @@ void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst,
   shape.validate();
   CUDP_CHECK(w && dst, "conv2d_filters_to_bf16: w and dst must not be null");
   const int cp = static_cast<int>(round_up(shape.c, 8));
+  if (rotated == nullptr && cp == shape.c) {
+    // No padding and no rotation: the same layout, a plain cast (vectorised; the tiled kernel
+    // below, made for the rotation, took 6-7 us a layer in a bf16 step, latency more than bytes).
+    f32_to_bf16(w, static_cast<__nv_bfloat16*>(dst), shape.w_size(), stream);
+    return;
+  }
   const auto run = [&](auto kernel, int pair) {
     const int tile = kFilterThreads * pair;
     const dim3 grid(static_cast<unsigned>((cp + tile - 1) / tile),
@@ -748,6 +757,28 @@ namespace detail {
 void set_wgrad_descriptor_variant(int variant) { g_wgrad_variant.store(variant); }
 void set_conv_feed(ConvFeed feed) {
   g_feed.store(feed);
+}
+
+void set_wgrad_split_major(bool split_major) {
+  g_wgrad_split_major.store(split_major);
+}
+
+int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data) {
+  const Conv2dShape s = backward_data ? backward_data_view(shape, shape.k) : shape;
+  ConvOperands ops;
+  ops.math = Math::BF16;
+  if (g_feed.load() != ConvFeed::patch || s.stride_h != 1 || s.stride_w != 1 || s.c % 64 != 0 ||
+      narrow_forward_applies(s, ops)) {
+    return 0;
+  }
+  MatmulProblem p;  // run_forward's: the plan depends on (math, m, n, k) alone
+  p.m = s.n * s.p() * s.q();
+  p.n = s.k;
+  p.k = s.r * s.s * s.c;
+  p.math = Math::BF16;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  return sm90::resident_filter_blocks(p, plan_matmul(p, device));
 }
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,

@@ -61,15 +61,20 @@ struct MainloopParams {
   int split_major;
 };
 
-
-template <typename Elem, int kTileN>
+// kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
+// but loaded whole, once per block, into kResidentB k-blocks of its own shared memory that every
+// tile then reads (the filters of a layer with few channels); the stages hold A alone.
+template <typename Elem, int kTileN, int kResidentB = 0>
 struct Config {
   static constexpr int kBlockK = kRowBytes / int(sizeof(Elem));  // 64 bf16 or 32 fp32
+  static constexpr int kBlockBytesB = kTileN * kRowBytes;        // one k-block of B
   static constexpr int kStageBytesA = kTileM * kRowBytes;
-  static constexpr int kStageBytesB = kTileN * kRowBytes;
+  static constexpr int kStageBytesB = kResidentB > 0 ? 0 : kBlockBytesB;
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
-  static constexpr int kStages = (kSharedBudget - 4096) / kStageBytes;
-  static constexpr int kSharedBytes = kStages * kStageBytes + 1024 /* alignment */ + 1024 /* barriers */;
+  static constexpr int kResidentBytes = kResidentB * kBlockBytesB;
+  static constexpr int kStages = (kSharedBudget - 4096 - kResidentBytes) / kStageBytes;
+  static constexpr int kSharedBytes =
+      kStages * kStageBytes + kResidentBytes + 1024 /* alignment */ + 1024 /* barriers */;
   static constexpr int kAccumulators = kTileN / 2;  // fp32 per thread for m64nN
   static_assert(kStages >= 3, "too few pipeline stages");
 };
@@ -606,12 +611,12 @@ __device__ __forceinline__ uint64_t wgrad_descriptor(uint32_t addr) {
                             : smem_descriptor(addr, 1024, 64 * kRowBytes);
 }
 
-template <typename Elem, int kTileN, int kMode>
+template <typename Elem, int kTileN, int kMode, int kResidentB = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_kernel(const __grid_constant__ CUtensorMap map_a,
                   const __grid_constant__ CUtensorMap map_b, const MainloopParams p,
                   const ConvGather g) {
-  using Cfg = Config<Elem, kTileN>;
+  using Cfg = Config<Elem, kTileN, kResidentB>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
   constexpr bool kWgradMode =  // both operands MN-major
@@ -626,15 +631,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kConvPatch = kMode == kConvTma || kMode == kConvTmaBT;  // A by patch boxes
   constexpr bool kBStoredKN = kMode == kGemmBT || kMode == kConvTmaBT;   // B MN-major, A K-major
   constexpr bool kPingPong = (kMode == kConv_ || kConvPatch) && kTileN <= 128;
+  static_assert(kResidentB == 0 || (kConvPatch && kPingPong),
+                "resident B: the TMA-patch convolutions' ping-pong tiles only");
   extern __shared__ uint8_t shared_raw[];
   // 128-byte swizzle atoms must start on a 1024-byte boundary.
   const uint32_t raw = smem_addr(shared_raw);
   const uint32_t base = (raw + 1023) & ~1023u;
   const uint32_t stages_a = base;
   const uint32_t stages_b = base + Cfg::kStages * Cfg::kStageBytesA;
-  const uint32_t bars = base + Cfg::kStages * Cfg::kStageBytes;  // full[s], then empty[s]
+  const uint32_t resident_b = base + Cfg::kStages * Cfg::kStageBytes;  // kResidentB k-blocks
+  // full[s], then empty[s], then the resident B's barrier
+  const uint32_t bars = resident_b + Cfg::kResidentBytes;
   auto full_bar = [&](int s) { return bars + 8 * s; };
   auto empty_bar = [&](int s) { return bars + 8 * (Cfg::kStages + s); };
+  const uint32_t resident_bar = bars + 16 * Cfg::kStages;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
@@ -642,6 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // One arrival per warp of the warpgroups that read the stage (both, or one in ping-pong).
       mbar_init(empty_bar(s), kPingPong ? 4 : kConsumers * 4);
     }
+    if constexpr (kResidentB > 0) mbar_init(resident_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -709,6 +720,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
+      // k-block kb of a kConvTma / kConvTmaBT B for tile column tile_n (kConvTmaBT: the filters'
+      // rows cb of tap R*S-1-rs, as kTileN / 64 MN-major boxes).
+      [[maybe_unused]] const auto load_conv_b = [&](uint32_t dst, int kb, int tile_n,
+                                                    uint32_t bar) {
+        if constexpr (kMode == kConvTmaBT) {
+          const PatchTiles& t = p.patch;
+          const int rs = kb / t.c_blocks;
+          const int cb = kb - rs * t.c_blocks;
+          const int column0 = (t.r * t.s - 1 - rs) * p.n + tile_n * kTileN;
+#pragma unroll
+          for (int slab = 0; slab < kTileN / 64; ++slab) {
+            tma_load_2d(dst + slab * 64 * kRowBytes, &map_b, bar, column0 + 64 * slab,
+                        cb * Cfg::kBlockK);
+          }
+        } else {
+          tma_load_2d(dst, &map_b, bar, kb * Cfg::kBlockK, tile_n * kTileN);
+        }
+      };
+      if constexpr (kResidentB > 0) {
+        // All of B (one tile column, p.k_blocks <= kResidentB: the host's condition), once.
+        if (int(blockIdx.x) < work_items) {
+          mbar_expect_tx(resident_bar, p.k_blocks * Cfg::kBlockBytesB);
+          for (int kb = 0; kb < p.k_blocks; ++kb) {
+            load_conv_b(resident_b + kb * Cfg::kBlockBytesB, kb, 0, resident_bar);
+          }
+        }
+      }
       int stage = 0, phase = 0;
       for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
         const WorkItem w = work_item(p, index);
@@ -801,13 +839,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int r = rs / t.s, s = rs - r * t.s;
             tma_load_4d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
                         cb * Cfg::kBlockK, q0 + s - t.pad_w, p0 + r - t.pad_h, n0);
-            if constexpr (kMode == kConvTmaBT) {
-              const int column0 = (t.r * t.s - 1 - rs) * p.n + w.tile_n * kTileN;
-#pragma unroll
-              for (int slab = 0; slab < kTileN / 64; ++slab) {
-                tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
-                            full_bar(stage), column0 + 64 * slab, cb * Cfg::kBlockK);
-              }
+            if constexpr (kResidentB == 0) {
+              load_conv_b(stages_b + stage * Cfg::kStageBytesB, kb, w.tile_n, full_bar(stage));
             }
           } else if constexpr (kMode == kGemmTT) {
 #pragma unroll
@@ -826,7 +859,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                           full_bar(stage), w.tile_n * kTileN + 64 * slab, kb * Cfg::kBlockK);
             }
           } else if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
-                               kMode != kWgradShiftT && kMode != kConvTmaBT) {
+                               kMode != kWgradShiftT && !kConvPatch) {
             tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
                         kb * Cfg::kBlockK, w.tile_n * kTileN);
           }
@@ -868,13 +901,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           continue;
         }
         if (j > 0) turn_wait(1 + consumer);
+        // The resident B's one phase: complete after the block's first wait, so later waits pass.
+        if constexpr (kResidentB > 0) mbar_wait(resident_bar, 0);
         int previous = -1;
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(full_bar(stage), phase);
           // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
           if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
-          const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+          const uint32_t b = kResidentB > 0 ? resident_b + kb * Cfg::kBlockBytesB
+                                            : stages_b + stage * Cfg::kStageBytesB;
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
@@ -994,11 +1030,11 @@ void allow_shared_memory(const void* kernel, int bytes);
 CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int elem_bytes,
                              const PatchTiles& t);
 
-template <typename Elem, int kTileN>
+template <typename Elem, int kTileN, int kResidentB = 0>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
                      cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm,
                      const PatchTiles* patch = nullptr) {
-  using Cfg = Config<Elem, kTileN>;
+  using Cfg = Config<Elem, kTileN, kResidentB>;
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
       kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
@@ -1058,13 +1094,25 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
   const bool conv_patch = mode == kConvTma || mode == kConvTmaBT;
   p.patch = conv_patch || wgrad_tma || shifted ? *patch : PatchTiles{};
-  p.split_major = shifted;
+  p.split_major = shifted || (wgrad_tma && patch->split_major);
   if (conv_patch) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
     kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, g);
   };
+  if constexpr (kResidentB > 0) {
+    CUDP_CHECK(
+        (mode == kConvTma || mode == kConvTmaBT) && p.tiles_n == 1 && p.k_blocks <= kResidentB,
+        "conv: resident filters need the TMA patches, one tile column and at most ", kResidentB,
+        " k-blocks (got mode ", mode, ", ", p.tiles_n, " columns, ", p.k_blocks, " k-blocks)");
+    if (mode == kConvTma) {
+      run(&matmul_kernel<Elem, kTileN, kConvTma, kResidentB>, *conv);
+    } else if constexpr (kBf16) {
+      run(&matmul_kernel<Elem, kTileN, kConvTmaBT, kResidentB>, *conv);
+    }
+    return check_launch();
+  }
   if constexpr (kBf16) {
     if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
     if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();

@@ -24,6 +24,14 @@ struct PatchTiles {
   // multiple of 4); filter row r is the shift r * grid_w along it, and x^T holds one copy of x per
   // filter column s, shifted by s (grid_w 0 for an explicit im2col copy, whose taps are rows).
   int grid_w = 0;
+  // kConvTma / kConvTmaBT (bf16): whether the filters may be kept whole in shared memory when they
+  // fit (one tile column of few k-blocks: VGG's 64-channel layers), read from there by every tile
+  // instead of streamed with each k-block. Off only to compare the two (tests, bench_conv2d).
+  bool filters_resident = true;
+  // kWgradTma / kWgradTmaT with split-K: the work items split-major (the blocks running at one time
+  // share a k-range of pixels, so x and dy come from memory about once) rather than tile-major
+  // (each running block streams its own k-range). The same items either way, so the same bits.
+  bool split_major = true;
 };
 
 struct ConvGather {
@@ -48,10 +56,16 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 
 // The forward convolution with A by 4-D TMA boxes (stride 1, C a multiple of the k-block).
 // `unrotated` (backward-data's view): problem.b is the forward's K x R*S*C filters, read per tap
-// rotated by 180 degrees (kConvTmaBT), not the rotated C x R*S*K copy.
+// rotated by 180 degrees (kConvTmaBT), not the rotated C x R*S*K copy. bf16 filters of one tile
+// column and at most 18 (tile width 64) or 9 (128) k-blocks stay resident in shared memory
+// (patch.filters_resident): the stages then carry x alone, a third less traffic from L2 for a
+// 64-channel layer, whose 128 x 64 tiles read 9 boxes of x and 9 of filters each.
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream,
                    bool unrotated = false);
+// The k-blocks of resident filters conv_tma_bf16 gives `problem` under `plan` (the capacity of
+// the kernel it takes: 9 or 18), or 0 where they are streamed.
+int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan);
 void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream);
 

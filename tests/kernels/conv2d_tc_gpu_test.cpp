@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -206,14 +207,16 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTcGpu, ::testing::ValuesIn(params()), [](
 
 // The filters' bf16 copies, bit for bit against the host's rounding: channels zero-padded to 8, and
 // the rotated copy of backward-data. Both kernels (pairs: C and K even; single elements otherwise),
-// partial tiles on both sides, 1x1 and 3x3 taps.
+// partial tiles on both sides, 1x1 and 3x3 taps; without the rotated copy, the plain cast where C
+// is a multiple of 8.
 TEST(Conv2dTcTyped, FiltersToBf16AndTheirRotation) {
   CUDP_REQUIRE_GPU();
   struct Filters {
     int k, r, s, c;
   };
-  for (const Filters f : {Filters{64, 3, 3, 3}, Filters{6, 3, 3, 10}, Filters{72, 3, 3, 68},
-                          Filters{130, 1, 1, 66}, Filters{5, 3, 3, 7}, Filters{2, 3, 5, 2}}) {
+  for (const Filters f :
+       {Filters{64, 3, 3, 3}, Filters{6, 3, 3, 10}, Filters{72, 3, 3, 68}, Filters{130, 1, 1, 66},
+        Filters{5, 3, 3, 7}, Filters{2, 3, 5, 2}, Filters{64, 3, 3, 64}, Filters{24, 1, 1, 40}}) {
     SCOPED_TRACE(::testing::Message()
                  << "K " << f.k << " R " << f.r << " S " << f.s << " C " << f.c);
     const Conv2dShape shape{1, 8, 8, f.c, f.k, f.r, f.s, 1, 1, 0, 0};
@@ -246,6 +249,11 @@ TEST(Conv2dTcTyped, FiltersToBf16AndTheirRotation) {
     }
     EXPECT_EQ(bad, 0) << "elements of the padded copy differ";
     EXPECT_EQ(bad_rot, 0) << "elements of the rotated copy differ";
+    // Without the rotated copy (a bf16 layer's forward; C a multiple of 8: a plain cast).
+    dst.fill(0xFFFF);
+    conv2d_filters_to_bf16(dw.get(), shape, dst.get(), nullptr, nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(dst.download(), got) << "the copy without the rotated one differs";
   }
 }
 
@@ -284,6 +292,115 @@ TEST(Conv2dTcTyped, BackwardDataAppliesTheReluMask) {
     }
     EXPECT_EQ(bad, 0) << "of " << p.size() << " elements (" << zeros << " masked)";
     EXPECT_GT(zeros, 0);
+  }
+}
+
+// bf16 layers of 64 (forward) or 64..128 (backward-data's view) output channels keep their filters
+// resident in shared memory instead of streaming them with every k-block of x. The wgmma are the
+// same on the same operands, so the outputs must match the streamed kernels' bit for bit: forward
+// with bias and ReLU, backward-data with the ReLU mask; tiles over the output's edges, split-K on
+// small outputs, 1 to 18 k-blocks of filters (1x1, 2x3 with one-sided padding, 3x3 over 64 and
+// 128 channels).
+TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
+    return b;
+  };
+  int resident_runs[2][3] = {};  // [forward, backward-data][streamed, 9 k-blocks, 18 k-blocks]
+  for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 56, 56, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 20, 24, 128, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 9, 13, 64, 64, 2, 3, 1, 1, 1, 0},
+                              Conv2dShape{3, 8, 8, 64, 64, 1, 1, 1, 1, 0, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
+                                      << " K " << s.k << " R " << s.r << " S " << s.s);
+    // Which kernels run (the plan's tile width decides: the view's K must fit one tile column):
+    // recorded per pass and capacity, and required below to cover each at least once.
+    const int fwd_blocks = detail::conv2d_resident_filter_blocks(s, false);
+    const int bwd_blocks = detail::conv2d_resident_filter_blocks(s, true);
+    ++resident_runs[0][fwd_blocks == 9 ? 1 : fwd_blocks == 18 ? 2 : 0];
+    ++resident_runs[1][bwd_blocks == 9 ? 1 : bwd_blocks == 18 ? 2 : 0];
+    std::vector<float> mask = operand(size_t(s.x_size()), 23, Math::BF16);
+    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
+    DeviceBuffer<uint16_t> x(bits(operand(size_t(s.x_size()), 21, Math::BF16))),
+        w(bits(operand(size_t(s.w_size()), 22, Math::BF16))), dmask(bits(mask)),
+        dy(bits(operand(size_t(s.y_size()), 24, Math::BF16)));
+    DeviceBuffer<float> bias(testing::random_vector(size_t(s.k), 25));
+    std::vector<uint16_t> y_of[2], dx_of[2];
+    for (int streamed = 0; streamed < 2; ++streamed) {
+      detail::set_conv_feed(streamed ? detail::ConvFeed::patch_streamed : detail::ConvFeed::patch);
+      if (streamed) {
+        EXPECT_EQ(detail::conv2d_resident_filter_blocks(s, false), 0);
+        EXPECT_EQ(detail::conv2d_resident_filter_blocks(s, true), 0);
+      }
+      DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
+      y.fill(0xFFFF);
+      dx.fill(0xFFFF);
+      ConvOperands fwd{Math::BF16, x.get(), w.get(), y.get(), DType::BF16, bias.get(), true};
+      conv2d_forward_tc(s, fwd, nullptr);
+      ConvOperands back{Math::BF16, dy.get(), w.get(), dx.get(), DType::BF16, nullptr, false};
+      back.mask = dmask.get();
+      conv2d_backward_data_tc(s, back, nullptr);
+      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+      y_of[streamed] = y.download();
+      dx_of[streamed] = dx.download();
+    }
+    detail::set_conv_feed(detail::ConvFeed::patch);
+    int64_t bad_y = 0, bad_dx = 0, nonzero = 0;
+    for (size_t i = 0; i < y_of[0].size(); ++i) {
+      bad_y += y_of[0][i] != y_of[1][i];
+      nonzero += y_of[0][i] != 0 && y_of[0][i] != 0xFFFF;
+    }
+    for (size_t i = 0; i < dx_of[0].size(); ++i) bad_dx += dx_of[0][i] != dx_of[1][i];
+    EXPECT_EQ(bad_y, 0) << "forward: of " << y_of[0].size() << " outputs";
+    EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dx_of[0].size() << " outputs";
+    EXPECT_GT(nonzero, int64_t(y_of[0].size() / 4)) << "the forward wrote too few outputs";
+    EXPECT_EQ(std::count(y_of[0].begin(), y_of[0].end(), uint16_t(0xFFFF)), 0)
+        << "the forward left poisoned outputs";
+    EXPECT_EQ(std::count(dx_of[0].begin(), dx_of[0].end(), uint16_t(0xFFFF)), 0)
+        << "backward-data left poisoned outputs";
+  }
+  EXPECT_GT(resident_runs[0][1], 0) << "no forward kept 9 k-blocks of filters resident";
+  EXPECT_GT(resident_runs[0][2], 0) << "no forward kept 18 k-blocks of filters resident";
+  EXPECT_GT(resident_runs[1][1], 0) << "no backward-data kept 9 k-blocks of filters resident";
+  EXPECT_GT(resident_runs[1][2], 0) << "no backward-data kept 18 k-blocks of filters resident";
+}
+
+// The bf16 backward-weight's split-K work items split-major (the default) or tile-major: the same
+// items, each summing its k-range in the same order, and the same fixed-order reduction, so the
+// same bits. Layers of 64 output channels (dw^T, kWgradTmaT) and more (kWgradTma), beta 1.
+TEST(Conv2dTcTyped, WgradOrderGivesTheSameBits) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
+    return b;
+  };
+  for (const Conv2dShape s : {Conv2dShape{4, 28, 28, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 28, 28, 128, 256, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 14, 14, 256, 512, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "C " << s.c << " K " << s.k << " H " << s.h);
+    const std::vector<float> w0 = testing::random_vector(size_t(s.w_size()), 33);
+    DeviceBuffer<uint16_t> x(bits(operand(size_t(s.x_size()), 31, Math::BF16))),
+        dy(bits(operand(size_t(s.y_size()), 32, Math::BF16)));
+    std::vector<float> got[2];
+    for (int tile_major = 0; tile_major < 2; ++tile_major) {
+      detail::set_wgrad_split_major(tile_major == 0);
+      DeviceBuffer<float> dw(w0);
+      conv2d_backward_weight_tc(s, x.get(), dy.get(), dw.get(), 1.f, nullptr);
+      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+      got[tile_major] = dw.download();
+    }
+    detail::set_wgrad_split_major(true);
+    int64_t bad = 0;
+    for (size_t i = 0; i < got[0].size(); ++i) {
+      bad += std::memcmp(&got[0][i], &got[1][i], sizeof(float)) != 0;
+    }
+    EXPECT_EQ(bad, 0) << "of " << got[0].size() << " weights";
   }
 }
 
