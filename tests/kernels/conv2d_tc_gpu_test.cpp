@@ -45,6 +45,13 @@ std::vector<float> operand(size_t n, uint64_t seed, Math math) {
   return v;
 }
 
+// The bf16 bit patterns of v (round to nearest even), for typed entry points on bf16 tensors.
+std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
+  return b;
+}
+
 std::vector<float> absolute(std::vector<float> v) {
   for (float& x : v) x = std::fabs(x);
   return v;
@@ -267,13 +274,8 @@ TEST(Conv2dTcTyped, BackwardDataAppliesTheReluMask) {
     SCOPED_TRACE(::testing::Message() << "C " << s.c << " K " << s.k);
     std::vector<float> mask = operand(size_t(s.x_size()), 13, Math::BF16);
     for (size_t i = 0; i < mask.size(); i += 5) mask[i] = 0.f;
-    auto bits = [](const std::vector<float>& v) {
-      std::vector<uint16_t> b(v.size());
-      for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
-      return b;
-    };
-    DeviceBuffer<uint16_t> dy(bits(operand(size_t(s.y_size()), 11, Math::BF16))),
-        w(bits(operand(size_t(s.w_size()), 12, Math::BF16))), dmask(bits(mask)),
+    DeviceBuffer<uint16_t> dy(bf16_bits(operand(size_t(s.y_size()), 11, Math::BF16))),
+        w(bf16_bits(operand(size_t(s.w_size()), 12, Math::BF16))), dmask(bf16_bits(mask)),
         plain(size_t(s.x_size())), masked(size_t(s.x_size()));
     plain.fill(0xFFFF);
     masked.fill(0xFFFF);
@@ -303,11 +305,6 @@ TEST(Conv2dTcTyped, BackwardDataAppliesTheReluMask) {
 // 128 channels).
 TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   CUDP_REQUIRE_TENSOR_CORES();
-  auto bits = [](const std::vector<float>& v) {
-    std::vector<uint16_t> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
-    return b;
-  };
   int resident_runs[2][3] = {};  // [forward, backward-data][streamed, 9 k-blocks, 18 k-blocks]
   for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
@@ -326,9 +323,9 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
     ++resident_runs[1][bwd_blocks == 9 ? 1 : bwd_blocks == 18 ? 2 : 0];
     std::vector<float> mask = operand(size_t(s.x_size()), 23, Math::BF16);
     for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
-    DeviceBuffer<uint16_t> x(bits(operand(size_t(s.x_size()), 21, Math::BF16))),
-        w(bits(operand(size_t(s.w_size()), 22, Math::BF16))), dmask(bits(mask)),
-        dy(bits(operand(size_t(s.y_size()), 24, Math::BF16)));
+    DeviceBuffer<uint16_t> x(bf16_bits(operand(size_t(s.x_size()), 21, Math::BF16))),
+        w(bf16_bits(operand(size_t(s.w_size()), 22, Math::BF16))), dmask(bf16_bits(mask)),
+        dy(bf16_bits(operand(size_t(s.y_size()), 24, Math::BF16)));
     DeviceBuffer<float> bias(testing::random_vector(size_t(s.k), 25));
     std::vector<uint16_t> y_of[2], dx_of[2];
     for (int streamed = 0; streamed < 2; ++streamed) {
@@ -375,18 +372,13 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
 // same bits. Layers of 64 output channels (dw^T, kWgradTmaT) and more (kWgradTma), beta 1.
 TEST(Conv2dTcTyped, WgradOrderGivesTheSameBits) {
   CUDP_REQUIRE_TENSOR_CORES();
-  auto bits = [](const std::vector<float>& v) {
-    std::vector<uint16_t> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
-    return b;
-  };
   for (const Conv2dShape s : {Conv2dShape{4, 28, 28, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 28, 28, 128, 256, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{4, 14, 14, 256, 512, 3, 3, 1, 1, 1, 1}}) {
     SCOPED_TRACE(::testing::Message() << "C " << s.c << " K " << s.k << " H " << s.h);
     const std::vector<float> w0 = testing::random_vector(size_t(s.w_size()), 33);
-    DeviceBuffer<uint16_t> x(bits(operand(size_t(s.x_size()), 31, Math::BF16))),
-        dy(bits(operand(size_t(s.y_size()), 32, Math::BF16)));
+    DeviceBuffer<uint16_t> x(bf16_bits(operand(size_t(s.x_size()), 31, Math::BF16))),
+        dy(bf16_bits(operand(size_t(s.y_size()), 32, Math::BF16)));
     std::vector<float> got[2];
     for (int tile_major = 0; tile_major < 2; ++tile_major) {
       detail::set_wgrad_split_major(tile_major == 0);
@@ -410,12 +402,8 @@ TEST(Conv2dTcTyped, Bf16InBf16Out) {
   const Conv2dShape s{2, 12, 12, 64, 128, 3, 3, 1, 1, 1, 1};
   const std::vector<float> x = operand(size_t(s.x_size()), 7, Math::BF16);
   const std::vector<float> w = operand(size_t(s.w_size()), 8, Math::BF16);
-  auto bits = [](const std::vector<float>& v) {
-    std::vector<uint16_t> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
-    return b;
-  };
-  DeviceBuffer<uint16_t> dx(bits(x)), dw(bits(w)), dy(size_t(s.y_size())), ddx(size_t(s.x_size()));
+  DeviceBuffer<uint16_t> dx(bf16_bits(x)), dw(bf16_bits(w)), dy(size_t(s.y_size())),
+      ddx(size_t(s.x_size()));
   dy.fill(0xFFFF);
   ddx.fill(0xFFFF);
   ConvOperands ops{Math::BF16, dx.get(), dw.get(), dy.get(), DType::BF16, nullptr, false};
@@ -572,11 +560,6 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
     std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
     conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), ref.data(), true);
     conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
-    auto bits = [](const std::vector<float>& v) {
-      std::vector<uint16_t> b(v.size());
-      for (size_t i = 0; i < v.size(); ++i) b[i] = detail::f32_to_bf16_bits(v[i]);
-      return b;
-    };
     auto widen = [](const std::vector<uint16_t>& b) {
       std::vector<float> v(b.size());
       for (size_t i = 0; i < b.size(); ++i) {
@@ -585,7 +568,7 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
       }
       return v;
     };
-    DeviceBuffer<uint16_t> dx(bits(x)), dw(bits(w)), yb(size_t(s.y_size()));
+    DeviceBuffer<uint16_t> dx(bf16_bits(x)), dw(bf16_bits(w)), yb(size_t(s.y_size()));
     DeviceBuffer<float> db(bias), yf(size_t(s.y_size()));
     ConvOperands ops{Math::BF16, dx.get(), dw.get(), yb.get(), DType::BF16, db.get(), true};
     ASSERT_TRUE(detail::narrow_forward_applies(s, ops));
@@ -625,7 +608,7 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
     conv2d_backward_weight_cpu(s, x.data(), dy.data(), wref.data(), 1.f);
     conv2d_backward_weight_cpu(s, absolute(x).data(), absolute(dy).data(), wabs.data(), 0.f);
     for (size_t i = 0; i < wabs.size(); ++i) wabs[i] += std::fabs(dw0[i]);
-    DeviceBuffer<uint16_t> ddy(bits(dy));
+    DeviceBuffer<uint16_t> ddy(bf16_bits(dy));
     ASSERT_TRUE(detail::narrow_wgrad_applies(s, dx.get(), ddy.get()));
     DeviceBuffer<float> gw(dw0), gw2(dw0);
     conv2d_backward_weight_tc(s, dx.get(), ddy.get(), gw.get(), 1.f, nullptr);
