@@ -464,7 +464,7 @@ struct TypedTensor {
 
 void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, const Conv2dShape& s,
                     Math math, cudaStream_t stream, cudnnHandle_t handle, void* workspace,
-                    const Machine& machine) {
+                    const Machine& machine, bool bias_grad) {
   const bool bf16 = math == Math::BF16;
   const CudnnConv cudnn(handle, s, bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT,
                         CUDNN_TENSOR_OP_MATH);
@@ -505,6 +505,9 @@ void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, con
     TypedTensor ours(pass == Pass::BackwardWeight ? padded.w_size() : pass == Pass::Forward ? out_n : padded.x_size(),
                      pass == Pass::BackwardWeight ? false : bf16, 0, stream);
     TypedTensor theirs(out_n, bf16, 0, stream);
+    // --bias-grad: our backward-weight also takes the bias gradient (K floats, accumulated).
+    TypedTensor dbias(s.k, false, 0, stream);
+    float* db = bias_grad ? static_cast<float*>(dbias.get()) : nullptr;
     const auto run_ours = [&](int i) {
       if (pass == Pass::Forward) {
         conv2d_forward_tc(padded, {math, our_x(i), our_w(i), ours.get(), out_type, nullptr, false},
@@ -514,11 +517,11 @@ void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, con
                                     false}, stream);
       } else if (bf16) {
         conv2d_backward_weight_tc(padded, our_x(i), dy[i].get(), static_cast<float*>(ours.get()),
-                                  0.f, stream);
+                                  0.f, stream, db);
       } else {  // TF32: the float launcher on fp32 operands, x with its channels padded as above
         conv2d_backward_weight(padded, static_cast<const float*>(our_x(i)),
                                static_cast<const float*>(dy[i].get()),
-                               static_cast<float*>(ours.get()), 0.f, stream, Math::TF32);
+                               static_cast<float*>(ours.get()), 0.f, stream, Math::TF32, {}, db);
       }
     };
     const auto in0 = [&](int i) { return pass == Pass::BackwardData ? dy[i].get() : x[i].get(); };
@@ -593,6 +596,11 @@ int main(int argc, char** argv) {
                  "bf16 backward-weight's split-K work items: split (split-major, the default) or "
                  "tile (tile-major)")
       ->check(CLI::IsMember({"split", "tile"}));
+  bool bias_grad = false;
+  app.add_flag("--bias-grad", bias_grad,
+               "tensor cores: our backward-weight rows also take the bias gradient (bf16: from the "
+               "dy tiles the product loads, where the patch feed runs; else a separate reduction); "
+               "cuDNN's rows stay the product alone");
   CLI11_PARSE(app, argc, argv);
   cudp::kernels::detail::set_wgrad_split_major(wgrad_order == "split");
   using cudp::kernels::detail::ConvFeed;
@@ -632,7 +640,8 @@ int main(int argc, char** argv) {
         const int spatial = input == 224 ? l.at224 : l.at32;
         const Conv2dShape shape{batch, spatial, spatial, l.c, l.k, 3, 3, 1, 1, 1, 1};
         if (tensor_cores) {
-          bench_layer_tc(results, input, layer, shape, math, stream, handle, workspace.p, machine);
+          bench_layer_tc(results, input, layer, shape, math, stream, handle, workspace.p, machine,
+                         bias_grad);
         } else {
           bench_layer(results, input, layer, shape, stream, handle, workspace.p, machine);
         }

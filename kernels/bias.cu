@@ -4,6 +4,7 @@
 //
 // bias_grad: the two-stage deterministic column reduction described in bias.h.
 #include <algorithm>
+#include <limits>
 
 #include <cuda_bf16.h>
 
@@ -285,6 +286,20 @@ void bias_grad_dispatch(const T* dy, const T* y, T* masked, float* dbias, int64_
 }
 
 }  // namespace
+
+void bias_grad_from_partials(const float* partial, float* dbias, int64_t chunks, int64_t cols,
+                             float beta, cudaStream_t stream) {
+  CUDP_CHECK(chunks >= 1 && cols >= 0, "bias_grad_from_partials: invalid size ", chunks, " x ",
+             cols);
+  CUDP_CHECK(cols == 0 || (partial && dbias),
+             "bias_grad_from_partials: partial and dbias must not be null");
+  if (cols == 0) return;
+  CUDP_CHECK(ceil_div(cols, kTile) <= std::numeric_limits<unsigned>::max(),
+             "bias_grad_from_partials: cols = ", cols, " is too many");
+  launch("bias_grad_final_kernel", bias_grad_final_kernel,
+         static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
+         dbias, chunks, cols, beta);
+}
 
 void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
   detail::check_bias_args("bias_add", y, bias, rows, cols);

@@ -54,6 +54,12 @@ template <typename T>
 void relu_mask_bias_grad_cpu(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
                              int64_t cols, float beta);
 
+// dbias[c] = beta * dbias[c] + sum_g partial[g * cols + c], the chunks g added in a fixed order:
+// bias_grad's stage 2, for a kernel that leaves partial column sums on its way (the bf16
+// backward-weight, kernels/conv2d.h). partial is chunks x cols fp32, chunks >= 1.
+void bias_grad_from_partials(const float* partial, float* dbias, int64_t chunks, int64_t cols,
+                             float beta, cudaStream_t stream);
+
 namespace detail {
 // The checks of both ops and their references: rows, cols >= 0, no null pointer with data to touch.
 void check_bias_args(const char* op, const void* matrix, const void* bias, int64_t rows,

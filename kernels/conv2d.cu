@@ -42,6 +42,7 @@
 #include <utility>
 
 #include "engine/core/launch.cuh"
+#include "kernels/bias.h"
 #include "kernels/conv2d.h"
 #include "kernels/workspace.h"
 
@@ -830,14 +831,15 @@ void conv2d_backward_data(const Conv2dShape& shape, const float* dy, const float
 
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
                             float beta, cudaStream_t stream, Math math,
-                            const Bf16Operands& converted) {
+                            const Bf16Operands& converted, float* dbias) {
   check_converted("conv2d_backward_weight", math, converted);
   if (math != Math::FP32) {
-    detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math, converted);
+    detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math, converted, dbias);
     return;
   }
   check_call("conv2d_backward_weight", shape, math);
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
+  if (dbias) bias_grad(dy, dbias, int64_t(shape.n) * shape.p() * shape.q(), shape.k, 1.f, stream);
   const GemmArgs args = gemm_args(shape, dy, x, dw, {nullptr, beta, false}, shape.k,
                                   shape.r * shape.s * shape.c, shape.n * shape.p() * shape.q());
   const bool vec = shape.k % 4 == 0 && shape.c % 4 == 0 && aligned16(x) && aligned16(dy);

@@ -75,9 +75,13 @@ void conv2d_backward_data_cpu(const Conv2dShape& shape, const float* dy, const f
 
 // dw = beta*dw + d(sum y*dy)/dw. beta = 1 accumulates parameter gradients; beta = 0 overwrites dw
 // without reading it (so dw may hold garbage, even NaN).
+// dbias (K floats) or null: the bias gradient, accumulated: dbias[k] += the sum of dy's channel k
+// over the n*P*Q pixels, dy as the product reads it (bf16 under Math::BF16), in fp32 and in a fixed
+// order. Under bf16 with stride 1 and C a multiple of 64 it is taken from the dy tiles the product
+// loads anyway (no pass of its own); elsewhere it is kernels::bias_grad's reduction.
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
                             float beta, cudaStream_t stream, Math math = Math::FP32,
-                            const Bf16Operands& converted = {});
+                            const Bf16Operands& converted = {}, float* dbias = nullptr);
 void conv2d_backward_weight_cpu(const Conv2dShape& shape, const float* x, const float* dy,
                                 float* dw, float beta);
 
@@ -138,8 +142,9 @@ void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst,
 
 // dw = beta*dw + dy^T (*) x on tensor cores, bf16 x (C a multiple of 8) and dy (K a multiple of 8),
 // fp32 dw (weight gradients accumulate in fp32); deterministic split over the n*P*Q pixels.
+// dbias: as conv2d_backward_weight's (K floats, accumulated, or null).
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
-                               float beta, cudaStream_t stream);
+                               float beta, cudaStream_t stream, float* dbias = nullptr);
 
 namespace detail {
 // The float launchers' tensor-core paths (kernels/conv2d_tc.cu).
@@ -151,7 +156,7 @@ void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, cons
                                  const Bf16Operands& converted);
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
                                    float* dw, float beta, cudaStream_t stream, Math math,
-                                   const Bf16Operands& converted);
+                                   const Bf16Operands& converted, float* dbias);
 // The MN-major descriptor layout the backward-weight kernels use: 0 or 1 forces one for the tests
 // that establish which is right; -1 (the default) is the established one.
 void set_wgrad_descriptor_variant(int variant);
@@ -169,6 +174,9 @@ void set_conv_feed(ConvFeed feed);
 // view that runs its backward-data) keeps resident in shared memory under the current feed: 0
 // where they are streamed through the stages. For the tests that must know which kernel ran.
 int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data);
+// Whether the bf16 backward-weight of `shape` (channels already multiples of 8) takes the bias
+// gradient from its own dy tiles under the current feed, rather than in a separate reduction.
+bool conv2d_backward_weight_fuses_bias(const Conv2dShape& shape);
 // The order of the bf16 backward-weight's split-K work items (TMA patches): split-major (the
 // default: the blocks running at one time read the same pixels) or tile-major. The same sums in
 // the same order either way; for the test that shows it and bench_conv2d --wgrad-order.

@@ -19,8 +19,10 @@
 #include <vector>
 
 #include "engine/core/launch.cuh"
+#include "kernels/bias.h"
 #include "kernels/conv2d.h"
 #include "kernels/conv2d_narrow.h"
+#include "kernels/elementwise.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
 #include "kernels/sm90/matmul_sm90.h"
@@ -331,9 +333,24 @@ std::atomic<int> g_wgrad_variant{-1};
 // The established MN-major descriptor assignment (see kernels/sm90/matmul_sm90.cuh, kWgrad).
 constexpr bool kWgradAltByDefault = false;
 
-// dw (fp32, K x R x S x C, row stride R*S*C) = beta*dw + dy^T im2col(x), bf16 x and dy.
-void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, float* dw,
-                         float beta, cudaStream_t stream) {
+// Whether the bf16 backward-weight of `s` feeds both operands by TMA over patches of output pixels:
+// where the slabs of B are whole taps (C a multiple of 64) and the taps are shifts (stride 1); the
+// gather elsewhere, and for the tests that pin the descriptor layout or turn the patch feed off.
+bool wgrad_patch_feed(const Conv2dShape& s) {
+  return g_feed.load() != detail::ConvFeed::gather && g_wgrad_variant.load() < 0 &&
+         s.stride_h == 1 && s.stride_w == 1 && s.c % 64 == 0;
+}
+
+// Whether the product of backward-weight's dw^T (64 or fewer output channels) under `plan` can
+// take the bias sums along: tiles of up to 128 channels (kernels/sm90/matmul_sm90.cuh).
+bool transposed_wgrad_fuses_bias(const MatmulPlan& plan) {
+  return plan.tile_n <= 128;
+}
+
+// dw (fp32, K x R x S x C, row stride R*S*C) = beta*dw + dy^T im2col(x), bf16 x and dy; dbias
+// (K floats, or null) += dy's column sums: fused into the patch feed's product, else bias_grad.
+void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, float* dw, float beta,
+                         cudaStream_t stream, float* dbias = nullptr) {
   CUDP_CHECK(s.c % 8 == 0, "conv2d_backward_weight_tc: C = ", s.c, " must be a multiple of 8");
   CUDP_CHECK(s.k % 8 == 0, "conv2d_backward_weight_tc: K = ", s.k,
              " must be a multiple of 8 (16-byte rows of dy for TMA)");
@@ -356,24 +373,26 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   const sm90::ConvGather gather{x, s.n, s.h, s.w, s.c, s.p(), s.q(), s.r, s.s,
                                 s.stride_h, s.stride_w, s.pad_h, s.pad_w};
   const int variant = g_wgrad_variant.load();
+  const int64_t pixels = int64_t(s.n) * s.p() * s.q();
+  const auto separate_bias_grad = [&] {
+    if (dbias) bias_grad(static_cast<const __nv_bfloat16*>(dy), dbias, pixels, s.k, 1.f, stream);
+  };
   // Eight input channels (VGG's first layer, padded): a kernel of its own, as for the forward.
   if (g_feed.load() != detail::ConvFeed::gather && variant < 0 &&
       detail::narrow_wgrad_applies(s, x, dy)) {
     detail::conv2d_backward_weight_narrow(s, x, dy, dw, beta, stream);
+    separate_bias_grad();
     return;
   }
   const bool alt = variant < 0 ? kWgradAltByDefault : variant == 1;
-  // Both operands by TMA over patches of output pixels where the slabs of B are whole taps (C a
-  // multiple of 64) and the taps are shifts (stride 1); the gather elsewhere, and for the tests
-  // that pin the descriptor layout or turn the patch feed off.
-  if (g_feed.load() != detail::ConvFeed::gather && variant < 0 && s.stride_h == 1 &&
-      s.stride_w == 1 && s.c % 64 == 0) {
+  if (wgrad_patch_feed(s)) {
     sm90::PatchTiles patch = patch_tiles(s, 64, 64);
     patch.split_major = g_wgrad_split_major.load();
     const int64_t padded = int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64;
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
                " output pixels (with the patch padding) are too many for one product");
     p.k = static_cast<int>(padded);
+    p.bias_grad = dbias;
     if (s.k > 64) {
       detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
                            &patch);
@@ -392,8 +411,11 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
     t.c = transposed.get();
     t.ldc = t.n;
     t.beta = 0.f;
-    detail::run_mainloop(t, plan_matmul(t, device), &gather, stream, detail::Feed::WgradTmaT,
-                         &patch);
+    const MatmulPlan plan = plan_matmul(t, device);
+    const bool fused_bias = transposed_wgrad_fuses_bias(plan);
+    if (!fused_bias) t.bias_grad = nullptr;
+    detail::run_mainloop(t, plan, &gather, stream, detail::Feed::WgradTmaT, &patch);
+    if (!fused_bias) separate_bias_grad();
     const int64_t total = int64_t(p.m) * p.n;
     launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
            stream, transposed.get(), p.m, p.n, beta, dw);
@@ -401,6 +423,7 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   }
   detail::run_mainloop(p, plan_matmul(p, device), &gather, stream,
                        alt ? detail::Feed::WgradAlt : detail::Feed::Wgrad);
+  separate_bias_grad();
 }
 
 // dw[k][r][s][c] = beta*dw + part[k][r][s][c] for c < C, from a part computed with cp channels.
@@ -689,9 +712,9 @@ bool conv2d_backward_data_reads_filters_as_they_are(const Conv2dShape& shape) {
 }
 
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
-                               float beta, cudaStream_t stream) {
+                               float beta, cudaStream_t stream, float* dbias) {
   check_tc("conv2d_backward_weight_tc", shape, Math::BF16);
-  run_backward_weight(shape, x, dy, dw, beta, stream);
+  run_backward_weight(shape, x, dy, dw, beta, stream, dbias);
 }
 
 void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperands& ops,
@@ -763,6 +786,21 @@ void set_wgrad_split_major(bool split_major) {
   g_wgrad_split_major.store(split_major);
 }
 
+bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {
+  if (!wgrad_patch_feed(s) || s.k % 8 != 0) return false;
+  if (s.k > 64) return true;
+  // run_backward_weight's dw^T problem: the plan depends on (math, m, n, k) alone.
+  const sm90::PatchTiles patch = patch_tiles(s, 64, 64);
+  MatmulProblem t;
+  t.m = s.r * s.s * s.c;
+  t.n = s.k;
+  t.k = static_cast<int>(int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64);
+  t.math = Math::BF16;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  return transposed_wgrad_fuses_bias(plan_matmul(t, device));
+}
+
 int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data) {
   const Conv2dShape s = backward_data ? backward_data_view(shape, shape.k) : shape;
   // run_forward's patch condition (C a multiple of 64 rules out the narrow first-layer kernels).
@@ -781,12 +819,15 @@ int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data) 
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
                                    float* dw, float beta, cudaStream_t stream, Math math,
-                                   const Bf16Operands& converted) {
+                                   const Bf16Operands& converted, float* dbias) {
   check_tc("conv2d_backward_weight", shape, math);
   if (math == Math::TF32) {
     CUDP_CHECK(!converted.x && !converted.dy,
                "conv2d_backward_weight: Math::TF32 takes fp32 x and dy, not bf16 copies");
     run_backward_weight_tf32(shape, x, dy, dw, beta, stream);
+    if (dbias) {
+      bias_grad(dy, dbias, int64_t(shape.n) * shape.p() * shape.q(), shape.k, 1.f, stream);
+    }
     return;
   }
   CUDP_CHECK((x || converted.x) && (dy || converted.dy) && dw,
@@ -811,8 +852,17 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
   padded.c = cp;
   padded.k = kp;
   if (cp == shape.c && kp == shape.k) {
-    run_backward_weight(padded, xb, dyb, dw, beta, stream);
+    run_backward_weight(padded, xb, dyb, dw, beta, stream, dbias);
     return;
+  }
+  const auto* dy_bf16 = static_cast<const __nv_bfloat16*>(dyb);
+  if (dbias && kp == shape.k) {
+    bias_grad(dy_bf16, dbias, pixels_out, shape.k, 1.f, stream);
+  } else if (dbias) {
+    // dy's bf16 copy has kp > K channels (zeros past K): its column sums, then the first K of them.
+    Workspace sums(size_t(kp) * sizeof(float), stream, "the bias gradient of padded channels");
+    bias_grad(dy_bf16, sums.get(), pixels_out, kp, 0.f, stream);
+    kernels::axpy(1.f, sums.get(), dbias, shape.k, stream);
   }
   // Padded channels: compute the padded gradient, then keep its first C channels of the first K
   // filters.

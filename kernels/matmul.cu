@@ -18,10 +18,11 @@
 #include <cuda_bf16.h>
 
 #include "engine/core/launch.cuh"
+#include "kernels/bias.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
-#include "kernels/workspace.h"
 #include "kernels/sm90/matmul_sm90.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -200,6 +201,10 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
     return "a ReLU mask (backward-data's fused ReLU backward) goes with beta 0, no bias and no "
            "ReLU";
   }
+  if (p.bias_grad != nullptr) {
+    return "bias_grad is backward-weight's fused bias gradient (kernels/conv2d.h), not a product "
+           "option; take column sums with kernels::bias_grad";
+  }
   if (p.mask != nullptr && !aligned16(p.mask)) {
     return "the ReLU mask must be 16-byte aligned (it is read in pairs with C's row stride)";
   }
@@ -317,9 +322,19 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
     const bool tma = feed == Feed::WgradTma || feed == Feed::WgradTmaT;
     CUDP_CHECK(!tma || patch != nullptr, "conv: the patch feed of backward-weight needs its tiling");
+    CUDP_CHECK(p.bias_grad == nullptr || tma,
+               "conv: the bias gradient is fused into backward-weight's patch feed only");
+    const int channels = feed == Feed::WgradTmaT ? p.n : p.m;  // K
+    Workspace bias_partials(p.bias_grad ? size_t(plan.splits) * channels * sizeof(float) : 0,
+                            stream, "backward-weight's partial bias gradients");
     sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt, tma ? patch : nullptr,
-                          feed == Feed::WgradTmaT);
+                          feed == Feed::WgradTmaT, bias_partials.get());
+    if (p.bias_grad) {
+      bias_grad_from_partials(bias_partials.get(), p.bias_grad, plan.splits, channels, 1.f, stream);
+    }
   } else if (feed == Feed::WgradShift || feed == Feed::WgradShiftT) {
+    CUDP_CHECK(p.bias_grad == nullptr,
+               "conv: the bias gradient is fused into the bf16 backward-weight's patch feed only");
     CUDP_CHECK(!bf16 && patch != nullptr, "backward-weight's shifted feed needs TF32 and its taps");
     sm90::conv_wgrad_tf32(p, *patch, plan, ws, stream, feed == Feed::WgradShiftT);
   } else if (conv != nullptr) {

@@ -54,6 +54,11 @@ struct MatmulProblem {
   // Or null: C's layout and type; where it is <= 0 the stored value is 0 (the backward of a ReLU
   // whose output is `mask`, fused into backward-data). Only with beta 0, no bias and no ReLU.
   const void* mask = nullptr;
+  // Backward-weight on the patch feed only (detail::Feed::WgradTma / WgradTmaT; not matmul()):
+  // K floats, or null. bias_grad[c] += the sum of dy's channel c over the pixels (the convolution's
+  // bias gradient), taken from the dy tiles the product loads anyway (kernels/sm90/matmul_sm90.cuh,
+  // wgrad_bias_sums) and the splits summed in a fixed order: deterministic.
+  float* bias_grad = nullptr;
 };
 
 // How a product runs: C is cut into tile_m x tile_n tiles and k into `splits` chunks of

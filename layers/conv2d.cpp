@@ -171,10 +171,14 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
       },
       [&](cudaStream_t stream) {
-        output_grad_pass(relu ? output_.data<float>() : nullptr, grad_output.data<float>(),
-                         dym.data<float>(), db, rows, s.k, stream);
+        // The bias gradient in the mask's pass where there is one, else with backward-weight.
+        if (relu) {
+          output_grad_pass(output_.data<float>(), grad_output.data<float>(), dym.data<float>(), db,
+                           rows, s.k, stream);
+        }
         if (out) kernels::conv2d_backward_data(s, dy, w, out, stream, math());
-        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math());
+        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math(), {},
+                                        relu ? nullptr : db);
       });
   return dx;
 }
@@ -307,9 +311,12 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   }
   run([] {},
       [&](cudaStream_t stream) {
-        output_grad_pass(relu ? output_.data<__nv_bfloat16>() : nullptr,
-                         grad_output.data<__nv_bfloat16>(), dym.data<__nv_bfloat16>(), db, rows,
-                         s.k, stream);
+        // The bias gradient in the mask's pass where there is one, else taken by backward-weight
+        // from the dy tiles it loads (no pass of its own; kernels/conv2d.h).
+        if (relu) {
+          output_grad_pass(output_.data<__nv_bfloat16>(), grad_output.data<__nv_bfloat16>(),
+                           dym.data<__nv_bfloat16>(), db, rows, s.k, stream);
+        }
         const int cp = kernels::bf16_channels(s.c), kp = kernels::bf16_channels(s.k);
         Tensor dyp = dym;
         if (kp != s.k) {
@@ -348,7 +355,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
           }
         }
         kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream, kernels::Math::BF16,
-                                        converted);
+                                        converted, relu ? nullptr : db);
       });
   return dx;
 }

@@ -59,6 +59,10 @@ struct MainloopParams {
   // different tiles, so the operand they share (dy^T for backward-weight) is read from memory once
   // per k-range, not once per tile.
   int split_major;
+  // kWgradTma / kWgradTmaT: the bias gradient taken on the way, or null (wgrad_bias_sums):
+  // [split][bias_channels] fp32 sums of dy over each split's output pixels.
+  float* bias_partials;
+  int bias_channels;
 };
 
 // kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
@@ -73,10 +77,14 @@ struct Config {
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
   static constexpr int kResidentBytes = kResidentB * kBlockBytesB;
   static constexpr int kStages = (kSharedBudget - 4096 - kResidentBytes) / kStageBytes;
+  // After the stages and the resident B: the barriers (up to 256 bytes), then 256 bytes of
+  // scratch for backward-weight's bias sums (wgrad_bias_sums).
+  static constexpr int kScratchOffset = 256;
   static constexpr int kSharedBytes =
-      kStages * kStageBytes + kResidentBytes + 1024 /* alignment */ + 1024 /* barriers */;
+      kStages * kStageBytes + kResidentBytes + 1024 /* alignment */ + kScratchOffset + 256;
   static constexpr int kAccumulators = kTileN / 2;  // fp32 per thread for m64nN
   static_assert(kStages >= 3, "too few pipeline stages");
+  static_assert(16 * kStages + 8 <= kScratchOffset, "the barriers overrun the scratch");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -239,6 +247,116 @@ __device__ __forceinline__ WorkItem work_item(const MainloopParams& p, int index
   const int group_rows = min(p.tiles_m - first_m, kGroupM);
   const int in_group = tile - group * per_group;
   return {first_m + in_group % group_rows, in_group / group_rows, split};
+}
+
+// The bias gradient of backward-weight on the way (kWgradTma / kWgradTmaT with p.bias_partials):
+// warps 2 and 3 of the producer warpgroup, idle otherwise, go through the stages with the
+// consumers (waiting on "full", arriving on "empty") and, for the work items of the first tile
+// column (kWgradTma: dy is A, its 128 rows the output channels) or row (kWgradTmaT: dy is B, 64
+// channels wide), add up the dy boxes each stage holds: box b is 64 pixels (rows of 128 bytes,
+// 128-byte swizzled) of 64 channels. Each lane sums the 16-byte chunk lane % 8 (8 channels) of
+// every 4th (two boxes: one per warp) or 8th row (one box: the two warps take alternate row
+// groups) of a box, so a quarter warp reads one whole row (no bank conflicts) and a lane keeps 8
+// sums (the producer warpgroup has 40 registers a thread). At the end of an item the row groups are
+// added in a fixed order, within a warp by shuffles (and, for one box, warp 2's sums plus warp 3's
+// through shared memory), and written to p.bias_partials[split][channel]; the caller sums the
+// splits in order. An item's sums depend on its k-range alone: deterministic, and the product's
+// bits are untouched.
+template <int kMode, int kTileN, int kStages, int kOperandStageBytes>
+__device__ __forceinline__ void wgrad_bias_sums(const MainloopParams& p, uint32_t operand,
+                                                uint32_t full, uint32_t empty, uint32_t scratch) {
+  constexpr int kBoxes = kMode == kWgradTma ? 2 : kTileN / 64;
+  static_assert(kBoxes == 1 || kBoxes == 2, "bias sums of 64 or 128 channels a tile");
+  constexpr int kGroups = 8 / kBoxes;      // row groups of a box: lanes of one chunk
+  const int lane = int(threadIdx.x) - 64;  // 0..63 over warps 2 and 3
+  const int chunk = lane & 7;
+  const int box = kBoxes == 2 ? lane >> 5 : 0;
+  const int group = (lane >> 3) & (kGroups - 1);
+  // Row group + kGroups * i sits at swizzle phase (group + kGroups * i) % 8: two phases with four
+  // groups (i even, odd), one with eight.
+  const uint32_t offset0 = box * 64 * kRowBytes + group * kRowBytes + ((chunk ^ group) << 4);
+  const uint32_t offset1 =
+      box * 64 * kRowBytes + (group + 4) * kRowBytes + ((chunk ^ (group + 4)) << 4);
+  const int work_items = p.tiles_m * p.tiles_n * p.splits;
+  int stage = 0, phase = 0;
+  for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+    const WorkItem w = work_item(p, index);
+    const int kb_begin = w.split * p.k_blocks_per_split;
+    const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+    const bool sums = (kMode == kWgradTma ? w.tile_n : w.tile_m) == 0;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+      mbar_wait(full + 8 * stage, phase);
+      if (sums) {
+        const uint32_t base = operand + stage * kOperandStageBytes;
+#pragma unroll 2
+        for (int i = 0; i < 64 / kGroups; ++i) {
+          // Rows 8 apart share a phase: row group + kGroups * i is 8 * (i / 2) rows past the
+          // phase's first (four groups), or 8 * i (eight).
+          const uint32_t at = kGroups == 4
+                                  ? ((i & 1) ? offset1 : offset0) + (i >> 1) * 8 * kRowBytes
+                                  : offset0 + i * 8 * kRowBytes;
+          uint32_t v[4];
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                       : "r"(base + at)
+                       : "memory");
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {  // a bf16's bits are the high half of its fp32's
+            acc[2 * h] += __uint_as_float(v[h] << 16);
+            acc[2 * h + 1] += __uint_as_float(v[h] & 0xFFFF0000u);
+          }
+        }
+      }
+      __syncwarp();
+      if (lane % 32 == 0) mbar_arrive(empty + 8 * stage);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    if (!sums) continue;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      acc[e] += __shfl_xor_sync(0xFFFFFFFFu, acc[e], 8);
+      acc[e] += __shfl_xor_sync(0xFFFFFFFFu, acc[e], 16);
+    }
+    // Lanes 0..7 of each warp now hold its row groups' sums of chunk `chunk`.
+    const int channel0 =
+        (kMode == kWgradTma ? w.tile_m * kTileM : w.tile_n * kTileN) + 64 * box + 8 * chunk;
+    float* out = p.bias_partials + int64_t(w.split) * p.bias_channels + channel0;
+    if constexpr (kBoxes == 2) {
+      if (lane % 32 < 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (channel0 + e < p.bias_channels) out[e] = acc[e];
+        }
+      }
+    } else {
+      if (lane >= 32 && lane < 40) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(scratch + 4 * (chunk * 8 + e)), "f"(acc[e])
+                       : "memory");
+        }
+      }
+      asm volatile("bar.sync 3, 64;" ::: "memory");
+      if (lane < 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float other;
+          asm volatile("ld.shared.f32 %0, [%1];"
+                       : "=f"(other)
+                       : "r"(scratch + 4 * (chunk * 8 + e))
+                       : "memory");
+          if (channel0 + e < p.bias_channels) out[e] = acc[e] + other;
+        }
+      }
+      asm volatile("bar.sync 3, 64;" ::: "memory");  // the scratch is read before it is rewritten
+    }
+  }
 }
 
 // The row of C (an output pixel, in n, p, q order) that row `local` of patch tile `tile` holds, or
@@ -645,12 +763,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full_bar = [&](int s) { return bars + 8 * s; };
   auto empty_bar = [&](int s) { return bars + 8 * (Cfg::kStages + s); };
   const uint32_t resident_bar = bars + 16 * Cfg::kStages;
+  const bool bias_sums = (kMode == kWgradTma || kMode == kWgradTmaT) && p.bias_partials != nullptr;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(full_bar(s), kGathers ? 1 + 128 : 1);  // + a cp.async arrival per producer thread
-      // One arrival per warp of the warpgroups that read the stage (both, or one in ping-pong).
-      mbar_init(empty_bar(s), kPingPong ? 4 : kConsumers * 4);
+      // One arrival per warp of the warpgroups that read the stage (both, or one in ping-pong),
+      // and one per bias-sum warp.
+      mbar_init(empty_bar(s), (kPingPong ? 4 : kConsumers * 4) + (bias_sums ? 2 : 0));
     }
     if constexpr (kResidentB > 0) mbar_init(resident_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -870,6 +990,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    // (dw^T tiles wider than 128 channels do not take the bias sums: launch_mainloop refuses.)
+    if constexpr (kMode == kWgradTma || (kMode == kWgradTmaT && kTileN <= 128)) {
+      if (bias_sums && threadIdx.x >= 64) {
+        wgrad_bias_sums<kMode, kTileN, Cfg::kStages,
+                        kMode == kWgradTma ? Cfg::kStageBytesA : Cfg::kStageBytesB>(
+            p, kMode == kWgradTma ? stages_a : stages_b, full_bar(0), empty_bar(0),
+            bars + Cfg::kScratchOffset);
+      }
+    }
   } else {
     if constexpr (kGathers) {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
@@ -1033,7 +1162,7 @@ CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int 
 template <typename Elem, int kTileN, int kResidentB = 0>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
                      cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm,
-                     const PatchTiles* patch = nullptr) {
+                     const PatchTiles* patch = nullptr, float* bias_partials = nullptr) {
   using Cfg = Config<Elem, kTileN, kResidentB>;
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
@@ -1091,6 +1220,11 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
   p.workspace = workspace;
   const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
+  CUDP_CHECK(bias_partials == nullptr || mode == kWgradTma || (mode == kWgradTmaT && kTileN <= 128),
+             "matmul: the bias gradient is taken on the way by backward-weight's patch feed only, "
+             "with at most 128 channels a tile");
+  p.bias_partials = bias_partials;
+  p.bias_channels = mode == kWgradTma ? prob.m : prob.n;  // K either way
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
   const bool conv_patch = mode == kConvTma || mode == kConvTmaBT;
   p.patch = conv_patch || wgrad_tma || shifted ? *patch : PatchTiles{};

@@ -74,9 +74,12 @@ void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const P
 // `patch` (stride 1, C a multiple of 64) both operands come by 4-D TMA boxes over patches of 64
 // output pixels instead (kWgradTma): problem.k is then patches * 64. `transposed` (with `patch`)
 // runs dw^T = im2col(x)^T dy instead: m = R*S*C, n = K, B = dy with ldb = K, C = dw^T.
+// `bias_partials` (with `patch` only, or null): the bias gradient taken on the way, as
+// plan.splits x K fp32 sums of dy over each split's pixels (the caller adds up the splits).
 void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
                      float* workspace, cudaStream_t stream, bool alt,
-                     const PatchTiles* patch = nullptr, bool transposed = false);
+                     const PatchTiles* patch = nullptr, bool transposed = false,
+                     float* bias_partials = nullptr);
 
 // Backward-weight in TF32 (kWgradShift): both operands are K-major fp32 copies laid out on one
 // padded pixel grid (kernels/conv2d_tc.cu): dy^T (K rows) and x^T (patch.s copies of

@@ -31,12 +31,18 @@ void conv_bf16(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 
 void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,
                      float* workspace, cudaStream_t stream, bool alt, const PatchTiles* patch,
-                     bool transposed) {
+                     bool transposed, float* bias_partials) {
   const int mode = patch ? (transposed ? kWgradTmaT : kWgradTma) : alt ? kWgradAlt : kWgrad;
   switch (plan.tile_n) {
-    case 64: return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode, patch);
-    case 128: return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, mode, patch);
-    case 256: return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream, &conv, mode, patch);
+    case 64:
+      return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode,
+                                                patch, bias_partials);
+    case 128:
+      return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, mode,
+                                                 patch, bias_partials);
+    case 256:
+      return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream, &conv, mode,
+                                                 patch, bias_partials);
     default: CUDP_CHECK(false, "conv: no bf16 backward-weight kernel with tile width ", plan.tile_n);
   }
 }

@@ -396,6 +396,65 @@ TEST(Conv2dTcTyped, WgradOrderGivesTheSameBits) {
   }
 }
 
+// The bias gradient of the bf16 backward-weight (dbias += dy's column sums). Where the kernel takes
+// it from the dy tiles it loads (the patch feed: kWgradTma, and kWgradTmaT for 64 or fewer output
+// channels), and in the separate reduction elsewhere (the narrow first layer, the gather feed,
+// channels padded to 8). dy holds multiples of 1/8 in [-4, 4] and dbias starts at multiples of
+// 1/8: every partial sum is then exact in fp32 (far below 2^21), in any order, so the result must
+// equal the exact sum bit for bit: a row summed twice or missed, or a channel mixed up, shows.
+// The product must not change: dw is compared bit for bit with a run without dbias.
+TEST(Conv2dTcTyped, BackwardWeightTakesTheBiasGradient) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  int fused = 0, separate = 0;
+  for (const Conv2dShape s : {Conv2dShape{4, 28, 28, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{16, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 56, 56, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 28, 28, 128, 256, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 9, 13, 128, 192, 5, 5, 1, 1, 2, 2},
+                              Conv2dShape{8, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 9, 11, 64, 40, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 32, 32, 8, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 7, 9, 72, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 7, 7, 64, 128, 3, 3, 2, 2, 1, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
+                                      << " K " << s.k << " R " << s.r << " stride " << s.stride_h);
+    ++(detail::conv2d_backward_weight_fuses_bias(s) ? fused : separate);
+    std::vector<float> dy_values = testing::random_vector(size_t(s.y_size()), 41, -4.f, 4.f);
+    for (float& v : dy_values) v = std::round(v * 8.f) / 8.f;
+    std::vector<float> db0 = testing::random_vector(size_t(s.k), 42, -64.f, 64.f);
+    for (float& v : db0) v = std::round(v * 8.f) / 8.f;
+    std::vector<double> want(db0.begin(), db0.end());
+    const int64_t pixels = s.y_size() / s.k;
+    for (int64_t i = 0; i < pixels; ++i) {
+      for (int k = 0; k < s.k; ++k) want[size_t(k)] += dy_values[size_t(i * s.k + k)];
+    }
+    const std::vector<float> w0 = testing::random_vector(size_t(s.w_size()), 43);
+    DeviceBuffer<uint16_t> x(bf16_bits(operand(size_t(s.x_size()), 44, Math::BF16))),
+        dy(bf16_bits(dy_values));
+    DeviceBuffer<float> dw(w0), dw_alone(w0), db(db0);
+    conv2d_backward_weight_tc(s, x.get(), dy.get(), dw.get(), 1.f, nullptr, db.get());
+    conv2d_backward_weight_tc(s, x.get(), dy.get(), dw_alone.get(), 1.f, nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = db.download(), dw_got = dw.download(),
+                             dw_want = dw_alone.download();
+    int64_t bad = 0;
+    for (int k = 0; k < s.k; ++k) {
+      if (double(got[size_t(k)]) != want[size_t(k)]) {
+        if (bad++ < 3) {
+          ADD_FAILURE() << "channel " << k << ": got " << got[size_t(k)] << " want "
+                        << want[size_t(k)];
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << "of " << s.k << " channels";
+    EXPECT_EQ(std::memcmp(dw_got.data(), dw_want.data(), dw_got.size() * sizeof(float)), 0)
+        << "the bias sums changed the weight gradient";
+  }
+  EXPECT_GE(fused, 6) << "too few shapes took the fused bias gradient";
+  EXPECT_GE(separate, 3) << "too few shapes took the separate bias gradient";
+}
+
 // The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
 TEST(Conv2dTcTyped, Bf16InBf16Out) {
   CUDP_REQUIRE_TENSOR_CORES();
@@ -456,10 +515,28 @@ void check_backward_weight(const Conv2dShape& s, Math math, float beta, const st
   conv2d_backward_weight_cpu(s, absolute(x).data(), absolute(dy).data(), abs_sum.data(), 0.f);
   for (size_t i = 0; i < abs_sum.size(); ++i) abs_sum[i] += std::fabs(beta * dw0[i]);
   const std::vector<float> start = beta != 0.f ? dw0 : std::vector<float>(dw0.size(), kPoison);
-  DeviceBuffer<float> dx(x), ddy(dy), ddw(start);
-  conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), beta, nullptr, math);
+  // The bias gradient on the way (dbias += dy's column sums, any order): the bound of any fp32
+  // summation of n terms, (n - 1) u sum|terms| (u = 2^-24), here n = pixels + 1 with dbias's start.
+  const std::vector<float> db0 = testing::random_vector(size_t(s.k), 14);
+  const int64_t pixels = s.y_size() / s.k;
+  std::vector<double> db_want(db0.begin(), db0.end()), db_abs(db_want);
+  for (double& v : db_abs) v = std::fabs(v);
+  for (int64_t i = 0; i < pixels; ++i) {
+    for (int k = 0; k < s.k; ++k) {
+      db_want[size_t(k)] += dy[size_t(i * s.k + k)];
+      db_abs[size_t(k)] += std::fabs(dy[size_t(i * s.k + k)]);
+    }
+  }
+  DeviceBuffer<float> dx(x), ddy(dy), ddw(start), ddb(db0);
+  conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), beta, nullptr, math, {}, ddb.get());
   const std::vector<float> got = ddw.download();
   expect_within_bound(got, ref, abs_sum, math, what);
+  const std::vector<float> db_got = ddb.download();
+  for (int k = 0; k < s.k; ++k) {
+    ASSERT_LE(std::fabs(db_got[size_t(k)] - db_want[size_t(k)]),
+              double(pixels) * std::ldexp(1.0, -24) * db_abs[size_t(k)])
+        << what << ": bias gradient of channel " << k;
+  }
   DeviceBuffer<float> again(start);
   conv2d_backward_weight(s, dx.get(), ddy.get(), again.get(), beta, nullptr, math);
   EXPECT_EQ(std::memcmp(got.data(), again.download().data(), got.size() * sizeof(float)), 0)
