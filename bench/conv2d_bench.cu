@@ -596,12 +596,16 @@ int main(int argc, char** argv) {
                  "bf16 backward-weight's split-K work items: split (split-major, the default) or "
                  "tile (tile-major)")
       ->check(CLI::IsMember({"split", "tile"}));
-  bool bias_grad = false;
-  app.add_flag("--bias-grad", bias_grad,
-               "tensor cores: our backward-weight rows also take the bias gradient (bf16: from the "
-               "dy tiles the product loads, where the patch feed runs; else a separate reduction); "
-               "cuDNN's rows stay the product alone");
+  std::string bias_grad_text = "none";
+  app.add_option(
+         "--bias-grad", bias_grad_text,
+         "tensor cores: whether our backward-weight rows also take the bias gradient: none "
+         "(the default), separate (the reduction a training step runs) or fused (bf16 patch "
+         "feed: from the dy tiles the product loads); cuDNN's rows stay the product alone")
+      ->check(CLI::IsMember({"none", "separate", "fused"}));
   CLI11_PARSE(app, argc, argv);
+  const bool bias_grad = bias_grad_text != "none";
+  cudp::kernels::detail::set_wgrad_bias_fusion(bias_grad_text == "fused");
   cudp::kernels::detail::set_wgrad_split_major(wgrad_order == "split");
   using cudp::kernels::detail::ConvFeed;
   cudp::kernels::detail::set_conv_feed(feed == "gather"           ? ConvFeed::gather

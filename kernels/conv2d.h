@@ -77,8 +77,8 @@ void conv2d_backward_data_cpu(const Conv2dShape& shape, const float* dy, const f
 // without reading it (so dw may hold garbage, even NaN).
 // dbias (K floats) or null: the bias gradient, accumulated: dbias[k] += the sum of dy's channel k
 // over the n*P*Q pixels, dy as the product reads it (bf16 under Math::BF16), in fp32 and in a fixed
-// order. Under bf16 with stride 1 and C a multiple of 64 it is taken from the dy tiles the product
-// loads anyway (no pass of its own); elsewhere it is kernels::bias_grad's reduction.
+// order: kernels::bias_grad's reduction (under bf16 with stride 1 and C a multiple of 64 it can be
+// taken from the dy tiles the product loads instead: detail::set_wgrad_bias_fusion).
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
                             float beta, cudaStream_t stream, Math math = Math::FP32,
                             const Bf16Operands& converted = {}, float* dbias = nullptr);
@@ -174,8 +174,12 @@ void set_conv_feed(ConvFeed feed);
 // view that runs its backward-data) keeps resident in shared memory under the current feed: 0
 // where they are streamed through the stages. For the tests that must know which kernel ran.
 int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data);
+// Whether the bf16 backward-weight of the patch feed takes the bias gradient from the dy tiles it
+// loads (two spare producer warps add them up) instead of the separate reduction: off by default,
+// since it measured slower (bench/NOTES-tensor-cores.md); for the tests and bench_conv2d.
+void set_wgrad_bias_fusion(bool on);
 // Whether the bf16 backward-weight of `shape` (channels already multiples of 8) takes the bias
-// gradient from its own dy tiles under the current feed, rather than in a separate reduction.
+// gradient from its own dy tiles under the current settings, rather than in a separate reduction.
 bool conv2d_backward_weight_fuses_bias(const Conv2dShape& shape);
 // The order of the bf16 backward-weight's split-K work items (TMA patches): split-major (the
 // default: the blocks running at one time read the same pixels) or tile-major. The same sums in

@@ -185,6 +185,9 @@ void check_tc(const char* name, const Conv2dShape& shape, Math math) {
 
 std::atomic<detail::ConvFeed> g_feed{detail::ConvFeed::patch};
 std::atomic<bool> g_wgrad_split_major{true};
+// Off by default, by measurement (bench/NOTES-tensor-cores.md): the bias sums in the producer's
+// spare warps slow the backward-weight down by more than the separate reduction costs.
+std::atomic<bool> g_wgrad_bias_fusion{false};
 
 // The largest power of two that divides v, at most `cap`.
 int pow2_divisor(int v, int cap) {
@@ -336,6 +339,13 @@ constexpr bool kWgradAltByDefault = false;
 // Whether the bf16 backward-weight of `s` feeds both operands by TMA over patches of output pixels:
 // where the slabs of B are whole taps (C a multiple of 64) and the taps are shifts (stride 1); the
 // gather elsewhere, and for the tests that pin the descriptor layout or turn the patch feed off.
+bool wgrad_patch_feed(const Conv2dShape& s);
+
+// Whether the patch feed's product takes the bias sums along (detail::set_wgrad_bias_fusion).
+bool wgrad_fuses_bias(const Conv2dShape& s) {
+  return g_wgrad_bias_fusion.load() && wgrad_patch_feed(s);
+}
+
 bool wgrad_patch_feed(const Conv2dShape& s) {
   return g_feed.load() != detail::ConvFeed::gather && g_wgrad_variant.load() < 0 &&
          s.stride_h == 1 && s.stride_w == 1 && s.c % 64 == 0;
@@ -392,10 +402,11 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
                " output pixels (with the patch padding) are too many for one product");
     p.k = static_cast<int>(padded);
-    p.bias_grad = dbias;
+    p.bias_grad = wgrad_fuses_bias(s) ? dbias : nullptr;
     if (s.k > 64) {
       detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
                            &patch);
+      if (!p.bias_grad) separate_bias_grad();
       return;
     }
     // 64 or fewer output channels would fill half of each 128-row tile: compute dw^T instead
@@ -412,7 +423,7 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
     t.ldc = t.n;
     t.beta = 0.f;
     const MatmulPlan plan = plan_matmul(t, device);
-    const bool fused_bias = transposed_wgrad_fuses_bias(plan);
+    const bool fused_bias = t.bias_grad != nullptr && transposed_wgrad_fuses_bias(plan);
     if (!fused_bias) t.bias_grad = nullptr;
     detail::run_mainloop(t, plan, &gather, stream, detail::Feed::WgradTmaT, &patch);
     if (!fused_bias) separate_bias_grad();
@@ -786,8 +797,12 @@ void set_wgrad_split_major(bool split_major) {
   g_wgrad_split_major.store(split_major);
 }
 
+void set_wgrad_bias_fusion(bool on) {
+  g_wgrad_bias_fusion.store(on);
+}
+
 bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {
-  if (!wgrad_patch_feed(s) || s.k % 8 != 0) return false;
+  if (!wgrad_fuses_bias(s) || s.k % 8 != 0) return false;
   if (s.k > 64) return true;
   // run_backward_weight's dw^T problem: the plan depends on (math, m, n, k) alone.
   const sm90::PatchTiles patch = patch_tiles(s, 64, 64);

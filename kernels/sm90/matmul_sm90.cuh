@@ -881,6 +881,31 @@ __global__ void __launch_bounds__(kThreads, 1)
           p0 = (rest % t.tiles_p) * t.hb;
           n0 = (rest / t.tiles_p) * t.nb;
         }
+        // kWgradTma / kWgradTmaT: where each box of x sits relative to the k-block's patch (its
+        // channel block and tap: fixed for the item), and the patch of the k-block, advanced
+        // without a division: the producer is one thread issuing 4 to 6 boxes a k-block, and
+        // its divisions per box and per k-block were on the critical path of every stage.
+        constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
+        constexpr int kXBoxes = kMode == kWgradTma ? kTileN / 64 : 2;
+        [[maybe_unused]] int box_c[kXBoxes], box_q[kXBoxes], box_p[kXBoxes];
+        [[maybe_unused]] int patch_q = 0, patch_p = 0, patch_n = 0;
+        if constexpr (kWgradPatch) {
+          const PatchTiles& t = p.patch;
+#pragma unroll
+          for (int i = 0; i < kXBoxes; ++i) {
+            const int block = kMode == kWgradTma ? w.tile_n * kXBoxes + i : w.tile_m * 2 + i;
+            const int rs = block / t.c_blocks;
+            int r = rs / t.s, s = rs - r * t.s;
+            if (r >= t.r) r = s = 0;  // columns past R*S*C: any box will do, none is stored
+            box_c[i] = (block - rs * t.c_blocks) * 64;
+            box_q[i] = s - t.pad_w;
+            box_p[i] = r - t.pad_h;
+          }
+          const int rest = kb_begin / t.tiles_q;
+          patch_q = kb_begin - rest * t.tiles_q;
+          patch_p = rest % t.tiles_p;
+          patch_n = rest / t.tiles_p;
+        }
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
           mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
@@ -919,20 +944,19 @@ __global__ void __launch_bounds__(kThreads, 1)
             // each 64-column block of im2col(x) (kWgradTma: dy is A, x is B; kWgradTmaT the
             // other way round).
             const PatchTiles& t = p.patch;
-            const int rest = kb / t.tiles_q;
-            const int pq0 = (kb - rest * t.tiles_q) * t.wb;
-            const int pp0 = (rest % t.tiles_p) * t.hb;
-            const int pn0 = (rest / t.tiles_p) * t.nb;
+            const int pq0 = patch_q * t.wb, pp0 = patch_p * t.hb, pn0 = patch_n * t.nb;
+            if (++patch_q == t.tiles_q) {
+              patch_q = 0;
+              if (++patch_p == t.tiles_p) {
+                patch_p = 0;
+                ++patch_n;
+              }
+            }
             const auto load_dy = [&](uint32_t dst, const CUtensorMap* map, int channel0) {
               tma_load_4d(dst, map, full_bar(stage), channel0, pq0, pp0, pn0);
             };
-            const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int block) {
-              const int rs = block / t.c_blocks;
-              const int cb = block - rs * t.c_blocks;
-              int r = rs / t.s, s = rs - r * t.s;
-              if (r >= t.r) r = s = 0;  // columns past R*S*C: any box will do, none is stored
-              tma_load_4d(dst, map, full_bar(stage), cb * 64, pq0 + s - t.pad_w, pp0 + r - t.pad_h,
-                          pn0);
+            const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int i) {
+              tma_load_4d(dst, map, full_bar(stage), box_c[i], pq0 + box_q[i], pp0 + box_p[i], pn0);
             };
             const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
             const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
@@ -941,13 +965,13 @@ __global__ void __launch_bounds__(kThreads, 1)
               if constexpr (kMode == kWgradTma) {
                 load_dy(a + half * 64 * kRowBytes, &map_a, w.tile_m * kTileM + 64 * half);
               } else {
-                load_x(a + half * 64 * kRowBytes, &map_a, w.tile_m * 2 + half);
+                load_x(a + half * 64 * kRowBytes, &map_a, half);
               }
             }
 #pragma unroll
             for (int slab = 0; slab < kTileN / 64; ++slab) {
               if constexpr (kMode == kWgradTma) {
-                load_x(b + slab * 64 * kRowBytes, &map_b, w.tile_n * (kTileN / 64) + slab);
+                load_x(b + slab * 64 * kRowBytes, &map_b, slab);
               } else {
                 load_dy(b + slab * 64 * kRowBytes, &map_b, w.tile_n * kTileN + 64 * slab);
               }

@@ -402,9 +402,18 @@ TEST(Conv2dTcTyped, WgradOrderGivesTheSameBits) {
 // channels padded to 8). dy holds multiples of 1/8 in [-4, 4] and dbias starts at multiples of
 // 1/8: every partial sum is then exact in fp32 (far below 2^21), in any order, so the result must
 // equal the exact sum bit for bit: a row summed twice or missed, or a channel mixed up, shows.
-// The product must not change: dw is compared bit for bit with a run without dbias.
-TEST(Conv2dTcTyped, BackwardWeightTakesTheBiasGradient) {
-  CUDP_REQUIRE_TENSOR_CORES();
+// The product must not change: dw is compared bit for bit with a run without dbias. Both with the
+// fusion switched on (detail::set_wgrad_bias_fusion) and off (the default: every shape separate).
+class BiasFusion : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    CUDP_REQUIRE_TENSOR_CORES();
+    detail::set_wgrad_bias_fusion(GetParam());
+  }
+  void TearDown() override { detail::set_wgrad_bias_fusion(false); }
+};
+
+TEST_P(BiasFusion, BackwardWeightTakesTheBiasGradient) {
   int fused = 0, separate = 0;
   for (const Conv2dShape s : {Conv2dShape{4, 28, 28, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{16, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
@@ -451,9 +460,16 @@ TEST(Conv2dTcTyped, BackwardWeightTakesTheBiasGradient) {
     EXPECT_EQ(std::memcmp(dw_got.data(), dw_want.data(), dw_got.size() * sizeof(float)), 0)
         << "the bias sums changed the weight gradient";
   }
-  EXPECT_GE(fused, 6) << "too few shapes took the fused bias gradient";
-  EXPECT_GE(separate, 3) << "too few shapes took the separate bias gradient";
+  if (GetParam()) {
+    EXPECT_GE(fused, 6) << "too few shapes took the fused bias gradient";
+    EXPECT_GE(separate, 3) << "too few shapes took the separate bias gradient";
+  } else {
+    EXPECT_EQ(fused, 0) << "the fusion is off, yet shapes took it";
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(OnOff, BiasFusion, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "fused" : "separate"; });
 
 // The typed entry points on bf16 tensors with a bf16 output, as a bf16 training step calls them.
 TEST(Conv2dTcTyped, Bf16InBf16Out) {
