@@ -833,25 +833,30 @@ void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const floa
                             float beta, cudaStream_t stream, Math math,
                             const Bf16Operands& converted, float* dbias) {
   check_converted("conv2d_backward_weight", math, converted);
-  if (math != Math::FP32) {
+  if (math == Math::BF16) {  // dy as the bf16 product reads it: the launcher takes dbias along
     detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math, converted, dbias);
     return;
   }
-  check_call("conv2d_backward_weight", shape, math);
-  CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
-  if (dbias) bias_grad(dy, dbias, int64_t(shape.n) * shape.p() * shape.q(), shape.k, 1.f, stream);
-  const GemmArgs args = gemm_args(shape, dy, x, dw, {nullptr, beta, false}, shape.k,
-                                  shape.r * shape.s * shape.c, shape.n * shape.p() * shape.q());
-  const bool vec = shape.k % 4 == 0 && shape.c % 4 == 0 && aligned16(x) && aligned16(dy);
-  // Rows are output channels: 64-row tiles for VGG's first block, and 32-wide column tiles for the
-  // first layer's 27 taps.
-  if (shape.k > 64) {
-    run_gemm<BackwardWeightPass, 128, 128>(vec, args, stream);
-  } else if (args.n > 32) {
-    run_gemm<BackwardWeightPass, 64, 128>(vec, args, stream);
+  if (math == Math::TF32) {
+    detail::conv2d_backward_weight_tc_f32(shape, x, dy, dw, beta, stream, math, converted, nullptr);
   } else {
-    run_gemm<BackwardWeightPass, 64, 32>(vec, args, stream);
+    check_call("conv2d_backward_weight", shape, math);
+    CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
+    const GemmArgs args = gemm_args(shape, dy, x, dw, {nullptr, beta, false}, shape.k,
+                                    shape.r * shape.s * shape.c, shape.n * shape.p() * shape.q());
+    const bool vec = shape.k % 4 == 0 && shape.c % 4 == 0 && aligned16(x) && aligned16(dy);
+    // Rows are output channels: 64-row tiles for VGG's first block, and 32-wide column tiles for
+    // the first layer's 27 taps.
+    if (shape.k > 64) {
+      run_gemm<BackwardWeightPass, 128, 128>(vec, args, stream);
+    } else if (args.n > 32) {
+      run_gemm<BackwardWeightPass, 64, 128>(vec, args, stream);
+    } else {
+      run_gemm<BackwardWeightPass, 64, 32>(vec, args, stream);
+    }
   }
+  // fp32 dy (FP32, TF32): the bias gradient is the reduction of dy as it is.
+  if (dbias) bias_grad(dy, dbias, int64_t(shape.n) * shape.p() * shape.q(), shape.k, 1.f, stream);
 }
 
 }  // namespace cudp::kernels

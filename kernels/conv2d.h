@@ -154,6 +154,8 @@ void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float
 void conv2d_backward_data_tc_f32(const Conv2dShape& shape, const float* dy, const float* w,
                                  float* dx, cudaStream_t stream, Math math,
                                  const Bf16Operands& converted);
+// dbias under BF16 only (the bias gradient of the bf16 dy the product reads); under TF32 the float
+// launcher reduces the fp32 dy itself.
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,
                                    float* dw, float beta, cudaStream_t stream, Math math,
                                    const Bf16Operands& converted, float* dbias);

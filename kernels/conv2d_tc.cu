@@ -200,6 +200,14 @@ int pow2_divisor(int v, int cap) {
 // of two that divides it), then as tall as P allows, then across images; for VGG's sizes (224 .. 2)
 // the patches tile the output exactly. The forward's tiles are 128-pixel patches (its rows), with
 // C in blocks of the k-block; backward-weight's k-blocks are 64-pixel patches, C in blocks of 64.
+sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block);
+
+// The output pixels backward-weight's patches of 64 cover (the product's k, with the padding of
+// patches that hang over the output's edges).
+int64_t wgrad_patch_pixels(const sm90::PatchTiles& t) {
+  return int64_t(t.tiles_q) * t.tiles_p * t.tiles_n * 64;
+}
+
 sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block) {
   sm90::PatchTiles t;
   t.wb = pow2_divisor(s.q(), pixels);
@@ -398,7 +406,7 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   if (wgrad_patch_feed(s)) {
     sm90::PatchTiles patch = patch_tiles(s, 64, 64);
     patch.split_major = g_wgrad_split_major.load();
-    const int64_t padded = int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64;
+    const int64_t padded = wgrad_patch_pixels(patch);
     CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight_tc: ", padded,
                " output pixels (with the patch padding) are too many for one product");
     p.k = static_cast<int>(padded);
@@ -809,7 +817,7 @@ bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {
   MatmulProblem t;
   t.m = s.r * s.s * s.c;
   t.n = s.k;
-  t.k = static_cast<int>(int64_t(patch.tiles_q) * patch.tiles_p * patch.tiles_n * 64);
+  t.k = static_cast<int>(wgrad_patch_pixels(patch));
   t.math = Math::BF16;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
@@ -839,10 +847,9 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
   if (math == Math::TF32) {
     CUDP_CHECK(!converted.x && !converted.dy,
                "conv2d_backward_weight: Math::TF32 takes fp32 x and dy, not bf16 copies");
+    CUDP_CHECK(dbias == nullptr,
+               "conv2d_backward_weight: TF32's bias gradient is the float launcher's reduction");
     run_backward_weight_tf32(shape, x, dy, dw, beta, stream);
-    if (dbias) {
-      bias_grad(dy, dbias, int64_t(shape.n) * shape.p() * shape.q(), shape.k, 1.f, stream);
-    }
     return;
   }
   CUDP_CHECK((x || converted.x) && (dy || converted.dy) && dw,
