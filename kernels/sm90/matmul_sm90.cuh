@@ -886,9 +886,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         // without a division: the producer is one thread issuing 4 to 6 boxes a k-block, and
         // its divisions per box and per k-block were on the critical path of every stage.
         constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
-        constexpr int kXBoxes = kMode == kWgradTma ? kTileN / 64 : 2;
+        constexpr bool kWgradShifted = kMode == kWgradShift || kMode == kWgradShiftT;
+        constexpr int kXBoxes = kMode == kWgradTma || kMode == kWgradShift ? kTileN / 64 : 2;
         [[maybe_unused]] int box_c[kXBoxes], box_q[kXBoxes], box_p[kXBoxes];
         [[maybe_unused]] int patch_q = 0, patch_p = 0, patch_n = 0;
+        if constexpr (kWgradShifted) {
+          // TF32's shifted copies: slab i's rows (copy s, channel block cb) and its shift along
+          // the grid (r rows of it), once per item.
+          const PatchTiles& t = p.patch;
+#pragma unroll
+          for (int i = 0; i < kXBoxes; ++i) {
+            const int block = kMode == kWgradShift ? w.tile_n * kXBoxes + i : w.tile_m * 2 + i;
+            const int rs = block / t.c_blocks;
+            const int cb = block - rs * t.c_blocks;
+            int r = rs / t.s, s = rs - r * t.s;
+            if (r >= t.r) r = s = 0;  // slabs past R*S*C: any box will do, none is stored
+            box_c[i] = (s * t.c_blocks + cb) * 64;
+            box_q[i] = r * t.grid_w;
+          }
+        }
         if constexpr (kWgradPatch) {
           const PatchTiles& t = p.patch;
 #pragma unroll
@@ -915,14 +931,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             // (TMA faults on a box whose first element is not 16-byte aligned: the shifts along
             // the innermost dimension stay multiples of 4 floats.) Slabs past R*S*C load any box
             // (tap 0); none of it is stored.
-            const PatchTiles& t = p.patch;
             const int k0 = kb * Cfg::kBlockK;
-            const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int block) {
-              const int rs = block / t.c_blocks;
-              const int cb = block - rs * t.c_blocks;
-              int r = rs / t.s, s = rs - r * t.s;
-              if (r >= t.r) r = s = 0;
-              tma_load_2d(dst, map, full_bar(stage), k0 + r * t.grid_w, (s * t.c_blocks + cb) * 64);
+            const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int i) {
+              tma_load_2d(dst, map, full_bar(stage), k0 + box_q[i], box_c[i]);
             };
             const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
             const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
@@ -930,12 +941,12 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_load_2d(a, &map_a, full_bar(stage), k0, w.tile_m * kTileM);
 #pragma unroll
               for (int slab = 0; slab < kTileN / 64; ++slab) {
-                load_x(b + slab * 64 * kRowBytes, &map_b, w.tile_n * (kTileN / 64) + slab);
+                load_x(b + slab * 64 * kRowBytes, &map_b, slab);
               }
             } else {
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
-                load_x(a + half * 64 * kRowBytes, &map_a, w.tile_m * 2 + half);
+                load_x(a + half * 64 * kRowBytes, &map_a, half);
               }
               tma_load_2d(b, &map_b, full_bar(stage), k0, w.tile_n * kTileN);
             }
