@@ -603,7 +603,17 @@ int main(int argc, char** argv) {
          "(the default), separate (the reduction a training step runs) or fused (bf16 patch "
          "feed: from the dy tiles the product loads); cuDNN's rows stay the product alone")
       ->check(CLI::IsMember({"none", "separate", "fused"}));
+  std::string tf32_wgrad = "auto";
+  app.add_option("--tf32-wgrad", tf32_wgrad,
+                 "TF32 backward-weight of stride-1 layers: auto (the default: the faster for the "
+                 "shape), boxes (TMA boxes transposed in shared memory) or copies (K-major copies "
+                 "of x and dy first)")
+      ->check(CLI::IsMember({"auto", "boxes", "copies"}));
   CLI11_PARSE(app, argc, argv);
+  using cudp::kernels::detail::Tf32WgradFeed;
+  cudp::kernels::detail::set_tf32_wgrad_feed(tf32_wgrad == "boxes"    ? Tf32WgradFeed::boxes
+                                             : tf32_wgrad == "copies" ? Tf32WgradFeed::copies
+                                                                      : Tf32WgradFeed::automatic);
   const bool bias_grad = bias_grad_text != "none";
   cudp::kernels::detail::set_wgrad_bias_fusion(bias_grad_text == "fused");
   cudp::kernels::detail::set_wgrad_split_major(wgrad_order == "split");

@@ -188,6 +188,7 @@ std::atomic<bool> g_wgrad_split_major{true};
 // Off by default, by measurement (bench/NOTES-tensor-cores.md): the bias sums in the producer's
 // spare warps slow the backward-weight down by more than the separate reduction costs.
 std::atomic<bool> g_wgrad_bias_fusion{false};
+std::atomic<detail::Tf32WgradFeed> g_tf32_wgrad_feed{detail::Tf32WgradFeed::automatic};
 
 // The largest power of two that divides v, at most `cap`.
 int pow2_divisor(int v, int cap) {
@@ -202,10 +203,10 @@ int pow2_divisor(int v, int cap) {
 // C in blocks of the k-block; backward-weight's k-blocks are 64-pixel patches, C in blocks of 64.
 sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block);
 
-// The output pixels backward-weight's patches of 64 cover (the product's k, with the padding of
-// patches that hang over the output's edges).
+// The output pixels backward-weight's patches (of 64 pixels, or 32 in TF32) cover (the product's k,
+// with the padding of patches that hang over the output's edges).
 int64_t wgrad_patch_pixels(const sm90::PatchTiles& t) {
-  return int64_t(t.tiles_q) * t.tiles_p * t.tiles_n * 64;
+  return int64_t(t.tiles_q) * t.tiles_p * t.tiles_n * t.wb * t.hb * t.nb;
 }
 
 sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block) {
@@ -607,6 +608,61 @@ void k_major_copy(const KMajorCopy& a, cudaStream_t stream) {
   launch("k_major_copy_kernel", k_major_copy_kernel, grid, dim3(32, 8), 0, stream, a);
 }
 
+// Whether the TF32 backward-weight of `s` reads x and dy by patch boxes transposed in shared
+// memory (kWgradTma / kWgradTmaT with fp32 operands) rather than through K-major copies: stride 1,
+// C a multiple of the 32-channel box, 16-byte rows of dy (K a multiple of 4) and 16-byte aligned
+// tensors, unless the setting asks for the copies.
+bool tf32_wgrad_boxes(const Conv2dShape& s, const float* x, const float* dy) {
+  const detail::Tf32WgradFeed feed = g_tf32_wgrad_feed.load();
+  return feed != detail::Tf32WgradFeed::copies && g_feed.load() != detail::ConvFeed::gather &&
+         s.stride_h == 1 && s.stride_w == 1 && s.c % 32 == 0 && s.k % 4 == 0 && aligned16(x) &&
+         aligned16(dy);
+}
+
+// dw = beta*dw + dy^T im2col(x) in TF32 by patch boxes (tf32_wgrad_boxes): k-blocks of 32 output
+// pixels, x in boxes of 32 channels of one tap; dw^T for 64 or fewer output channels, as bf16.
+void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const float* dy,
+                                    float* dw, float beta, cudaStream_t stream) {
+  sm90::PatchTiles patch = patch_tiles(s, 32, 32);
+  patch.split_major = g_wgrad_split_major.load();
+  const int64_t padded = wgrad_patch_pixels(patch);
+  CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight (TF32): ", padded,
+             " output pixels (with the patch padding) are too many for one product");
+  const sm90::ConvGather gather{x,   s.n, s.h,        s.w,        s.c,     s.p(),  s.q(),
+                                s.r, s.s, s.stride_h, s.stride_w, s.pad_h, s.pad_w};
+  MatmulProblem p;
+  p.math = Math::TF32;
+  p.k = static_cast<int>(padded);
+  p.c_type = DType::F32;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int rsc = s.r * s.s * s.c;
+  if (s.k > 64) {
+    p.m = s.k;
+    p.n = rsc;
+    p.a = dy;
+    p.lda = s.k;
+    p.c = dw;
+    p.ldc = rsc;
+    p.beta = beta;
+    detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
+                         &patch);
+    return;
+  }
+  p.m = rsc;
+  p.n = s.k;
+  p.b = dy;
+  p.ldb = s.k;
+  Workspace transposed(size_t(p.m) * size_t(p.n) * sizeof(float), stream,
+                       "backward-weight's dw^T before its transpose (TF32)");
+  p.c = transposed.get();
+  p.ldc = p.n;
+  detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTmaT, &patch);
+  const int64_t total = int64_t(s.k) * rsc;
+  launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
+         stream, transposed.get(), s.k, rsc, beta, dw);
+}
+
 // dw (K x R*S*C) = beta*dw + the product's result, fp32 x and dy, TF32 products.
 void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float* dy, float* dw,
                               float beta, cudaStream_t stream) {
@@ -615,6 +671,10 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
   // (kernels/conv2d_narrow.cu).
   if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_wgrad_tf32_applies(s, dy)) {
     detail::conv2d_backward_weight_narrow_tf32(s, x, dy, dw, beta, stream);
+    return;
+  }
+  if (tf32_wgrad_boxes(s, x, dy)) {
+    run_backward_weight_tf32_boxes(s, x, dy, dw, beta, stream);
     return;
   }
   const bool shift = s.stride_h == 1 && s.stride_w == 1 && s.c % 64 == 0;
@@ -807,6 +867,10 @@ void set_wgrad_split_major(bool split_major) {
 
 void set_wgrad_bias_fusion(bool on) {
   g_wgrad_bias_fusion.store(on);
+}
+
+void set_tf32_wgrad_feed(Tf32WgradFeed feed) {
+  g_tf32_wgrad_feed.store(feed);
 }
 
 bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {

@@ -319,18 +319,25 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
          : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
   } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
              feed == Feed::WgradTmaT) {
-    CUDP_CHECK(bf16 && conv != nullptr, "backward-weight on tensor cores needs bf16 operands");
     const bool tma = feed == Feed::WgradTma || feed == Feed::WgradTmaT;
+    CUDP_CHECK(conv != nullptr && (bf16 || tma),
+               "backward-weight on tensor cores gathers bf16 operands only (TF32: the patch feed)");
     CUDP_CHECK(!tma || patch != nullptr, "conv: the patch feed of backward-weight needs its tiling");
     CUDP_CHECK(p.bias_grad == nullptr || tma,
                "conv: the bias gradient is fused into backward-weight's patch feed only");
-    const int channels = feed == Feed::WgradTmaT ? p.n : p.m;  // K
-    Workspace bias_partials(p.bias_grad ? size_t(plan.splits) * channels * sizeof(float) : 0,
-                            stream, "backward-weight's partial bias gradients");
-    sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt, tma ? patch : nullptr,
-                          feed == Feed::WgradTmaT, bias_partials.get());
-    if (p.bias_grad) {
-      bias_grad_from_partials(bias_partials.get(), p.bias_grad, plan.splits, channels, 1.f, stream);
+    if (!bf16) {
+      CUDP_CHECK(p.bias_grad == nullptr, "conv: the TF32 backward-weight takes no bias gradient");
+      sm90::conv_wgrad_tf32_patch(p, *conv, *patch, plan, ws, stream, feed == Feed::WgradTmaT);
+    } else {
+      const int channels = feed == Feed::WgradTmaT ? p.n : p.m;  // K
+      Workspace bias_partials(p.bias_grad ? size_t(plan.splits) * channels * sizeof(float) : 0,
+                              stream, "backward-weight's partial bias gradients");
+      sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt,
+                            tma ? patch : nullptr, feed == Feed::WgradTmaT, bias_partials.get());
+      if (p.bias_grad) {
+        bias_grad_from_partials(bias_partials.get(), p.bias_grad, plan.splits, channels, 1.f,
+                                stream);
+      }
     }
   } else if (feed == Feed::WgradShift || feed == Feed::WgradShiftT) {
     CUDP_CHECK(p.bias_grad == nullptr,

@@ -720,6 +720,83 @@ struct WgradGather {
   }
 };
 
+// TF32 backward-weight by patch boxes (kWgradTma / kWgradTmaT with fp32 operands): TF32 wgmma reads
+// K-major operands only, but a TMA box of an NHWC tensor over a patch of 32 output pixels lands
+// MN-major: 32 rows (pixels) of 128 bytes (32 channels), 128-byte swizzled (16-byte chunk cc of row
+// p at chunk cc ^ (p & 7)). The K-major layout the consumers read is the same 4 KiB square with the
+// roles swapped: row m (a channel) holds the 32 pixels, chunk pg (pixels 4pg..4pg+3) at pg ^ (m &
+// 7). So the box is transposed in place as 8 x 8 blocks of 4 pixels x 4 channels: block (pg, cc) of
+// the box (rows 4pg + i, chunk cc) becomes block (cc, pg) (rows 4cc + j, chunk pg), each a 4 x 4
+// transpose in registers. One warp owns a box: it loads all 64 blocks (lane l the blocks pg = l %
+// 8, cc = (pg + l / 8 + 4u) % 8 for u = 0, 1: 8 ld.shared.v4 a lane), then, after __syncwarp,
+// stores them transposed. Each quarter warp of one instruction reads and writes 8 different chunk
+// positions of 8 rows: no bank conflicts on either side (every diagonal pg - cc of the 8 x 8
+// blocks has that property under the 128-byte swizzle; checked exhaustively).
+__device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
+  const int lane = threadIdx.x % 32;
+  const int pg = lane & 7;
+  uint32_t v[2][4][4];  // [block][pixel i][channel j]
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int cc = (pg + (lane >> 3) + 4 * u) & 7;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 4 * pg + i;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v[u][i][0]), "=r"(v[u][i][1]), "=r"(v[u][i][2]), "=r"(v[u][i][3])
+                   : "r"(box + row * kRowBytes + ((cc ^ (row & 7)) << 4))
+                   : "memory");
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int cc = (pg + (lane >> 3) + 4 * u) & 7;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = 4 * cc + j;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(box + row * kRowBytes +
+                                                                    ((pg ^ (row & 7)) << 4)),
+                   "r"(v[u][0][j]), "r"(v[u][1][j]), "r"(v[u][2][j]), "r"(v[u][3][j])
+                   : "memory");
+    }
+  }
+}
+
+// The transposing warps of the TF32 patch feed (warps 1..3 of the producer warpgroup): they follow
+// the stages in the producer's order, wait for a stage's boxes to land (its "loaded" barrier: the
+// TMA's transaction bytes), transpose the stage's kBoxes boxes in place (box b by warp 1 + b % 3),
+// and arrive on the stage's "full" barrier (one arrival per thread, after a proxy fence: the
+// consumers' wgmma reads through the async proxy what these threads wrote through the generic one).
+template <int kStages, int kBoxesA, int kBoxesB, int kStageBytesA, int kStageBytesB>
+__device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32_t stages_a,
+                                                 uint32_t stages_b, uint32_t loaded,
+                                                 uint32_t full) {
+  const int warp = int(threadIdx.x) / 32 - 1;  // 0..2
+  const int work_items = p.tiles_m * p.tiles_n * p.splits;
+  int stage = 0, phase = 0;
+  for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+    const WorkItem w = work_item(p, index);
+    const int kb_begin = w.split * p.k_blocks_per_split;
+    const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+      mbar_wait(loaded + 8 * stage, phase);
+#pragma unroll
+      for (int b = warp; b < kBoxesA + kBoxesB; b += 3) {
+        transpose_box_in_place(b < kBoxesA ? stages_a + stage * kStageBytesA + b * 32 * kRowBytes
+                                           : stages_b + stage * kStageBytesB +
+                                                 (b - kBoxesA) * 32 * kRowBytes);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      mbar_arrive(full + 8 * stage);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
 // MN-major descriptors of backward-weight: 8-row groups along k are 1024 bytes apart and 64-wide
 // slabs along m/n 8 KiB apart. Which of the descriptor's two offsets holds which stride for
 // MN-major operands is the question kWgradAlt answers on the device (the tests run both).
@@ -737,8 +814,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Cfg = Config<Elem, kTileN, kResidentB>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
+  constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
+  // TF32 backward-weight by patch boxes: the boxes land MN-major and the producer's warps 1..3
+  // transpose them in place to the K-major layout TF32 wgmma reads (transpose_stages).
+  constexpr bool kTransposes = kWgradPatch && std::is_same_v<Elem, float>;
   constexpr bool kWgradMode =  // both operands MN-major
-      kWgradGather || kMode == kWgradTma || kMode == kWgradTmaT || kMode == kGemmTT;
+      kWgradGather || (kWgradPatch && !kTransposes) || kMode == kGemmTT;
   constexpr bool kGathers = kConv || kWgradGather;
   // The ping-pong schedule (forward and backward-data tiles up to 128 wide, whose short reductions
   // leave the epilogue a large share of a tile's time): each consumer warpgroup takes whole tiles,
@@ -763,11 +844,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full_bar = [&](int s) { return bars + 8 * s; };
   auto empty_bar = [&](int s) { return bars + 8 * (Cfg::kStages + s); };
   const uint32_t resident_bar = bars + 16 * Cfg::kStages;
-  const bool bias_sums = (kMode == kWgradTma || kMode == kWgradTmaT) && p.bias_partials != nullptr;
+  // kTransposes: loaded[s], where the TMA completes its bytes before the transposing warps take
+  // the stage (they then arrive on full[s]).
+  const uint32_t loaded_bars = resident_bar + 8;
+  static_assert(!kTransposes || 24 * Cfg::kStages + 8 <= Cfg::kScratchOffset,
+                "the barriers overrun the scratch");
+  auto load_bar = [&](int s) { return kTransposes ? loaded_bars + 8 * s : full_bar(s); };
+  const bool bias_sums = kWgradPatch && !kTransposes && p.bias_partials != nullptr;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      mbar_init(full_bar(s), kGathers ? 1 + 128 : 1);  // + a cp.async arrival per producer thread
+      // + a cp.async arrival per producer thread, or one per transposing thread
+      mbar_init(full_bar(s), kGathers ? 1 + 128 : kTransposes ? 96 : 1);
+      if constexpr (kTransposes) mbar_init(loaded_bars + 8 * s, 1);
       // One arrival per warp of the warpgroups that read the stage (both, or one in ping-pong),
       // and one per bias-sum warp.
       mbar_init(empty_bar(s), (kPingPong ? 4 : kConsumers * 4) + (bias_sums ? 2 : 0));
@@ -838,7 +927,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if constexpr (kTransposes) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
+    } else {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    }
+    if constexpr (kTransposes) {
+      if (threadIdx.x >= 32) {
+        transpose_stages<Cfg::kStages, kTileM / Cfg::kBlockK, kTileN / Cfg::kBlockK,
+                         Cfg::kStageBytesA, Cfg::kStageBytesB>(p, stages_a, stages_b, load_bar(0),
+                                                               full_bar(0));
+      }
+    }
     if (threadIdx.x == 0) {
       // k-block kb of a kConvTma / kConvTmaBT B for tile column tile_n (kConvTmaBT: the filters'
       // rows cb of tap R*S-1-rs, as kTileN / 64 MN-major boxes).
@@ -885,9 +985,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         // channel block and tap: fixed for the item), and the patch of the k-block, advanced
         // without a division: the producer is one thread issuing 4 to 6 boxes a k-block, and
         // its divisions per box and per k-block were on the critical path of every stage.
-        constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
+        // A box of x is kBox channels (one k-block row of 128 bytes) of one tap: 64 bf16 or 32
+        // fp32 over the patch (the TF32 shifted copies' slabs: 64 rows of x^T).
         constexpr bool kWgradShifted = kMode == kWgradShift || kMode == kWgradShiftT;
-        constexpr int kXBoxes = kMode == kWgradTma || kMode == kWgradShift ? kTileN / 64 : 2;
+        constexpr int kBox = kWgradPatch ? Cfg::kBlockK : 64;
+        constexpr int kXBoxes =
+            kMode == kWgradTma || kMode == kWgradShift ? kTileN / kBox : kTileM / kBox;
         [[maybe_unused]] int box_c[kXBoxes], box_q[kXBoxes], box_p[kXBoxes];
         [[maybe_unused]] int patch_q = 0, patch_p = 0, patch_n = 0;
         if constexpr (kWgradShifted) {
@@ -896,7 +999,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const PatchTiles& t = p.patch;
 #pragma unroll
           for (int i = 0; i < kXBoxes; ++i) {
-            const int block = kMode == kWgradShift ? w.tile_n * kXBoxes + i : w.tile_m * 2 + i;
+            const int block = (kMode == kWgradShift ? w.tile_n : w.tile_m) * kXBoxes + i;
             const int rs = block / t.c_blocks;
             const int cb = block - rs * t.c_blocks;
             int r = rs / t.s, s = rs - r * t.s;
@@ -909,11 +1012,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           const PatchTiles& t = p.patch;
 #pragma unroll
           for (int i = 0; i < kXBoxes; ++i) {
-            const int block = kMode == kWgradTma ? w.tile_n * kXBoxes + i : w.tile_m * 2 + i;
+            const int block = (kMode == kWgradTma ? w.tile_n : w.tile_m) * kXBoxes + i;
             const int rs = block / t.c_blocks;
             int r = rs / t.s, s = rs - r * t.s;
             if (r >= t.r) r = s = 0;  // columns past R*S*C: any box will do, none is stored
-            box_c[i] = (block - rs * t.c_blocks) * 64;
+            box_c[i] = (block - rs * t.c_blocks) * kBox;
             box_q[i] = s - t.pad_w;
             box_p[i] = r - t.pad_h;
           }
@@ -924,7 +1027,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
-          mbar_expect_tx(full_bar(stage), Cfg::kStageBytes);
+          mbar_expect_tx(load_bar(stage), Cfg::kStageBytes);
           if constexpr (kMode == kWgradShift || kMode == kWgradShiftT) {
             // Slab `block`: tap (r, s) of 64 channels, from x^T's rows of filter column s (each
             // copy already shifted by s) at this k-block's grid columns plus r rows of the grid.
@@ -964,27 +1067,27 @@ __global__ void __launch_bounds__(kThreads, 1)
               }
             }
             const auto load_dy = [&](uint32_t dst, const CUtensorMap* map, int channel0) {
-              tma_load_4d(dst, map, full_bar(stage), channel0, pq0, pp0, pn0);
+              tma_load_4d(dst, map, load_bar(stage), channel0, pq0, pp0, pn0);
             };
             const auto load_x = [&](uint32_t dst, const CUtensorMap* map, int i) {
-              tma_load_4d(dst, map, full_bar(stage), box_c[i], pq0 + box_q[i], pp0 + box_p[i], pn0);
+              tma_load_4d(dst, map, load_bar(stage), box_c[i], pq0 + box_q[i], pp0 + box_p[i], pn0);
             };
             const uint32_t a = stages_a + stage * Cfg::kStageBytesA;
             const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
+            for (int i = 0; i < kTileM / kBox; ++i) {
               if constexpr (kMode == kWgradTma) {
-                load_dy(a + half * 64 * kRowBytes, &map_a, w.tile_m * kTileM + 64 * half);
+                load_dy(a + i * kBox * kRowBytes, &map_a, w.tile_m * kTileM + kBox * i);
               } else {
-                load_x(a + half * 64 * kRowBytes, &map_a, half);
+                load_x(a + i * kBox * kRowBytes, &map_a, i);
               }
             }
 #pragma unroll
-            for (int slab = 0; slab < kTileN / 64; ++slab) {
+            for (int i = 0; i < kTileN / kBox; ++i) {
               if constexpr (kMode == kWgradTma) {
-                load_x(b + slab * 64 * kRowBytes, &map_b, slab);
+                load_x(b + i * kBox * kRowBytes, &map_b, i);
               } else {
-                load_dy(b + slab * 64 * kRowBytes, &map_b, w.tile_n * kTileN + 64 * slab);
+                load_dy(b + i * kBox * kRowBytes, &map_b, w.tile_n * kTileN + kBox * i);
               }
             }
           } else if constexpr (kConvPatch) {
@@ -1026,7 +1129,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     // (dw^T tiles wider than 128 channels do not take the bias sums: launch_mainloop refuses.)
-    if constexpr (kMode == kWgradTma || (kMode == kWgradTmaT && kTileN <= 128)) {
+    if constexpr (!kTransposes && (kMode == kWgradTma || (kMode == kWgradTmaT && kTileN <= 128))) {
       if (bias_sums && threadIdx.x >= 64) {
         wgrad_bias_sums<kMode, kTileN, Cfg::kStages,
                         kMode == kWgradTma ? Cfg::kStageBytesA : Cfg::kStageBytesB>(
@@ -1035,7 +1138,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    if constexpr (kGathers) {
+    if constexpr (kGathers || kTransposes) {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -1126,8 +1229,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         int previous = -1;
         for (int kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(full_bar(stage), phase);
-          // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
-          if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          // A was written by cp.async or the transposing warps (the generic proxy); wgmma reads
+          // through the async proxy.
+          if constexpr (kGathers || kTransposes) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          }
           const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
           const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
           wgmma_fence();
@@ -1295,6 +1401,11 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       return run(&matmul_kernel<Elem, kTileN, kConvTmaBT>, *conv), check_launch();
   }
   if constexpr (!kBf16) {
+    CUDP_CHECK(bias_partials == nullptr, "matmul: the TF32 backward-weight takes no bias sums");
+    if (mode == kWgradTma)
+      return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
+    if (mode == kWgradTmaT)
+      return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
     if (mode == kWgradShift)
       return run(&matmul_kernel<Elem, kTileN, kWgradShift>, ConvGather{}), check_launch();
     if (mode == kWgradShiftT)

@@ -89,5 +89,11 @@ void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const
 // problem.b = dy^T, m = R*S*C', n = K). problem.k is the grid's length.
 void conv_wgrad_tf32(const MatmulProblem& problem, const PatchTiles& patch, const MatmulPlan& plan,
                      float* workspace, cudaStream_t stream, bool transposed);
+// Backward-weight in TF32 by patch boxes (kWgradTma / kWgradTmaT with fp32 operands): as
+// conv_wgrad_bf16's patch feed, over patches of 32 output pixels and boxes of 32 channels, each box
+// transposed in place in shared memory to the K-major layout TF32 wgmma reads; no copies.
+void conv_wgrad_tf32_patch(const MatmulProblem& problem, const ConvGather& conv,
+                           const PatchTiles& patch, const MatmulPlan& plan, float* workspace,
+                           cudaStream_t stream, bool transposed);
 
 }  // namespace cudp::kernels::sm90

@@ -50,4 +50,20 @@ void conv_wgrad_tf32(const MatmulProblem& problem, const PatchTiles& patch, cons
   }
 }
 
+void conv_wgrad_tf32_patch(const MatmulProblem& problem, const ConvGather& conv,
+                           const PatchTiles& patch, const MatmulPlan& plan, float* workspace,
+                           cudaStream_t stream, bool transposed) {
+  const int mode = transposed ? kWgradTmaT : kWgradTma;
+  switch (plan.tile_n) {
+    case 64:
+      return launch_mainloop<float, 64>(problem, plan, workspace, stream, &conv, mode, &patch);
+    case 128:
+      return launch_mainloop<float, 128>(problem, plan, workspace, stream, &conv, mode, &patch);
+    case 256:
+      return launch_mainloop<float, 256>(problem, plan, workspace, stream, &conv, mode, &patch);
+    default:
+      CUDP_CHECK(false, "conv: no tf32 kernel with tile width ", plan.tile_n);
+  }
+}
+
 }  // namespace cudp::kernels::sm90

@@ -565,6 +565,39 @@ TEST_P(Conv2dTcGpu, BackwardWeight) {
   check_backward_weight(c.shape, math, 1.f, std::string("backward-weight beta 1 ") + c.name);
 }
 
+// The TF32 backward-weight of stride-1 layers both ways (detail::set_tf32_wgrad_feed): TMA boxes
+// over patches of 32 output pixels transposed in shared memory (kWgradTma / kWgradTmaT on fp32),
+// and the K-major copies of x and dy; every case with C a multiple of 32 and K of 4 (dw and dw^T,
+// patches over the output's edges, 1x1 and 5x5 filters, VGG's channel progression), each against
+// the double-precision reference within the TF32 bound, bitwise deterministic, beta 0 and 1.
+class Tf32WgradFeeds : public ::testing::TestWithParam<detail::Tf32WgradFeed> {
+ protected:
+  void SetUp() override {
+    CUDP_REQUIRE_TENSOR_CORES();
+    detail::set_tf32_wgrad_feed(GetParam());
+  }
+  void TearDown() override { detail::set_tf32_wgrad_feed(detail::Tf32WgradFeed::automatic); }
+};
+
+TEST_P(Tf32WgradFeeds, BackwardWeight) {
+  int ran = 0;
+  for (const Case& c : kCases) {
+    const Conv2dShape& s = c.shape;
+    if (s.stride_h != 1 || s.stride_w != 1 || s.c % 32 != 0 || s.k % 4 != 0) continue;
+    ++ran;
+    check_backward_weight(s, Math::TF32, 0.f, std::string("backward-weight ") + c.name);
+    check_backward_weight(s, Math::TF32, 1.f, std::string("backward-weight beta 1 ") + c.name);
+  }
+  EXPECT_GE(ran, 10) << "too few shapes take the TF32 patch boxes";
+}
+
+INSTANTIATE_TEST_SUITE_P(BoxesAndCopies, Tf32WgradFeeds,
+                         ::testing::Values(detail::Tf32WgradFeed::boxes,
+                                           detail::Tf32WgradFeed::copies),
+                         [](const auto& info) {
+                           return info.param == detail::Tf32WgradFeed::boxes ? "boxes" : "copies";
+                         });
+
 // Operands converted by the caller (Bf16Operands, what Conv2d passes under bf16) give bit for bit
 // what the launchers give when they convert: forward, backward-data and backward-weight, with
 // C = 3 (padded to 8) and with channels that need no padding; and the float pointers are then not
