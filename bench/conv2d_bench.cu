@@ -605,8 +605,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "separate", "fused"}));
   std::string tf32_wgrad = "auto";
   app.add_option("--tf32-wgrad", tf32_wgrad,
-                 "TF32 backward-weight of stride-1 layers: auto (the default: the faster for the "
-                 "shape), boxes (TMA boxes transposed in shared memory) or copies (K-major copies "
+                 "TF32 backward-weight of stride-1 layers: auto (the default: boxes where they "
+                 "apply), boxes (TMA boxes transposed in shared memory) or copies (K-major copies "
                  "of x and dy first)")
       ->check(CLI::IsMember({"auto", "boxes", "copies"}));
   CLI11_PARSE(app, argc, argv);

@@ -190,8 +190,9 @@ void set_wgrad_split_major(bool split_major);
 // How the TF32 backward-weight of stride-1 layers (C a multiple of 32) reads its operands: `boxes`
 // (TMA boxes over patches of output pixels, transposed in shared memory to the K-major layout TF32
 // wgmma needs), `copies` (K-major copies of x and dy written first, then read by TMA), or
-// `automatic` (the default: the faster of the two for the shape, by measurement). For the tests,
-// which run both, and bench_conv2d --tf32-wgrad.
+// `automatic` (the default: the boxes wherever they apply, the faster on every VGG-16 layer
+// measured; bench/NOTES-tensor-cores.md). For the tests, which run both, and bench_conv2d
+// --tf32-wgrad.
 enum class Tf32WgradFeed { automatic, boxes, copies };
 void set_tf32_wgrad_feed(Tf32WgradFeed feed);
 }  // namespace detail

@@ -462,8 +462,13 @@ __global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t 
 // ---- Backward-weight in TF32 ----------------------------------------------------------------
 //
 // TF32 wgmma reads only K-major operands, and backward-weight's reduction runs over output pixels,
-// the rows of both NHWC tensors (MN-major). So both go through K-major fp32 copies first, laid out
-// on one pixel grid of n x GH x GW positions (column j = (n * GH + hh) * GW + ww):
+// the rows of both NHWC tensors (MN-major). Stride-1 layers with C a multiple of 32 (every VGG
+// layer but the first) take the patch boxes of the bf16 path, 32 pixels x 32 channels of fp32,
+// which the kernel transposes in shared memory (kernels/sm90/matmul_sm90.cuh,
+// transpose_box_in_place): run_backward_weight_tf32_boxes, the faster on every VGG-16 layer
+// (bench/NOTES-tensor-cores.md). Elsewhere, or with detail::set_tf32_wgrad_feed(copies), both
+// operands go through K-major fp32 copies first, laid out on one pixel grid of n x GH x GW
+// positions (column j = (n * GH + hh) * GW + ww):
 //   dy^T[k][j] = dy[n][hh][ww][k] where (hh, ww) is an output pixel, else 0;
 //   stride 1, C a multiple of 64 (every VGG layer but the first): the grid is the zero-padded
 //     input, GH = H + 2 pad_h, GW = W + 2 pad_w rounded up to a multiple of 4, and x^T holds S

@@ -162,7 +162,11 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           that hang over the output's edge read zeros of dy there, so they add nothing.
 //   kWgradTmaT the same with the roles swapped, for layers of 64 or fewer output channels (a
 //           128-row tile of them would be half empty): A = im2col(x)^T, B = dy^T, C = dw^T.
-//   kWgradShift backward-weight in TF32, whose wgmma reads K-major operands only: the reduction
+//           With fp32 operands (TF32) both modes take patches of 32 pixels and boxes of 32
+//           channels, and the producer's warps 1-3 transpose each landed box in place to the
+//           K-major layout TF32 wgmma reads (transpose_stages); the consumers are kGemm's.
+//   kWgradShift backward-weight in TF32 on K-major copies (layers the boxes do not take), whose
+//   wgmma reads K-major operands only: the reduction
 //           runs along K-major fp32 copies of dy (dy^T, K rows) and x (x^T, C rows), both laid out
 //           on one zero-padded pixel grid (kernels/conv2d_tc.cu), where tap (r, s) of a filter is a
 //           shift of r * grid_w + s along the grid. x^T holds S copies of x, copy s already
