@@ -195,6 +195,9 @@ void set_wgrad_split_major(bool split_major);
 // --tf32-wgrad.
 enum class Tf32WgradFeed { automatic, boxes, copies };
 void set_tf32_wgrad_feed(Tf32WgradFeed feed);
+// Whether the TF32 backward-weight of `shape` takes the boxes under the current settings (for
+// 16-byte aligned tensors): for the tests that must know which kernel ran.
+bool conv2d_backward_weight_tf32_boxes(const Conv2dShape& shape);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -197,10 +197,11 @@ int pow2_divisor(int v, int cap) {
   return d;
 }
 
-// Output pixels as patches of wb x hb x nb = `pixels` (a power of two): as wide as Q allows (a power
-// of two that divides it), then as tall as P allows, then across images; for VGG's sizes (224 .. 2)
-// the patches tile the output exactly. The forward's tiles are 128-pixel patches (its rows), with
-// C in blocks of the k-block; backward-weight's k-blocks are 64-pixel patches, C in blocks of 64.
+// Output pixels as patches of wb x hb x nb = `pixels` (a power of two): as wide as Q allows (a
+// power of two that divides it), then as tall as P allows, then across images; for VGG's sizes (224
+// .. 2) the patches tile the output exactly. The forward's tiles are 128-pixel patches (its rows),
+// with C in blocks of the k-block; backward-weight's k-blocks are 64-pixel patches with C in blocks
+// of 64 (bf16), or 32-pixel patches with C in blocks of 32 (TF32).
 sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block);
 
 // The output pixels backward-weight's patches (of 64 pixels, or 32 in TF32) cover (the product's k,
@@ -625,14 +626,16 @@ bool tf32_wgrad_boxes(const Conv2dShape& s, const float* x, const float* dy) {
 }
 
 // dw = beta*dw + dy^T im2col(x) in TF32 by patch boxes (tf32_wgrad_boxes): k-blocks of 32 output
-// pixels, x in boxes of 32 channels of one tap; dw^T for 64 or fewer output channels, as bf16.
+// pixels, x in boxes of 32 channels of one tap; dw^T for 64 or fewer output channels, as the bf16
+// path does.
 void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const float* dy,
                                     float* dw, float beta, cudaStream_t stream) {
   sm90::PatchTiles patch = patch_tiles(s, 32, 32);
   patch.split_major = g_wgrad_split_major.load();
   const int64_t padded = wgrad_patch_pixels(patch);
   CUDP_CHECK(padded <= std::numeric_limits<int>::max(), "conv2d_backward_weight (TF32): ", padded,
-             " output pixels (with the patch padding) are too many for one product");
+             " output pixels (with the patch padding) are too many for one product; split the "
+             "batch");
   const sm90::ConvGather gather{x,   s.n, s.h,        s.w,        s.c,     s.p(),  s.q(),
                                 s.r, s.s, s.stride_h, s.stride_w, s.pad_h, s.pad_w};
   MatmulProblem p;
@@ -876,6 +879,11 @@ void set_wgrad_bias_fusion(bool on) {
 
 void set_tf32_wgrad_feed(Tf32WgradFeed feed) {
   g_tf32_wgrad_feed.store(feed);
+}
+
+bool conv2d_backward_weight_tf32_boxes(const Conv2dShape& shape) {
+  alignas(16) static const float aligned = 0.f;  // stands for 16-byte aligned tensors
+  return !narrow_wgrad_tf32_applies(shape, &aligned) && tf32_wgrad_boxes(shape, &aligned, &aligned);
 }
 
 bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {

@@ -320,8 +320,10 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
              feed == Feed::WgradTmaT) {
     const bool tma = feed == Feed::WgradTma || feed == Feed::WgradTmaT;
-    CUDP_CHECK(conv != nullptr && (bf16 || tma),
-               "backward-weight on tensor cores gathers bf16 operands only (TF32: the patch feed)");
+    CUDP_CHECK(conv != nullptr, "conv: backward-weight's feed needs its convolution (ConvGather)");
+    CUDP_CHECK(bf16 || tma,
+               "conv: backward-weight's gather feed (Wgrad, WgradAlt) takes bf16 operands only; "
+               "TF32 runs on the patch feed (WgradTma, WgradTmaT) or the copies (WgradShift)");
     CUDP_CHECK(!tma || patch != nullptr, "conv: the patch feed of backward-weight needs its tiling");
     CUDP_CHECK(p.bias_grad == nullptr || tma,
                "conv: the bias gradient is fused into backward-weight's patch feed only");

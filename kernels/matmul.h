@@ -54,7 +54,7 @@ struct MatmulProblem {
   // Or null: C's layout and type; where it is <= 0 the stored value is 0 (the backward of a ReLU
   // whose output is `mask`, fused into backward-data). Only with beta 0, no bias and no ReLU.
   const void* mask = nullptr;
-  // Backward-weight on the patch feed only (detail::Feed::WgradTma / WgradTmaT; not matmul()):
+  // bf16 backward-weight on the patch feed only (detail::Feed::WgradTma / WgradTmaT; not matmul()):
   // K floats, or null. bias_grad[c] += the sum of dy's channel c over the pixels (the convolution's
   // bias gradient), taken from the dy tiles the product loads anyway (kernels/sm90/matmul_sm90.cuh,
   // wgrad_bias_sums) and the splits summed in a fixed order: deterministic.
@@ -116,9 +116,11 @@ namespace detail {
 //   ConvTmaUnrotated backward-data (bf16) as ConvTma, with B = the forward's filters (K x R*S*C,
 //            problem.b) read per tap rotated by 180 degrees instead of a rotated copy.
 //   WgradTma backward-weight with both operands as 4-D TMA boxes over `patch` tiles of 64 output
-//            pixels (dy for A, conv->x shifted by each tap for B); problem.k = patches * 64.
+//            pixels in bf16, 32 in TF32 (dy for A, conv->x shifted by each tap for B; TF32's
+//            boxes are transposed in shared memory); problem.k = patches * pixels a patch.
 //            WgradTmaT computes dw^T instead (A = im2col(conv->x)^T, B = dy = problem.b).
-//   WgradShift backward-weight in TF32: A = dy^T and B = x^T, K-major fp32 copies on a padded
+//   WgradShift backward-weight in TF32 where the boxes do not apply (strided layers, other
+//            channel counts): A = dy^T and B = x^T, K-major fp32 copies on a padded
 //            pixel grid, each 64-row slab of B shifted along it by its tap (`patch` holds the
 //            taps and the grid width); WgradShiftT computes dw^T (A = x^T, B = dy^T).
 enum class Feed {

@@ -5,11 +5,14 @@
 //   B k-blocks (128 bytes of k per row, 128-byte swizzle, zero fill past the matrix edges) into a
 //   ring of kStages shared-memory stages. Each stage has a "full" mbarrier (the TMA completes its
 //   transaction bytes on it) and an "empty" one (the consumers arrive when they no longer read it).
-//   The producer gives most of its registers back (setmaxnreg) to the consumers.
+//   (TF32 backward-weight by patch boxes: the TMA completes on a "loaded" barrier, and warps 1-3
+//   transpose the stage in place before they arrive on "full"; transpose_stages.) The producer
+//   gives most of its registers back (setmaxnreg) to the consumers.
 // - Warpgroups 1 and 2 are consumers: each owns 64 rows of the 128-row tile and issues
 //   wgmma m64nNk{16,8} straight from shared memory, keeping one wgmma group in flight: a stage is
 //   released as soon as the group after it has been issued and the one reading it has completed.
-// - While the consumers run a tile's epilogue (registers -> global, with alpha, beta, bias, ReLU and
+// - While the consumers run a tile's epilogue (registers -> global, with alpha, beta, bias, ReLU
+// and
 //   the cast), the producer already loads the next tile's first stages.
 // - Tiles are visited in groups of kGroupM tile rows, so that the blocks running at one time share
 //   A rows and B columns in L2. With split-K a work item is (tile, split); partial sums go to a
@@ -59,7 +62,7 @@ struct MainloopParams {
   // different tiles, so the operand they share (dy^T for backward-weight) is read from memory once
   // per k-range, not once per tile.
   int split_major;
-  // kWgradTma / kWgradTmaT: the bias gradient taken on the way, or null (wgrad_bias_sums):
+  // kWgradTma / kWgradTmaT in bf16: the bias gradient taken on the way, or null (wgrad_bias_sums):
   // [split][bias_channels] fp32 sums of dy over each split's output pixels.
   float* bias_partials;
   int bias_channels;
@@ -165,9 +168,9 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           With fp32 operands (TF32) both modes take patches of 32 pixels and boxes of 32
 //           channels, and the producer's warps 1-3 transpose each landed box in place to the
 //           K-major layout TF32 wgmma reads (transpose_stages); the consumers are kGemm's.
-//   kWgradShift backward-weight in TF32 on K-major copies (layers the boxes do not take), whose
-//   wgmma reads K-major operands only: the reduction
-//           runs along K-major fp32 copies of dy (dy^T, K rows) and x (x^T, C rows), both laid out
+//   kWgradShift backward-weight in TF32 on K-major copies (layers the boxes do not take: TF32
+//           wgmma reads K-major operands only): the reduction runs along K-major fp32 copies of
+//           dy (dy^T, K rows) and x (x^T, C rows), both laid out
 //           on one zero-padded pixel grid (kernels/conv2d_tc.cu), where tap (r, s) of a filter is a
 //           shift of r * grid_w + s along the grid. x^T holds S copies of x, copy s already
 //           shifted by s (TMA needs 16-byte aligned boxes; grid_w is a multiple of 4). A is dy^T

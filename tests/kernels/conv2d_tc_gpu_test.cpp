@@ -136,6 +136,10 @@ const Case kCases[] = {
     // non-square filter with one-sided padding.
     {"c200_k128", {2, 7, 9, 200, 128, 3, 3, 1, 1, 1, 1}},
     {"c72_k64_r2s3", {2, 8, 11, 72, 64, 2, 3, 1, 1, 1, 0}},
+    // TF32 backward-weight's boxes: dy boxes (32 channels) wider than K, dw^T with K not a
+    // multiple of 32, C of one box, odd P and Q (patches of 32 images, most past n).
+    {"c32_k20_h7w9", {2, 7, 9, 32, 20, 3, 3, 1, 1, 1, 1}},
+    {"c64_k36_h5w7", {3, 5, 7, 64, 36, 3, 3, 1, 1, 1, 1}},
 };
 
 struct Param {
@@ -585,10 +589,13 @@ TEST_P(Tf32WgradFeeds, BackwardWeight) {
     const Conv2dShape& s = c.shape;
     if (s.stride_h != 1 || s.stride_w != 1 || s.c % 32 != 0 || s.k % 4 != 0) continue;
     ++ran;
+    EXPECT_EQ(detail::conv2d_backward_weight_tf32_boxes(s),
+              GetParam() == detail::Tf32WgradFeed::boxes)
+        << c.name << ": the setting did not choose the kernel";
     check_backward_weight(s, Math::TF32, 0.f, std::string("backward-weight ") + c.name);
     check_backward_weight(s, Math::TF32, 1.f, std::string("backward-weight beta 1 ") + c.name);
   }
-  EXPECT_GE(ran, 10) << "too few shapes take the TF32 patch boxes";
+  EXPECT_GE(ran, 12) << "too few shapes for the TF32 patch boxes";
 }
 
 INSTANTIATE_TEST_SUITE_P(BoxesAndCopies, Tf32WgradFeeds,
