@@ -671,17 +671,29 @@ void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const 
          stream, transposed.get(), s.k, rsc, beta, dw);
 }
 
+// Which kernel the TF32 backward-weight of `s` runs under the current settings: the narrow one
+// (at most 4 input channels), the patch boxes, or the K-major copies. One rule for the launcher
+// and for detail::conv2d_backward_weight_tf32_boxes.
+enum class Tf32Wgrad { narrow, boxes, copies };
+Tf32Wgrad tf32_wgrad_kernel(const Conv2dShape& s, const float* x, const float* dy) {
+  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_wgrad_tf32_applies(s, dy)) {
+    return Tf32Wgrad::narrow;
+  }
+  return tf32_wgrad_boxes(s, x, dy) ? Tf32Wgrad::boxes : Tf32Wgrad::copies;
+}
+
 // dw (K x R*S*C) = beta*dw + the product's result, fp32 x and dy, TF32 products.
 void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float* dy, float* dw,
                               float beta, cudaStream_t stream) {
   CUDP_CHECK(x && dy && dw, "conv2d_backward_weight: x, dy and dw must not be null");
   // At most 4 input channels (VGG's first layer): a kernel of its own, no copies
   // (kernels/conv2d_narrow.cu).
-  if (g_feed.load() != detail::ConvFeed::gather && detail::narrow_wgrad_tf32_applies(s, dy)) {
+  const Tf32Wgrad kernel = tf32_wgrad_kernel(s, x, dy);
+  if (kernel == Tf32Wgrad::narrow) {
     detail::conv2d_backward_weight_narrow_tf32(s, x, dy, dw, beta, stream);
     return;
   }
-  if (tf32_wgrad_boxes(s, x, dy)) {
+  if (kernel == Tf32Wgrad::boxes) {
     run_backward_weight_tf32_boxes(s, x, dy, dw, beta, stream);
     return;
   }
@@ -883,7 +895,7 @@ void set_tf32_wgrad_feed(Tf32WgradFeed feed) {
 
 bool conv2d_backward_weight_tf32_boxes(const Conv2dShape& shape) {
   alignas(16) static const float aligned = 0.f;  // stands for 16-byte aligned tensors
-  return !narrow_wgrad_tf32_applies(shape, &aligned) && tf32_wgrad_boxes(shape, &aligned, &aligned);
+  return tf32_wgrad_kernel(shape, &aligned, &aligned) == Tf32Wgrad::boxes;
 }
 
 bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {
