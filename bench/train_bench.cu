@@ -515,8 +515,16 @@ int main(int argc, char** argv) {
                  "the difference is the communication the step exposes (cudp_exposed_comm_share)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string bias_handoff = "on";
+  app.add_option("--bias-handoff", bias_handoff,
+                 "on: a max pooling after a convolution's fused ReLU adds up that convolution's "
+                 "bias gradient in its backward pass; off: the convolution takes it in a pass of "
+                 "its own (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.graphs_given = graphs->count() > 0;
+  detail::set_bias_handoff(bias_handoff == "on");
   // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
   // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
   // job.

@@ -110,6 +110,10 @@ struct ConvOperands {
   // Backward-data only, or null: the layer's input x (dx's layout and type). Where x is <= 0,
   // dx is stored as 0: the backward of the ReLU that produced x, fused into the epilogue.
   const void* mask = nullptr;
+  // Backward-data only, or null: dx's C floats; column_sums[c] += the sum of the stored dx's
+  // channel c over n, h and w (fp32, deterministic; in the epilogue where it can be, with a mask:
+  // MatmulProblem::column_sums): the bias gradient of the layer before, Module's bias hand-off.
+  float* column_sums = nullptr;
 };
 
 // y = relu?(conv(x, w) + bias), typed operands. x and w must be 16-byte aligned with C a multiple

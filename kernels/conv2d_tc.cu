@@ -289,12 +289,22 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const std::string why = matmul_unsupported_reason(p, device);
   CUDP_CHECK(why.empty(), "conv (tensor cores): ", why);
+  p.column_sums = ops.column_sums;  // after the check: not a plain product's option
   // One 16-byte chunk of input channels (VGG's first layer, padded: 8 bf16 or 4 fp32): the
   // reduction is about one k-block, which the mainloop cannot pipeline; a kernel of its own
   // (kernels/conv2d_narrow.cu).
   if (!unrotated && g_feed.load() != detail::ConvFeed::gather &&
       detail::narrow_forward_applies(s, ops)) {
     detail::conv2d_forward_narrow(s, ops, stream);
+    if (ops.column_sums != nullptr) {  // a pass of its own
+      const int64_t rows = int64_t(s.n) * s.p() * s.q();
+      if (ops.y_type == DType::BF16) {
+        bias_grad(static_cast<const __nv_bfloat16*>(ops.y), ops.column_sums, rows, s.k, 1.f,
+                  stream);
+      } else {
+        bias_grad(static_cast<const float*>(ops.y), ops.column_sums, rows, s.k, 1.f, stream);
+      }
+    }
     return;
   }
   const sm90::ConvGather gather{ops.x,    s.n,        s.h,        s.w,     s.c,    s.p(),
@@ -767,9 +777,9 @@ void run_backward_weight_tf32(const Conv2dShape& s, const float* x, const float*
 
 void conv2d_forward_tc(const Conv2dShape& shape, const ConvOperands& ops, cudaStream_t stream) {
   check_tc("conv2d_forward_tc", shape, ops.math);
-  CUDP_CHECK(ops.mask == nullptr,
-             "conv2d_forward_tc: a ReLU mask is backward-data's (the ReLU before the layer); the "
-             "forward takes none");
+  CUDP_CHECK(ops.mask == nullptr && ops.column_sums == nullptr,
+             "conv2d_forward_tc: a ReLU mask and column sums are backward-data's (the ReLU and the "
+             "bias before the layer); the forward takes neither");
   run_forward(shape, ops, stream);
 }
 

@@ -205,6 +205,10 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
     return "bias_grad is backward-weight's fused bias gradient (kernels/conv2d.h), not a product "
            "option; take column sums with kernels::bias_grad";
   }
+  if (p.column_sums != nullptr) {
+    return "column_sums is backward-data's (kernels/conv2d.h, ConvOperands), not a product "
+           "option; take column sums with kernels::bias_grad";
+  }
   if (p.mask != nullptr && !aligned16(p.mask)) {
     return "the ReLU mask must be 16-byte aligned (it is read in pairs with C's row stride)";
   }
@@ -311,11 +315,25 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
                      "the tensor-core product's split-K partial sums");
   float* ws = partials.get();
   const bool bf16 = p.math == Math::BF16;
+  CUDP_CHECK(p.column_sums == nullptr || (conv != nullptr && p.ldc == p.n),
+             "conv: column sums are a convolution's, of a C without gaps between rows");
+  // Backward-data's column sums in the epilogue (kernels/sm90/matmul_sm90.cuh, MainloopParams::
+  // column_partials): one row of partials per warp of every tile.
+  Workspace column_ws;
+  int64_t column_rows = 0;
+  if (p.column_sums != nullptr && bf16 && patch != nullptr && p.mask != nullptr &&
+      (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) && plan.splits == 1 &&
+      p.n % plan.tile_n == 0 && p.ldc % 2 == 0 && p.beta == 0.f) {
+    column_rows = int64_t(patch->tiles_q) * patch->tiles_p * patch->tiles_n * 8;
+    column_ws = Workspace(size_t(column_rows) * size_t(p.n) * sizeof(float), stream,
+                          "backward-data's partial column sums");
+  }
   if (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) {
     CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
     CUDP_CHECK(bf16 || feed == Feed::ConvTma,
                "conv: unrotated filters need bf16 (TF32 reads K-major operands only)");
-    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream, feed == Feed::ConvTmaUnrotated)
+    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream, feed == Feed::ConvTmaUnrotated,
+                               column_ws.get())
          : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
   } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
              feed == Feed::WgradTmaT) {
@@ -352,6 +370,13 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     bf16 ? sm90::matmul_bf16(p, plan, ws, stream) : sm90::matmul_tf32(p, plan, ws, stream);
   }
   if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
+  if (column_rows > 0) {
+    bias_grad(column_ws.get(), p.column_sums, column_rows, p.n, 1.f, stream);
+  } else if (p.column_sums != nullptr && p.c_type == DType::BF16) {
+    bias_grad(static_cast<const __nv_bfloat16*>(p.c), p.column_sums, p.m, p.n, 1.f, stream);
+  } else if (p.column_sums != nullptr) {
+    bias_grad(static_cast<const float*>(p.c), p.column_sums, p.m, p.n, 1.f, stream);
+  }
 #else
   (void)plan;
   (void)conv;

@@ -59,6 +59,12 @@ struct MatmulProblem {
   // bias gradient), taken from the dy tiles the product loads anyway (kernels/sm90/matmul_sm90.cuh,
   // wgrad_bias_sums) and the splits summed in a fixed order: deterministic.
   float* bias_grad = nullptr;
+  // A convolution's backward-data on the TMA patch feed (detail::run_mainloop; not matmul()): n
+  // floats, or null. column_sums[c] += the sum of the stored C's column c (C's values as stored,
+  // after the mask), fp32, in a fixed order: the bias gradient of the layer before (Module's bias
+  // hand-off). Taken in the epilogue where it can be (a ReLU mask, whole tiles, no split-K: one
+  // row of partial sums per 16 rows of C, then bias_grad over them), else in a pass over C.
+  float* column_sums = nullptr;
 };
 
 // How a product runs: C is cut into tile_m x tile_n tiles and k into `splits` chunks of

@@ -7,8 +7,10 @@
 #include <cuda_bf16.h>
 
 #include "engine/core/launch.cuh"
+#include "kernels/bias.h"
 #include "kernels/common.h"
 #include "kernels/pool.h"
+#include "kernels/workspace.h"
 
 namespace cudp::kernels {
 namespace {
@@ -248,11 +250,20 @@ __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
 // dy goes to it; the window's other elements get 0. One thread per window, as above. With
 // `relu_mask` (x is a fused ReLU's output) dy goes there only where that maximum is not <= 0: the
 // ReLU's backward (relu_grad's select) applied to dx in the same pass.
-template <typename T, int V, typename I>
+//
+// kSums: the thread also adds up the values it stores, per channel (its channels are the same
+// vector at every step: the launch's threads are a multiple of the vectors per pixel), and the
+// block writes one row of `partial` (C floats): the thread sums added in thread order. Those rows,
+// added in block order (bias_grad_from_partials), are the column sums of dx: the bias gradient of
+// the layer whose output x is, with no pass over dx of its own. Deterministic: the rows depend on
+// the shape and the data alone.
+template <typename T, int V, typename I, bool kSums>
 __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy,
                                                         const T* __restrict__ x, T* __restrict__ dx,
-                                                        Geometry g, I total, bool relu_mask) {
+                                                        Geometry g, I total, bool relu_mask,
+                                                        float* __restrict__ partial) {
   const int vectors = g.c / V;
+  [[maybe_unused]] float sums[V] = {};
   const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -277,6 +288,7 @@ __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy
         if (takes(v10[k], best)) best = v10[k], at[k] = 2;
         if (takes(v11[k], best)) best = v11[k], at[k] = 3;
         if (relu_mask && best <= 0.f) d[k] = 0.f;
+        if constexpr (kSums) sums[k] += d[k];
       }
     }
     for (int dh = 0; dh < 2; ++dh) {
@@ -288,6 +300,20 @@ __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy
         float out[V];
         for (int k = 0; k < V; ++k) out[k] = at[k] == 2 * dh + dw ? d[k] : 0.f;
         store<V>(dx + ((b * g.h + ih) * g.w + iw) * g.c + cv * V, out);
+      }
+    }
+  }
+  if constexpr (kSums) {
+    __shared__ float block[kThreads][V];
+    for (int k = 0; k < V; ++k) block[threadIdx.x][k] = sums[k];
+    __syncthreads();
+    if (int(threadIdx.x) < vectors) {
+      float total_v[V] = {};
+      for (int t = threadIdx.x; t < kThreads; t += vectors) {
+        for (int k = 0; k < V; ++k) total_v[k] += block[t][k];
+      }
+      for (int k = 0; k < V; ++k) {
+        partial[int64_t(blockIdx.x) * g.c + threadIdx.x * V + k] = total_v[k];
       }
     }
   }
@@ -450,32 +476,54 @@ void max_pool2d_backward_impl(const T* dy, const int32_t* indices, T* dx, int n,
   }
 }
 
+// Blocks of the kSums launch: few enough that their partial rows cost little to add up (the
+// threads loop over the windows), enough to fill an H100/H200 (8 blocks of 256 threads per SM).
+constexpr int64_t kSumBlocks = 1024;
+
 template <typename T>
 void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, int h, int w, int c,
-                                         cudaStream_t stream, bool relu_mask) {
+                                         cudaStream_t stream, bool relu_mask, float* dbias) {
   detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
   const Geometry g = max_geometry(h, w, c, 2, 2, 2, 2, 0, 0);
   const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) &&
                     detail::aligned<kVecBytes<T>>(x) && detail::aligned<kVecBytes<T>>(dx);
   const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
+  // The column sums on the way need every thread on one channel vector throughout.
+  const int vectors = vec4 ? c / 4 : c;
+  const bool sums = dbias != nullptr && kThreads % vectors == 0 && windows > 0;
   dispatch(vec4, windows, [&]<int V, typename I>(I items) {
+    if (!sums) {
+      launch("max_pool_2x2_backward_from_input_kernel",
+             max_pool_2x2_backward_from_input_kernel<T, V, I, false>, blocks_for(items), kThreads,
+             0, stream, dy, x, dx, g, items, relu_mask, nullptr);
+      return;
+    }
+    const unsigned blocks = unsigned(std::min<int64_t>(blocks_for(items), kSumBlocks));
+    Workspace ws(size_t(blocks) * size_t(c) * sizeof(float), stream,
+                 "max pooling's partial column sums of its input gradient");
     launch("max_pool_2x2_backward_from_input_kernel",
-           max_pool_2x2_backward_from_input_kernel<T, V, I>, blocks_for(items), kThreads, 0, stream,
-           dy, x, dx, g, items, relu_mask);
+           max_pool_2x2_backward_from_input_kernel<T, V, I, true>, blocks, kThreads, 0, stream, dy,
+           x, dx, g, items, relu_mask, ws.get());
+    bias_grad_from_partials(ws.get(), dbias, blocks, c, 1.0f, stream);
+    ws.release();
   });
+  if (dbias != nullptr && !sums && windows > 0) {
+    // Channel vectors that do not divide the block: a pass of its own, the same sums.
+    bias_grad(dx, dbias, int64_t(n) * h * w, c, 1.0f, stream);
+  }
 }
 
 }  // namespace
 
 void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
-                                    int c, cudaStream_t stream, bool relu_mask) {
-  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask);
+                                    int c, cudaStream_t stream, bool relu_mask, float* dbias) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask, dbias);
 }
 
 void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
                                     __nv_bfloat16* dx, int n, int h, int w, int c,
-                                    cudaStream_t stream, bool relu_mask) {
-  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask);
+                                    cudaStream_t stream, bool relu_mask, float* dbias) {
+  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask, dbias);
 }
 
 void max_pool2d_forward(const float* x, float* y, int32_t* indices, int n, int h, int w, int c,

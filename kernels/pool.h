@@ -76,12 +76,17 @@ void max_pool2d_backward_cpu(const T* dy, const int32_t* indices, std::type_iden
 // there. It reads x instead of the indices and spares the forward their write and their memory
 // (4 bytes per output: 0.39 GB for VGG-16 at 224^2, batch 64). GPU only. With `relu_mask` (x is
 // the output of a fused ReLU) dx is also zeroed where x <= 0 in the same pass: the ReLU's backward
-// (kernels/elementwise.h's relu_grad), bit for bit, without a pass of its own.
+// (kernels/elementwise.h's relu_grad), bit for bit, without a pass of its own. With `dbias` (C
+// floats, or null) dbias[c] += the sum of dx's channel c over n, h and w, fp32, taken from the
+// values the pass stores (the bias gradient of the layer whose output x is, Module's bias hand-off;
+// bias_grad's sum in another order, deterministic).
 void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
-                                    int c, cudaStream_t stream, bool relu_mask = false);
+                                    int c, cudaStream_t stream, bool relu_mask = false,
+                                    float* dbias = nullptr);
 void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
                                     __nv_bfloat16* dx, int n, int h, int w, int c,
-                                    cudaStream_t stream, bool relu_mask = false);
+                                    cudaStream_t stream, bool relu_mask = false,
+                                    float* dbias = nullptr);
 
 // bf16: the gradients summed in float (double on the CPU) and rounded once to bf16; with windows
 // that do not overlap (VGG's 2x2 stride 2) nothing is summed and dx holds dy's values exactly.

@@ -99,6 +99,12 @@ void relu_mask_cpu(const Tensor& x, Tensor& dx) {
 
 }  // namespace
 
+float* Conv2d::output_grad_sums_target() {
+  const bool mask_done_after = output_.defined() && output_grad_masked_;
+  return device_.is_cuda() && bias_ != nullptr && mask_done_after ? bias_->grad.data<float>()
+                                                                  : nullptr;
+}
+
 Tensor Conv2d::forward_one(const Tensor& input) {
   const kernels::Conv2dShape s = shape_for(input);
   saved_shape_ = s;
@@ -149,7 +155,8 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
-  float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  // Not when the layer after the ReLU added it up already (the bias hand-off, Module).
+  float* db = bias_ && !output_grad_summed_ ? bias_->grad.data<float>() : nullptr;
   float* out = input_grad_ ? dx.data<float>() : nullptr;
   const int64_t rows = s.y_size() / s.k;
   // fp32 and tf32. On the GPU math() picks the SIMT kernels (fp32) or the tensor cores (tf32: fp32
@@ -292,7 +299,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
       output_.defined() && !output_grad_masked_;  // the mask not done by the next layer
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
-  float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  // Not when the layer after the ReLU added it up already (the bias hand-off, Module).
+  float* db = bias_ && !output_grad_summed_ ? bias_->grad.data<float>() : nullptr;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::bf16, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, input_dtype_, device_) : Tensor();
   if (device_.is_cpu()) {
@@ -338,6 +346,10 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
               false};
           // The ReLU before this layer: its mask in the epilogue (input_bf16_ is the input).
           ops.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
+          // The bias hand-off (Module): the column sums of dx, the layer before's bias gradient,
+          // in the epilogue.
+          ops.column_sums = input_grad_masked_ ? grad_sums_into_ : nullptr;
+          input_grad_summed_ = ops.column_sums != nullptr;
           if (rotated) {
             kernels::conv2d_backward_data_tc_rotated(s, ops, stream);
           } else {

@@ -47,6 +47,10 @@ class Conv2d : public Module {
   // backward-data's epilogue, under bf16 on the GPU (the tensor-core path: bf16 input, channels
   // multiples of 8), and on the CPU.
   bool can_take_masked_grad() const override { return true; }
+  // The bias hand-off (Module): on the GPU, when the next layer did the fused ReLU's mask, the
+  // bias gradient is the column sum of the gradient that layer returns, and it may add it up on
+  // the way (max pooling's backward does); this layer's bias gradient is where it goes.
+  float* output_grad_sums_target() override;
 
   // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);

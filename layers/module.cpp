@@ -15,6 +15,7 @@
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
 
+#include <atomic>
 #include <set>
 #include <sstream>
 
@@ -61,6 +62,8 @@ TensorList Module::forward_all(const TensorList& inputs) {
   }
   input_grad_masked_ = false;
   output_grad_masked_ = false;
+  input_grad_summed_ = output_grad_summed_ = false;
+  grad_sums_into_ = nullptr;
   TensorList outputs;
   try {
     outputs = forward_impl(widened.empty() ? inputs : widened);
@@ -81,7 +84,17 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
              ": backward() called without a forward() since the last backward (or after the module "
              "was moved); run forward() first: backward uses what the forward saved, and frees it");
   check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
-  TensorList grads = backward_impl(grad_outputs);
+  input_grad_summed_ = false;
+  TensorList grads;
+  try {
+    grads = backward_impl(grad_outputs);
+  } catch (...) {
+    grad_sums_into_ = nullptr;  // the bias hand-off's requests hold for one backward
+    output_grad_summed_ = false;
+    throw;
+  }
+  grad_sums_into_ = nullptr;
+  output_grad_summed_ = false;
   release_saved();
   forward_done_ = false;
   for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
@@ -467,5 +480,17 @@ std::pair<Tensor, Tensor> Module::flatten_parameters() {
   }
   return {flat_data, flat_grad};
 }
+
+namespace detail {
+namespace {
+std::atomic<bool> g_bias_handoff{true};
+}  // namespace
+void set_bias_handoff(bool on) {
+  g_bias_handoff.store(on);
+}
+bool bias_handoff() {
+  return g_bias_handoff.load();
+}
+}  // namespace detail
 
 }  // namespace cudp

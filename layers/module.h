@@ -126,8 +126,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // (a direct call after it computes the layer alone); the layer keeps what its backward needs.
   // relu_fused() says whether the last forward applied a fused ReLU. The model's structure, names
   // and state_dict do not change, and the results are the same bit for bit (max and the mask are
-  // exact). set_fusion(false) turns this off for a module and its descendants (to compare, or to
-  // profile layers one by one); clones and replicas inherit the setting.
+  // exact; a bias gradient taken by the bias hand-off below is the same sum in another order).
+  // set_fusion(false) turns this off for a module and its descendants (to compare, or to profile
+  // layers one by one); clones and replicas inherit the setting.
   virtual bool can_fuse_relu() const { return false; }
   void fuse_relu(bool on);
   bool relu_fused() const { return last_relu_fused_; }
@@ -148,6 +149,21 @@ class Module : public std::enable_shared_from_this<Module> {
   void request_input_grad_mask(bool on) { mask_requested_ = on; }
   bool input_grad_masked() const { return input_grad_masked_; }
   void set_output_grad_masked(bool on) { output_grad_masked_ = on; }
+
+  // Bias-gradient hand-off, on top of the mask's. The bias gradient of a layer is the column sum
+  // of the gradient of its output, which the layer after the fused ReLU writes (masked) in its own
+  // backward; where that pass can add its values up on the way, the fused layer need not read the
+  // gradient again for them. Before that layer's backward, Sequential asks the fused layer where
+  // the sums go (output_grad_sums_target: its bias gradient, or null when it has no use for
+  // them: no bias, its mask in a pass of its own, the CPU) and hands the address over
+  // (request_input_grad_sums); a layer that honours it adds the column sums of the gradient it
+  // returns there (+=, as gradients accumulate) and says so (input_grad_summed), and the fused
+  // layer is told (set_output_grad_summed) and skips its own sum. The result is the same sum in
+  // another order (fp32, deterministic); both requests hold for one backward.
+  virtual float* output_grad_sums_target() { return nullptr; }
+  void request_input_grad_sums(float* into) { grad_sums_into_ = into; }
+  bool input_grad_summed() const { return input_grad_summed_; }
+  void set_output_grad_summed(bool on) { output_grad_summed_ = on; }
 
   void train(bool on = true);
   void eval() { train(false); }
@@ -237,6 +253,12 @@ class Module : public std::enable_shared_from_this<Module> {
   bool mask_requested_ = false;
   bool input_grad_masked_ = false;
   bool output_grad_masked_ = false;
+  // The bias-gradient hand-off (above): grad_sums_into_ and output_grad_summed_ are set by
+  // Sequential for one backward; a layer that honours the request sets input_grad_summed_ in that
+  // backward (cleared before each backward).
+  float* grad_sums_into_ = nullptr;
+  bool input_grad_summed_ = false;
+  bool output_grad_summed_ = false;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
 
@@ -253,5 +275,13 @@ class Module : public std::enable_shared_from_this<Module> {
   std::deque<std::pair<std::string, Tensor>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
+
+namespace detail {
+// The bias hand-off (Module::request_input_grad_sums) on (the default) or off for every Sequential
+// in the process: to compare, as bench_train --bias-handoff does. Off, each layer takes its bias
+// gradient in a pass of its own, as before the hand-off.
+void set_bias_handoff(bool on);
+bool bias_handoff();
+}  // namespace detail
 
 }  // namespace cudp

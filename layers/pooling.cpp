@@ -93,8 +93,10 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
         },
         [&](cudaStream_t stream) {
           if (idx == nullptr) {
+            // The bias hand-off (Module): the column sums of dx on the way, where asked.
             kernels::max_pool2d_backward_from_input(dy, x, out, s.n, s.h, s.w, s.c, stream,
-                                                    input_grad_masked_);
+                                                    input_grad_masked_, grad_sums_into_);
+            input_grad_summed_ = grad_sums_into_ != nullptr;
           } else {
             kernels::max_pool2d_backward(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
                                          stream);

@@ -28,6 +28,7 @@ const std::shared_ptr<Module>& Sequential::operator[](size_t index) const {
 Tensor Sequential::forward_one(const Tensor& input) {
   const auto& modules = children();
   skipped_.assign(modules.size(), false);
+  fused_before_.assign(modules.size(), -1);
   if (!modules.empty()) modules[0].second->set_input_grad(input_grad_);
   Tensor x = input;
   for (size_t i = 0; i < modules.size(); ++i) {
@@ -42,7 +43,10 @@ Tensor Sequential::forward_one(const Tensor& input) {
     Module* fused = i >= 2 && skipped_[i - 1] ? modules[i - 2].second.get() : nullptr;
     child.request_input_grad_mask(fused != nullptr && fused->can_take_masked_grad());
     x = child.forward(x);
-    if (fused != nullptr) fused->set_output_grad_masked(child.input_grad_masked());
+    if (fused != nullptr) {
+      fused->set_output_grad_masked(child.input_grad_masked());
+      fused_before_[i] = static_cast<int>(i - 2);
+    }
     if (i + 1 < modules.size() && skipped_[i + 1]) ++i;
   }
   return x;
@@ -53,7 +57,18 @@ Tensor Sequential::backward_one(const Tensor& grad_output) {
   const auto& modules = children();
   for (size_t i = modules.size(); i-- > 0;) {
     if (skipped_[i]) continue;
-    g = modules[i].second->backward(g);
+    Module& child = *modules[i].second;
+    // The bias hand-off (Module): the layer after a fused ReLU may add up the fused layer's bias
+    // gradient in its own backward.
+    Module* fused = i < fused_before_.size() && fused_before_[i] >= 0
+                        ? modules[static_cast<size_t>(fused_before_[i])].second.get()
+                        : nullptr;
+    float* sums =
+        fused != nullptr && detail::bias_handoff() ? fused->output_grad_sums_target() : nullptr;
+    child.request_input_grad_sums(sums);
+    g = child.backward(g);
+    if (fused != nullptr)
+      fused->set_output_grad_summed(sums != nullptr && child.input_grad_summed());
   }
   return g;
 }

@@ -41,6 +41,9 @@ class Sequential : public Module {
 
   // skipped_[i]: child i is a ReLU that the last forward ran inside child i - 1.
   std::vector<bool> skipped_;
+  // fused_before_[i]: the index of the fused layer whose ReLU child i read in the last forward (the
+  // mask and bias hand-offs, Module), or -1.
+  std::vector<int> fused_before_;
 };
 
 }  // namespace cudp

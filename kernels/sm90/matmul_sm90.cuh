@@ -66,6 +66,11 @@ struct MainloopParams {
   // [split][bias_channels] fp32 sums of dy over each split's output pixels.
   float* bias_partials;
   int bias_channels;
+  // kConvTma / kConvTmaBT with a ReLU mask (backward-data), or null: the column sums of the stored
+  // C taken on the way, one row of n floats per 16 tile rows (a warp's): row
+  // (tile_m * 2 + half) * 4 + warp, the tile's columns of it (store_whole_tile). Added up in row
+  // order afterwards (bias_grad): C's column sums, deterministic.
+  float* column_partials;
 };
 
 // kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
@@ -407,10 +412,51 @@ __device__ __forceinline__ void for_each_pair(const float* acc, const int (&rows
 // kBeta (fp32 C, beta != 0: Linear's weight gradients accumulated into .grad, and backward-weight
 // without split-K) reads C's old values the same way as the mask below. Each element is read once,
 // by the thread that then writes it, so the read-only path sees C as it was before the kernel.
-template <int kTileN, bool kBias, bool kRelu, bool kMask, bool kBeta, typename Out>
+// Halves the values a lane holds kMask lanes apart: each keeps one half (the upper where its lane
+// has the kMask bit) plus the partner's same half, in v[0, kN / 2).
+template <int kN, int kMask>
+__device__ __forceinline__ void fold_halves(float* v) {
+  const bool upper = (threadIdx.x & kMask) != 0;
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) {
+    const float send = upper ? v[i] : v[i + kN / 2];
+    const float keep = upper ? v[i + kN / 2] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kMask);
+  }
+}
+
+// The column sums of a warp's 16 rows (store_whole_tile's kSums): the lane's kTileN / 4 column
+// sums over its two rows, added across the 8 lanes that hold the same columns (lane % 4) by
+// halving three times (each lane ends with the sums of kTileN / 32 columns, 7 shuffles a column
+// pair instead of 24), and stored as one row of partial sums at `row` (the tile's column 0).
+template <int kTileN>
+__device__ __forceinline__ void store_column_sums(float (&sums)[kTileN / 4], float* row) {
+  constexpr int kN = kTileN / 4;
+  fold_halves<kN, 16>(sums);
+  fold_halves<kN / 2, 8>(sums);
+  fold_halves<kN / 4, 4>(sums);
+  const int lane = threadIdx.x % 32;
+  // Value index v = (lane / 4) * kN / 8 + i of the thread's original ones: column pair j = v / 2,
+  // at 8 * j + 2 * (lane % 4).
+#pragma unroll
+  for (int i = 0; i < kN / 8; i += 2) {
+    const int j = ((lane / 4) * (kN / 8) + i) / 2;
+    *reinterpret_cast<float2*>(row + 8 * j + 2 * (lane % 4)) = make_float2(sums[i], sums[i + 1]);
+  }
+}
+
+template <int kTileN, bool kBias, bool kRelu, bool kMask, bool kBeta, typename Out,
+          bool kSums = false>
 __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const float* acc,
-                                                 const int (&rows)[2], int base_col) {
+                                                 const int (&rows)[2], int base_col,
+                                                 float* sums_row = nullptr) {
   constexpr bool kBf16 = std::is_same_v<Out, __nv_bfloat16>;
+  static_assert(!kSums || (kMask && !kBeta), "column sums: backward-data's masked tiles");
+  [[maybe_unused]] float sums[kTileN / 4];
+  if constexpr (kSums) {
+#pragma unroll
+    for (int i = 0; i < kTileN / 4; ++i) sums[i] = 0.f;
+  }
   static_assert(!kBeta || !kBf16, "beta != 0 whole tiles are fp32");
   // The mask's pairs (and the old values) are loaded kChunk at a time ahead of their stores,
   // through the read-only path (which the stores cannot alias, so nothing orders the loads after
@@ -485,20 +531,34 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
           }
         }
         if constexpr (kBf16) {
-          *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(v0, v1);
+          const __nv_bfloat162 out = __floats2bfloat162_rn(v0, v1);
+          *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = out;
+          if constexpr (kSums) {  // what is stored
+            sums[2 * j] += __low2float(out);
+            sums[2 * j + 1] += __high2float(out);
+          }
         } else {
           *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(v0, v1);
+          if constexpr (kSums) {
+            sums[2 * j] += v0;
+            sums[2 * j + 1] += v1;
+          }
         }
       }
     }
   }
+  if constexpr (kSums) store_column_sums<kTileN>(sums, sums_row);
 }
 
 template <int kTileN, typename Out>
 __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const float* acc,
-                                                 const int (&rows)[2], int base_col) {
+                                                 const int (&rows)[2], int base_col,
+                                                 float* sums_row) {
   const bool bias = p.epilogue.bias != nullptr, relu = p.epilogue.relu != 0;
-  if (p.epilogue.mask != nullptr) {  // backward-data: never with a bias or a ReLU
+  if (p.epilogue.mask != nullptr && sums_row != nullptr) {  // backward-data, column sums on the way
+    store_whole_tile<kTileN, false, false, true, false, Out, true>(p, acc, rows, base_col,
+                                                                   sums_row);
+  } else if (p.epilogue.mask != nullptr) {  // backward-data: never with a bias or a ReLU
     store_whole_tile<kTileN, false, false, true, false, Out>(p, acc, rows, base_col);
   } else if (bias && relu) {
     store_whole_tile<kTileN, true, true, false, false, Out>(p, acc, rows, base_col);
@@ -549,10 +609,16 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
   const EpilogueArgs& e = p.epilogue;
   const bool vec = p.ldc % 2 == 0;
   if (e.beta == 0.f && vec && col0 + kTileN <= n) {
+    // The warp's row of column partials (the host asks for them on whole tiles only).
+    float* sums_row = nullptr;
+    if (kPatch && p.column_partials != nullptr) {
+      const int warp_row = (tile_m * 2 + local0 / 64) * 4 + (threadIdx.x % 128) / 32;
+      sums_row = p.column_partials + int64_t(warp_row) * n + col0;
+    }
     if (p.c_is_bf16) {
-      store_whole_tile<kTileN, __nv_bfloat16>(p, acc, rows, base_col);
+      store_whole_tile<kTileN, __nv_bfloat16>(p, acc, rows, base_col, sums_row);
     } else {
-      store_whole_tile<kTileN, float>(p, acc, rows, base_col);
+      store_whole_tile<kTileN, float>(p, acc, rows, base_col, sums_row);
     }
     return;
   }
@@ -1310,7 +1376,8 @@ CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int 
 template <typename Elem, int kTileN, int kResidentB = 0>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
                      cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm,
-                     const PatchTiles* patch = nullptr, float* bias_partials = nullptr) {
+                     const PatchTiles* patch = nullptr, float* bias_partials = nullptr,
+                     float* column_partials = nullptr) {
   using Cfg = Config<Elem, kTileN, kResidentB>;
   constexpr bool kBf16 = sizeof(Elem) == 2;
   constexpr CUtensorMapDataType kType =
@@ -1373,6 +1440,13 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
              "with at most 128 channels a tile");
   p.bias_partials = bias_partials;
   p.bias_channels = mode == kWgradTma ? prob.m : prob.n;  // K either way
+  CUDP_CHECK(
+      column_partials == nullptr ||
+          ((mode == kConvTma || mode == kConvTmaBT) && prob.mask != nullptr && plan.splits == 1 &&
+           prob.n % kTileN == 0 && prob.ldc % 2 == 0 && prob.beta == 0.f),
+      "matmul: column sums on the way are backward-data's (the TMA patches, a ReLU mask), "
+      "on whole tiles without split-K");
+  p.column_partials = column_partials;
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
   const bool conv_patch = mode == kConvTma || mode == kConvTmaBT;
   p.patch = conv_patch || wgrad_tma || shifted ? *patch : PatchTiles{};

@@ -60,9 +60,10 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 // column and at most 18 (tile width 64) or 9 (128) k-blocks stay resident in shared memory
 // (patch.filters_resident): the stages then carry x alone, a third less traffic from L2 for a
 // 64-channel layer, whose 128 x 64 tiles read 9 boxes of x and 9 of filters each.
+// column_partials: (see MainloopParams) or null.
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream,
-                   bool unrotated = false);
+                   bool unrotated = false, float* column_partials = nullptr);
 // The k-blocks of resident filters conv_tma_bf16 gives `problem` under `plan` (the capacity of
 // the kernel it takes: 9 or 18), or 0 where they are streamed.
 int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan);

@@ -59,31 +59,32 @@ int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan)
 }
 
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
-                   const MatmulPlan& plan, float* workspace, cudaStream_t stream, bool unrotated) {
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream, bool unrotated,
+                   float* column_partials) {
   const int mode = unrotated ? kConvTmaBT : kConvTma;
   const int resident = patch.filters_resident ? resident_filter_blocks(problem, plan) : 0;
   switch (plan.tile_n) {
     case 64:
       if (resident == 9) {
         return launch_mainloop<__nv_bfloat16, 64, 9>(problem, plan, workspace, stream, &conv, mode,
-                                                     &patch);
+                                                     &patch, nullptr, column_partials);
       }
       if (resident == 18) {
         return launch_mainloop<__nv_bfloat16, 64, 18>(problem, plan, workspace, stream, &conv, mode,
-                                                      &patch);
+                                                      &patch, nullptr, column_partials);
       }
       return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode,
-                                                &patch);
+                                                &patch, nullptr, column_partials);
     case 128:
       if (resident == 9) {
         return launch_mainloop<__nv_bfloat16, 128, 9>(problem, plan, workspace, stream, &conv, mode,
-                                                      &patch);
+                                                      &patch, nullptr, column_partials);
       }
       return launch_mainloop<__nv_bfloat16, 128>(problem, plan, workspace, stream, &conv, mode,
-                                                 &patch);
+                                                 &patch, nullptr, column_partials);
     case 256:
       return launch_mainloop<__nv_bfloat16, 256>(problem, plan, workspace, stream, &conv, mode,
-                                                 &patch);
+                                                 &patch, nullptr, column_partials);
     default: CUDP_CHECK(false, "conv: no bf16 kernel with tile width ", plan.tile_n);
   }
 }

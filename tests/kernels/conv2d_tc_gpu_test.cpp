@@ -301,6 +301,64 @@ TEST(Conv2dTcTyped, BackwardDataAppliesTheReluMask) {
   }
 }
 
+// Backward-data's column sums (ConvOperands::column_sums, the layer before's bias gradient:
+// Module's bias hand-off): sums += the column sums of the dx the same call stores, against double.
+// In the epilogue with a mask (64-, 128- and 256-wide tiles, ping-pong and cooperative, tiles over
+// the output's edge), in a pass of its own without a mask or with split-K (the small output). The
+// fp32 chain of an element: its thread's 2 rows, 3 halvings across lanes, bias_grad's chain over
+// the partial rows (< 300): 512 * 2^-24 * (sum |dx| + |start|) bounds the error. dx is the call's
+// without sums bit for bit, and a second call gives the same sums.
+TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const Conv2dShape s : {Conv2dShape{2, 12, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{3, 10, 12, 128, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 14, 14, 256, 256, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 9, 11, 64, 512, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{1, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}}) {
+    for (bool with_mask : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C "
+                                        << s.c << " K " << s.k << (with_mask ? " mask" : ""));
+      std::vector<float> mask = operand(size_t(s.x_size()), 33, Math::BF16);
+      for (size_t i = 0; i < mask.size(); i += 5) mask[i] = 0.f;
+      DeviceBuffer<uint16_t> dy(bf16_bits(operand(size_t(s.y_size()), 31, Math::BF16))),
+          w(bf16_bits(operand(size_t(s.w_size()), 32, Math::BF16))), dmask(bf16_bits(mask)),
+          alone(size_t(s.x_size())), summed(size_t(s.x_size()));
+      alone.fill(0xFFFF);
+      summed.fill(0xFFFF);
+      const std::vector<float> start = testing::random_vector(size_t(s.c), 34);
+      DeviceBuffer<float> sums(start), again(start);
+      ConvOperands ops{Math::BF16, dy.get(), w.get(), alone.get(), DType::BF16, nullptr, false};
+      ops.mask = with_mask ? dmask.get() : nullptr;
+      conv2d_backward_data_tc(s, ops, nullptr);
+      ops.y = summed.get();
+      ops.column_sums = sums.get();
+      conv2d_backward_data_tc(s, ops, nullptr);
+      ops.column_sums = again.get();
+      conv2d_backward_data_tc(s, ops, nullptr);
+      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> dx = summed.download();
+      EXPECT_EQ(dx, alone.download());
+      std::vector<double> sum(size_t(s.c)), magnitude(size_t(s.c));
+      for (size_t i = 0; i < dx.size(); ++i) {
+        const uint32_t bits = uint32_t(dx[i]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof(v));
+        sum[i % size_t(s.c)] += v;
+        magnitude[i % size_t(s.c)] += std::fabs(v);
+      }
+      const std::vector<float> got = sums.download();
+      for (int c = 0; c < s.c; ++c) {
+        const double want = double(start[size_t(c)]) + sum[size_t(c)];
+        const double bound =
+            512.0 * std::ldexp(1.0, -24) * (magnitude[size_t(c)] + std::fabs(start[size_t(c)]));
+        ASSERT_NEAR(got[size_t(c)], want, bound) << "channel " << c;
+      }
+      EXPECT_TRUE(testing::bitwise_equal(again.download(), got));
+    }
+  }
+}
+
 // bf16 layers of 64 (forward) or 64..128 (backward-data's view) output channels keep their filters
 // resident in shared memory instead of streaming them with every k-block of x. The wgmma are the
 // same on the same operands, so the outputs must match the streamed kernels' bit for bit: forward

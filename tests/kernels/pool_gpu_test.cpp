@@ -1,5 +1,6 @@
 // GPU tests of the pooling kernels: against the CPU reference (odd sizes, both vector widths, ties,
 // NaN, the 2x2/2 fast paths and the general kernels, VGG sizes) and against cuDNN's NHWC pooling.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc(T**) for DeviceBuffer<T>
 #include <gtest/gtest.h>
 
@@ -167,6 +168,67 @@ TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
   EXPECT_THROW(max_pool2d_forward(static_cast<const float*>(nullptr), nullptr, nullptr, 1, 4, 4, 1,
                                   3, 3, 2, 2, 1, 1, nullptr),
                ValueError);
+}
+
+// The column sums on the way (dbias, Module's bias hand-off): dbias += the sum of each channel of
+// dx, against the sums of the dx the same call stored, in double. The fp32 chain an element goes
+// through is at most the thread's windows + 256 / vectors in its block + 1024 / 32 + 32 partial
+// rows (kernels/pool.cu): 512 covers it, so |error| <= 512 * 2^-24 * (sum |dx| + |dbias|). dx
+// itself is the call's without sums, bit for bit, and a second call gives the same dbias bits. C
+// = 3 (no vector width dividing the block) takes bias_grad's pass instead; 20 x 64 x 64 x 64 has
+// more windows than the capped grid has threads (each thread takes two); the ReLU mask and a
+// misaligned offset (scalar path) are covered; bf16 too.
+template <typename T>
+void check_pool_backward_sums(const PoolCase& k, size_t offset, bool relu_mask) {
+  SCOPED_TRACE(describe(k, offset) << (relu_mask ? " relu_mask" : ""));
+  std::vector<float> xf = testing::random_vector(k.in_size(), 71 + k.c, -1.f, 2.f);
+  std::vector<float> dyf = testing::random_vector(k.out_size(), 72 + k.c);
+  std::vector<T> x(xf.size()), dy(dyf.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = T(xf[i]);
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = T(dyf[i]);
+  const DeviceBuffer<T> xd = upload_at(x, offset, T(0.f));
+  const DeviceBuffer<T> dyd = upload_at(dy, offset, T(0.f));
+  DeviceBuffer<T> dx1 = upload_at(std::vector<T>(k.in_size()), offset, T(7.f));
+  DeviceBuffer<T> dx2 = upload_at(std::vector<T>(k.in_size()), offset, T(7.f));
+  const std::vector<float> start = testing::random_vector(size_t(k.c), 73);
+  DeviceBuffer<float> db1(start), db2(start);
+  max_pool2d_backward_from_input(dyd.get() + offset, xd.get() + offset, dx1.get() + offset, k.n,
+                                 k.h, k.w, k.c, nullptr, relu_mask);
+  max_pool2d_backward_from_input(dyd.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
+                                 k.h, k.w, k.c, nullptr, relu_mask, db1.get());
+  const std::vector<T> dx = download_at(dx2, offset);
+  const std::vector<T> dx_alone = download_at(dx1, offset);
+  EXPECT_EQ(std::memcmp(dx.data(), dx_alone.data(), dx.size() * sizeof(T)), 0);
+  std::vector<double> sum(size_t(k.c)), magnitude(size_t(k.c));
+  for (size_t i = 0; i < dx.size(); ++i) {
+    sum[i % size_t(k.c)] += double(float(dx[i]));
+    magnitude[i % size_t(k.c)] += std::fabs(double(float(dx[i])));
+  }
+  const std::vector<float> got = db1.download();
+  for (int c = 0; c < k.c; ++c) {
+    const double want = double(start[size_t(c)]) + sum[size_t(c)];
+    const double bound =
+        512.0 * std::ldexp(1.0, -24) * (magnitude[size_t(c)] + std::fabs(start[size_t(c)]));
+    EXPECT_NEAR(got[size_t(c)], want, bound) << "channel " << c;
+  }
+  max_pool2d_backward_from_input(dyd.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
+                                 k.h, k.w, k.c, nullptr, relu_mask, db2.get());
+  EXPECT_TRUE(bitwise_equal(db2.download(), got));
+}
+
+TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputAddsTheColumnSums) {
+  CUDP_REQUIRE_GPU();
+  for (const PoolCase& k :
+       {PoolCase{2, 7, 9, 4, 2, 2, 2, 2, 0, 0}, PoolCase{1, 8, 8, 3, 2, 2, 2, 2, 0, 0},
+        PoolCase{3, 16, 12, 64, 2, 2, 2, 2, 0, 0}, PoolCase{2, 14, 14, 512, 2, 2, 2, 2, 0, 0},
+        PoolCase{20, 64, 64, 64, 2, 2, 2, 2, 0, 0}}) {
+    for (size_t offset : {size_t{0}, size_t{1}}) {
+      for (bool relu_mask : {false, true}) {
+        check_pool_backward_sums<float>(k, offset, relu_mask);
+      }
+    }
+    check_pool_backward_sums<__nv_bfloat16>(k, 0, true);
+  }
 }
 
 TEST(MaxPoolGpu, BackwardIsDeterministicAndEmptyBatchIsANoOp) {
