@@ -297,13 +297,8 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
       detail::narrow_forward_applies(s, ops)) {
     detail::conv2d_forward_narrow(s, ops, stream);
     if (ops.column_sums != nullptr) {  // a pass of its own
-      const int64_t rows = int64_t(s.n) * s.p() * s.q();
-      if (ops.y_type == DType::BF16) {
-        bias_grad(static_cast<const __nv_bfloat16*>(ops.y), ops.column_sums, rows, s.k, 1.f,
-                  stream);
-      } else {
-        bias_grad(static_cast<const float*>(ops.y), ops.column_sums, rows, s.k, 1.f, stream);
-      }
+      detail::add_column_sums(ops.y, ops.y_type, ops.column_sums, int64_t(s.n) * s.p() * s.q(), s.k,
+                              stream);
     }
     return;
   }

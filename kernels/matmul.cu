@@ -303,6 +303,15 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
 
 namespace detail {
 
+void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
+                     cudaStream_t stream) {
+  if (type == DType::BF16) {
+    bias_grad(static_cast<const __nv_bfloat16*>(c), sums, rows, cols, 1.f, stream);
+  } else {
+    bias_grad(static_cast<const float*>(c), sums, rows, cols, 1.f, stream);
+  }
+}
+
 void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::ConvGather* conv,
                   cudaStream_t stream, Feed feed, const sm90::PatchTiles* patch) {
   if (p.m == 0 || p.n == 0) return;
@@ -321,9 +330,9 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   // column_partials): one row of partials per warp of every tile.
   Workspace column_ws;
   int64_t column_rows = 0;
-  if (p.column_sums != nullptr && bf16 && patch != nullptr && p.mask != nullptr &&
-      (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) && plan.splits == 1 &&
-      p.n % plan.tile_n == 0 && p.ldc % 2 == 0 && p.beta == 0.f) {
+  if (p.column_sums != nullptr && patch != nullptr &&
+      (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) &&
+      sm90::column_sums_in_epilogue(p, plan)) {
     column_rows = int64_t(patch->tiles_q) * patch->tiles_p * patch->tiles_n * 8;
     column_ws = Workspace(size_t(column_rows) * size_t(p.n) * sizeof(float), stream,
                           "backward-data's partial column sums");
@@ -372,10 +381,8 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
   if (column_rows > 0) {
     bias_grad(column_ws.get(), p.column_sums, column_rows, p.n, 1.f, stream);
-  } else if (p.column_sums != nullptr && p.c_type == DType::BF16) {
-    bias_grad(static_cast<const __nv_bfloat16*>(p.c), p.column_sums, p.m, p.n, 1.f, stream);
   } else if (p.column_sums != nullptr) {
-    bias_grad(static_cast<const float*>(p.c), p.column_sums, p.m, p.n, 1.f, stream);
+    add_column_sums(p.c, p.c_type, p.column_sums, p.m, p.n, stream);
   }
 #else
   (void)plan;

@@ -142,6 +142,11 @@ enum class Feed {
   WgradShiftT
 };
 
+// sums[c] += the sum of column c of the rows x cols matrix c (no gaps between rows) of `type`:
+// MatmulProblem::column_sums' pass where the epilogue does not take them.
+void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
+                     cudaStream_t stream);
+
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
 // reduction.
 void run_mainloop(const MatmulProblem& problem, const MatmulPlan& plan,

@@ -1441,9 +1441,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.bias_partials = bias_partials;
   p.bias_channels = mode == kWgradTma ? prob.m : prob.n;  // K either way
   CUDP_CHECK(
-      column_partials == nullptr ||
-          ((mode == kConvTma || mode == kConvTmaBT) && prob.mask != nullptr && plan.splits == 1 &&
-           prob.n % kTileN == 0 && prob.ldc % 2 == 0 && prob.beta == 0.f),
+      column_partials == nullptr || ((mode == kConvTma || mode == kConvTmaBT) &&
+                                     plan.tile_n == kTileN && column_sums_in_epilogue(prob, plan)),
       "matmul: column sums on the way are backward-data's (the TMA patches, a ReLU mask), "
       "on whole tiles without split-K");
   p.column_partials = column_partials;

@@ -60,6 +60,14 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 // column and at most 18 (tile width 64) or 9 (128) k-blocks stay resident in shared memory
 // (patch.filters_resident): the stages then carry x alone, a third less traffic from L2 for a
 // 64-channel layer, whose 128 x 64 tiles read 9 boxes of x and 9 of filters each.
+// Whether backward-data's column sums (MatmulProblem::column_sums) can be taken in the epilogue of
+// conv_tma_bf16 under `plan`: bf16, a ReLU mask, whole tiles, no split-K (the one rule of the
+// launcher's check and kernels/matmul.cu's choice).
+inline bool column_sums_in_epilogue(const MatmulProblem& p, const MatmulPlan& plan) {
+  return p.math == Math::BF16 && p.mask != nullptr && plan.splits == 1 && p.n % plan.tile_n == 0 &&
+         p.ldc % 2 == 0 && p.beta == 0.f;
+}
+
 // column_partials: (see MainloopParams) or null.
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream,

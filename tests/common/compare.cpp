@@ -63,4 +63,28 @@ std::vector<float> random_vector(size_t n, uint64_t seed, float lo, float hi) {
   return ::testing::AssertionSuccess();
 }
 
+::testing::AssertionResult column_sums_close(const std::vector<float>& got,
+                                             const std::vector<float>& start,
+                                             const std::vector<float>& values) {
+  const size_t cols = start.size();
+  if (got.size() != cols || cols == 0 || values.size() % cols != 0) {
+    return ::testing::AssertionFailure() << "sizes differ: " << got.size() << " sums, " << cols
+                                         << " starts, " << values.size() << " values";
+  }
+  std::vector<double> sum(cols), magnitude(cols);
+  for (size_t i = 0; i < values.size(); ++i) {
+    sum[i % cols] += values[i];
+    magnitude[i % cols] += std::fabs(double(values[i]));
+  }
+  for (size_t c = 0; c < cols; ++c) {
+    const double want = double(start[c]) + sum[c];
+    const double bound = 512.0 * std::ldexp(1.0, -24) * (magnitude[c] + std::fabs(start[c]));
+    if (!(std::fabs(double(got[c]) - want) <= bound)) {
+      return ::testing::AssertionFailure()
+             << "column " << c << ": " << got[c] << " vs " << want << " (bound " << bound << ")";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 }  // namespace cudp::testing

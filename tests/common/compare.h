@@ -20,6 +20,14 @@ namespace cudp::testing {
 // than compute them. On failure, the first differing index and both values.
 ::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b);
 
+// Column sums added to `start` (a kernel's `sums += the column sums of the matrix it stored`):
+// got[c] within 512 * 2^-24 * (sum_r |values[r][c]| + |start[c]|) of start[c] + the sum in double.
+// 512 bounds the fp32 chain of the kernels that take such sums on the way (their tests say how).
+// values: the stored matrix as floats, row-major, start.size() columns.
+::testing::AssertionResult column_sums_close(const std::vector<float>& got,
+                                             const std::vector<float>& start,
+                                             const std::vector<float>& values);
+
 // Random floats in [lo, hi) from a fixed seed (never zeros in a meaningful amount).
 std::vector<float> random_vector(size_t n, uint64_t seed, float lo = -1.f, float hi = 1.f);
 
