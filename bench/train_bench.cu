@@ -57,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/core/launch.h"
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
 #include "engine/core/stream.h"
@@ -522,9 +523,24 @@ int main(int argc, char** argv) {
                  "its own (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string param_store = "on";
+  app.add_option("--param-store", param_store,
+                 "on: under bf16 the model keeps one flat bf16 copy of its weights, written by the "
+                 "optimizer in the launch that updates them; off: each Conv2d and Linear converts "
+                 "its weights at every forward (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  std::string pdl = "on";
+  app.add_option("--pdl", pdl,
+                 "on: kernels launch programmatically (each one's launch and set-up overlap the "
+                 "previous kernel's tail; Hopper); off: ordinary launches (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.graphs_given = graphs->count() > 0;
   detail::set_bias_handoff(bias_handoff == "on");
+  detail::set_parameter_store(param_store == "on");
+  detail::set_programmatic_launch(pdl == "on");
   // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
   // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
   // job.

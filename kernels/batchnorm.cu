@@ -114,6 +114,7 @@ template <typename T, int V>
 __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
                                 float* __restrict__ part_n, float* __restrict__ part_mean,
                                 float* __restrict__ part_m2) {
+  kernel_entry();
   extern __shared__ float smem[];
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
   float* s_n = smem;                          // [blockDim.y][lanes]
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
                              float* __restrict__ running_var, float* __restrict__ save_mean,
                              float* __restrict__ save_invstd, float momentum, float eps,
                              float* __restrict__ coef, float* __restrict__ summary_out) {
+  kernel_entry();
   __shared__ float s_n[kFinalRows][kFinalLanes], s_mean[kFinalRows][kFinalLanes],
       s_m2[kFinalRows][kFinalLanes];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -279,6 +281,7 @@ struct ApplyParams {
 template <typename T, int V, bool FromRunning>
 __global__ void bn_apply_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int c,
                                 ApplyParams p) {
+  kernel_entry();
   const int channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (channel >= c) return;
   float center[V], offset[V], scale[V], shift[V];
@@ -332,6 +335,7 @@ __global__ void bn_backward_reduce_kernel(const T* __restrict__ x, const T* __re
                                           const float* __restrict__ mean_in, int64_t rows, int c,
                                           float* __restrict__ part_dy,
                                           float* __restrict__ part_dy_xmu) {
+  kernel_entry();
   extern __shared__ float smem[];
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
   float* s_dy = smem;                           // [blockDim.y][width]
@@ -408,6 +412,7 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_
     const float* __restrict__ running_var, float eps, float* __restrict__ dgamma,
     float* __restrict__ dbeta, float beta_accumulate, float* __restrict__ coef,
     float* __restrict__ sums_out) {
+  kernel_entry();
   __shared__ float s_dy[kFinalRows][kFinalLanes], s_dy_xmu[kFinalRows][kFinalLanes];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int ch = blockIdx.x * kFinalLanes + tx;
@@ -466,6 +471,7 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
                                       const T* __restrict__ mask, const float* __restrict__ mean_in,
                                       const float* __restrict__ coef, T* __restrict__ dx,
                                       int64_t rows, int c) {
+  kernel_entry();
   const int channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (channel >= c) return;
   float mean[V], k_[V], a[V], b[V];
@@ -526,6 +532,7 @@ __global__ void bn_merge_stats_kernel(
     const float* __restrict__ beta, float* __restrict__ running_mean,
     float* __restrict__ running_var, float* __restrict__ save_mean, float* __restrict__ save_invstd,
     float momentum, float eps, float* __restrict__ coef) {
+  kernel_entry();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= c) return;
   const int64_t size = 1 + 3 * int64_t(c);
@@ -557,6 +564,7 @@ __global__ void bn_backward_coef_kernel(const float* __restrict__ sums, int c,
                                         const float* __restrict__ gamma,
                                         const float* __restrict__ save_invstd,
                                         float* __restrict__ coef) {
+  kernel_entry();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= c) return;
   const float invstd = save_invstd[ch];

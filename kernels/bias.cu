@@ -104,6 +104,7 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float (&v)[V]) {
 template <int V>
 __global__ void bias_add_kernel(float* y, const float* bias, int64_t vectors, int64_t cols_v,
                                 int64_t stride_mod) {
+  kernel_entry();
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t c = start % cols_v;
@@ -139,6 +140,7 @@ template <int V, typename T>
 __global__ void bias_grad_chunk_kernel(const T* dy, const T* y, T* masked, float* out, int64_t rows,
                                        int64_t cols, int64_t chunk_rows, int width, int lanes,
                                        float beta, bool final) {
+  kernel_entry();
   __shared__ float sums[V][kThreads];
   const int lane = static_cast<int>(threadIdx.x) / width;
   const int group = static_cast<int>(threadIdx.x) % width;
@@ -199,6 +201,7 @@ __global__ void bias_grad_chunk_kernel(const T* dy, const T* y, T* masked, float
 // the 32 lanes are added in order.
 __global__ void bias_grad_final_kernel(const float* partial, float* dbias, int64_t chunks,
                                        int64_t cols, float beta) {
+  kernel_entry();
   __shared__ float sums[kTile][kTile + 1];
   const int64_t c = int64_t(blockIdx.x) * kTile + threadIdx.x;
   float s = 0.0f;

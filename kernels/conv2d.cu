@@ -493,6 +493,7 @@ __device__ __forceinline__ void unpack(float4 lo, float4 hi, float (&v)[8]) {
 template <class Pass, int BM, int BN, bool Vec>
 __global__ void __launch_bounds__(threads_for(BM, BN), 512 / threads_for(BM, BN))
     conv_gemm_kernel(const GemmArgs args) {
+  kernel_entry();
   constexpr int kThreads = threads_for(BM, BN);
   using LoaderA = TileLoader<typename Pass::A, BM, kThreads, Vec>;
   using LoaderB = TileLoader<typename Pass::B, BN, kThreads, Vec>;
@@ -579,6 +580,7 @@ __global__ void __launch_bounds__(threads_for(BM, BN), 512 / threads_for(BM, BN)
 template <bool Vec>
 __global__ void split_reduce_kernel(const float* partial, int splits, int64_t mn, int n, float* out,
                                     Epilogue epilogue) {
+  kernel_entry();
   using Value = std::conditional_t<Vec, float4, float>;
   constexpr int kWidth = Vec ? 4 : 1;
   const auto* in = reinterpret_cast<const Value*>(partial);
@@ -615,6 +617,7 @@ __device__ __forceinline__ float component(float4 v, int i) {
 // reads the same word: a broadcast).
 __global__ void __launch_bounds__(kNarrowThreads)
     backward_data_narrow_kernel(const Geometry g, const float* dy, const float* w, float* dx) {
+  kernel_entry();
   __shared__ float4 w_tile[3][kNarrowChunk];
   const int strips = ceil_div(g.w, kStrip);
   const int64_t idx = int64_t(blockIdx.x) * kNarrowThreads + threadIdx.x;

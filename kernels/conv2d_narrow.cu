@@ -132,6 +132,7 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
 // lane%4) is the fragment's element (pixel lane/4, channel lane%4).
 template <typename Elem, typename Out>
 __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const NarrowArgs a) {
+  kernel_entry();
   constexpr int kCe = kChannels<Elem>;
   __shared__ uint4 halo[2][kHaloChunks];
   __shared__ __align__(16) Out stage[kTileH * 16][kStageStride];  // a 16-pixel block of each row
@@ -298,6 +299,7 @@ __device__ __forceinline__ bool add_sets(float (&acc)[kN][4], float* scratch, in
 
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
     narrow_wgrad_kernel(const NarrowWgradArgs a) {
+  kernel_entry();
   __shared__ uint4 halo[kHaloChunks];
   __shared__ uint4 dys[kTileH * kTileW * 8];  // chunk j of pixel i at i * 8 + (j ^ (i & 7))
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -388,6 +390,7 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
 __global__ void narrow_wgrad_sum_kernel(const float* __restrict__ partial, int blocks, int taps,
                                         int channels, int padded, float beta,
                                         float* __restrict__ dw) {
+  kernel_entry();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= kK * taps * channels) return;
   const int m = i / (taps * channels), rest = i - m * taps * channels;
@@ -415,6 +418,7 @@ struct NarrowWgradTf32Args : NarrowGeometry {
 
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
     narrow_wgrad_tf32_kernel(const NarrowWgradTf32Args a) {
+  kernel_entry();
   constexpr int kPixels = kTf32TileH * kTileW;
   constexpr int kTiles = (kMaxR * kMaxS + 1) / 2;  // n8 tiles: two taps each
   __shared__ float4 halo[(kTf32TileH + kMaxR - 1) * kHaloW];

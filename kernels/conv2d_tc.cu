@@ -55,6 +55,7 @@ __device__ __forceinline__ T from_float(float v) {
 template <typename In, typename Out>
 __global__ void pad_channels_kernel(const In* __restrict__ src, int64_t rows, int c, int cp,
                                     Out* __restrict__ dst) {
+  kernel_entry();
   const int64_t total = rows * cp;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -68,6 +69,7 @@ __global__ void pad_channels_kernel(const In* __restrict__ src, int64_t rows, in
 template <typename In, typename Out>
 __global__ void rotate_filters_kernel(const In* __restrict__ w, int k, int r, int s, int c, int kp,
                                       Out* __restrict__ out) {
+  kernel_entry();
   const int64_t total = int64_t(c) * r * s * kp;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -98,6 +100,7 @@ template <int kPair>
 __global__ void filters_to_bf16_kernel(const float* __restrict__ w, int k, int r, int s, int c,
                                        int cp, __nv_bfloat16* __restrict__ dst,
                                        __nv_bfloat16* __restrict__ rotated) {
+  kernel_entry();
   constexpr int kTile = kFilterThreads * kPair;
   __shared__ __nv_bfloat16 tile[kTile][kTile + 2];  // [filter][channel]
   const int c0 = blockIdx.x * kTile, k0 = blockIdx.y * kTile;
@@ -233,6 +236,7 @@ sm90::PatchTiles patch_tiles(const Conv2dShape& s, int pixels, int channel_block
 // without reading dw.
 __global__ void transpose_accumulate_kernel(const float* __restrict__ t, int rows, int cols,
                                             float beta, float* __restrict__ dw) {
+  kernel_entry();
   const int64_t total = int64_t(rows) * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -455,6 +459,7 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
 // dw[k][r][s][c] = beta*dw + part[k][r][s][c] for c < C, from a part computed with cp channels.
 __global__ void unpad_accumulate_kernel(const float* __restrict__ part, int64_t rows, int c, int cp,
                                         float beta, float* __restrict__ dw) {
+  kernel_entry();
   const int64_t total = rows * c;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -513,6 +518,7 @@ struct KMajorCopy {
 // The tile's 32 grid positions are decomposed once (32-bit: the caller keeps ld below 2^31), not
 // per element: a division per element made this copy slower than the product it feeds.
 __global__ void k_major_copy_kernel(const KMajorCopy a) {
+  kernel_entry();
   __shared__ float tile[32][33];
   __shared__ int img_of[32], hh_of[32], ww_of[32];
   const int j0 = blockIdx.x * 32;
@@ -565,6 +571,7 @@ __global__ void k_major_copy_kernel(const KMajorCopy a) {
 constexpr int kCopyPositions = 128, kCopyChannels = 32, kCopyMaxCopies = 32;
 
 __global__ void __launch_bounds__(256) shifted_copies_kernel(const KMajorCopy a, int copies) {
+  kernel_entry();
   __shared__ float tile[kCopyChannels][kCopyPositions + kCopyMaxCopies + 1];  // odd row stride
   __shared__ int pixel_of[kCopyPositions + kCopyMaxCopies];
   const int j0 = blockIdx.x * kCopyPositions;

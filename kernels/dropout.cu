@@ -23,6 +23,7 @@ __global__ void __launch_bounds__(kThreads, 6)
     dropout_kernel(const float* x, float* y, int64_t n, float p, float scale, uint64_t seed,
                    uint64_t offset, int64_t head, int64_t vectors,
                    const uint64_t* __restrict__ seed_offset) {
+  kernel_entry();
   if (seed_offset != nullptr) {  // a captured launch: this replay's (seed, offset)
     seed = seed_offset[0];
     offset = seed_offset[1];

@@ -43,6 +43,7 @@ __device__ __forceinline__ float4 apply4(const Op& op, const float4& a, const fl
 template <int kInputs, typename Op>
 __global__ void map_kernel(Op op, const float* a, const float* b, float* out, int64_t n,
                            int64_t head, int64_t vectors) {
+  kernel_entry();
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const auto* a4 = reinterpret_cast<const float4*>(a + head);
@@ -84,6 +85,7 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float4& v) {
 template <int kInputs, typename Op>
 __global__ void map_kernel_bf16(Op op, const __nv_bfloat16* a, const __nv_bfloat16* b,
                                 __nv_bfloat16* out, int64_t n, int64_t head, int64_t vectors) {
+  kernel_entry();
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = start; v < vectors; v += stride) {

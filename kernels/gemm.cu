@@ -182,6 +182,7 @@ __device__ __forceinline__ void store4(float* c, const float (&v)[4], int avail,
 template <int kTileM, bool kTransA, bool kTransB>
 __global__ void __launch_bounds__(TileShape<kTileM>::kThreads, TileShape<kTileM>::kBlocksPerSm)
     gemm_kernel(const GemmParams p) {
+  kernel_entry();
   constexpr int kThreads = TileShape<kTileM>::kThreads;
   using ALoader = TileLoader<kTileM, kThreads, !kTransA>;
   using BLoader = TileLoader<kTileN, kThreads, kTransB>;
@@ -259,6 +260,7 @@ __global__ void __launch_bounds__(TileShape<kTileM>::kThreads, TileShape<kTileM>
 __global__ void gemm_splitk_reduce_kernel(const float* ws, int64_t split_stride, int splits, int m,
                                           int n, int ldw, float alpha, float beta, float* c,
                                           int ldc) {
+  kernel_entry();
   const int j = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (j >= n) return;
   for (int i = static_cast<int>(blockIdx.y); i < m; i += static_cast<int>(gridDim.y)) {

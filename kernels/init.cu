@@ -8,6 +8,7 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void fill_kernel(float* x, int64_t n, float value) {
+  kernel_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     x[i] = value;
@@ -16,6 +17,7 @@ __global__ void fill_kernel(float* x, int64_t n, float value) {
 
 __global__ void uniform_kernel(float* x, int64_t n, float lo, float hi, uint64_t seed,
                                uint64_t offset) {
+  kernel_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     x[i] = detail::uniform_at(seed, offset + i, lo, hi);
@@ -24,6 +26,7 @@ __global__ void uniform_kernel(float* x, int64_t n, float lo, float hi, uint64_t
 
 __global__ void normal_kernel(float* x, int64_t n, float mean, float std, uint64_t seed,
                               uint64_t offset) {
+  kernel_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     x[i] = detail::normal_at(seed, offset + i, mean, std);

@@ -29,6 +29,7 @@ constexpr unsigned kMaxBlocks = 65535;
 
 __global__ void __launch_bounds__(kTile* kTileRows, 8)
     transpose_kernel(const float* src, float* dst, int64_t batch, int64_t rows, int64_t cols) {
+  kernel_entry();
   __shared__ float tile[kTile][kTile + 1];
   const int64_t tiles_r = (rows + kTile - 1) / kTile;
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
@@ -93,6 +94,7 @@ __device__ __forceinline__ float widen(uint32_t bf16_bits) {
 
 __global__ void f32_to_bf16_kernel(const float* src, __nv_bfloat16* dst, int64_t n, int64_t head,
                                    int64_t vectors) {
+  kernel_entry();
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const auto* s4 = reinterpret_cast<const float4*>(src + head);
@@ -112,6 +114,7 @@ __global__ void f32_to_bf16_kernel(const float* src, __nv_bfloat16* dst, int64_t
 
 __global__ void bf16_to_f32_kernel(const __nv_bfloat16* src, float* dst, int64_t n, int64_t head,
                                    int64_t vectors) {
+  kernel_entry();
   const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const auto* s4 = reinterpret_cast<const uint2*>(src + head);

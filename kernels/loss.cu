@@ -41,6 +41,7 @@ __global__ void ce_forward_rows_kernel(const float* __restrict__ logits,
                                        const int32_t* __restrict__ labels,
                                        float* __restrict__ probs, float* __restrict__ row_loss,
                                        int n, int classes, int* __restrict__ bad_label) {
+  kernel_entry();
   const int i = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (i >= n) return;  // the whole warp: no shuffle is left waiting
@@ -67,6 +68,7 @@ __global__ void ce_forward_rows_kernel(const float* __restrict__ logits,
 // One block: *loss = (sum of row_loss in a fixed order) / n.
 __global__ void ce_mean_kernel(const float* __restrict__ row_loss, int n,
                                float* __restrict__ loss) {
+  kernel_entry();
   __shared__ float partial[kThreads];
   float sum = 0.f;
   for (int i = threadIdx.x; i < n; i += kThreads) sum += row_loss[i];
@@ -82,6 +84,7 @@ __global__ void ce_mean_kernel(const float* __restrict__ row_loss, int n,
 // probs and dlogits may be the same buffer: each element is read, then written, by one thread.
 __global__ void ce_backward_kernel(const float* probs, const int32_t* __restrict__ labels,
                                    float* dlogits, int n, int classes, float scale) {
+  kernel_entry();
   const int64_t total = int64_t(n) * classes;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
        e += int64_t(gridDim.x) * blockDim.x) {
@@ -104,6 +107,7 @@ __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
 
 __global__ void argmax_rows_kernel(const float* __restrict__ x, int32_t* __restrict__ out, int n,
                                    int classes) {
+  kernel_entry();
   const int i = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (i >= n) return;
@@ -125,6 +129,7 @@ __global__ void argmax_rows_kernel(const float* __restrict__ x, int32_t* __restr
 __global__ void count_correct_kernel(const int32_t* __restrict__ pred,
                                      const int32_t* __restrict__ labels, int n,
                                      int* __restrict__ count) {
+  kernel_entry();
   __shared__ int partial[kThreads];
   int hits = 0;
   for (int i = threadIdx.x; i < n; i += kThreads) hits += pred[i] == labels[i];

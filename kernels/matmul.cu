@@ -82,6 +82,7 @@ double estimate(const MatmulProblem& p, int tile_n, int splits, int sms) {
 
 __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int splits, int m, int n,
                                      void* c, int64_t ldc, int c_is_bf16, EpilogueArgs e) {
+  kernel_entry();
   const int64_t total = int64_t(m) * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -120,6 +121,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 template <typename Out>
 __global__ void pack_k_major_kernel(const float* __restrict__ src, int64_t ld, int transposed,
                                     int rows, int k, Out* __restrict__ dst, int64_t ldd) {
+  kernel_entry();
   __shared__ float tile[32][33];
   const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
   for (int i = threadIdx.y; i < 32; i += blockDim.y) {

@@ -31,11 +31,23 @@ __device__ __forceinline__ void store4(float* p, int64_t i, float4 v) {
   reinterpret_cast<float4*>(p)[i] = v;
 }
 
+// Four consecutive elements of the bf16 compute copy (8 bytes: aligned when the fp32 ones are 16
+// and the copy mirrors them), rounded to nearest even.
+__device__ __forceinline__ void store4_bf16(__nv_bfloat16* c, int64_t i, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 bits;
+  bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+  bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+  reinterpret_cast<uint2*>(c)[i] = bits;
+}
+
 template <bool Vec>
 __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ grad,
                            float* __restrict__ buf, int64_t n, detail::SgdCoefficients k,
                            int64_t momentum_steps, StepGate gate,
-                           const SgdScalars* __restrict__ scalars) {
+                           const SgdScalars* __restrict__ scalars,
+                           __nv_bfloat16* __restrict__ compute) {
+  kernel_entry();
   if (scalars != nullptr) {  // a captured step: this replay's values (optim.h)
     k = scalars->k;
     momentum_steps = scalars->momentum_steps;
@@ -59,13 +71,16 @@ __global__ void sgd_kernel(float* __restrict__ param, const float* __restrict__ 
       p.w = detail::sgd_update(p.w, g.w, &b.w, k);
       store4(param, i, p);
       if (writes_buf) store4(buf, i, b);
+      if (compute != nullptr) store4_bf16(compute, i, p);
     }
     done = vectors * 4;
   }
   for (int64_t i = done + thread_index(); i < n; i += thread_count()) {
     float b = reads_buf ? buf[i] : 0.f;
-    param[i] = detail::sgd_update(param[i], grad[i], &b, k);
+    const float p = detail::sgd_update(param[i], grad[i], &b, k);
+    param[i] = p;
     if (writes_buf) buf[i] = b;
+    if (compute != nullptr) compute[i] = __float2bfloat16_rn(p);
   }
 }
 
@@ -73,7 +88,9 @@ template <bool Vec>
 __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad,
                              float* __restrict__ m, float* __restrict__ v, int64_t n,
                              detail::AdamWCoefficients k, int64_t step, StepGate gate,
-                             const AdamWScalars* __restrict__ scalars) {
+                             const AdamWScalars* __restrict__ scalars,
+                             __nv_bfloat16* __restrict__ compute) {
+  kernel_entry();
   if (scalars != nullptr) {  // a captured step: this replay's values (optim.h)
     k = scalars->k;
     step = scalars->step;
@@ -97,6 +114,7 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
       store4(param, i, p);
       store4(m, i, mm);
       store4(v, i, vv);
+      if (compute != nullptr) store4_bf16(compute, i, p);
     }
     done = vectors * 4;
   }
@@ -104,6 +122,7 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
     float p = param[i], mm = m[i], vv = v[i];
     detail::adamw_update(p, grad[i], mm, vv, k);
     param[i] = p, m[i] = mm, v[i] = vv;
+    if (compute != nullptr) compute[i] = __float2bfloat16_rn(p);
   }
 }
 
@@ -111,6 +130,7 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
 // loads when aligned, scalar otherwise: the same sums), then a fixed tree per block.
 __global__ void sum_of_squares_partial_kernel(const float* __restrict__ x, int64_t n, bool vec,
                                               float* __restrict__ partials) {
+  kernel_entry();
   __shared__ float tree[kThreads];
   const int64_t chunks = (n + 3) / 4;
   float sum = 0.f;
@@ -143,6 +163,7 @@ __global__ void sum_of_squares_partial_kernel(const float* __restrict__ x, int64
 template <bool Sqrt>
 __global__ void __launch_bounds__(kNormBlocks)
     sum_partials_kernel(const float* __restrict__ partials, int parts, float* __restrict__ out) {
+  kernel_entry();
   __shared__ float tree[kNormBlocks];
   tree[threadIdx.x] = int(threadIdx.x) < parts ? partials[threadIdx.x] : 0.f;
   __syncthreads();
@@ -156,6 +177,7 @@ __global__ void __launch_bounds__(kNormBlocks)
 template <bool Vec>
 __global__ void clip_scale_kernel(float* __restrict__ grad, int64_t n,
                                   const float* __restrict__ norm, float max_norm) {
+  kernel_entry();
   const float coef = detail::clip_coefficient(*norm, max_norm);
   int64_t done = 0;
   if constexpr (Vec) {
@@ -172,6 +194,7 @@ __global__ void clip_scale_kernel(float* __restrict__ grad, int64_t n,
 
 __global__ void count_skipped_step_kernel(const int32_t* __restrict__ skip,
                                           int64_t* __restrict__ counts, bool advances_state) {
+  kernel_entry();
   if (*skip == 0) return;
   counts[0] += 1;
   if (advances_state) counts[1] += 1;
@@ -179,6 +202,7 @@ __global__ void count_skipped_step_kernel(const int32_t* __restrict__ skip,
 
 __global__ void nonfinite_flag_kernel(const float* __restrict__ a, const float* __restrict__ b,
                                       int32_t* __restrict__ flag) {
+  kernel_entry();
   *flag = !isfinite(*a) || (b != nullptr && !isfinite(*b)) ? 1 : 0;
 }
 
@@ -206,34 +230,42 @@ void reduce_squares(const char* op, const float* x, int64_t n, float* out, cudaS
          parts, out);
 }
 
+// The vectorised path needs the compute copy 8-byte aligned as well (it is, when it mirrors a
+// 16-byte-aligned param: flat buffers, layers/module.h).
+bool aligned8(const void* p) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % 8 == 0;
+}
+
 void launch_sgd(float* param, const float* grad, float* momentum_buf, int64_t n,
                 const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
-                cudaStream_t stream) {
+                cudaStream_t stream, __nv_bfloat16* compute) {
   const bool momentum = host.k.momentum != 0.f;
   CUDP_CHECK(!momentum || momentum_buf || n == 0, "sgd_step: momentum ", host.k.momentum,
              " needs a momentum buffer");
   if (n == 0) return;
-  const bool vec = aligned16(param) && aligned16(grad) && (!momentum || aligned16(momentum_buf));
+  const bool vec = aligned16(param) && aligned16(grad) && (!momentum || aligned16(momentum_buf)) &&
+                   aligned8(compute);
   if (vec) {
     launch("sgd_kernel", sgd_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream, param,
-           grad, momentum_buf, n, host.k, host.momentum_steps, gate, scalars);
+           grad, momentum_buf, n, host.k, host.momentum_steps, gate, scalars, compute);
   } else {
     launch("sgd_kernel", sgd_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
-           param, grad, momentum_buf, n, host.k, host.momentum_steps, gate, scalars);
+           param, grad, momentum_buf, n, host.k, host.momentum_steps, gate, scalars, compute);
   }
 }
 
 void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                   const detail::AdamWCoefficients& k, int64_t step, const AdamWScalars* scalars,
-                  const StepGate& gate, cudaStream_t stream) {
+                  const StepGate& gate, cudaStream_t stream, __nv_bfloat16* compute) {
   if (n == 0) return;
-  const bool vec = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
+  const bool vec =
+      aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && aligned8(compute);
   if (vec) {
     launch("adamw_kernel", adamw_kernel<true>, elementwise_blocks(n, true), kThreads, 0, stream,
-           param, grad, m, v, n, k, step, gate, scalars);
+           param, grad, m, v, n, k, step, gate, scalars, compute);
   } else {
     launch("adamw_kernel", adamw_kernel<false>, elementwise_blocks(n, false), kThreads, 0, stream,
-           param, grad, m, v, n, k, step, gate, scalars);
+           param, grad, m, v, n, k, step, gate, scalars, compute);
   }
 }
 
@@ -248,18 +280,19 @@ void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, d
 
 void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov,
-              int64_t momentum_steps, const StepGate& gate, cudaStream_t stream) {
+              int64_t momentum_steps, const StepGate& gate, cudaStream_t stream,
+              __nv_bfloat16* compute) {
   CUDP_CHECK(momentum_steps >= 0, "sgd_step: momentum_steps must be >= 0, got ", momentum_steps);
   const SgdScalars host = sgd_scalars(n, lr, momentum, dampening, weight_decay, nesterov,
                                       momentum_steps, gate.folded);
-  launch_sgd(param, grad, momentum_buf, n, host, nullptr, gate, stream);
+  launch_sgd(param, grad, momentum_buf, n, host, nullptr, gate, stream, compute);
 }
 
 void sgd_step_captured(float* param, const float* grad, float* momentum_buf, int64_t n,
                        const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, __nv_bfloat16* compute) {
   CUDP_CHECK(scalars != nullptr, "sgd_step_captured: the device scalars pointer is null");
-  launch_sgd(param, grad, momentum_buf, n, host, scalars, gate, stream);
+  launch_sgd(param, grad, momentum_buf, n, host, scalars, gate, stream, compute);
 }
 
 SgdScalars sgd_scalars(int64_t n, double lr, double momentum, double dampening,
@@ -277,16 +310,17 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
 
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                const StepGate& gate, cudaStream_t stream) {
+                const StepGate& gate, cudaStream_t stream, __nv_bfloat16* compute) {
   const detail::AdamWCoefficients k =
       detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
-  launch_adamw(param, grad, m, v, n, k, step, nullptr, gate, stream);
+  launch_adamw(param, grad, m, v, n, k, step, nullptr, gate, stream, compute);
 }
 
 void adamw_step_captured(float* param, const float* grad, float* m, float* v, int64_t n,
-                         const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream) {
+                         const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream,
+                         __nv_bfloat16* compute) {
   CUDP_CHECK(scalars != nullptr, "adamw_step_captured: the device scalars pointer is null");
-  launch_adamw(param, grad, m, v, n, {}, 0, scalars, gate, stream);
+  launch_adamw(param, grad, m, v, n, {}, 0, scalars, gate, stream, compute);
 }
 
 AdamWScalars adamw_scalars(int64_t n, double lr, double beta1, double beta2, double eps,

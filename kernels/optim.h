@@ -22,6 +22,12 @@
 // a formula shared by the CUDA kernel and the CPU reference (detail:: below), so the two agree
 // bitwise; nothing is left for the compiler to contract differently on either side.
 //
+// The bf16 compute copy (the parameter store, layers/module.h): the gated and captured updates take
+// `compute`, n bf16 elements mirroring `param`; when it is not null each element written to param
+// is also written there, rounded to nearest even (what kernels/layout.h's f32_to_bf16 gives), in
+// the same pass, so the copy a bf16 model's products read never needs a pass of its own. A skipped
+// step writes neither.
+//
 // Gated steps (--on-nan skip-step with no host synchronisation): the step's own check (a loss or a
 // gradient norm that is not finite, nonfinite_flag) writes a flag on the device, and the update
 // reads it there; when it is set, nothing is written. A skipped step must not count either (SGD's
@@ -34,13 +40,14 @@
 // device's pow (CUDA's: within 2 ulp) may in rare cases round to another fp32 scalar than the
 // host's.
 //
-// Norms: sum_of_squares and global_norm reduce in fp32 (docs/architecture.md §2.3) in two stages in a fixed
-// order; the partition depends only on n, so every replica, on any GPU model, gets the same bits
-// from the same gradients and clips identically. Clipping reads the norm from device memory: no
-// host synchronisation in the step. Like torch.nn.utils.clip_grad_norm_, it multiplies by
-// min(1, max_norm / (norm + 1e-6)) unconditionally (by exactly 1 when the norm is small).
+// Norms: sum_of_squares and global_norm reduce in fp32 (docs/architecture.md §2.3) in two stages in
+// a fixed order; the partition depends only on n, so every replica, on any GPU model, gets the same
+// bits from the same gradients and clips identically. Clipping reads the norm from device memory:
+// no host synchronisation in the step. Like torch.nn.utils.clip_grad_norm_, it multiplies by min(1,
+// max_norm / (norm + 1e-6)) unconditionally (by exactly 1 when the norm is small).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -75,10 +82,11 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
 // count, less the skipped ones, is 0.
 void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov,
-              int64_t momentum_steps, const StepGate& gate, cudaStream_t stream);
+              int64_t momentum_steps, const StepGate& gate, cudaStream_t stream,
+              __nv_bfloat16* compute = nullptr);
 void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
-                  int64_t momentum_steps, const StepGate& gate);
+                  int64_t momentum_steps, const StepGate& gate, __nv_bfloat16* compute = nullptr);
 
 // m, v: first and second moments (zero before the first step). step: 1 on the first call.
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
@@ -91,10 +99,10 @@ void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t
 // skipped ones.
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                const StepGate& gate, cudaStream_t stream);
+                const StepGate& gate, cudaStream_t stream, __nv_bfloat16* compute = nullptr);
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    const StepGate& gate);
+                    const StepGate& gate, __nv_bfloat16* compute = nullptr);
 
 // After the updates of one gated step: when *skip is nonzero, counts[0] += 1 (steps skipped) and,
 // when the step would have advanced the optimizer's state, counts[1] += 1 (what StepGate::skipped
@@ -228,10 +236,11 @@ SgdScalars sgd_scalars(int64_t n, double lr, double momentum, double dampening,
                        int64_t folded);
 void sgd_step_captured(float* param, const float* grad, float* momentum_buf, int64_t n,
                        const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
-                       cudaStream_t stream);
+                       cudaStream_t stream, __nv_bfloat16* compute = nullptr);
 AdamWScalars adamw_scalars(int64_t n, double lr, double beta1, double beta2, double eps,
                            double weight_decay, int64_t step, int64_t folded);
 void adamw_step_captured(float* param, const float* grad, float* m, float* v, int64_t n,
-                         const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream);
+                         const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream,
+                         __nv_bfloat16* compute = nullptr);
 
 }  // namespace cudp::kernels

@@ -1,6 +1,7 @@
 #include <cmath>
 
 #include "engine/core/error.h"
+#include "kernels/layout.h"
 #include "kernels/optim.h"
 
 namespace cudp::kernels {
@@ -55,7 +56,7 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
 
 void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
-                  int64_t momentum_steps, const StepGate& gate) {
+                  int64_t momentum_steps, const StepGate& gate, __nv_bfloat16* compute) {
   detail::SgdCoefficients k =
       detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, false);
   CUDP_CHECK(momentum == 0 || momentum_buf || n == 0, "sgd_step: momentum ", momentum,
@@ -66,6 +67,7 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
   for (int64_t i = 0; i < n; ++i) {
     param[i] = detail::sgd_update(param[i], grad[i], momentum_buf ? momentum_buf + i : nullptr, k);
   }
+  if (compute != nullptr) f32_to_bf16_cpu(param, compute, n);
 }
 
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
@@ -75,7 +77,7 @@ void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t
 
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    const StepGate& gate) {
+                    const StepGate& gate, __nv_bfloat16* compute) {
   detail::AdamWCoefficients k =
       detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
   if (detail::skipped(gate)) return;
@@ -84,6 +86,7 @@ void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t
              "; the skipped count does not belong to this optimizer's steps");
   if (taken != step) detail::set_bias_corrections(k, taken);
   for (int64_t i = 0; i < n; ++i) detail::adamw_update(param[i], grad[i], m[i], v[i], k);
+  if (compute != nullptr) f32_to_bf16_cpu(param, compute, n);
 }
 
 void count_skipped_step_cpu(const int32_t* skip, int64_t* counts, bool advances_state) {

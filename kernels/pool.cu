@@ -117,6 +117,7 @@ __device__ __forceinline__ bool takes(float v, float best) {
 template <typename T, int V, typename I>
 __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__ y,
                                         int32_t* __restrict__ indices, Geometry g, I total) {
+  kernel_entry();
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -148,6 +149,7 @@ __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__
 template <typename T, int V, typename I>
 __global__ void max_pool_2x2_forward_kernel(const T* __restrict__ x, T* __restrict__ y,
                                             int32_t* __restrict__ indices, Geometry g, I total) {
+  kernel_entry();
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -180,6 +182,7 @@ template <typename T, int V, typename I>
 __global__ void max_pool_backward_kernel(const T* __restrict__ dy,
                                          const int32_t* __restrict__ indices, T* __restrict__ dx,
                                          Geometry g, I total) {
+  kernel_entry();
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -217,6 +220,7 @@ template <typename T, int V, typename I>
 __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
                                              const int32_t* __restrict__ indices,
                                              T* __restrict__ dx, Geometry g, I total) {
+  kernel_entry();
   const int vectors = g.c / V;
   const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -262,6 +266,7 @@ __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy
                                                         const T* __restrict__ x, T* __restrict__ dx,
                                                         Geometry g, I total, bool relu_mask,
                                                         float* __restrict__ partial) {
+  kernel_entry();
   const int vectors = g.c / V;
   [[maybe_unused]] float sums[V] = {};
   const int windows_h = (g.h + 1) / 2, windows_w = (g.w + 1) / 2;
@@ -330,6 +335,7 @@ __device__ __forceinline__ int window_end(int i, int in, int out) {
 template <int V, typename I>
 __global__ void adaptive_avg_forward_kernel(const float* __restrict__ x, float* __restrict__ y,
                                             Geometry g, I total) {
+  kernel_entry();
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;
@@ -358,6 +364,7 @@ __global__ void adaptive_avg_forward_kernel(const float* __restrict__ x, float* 
 template <int V, typename I>
 __global__ void adaptive_avg_backward_kernel(const float* __restrict__ dy, float* __restrict__ dx,
                                              Geometry g, I total) {
+  kernel_entry();
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
     int64_t b;

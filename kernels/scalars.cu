@@ -13,10 +13,12 @@ struct Chunk {
 };
 
 __global__ void write_bytes_kernel(unsigned char* __restrict__ dst, Chunk chunk, unsigned n) {
+  kernel_entry();
   for (unsigned i = threadIdx.x; i < n; i += blockDim.x) dst[i] = chunk.bytes[i];
 }
 
 __global__ void add_i64_kernel(int64_t* counter, int64_t value) {
+  kernel_entry();
   *counter += value;
 }
 

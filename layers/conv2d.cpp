@@ -251,13 +251,6 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
                                       stream);
             }
           }
-          std::optional<cuda::AllocationPurpose> purpose;
-          purpose.emplace(
-              detail::str("Conv2d(", in_, ", ", out_, ")'s bf16 copies of its filters"),
-              "Under bf16 the layer makes them at each forward (and the rotated filters for a "
-              "training backward) and keeps them until the backward: reduce the batch size "
-              "(--batch-size) to leave room for them.");
-          weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
           // The rotated filters of backward-data come from the same pass, when a backward that
           // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
           // channel padding) and does not read these filters as they are (K a multiple of 64,
@@ -266,11 +259,25 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
                               kernels::bf16_channels(s.k) == s.k && s.stride_h == 1 &&
                               s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1 &&
                               !kernels::conv2d_backward_data_reads_filters_as_they_are(s);
-          weight_rot_bf16_ =
-              rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
-          purpose.reset();
-          kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
-                                          rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
+          if (weight_->compute.defined() && cp == s.c && !rotate) {
+            // The parameter store's copy, which the optimizer wrote with the master weights
+            // (layers/module.h): no pass here.
+            weight_bf16_ = weight_->compute;
+            weight_rot_bf16_ = Tensor();
+          } else {
+            std::optional<cuda::AllocationPurpose> purpose;
+            purpose.emplace(
+                detail::str("Conv2d(", in_, ", ", out_, ")'s bf16 copies of its filters"),
+                "Under bf16 the layer makes them at each forward (and the rotated filters for a "
+                "training backward) and keeps them until the backward: reduce the batch size "
+                "(--batch-size) to leave room for them.");
+            weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
+            weight_rot_bf16_ =
+                rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
+            purpose.reset();
+            kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
+                                            rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
+          }
           kernels::Conv2dShape padded = s;
           padded.c = cp;
           const kernels::ConvOperands ops{kernels::Math::BF16,

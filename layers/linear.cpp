@@ -113,14 +113,20 @@ Tensor Linear::forward_one(const Tensor& input) {
     run([] {},
         [&](cudaStream_t s) {
           input_bf16_ = convert(input, DType::bf16);
-          {
-            const cuda::AllocationPurpose purpose(
-                detail::str("Linear(", in_, ", ", out_, ")'s bf16 copy of its weight"),
-                kBf16Advice);
-            weight_bf16_ = Tensor::empty({out_, in_}, DType::bf16, device_);
+          if (weight_->compute.defined()) {
+            // The parameter store's copy, which the optimizer wrote with the master weight
+            // (layers/module.h): no pass here.
+            weight_bf16_ = weight_->compute;
+          } else {
+            {
+              const cuda::AllocationPurpose purpose(
+                  detail::str("Linear(", in_, ", ", out_, ")'s bf16 copy of its weight"),
+                  kBf16Advice);
+              weight_bf16_ = Tensor::empty({out_, in_}, DType::bf16, device_);
+            }
+            kernels::f32_to_bf16(weight_->data.data<float>(), weight_bf16_.data<__nv_bfloat16>(),
+                                 out_ * in_, s);
           }
-          kernels::f32_to_bf16(weight_->data.data<float>(), weight_bf16_.data<__nv_bfloat16>(),
-                               out_ * in_, s);
           bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s);
         });
     // Where the weight gradient takes the float launcher (an odd out_features), it takes x in

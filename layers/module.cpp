@@ -14,6 +14,7 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
+#include "kernels/layout.h"
 
 #include <atomic>
 #include <set>
@@ -329,6 +330,7 @@ void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool st
   for (const auto& [e, t] : loads) {
     e->tensor->copy_from(e->owner->import_tensor(e->local, *t));
   }
+  refresh_compute_copies();
 }
 
 // ---- modes, gradients, devices ------------------------------------------------------------------
@@ -342,6 +344,9 @@ void Module::train(bool on) {
 void Module::set_precision(Precision precision) {
   for (auto& [path, module] : named_modules()) {
     module->precision_ = precision;
+    if (precision != Precision::bf16) {
+      for (auto& [name, param] : module->params_) param.compute = Tensor();
+    }
   }
 }
 
@@ -382,6 +387,8 @@ Module& Module::to(Device device) {
       "it, or use a smaller model (DataParallel keeps a whole copy on every GPU).");
   for (auto& [path, module] : named_modules()) {
     for (auto& [name, param] : module->params_) {
+      // The parameter store stays behind on another device (flatten again there).
+      if (param.data.device() != device) param.compute = Tensor();
       param.data = param.data.to(device);
       param.grad = param.grad.to(device);
     }
@@ -467,6 +474,21 @@ std::pair<Tensor, Tensor> Module::flatten_parameters() {
   }
   Tensor flat_data = Tensor::zeros({total}, DType::f32, device_);
   Tensor flat_grad = Tensor::zeros({total}, DType::f32, device_);
+  // The bf16 compute copies (NOTE [The parameter store]), at the same element offsets, so that one
+  // optimizer launch writes them beside the master weights.
+  bool bf16 = false;
+  for (const auto& [path, module] : named_modules()) {
+    bf16 = bf16 || module->precision_ == Precision::bf16;
+  }
+  bf16 = bf16 && detail::parameter_store();
+  Tensor flat_compute;
+  if (bf16) {
+    const cuda::AllocationPurpose purpose(
+        detail::str(type_name(), "'s bf16 copy of its weights (the bf16 policy's parameter store)"),
+        "Under bf16 the model keeps one bf16 copy of its weights beside the fp32 master weights: "
+        "use a smaller model or GPUs with more free memory.");
+    flat_compute = Tensor::empty({total}, DType::bf16, device_);
+  }
   int64_t offset = 0;
   for (const auto& [name, p] : params) {
     const int64_t n = p->data.numel();
@@ -476,9 +498,41 @@ std::pair<Tensor, Tensor> Module::flatten_parameters() {
     grad.copy_from(p->grad);
     p->data = data;
     p->grad = grad;
+    p->compute = bf16 ? flat_compute.slice(offset, offset + n).view(p->data.shape()) : Tensor();
     offset += align_up(n);
   }
+  if (bf16) {
+    // The whole buffer at once: the padding's zeros become bf16 zeros.
+    run(
+        [&] {
+          kernels::f32_to_bf16_cpu(flat_data.data<float>(), flat_compute.data<__nv_bfloat16>(),
+                                   total);
+        },
+        [&](cudaStream_t stream) {
+          kernels::f32_to_bf16(flat_data.data<float>(), flat_compute.data<__nv_bfloat16>(), total,
+                               stream);
+        });
+  }
   return {flat_data, flat_grad};
+}
+
+void Module::refresh_compute_copies() {
+  for (const auto& [name, p] : named_parameters()) {
+    if (!p->compute.defined()) continue;
+    CUDP_CHECK(p->compute.dtype() == DType::bf16 && p->compute.numel() == p->data.numel() &&
+                   p->compute.device() == p->data.device(),
+               type_name(), ": parameter '", name, "' has a compute copy ", p->compute.str(),
+               " that does not mirror its data ", p->data.str(), "; flatten_parameters() again");
+    const int64_t n = p->data.numel();
+    const Device device = p->data.device();
+    if (device.is_cpu()) {
+      kernels::f32_to_bf16_cpu(p->data.data<float>(), p->compute.data<__nv_bfloat16>(), n);
+    } else {
+      cuda::DeviceGuard guard(device.index);
+      kernels::f32_to_bf16(p->data.data<float>(), p->compute.data<__nv_bfloat16>(), n,
+                           stream_for(device));
+    }
+  }
 }
 
 namespace detail {
@@ -490,6 +544,15 @@ void set_bias_handoff(bool on) {
 }
 bool bias_handoff() {
   return g_bias_handoff.load();
+}
+namespace {
+std::atomic<bool> g_parameter_store{true};
+}  // namespace
+void set_parameter_store(bool on) {
+  g_parameter_store.store(on);
+}
+bool parameter_store() {
+  return g_parameter_store.load();
 }
 }  // namespace detail
 

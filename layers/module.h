@@ -34,9 +34,22 @@ namespace cudp {
 using TensorList = std::vector<Tensor>;
 
 // A learnable tensor and its gradient (same shape, device and dtype; allocated with the data).
+//
+// NOTE [The parameter store]
+// Under the bf16 policy a flattened model (flatten_parameters, which DataParallel,
+// DistributedDataParallel and the trainers call) keeps, beside its flat fp32 master weights and
+// flat fp32 gradients, one flat bf16 copy of the weights: `compute`, a view into it, holds
+// bf16(data) rounded to nearest even, the operand Conv2d and Linear read instead of converting
+// their weights at every forward. Invariant: while `compute` is defined it equals bf16(data)
+// whenever a kernel reads it. Every writer of parameters in cudp keeps it: the optimizers write it
+// in the launch that updates data (kernels/optim.h); load_state_dict, DataParallel's and
+// DistributedDataParallel's broadcasts refresh it (Module::refresh_compute_copies); to() and
+// set_precision to another policy drop it. Code that writes `data` itself (through data<float>())
+// calls refresh_compute_copies() on the model afterwards. Undefined: the layers convert as before.
 struct Parameter {
   Tensor data;
   Tensor grad;
+  Tensor compute{};  // bf16(data) under the bf16 policy when flattened; see the NOTE above
 };
 
 class Module : public std::enable_shared_from_this<Module> {
@@ -101,7 +114,8 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // The precision policy (layers/precision.h) of this module and every descendant: how Conv2d and
   // Linear compute their products. Clones and replicas inherit it; set it before data_parallel
-  // or DataParallel makes replicas (they copy the model as it is then).
+  // or DataParallel makes replicas (they copy the model as it is then), and before
+  // flatten_parameters, which makes the bf16 compute copies. A policy other than bf16 drops them.
   void set_precision(Precision precision);
   Precision precision() const { return precision_; }
 
@@ -183,8 +197,14 @@ class Module : public std::enable_shared_from_this<Module> {
   // Re-points every parameter's data (and every gradient) into one flat buffer each, so that one
   // all-reduce or one optimizer launch covers the whole model. Returns {flat_data, flat_grad}.
   // Each parameter starts on a 256-byte boundary (zero padding between them). A later to() to
-  // another device or clone() gives separate tensors again: flatten after moving.
+  // another device or clone() gives separate tensors again: flatten after moving. When this module
+  // or a descendant has the bf16 policy, a third flat buffer, bf16 at the same element offsets,
+  // holds the parameters' compute copies (NOTE [The parameter store]); set the precision first.
   std::pair<Tensor, Tensor> flatten_parameters();
+  // Writes bf16(data) into every parameter's compute copy that is defined, on each parameter's
+  // device (its current stream): after writing parameters' data other than through cudp's
+  // optimizers, load_state_dict or the parallel wrappers' broadcasts, which do it themselves.
+  void refresh_compute_copies();
 
  protected:
   Module() = default;
@@ -282,6 +302,11 @@ namespace detail {
 // gradient in a pass of its own, as before the hand-off.
 void set_bias_handoff(bool on);
 bool bias_handoff();
+// The parameter store's bf16 copies (NOTE [The parameter store]) made by flatten_parameters (the
+// default) or not, for models flattened after the call: to compare, as bench_train --param-store
+// does. Off, Conv2d and Linear convert their weights at every forward, as before the store.
+void set_parameter_store(bool on);
+bool parameter_store();
 }  // namespace detail
 
 }  // namespace cudp

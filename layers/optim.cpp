@@ -36,12 +36,19 @@ Tensor snapshot(const Tensor& t) {
 // in list order, and every gradient sits at the same offset of another buffer. Gaps between
 // parameters may only be alignment padding (under 256 bytes), which flatten_parameters zeroes and
 // which every update here keeps at zero, so one launch may cover the whole span.
+// The bf16 compute copies (layers/module.h, NOTE [The parameter store]) are flat too when every
+// parameter has one at its data's offset of a third buffer: then the launch writes them over the
+// same span (padding included: zeros). Some parameters with copies and some without (a part of the
+// model set to another policy), or copies elsewhere: `compute_mixed`, and step() updates each
+// parameter with its own.
 struct Flat {
   Device device;
   float* data;
   float* grad;
   int64_t n;                     // the span, padding included
   std::vector<int64_t> offsets;  // of each parameter, in floats
+  __nv_bfloat16* compute = nullptr;
+  bool compute_mixed = false;
 };
 
 constexpr int64_t kMaxPaddingFloats = 256 / sizeof(float);
@@ -69,7 +76,27 @@ std::optional<Flat> find_flat(const std::vector<Parameter*>& params) {
     end = offset + p->data.numel();
   }
   flat.n = end;
+  const Tensor& first_compute = params[0]->compute;
+  size_t copies = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& c = params[i]->compute;
+    if (!c.defined()) continue;
+    ++copies;
+    if (!first_compute.defined() || !c.shares_storage(first_compute) ||
+        c.data<__nv_bfloat16>() - first_compute.data<__nv_bfloat16>() != flat.offsets[i]) {
+      flat.compute_mixed = true;
+    }
+  }
+  if (copies != 0 && copies != params.size()) flat.compute_mixed = true;
+  if (copies == params.size() && !flat.compute_mixed) {
+    flat.compute = first_compute.data<__nv_bfloat16>();
+  }
   return flat;
+}
+
+// Parameter i's compute copy for its own update, or null.
+__nv_bfloat16* compute_copy(const Parameter& p) {
+  return p.compute.defined() ? p.compute.data<__nv_bfloat16>() : nullptr;
 }
 
 // Throws unless parameter i's gradient matches its data (fp32, same shape, same device).
@@ -81,6 +108,11 @@ void check_parameter(const Parameter& p, size_t i, const char* op) {
                  p.grad.device() == p.data.device(),
              op, ": gradient ", p.grad.str(), " of parameter ", i, " does not match its data ",
              p.data.str());
+  CUDP_CHECK(!p.compute.defined() ||
+                 (p.compute.dtype() == DType::bf16 && p.compute.numel() == p.data.numel() &&
+                  p.compute.device() == p.data.device()),
+             op, ": the compute copy ", p.compute.str(), " of parameter ", i,
+             " does not mirror its data ", p.data.str(), "; flatten_parameters() again");
 }
 
 Device common_device(const std::vector<Parameter*>& params, const char* op) {
@@ -254,8 +286,8 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
   const std::optional<Flat> flat = find_flat(params_);
   // One launch needs the parameters flat now, the state created flat in the same layout, and
   // agreeing bookkeeping.
-  const bool together =
-      flat && (state_.empty() || flat->offsets == flat_offsets_) && uniform_state();
+  const bool together = flat && !flat->compute_mixed &&
+                        (state_.empty() || flat->offsets == flat_offsets_) && uniform_state();
   // Captured into a graph when a capture is open on the parameters' device (engine/core/graph.h
   // NOTE [Replay scalars]): each update reads its scalars from a slot, and before every replay
   // Issue::Stage writes the replay's own into the same slots, in the same order.
@@ -286,8 +318,10 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
     for (Tensor& t : flat_state_) {
       state.push_back(t.data<float>());
     }
-    issue_update(
-        {flat->device, nullptr, flat->data, flat->grad, state, flat->n, 0, params_.size(), gate});
+    Update u{flat->device, nullptr, flat->data,     flat->grad, state,
+             flat->n,      0,       params_.size(), gate};
+    u.compute = flat->compute;
+    issue_update(u);
   } else {
     for (size_t i = 0; i < params_.size(); ++i) {
       const Parameter& p = *params_[i];
@@ -295,8 +329,17 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
       for (auto& per_param : state_) {
         state.push_back(per_param[i].data<float>());
       }
-      issue_update({p.data.device(), nullptr, p.data.data<float>(), p.grad.data<float>(), state,
-                    p.data.numel(), i, 1, gate});
+      Update u{p.data.device(),
+               nullptr,
+               p.data.data<float>(),
+               p.grad.data<float>(),
+               state,
+               p.data.numel(),
+               i,
+               1,
+               gate};
+      u.compute = compute_copy(p);
+      issue_update(u);
     }
   }
   CUDP_CHECK(!stage || staged == captured_slots_.size(), type_name(),
@@ -494,12 +537,13 @@ void SGD::update(const Update& u) {
   const int64_t issued = advancing_steps_unfolded() + (started_[u.first] ? 1 : 0);
   if (u.device.is_cpu()) {
     kernels::sgd_step_cpu(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
-                          options_.weight_decay, options_.nesterov, issued, u.gate);
+                          options_.weight_decay, options_.nesterov, issued, u.gate, u.compute);
     return;
   }
   if (u.stage == nullptr) {
     kernels::sgd_step(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
-                      options_.weight_decay, options_.nesterov, issued, u.gate, u.stream);
+                      options_.weight_decay, options_.nesterov, issued, u.gate, u.stream,
+                      u.compute);
     return;
   }
   const kernels::SgdScalars scalars =
@@ -512,7 +556,7 @@ void SGD::update(const Update& u) {
   if (u.device_scalars != nullptr) {
     kernels::sgd_step_captured(u.param, u.grad, buffer, u.n, scalars,
                                static_cast<const kernels::SgdScalars*>(u.device_scalars), u.gate,
-                               u.stream);
+                               u.stream, u.compute);
   }
 }
 
@@ -555,11 +599,12 @@ void AdamW::update(const Update& u) {
   const int64_t step = step_[u.first] + 1;
   if (u.device.is_cpu()) {
     kernels::adamw_step_cpu(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
-                            options_.beta2, options_.eps, options_.weight_decay, step, u.gate);
+                            options_.beta2, options_.eps, options_.weight_decay, step, u.gate,
+                            u.compute);
   } else if (u.stage == nullptr) {
     kernels::adamw_step(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
-                        options_.beta2, options_.eps, options_.weight_decay, step, u.gate,
-                        u.stream);
+                        options_.beta2, options_.eps, options_.weight_decay, step, u.gate, u.stream,
+                        u.compute);
   } else {
     const kernels::AdamWScalars scalars =
         kernels::adamw_scalars(u.n, lr_, options_.beta1, options_.beta2, options_.eps,
@@ -568,7 +613,7 @@ void AdamW::update(const Update& u) {
     if (u.device_scalars != nullptr) {
       kernels::adamw_step_captured(u.param, u.grad, u.state[0], u.state[1], u.n,
                                    static_cast<const kernels::AdamWScalars*>(u.device_scalars),
-                                   u.gate, u.stream);
+                                   u.gate, u.stream, u.compute);
     }
   }
   for (size_t i = u.first; i < u.first + u.count; ++i) {

@@ -20,9 +20,12 @@
 // One launch for the whole model: when the parameters are consecutive views into one buffer and so
 // are their gradients (Module::flatten_parameters), the state is allocated as one buffer too and
 // step() updates everything with one kernel launch instead of one per parameter (the alignment
-// padding between flat parameters is zero and every update keeps it zero). Otherwise (or when the
-// parameters were flattened after the state was created) it runs per parameter; the results are
-// identical either way, because every element's update depends on that element alone.
+// padding between flat parameters is zero and every update keeps it zero). The same launch writes
+// the parameters' bf16 compute copies where they have them (layers/module.h, NOTE [The parameter
+// store]), so that a bf16 model's next forward reads its weights without a conversion pass.
+// Otherwise (or when the parameters were flattened after the state was created) it runs per
+// parameter; the results are identical either way, because every element's update depends on that
+// element alone.
 //
 // Skipping a step on the device (--on-nan skip-step with no host synchronisation per step):
 // step(skip) takes a flag the device writes (nonfinite_flag: the step's loss or gradient norm is
@@ -133,6 +136,9 @@ class Optimizer {
     // alone: it fills it and launches nothing. Both null: an eager step.
     void* device_scalars = nullptr;
     void* stage = nullptr;
+    // The bf16 compute copy of the same range, written in the same launch (layers/module.h, NOTE
+    // [The parameter store]), or null.
+    __nv_bfloat16* compute = nullptr;
   };
   virtual void update(const Update& u) = 0;
   // The bytes of the scalars a captured update reads (sizeof SgdScalars or AdamWScalars).

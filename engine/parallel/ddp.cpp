@@ -199,6 +199,7 @@ void DistributedDataParallel::broadcast_parameters() {
   TensorList tensors{flat_data_};
   for (const Tensor& b : buffer_tensors()) tensors.push_back(b);
   group_->broadcast(tensors, 0);
+  module_->refresh_compute_copies();  // bf16(data) of the weights rank 0 sent (layers/module.h)
 }
 
 void DistributedDataParallel::broadcast_buffers() {

@@ -141,6 +141,9 @@ void ReplicaSet::broadcast_parameters() {
   for (size_t r = 0; r < lists.size(); ++r)
     lists[r].insert(lists[r].end(), bufs[r].begin(), bufs[r].end());
   comm_->broadcast_many(lists, 0);
+  // The bf16 compute copies follow their new master weights (NOTE [The parameter store]), on each
+  // device's compute stream, which waits for the broadcast.
+  for (size_t r = 1; r < replicas_.size(); ++r) replicas_[r]->refresh_compute_copies();
   sync_replicas(Module::ReplicaSync::BuffersBroadcast);
 }
 

@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "engine/core/error.h"
+#include "engine/core/launch.cuh"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
 #include "kernels/sm90/matmul_sm90.h"
@@ -884,6 +885,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     matmul_kernel(const __grid_constant__ CUtensorMap map_a,
                   const __grid_constant__ CUtensorMap map_b, const MainloopParams p,
                   const ConvGather g) {
+  kernel_entry();
   using Cfg = Config<Elem, kTileN, kResidentB>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
@@ -1454,7 +1456,10 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   const auto run = [&](auto kernel, const ConvGather& g) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
-    kernel<<<plan.grid, kThreads, Cfg::kSharedBytes, stream>>>(map_a, map_b, p, g);
+    // A programmatic launch where the GPU allows (engine/core/launch.h): the kernel's set-up
+    // overlaps the previous kernel's tail.
+    launch("matmul_kernel", kernel, dim3(plan.grid), dim3(kThreads), Cfg::kSharedBytes, stream,
+           map_a, map_b, p, g);
   };
   if constexpr (kResidentB > 0) {
     CUDP_CHECK(
