@@ -1,16 +1,17 @@
 // Whole-file reads and writes for the data readers, gzip-aware.
 //
-// Data sets are small enough (tens of MB) to read whole, which lets a reader check sizes against its
-// header before it trusts any of them. MNIST-style files are often shipped gzipped; a file whose
-// first two bytes are gzip's magic (1f 8b) is decompressed with zlib, anything else is taken as is,
-// so one code path serves `train-images-idx3-ubyte` and `train-images-idx3-ubyte.gz`. A gzip file
-// that ends early or fails its checksum is an IoError naming the file, never silent garbage.
+// Data sets are small enough (tens of MB) to read whole, which lets a reader check sizes against
+// its header before it trusts any of them. MNIST-style files are often shipped gzipped; a file
+// whose first two bytes are gzip's magic (1f 8b) is decompressed with zlib, anything else is taken
+// as is, so one code path serves `train-images-idx3-ubyte` and `train-images-idx3-ubyte.gz`. A gzip
+// file that ends early or fails its checksum is an IoError naming the file, never silent garbage.
 //
 // Why the limits: a few kilobytes of gzip can inflate to gigabytes. Decompression stops at what the
 // reader can accept (the size an IDX header promises, the most a CIFAR batch can hold), and output
-// grows only as data arrives, so neither a bomb nor a header's false promise allocates more than
-// the file really holds up to that bound. Only regular files are read (engine/core/file.h): a FIFO
-// in place of a data file is an error, not a hang.
+// grows only as data arrives (past the room an IDX reader makes for it, at most 8 times the file's
+// size), so neither a bomb nor a header's false promise allocates more than the file really holds
+// up to that bound. Only regular files are read (engine/core/file.h): a FIFO in place of a data
+// file is an error, not a hang.
 #pragma once
 
 #include <cstdint>

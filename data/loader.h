@@ -121,7 +121,10 @@ class Loader {
   Loader& operator=(const Loader&) = delete;
 
   // Begins `epoch` (>= 0) at batch `first_batch` (a resumed run's position), dropping batches
-  // prepared for the previous one. next() needs it first.
+  // prepared for the previous one. next() needs it first. When position() already is (epoch,
+  // first_batch) of a started epoch, what the workers prepared for it is kept: starting an epoch
+  // early (a trainer starts the test set's while it trains, and the next training epoch's while it
+  // evaluates) has its first batches ready when it begins, and the same batches either way.
   void start_epoch(int epoch, int64_t first_batch = 0);
   // The next batch of the epoch; false at its end. Rethrows a worker's exception.
   bool next(Batch& batch);
@@ -131,9 +134,9 @@ class Loader {
   // Seconds next() waited since start_epoch() for the workers to prepare a batch: the input
   // pipeline's share of the consumer's time.
   double wait_seconds() const;
-  // Seconds next() waited since start_epoch() for a batch whose buffer was still read by the device
-  // (Batch::record_reader: a copy not yet run): the host ahead of a device-bound run, not slow
-  // input.
+  // Seconds next() waited since start_epoch() for a batch whose buffer the device was still reading
+  // when the wait began (Batch::record_reader: a copy not yet run), the batch's preparation after
+  // the device let the buffer go included: the host ahead of a device-bound run, not slow input.
   double device_wait_seconds() const;
   // The dataset indices of `epoch` in the order they are served (the sampler's; the identity
   // without a sampler and without shuffle).

@@ -193,6 +193,20 @@ TEST(Idx, ConcatenatedGzipMembersAreOneStream) {
   EXPECT_EQ(read_idx_labels(dir / "labels.gz"), (std::vector<uint8_t>{0, 1, 2, 3, 4, 5}));
 }
 
+// Zeros deflate about 1000:1, far past the room the reader makes for a gzip file's data at once (8
+// times the file's size): the rest is made as the data arrives, and every byte is read.
+TEST(Idx, HighlyCompressibleImagesAreReadWhole) {
+  ScratchDir dir;
+  constexpr uint32_t kCount = 2000;
+  std::vector<uint8_t> pixels(size_t{kCount} * kRows * kCols, 0);
+  pixels.back() = 7;
+  write_file(dir / "images.gz", images_file(kCount, pixels), /*gzip=*/true);
+  ASSERT_LT(testing::read_raw(dir / "images.gz").size() * 8, pixels.size());
+  const IdxImages images = read_idx_images(dir / "images.gz");
+  EXPECT_EQ(images.count, kCount);
+  EXPECT_EQ(images.pixels, pixels);
+}
+
 // The real data set, where `apt-get install dataset-fashion-mnist` has put it.
 TEST(Idx, RealFashionMnist) {
   if (!file_exists(std::string(kFashionMnistSystemDir) + "/train-images-idx3-ubyte.gz")) {

@@ -1,20 +1,24 @@
 // The loader on the host: every sample once per epoch, orders that depend on (seed, epoch) only,
-// exact resumption, normalisation, padding, augmentation, wait time and argument checks.
+// exact resumption, epochs started early, normalisation, padding, augmentation, wait time and
+// argument checks.
 //
-// Most tests use a data set whose label is the sample's index (num_classes = n), so a batch's labels
-// say which samples it holds, and whose pixels are a function of (sample, y, x, c), so an image can
-// be checked against a reference made here the plain way: pad the uint8 image, crop, flip, then
-// normalise.
+// Most tests use a data set whose label is the sample's index (num_classes = n), so a batch's
+// labels say which samples it holds, and whose pixels are a function of (sample, y, x, c), so an
+// image can be checked against a reference made here the plain way: pad the uint8 image, crop,
+// flip, then normalise.
 #include "data/loader.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <numeric>
 #include <optional>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "common/compare.h"
@@ -200,10 +204,95 @@ TEST(Loader, ResumeAtABatchGivesTheSameRemainingBatches) {
   for (int i = 0; i < 6; ++i) ASSERT_TRUE(resumed.next(b));
   EXPECT_EQ(resumed.position().epoch, 4);
   EXPECT_EQ(resumed.position().batch, 6);
-  // Restarting while batches are being prepared drops them cleanly.
+  // Starting the epoch where the loader is keeps the batches being prepared; starting it anywhere
+  // else drops them cleanly.
   const LoaderPosition at = resumed.position();
   EXPECT_EQ(run_epoch(resumed, at.epoch, at.batch), rest);
+  resumed.start_epoch(4, 0);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(resumed.next(b));
+  EXPECT_EQ(run_epoch(resumed, 4, 6), rest);
   EXPECT_TRUE(run_epoch(resumed, 4, 11).empty()) << "resuming at the end gives nothing";
+}
+
+// A Dataset served through read() (as an image folder is), counting the samples it produced, and
+// failing on sample `fail_at` while `failing` is set.
+class CountingSource final : public SampleSource {
+ public:
+  explicit CountingSource(const Dataset& d) : d_(d) {}
+  const std::string& name() const override { return d_.name; }
+  int64_t size() const override { return d_.size(); }
+  int64_t height() const override { return d_.height; }
+  int64_t width() const override { return d_.width; }
+  int64_t channels() const override { return d_.channels; }
+  int num_classes() const override { return d_.num_classes; }
+  int32_t label(int64_t index) const override { return d_.labels[static_cast<size_t>(index)]; }
+  void read(int64_t index, uint64_t, int, uint8_t* out) const override {
+    if (failing && index == fail_at) CUDP_THROW(IoError, "sample ", index, " is bad");
+    ++reads;
+    std::copy_n(d_.image(index), d_.image_bytes(), out);
+  }
+
+  mutable std::atomic<int64_t> reads{0};
+  std::atomic<bool> failing{false};
+  int64_t fail_at = -1;
+
+ private:
+  const Dataset& d_;
+};
+
+TEST(Loader, AnEpochStartedEarlyKeepsWhatItPrepared) {
+  const Dataset d = indexed_dataset(103, 6, 5, 1);
+  LoaderOptions o = options(10, 7);
+  o.normalization = {{0.5f}, {0.25f}};
+  o.pad = 2;
+  o.random_crop = 2;
+  o.horizontal_flip = true;
+  o.workers = 2;
+  o.prefetch = 4;
+  Loader reference(d, o);
+  const std::vector<HostBatch> expected = run_epoch(reference, 3);
+
+  CountingSource source(d);
+  Loader loader(source, o);
+  // Waits until the workers have filled the prefetch window (4 batches of 10): `reads` in all.
+  const auto wait_for_reads = [&](int64_t reads) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (source.reads < reads && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_EQ(source.reads, reads);
+  };
+  loader.start_epoch(3);  // early
+  wait_for_reads(40);
+  EXPECT_EQ(run_epoch(loader, 3), expected);  // starts epoch 3 again, at batch 0
+  EXPECT_EQ(source.reads, d.size()) << "the batches prepared early were prepared again";
+
+  // Where the loader is, mid-epoch, too.
+  loader.start_epoch(3);
+  Batch b;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(loader.next(b));
+  wait_for_reads(d.size() + 80);
+  EXPECT_EQ(run_epoch(loader, 3, 4), std::vector<HostBatch>(expected.begin() + 4, expected.end()));
+  EXPECT_EQ(source.reads, 2 * d.size());
+  // Anywhere else is a new start.
+  EXPECT_EQ(run_epoch(loader, 4), run_epoch(reference, 4));
+  EXPECT_EQ(run_epoch(loader, 3, 2), std::vector<HostBatch>(expected.begin() + 2, expected.end()));
+}
+
+TEST(Loader, AnEpochThatFailedStartsAgain) {
+  const Dataset d = indexed_dataset(30);
+  LoaderOptions o = options(10);
+  o.shuffle = false;
+  Loader reference(d, o);
+  CountingSource source(d);
+  source.fail_at = 3;
+  source.failing = true;
+  Loader loader(source, o);
+  loader.start_epoch(0);
+  Batch b;
+  EXPECT_TRUE(testing::throws_with<IoError>([&] { loader.next(b); }, {"sample 3 is bad"}));
+  source.failing = false;  // a passing fault: the same epoch again reads the sample anew
+  EXPECT_EQ(run_epoch(loader, 0), run_epoch(reference, 0));
 }
 
 TEST(Loader, NormalisesPerChannel) {
@@ -244,6 +333,39 @@ TEST(Loader, ComputesNormalisationFromTheTrainSet) {
   EXPECT_NEAR(n.std[0], 0.0, 1e-7);
   EXPECT_NEAR(n.mean[1], 0.5, 1e-7);
   EXPECT_NEAR(n.std[1], 0.5, 1e-7);
+}
+
+// compute_normalization as it was first written, one pixel at a time in 64 bits: the reference for
+// its blocked 32-bit sums, which must give the same values to the bit.
+Normalization normalization_pixel_by_pixel(const Dataset& d) {
+  const size_t channels = static_cast<size_t>(d.channels);
+  std::vector<uint64_t> sum(channels, 0), sum_sq(channels, 0);
+  for (size_t i = 0; i < d.images.size(); ++i) {
+    const uint64_t v = d.images[i];
+    sum[i % channels] += v;
+    sum_sq[i % channels] += v * v;
+  }
+  const double count = static_cast<double>(d.images.size() / channels);
+  Normalization n;
+  for (size_t c = 0; c < channels; ++c) {
+    const double mean = static_cast<double>(sum[c]) / count / 255.0;
+    const double mean_sq = static_cast<double>(sum_sq[c]) / count / (255.0 * 255.0);
+    n.mean.push_back(static_cast<float>(mean));
+    n.std.push_back(static_cast<float>(std::sqrt(std::max(mean_sq - mean * mean, 0.0))));
+  }
+  return n;
+}
+
+TEST(Loader, NormalisationSumsAreExactOverManyBlocks) {
+  // 2^16-pixel blocks: a set of several per channel, the first all 255 (the largest block sums).
+  for (const int64_t channels : {1, 3}) {
+    SCOPED_TRACE(channels);
+    Dataset d = indexed_dataset(5, 180, 170, channels);  // 153,000 pixels per channel
+    std::fill_n(d.images.begin(), 70000 * channels, uint8_t{255});
+    const Normalization n = compute_normalization(d), want = normalization_pixel_by_pixel(d);
+    EXPECT_EQ(n.mean, want.mean);
+    EXPECT_EQ(n.std, want.std);
+  }
 }
 
 TEST(Loader, PadsAroundTheImage) {
