@@ -30,6 +30,7 @@ BatchNorm2d::BatchNorm2d(init::SkipInit, int num_features, float eps, float mome
 void BatchNorm2d::reset_parameters() {
   weight_->data.fill_(1.0f);
   bias_->data.zero_();
+  refresh_compute_copies();  // a flattened bf16 model's copies follow (layers/module.h)
   running_mean_->zero_();
   running_var_->fill_(1.0f);
   batches_tracked_ = 0;

@@ -35,6 +35,7 @@ void Conv2d::reset_parameters(uint64_t seed) {
   if (bias_) {
     bias_->data.zero_();
   }
+  refresh_compute_copies();  // a flattened bf16 model's copies follow (layers/module.h)
 }
 
 Parameter& Conv2d::bias() {

@@ -78,6 +78,7 @@ void Linear::reset_parameters(uint64_t seed) {
   if (bias_) {
     bias_->data.zero_();
   }
+  refresh_compute_copies();  // a flattened bf16 model's copies follow (layers/module.h)
 }
 
 Parameter& Linear::bias() {

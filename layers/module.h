@@ -42,8 +42,9 @@ using TensorList = std::vector<Tensor>;
 // bf16(data) rounded to nearest even, the operand Conv2d and Linear read instead of converting
 // their weights at every forward. Invariant: while `compute` is defined it equals bf16(data)
 // whenever a kernel reads it. Every writer of parameters in cudp keeps it: the optimizers write it
-// in the launch that updates data (kernels/optim.h); load_state_dict, DataParallel's and
-// DistributedDataParallel's broadcasts refresh it (Module::refresh_compute_copies); to() and
+// in the launch that updates data (kernels/optim.h); load_state_dict, the layers'
+// reset_parameters, DataParallel's and DistributedDataParallel's broadcasts refresh it
+// (Module::refresh_compute_copies); to() and
 // set_precision to another policy drop it. Code that writes `data` itself (through data<float>())
 // calls refresh_compute_copies() on the model afterwards. Undefined: the layers convert as before.
 struct Parameter {

@@ -17,8 +17,14 @@ std::array<std::atomic<int>, kMaxDevices> g_capable{};
 
 }  // namespace
 
+// CMakeLists.txt defines it: 1 when every CUDA architecture the kernels were built for is sm_90 or
+// later, so that each of them waits in kernel_entry(); otherwise launches stay ordinary.
+#ifndef CUDP_PDL_ARCHITECTURES
+#define CUDP_PDL_ARCHITECTURES 0
+#endif
+
 bool programmatic_launch() {
-  if (!g_programmatic.load(std::memory_order_relaxed)) return false;
+  if (!CUDP_PDL_ARCHITECTURES || !g_programmatic.load(std::memory_order_relaxed)) return false;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   if (device < 0 || device >= kMaxDevices) return false;

@@ -135,16 +135,19 @@ std::vector<TensorList> ReplicaSet::buffers() const {
 }
 
 void ReplicaSet::broadcast_parameters() {
-  if (!comm_) return;
-  std::vector<TensorList> lists = parameter_tensors(/*grads=*/false);
-  const std::vector<TensorList> bufs = buffers();
-  for (size_t r = 0; r < lists.size(); ++r)
-    lists[r].insert(lists[r].end(), bufs[r].begin(), bufs[r].end());
-  comm_->broadcast_many(lists, 0);
-  // The bf16 compute copies follow their new master weights (NOTE [The parameter store]), on each
-  // device's compute stream, which waits for the broadcast.
-  for (size_t r = 1; r < replicas_.size(); ++r) replicas_[r]->refresh_compute_copies();
-  sync_replicas(Module::ReplicaSync::BuffersBroadcast);
+  if (comm_) {
+    std::vector<TensorList> lists = parameter_tensors(/*grads=*/false);
+    const std::vector<TensorList> bufs = buffers();
+    for (size_t r = 0; r < lists.size(); ++r)
+      lists[r].insert(lists[r].end(), bufs[r].begin(), bufs[r].end());
+    comm_->broadcast_many(lists, 0);
+  }
+  // The bf16 compute copies follow their master weights (NOTE [The parameter store]), on each
+  // device's compute stream, which waits for the broadcast; replica 0's too (on one device as
+  // well), since a caller broadcasts after changing its weights (broadcast_parameters()'s
+  // contract).
+  for (const auto& replica : replicas_) replica->refresh_compute_copies();
+  if (comm_) sync_replicas(Module::ReplicaSync::BuffersBroadcast);
 }
 
 void ReplicaSet::broadcast_buffers() {

@@ -1,9 +1,9 @@
 // Host tests of the parameter store (layers/module.h, NOTE [The parameter store]): a bf16 model
 // flattened keeps a bf16 copy of its weights that equals its fp32 master weights rounded to
 // nearest even after every writer -- flattening, SGD and AdamW steps (one launch for the model, or
-// one per parameter), skipped steps, load_state_dict -- and loses it when it may no longer hold
-// (another policy, another device). The expected bits come from an independent rounding written
-// here on the bit pattern, not from the library's conversion.
+// one per parameter), skipped steps, load_state_dict, reset_parameters -- and loses it when it may
+// no longer hold (another policy, another device). The expected bits come from an independent
+// rounding written here on the bit pattern, not from the library's conversion.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +15,7 @@
 
 #include "common/compare.h"
 #include "layers/activation.h"
+#include "layers/init.h"
 #include "layers/linear.h"
 #include "layers/optim.h"
 #include "layers/sequential.h"
@@ -175,6 +176,16 @@ TEST(ParameterStore, LoadStateDictRefreshesTheCopies) {
   w->data.data<float>()[0] = 1234.5f;
   model->refresh_compute_copies();
   EXPECT_EQ(expect_copies_current(*model), 4);
+}
+
+TEST(ParameterStore, ResettingTheParametersRefreshesTheCopies) {
+  auto model = small_model();
+  model->set_precision(Precision::bf16);
+  model->flatten_parameters();
+  const auto old_copy = bits_of(model->parameters()[0]->compute);
+  init::reset_parameters(*model, 12345);
+  EXPECT_EQ(expect_copies_current(*model), 4);
+  EXPECT_NE(bits_of(model->parameters()[0]->compute), old_copy);
 }
 
 TEST(ParameterStore, AnotherPolicyDropsTheCopiesAndTheSameDeviceKeepsThem) {
