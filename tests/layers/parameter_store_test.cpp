@@ -202,10 +202,11 @@ TEST(ParameterStore, AnotherPolicyDropsTheCopiesAndTheSameDeviceKeepsThem) {
   stays->to(Device::cpu());
   EXPECT_EQ(expect_copies_current(*stays), 4);
   // A clone has separate tensors and no copies until it is flattened.
-  auto clone = small_model();
-  clone->set_precision(Precision::bf16);
-  clone->flatten_parameters();
-  for (Parameter* p : clone->clone(Device::cpu())->parameters()) {
+  auto original = small_model();
+  original->set_precision(Precision::bf16);
+  original->flatten_parameters();
+  const std::shared_ptr<Module> copy = original->clone(Device::cpu());
+  for (Parameter* p : copy->parameters()) {
     EXPECT_FALSE(p->compute.defined());
   }
 }
