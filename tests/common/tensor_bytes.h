@@ -2,6 +2,8 @@
 // what they are, unlike ==).
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,6 +20,14 @@ inline std::map<std::string, std::vector<unsigned char>> bytes_of(const TensorMa
     out[name].assign(p, p + host.nbytes());
   }
   return out;
+}
+
+// A bf16 tensor's elements as their bit patterns (copied to the host first).
+inline std::vector<uint16_t> bf16_bits(const Tensor& bf16) {
+  const Tensor host = bf16.cpu();
+  std::vector<uint16_t> bits(static_cast<size_t>(host.numel()));
+  std::memcpy(bits.data(), host.data_ptr(), bits.size() * sizeof(uint16_t));
+  return bits;
 }
 
 }  // namespace cudp::testing

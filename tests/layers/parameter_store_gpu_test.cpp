@@ -36,6 +36,7 @@
 namespace cudp {
 namespace {
 
+using testing::bf16_bits;
 using testing::bytes_of;
 using testing::random_vector;
 
@@ -61,13 +62,6 @@ std::pair<Tensor, Tensor> batch(int n, uint64_t seed) {
   return {Tensor::from_vector(random_vector(static_cast<size_t>(n) * 8 * 8 * 8, seed), {n, 8, 8, 8})
               .to(kGpu),
           Tensor::from_vector(labels, {n}).to(kGpu)};
-}
-
-std::vector<uint16_t> bits_of(const Tensor& bf16) {
-  const Tensor host = bf16.cpu();
-  std::vector<uint16_t> bits(static_cast<size_t>(host.numel()));
-  std::memcpy(bits.data(), host.data_ptr(), bits.size() * sizeof(uint16_t));
-  return bits;
 }
 
 // The CPU reference's rounding of the master weights.
@@ -111,7 +105,7 @@ void expect_copies_current(Module& net) {
   int checked = 0;
   for (const auto& [name, p] : net.named_parameters()) {
     ASSERT_TRUE(p->compute.defined()) << name;
-    EXPECT_EQ(bits_of(p->compute), rounded(p->data)) << name;
+    EXPECT_EQ(bf16_bits(p->compute), rounded(p->data)) << name;
     ++checked;
   }
   EXPECT_EQ(checked, 6);

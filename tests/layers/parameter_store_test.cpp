@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/compare.h"
+#include "common/tensor_bytes.h"
 #include "layers/activation.h"
 #include "layers/init.h"
 #include "layers/linear.h"
@@ -23,6 +24,7 @@
 namespace cudp {
 namespace {
 
+using testing::bf16_bits;
 using testing::random_vector;
 
 // fp32 -> bf16 rounded to nearest, ties to even, on the bits (finite inputs only: the tests'
@@ -33,13 +35,6 @@ uint16_t round_to_bf16(float x) {
   const uint32_t lower = u & 0xFFFFu, upper = u >> 16;
   const bool up = lower > 0x8000u || (lower == 0x8000u && (upper & 1u));
   return static_cast<uint16_t>(upper + (up ? 1u : 0u));
-}
-
-std::vector<uint16_t> bits_of(const Tensor& bf16) {
-  const Tensor host = bf16.cpu();
-  std::vector<uint16_t> bits(static_cast<size_t>(host.numel()));
-  std::memcpy(bits.data(), host.data_ptr(), bits.size() * sizeof(uint16_t));
-  return bits;
 }
 
 std::vector<uint16_t> rounded(const Tensor& f32) {
@@ -55,7 +50,7 @@ int expect_copies_current(Module& model) {
     if (!p->compute.defined()) continue;
     EXPECT_EQ(p->compute.dtype(), DType::bf16) << name;
     EXPECT_EQ(p->compute.shape(), p->data.shape()) << name;
-    EXPECT_EQ(bits_of(p->compute), rounded(p->data)) << name;
+    EXPECT_EQ(bf16_bits(p->compute), rounded(p->data)) << name;
     ++checked;
   }
   return checked;
@@ -145,13 +140,13 @@ TEST(ParameterStore, ASkippedStepLeavesWeightsAndCopiesAsTheyWere) {
   opt.step();
   const auto before = data_of(*model);
   std::vector<std::vector<uint16_t>> copies;
-  for (Parameter* p : model->parameters()) copies.push_back(bits_of(p->compute));
+  for (Parameter* p : model->parameters()) copies.push_back(bf16_bits(p->compute));
   Tensor skip = Tensor::from_vector(std::vector<int32_t>{1}, {1});
   set_grads(*model, 1);
   opt.step(skip);
   EXPECT_EQ(data_of(*model), before);
   size_t k = 0;
-  for (Parameter* p : model->parameters()) EXPECT_EQ(bits_of(p->compute), copies[k++]);
+  for (Parameter* p : model->parameters()) EXPECT_EQ(bf16_bits(p->compute), copies[k++]);
   EXPECT_EQ(opt.skipped_steps(), 1);
 }
 
@@ -165,11 +160,11 @@ TEST(ParameterStore, LoadStateDictRefreshesTheCopies) {
     for (float& f : v) f = f * 3.0f + 0.25f;
     p->data.copy_from(Tensor::from_vector(v, p->data.shape()));
   }
-  const auto old_copy = bits_of(model->parameters()[0]->compute);
+  const auto old_copy = bf16_bits(model->parameters()[0]->compute);
   model->load_state_dict(other->state_dict());
   EXPECT_EQ(data_of(*model), data_of(*other));
   EXPECT_EQ(expect_copies_current(*model), 4);
-  EXPECT_NE(bits_of(model->parameters()[0]->compute), old_copy);
+  EXPECT_NE(bf16_bits(model->parameters()[0]->compute), old_copy);
 
   // A write through the data pointer is the caller's to announce.
   Parameter* w = model->parameters()[0];
@@ -182,10 +177,10 @@ TEST(ParameterStore, ResettingTheParametersRefreshesTheCopies) {
   auto model = small_model();
   model->set_precision(Precision::bf16);
   model->flatten_parameters();
-  const auto old_copy = bits_of(model->parameters()[0]->compute);
+  const auto old_copy = bf16_bits(model->parameters()[0]->compute);
   init::reset_parameters(*model, 12345);
   EXPECT_EQ(expect_copies_current(*model), 4);
-  EXPECT_NE(bits_of(model->parameters()[0]->compute), old_copy);
+  EXPECT_NE(bf16_bits(model->parameters()[0]->compute), old_copy);
 }
 
 TEST(ParameterStore, AnotherPolicyDropsTheCopiesAndTheSameDeviceKeepsThem) {
