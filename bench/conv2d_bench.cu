@@ -591,6 +591,12 @@ int main(int argc, char** argv) {
                  "warps) or patch-streamed (patches, with bf16 filters streamed per k-block even "
                  "where they fit in shared memory whole)")
       ->check(CLI::IsMember({"patch", "gather", "patch-streamed"}));
+  std::string swap = "on";
+  app.add_option("--swap", swap,
+                 "bf16, 64-channel outputs (forward of K = 64, backward-data into C = 64): on (the "
+                 "default: the filters as wgmma's A and 128 pixels as its N) or off (pixels as A, "
+                 "the filters as a 64-wide B)")
+      ->check(CLI::IsMember({"on", "off"}));
   std::string wgrad_order = "split";
   app.add_option("--wgrad-order", wgrad_order,
                  "bf16 backward-weight's split-K work items: split (split-major, the default) or "
@@ -617,6 +623,7 @@ int main(int argc, char** argv) {
   const bool bias_grad = bias_grad_text != "none";
   cudp::kernels::detail::set_wgrad_bias_fusion(bias_grad_text == "fused");
   cudp::kernels::detail::set_wgrad_split_major(wgrad_order == "split");
+  cudp::kernels::detail::set_conv_swapped(swap == "on");
   using cudp::kernels::detail::ConvFeed;
   cudp::kernels::detail::set_conv_feed(feed == "gather"           ? ConvFeed::gather
                                        : feed == "patch-streamed" ? ConvFeed::patch_streamed

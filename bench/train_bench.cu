@@ -64,6 +64,7 @@
 #include "engine/parallel/data_parallel.h"
 #include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
+#include "kernels/conv2d.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
 #include "layers/train.h"
@@ -536,11 +537,19 @@ int main(int argc, char** argv) {
                  "previous kernel's tail; Hopper); off: ordinary launches (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string swap = "on";
+  app.add_option("--swap", swap,
+                 "on: bf16 convolutions with 64 output channels run with the filters as wgmma's A "
+                 "and 128 pixels as its N; off: pixels as A and the filters as a 64-wide B (to "
+                 "compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.graphs_given = graphs->count() > 0;
   detail::set_bias_handoff(bias_handoff == "on");
   detail::set_parameter_store(param_store == "on");
   detail::set_programmatic_launch(pdl == "on");
+  kernels::detail::set_conv_swapped(swap == "on");
   // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
   // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
   // job.

@@ -180,6 +180,15 @@ void set_conv_feed(ConvFeed feed);
 // view that runs its backward-data) keeps resident in shared memory under the current feed: 0
 // where they are streamed through the stages. For the tests that must know which kernel ran.
 int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data);
+// Whether the bf16 convolutions of a 64-channel output (the forward of K = 64, backward-data into
+// C = 64) run with the operands' roles swapped: the filters as wgmma's A, 128 output pixels as its
+// N (one m64n128k16 per k16 step of a 128 x 64 tile instead of two m64n64k16, a quarter less
+// shared-memory traffic), the tile transposed on its way out through shared memory. On by default
+// (bench/NOTES-tensor-cores.md); off for the tests that compare the two and bench_conv2d --swap.
+void set_conv_swapped(bool on);
+// Whether the typed bf16 call of `shape` (or its backward-data, whose output has shape.c
+// channels) with a dense bf16 output takes the swapped tiles under the current settings.
+bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data);
 // Whether the bf16 backward-weight of the patch feed takes the bias gradient from the dy tiles it
 // loads (two spare producer warps add them up) instead of the separate reduction: off by default,
 // since it measured slower (bench/NOTES-tensor-cores.md); for the tests and bench_conv2d.

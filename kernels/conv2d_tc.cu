@@ -188,6 +188,9 @@ void check_tc(const char* name, const Conv2dShape& shape, Math math) {
 
 std::atomic<detail::ConvFeed> g_feed{detail::ConvFeed::patch};
 std::atomic<bool> g_wgrad_split_major{true};
+// On by default, by measurement (bench/NOTES-tensor-cores.md): 64-channel layers with the filters
+// as wgmma's A and 128 pixels as its N.
+std::atomic<bool> g_swapped{true};
 // Off by default, by measurement (bench/NOTES-tensor-cores.md): the bias sums in the producer's
 // spare warps slow the backward-weight down by more than the separate reduction costs.
 std::atomic<bool> g_wgrad_bias_fusion{false};
@@ -320,6 +323,7 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
   if (patch && s.stride_h == 1 && s.stride_w == 1 && s.c % k_block == 0) {
     sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
     patch_tiling.filters_resident = g_feed.load() != detail::ConvFeed::patch_streamed;
+    patch_tiling.swapped = g_swapped.load();
     detail::run_mainloop(p, plan, &gather, stream,
                          unrotated ? detail::Feed::ConvTmaUnrotated : detail::Feed::ConvTma,
                          &patch_tiling);
@@ -893,6 +897,10 @@ void set_conv_feed(ConvFeed feed) {
   g_feed.store(feed);
 }
 
+void set_conv_swapped(bool on) {
+  g_swapped.store(on);
+}
+
 void set_wgrad_split_major(bool split_major) {
   g_wgrad_split_major.store(split_major);
 }
@@ -925,20 +933,51 @@ bool conv2d_backward_weight_fuses_bias(const Conv2dShape& s) {
   return transposed_wgrad_fuses_bias(plan_matmul(t, device));
 }
 
-int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data) {
+namespace {
+
+// The typed bf16 call's product for `shape` (or backward-data's view of it) as run_forward sets it
+// up, for the queries below: false where it does not take the TMA patches (the plan depends on
+// (math, m, n, k) alone; C stands for a dense, aligned bf16 tensor).
+bool patch_problem(const Conv2dShape& shape, bool backward_data, MatmulProblem& p, MatmulPlan& plan,
+                   sm90::PatchTiles& patch) {
   const Conv2dShape s = backward_data ? backward_data_view(shape, shape.k) : shape;
   // run_forward's patch condition (C a multiple of 64 rules out the narrow first-layer kernels).
-  if (g_feed.load() != ConvFeed::patch || s.stride_h != 1 || s.stride_w != 1 || s.c % 64 != 0) {
-    return 0;
+  if (g_feed.load() == ConvFeed::gather || s.stride_h != 1 || s.stride_w != 1 || s.c % 64 != 0) {
+    return false;
   }
-  MatmulProblem p;  // run_forward's: the plan depends on (math, m, n, k) alone
+  alignas(16) static const uint16_t aligned[8] = {};
   p.m = s.n * s.p() * s.q();
   p.n = s.k;
   p.k = s.r * s.s * s.c;
   p.math = Math::BF16;
+  p.c = const_cast<uint16_t*>(aligned);
+  p.ldc = s.k;
+  p.c_type = DType::BF16;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  return sm90::resident_filter_blocks(p, plan_matmul(p, device));
+  plan = plan_matmul(p, device);
+  patch = patch_tiles(s, 128, 64);
+  patch.filters_resident = g_feed.load() != ConvFeed::patch_streamed;
+  patch.swapped = g_swapped.load();
+  return true;
+}
+
+}  // namespace
+
+int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data) {
+  MatmulProblem p;
+  MatmulPlan plan;
+  sm90::PatchTiles patch;
+  if (!patch_problem(shape, backward_data, p, plan, patch)) return 0;
+  return sm90::resident_filter_blocks(p, plan, patch);
+}
+
+bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data) {
+  MatmulProblem p;
+  MatmulPlan plan;
+  sm90::PatchTiles patch;
+  if (!patch_problem(shape, backward_data, p, plan, patch)) return false;
+  return sm90::conv_swapped_applies(p, plan, patch);
 }
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,

@@ -329,13 +329,15 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   CUDP_CHECK(p.column_sums == nullptr || (conv != nullptr && p.ldc == p.n),
              "conv: column sums are a convolution's, of a C without gaps between rows");
   // Backward-data's column sums in the epilogue (kernels/sm90/matmul_sm90.cuh, MainloopParams::
-  // column_partials): one row of partials per warp of every tile.
+  // column_partials): one row of partials per warp of every tile, or per tile when its operands
+  // are swapped.
   Workspace column_ws;
   int64_t column_rows = 0;
   if (p.column_sums != nullptr && patch != nullptr &&
       (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) &&
       sm90::column_sums_in_epilogue(p, plan)) {
-    column_rows = int64_t(patch->tiles_q) * patch->tiles_p * patch->tiles_n * 8;
+    const bool swapped = bf16 && sm90::conv_swapped_applies(p, plan, *patch);
+    column_rows = int64_t(patch->tiles_q) * patch->tiles_p * patch->tiles_n * (swapped ? 1 : 8);
     column_ws = Workspace(size_t(column_rows) * size_t(p.n) * sizeof(float), stream,
                           "backward-data's partial column sums");
   }

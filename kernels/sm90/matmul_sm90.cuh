@@ -77,7 +77,9 @@ struct MainloopParams {
 // kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
 // but loaded whole, once per block, into kResidentB k-blocks of its own shared memory that every
 // tile then reads (the filters of a layer with few channels); the stages hold A alone.
-template <typename Elem, int kTileN, int kResidentB = 0>
+// kStagingBytes (kConvTmaSwap, kConvTmaBTSwap): each consumer warpgroup's buffer for its tile of C
+// on the way out (store_swapped_tile), after the resident B.
+template <typename Elem, int kTileN, int kResidentB = 0, int kStagingBytes = 0>
 struct Config {
   static constexpr int kBlockK = kRowBytes / int(sizeof(Elem));  // 64 bf16 or 32 fp32
   static constexpr int kBlockBytesB = kTileN * kRowBytes;        // one k-block of B
@@ -85,12 +87,14 @@ struct Config {
   static constexpr int kStageBytesB = kResidentB > 0 ? 0 : kBlockBytesB;
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
   static constexpr int kResidentBytes = kResidentB * kBlockBytesB;
-  static constexpr int kStages = (kSharedBudget - 4096 - kResidentBytes) / kStageBytes;
+  static constexpr int kStagingOffset = kResidentBytes;  // from the resident B's start
+  static constexpr int kStages =
+      (kSharedBudget - 4096 - kResidentBytes - kStagingBytes) / kStageBytes;
   // After the stages and the resident B: the barriers (up to 256 bytes), then 256 bytes of
   // scratch for backward-weight's bias sums (wgrad_bias_sums).
   static constexpr int kScratchOffset = 256;
-  static constexpr int kSharedBytes =
-      kStages * kStageBytes + kResidentBytes + 1024 /* alignment */ + kScratchOffset + 256;
+  static constexpr int kSharedBytes = kStages * kStageBytes + kResidentBytes + kStagingBytes +
+                                      1024 /* alignment */ + kScratchOffset + 256;
   static constexpr int kAccumulators = kTileN / 2;  // fp32 per thread for m64nN
   static_assert(kStages >= 3, "too few pipeline stages");
   static_assert(16 * kStages + 8 <= kScratchOffset, "the barriers overrun the scratch");
@@ -196,6 +200,20 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           view reads its 64 rows cb of tap R*S - 1 - rs (the 180-degree rotation) as kTileN / 64
 //           MN-major boxes, as kGemmBT does. (A tile's last boxes may reach into the next tap's
 //           columns: those are output columns past n, never stored.)
+//   kConvTmaSwap, kConvTmaBTSwap kConvTma and kConvTmaBT for a C of 64 channels (VGG's 64-channel
+//           layers: the forward of 64 -> 64, backward-data into 64 channels), with the operands'
+//           roles swapped: the 64 filter rows are wgmma's A (M = 64) and the tile's 128 pixels its
+//           B (N = 128), so one m64n128k16 instead of two m64n64k16 reads the 128 x 64 tile's
+//           k16 step from shared memory: 6 KB per 64 clocks of tensor work instead of 8 KB (an
+//           m64n64k16 needs 4 KB per 32 clocks: all of shared memory's 128 bytes a clock, which is
+//           what held these layers at ~0.7x the others' rate). The stages are kConvTma's as they
+//           are (the filter box is A, K-major or, for backward-data, MN-major with A's transpose
+//           bit; the patch box is B, K-major). The accumulators then hold C transposed (channels x
+//           pixels), so the epilogue goes through shared memory (store_swapped_tile): stmatrix
+//           with .trans writes the tile as the NHWC rows it is, and one TMA store writes it out
+//           (the patch's pixels past the output's edge are clipped by the tensor map). A ReLU
+//           mask is loaded into the same buffer by TMA while the mainloop runs, and read with
+//           ldmatrix .trans in the accumulators' layout.
 enum Mode : int {
   kGemm = 0,
   kConv_ = 1,
@@ -208,7 +226,9 @@ enum Mode : int {
   kWgradShiftT = 8,
   kGemmBT = 9,
   kGemmTT = 10,
-  kConvTmaBT = 11
+  kConvTmaBT = 11,
+  kConvTmaSwap = 12,
+  kConvTmaBTSwap = 13
 };
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -673,6 +693,178 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
   });
 }
 
+// ---- the swapped tiles' epilogue (kConvTmaSwap, kConvTmaBTSwap) ----------------------------
+
+constexpr int kSwapTileBytes = kTileM * kRowBytes;  // a tile of C: 128 pixels x 64 bf16 channels
+
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
+                                             int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Until this thread's bulk stores have read their shared memory (kRead), or are complete.
+template <bool kRead>
+__device__ __forceinline__ void bulk_store_wait() {
+  if constexpr (kRead) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}
+
+// Named barrier `id` over one warpgroup's 128 threads.
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&v)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&v)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// Where patch tile `tile` starts in the output: (q, p, n).
+struct PatchOrigin {
+  int q, p, n;
+};
+__device__ __forceinline__ PatchOrigin patch_origin(const PatchTiles& t, int tile) {
+  const int rest = tile / t.tiles_q;
+  return {(tile - rest * t.tiles_q) * t.wb, (rest % t.tiles_p) * t.hb, (rest / t.tiles_p) * t.nb};
+}
+
+// One consumer warpgroup's swapped tile: acc holds C^T, 64 channels (rows) x 128 pixels (columns),
+// in m64n128's layout (thread t of warp w: channels 16w + t/4 (+8), pixel pairs 8j + 2(t%4)).
+// Each 8 x 8 block of it (8 channels x 8 pixels: one register of bf16 pairs a thread) is what
+// stmatrix takes; with .trans it is stored as 8 rows of one pixel's 8 channels, i.e. as NHWC. So
+// the tile goes to `staging` in the layout of a TMA box of C over the patch (pixel rows of 128
+// bytes, 128-byte swizzled: chunk c of row r at c ^ (r % 8)), and one TMA store writes it. Lane l
+// gives the address of row l % 8 of block l / 8 of each x4 (blocks: channel half h = (l / 8) & 1,
+// pixel octet (l / 8) >> 1 of the 16 pixels), conflict-free: one block's rows sit at 8 different
+// chunk positions. With a mask (backward-data), its box was loaded into `staging` by TMA (on
+// mask_bar) while the mainloop ran, and ldmatrix .trans reads it back in the accumulators' layout;
+// each warp reads and then overwrites its own blocks only. The arithmetic is store_whole_tile's,
+// step for step, so every value is rounded as the unswapped kernels round it. kSums: the column
+// sums of C (sums of each channel over the tile's stored values) as one row of 64 partial sums a
+// tile (the patch's pixels past the output's edge have mask 0, hence add 0).
+template <bool kBias, bool kRelu, bool kMask, bool kSums>
+__device__ __forceinline__ void store_swapped_tile(const MainloopParams& p, const float* acc,
+                                                   uint32_t staging, const CUtensorMap* map_c,
+                                                   uint32_t mask_bar, int mask_phase, int tile,
+                                                   int barrier) {
+  static_assert(!kSums || kMask, "column sums: backward-data's masked tiles");
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x % 128) / 32;
+  const bool leader = threadIdx.x % 128 == 0;
+  const int channel = warp * 16 + lane / 4;  // and channel + 8
+  if constexpr (kMask) {
+    mbar_wait(mask_bar, mask_phase);  // its load waited for the last store's reads
+  } else {
+    if (leader) bulk_store_wait<true>();  // the last tile's store has read the buffer
+    warpgroup_sync(barrier);
+  }
+  const float alpha = p.epilogue.alpha;
+  [[maybe_unused]] float bias[2];
+  if constexpr (kBias) {
+    bias[0] = __ldg(p.epilogue.bias + channel);
+    bias[1] = __ldg(p.epilogue.bias + channel + 8);
+  }
+  [[maybe_unused]] float sums[2] = {0.f, 0.f};
+  const int block = lane / 8;
+  const uint32_t row = (block >> 1) * 8 + (lane & 7);  // the pixel, within 16
+  const uint32_t chunk = uint32_t(warp * 2 + (block & 1));
+  const uint32_t addr0 = staging + row * kRowBytes + ((chunk ^ (lane & 7)) << 4);
+#pragma unroll
+  for (int g = 0; g < kTileM / 16; ++g) {  // 16 pixels: j = 2g, 2g + 1
+    const uint32_t addr = addr0 + g * 16 * kRowBytes;
+    [[maybe_unused]] uint32_t mask[4];
+    if constexpr (kMask) ldmatrix_x4_trans(mask, addr);
+    uint32_t out[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int h = b & 1, j = 2 * g + (b >> 1);
+      float v0 = __fmul_rn(alpha, acc[4 * j + 2 * h]);
+      float v1 = __fmul_rn(alpha, acc[4 * j + 2 * h + 1]);
+      if constexpr (kBias) {
+        v0 = __fadd_rn(v0, bias[h]);
+        v1 = __fadd_rn(v1, bias[h]);
+      }
+      if constexpr (kRelu) {
+        v0 = relu_keep_nan(v0);
+        v1 = relu_keep_nan(v1);
+      }
+      if constexpr (kMask) {
+        __nv_bfloat162 pair;
+        memcpy(&pair, &mask[b], sizeof(pair));
+        v0 = __low2float(pair) <= 0.f ? 0.f : v0;  // relu_grad's select
+        v1 = __high2float(pair) <= 0.f ? 0.f : v1;
+      }
+      const __nv_bfloat162 stored = __floats2bfloat162_rn(v0, v1);
+      if constexpr (kSums) sums[h] += __low2float(stored) + __high2float(stored);
+      memcpy(&out[b], &stored, sizeof(stored));
+    }
+    stmatrix_x4_trans(addr, out);
+  }
+  // wgmma and TMA read shared memory through the async proxy: what stmatrix wrote must be visible
+  // to it before the store is issued.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  warpgroup_sync(barrier);
+  if (leader) {
+    const PatchOrigin o = patch_origin(p.patch, tile);
+    tma_store_4d(map_c, staging, 0, o.q, o.p, o.n);
+  }
+  if constexpr (kSums) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 1);
+      sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 2);
+    }
+    if (lane % 4 == 0) {
+      float* out = p.column_partials + int64_t(tile) * p.n;
+      out[channel] = sums[0];
+      out[channel + 8] = sums[1];
+    }
+  }
+}
+
+// store_swapped_tile with the epilogue's options chosen once per tile.
+__device__ __forceinline__ void store_swapped(const MainloopParams& p, const float* acc,
+                                              uint32_t staging, const CUtensorMap* map_c,
+                                              uint32_t mask_bar, int mask_phase, int tile,
+                                              int barrier) {
+  const bool bias = p.epilogue.bias != nullptr, relu = p.epilogue.relu != 0;
+  if (p.epilogue.mask != nullptr && p.column_partials != nullptr) {
+    store_swapped_tile<false, false, true, true>(p, acc, staging, map_c, mask_bar, mask_phase, tile,
+                                                 barrier);
+  } else if (p.epilogue.mask != nullptr) {  // backward-data: never with a bias or a ReLU
+    store_swapped_tile<false, false, true, false>(p, acc, staging, map_c, mask_bar, mask_phase,
+                                                  tile, barrier);
+  } else if (bias && relu) {
+    store_swapped_tile<true, true, false, false>(p, acc, staging, map_c, mask_bar, mask_phase, tile,
+                                                 barrier);
+  } else if (bias) {
+    store_swapped_tile<true, false, false, false>(p, acc, staging, map_c, mask_bar, mask_phase,
+                                                  tile, barrier);
+  } else if (relu) {
+    store_swapped_tile<false, true, false, false>(p, acc, staging, map_c, mask_bar, mask_phase,
+                                                  tile, barrier);
+  } else {
+    store_swapped_tile<false, false, false, false>(p, acc, staging, map_c, mask_bar, mask_phase,
+                                                   tile, barrier);
+  }
+}
+
 // The producer warpgroup's im2col gather of one A k-block: 128 rows (output pixels) of 128 bytes
 // (8 chunks of 16 bytes: 8 bf16 or 4 fp32 channels of one input pixel, C being a multiple of that).
 // Thread t copies chunk j = t % 8 of rows t / 8 + 16 i (i = 0..7), so the 8 threads of a row read
@@ -880,13 +1072,23 @@ __device__ __forceinline__ uint64_t wgrad_descriptor(uint32_t addr) {
                             : smem_descriptor(addr, 1024, 64 * kRowBytes);
 }
 
+// The swapped modes' per-consumer staging of C (store_swapped_tile), 0 for the others.
+template <int kMode>
+constexpr int kStagingBytesOf = kMode == kConvTmaSwap || kMode == kConvTmaBTSwap
+                                    ? (kConsumers* kSwapTileBytes)
+                                    : 0;
+
+// map_c and map_mask: C and the ReLU mask as NHWC tensors over the patch tiles (kConvTmaSwap,
+// kConvTmaBTSwap: the epilogue's TMA store and mask load); unused by the other modes.
 template <typename Elem, int kTileN, int kMode, int kResidentB = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_kernel(const __grid_constant__ CUtensorMap map_a,
-                  const __grid_constant__ CUtensorMap map_b, const MainloopParams p,
+                  const __grid_constant__ CUtensorMap map_b,
+                  const __grid_constant__ CUtensorMap map_c,
+                  const __grid_constant__ CUtensorMap map_mask, const MainloopParams p,
                   const ConvGather g) {
   kernel_entry();
-  using Cfg = Config<Elem, kTileN, kResidentB>;
+  using Cfg = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kMode>>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
   constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
@@ -902,8 +1104,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // runs its mainloop while the other stores its tile. Wider tiles would need 2 x kTileN / 2
   // accumulators per thread (more than the register file gives past 128); they keep the
   // cooperative schedule, both warpgroups on one tile's two 64-row halves.
-  constexpr bool kConvPatch = kMode == kConvTma || kMode == kConvTmaBT;  // A by patch boxes
-  constexpr bool kBStoredKN = kMode == kGemmBT || kMode == kConvTmaBT;   // B MN-major, A K-major
+  // The operands' roles swapped (the filters as wgmma's A): a 64-channel C, ping-pong only.
+  constexpr bool kSwapped = kMode == kConvTmaSwap || kMode == kConvTmaBTSwap;
+  static_assert(!kSwapped || (kTileN == 64 && std::is_same_v<Elem, __nv_bfloat16>),
+                "swapped tiles: 64 bf16 channels");
+  // A by patch boxes
+  constexpr bool kConvPatch = kMode == kConvTma || kMode == kConvTmaBT || kSwapped;
+  // The filters read rotated per tap, as MN-major boxes
+  constexpr bool kRotatedB = kMode == kConvTmaBT || kMode == kConvTmaBTSwap;
+  constexpr bool kBStoredKN = kMode == kGemmBT || kMode == kConvTmaBT;  // B MN-major, A K-major
   constexpr bool kPingPong = (kMode == kConv_ || kConvPatch) && kTileN <= 128;
   static_assert(kResidentB == 0 || (kConvPatch && kPingPong),
                 "resident B: the TMA-patch convolutions' ping-pong tiles only");
@@ -914,8 +1123,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stages_a = base;
   const uint32_t stages_b = base + Cfg::kStages * Cfg::kStageBytesA;
   const uint32_t resident_b = base + Cfg::kStages * Cfg::kStageBytes;  // kResidentB k-blocks
+  // kSwapped: consumer c's tile of C on the way out at staging + c * kSwapTileBytes
+  const uint32_t staging = resident_b + Cfg::kStagingOffset;
   // full[s], then empty[s], then the resident B's barrier
-  const uint32_t bars = resident_b + Cfg::kResidentBytes;
+  const uint32_t bars = staging + kStagingBytesOf<kMode>;
   auto full_bar = [&](int s) { return bars + 8 * s; };
   auto empty_bar = [&](int s) { return bars + 8 * (Cfg::kStages + s); };
   const uint32_t resident_bar = bars + 16 * Cfg::kStages;
@@ -925,6 +1136,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kTransposes || 24 * Cfg::kStages + 8 <= Cfg::kScratchOffset,
                 "the barriers overrun the scratch");
   auto load_bar = [&](int s) { return kTransposes ? loaded_bars + 8 * s : full_bar(s); };
+  // kSwapped: consumer c's mask load (one phase per tile it takes), where kTransposes has loaded[s]
+  auto mask_bar = [&](int c) { return loaded_bars + 8 * c; };
+  static_assert(16 * Cfg::kStages + 8 + 8 * kConsumers <= Cfg::kScratchOffset,
+                "the barriers overrun the scratch");
   const bool bias_sums = kWgradPatch && !kTransposes && p.bias_partials != nullptr;
 
   if (threadIdx.x == 0) {
@@ -937,6 +1152,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(empty_bar(s), (kPingPong ? 4 : kConsumers * 4) + (bias_sums ? 2 : 0));
     }
     if constexpr (kResidentB > 0) mbar_init(resident_bar, 1);
+    if constexpr (kSwapped) {
+      for (int c = 0; c < kConsumers; ++c) mbar_init(mask_bar(c), 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -1019,7 +1237,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // rows cb of tap R*S-1-rs, as kTileN / 64 MN-major boxes).
       [[maybe_unused]] const auto load_conv_b = [&](uint32_t dst, int kb, int tile_n,
                                                     uint32_t bar) {
-        if constexpr (kMode == kConvTmaBT) {
+        if constexpr (kRotatedB) {
           const PatchTiles& t = p.patch;
           const int rs = kb / t.c_blocks;
           const int cb = kb - rs * t.c_blocks;
@@ -1228,7 +1446,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // 1 + c, arrived at by the other consumer), so the mainloops run in the producer's order
       // and one warpgroup's epilogue overlaps the other's mainloop. Each wait matches exactly one
       // arrival: a consumer arrives after item j's mainloop only if item j + 1 exists.
-      float acc[2][Cfg::kAccumulators];
+      // Both 64-row halves of the tile: acc + half * kAccumulators (kSwapped: one m64n128, C^T).
+      float acc[2 * Cfg::kAccumulators];
+      [[maybe_unused]] int mask_phase = 0;  // kSwapped: the mask barrier's phase
+      const bool masked = kSwapped && p.epilogue.mask != nullptr;
       int j = 0;
       for (int index = blockIdx.x; index < work_items; index += gridDim.x, ++j) {
         const WorkItem w = work_item(p, index);
@@ -1241,6 +1462,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           phase ^= (stage / Cfg::kStages) & 1;
           stage %= Cfg::kStages;
           continue;
+        }
+        if constexpr (kSwapped) {
+          // The tile's mask into the staging buffer while the mainloop runs, once the last
+          // tile's store has read it.
+          if (masked && threadIdx.x % 128 == 0) {
+            bulk_store_wait<true>();
+            const PatchOrigin o = patch_origin(p.patch, w.tile_m);
+            mbar_expect_tx(mask_bar(consumer), kSwapTileBytes);
+            tma_load_4d(staging + consumer * kSwapTileBytes, &map_mask, mask_bar(consumer), 0, o.q,
+                        o.p, o.n);
+          }
         }
         if (j > 0) turn_wait(1 + consumer);
         // The resident B's one phase: complete after the block's first wait, so later waits pass.
@@ -1256,23 +1488,30 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
+            const int accumulate = kb > kb_begin || kk > 0;
+            if constexpr (kMode == kConvTmaSwap) {  // A = the filters, B = the tile's pixels
+              WgmmaBf16<kTileM>::mma(acc, smem_descriptor(b + 32 * kk),
+                                     smem_descriptor(a + 32 * kk), accumulate);
+            } else if constexpr (kMode == kConvTmaBTSwap) {  // A = the filters, MN-major
+              WgmmaBf16AT<kTileM>::mma(acc, wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk),
+                                       smem_descriptor(a + 32 * kk), accumulate);
+            } else {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              if constexpr (kBStoredKN) {
-                WgmmaBf16BT<kTileN>::mma(
-                    acc[half], smem_descriptor(a + half * 64 * kRowBytes + 32 * kk),
-                    wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk), kb > kb_begin || kk > 0);
-              } else {
-                Mma<Elem, kTileN>::mma(acc[half],
-                                       smem_descriptor(a + half * 64 * kRowBytes + 32 * kk),
-                                       smem_descriptor(b + 32 * kk), kb > kb_begin || kk > 0);
+              for (int half = 0; half < 2; ++half) {
+                float* d = acc + half * Cfg::kAccumulators;
+                const uint64_t desc_a = smem_descriptor(a + half * 64 * kRowBytes + 32 * kk);
+                if constexpr (kBStoredKN) {
+                  WgmmaBf16BT<kTileN>::mma(
+                      d, desc_a, wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk), accumulate);
+                } else {
+                  Mma<Elem, kTileN>::mma(d, desc_a, smem_descriptor(b + 32 * kk), accumulate);
+                }
               }
             }
           }
           wgmma_commit();
           wgmma_wait<1>();
-          keep_in_registers<Cfg::kAccumulators>(acc[0]);
-          keep_in_registers<Cfg::kAccumulators>(acc[1]);
+          keep_in_registers<2 * Cfg::kAccumulators>(acc);
           if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
           previous = stage;
           if (++stage == Cfg::kStages) {
@@ -1281,19 +1520,29 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         wgmma_wait<0>();
-        keep_in_registers<Cfg::kAccumulators>(acc[0]);
-        keep_in_registers<Cfg::kAccumulators>(acc[1]);
+        keep_in_registers<2 * Cfg::kAccumulators>(acc);
         if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
         if (index + int(gridDim.x) < work_items) turn_arrive(2 - consumer);
         if (kb_end <= kb_begin) {
 #pragma unroll
-          for (int i = 0; i < Cfg::kAccumulators; ++i) acc[0][i] = acc[1][i] = 0.f;
+          for (int i = 0; i < 2 * Cfg::kAccumulators; ++i) acc[i] = 0.f;
         }
+        if constexpr (kSwapped) {
+          store_swapped(p, acc, staging + consumer * kSwapTileBytes, &map_c, mask_bar(consumer),
+                        mask_phase, w.tile_m, 4 + consumer);
+          mask_phase ^= masked ? 1 : 0;
+        } else {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          store_tile<kTileN, kConvPatch>(p, acc[half], w.tile_m, half * 64, w.tile_n * kTileN,
-                                         w.split);
+          for (int half = 0; half < 2; ++half) {
+            store_tile<kTileN, kConvPatch>(p, acc + half * Cfg::kAccumulators, w.tile_m, half * 64,
+                                           w.tile_n * kTileN, w.split);
+          }
         }
+      }
+      // The last store must be complete before the block's shared memory goes (and, under a
+      // programmatic launch, before the grid counts as done).
+      if constexpr (kSwapped) {
+        if (threadIdx.x % 128 == 0) bulk_store_wait<false>();
       }
     } else {
       float acc[Cfg::kAccumulators];
@@ -1402,7 +1651,7 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
       : mode == kWgradTma  ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
       : mode == kWgradTmaT ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : mode == kConvTma || mode == kConvTmaBT
+      : mode == kConvTma || mode == kConvTmaBT || mode == kConvTmaSwap || mode == kConvTmaBTSwap
           ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
       : mode == kGemmTT  // A stored k x m: 64-row boxes of 64 columns
           ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
@@ -1414,7 +1663,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
       : mode == kGemmBT || mode == kGemmTT  // B stored k x n: 64-row boxes of 64 columns
           ? encode_k_major(prob.b, kType, sizeof(Elem), prob.k, prob.n, prob.ldb, 64)
-          : mode == kConvTmaBT  // the filters, K x R*S*C (the view's reduction channels x taps*n)
+          : mode == kConvTmaBT || mode == kConvTmaBTSwap  // the filters, K x R*S*C (the view's
+                                                          // reduction channels x taps*n)
                 ? encode_k_major(prob.b, kType, sizeof(Elem), patch->c_blocks * 64,
                                  patch->r * patch->s * prob.n,
                                  int64_t(patch->r) * patch->s * prob.n, 64)
@@ -1422,6 +1672,18 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
                   : mode == kWgradTmaT ? encode_patch_map(dy_view, kType, sizeof(Elem), *patch)
                                        : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k,
                                                         prob.ldb, kTileN);
+  // The swapped modes' C and mask as NHWC tensors (n * P * Q pixels of ldc = n = 64 channels).
+  const bool swapped = mode == kConvTmaSwap || mode == kConvTmaBTSwap;
+  const auto nhwc_view = [&](const void* t) {
+    return ConvGather{t, conv->n, conv->p, conv->q, int(prob.ldc), conv->p, conv->q, 1, 1,
+                      1, 1,       0,       0};
+  };
+  const CUtensorMap map_c =
+      swapped ? encode_patch_map(nhwc_view(prob.c), kType, sizeof(Elem), *patch) : CUtensorMap{};
+  const CUtensorMap map_mask =
+      swapped && prob.mask != nullptr
+          ? encode_patch_map(nhwc_view(prob.mask), kType, sizeof(Elem), *patch)
+          : CUtensorMap{};
   MainloopParams p{};
   p.m = prob.m;
   p.n = prob.n;
@@ -1443,24 +1705,46 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.bias_partials = bias_partials;
   p.bias_channels = mode == kWgradTma ? prob.m : prob.n;  // K either way
   CUDP_CHECK(
-      column_partials == nullptr || ((mode == kConvTma || mode == kConvTmaBT) &&
+      column_partials == nullptr || ((mode == kConvTma || mode == kConvTmaBT || swapped) &&
                                      plan.tile_n == kTileN && column_sums_in_epilogue(prob, plan)),
       "matmul: column sums on the way are backward-data's (the TMA patches, a ReLU mask), "
       "on whole tiles without split-K");
   p.column_partials = column_partials;
   const bool shifted = mode == kWgradShift || mode == kWgradShiftT;
-  const bool conv_patch = mode == kConvTma || mode == kConvTmaBT;
+  const bool conv_patch = mode == kConvTma || mode == kConvTmaBT || swapped;
   p.patch = conv_patch || wgrad_tma || shifted ? *patch : PatchTiles{};
   p.split_major = shifted || (wgrad_tma && patch->split_major);
   if (conv_patch) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
-  const auto run = [&](auto kernel, const ConvGather& g) {
-    allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
+  const auto run = [&](auto kernel, const ConvGather& g, int shared_bytes = Cfg::kSharedBytes) {
+    allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes);
     // A programmatic launch where the GPU allows (engine/core/launch.h): the kernel's set-up
     // overlaps the previous kernel's tail.
-    launch("matmul_kernel", kernel, dim3(plan.grid), dim3(kThreads), Cfg::kSharedBytes, stream,
-           map_a, map_b, p, g);
+    launch("matmul_kernel", kernel, dim3(plan.grid), dim3(kThreads), shared_bytes, stream, map_a,
+           map_b, map_c, map_mask, p, g);
   };
+  if (swapped) {
+    if constexpr (kBf16 && kTileN == 64 && (kResidentB == 0 || kResidentB == 9)) {
+      using Swapped = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kConvTmaSwap>>;
+      CUDP_CHECK(p.tiles_n == 1 && plan.splits == 1 && prob.c_type == DType::BF16 &&
+                     prob.ldc == prob.n && prob.beta == 0.f && p.k_blocks > 0 &&
+                     (kResidentB == 0 || p.k_blocks <= kResidentB),
+                 "conv: swapped tiles need one column of 64 bf16 channels, no split-K, beta 0 and "
+                 "a dense C (got ",
+                 p.tiles_n, " columns, ", plan.splits, " splits, ldc ", prob.ldc, ", ", p.k_blocks,
+                 " k-blocks)");
+      if (mode == kConvTmaSwap) {
+        run(&matmul_kernel<Elem, kTileN, kConvTmaSwap, kResidentB>, *conv, Swapped::kSharedBytes);
+      } else {
+        run(&matmul_kernel<Elem, kTileN, kConvTmaBTSwap, kResidentB>, *conv, Swapped::kSharedBytes);
+      }
+      return check_launch();
+    } else {
+      CUDP_CHECK(false,
+                 "conv: swapped tiles are bf16, 64 channels wide, with 0 or 9 k-blocks of "
+                 "resident filters");
+    }
+  }
   if constexpr (kResidentB > 0) {
     CUDP_CHECK(
         (mode == kConvTma || mode == kConvTmaBT) && p.tiles_n == 1 && p.k_blocks <= kResidentB,

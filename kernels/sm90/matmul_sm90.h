@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "kernels/matmul.h"
 
 namespace cudp::kernels::sm90 {
@@ -32,6 +34,10 @@ struct PatchTiles {
   // share a k-range of pixels, so x and dy come from memory about once) rather than tile-major
   // (each running block streams its own k-range). The same items either way, so the same bits.
   bool split_major = true;
+  // kConvTma / kConvTmaBT (bf16) with a C of 64 channels: the operands' roles swapped (the filters
+  // as wgmma's A, the tile's 128 pixels as its N), where conv_swapped_applies. Off only to compare
+  // the two (tests, bench_conv2d --swap).
+  bool swapped = true;
 };
 
 struct ConvGather {
@@ -68,13 +74,26 @@ inline bool column_sums_in_epilogue(const MatmulProblem& p, const MatmulPlan& pl
          p.ldc % 2 == 0 && p.beta == 0.f;
 }
 
+// Whether conv_tma_bf16 runs `problem` under `plan` with the operands' roles swapped
+// (kConvTmaSwap / kConvTmaBTSwap: a C of 64 bf16 channels written whole, no split-K, beta 0, C and
+// the mask 16-byte aligned for their TMA maps). Its column sums then come as one row of partial
+// sums per tile instead of 8.
+inline bool conv_swapped_applies(const MatmulProblem& p, const MatmulPlan& plan,
+                                 const PatchTiles& t) {
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return t.swapped && p.math == Math::BF16 && p.n == 64 && plan.tile_n == 64 && plan.splits == 1 &&
+         p.beta == 0.f && p.ldc == 64 && p.c_type == DType::BF16 && t.wb * t.hb * t.nb == 128 &&
+         aligned(p.c) && (p.mask == nullptr || (aligned(p.mask) && p.bias == nullptr && !p.relu));
+}
+
 // column_partials: (see MainloopParams) or null.
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream,
                    bool unrotated = false, float* column_partials = nullptr);
-// The k-blocks of resident filters conv_tma_bf16 gives `problem` under `plan` (the capacity of
-// the kernel it takes: 9 or 18), or 0 where they are streamed.
-int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan);
+// The k-blocks of resident filters conv_tma_bf16 gives `problem` under `plan` and `patch` (the
+// capacity of the kernel it takes: 9 or 18), or 0 where they are streamed.
+int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan,
+                           const PatchTiles& patch);
 void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream);
 

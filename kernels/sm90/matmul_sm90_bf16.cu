@@ -47,12 +47,14 @@ void conv_wgrad_bf16(const MatmulProblem& problem, const ConvGather& conv, const
   }
 }
 
-int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan) {
+int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan,
+                           const PatchTiles& patch) {
   // One tile column, and few enough k-blocks (9: VGG's 64-channel forward and backward-data; 18:
   // the backward-data of 64 -> 128, whose reduction is 128 channels x 9 taps) to leave >= 4
-  // stages for x.
+  // stages for x. Swapped tiles keep 32 KB for their staging of C: 9 at most.
   const int k_blocks = (problem.k + 63) / 64;
-  if (problem.math != Math::BF16 || problem.n > plan.tile_n) return 0;
+  if (!patch.filters_resident || problem.math != Math::BF16 || problem.n > plan.tile_n) return 0;
+  if (conv_swapped_applies(problem, plan, patch)) return k_blocks <= 9 ? 9 : 0;
   if (plan.tile_n == 64) return k_blocks <= 9 ? 9 : k_blocks <= 18 ? 18 : 0;
   if (plan.tile_n == 128) return k_blocks <= 9 ? 9 : 0;
   return 0;
@@ -61,8 +63,17 @@ int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan)
 void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream, bool unrotated,
                    float* column_partials) {
+  const int resident = resident_filter_blocks(problem, plan, patch);
+  if (conv_swapped_applies(problem, plan, patch)) {
+    const int mode = unrotated ? kConvTmaBTSwap : kConvTmaSwap;
+    if (resident == 9) {
+      return launch_mainloop<__nv_bfloat16, 64, 9>(problem, plan, workspace, stream, &conv, mode,
+                                                   &patch, nullptr, column_partials);
+    }
+    return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode, &patch,
+                                              nullptr, column_partials);
+  }
   const int mode = unrotated ? kConvTmaBT : kConvTma;
-  const int resident = patch.filters_resident ? resident_filter_blocks(problem, plan) : 0;
   switch (plan.tile_n) {
     case 64:
       if (resident == 9) {

@@ -356,9 +356,11 @@ TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
 // same on the same operands, so the outputs must match the streamed kernels' bit for bit: forward
 // with bias and ReLU, backward-data with the ReLU mask; tiles over the output's edges, split-K on
 // small outputs, 1 to 18 k-blocks of filters (1x1, 2x3 with one-sided padding, 3x3 over 64 and
-// 128 channels).
+// 128 channels). The unswapped kernels (the swapped ones keep at most 9 k-blocks resident: see
+// SwappedTilesAgainstTheReference).
 TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   CUDP_REQUIRE_TENSOR_CORES();
+  detail::set_conv_swapped(false);
   int resident_runs[2][3] = {};  // [forward, backward-data][streamed, 9 k-blocks, 18 k-blocks]
   for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
@@ -419,6 +421,116 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   EXPECT_GT(resident_runs[0][2], 0) << "no forward kept 18 k-blocks of filters resident";
   EXPECT_GT(resident_runs[1][1], 0) << "no backward-data kept 9 k-blocks of filters resident";
   EXPECT_GT(resident_runs[1][2], 0) << "no backward-data kept 18 k-blocks of filters resident";
+  detail::set_conv_swapped(true);
+}
+
+// The widened values of bf16 bit patterns (exact).
+std::vector<float> widened(const std::vector<uint16_t>& bits) {
+  std::vector<float> v(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    const uint32_t wide = uint32_t(bits[i]) << 16;
+    std::memcpy(&v[i], &wide, sizeof(float));
+  }
+  return v;
+}
+
+// The swapped tiles of 64-channel outputs (the filters as wgmma's A, 128 pixels as its N; the
+// tile transposed through shared memory, written and its mask read by TMA): the forward with bias
+// and ReLU and backward-data with the ReLU mask and the column sums, each against the double CPU
+// reference with a bf16 output's bound (Bf16InBf16Out's), the sums against double
+// (BackwardDataAddsTheColumnSums'), no poisoned output left; the same with the filters streamed
+// bit for bit; and the unswapped kernels within the same bounds. Patches over the output's edges
+// (10 x 12, 9 x 13), 1 to 18 k-blocks (1x1, 2x3 with one-sided padding, 3x3 over 64 and 128
+// channels), several tiles a block (56 x 56 x 4).
+TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  int swapped_runs[2] = {};  // forward, backward-data
+  for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 20, 24, 128, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 9, 13, 64, 64, 2, 3, 1, 1, 1, 0},
+                              Conv2dShape{3, 8, 8, 64, 64, 1, 1, 1, 1, 0, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
+                                      << " K " << s.k << " R " << s.r << " S " << s.s);
+    const bool fwd_swapped = detail::conv2d_swapped_tiles(s, false);
+    const bool bwd_swapped = detail::conv2d_swapped_tiles(s, true);
+    EXPECT_EQ(fwd_swapped, s.k == 64);
+    EXPECT_EQ(bwd_swapped, s.c == 64);
+    swapped_runs[0] += fwd_swapped;
+    swapped_runs[1] += bwd_swapped;
+    const std::vector<float> x = operand(size_t(s.x_size()), 41, Math::BF16);
+    const std::vector<float> w = operand(size_t(s.w_size()), 42, Math::BF16);
+    const std::vector<float> dy = operand(size_t(s.y_size()), 43, Math::BF16);
+    const std::vector<float> bias = testing::random_vector(size_t(s.k), 44);
+    std::vector<float> mask = operand(size_t(s.x_size()), 45, Math::BF16);
+    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
+    // The references: y = relu(x (*) w + bias), dx = mask(dy (*)^T w), and the sums of |terms|.
+    std::vector<float> y_ref(size_t(s.y_size())), y_abs(size_t(s.y_size()));
+    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), y_ref.data(), true);
+    std::vector<float> ones(bias.size());
+    for (size_t i = 0; i < ones.size(); ++i) ones[i] = std::fabs(bias[i]);
+    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), ones.data(), y_abs.data(), false);
+    std::vector<float> dx_ref(size_t(s.x_size())), dx_abs(size_t(s.x_size()));
+    conv2d_backward_data_cpu(s, dy.data(), w.data(), dx_ref.data());
+    conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), dx_abs.data());
+    for (size_t i = 0; i < mask.size(); ++i) {
+      if (mask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
+    }
+    const std::vector<float> start = testing::random_vector(size_t(s.c), 46);
+    DeviceBuffer<uint16_t> dx_in(bf16_bits(x)), dw(bf16_bits(w)), ddy(bf16_bits(dy)),
+        dmask(bf16_bits(mask));
+    DeviceBuffer<float> dbias(bias);
+    std::vector<uint16_t> y_of[3], dx_of[3];  // swapped, swapped and streamed, unswapped
+    std::vector<float> sums_of[3];
+    for (int run = 0; run < 3; ++run) {
+      detail::set_conv_swapped(run < 2);
+      detail::set_conv_feed(run == 1 ? detail::ConvFeed::patch_streamed : detail::ConvFeed::patch);
+      DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
+      DeviceBuffer<float> sums(start);
+      y.fill(0xFFFF);
+      dx.fill(0xFFFF);
+      ConvOperands fwd{Math::BF16, dx_in.get(), dw.get(), y.get(), DType::BF16, dbias.get(), true};
+      conv2d_forward_tc(s, fwd, nullptr);
+      ConvOperands back{Math::BF16, ddy.get(), dw.get(), dx.get(), DType::BF16, nullptr, false};
+      back.mask = dmask.get();
+      back.column_sums = sums.get();
+      conv2d_backward_data_tc(s, back, nullptr);
+      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+      y_of[run] = y.download();
+      dx_of[run] = dx.download();
+      sums_of[run] = sums.download();
+    }
+    detail::set_conv_swapped(true);
+    detail::set_conv_feed(detail::ConvFeed::patch);
+    const char* names[3] = {"swapped", "swapped, filters streamed", "unswapped"};
+    for (int run = 0; run < 3; ++run) {
+      SCOPED_TRACE(names[run]);
+      EXPECT_EQ(std::count(y_of[run].begin(), y_of[run].end(), uint16_t(0xFFFF)), 0)
+          << "the forward left poisoned outputs";
+      EXPECT_EQ(std::count(dx_of[run].begin(), dx_of[run].end(), uint16_t(0xFFFF)), 0)
+          << "backward-data left poisoned outputs";
+      const std::vector<float> y = widened(y_of[run]), dx = widened(dx_of[run]);
+      int64_t bad_y = 0, bad_dx = 0;
+      // A bf16 output adds its rounding, 2^-8 relative, to the fp32 bound.
+      for (size_t i = 0; i < y.size(); ++i) {
+        bad_y += !(std::fabs(y[i] - y_ref[i]) <= std::ldexp(1.0, -8) * std::fabs(y_ref[i]) +
+                                                     std::ldexp(64.0, -24) * y_abs[i] + 1e-6);
+      }
+      for (size_t i = 0; i < dx.size(); ++i) {
+        bad_dx += !(std::fabs(dx[i] - dx_ref[i]) <= std::ldexp(1.0, -8) * std::fabs(dx_ref[i]) +
+                                                        std::ldexp(64.0, -24) * dx_abs[i] + 1e-6);
+      }
+      EXPECT_EQ(bad_y, 0) << "forward: of " << y.size() << " outputs";
+      EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dx.size() << " outputs";
+      EXPECT_TRUE(testing::column_sums_close(sums_of[run], start, dx));
+    }
+    EXPECT_EQ(y_of[0], y_of[1]) << "resident and streamed filters: forward";
+    EXPECT_EQ(dx_of[0], dx_of[1]) << "resident and streamed filters: backward-data";
+    EXPECT_TRUE(testing::bitwise_equal(sums_of[0], sums_of[1]));
+  }
+  EXPECT_GT(swapped_runs[0], 0) << "no forward ran swapped";
+  EXPECT_GT(swapped_runs[1], 0) << "no backward-data ran swapped";
 }
 
 // The bf16 backward-weight's split-K work items split-major (the default) or tile-major: the same
