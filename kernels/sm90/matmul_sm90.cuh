@@ -70,7 +70,8 @@ struct MainloopParams {
   // kConvTma / kConvTmaBT with a ReLU mask (backward-data), or null: the column sums of the stored
   // C taken on the way, one row of n floats per 16 tile rows (a warp's): row
   // (tile_m * 2 + half) * 4 + warp, the tile's columns of it (store_whole_tile). Added up in row
-  // order afterwards (bias_grad): C's column sums, deterministic.
+  // order afterwards (bias_grad): C's column sums, deterministic. kConvTmaSwap / kConvTmaBTSwap:
+  // one row of the 64 columns per tile, row tile_m (store_swapped_tile).
   float* column_partials;
 };
 
@@ -88,15 +89,18 @@ struct Config {
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
   static constexpr int kResidentBytes = kResidentB * kBlockBytesB;
   static constexpr int kStagingOffset = kResidentBytes;  // from the resident B's start
+  static constexpr int kStaging = kStagingBytes;
   static constexpr int kStages =
       (kSharedBudget - 4096 - kResidentBytes - kStagingBytes) / kStageBytes;
-  // After the stages and the resident B: the barriers (up to 256 bytes), then 256 bytes of
-  // scratch for backward-weight's bias sums (wgrad_bias_sums).
+  // After the stages, the resident B and the staging: the barriers (up to 256 bytes), then 256
+  // bytes of scratch for backward-weight's bias sums (wgrad_bias_sums).
   static constexpr int kScratchOffset = 256;
   static constexpr int kSharedBytes = kStages * kStageBytes + kResidentBytes + kStagingBytes +
                                       1024 /* alignment */ + kScratchOffset + 256;
   static constexpr int kAccumulators = kTileN / 2;  // fp32 per thread for m64nN
   static_assert(kStages >= 3, "too few pipeline stages");
+  static_assert(kStagingBytes == 0 || (kStages * kStageBytes + kResidentBytes) % 1024 == 0,
+                "the staging of C must start on a 128-byte swizzle atom (1024 bytes)");
   static_assert(16 * kStages + 8 <= kScratchOffset, "the barriers overrun the scratch");
 };
 
@@ -200,7 +204,7 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           view reads its 64 rows cb of tap R*S - 1 - rs (the 180-degree rotation) as kTileN / 64
 //           MN-major boxes, as kGemmBT does. (A tile's last boxes may reach into the next tap's
 //           columns: those are output columns past n, never stored.)
-//   kConvTmaSwap, kConvTmaBTSwap kConvTma and kConvTmaBT for a C of 64 channels (VGG's 64-channel
+//   kConvTmaSwap, kConvTmaBTSwap: kConvTma and kConvTmaBT for a C of 64 channels (VGG's 64-channel
 //           layers: the forward of 64 -> 64, backward-data into 64 channels), with the operands'
 //           roles swapped: the 64 filter rows are wgmma's A (M = 64) and the tile's 128 pixels its
 //           B (N = 128), so one m64n128k16 instead of two m64n64k16 reads the 128 x 64 tile's
@@ -816,7 +820,7 @@ __device__ __forceinline__ void store_swapped_tile(const MainloopParams& p, cons
     }
     stmatrix_x4_trans(addr, out);
   }
-  // wgmma and TMA read shared memory through the async proxy: what stmatrix wrote must be visible
+  // The TMA store reads shared memory through the async proxy: what stmatrix wrote must be visible
   // to it before the store is issued.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   warpgroup_sync(barrier);
@@ -1126,7 +1130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // kSwapped: consumer c's tile of C on the way out at staging + c * kSwapTileBytes
   const uint32_t staging = resident_b + Cfg::kStagingOffset;
   // full[s], then empty[s], then the resident B's barrier
-  const uint32_t bars = staging + kStagingBytesOf<kMode>;
+  const uint32_t bars = staging + Cfg::kStaging;
   auto full_bar = [&](int s) { return bars + 8 * s; };
   auto empty_bar = [&](int s) { return bars + 8 * (Cfg::kStages + s); };
   const uint32_t resident_bar = bars + 16 * Cfg::kStages;
@@ -1726,8 +1730,10 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   if (swapped) {
     if constexpr (kBf16 && kTileN == 64 && (kResidentB == 0 || kResidentB == 9)) {
       using Swapped = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kConvTmaSwap>>;
-      CUDP_CHECK(p.tiles_n == 1 && plan.splits == 1 && prob.c_type == DType::BF16 &&
+      // (The kernel writes 64 channels: n must be exactly that; a mask takes no bias or ReLU.)
+      CUDP_CHECK(p.tiles_n == 1 && plan.splits == 1 && prob.c_type == DType::BF16 && prob.n == 64 &&
                      prob.ldc == prob.n && prob.beta == 0.f && p.k_blocks > 0 &&
+                     (prob.mask == nullptr || (prob.bias == nullptr && !prob.relu)) &&
                      (kResidentB == 0 || p.k_blocks <= kResidentB),
                  "conv: swapped tiles need one column of 64 bf16 channels, no split-K, beta 0 and "
                  "a dense C (got ",

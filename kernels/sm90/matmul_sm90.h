@@ -65,7 +65,8 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 // rotated by 180 degrees (kConvTmaBT), not the rotated C x R*S*K copy. bf16 filters of one tile
 // column and at most 18 (tile width 64) or 9 (128) k-blocks stay resident in shared memory
 // (patch.filters_resident): the stages then carry x alone, a third less traffic from L2 for a
-// 64-channel layer, whose 128 x 64 tiles read 9 boxes of x and 9 of filters each.
+// 64-channel layer, whose 128 x 64 tiles read 9 boxes of x and 9 of filters each. Swapped tiles
+// (conv_swapped_applies) keep 32 KB for their output: 9 k-blocks resident at most, 10-18 streamed.
 // Whether backward-data's column sums (MatmulProblem::column_sums) can be taken in the epilogue of
 // conv_tma_bf16 under `plan`: bf16, a ReLU mask, whole tiles, no split-K (the one rule of the
 // launcher's check and kernels/matmul.cu's choice).

@@ -441,22 +441,36 @@ std::vector<float> widened(const std::vector<uint16_t>& bits) {
 // (BackwardDataAddsTheColumnSums'), no poisoned output left; the same with the filters streamed
 // bit for bit; and the unswapped kernels within the same bounds. Patches over the output's edges
 // (10 x 12, 9 x 13), 1 to 18 k-blocks (1x1, 2x3 with one-sided padding, 3x3 over 64 and 128
-// channels), several tiles a block (56 x 56 x 4).
+// channels). Both consumers take several tiles (so staging reuse and the mask barrier's second
+// phase run) where the patches hang over the edges: the grid is sized from the pixel count, the
+// work from the patches (10 x 12 x 3: 3 blocks for 15 tiles).
 TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
   CUDP_REQUIRE_TENSOR_CORES();
+  // The switches back to their defaults however the test ends.
+  struct Defaults {
+    ~Defaults() {
+      detail::set_conv_swapped(true);
+      detail::set_conv_feed(detail::ConvFeed::patch);
+    }
+  } defaults;
   int swapped_runs[2] = {};  // forward, backward-data
   for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{4, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 20, 24, 128, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 20, 24, 128, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 9, 13, 64, 64, 2, 3, 1, 1, 1, 0},
                               Conv2dShape{3, 8, 8, 64, 64, 1, 1, 1, 1, 0, 0}}) {
     SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
                                       << " K " << s.k << " R " << s.r << " S " << s.s);
+    // Swapped only where the output has 64 channels; and only without split-K, which the planner
+    // may choose for a short M (C = 128 -> K = 64 over 2 x 20 x 24 = 960 pixels: 8 tiles of 18
+    // k-blocks, split 6
+    // ways, so it runs unswapped: the 4-image case runs swapped).
     const bool fwd_swapped = detail::conv2d_swapped_tiles(s, false);
     const bool bwd_swapped = detail::conv2d_swapped_tiles(s, true);
-    EXPECT_EQ(fwd_swapped, s.k == 64);
-    EXPECT_EQ(bwd_swapped, s.c == 64);
+    EXPECT_TRUE(!fwd_swapped || s.k == 64);
+    EXPECT_TRUE(!bwd_swapped || s.c == 64);
     swapped_runs[0] += fwd_swapped;
     swapped_runs[1] += bwd_swapped;
     const std::vector<float> x = operand(size_t(s.x_size()), 41, Math::BF16);
@@ -528,9 +542,22 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
     EXPECT_EQ(y_of[0], y_of[1]) << "resident and streamed filters: forward";
     EXPECT_EQ(dx_of[0], dx_of[1]) << "resident and streamed filters: backward-data";
     EXPECT_TRUE(testing::bitwise_equal(sums_of[0], sums_of[1]));
+    // Not a requirement (wgmma's order of adding within a k16 step is not documented for swapped
+    // roles): how many outputs the swapped and unswapped kernels round differently.
+    if (fwd_swapped || bwd_swapped) {
+      int64_t y_diff = 0, dx_diff = 0;
+      for (size_t i = 0; i < y_of[0].size(); ++i) y_diff += y_of[0][i] != y_of[2][i];
+      for (size_t i = 0; i < dx_of[0].size(); ++i) dx_diff += dx_of[0][i] != dx_of[2][i];
+      std::printf(
+          "swapped vs unswapped: forward %lld of %zu outputs differ, backward-data %lld of "
+          "%zu\n",
+          static_cast<long long>(y_diff), y_of[0].size(), static_cast<long long>(dx_diff),
+          dx_of[0].size());
+    }
   }
-  EXPECT_GT(swapped_runs[0], 0) << "no forward ran swapped";
-  EXPECT_GT(swapped_runs[1], 0) << "no backward-data ran swapped";
+  // Each pass: 1, 6 and 9 k-blocks (filters resident) and 18 (streamed), 5 shapes.
+  EXPECT_GE(swapped_runs[0], 5) << "too few forwards ran swapped";
+  EXPECT_GE(swapped_runs[1], 5) << "too few backward-data runs were swapped";
 }
 
 // The bf16 backward-weight's split-K work items split-major (the default) or tile-major: the same
