@@ -520,18 +520,15 @@ void Module::refresh_compute_copies() {
   for (const auto& [name, p] : named_parameters()) {
     if (!p->compute.defined()) continue;
     CUDP_CHECK(p->compute.dtype() == DType::bf16 && p->compute.numel() == p->data.numel() &&
-                   p->compute.device() == p->data.device(),
+                   p->compute.device() == device_ && p->data.device() == device_,
                type_name(), ": parameter '", name, "' has a compute copy ", p->compute.str(),
-               " that does not mirror its data ", p->data.str(), "; flatten_parameters() again");
+               " that does not mirror its data ", p->data.str(), " on the module's ", device_,
+               "; flatten_parameters() again");
+    const float* data = p->data.data<float>();
+    __nv_bfloat16* compute = p->compute.data<__nv_bfloat16>();
     const int64_t n = p->data.numel();
-    const Device device = p->data.device();
-    if (device.is_cpu()) {
-      kernels::f32_to_bf16_cpu(p->data.data<float>(), p->compute.data<__nv_bfloat16>(), n);
-    } else {
-      cuda::DeviceGuard guard(device.index);
-      kernels::f32_to_bf16(p->data.data<float>(), p->compute.data<__nv_bfloat16>(), n,
-                           stream_for(device));
-    }
+    run([&] { kernels::f32_to_bf16_cpu(data, compute, n); },
+        [&](cudaStream_t stream) { kernels::f32_to_bf16(data, compute, n, stream); });
   }
 }
 

@@ -1,10 +1,11 @@
 // Helpers shared by the data tests: a scratch directory for generated files, checks on the text of
-// an expected exception (readers must say which file and what is wrong with it), and a loader's
-// batches copied out (it reuses its buffers).
+// an expected exception (readers must say which file and what is wrong with it), a loader's
+// batches copied out (it reuses its buffers), and a Dataset served through read().
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "data/dataset.h"
 #include "data/loader.h"
 #include "engine/core/error.h"
 
@@ -82,5 +84,30 @@ inline std::vector<HostBatch> run_epoch(data::Loader& loader, int epoch, int64_t
   }
   return out;
 }
+
+// A Dataset served through read(), as an image folder is, rather than as resident arrays: each
+// sample is copied out of the Dataset after before_read(index), which a test overrides to slow the
+// reads down, count them or make one fail.
+class DatasetSource : public data::SampleSource {
+ public:
+  explicit DatasetSource(const data::Dataset& d) : d_(d) {}
+  const std::string& name() const override { return d_.name; }
+  int64_t size() const override { return d_.size(); }
+  int64_t height() const override { return d_.height; }
+  int64_t width() const override { return d_.width; }
+  int64_t channels() const override { return d_.channels; }
+  int num_classes() const override { return d_.num_classes; }
+  int32_t label(int64_t index) const override { return d_.labels[static_cast<size_t>(index)]; }
+  void read(int64_t index, uint64_t, int, uint8_t* out) const override {
+    before_read(index);
+    std::copy_n(d_.image(index), d_.image_bytes(), out);
+  }
+
+ protected:
+  virtual void before_read(int64_t /*index*/) const {}
+
+ private:
+  const data::Dataset& d_;
+};
 
 }  // namespace cudp::testing

@@ -172,23 +172,12 @@ TEST(DevicePrefetcher, AWaitForTheDeviceIsNotInputWait) {
 }
 
 // A Dataset served through read(), at `delay` per sample: a source that takes a while to decode.
-class SlowSource final : public SampleSource {
+class SlowSource final : public testing::DatasetSource {
  public:
-  SlowSource(const Dataset& d, std::chrono::microseconds delay) : d_(d), delay_(delay) {}
-  const std::string& name() const override { return d_.name; }
-  int64_t size() const override { return d_.size(); }
-  int64_t height() const override { return d_.height; }
-  int64_t width() const override { return d_.width; }
-  int64_t channels() const override { return d_.channels; }
-  int num_classes() const override { return d_.num_classes; }
-  int32_t label(int64_t index) const override { return d_.labels[static_cast<size_t>(index)]; }
-  void read(int64_t index, uint64_t, int, uint8_t* out) const override {
-    std::this_thread::sleep_for(delay_);
-    std::copy_n(d_.image(index), d_.image_bytes(), out);
-  }
+  SlowSource(const Dataset& d, std::chrono::microseconds delay) : DatasetSource(d), delay_(delay) {}
 
  private:
-  const Dataset& d_;
+  void before_read(int64_t) const override { std::this_thread::sleep_for(delay_); }
   std::chrono::microseconds delay_;
 };
 

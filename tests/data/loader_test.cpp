@@ -216,28 +216,19 @@ TEST(Loader, ResumeAtABatchGivesTheSameRemainingBatches) {
 
 // A Dataset served through read() (as an image folder is), counting the samples it produced, and
 // failing on sample `fail_at` while `failing` is set.
-class CountingSource final : public SampleSource {
+class CountingSource final : public testing::DatasetSource {
  public:
-  explicit CountingSource(const Dataset& d) : d_(d) {}
-  const std::string& name() const override { return d_.name; }
-  int64_t size() const override { return d_.size(); }
-  int64_t height() const override { return d_.height; }
-  int64_t width() const override { return d_.width; }
-  int64_t channels() const override { return d_.channels; }
-  int num_classes() const override { return d_.num_classes; }
-  int32_t label(int64_t index) const override { return d_.labels[static_cast<size_t>(index)]; }
-  void read(int64_t index, uint64_t, int, uint8_t* out) const override {
-    if (failing && index == fail_at) CUDP_THROW(IoError, "sample ", index, " is bad");
-    ++reads;
-    std::copy_n(d_.image(index), d_.image_bytes(), out);
-  }
+  using DatasetSource::DatasetSource;
 
   mutable std::atomic<int64_t> reads{0};
   std::atomic<bool> failing{false};
   int64_t fail_at = -1;
 
  private:
-  const Dataset& d_;
+  void before_read(int64_t index) const override {
+    if (failing && index == fail_at) CUDP_THROW(IoError, "sample ", index, " is bad");
+    ++reads;
+  }
 };
 
 TEST(Loader, AnEpochStartedEarlyKeepsWhatItPrepared) {

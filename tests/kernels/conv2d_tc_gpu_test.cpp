@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,21 @@ using testing::DeviceBuffer;
 using testing::kPoison;
 
 using testing::bf16_rounded;
+using testing::bf16_widened;
+
+// A shape, for SCOPED_TRACE.
+std::string shape_text(const Conv2dShape& s) {
+  std::ostringstream out;
+  out << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c << " K " << s.k << " R " << s.r
+      << " S " << s.s << " stride " << s.stride_h << " pad " << s.pad_h << "," << s.pad_w;
+  return out.str();
+}
+
+// The bound of a bf16 output against its double reference `ref`, with Σ|p| = `abs_sum`: the bf16
+// rounding, 2^-8 relative, on top of the fp32 accumulation's 64u·Σ|p| (the file comment).
+double bf16_output_bound(double ref, double abs_sum) {
+  return std::ldexp(1.0, -8) * std::fabs(ref) + std::ldexp(64.0, -24) * abs_sum + 1e-6;
+}
 
 std::vector<float> operand(size_t n, uint64_t seed, Math math) {
   std::vector<float> v = testing::random_vector(n, seed);
@@ -317,8 +333,7 @@ TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
                               Conv2dShape{4, 9, 11, 64, 512, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{1, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}}) {
     for (bool with_mask : {true, false}) {
-      SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C "
-                                        << s.c << " K " << s.k << (with_mask ? " mask" : ""));
+      SCOPED_TRACE(shape_text(s) + (with_mask ? " mask" : ""));
       std::vector<float> mask = operand(size_t(s.x_size()), 33, Math::BF16);
       for (size_t i = 0; i < mask.size(); i += 5) mask[i] = 0.f;
       DeviceBuffer<uint16_t> dy(bf16_bits(operand(size_t(s.y_size()), 31, Math::BF16))),
@@ -339,11 +354,7 @@ TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
       CUDP_CUDA_CHECK(cudaDeviceSynchronize());
       const std::vector<uint16_t> dx = summed.download();
       EXPECT_EQ(dx, alone.download());
-      std::vector<float> values(dx.size());  // the stored bf16, widened (exact)
-      for (size_t i = 0; i < dx.size(); ++i) {
-        const uint32_t bits = uint32_t(dx[i]) << 16;
-        std::memcpy(&values[i], &bits, sizeof(float));
-      }
+      const std::vector<float> values = bf16_widened(dx);  // the stored bf16 (exact)
       const std::vector<float> got = sums.download();
       EXPECT_TRUE(testing::column_sums_close(got, start, values));
       EXPECT_TRUE(testing::bitwise_equal(again.download(), got));
@@ -369,8 +380,7 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
                               Conv2dShape{2, 20, 24, 128, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 9, 13, 64, 64, 2, 3, 1, 1, 1, 0},
                               Conv2dShape{3, 8, 8, 64, 64, 1, 1, 1, 1, 0, 0}}) {
-    SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
-                                      << " K " << s.k << " R " << s.r << " S " << s.s);
+    SCOPED_TRACE(shape_text(s));
     // Which kernels run (the plan's tile width decides: the view's K must fit one tile column):
     // recorded per pass and capacity, and required below to cover each at least once.
     const int fwd_blocks = detail::conv2d_resident_filter_blocks(s, false);
@@ -424,20 +434,10 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   detail::set_conv_swapped(true);
 }
 
-// The widened values of bf16 bit patterns (exact).
-std::vector<float> widened(const std::vector<uint16_t>& bits) {
-  std::vector<float> v(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) {
-    const uint32_t wide = uint32_t(bits[i]) << 16;
-    std::memcpy(&v[i], &wide, sizeof(float));
-  }
-  return v;
-}
-
 // The swapped tiles of 64-channel outputs (the filters as wgmma's A, 128 pixels as its N; the
 // tile transposed through shared memory, written and its mask read by TMA): the forward with bias
 // and ReLU and backward-data with the ReLU mask and the column sums, each against the double CPU
-// reference with a bf16 output's bound (Bf16InBf16Out's), the sums against double
+// reference with a bf16 output's bound (bf16_output_bound), the sums against double
 // (BackwardDataAddsTheColumnSums'), no poisoned output left; the same with the filters streamed
 // bit for bit; and the unswapped kernels within the same bounds and with the same bits. Patches
 // over the output's edges (10 x 12, 9 x 13), 1 to 18 k-blocks (1x1, 2x3 with one-sided padding, 3x3
@@ -461,8 +461,7 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
                               Conv2dShape{2, 20, 24, 128, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 9, 13, 64, 64, 2, 3, 1, 1, 1, 0},
                               Conv2dShape{3, 8, 8, 64, 64, 1, 1, 1, 1, 0, 0}}) {
-    SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
-                                      << " K " << s.k << " R " << s.r << " S " << s.s);
+    SCOPED_TRACE(shape_text(s));
     // Swapped only where the output has 64 channels; and only without split-K, which the planner
     // may choose for a short M (C = 128 -> K = 64 over 2 x 20 x 24 = 960 pixels: 8 tiles of 18
     // k-blocks, split 6
@@ -524,16 +523,13 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
           << "the forward left poisoned outputs";
       EXPECT_EQ(std::count(dx_of[run].begin(), dx_of[run].end(), uint16_t(0xFFFF)), 0)
           << "backward-data left poisoned outputs";
-      const std::vector<float> y = widened(y_of[run]), dx = widened(dx_of[run]);
+      const std::vector<float> y = bf16_widened(y_of[run]), dx = bf16_widened(dx_of[run]);
       int64_t bad_y = 0, bad_dx = 0;
-      // A bf16 output adds its rounding, 2^-8 relative, to the fp32 bound.
       for (size_t i = 0; i < y.size(); ++i) {
-        bad_y += !(std::fabs(y[i] - y_ref[i]) <= std::ldexp(1.0, -8) * std::fabs(y_ref[i]) +
-                                                     std::ldexp(64.0, -24) * y_abs[i] + 1e-6);
+        bad_y += !(std::fabs(y[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
       }
       for (size_t i = 0; i < dx.size(); ++i) {
-        bad_dx += !(std::fabs(dx[i] - dx_ref[i]) <= std::ldexp(1.0, -8) * std::fabs(dx_ref[i]) +
-                                                        std::ldexp(64.0, -24) * dx_abs[i] + 1e-6);
+        bad_dx += !(std::fabs(dx[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
       }
       EXPECT_EQ(bad_y, 0) << "forward: of " << y.size() << " outputs";
       EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dx.size() << " outputs";
@@ -616,8 +612,7 @@ TEST_P(BiasFusion, BackwardWeightTakesTheBiasGradient) {
                               Conv2dShape{2, 32, 32, 8, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 7, 9, 72, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 7, 7, 64, 128, 3, 3, 2, 2, 1, 1}}) {
-    SCOPED_TRACE(::testing::Message() << "N " << s.n << " H " << s.h << " W " << s.w << " C " << s.c
-                                      << " K " << s.k << " R " << s.r << " stride " << s.stride_h);
+    SCOPED_TRACE(shape_text(s));
     ++(detail::conv2d_backward_weight_fuses_bias(s) ? fused : separate);
     std::vector<float> dy_values = testing::random_vector(size_t(s.y_size()), 41, -4.f, 4.f);
     for (float& v : dy_values) v = std::round(v * 8.f) / 8.f;
@@ -676,18 +671,9 @@ TEST(Conv2dTcTyped, Bf16InBf16Out) {
   std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
   conv2d_forward_cpu(s, x.data(), w.data(), nullptr, ref.data(), false);
   conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
-  std::vector<float> got;
-  for (uint16_t b : dy.download()) {
-    const uint32_t wide = uint32_t(b) << 16;
-    float f;
-    std::memcpy(&f, &wide, 4);
-    got.push_back(f);
-  }
-  // A bf16 output adds its rounding, 2^-8 relative: compare with that on top of the fp32 bound.
+  const std::vector<float> got = bf16_widened(dy.download());
   for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_LE(std::fabs(got[i] - ref[i]),
-              std::ldexp(1.0, -8) * std::fabs(ref[i]) + std::ldexp(64.0, -24) * abs_sum[i] + 1e-6)
-        << "output " << i;
+    ASSERT_LE(std::fabs(got[i] - ref[i]), bf16_output_bound(ref[i], abs_sum[i])) << "output " << i;
   }
   // Backward-data, typed: dy here is the bf16 y just computed.
   ConvOperands back{Math::BF16, dy.get(), dw.get(), ddx.get(), DType::BF16, nullptr, false};
@@ -697,11 +683,7 @@ TEST(Conv2dTcTyped, Bf16InBf16Out) {
   conv2d_backward_data_cpu(s, absolute(dy_f).data(), absolute(w).data(), dabs.data());
   const std::vector<uint16_t> dxb = ddx.download();
   for (size_t i = 0; i < dxb.size(); ++i) {
-    const uint32_t wide = uint32_t(dxb[i]) << 16;
-    float f;
-    std::memcpy(&f, &wide, 4);
-    ASSERT_LE(std::fabs(f - dref[i]),
-              std::ldexp(1.0, -8) * std::fabs(dref[i]) + std::ldexp(64.0, -24) * dabs[i] + 1e-6)
+    ASSERT_LE(std::fabs(bf16_widened(dxb[i]) - dref[i]), bf16_output_bound(dref[i], dabs[i]))
         << "dx " << i;
   }
 }
@@ -879,14 +861,6 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
     std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
     conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), ref.data(), true);
     conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
-    auto widen = [](const std::vector<uint16_t>& b) {
-      std::vector<float> v(b.size());
-      for (size_t i = 0; i < b.size(); ++i) {
-        const uint32_t wide = uint32_t(b[i]) << 16;
-        std::memcpy(&v[i], &wide, 4);
-      }
-      return v;
-    };
     DeviceBuffer<uint16_t> dx(bf16_bits(x)), dw(bf16_bits(w)), yb(size_t(s.y_size()));
     DeviceBuffer<float> db(bias), yf(size_t(s.y_size()));
     ConvOperands ops{Math::BF16, dx.get(), dw.get(), yb.get(), DType::BF16, db.get(), true};
@@ -901,10 +875,9 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
         break;
       }
       first = got;
-      const std::vector<float> v = widen(got);
+      const std::vector<float> v = bf16_widened(got);
       for (size_t i = 0; i < v.size(); ++i) {
-        ASSERT_LE(std::fabs(v[i] - ref[i]), std::ldexp(1.0, -8) * std::fabs(ref[i]) +
-                                                std::ldexp(64.0, -24) * abs_sum[i] + 1e-6)
+        ASSERT_LE(std::fabs(v[i] - ref[i]), bf16_output_bound(ref[i], abs_sum[i]))
             << "bf16 y " << i;
       }
     }
