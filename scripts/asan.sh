@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if cmake --workflow --list-presets 2>/dev/null | grep -q '"asan"'; then
+if cmake --workflow --list-presets 2>/dev/null | grep '"asan"' >/dev/null; then
   exec cmake --workflow --preset asan
 fi
 

@@ -178,7 +178,7 @@ if [[ $report_only == 0 ]]; then
       summary+=("$(printf '%-22s %s' train_cudp_np "skipped (no mpirun: install openmpi-bin)")")
     else
       mpi_flags=()
-      if mpirun --version 2>&1 | grep -q 'Open MPI\|OpenRTE'; then
+      if mpirun --version 2>&1 | grep 'Open MPI\|OpenRTE' >/dev/null; then
         mpi_flags=(--bind-to none)
         [[ $(id -u) == 0 ]] && mpi_flags+=(--allow-run-as-root)
       fi

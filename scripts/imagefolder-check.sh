@@ -23,7 +23,7 @@ mkdir -p "$work"
 # cudp reads JPEG through libturbojpeg.so.0 (Debian/Ubuntu libturbojpeg0), loaded at run time;
 # without it the images are all PNG (and the check says so).
 jpeg=1
-if ! ldconfig -p | grep -q 'libturbojpeg\.so\.0'; then
+if ! ldconfig -p | grep 'libturbojpeg\.so\.0' >/dev/null; then
   jpeg=0
   echo "imagefolder-check: libturbojpeg.so.0 is absent (apt-get install libturbojpeg0): PNG only"
 fi

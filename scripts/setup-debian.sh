@@ -30,7 +30,7 @@ packages=(cmake ninja-build g++ zlib1g-dev nlohmann-json3-dev libgtest-dev libcl
           libbenchmark-dev libturbojpeg0 libpng16-16 libopenmpi-dev openmpi-bin)
 ((with_data)) && packages+=(dataset-fashion-mnist)
 
-installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep "install ok installed" >/dev/null; }
 missing=()
 for p in "${packages[@]}"; do
   installed "$p" || missing+=("$p")
