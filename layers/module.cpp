@@ -517,18 +517,22 @@ std::pair<Tensor, Tensor> Module::flatten_parameters() {
 }
 
 void Module::refresh_compute_copies() {
-  for (const auto& [name, p] : named_parameters()) {
-    if (!p->compute.defined()) continue;
-    CUDP_CHECK(p->compute.dtype() == DType::bf16 && p->compute.numel() == p->data.numel() &&
-                   p->compute.device() == device_ && p->data.device() == device_,
-               type_name(), ": parameter '", name, "' has a compute copy ", p->compute.str(),
-               " that does not mirror its data ", p->data.str(), " on the module's ", device_,
-               "; flatten_parameters() again");
-    const float* data = p->data.data<float>();
-    __nv_bfloat16* compute = p->compute.data<__nv_bfloat16>();
-    const int64_t n = p->data.numel();
-    run([&] { kernels::f32_to_bf16_cpu(data, compute, n); },
-        [&](cudaStream_t stream) { kernels::f32_to_bf16(data, compute, n, stream); });
+  // Each parameter through the module that owns it: a wrapper (DataParallel) may sit on another
+  // device than the model it holds, whose parameters live on their owner's device.
+  for (const auto& [path, owner] : named_modules()) {
+    for (auto& [local, p] : owner->params_) {
+      if (!p.compute.defined()) continue;
+      CUDP_CHECK(p.compute.dtype() == DType::bf16 && p.compute.numel() == p.data.numel() &&
+                     p.compute.device() == owner->device_ && p.data.device() == owner->device_,
+                 owner->type_name(), ": parameter '", dotted(path, local), "' has a compute copy ",
+                 p.compute.str(), " that does not mirror its data ", p.data.str(),
+                 " on the module's ", owner->device_, "; flatten_parameters() again");
+      const float* data = p.data.data<float>();
+      __nv_bfloat16* compute = p.compute.data<__nv_bfloat16>();
+      const int64_t n = p.data.numel();
+      owner->run([&] { kernels::f32_to_bf16_cpu(data, compute, n); },
+                 [&](cudaStream_t stream) { kernels::f32_to_bf16(data, compute, n, stream); });
+    }
   }
 }
 

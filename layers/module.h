@@ -202,9 +202,10 @@ class Module : public std::enable_shared_from_this<Module> {
   // or a descendant has the bf16 policy, a third flat buffer, bf16 at the same element offsets,
   // holds the parameters' compute copies (NOTE [The parameter store]); set the precision first.
   std::pair<Tensor, Tensor> flatten_parameters();
-  // Writes bf16(data) into every parameter's compute copy that is defined, on each parameter's
-  // device (its current stream): after writing parameters' data other than through cudp's
-  // optimizers, load_state_dict or the parallel wrappers' broadcasts, which do it themselves.
+  // Writes bf16(data) into every parameter's compute copy that is defined, through the module that
+  // owns the parameter (its device, that device's current stream): after writing parameters' data
+  // other than through cudp's optimizers, load_state_dict or the parallel wrappers' broadcasts,
+  // which do it themselves.
   void refresh_compute_copies();
 
  protected:

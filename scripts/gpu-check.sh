@@ -4,6 +4,7 @@
 #
 #   scripts/gpu-check.sh                 # build + all tests
 #   scripts/gpu-check.sh --bench         # and the kernel benchmarks
+#   scripts/gpu-check.sh --probes        # and the hardware probes (build/bench/probe_*)
 #   scripts/gpu-check.sh --train         # and VGG-16 training img/s (bf16, 1 GPU) against PyTorch's
 #                                        # bf16 channels_last in the same run, cudp's tf32 and its
 #                                        # VGG-16-BN (bf16, 32², batch 256: the Fashion-MNIST
@@ -17,8 +18,10 @@ out=${OUT:-$PWD/out}
 mkdir -p "$out"
 bench=0
 train=0
+probes=0
 for arg in "$@"; do
   [[ $arg == --bench ]] && bench=1
+  [[ $arg == --probes ]] && probes=1
   [[ $arg == --train ]] && train=1
 done
 export PATH=/usr/local/cuda/bin:$PATH
@@ -75,6 +78,13 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
       --data-dir "$data" --output /tmp/cudp-fmnist --json "$out/fmnist.json" > "$out/fmnist.log" 2>&1
     step "cudp-vgg fmnist bf16" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist.log" | tail -2 | tr '\n' ' ')"
   fi
+  if [[ $probes == 1 ]]; then
+    for p in build/bench/probe_*; do
+      [[ -x $p ]] || continue
+      timeout 60 "$p" > "$out/$(basename "$p").txt" 2>&1
+      step "$(basename "$p")" "rc=$?"
+    done
+  fi
   if [[ $bench == 1 ]]; then
     for b in build/bench/bench_*; do
       [[ -x $b ]] || continue
@@ -96,6 +106,9 @@ if [[ $train == 1 ]]; then
     [[ -f $f ]] && grep '^|' "$f"
   done
   tail -4 "$out/fmnist.log" 2>/dev/null
+fi
+if [[ $probes == 1 ]]; then
+  for f in "$out"/probe_*.txt; do [[ -f $f ]] && { echo "--- $(basename "$f" .txt)"; cat "$f"; }; done
 fi
 if [[ $bench == 1 ]]; then
   for f in "$out"/bench_*.md; do [[ -f $f ]] && { echo "--- $(basename "$f")"; grep '^|' "$f"; }; done

@@ -22,6 +22,7 @@
 #include "common/gpu.h"
 #include "common/tensor_bytes.h"
 #include "engine/core/error.h"
+#include "engine/parallel/data_parallel.h"
 #include "kernels/layout.h"
 #include "layers/activation.h"
 #include "layers/conv2d.h"
@@ -174,6 +175,23 @@ TEST(ParameterStoreGpu, TheLayersReadTheCopies) {
   EXPECT_NE(stored->forward(x).to_vector<float>(), expected);
   stored->refresh_compute_copies();
   EXPECT_EQ(stored->forward(x).to_vector<float>(), expected);
+}
+
+// A wrapper on another device than the model it holds (DataParallel with its output on the CPU):
+// the copies are refreshed through the modules that own them, on the model's device.
+TEST(ParameterStoreGpu, AWrapperOnAnotherDeviceRefreshesItsModelsCopies) {
+  CUDP_REQUIRE_GPU();
+  auto net = model();
+  DataParallel dp(net, {0}, /*output_device=*/-1);
+  ASSERT_TRUE(dp.device().is_cpu());
+  expect_copies_current(*net);  // the replica set flattened the model on GPU 0
+  Parameter* w = parameter(*net, "2.weight");
+  CUDP_CUDA_CHECK(cudaMemset(w->compute.data_ptr(), 0, w->compute.nbytes()));
+  dp.refresh_compute_copies();
+  expect_copies_current(*net);
+  CUDP_CUDA_CHECK(cudaMemset(w->compute.data_ptr(), 0, w->compute.nbytes()));
+  dp.load_state_dict(dp.state_dict());
+  expect_copies_current(*net);
 }
 
 TEST(ParameterStoreGpu, MovingToAnotherDeviceDropsTheCopies) {
