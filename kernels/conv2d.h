@@ -189,6 +189,15 @@ void set_conv_swapped(bool on);
 // Whether the typed bf16 call of `shape` (or its backward-data, whose output has shape.c
 // channels) with a dense bf16 output takes the swapped tiles under the current settings.
 bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data);
+// Whether the swapped tiles of a 3 x 3 layer over 64 reduction channels (the forward of 64 -> 64,
+// backward-data into 64 channels from 64) read their nine taps from one input box per tile, the
+// patch with its border (halo tiles: patches of 8 x 16 pixels, a ninth of the input traffic),
+// rather than nine shifted boxes. On by default; off for the tests that compare the two and
+// bench_conv2d --halo.
+void set_conv_halo(bool on);
+// Whether the typed bf16 call of `shape` (or its backward-data) takes halo tiles under the current
+// settings.
+bool conv2d_halo_tiles(const Conv2dShape& shape, bool backward_data);
 // Whether the bf16 backward-weight of the patch feed takes the bias gradient from the dy tiles it
 // loads (two spare producer warps add them up) instead of the separate reduction: off by default,
 // since it measured slower (bench/NOTES-tensor-cores.md); for the tests and bench_conv2d.

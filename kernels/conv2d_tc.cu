@@ -191,6 +191,15 @@ std::atomic<bool> g_wgrad_split_major{true};
 // On by default, by measurement (bench/NOTES-tensor-cores.md): 64-channel layers with the filters
 // as wgmma's A and 128 pixels as its N.
 std::atomic<bool> g_swapped{true};
+// Halo tiles for the swapped 3 x 3 layers over 64 channels (sm90::conv_halo_applies).
+std::atomic<bool> g_halo{true};
+
+// `t` (run_forward's tiling for the product `p` under `plan`) as the halo tiling where the halo
+// kernels take the product.
+sm90::PatchTiles with_halo(const MatmulProblem& p, const MatmulPlan& plan,
+                           const sm90::PatchTiles& t) {
+  return g_halo.load() && sm90::conv_halo_applies(p, plan, t) ? sm90::halo_tiles(t) : t;
+}
 // Off by default, by measurement (bench/NOTES-tensor-cores.md): the bias sums in the producer's
 // spare warps slow the backward-weight down by more than the separate reduction costs.
 std::atomic<bool> g_wgrad_bias_fusion{false};
@@ -324,6 +333,7 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
     sm90::PatchTiles patch_tiling = patch_tiles(s, 128, k_block);
     patch_tiling.filters_resident = g_feed.load() != detail::ConvFeed::patch_streamed;
     patch_tiling.swapped = g_swapped.load();
+    patch_tiling = with_halo(p, plan, patch_tiling);
     detail::run_mainloop(p, plan, &gather, stream,
                          unrotated ? detail::Feed::ConvTmaUnrotated : detail::Feed::ConvTma,
                          &patch_tiling);
@@ -901,6 +911,10 @@ void set_conv_swapped(bool on) {
   g_swapped.store(on);
 }
 
+void set_conv_halo(bool on) {
+  g_halo.store(on);
+}
+
 void set_wgrad_split_major(bool split_major) {
   g_wgrad_split_major.store(split_major);
 }
@@ -959,6 +973,7 @@ bool patch_problem(const Conv2dShape& shape, bool backward_data, MatmulProblem& 
   patch = patch_tiles(s, 128, 64);
   patch.filters_resident = g_feed.load() != ConvFeed::patch_streamed;
   patch.swapped = g_swapped.load();
+  patch = with_halo(p, plan, patch);
   return true;
 }
 
@@ -978,6 +993,13 @@ bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data) {
   sm90::PatchTiles patch;
   if (!patch_problem(shape, backward_data, p, plan, patch)) return false;
   return sm90::conv_swapped_applies(p, plan, patch);
+}
+
+bool conv2d_halo_tiles(const Conv2dShape& shape, bool backward_data) {
+  MatmulProblem p;
+  MatmulPlan plan;
+  sm90::PatchTiles patch;
+  return patch_problem(shape, backward_data, p, plan, patch) && patch.halo;
 }
 
 void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, const float* dy,

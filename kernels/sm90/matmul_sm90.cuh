@@ -80,11 +80,14 @@ struct MainloopParams {
 // tile then reads (the filters of a layer with few channels); the stages hold A alone.
 // kStagingBytes (kConvTmaSwap, kConvTmaBTSwap): each consumer warpgroup's buffer for its tile of C
 // on the way out (store_swapped_tile), after the resident B.
-template <typename Elem, int kTileN, int kResidentB = 0, int kStagingBytes = 0>
+// kStageBytesA_: a stage's A (kConvHaloSwap, kConvHaloBTSwap: a halo tile's input box, padded to
+// the 1024-byte swizzle atom; a k-block of A otherwise).
+template <typename Elem, int kTileN, int kResidentB = 0, int kStagingBytes = 0,
+          int kStageBytesA_ = kTileM* kRowBytes>
 struct Config {
   static constexpr int kBlockK = kRowBytes / int(sizeof(Elem));  // 64 bf16 or 32 fp32
   static constexpr int kBlockBytesB = kTileN * kRowBytes;        // one k-block of B
-  static constexpr int kStageBytesA = kTileM * kRowBytes;
+  static constexpr int kStageBytesA = kStageBytesA_;
   static constexpr int kStageBytesB = kResidentB > 0 ? 0 : kBlockBytesB;
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
   static constexpr int kResidentBytes = kResidentB * kBlockBytesB;
@@ -102,6 +105,7 @@ struct Config {
   static_assert(kStagingBytes == 0 || (kStages * kStageBytes + kResidentBytes) % 1024 == 0,
                 "the staging of C must start on a 128-byte swizzle atom (1024 bytes)");
   static_assert(16 * kStages + 8 <= kScratchOffset, "the barriers overrun the scratch");
+  static_assert(kStageBytesA % 1024 == 0, "stages must start on a 128-byte swizzle atom");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -218,6 +222,16 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           (the patch's pixels past the output's edge are clipped by the tensor map). A ReLU
 //           mask is loaded into the same buffer by TMA while the mainloop runs, and read with
 //           ldmatrix .trans in the accumulators' layout.
+//   kConvHaloSwap, kConvHaloBTSwap: the swapped modes on halo tiles (PatchTiles::halo: 3 x 3
+//           filters, one block of 64 reduction channels, filters resident). A tile is a patch of
+//           8 x 16 output pixels of one image, and its stage holds the input over the patch with
+//           its border, one 4-D TMA box of 10 x 18 pixels (kHaloPitch x kHaloRows rows of 128
+//           bytes, 128-byte swizzled), loaded once instead of nine shifted boxes. Tap (r, s)'s B
+//           operand is a view of it: pixel (x, y) of the patch at box row (y + r) * 10 + x + s, so
+//           each 8-pixel row of the patch is 8 consecutive box rows (one core-matrix group) and
+//           the groups are 10 rows apart: the descriptor starts at row r * 10 + s with a stride
+//           byte offset of 1,280 (halo_descriptor). The consumers run the tile's 9 taps x 4 k16
+//           steps from that one stage; the epilogue is the swapped modes'.
 enum Mode : int {
   kGemm = 0,
   kConv_ = 1,
@@ -232,8 +246,22 @@ enum Mode : int {
   kGemmTT = 10,
   kConvTmaBT = 11,
   kConvTmaSwap = 12,
-  kConvTmaBTSwap = 13
+  kConvTmaBTSwap = 13,
+  kConvHaloSwap = 14,
+  kConvHaloBTSwap = 15
 };
+
+// The B descriptor of a halo tile's tap view (kConvHaloSwap): K-major, 128-byte swizzled, 8-row
+// groups kHaloPitch rows apart. The view starts at any whole row of the box; the swizzle is a
+// function of the address bits (bench/probes/wgmma_shift.cu measured it on the H200), so the base
+// offset stays 0.
+__device__ __forceinline__ uint64_t halo_descriptor(uint32_t addr) {
+  return smem_descriptor(addr, 16, kHaloPitch * kRowBytes);
+}
+
+// A halo tile's input box and its stage (padded to the 1024-byte swizzle atom).
+constexpr int kHaloBoxBytes = kHaloPitch * kHaloRows * kRowBytes;
+constexpr int kHaloStageBytes = (kHaloBoxBytes + 1023) / 1024 * 1024;
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -1078,9 +1106,14 @@ __device__ __forceinline__ uint64_t wgrad_descriptor(uint32_t addr) {
 
 // The swapped modes' per-consumer staging of C (store_swapped_tile), 0 for the others.
 template <int kMode>
-constexpr int kStagingBytesOf = kMode == kConvTmaSwap || kMode == kConvTmaBTSwap
-                                    ? (kConsumers* kSwapTileBytes)
-                                    : 0;
+constexpr bool kSwappedMode = kMode == kConvTmaSwap || kMode == kConvTmaBTSwap ||
+                              kMode == kConvHaloSwap || kMode == kConvHaloBTSwap;
+template <int kMode>
+constexpr int kStagingBytesOf = kSwappedMode<kMode> ? (kConsumers* kSwapTileBytes) : 0;
+// A stage's A bytes: a halo tile's input box, or one k-block of 128 rows.
+template <int kMode>
+constexpr int kStageBytesAOf =
+    kMode == kConvHaloSwap || kMode == kConvHaloBTSwap ? kHaloStageBytes : kTileM* kRowBytes;
 
 // map_c and map_mask: C and the ReLU mask as NHWC tensors over the patch tiles (kConvTmaSwap,
 // kConvTmaBTSwap: the epilogue's TMA store and mask load); unused by the other modes.
@@ -1092,7 +1125,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const __grid_constant__ CUtensorMap map_mask, const MainloopParams p,
                   const ConvGather g) {
   kernel_entry();
-  using Cfg = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kMode>>;
+  using Cfg = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kMode>, kStageBytesAOf<kMode>>;
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
   constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
@@ -1109,13 +1142,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // accumulators per thread (more than the register file gives past 128); they keep the
   // cooperative schedule, both warpgroups on one tile's two 64-row halves.
   // The operands' roles swapped (the filters as wgmma's A): a 64-channel C, ping-pong only.
-  constexpr bool kSwapped = kMode == kConvTmaSwap || kMode == kConvTmaBTSwap;
+  constexpr bool kSwapped = kSwappedMode<kMode>;
   static_assert(!kSwapped || (kTileN == 64 && std::is_same_v<Elem, __nv_bfloat16>),
                 "swapped tiles: 64 bf16 channels");
+  // Halo tiles: one stage per tile and block of channels, the taps read as views of it.
+  constexpr bool kHalo = kMode == kConvHaloSwap || kMode == kConvHaloBTSwap;
+  static_assert(!kHalo || kResidentB == 9, "halo tiles: 9 k-blocks of resident filters");
   // A by patch boxes
   constexpr bool kConvPatch = kMode == kConvTma || kMode == kConvTmaBT || kSwapped;
   // The filters read rotated per tap, as MN-major boxes
-  constexpr bool kRotatedB = kMode == kConvTmaBT || kMode == kConvTmaBTSwap;
+  constexpr bool kRotatedB =
+      kMode == kConvTmaBT || kMode == kConvTmaBTSwap || kMode == kConvHaloBTSwap;
   constexpr bool kBStoredKN = kMode == kGemmBT || kMode == kConvTmaBT;  // B MN-major, A K-major
   constexpr bool kPingPong = (kMode == kConv_ || kConvPatch) && kTileN <= 128;
   static_assert(kResidentB == 0 || (kConvPatch && kPingPong),
@@ -1322,9 +1359,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           patch_p = rest % t.tiles_p;
           patch_n = rest / t.tiles_p;
         }
-        for (int kb = kb_begin; kb < kb_end; ++kb) {
+        // Halo tiles: one stage per tile (its whole input: the host allows one channel block).
+        const int kb_stop = kHalo ? kb_begin + 1 : kb_end;
+        for (int kb = kb_begin; kb < kb_stop; ++kb) {
           mbar_wait(empty_bar(stage), phase ^ 1);
-          mbar_expect_tx(load_bar(stage), Cfg::kStageBytes);
+          mbar_expect_tx(load_bar(stage), kHalo ? kHaloBoxBytes : Cfg::kStageBytes);
           if constexpr (kMode == kWgradShift || kMode == kWgradShiftT) {
             // Slab `block`: tap (r, s) of 64 channels, from x^T's rows of filter column s (each
             // copy already shifted by s) at this k-block's grid columns plus r rows of the grid.
@@ -1387,6 +1426,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 load_dy(b + i * kBox * kRowBytes, &map_b, w.tile_n * kTileN + kBox * i);
               }
             }
+          } else if constexpr (kHalo) {
+            // The patch's input with its border: box rows (y, x) = input pixel (p0 - pad_h + y,
+            // q0 - pad_w + x), zero-filled outside the image.
+            const PatchTiles& t = p.patch;
+            tma_load_4d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage), 0,
+                        q0 - t.pad_w, p0 - t.pad_h, n0);
           } else if constexpr (kConvPatch) {
             const PatchTiles& t = p.patch;
             const int rs = kb / t.c_blocks;
@@ -1462,7 +1507,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if ((j & 1) != consumer) {
           // The other consumer's stages: the ring moves on by their count, the phase flipping
           // once per wrap.
-          stage += max(kb_end - kb_begin, 0);
+          stage += kHalo ? 1 : max(kb_end - kb_begin, 0);
           phase ^= (stage / Cfg::kStages) & 1;
           stage %= Cfg::kStages;
           continue;
@@ -1482,7 +1527,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The resident B's one phase: complete after the block's first wait, so later waits pass.
         if constexpr (kResidentB > 0) mbar_wait(resident_bar, 0);
         int previous = -1;
-        for (int kb = kb_begin; kb < kb_end; ++kb) {
+        const int kb_stop = kHalo ? kb_begin + 1 : kb_end;  // halo tiles: one stage a tile
+        for (int kb = kb_begin; kb < kb_stop; ++kb) {
           mbar_wait(full_bar(stage), phase);
           // A was written by cp.async (the generic proxy); wgmma reads through the async proxy.
           if constexpr (kGathers) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -1490,6 +1536,27 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b = kResidentB > 0 ? resident_b + kb * Cfg::kBlockBytesB
                                             : stages_b + stage * Cfg::kStageBytesB;
           wgmma_fence();
+          if constexpr (kHalo) {
+            // The 9 taps from the one stage: tap (r, s)'s pixels are the box's rows from
+            // r * kHaloPitch + s on (halo_descriptor), its filters resident k-block rs.
+#pragma unroll
+            for (int rs = 0; rs < 9; ++rs) {
+              const uint32_t view = a + ((rs / 3) * kHaloPitch + rs % 3) * kRowBytes;
+              const uint32_t filter = b + rs * Cfg::kBlockBytesB;
+#pragma unroll
+              for (int kk = 0; kk < 4; ++kk) {
+                const int accumulate = rs > 0 || kk > 0;
+                if constexpr (kMode == kConvHaloSwap) {
+                  WgmmaBf16<kTileM>::mma(acc, smem_descriptor(filter + 32 * kk),
+                                         halo_descriptor(view + 32 * kk), accumulate);
+                } else {
+                  WgmmaBf16AT<kTileM>::mma(acc,
+                                           wgrad_descriptor<kWgrad>(filter + 16 * kRowBytes * kk),
+                                           halo_descriptor(view + 32 * kk), accumulate);
+                }
+              }
+            }
+          } else {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
             const int accumulate = kb > kb_begin || kk > 0;
@@ -1512,6 +1579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
               }
             }
+          }
           }
           wgmma_commit();
           wgmma_wait<1>();
@@ -1628,6 +1696,15 @@ void allow_shared_memory(const void* kernel, int bytes);
 CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int elem_bytes,
                              const PatchTiles& t);
 
+// The input box of a halo tile (kConvHaloSwap, kConvHaloBTSwap): the patch with its border.
+inline PatchTiles halo_box(const PatchTiles& t) {
+  PatchTiles b = t;
+  b.wb = kHaloPitch;
+  b.hb = kHaloRows;
+  b.nb = 1;
+  return b;
+}
+
 template <typename Elem, int kTileN, int kResidentB = 0>
 void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* workspace,
                      cudaStream_t stream, const ConvGather* conv = nullptr, int mode = kGemm,
@@ -1657,18 +1734,22 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       : mode == kWgradTmaT ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
       : mode == kConvTma || mode == kConvTmaBT || mode == kConvTmaSwap || mode == kConvTmaBTSwap
           ? encode_patch_map(*conv, kType, sizeof(Elem), *patch)
-      : mode == kGemmTT  // A stored k x m: 64-row boxes of 64 columns
-          ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
-          : conv ? CUtensorMap{}
-                 : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda, kTileM);
+      : mode == kConvHaloSwap || mode == kConvHaloBTSwap  // the patch with its border
+          ? encode_patch_map(*conv, kType, sizeof(Elem), halo_box(*patch))
+          : mode == kGemmTT  // A stored k x m: 64-row boxes of 64 columns
+                ? encode_k_major(prob.a, kType, sizeof(Elem), prob.k, prob.m, prob.lda, 64)
+                : conv ? CUtensorMap{}
+                       : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda,
+                                        kTileM);
   const CUtensorMap map_b =
       mode == kWgradShift
           ? encode_k_major(prob.b, kType, sizeof(Elem), shifted_rows, prob.k, prob.ldb, 64)
       : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
       : mode == kGemmBT || mode == kGemmTT  // B stored k x n: 64-row boxes of 64 columns
           ? encode_k_major(prob.b, kType, sizeof(Elem), prob.k, prob.n, prob.ldb, 64)
-          : mode == kConvTmaBT || mode == kConvTmaBTSwap  // the filters, K x R*S*C (the view's
-                                                          // reduction channels x taps*n)
+          : mode == kConvTmaBT || mode == kConvTmaBTSwap ||
+                    mode == kConvHaloBTSwap  // the filters, K x R*S*C (the view's reduction
+                                             // channels x taps*n)
                 ? encode_k_major(prob.b, kType, sizeof(Elem), patch->c_blocks * 64,
                                  patch->r * patch->s * prob.n,
                                  int64_t(patch->r) * patch->s * prob.n, 64)
@@ -1677,7 +1758,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
                                        : encode_k_major(prob.b, kType, sizeof(Elem), prob.n, prob.k,
                                                         prob.ldb, kTileN);
   // The swapped modes' C and mask as NHWC tensors (n * P * Q pixels of ldc = n = 64 channels).
-  const bool swapped = mode == kConvTmaSwap || mode == kConvTmaBTSwap;
+  const bool halo = mode == kConvHaloSwap || mode == kConvHaloBTSwap;
+  const bool swapped = mode == kConvTmaSwap || mode == kConvTmaBTSwap || halo;
   const auto nhwc_view = [&](const void* t) {
     return ConvGather{t, conv->n, conv->p, conv->q, int(prob.ldc), conv->p, conv->q, 1, 1,
                       1, 1,       0,       0};
@@ -1739,10 +1821,24 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
                  "a dense C (got ",
                  p.tiles_n, " columns, ", plan.splits, " splits, ldc ", prob.ldc, ", ", p.k_blocks,
                  " k-blocks)");
+      CUDP_CHECK(halo == patch->halo &&
+                     (!halo ||
+                      (kResidentB == 9 && patch->c_blocks == 1 && patch->r == 3 && patch->s == 3 &&
+                       patch->wb == kHaloTileW && patch->hb == kHaloTileH && patch->nb == 1)),
+                 "conv: halo tiles need their tiling (halo_tiles), 3 x 3 filters over one block "
+                 "of 64 channels and the filters resident");
       if (mode == kConvTmaSwap) {
         run(&matmul_kernel<Elem, kTileN, kConvTmaSwap, kResidentB>, *conv, Swapped::kSharedBytes);
-      } else {
+      } else if (mode == kConvTmaBTSwap) {
         run(&matmul_kernel<Elem, kTileN, kConvTmaBTSwap, kResidentB>, *conv, Swapped::kSharedBytes);
+      } else if constexpr (kResidentB == 9) {
+        using Halo = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kConvHaloSwap>,
+                            kStageBytesAOf<kConvHaloSwap>>;
+        if (mode == kConvHaloSwap) {
+          run(&matmul_kernel<Elem, kTileN, kConvHaloSwap, kResidentB>, *conv, Halo::kSharedBytes);
+        } else {
+          run(&matmul_kernel<Elem, kTileN, kConvHaloBTSwap, kResidentB>, *conv, Halo::kSharedBytes);
+        }
       }
       return check_launch();
     } else {

@@ -38,7 +38,19 @@ struct PatchTiles {
   // as wgmma's A, the tile's 128 pixels as its N), where conv_swapped_applies. Off only to compare
   // the two (tests, bench_conv2d --swap).
   bool swapped = true;
+  // Halo tiles (set by halo_tiles, where conv_halo_applies): the swapped kernels of a 3 x 3, C = 64
+  // layer load each tile's input patch once with its border (one TMA box of (wb + 2) x (hb + 2)
+  // pixels, wb = 8, hb = 16, nb = 1) and read the nine taps as views of it shifted by whole pixels,
+  // instead of nine boxes (a ninth of the traffic from L2). The tiling's own wb x hb x nb is then
+  // the output patch.
+  bool halo = false;
 };
+
+// Halo tiles' geometry (kConvHaloSwap, kConvHaloBTSwap): output patches of 8 x 16 pixels, the input
+// box over them 10 x 18 (3 x 3 filters), 128 bytes (64 bf16 channels) a pixel.
+constexpr int kHaloTileW = 8, kHaloTileH = 16;
+constexpr int kHaloPitch = kHaloTileW + 2;  // pixels from one row of the input box to the next
+constexpr int kHaloRows = kHaloTileH + 2;
 
 struct ConvGather {
   const void* x;  // NHWC, in the math's operand type; C a multiple of 16 bytes' worth
@@ -85,6 +97,30 @@ inline bool conv_swapped_applies(const MatmulProblem& p, const MatmulPlan& plan,
   return t.swapped && p.math == Math::BF16 && p.n == 64 && plan.tile_n == 64 && plan.splits == 1 &&
          p.beta == 0.f && p.ldc == 64 && p.c_type == DType::BF16 && t.wb * t.hb * t.nb == 128 &&
          aligned(p.c) && (p.mask == nullptr || (aligned(p.mask) && p.bias == nullptr && !p.relu));
+}
+
+// Whether the swapped tiles of `problem` could read their taps from halo tiles (PatchTiles::halo):
+// the swapped kernels with the filters resident (9 k-blocks: one block of 64 reduction channels,
+// 3 x 3 taps, so a tile's whole input is one box), unit padding at most 2, and an output at least
+// one halo tile wide and tall (smaller ones would load mostly padding). `t` is the tiling the
+// launch would otherwise take; halo_tiles gives the one it takes instead.
+inline bool conv_halo_applies(const MatmulProblem& p, const MatmulPlan& plan, const PatchTiles& t) {
+  return t.filters_resident && conv_swapped_applies(p, plan, t) && t.c_blocks == 1 && t.r == 3 &&
+         t.s == 3 && t.pad_h <= 2 && t.pad_w <= 2 && t.q >= kHaloTileW && t.p >= kHaloTileH &&
+         p.k == 9 * 64;
+}
+
+// The halo tiling of the output `t` covers: patches of kHaloTileW x kHaloTileH pixels of one image.
+inline PatchTiles halo_tiles(const PatchTiles& t) {
+  PatchTiles h = t;
+  h.wb = kHaloTileW;
+  h.hb = kHaloTileH;
+  h.nb = 1;
+  h.tiles_q = (t.q + kHaloTileW - 1) / kHaloTileW;
+  h.tiles_p = (t.p + kHaloTileH - 1) / kHaloTileH;
+  h.tiles_n = t.n;
+  h.halo = true;
+  return h;
 }
 
 // column_partials: (see MainloopParams) or null.

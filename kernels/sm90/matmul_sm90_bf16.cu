@@ -65,7 +65,10 @@ void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const P
                    float* column_partials) {
   const int resident = resident_filter_blocks(problem, plan, patch);
   if (conv_swapped_applies(problem, plan, patch)) {
-    const int mode = unrotated ? kConvTmaBTSwap : kConvTmaSwap;
+    const int mode = patch.halo ? (unrotated ? kConvHaloBTSwap : kConvHaloSwap)
+                                : (unrotated ? kConvTmaBTSwap : kConvTmaSwap);
+    CUDP_CHECK(!patch.halo || resident == 9,
+               "conv: halo tiles keep their 9 k-blocks of filters resident (got ", resident, ")");
     if (resident == 9) {
       return launch_mainloop<__nv_bfloat16, 64, 9>(problem, plan, workspace, stream, &conv, mode,
                                                    &patch, nullptr, column_partials);

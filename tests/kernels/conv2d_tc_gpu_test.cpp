@@ -553,6 +553,106 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
   EXPECT_GE(swapped_runs[1], 5) << "too few backward-data runs were swapped";
 }
 
+// Halo tiles (the swapped 3 x 3 layers over 64 channels: each tile's input loaded once with its
+// border, the nine taps read as views of it shifted by whole pixels): the forward with bias and
+// ReLU and backward-data with the mask and the column sums against the double references with the
+// bf16 output's bound, no poisoned output left, and the same output bits as the nine-box swapped
+// kernels (the same products in the same order; only the tiling of the pixels differs). Outputs
+// that the 8 x 16 patches tile exactly and ones they overhang on either side (12 x 20, 9 x 17), pad
+// 0 (backward-data's view then pads by 2) and images where both consumers take several tiles.
+TEST(Conv2dTcTyped, HaloTilesAgainstTheReference) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  struct Defaults {
+    ~Defaults() { detail::set_conv_halo(true); }
+  } defaults;
+  int halo_runs[2] = {};  // forward, backward-data
+  for (const Conv2dShape s : {Conv2dShape{2, 32, 32, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{3, 20, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{3, 17, 9, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 20, 22, 64, 64, 3, 3, 1, 1, 0, 0},
+                              Conv2dShape{4, 48, 40, 64, 64, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(shape_text(s));
+    detail::set_conv_halo(true);
+    const bool fwd_halo = detail::conv2d_halo_tiles(s, false);
+    const bool bwd_halo = detail::conv2d_halo_tiles(s, true);
+    // Every shape here has the halo tiles' geometry: they run wherever the swapped tiles do (not
+    // under split-K, which the planner may choose for few tiles).
+    EXPECT_EQ(fwd_halo, detail::conv2d_swapped_tiles(s, false));
+    EXPECT_EQ(bwd_halo, detail::conv2d_swapped_tiles(s, true));
+    halo_runs[0] += fwd_halo;
+    halo_runs[1] += bwd_halo;
+    const std::vector<float> x = operand(size_t(s.x_size()), 51, Math::BF16);
+    const std::vector<float> w = operand(size_t(s.w_size()), 52, Math::BF16);
+    const std::vector<float> dy = operand(size_t(s.y_size()), 53, Math::BF16);
+    const std::vector<float> bias = testing::random_vector(size_t(s.k), 54);
+    std::vector<float> mask = operand(size_t(s.x_size()), 55, Math::BF16);
+    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
+    std::vector<float> y_ref(size_t(s.y_size())), y_abs(size_t(s.y_size()));
+    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), y_ref.data(), true);
+    std::vector<float> bias_abs(bias.size());
+    for (size_t i = 0; i < bias.size(); ++i) bias_abs[i] = std::fabs(bias[i]);
+    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), bias_abs.data(), y_abs.data(),
+                       false);
+    std::vector<float> dx_ref(size_t(s.x_size())), dx_abs(size_t(s.x_size()));
+    conv2d_backward_data_cpu(s, dy.data(), w.data(), dx_ref.data());
+    conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), dx_abs.data());
+    for (size_t i = 0; i < mask.size(); ++i) {
+      if (mask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
+    }
+    const std::vector<float> start = testing::random_vector(size_t(s.c), 56);
+    DeviceBuffer<uint16_t> dx_in(bf16_bits(x)), dw(bf16_bits(w)), ddy(bf16_bits(dy)),
+        dmask(bf16_bits(mask));
+    DeviceBuffer<float> dbias(bias);
+    std::vector<uint16_t> y_of[2], dx_of[2];  // halo tiles, nine boxes
+    std::vector<float> sums_of[2];
+    for (int run = 0; run < 2; ++run) {
+      detail::set_conv_halo(run == 0);
+      if (run == 1) {
+        EXPECT_FALSE(detail::conv2d_halo_tiles(s, false));
+        EXPECT_FALSE(detail::conv2d_halo_tiles(s, true));
+      }
+      DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
+      DeviceBuffer<float> sums(start);
+      y.fill(0xFFFF);
+      dx.fill(0xFFFF);
+      ConvOperands fwd{Math::BF16, dx_in.get(), dw.get(), y.get(), DType::BF16, dbias.get(), true};
+      conv2d_forward_tc(s, fwd, nullptr);
+      ConvOperands back{Math::BF16, ddy.get(), dw.get(), dx.get(), DType::BF16, nullptr, false};
+      back.mask = dmask.get();
+      back.column_sums = sums.get();
+      conv2d_backward_data_tc(s, back, nullptr);
+      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+      y_of[run] = y.download();
+      dx_of[run] = dx.download();
+      sums_of[run] = sums.download();
+    }
+    detail::set_conv_halo(true);
+    const char* names[2] = {"halo tiles", "nine boxes"};
+    for (int run = 0; run < 2; ++run) {
+      SCOPED_TRACE(names[run]);
+      EXPECT_EQ(std::count(y_of[run].begin(), y_of[run].end(), uint16_t(0xFFFF)), 0)
+          << "the forward left poisoned outputs";
+      EXPECT_EQ(std::count(dx_of[run].begin(), dx_of[run].end(), uint16_t(0xFFFF)), 0)
+          << "backward-data left poisoned outputs";
+      const std::vector<float> y = bf16_widened(y_of[run]), dx = bf16_widened(dx_of[run]);
+      int64_t bad_y = 0, bad_dx = 0;
+      for (size_t i = 0; i < y.size(); ++i) {
+        bad_y += !(std::fabs(y[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
+      }
+      for (size_t i = 0; i < dx.size(); ++i) {
+        bad_dx += !(std::fabs(dx[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
+      }
+      EXPECT_EQ(bad_y, 0) << "forward: of " << y.size() << " outputs";
+      EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dx.size() << " outputs";
+      EXPECT_TRUE(testing::column_sums_close(sums_of[run], start, dx));
+    }
+    EXPECT_EQ(y_of[0], y_of[1]) << "halo tiles and nine boxes: forward";
+    EXPECT_EQ(dx_of[0], dx_of[1]) << "halo tiles and nine boxes: backward-data";
+  }
+  EXPECT_GE(halo_runs[0], 4) << "too few forwards took halo tiles";
+  EXPECT_GE(halo_runs[1], 4) << "too few backward-data runs took halo tiles";
+}
+
 // The bf16 backward-weight's split-K work items split-major (the default) or tile-major: the same
 // items, each summing its k-range in the same order, and the same fixed-order reduction, so the
 // same bits. Layers of 64 output channels (dw^T, kWgradTmaT) and more (kWgradTma), beta 1.
