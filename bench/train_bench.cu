@@ -546,10 +546,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   std::string halo = "on";
   app.add_option("--halo", halo,
-                 "on: the swapped 3 x 3 layers over 64 channels load each tile's input once with "
-                 "its border and read the taps as shifted views; off: nine shifted boxes a tile "
-                 "(to compare)")
-      ->check(CLI::IsMember({"on", "off"}))
+                 "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
+                 "the taps read as shifted views) where they apply; swapped: on the swapped "
+                 "64-channel layers only; off: nine shifted boxes a tile (to compare)")
+      ->check(CLI::IsMember({"on", "swapped", "off"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.graphs_given = graphs->count() > 0;
@@ -557,7 +557,8 @@ int main(int argc, char** argv) {
   detail::set_parameter_store(param_store == "on");
   detail::set_programmatic_launch(pdl == "on");
   kernels::detail::set_conv_swapped(swap == "on");
-  kernels::detail::set_conv_halo(halo == "on");
+  kernels::detail::set_conv_halo(halo != "off");
+  kernels::detail::set_conv_halo_wide(halo == "on");
   // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
   // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
   // job.

@@ -195,6 +195,14 @@ bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data);
 // rather than nine shifted boxes. On by default; off for the tests that compare the two and
 // bench_conv2d --halo.
 void set_conv_halo(bool on);
+// The same for the layers 128 or 256 channels wide (the input box of a channel block held in a ring
+// of its own while that block's filters stream through a second ring; on by default where
+// set_conv_halo is on): off for the tests and bench_conv2d --halo swapped.
+void set_conv_halo_wide(bool on);
+// For the tests: the tile width of the tensor-core forward and backward-data products (64, 128 or
+// 256, without split-K), so that small shapes run the kernels of VGG's wide layers; 0 (the
+// default) leaves the choice to the planner.
+void set_conv_tile_n(int tile_n);
 // Whether the typed bf16 call of `shape` (or its backward-data) takes halo tiles under the current
 // settings.
 bool conv2d_halo_tiles(const Conv2dShape& shape, bool backward_data);

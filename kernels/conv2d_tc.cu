@@ -193,12 +193,30 @@ std::atomic<bool> g_wgrad_split_major{true};
 std::atomic<bool> g_swapped{true};
 // Halo tiles for the swapped 3 x 3 layers over 64 channels (sm90::conv_halo_applies).
 std::atomic<bool> g_halo{true};
+// ... and for the wide layers (sm90::conv_halo_wide_applies: two rings).
+std::atomic<bool> g_halo_wide{true};
+// The tests' tile width for the forward and backward-data products (0: the planner's).
+std::atomic<int> g_tile_n{0};
+
+// The plan of a forward or backward-data product: the planner's, or one of the tests' tile width
+// without split-K.
+MatmulPlan conv_plan(const MatmulProblem& p, int device) {
+  const int tile_n = g_tile_n.load();
+  if (tile_n == 0) return plan_matmul(p, device);
+  int sms = 0;
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return make_matmul_plan(p, tile_n, 1, sms);
+}
 
 // `t` (run_forward's tiling for the product `p` under `plan`) as the halo tiling where the halo
 // kernels take the product.
 sm90::PatchTiles with_halo(const MatmulProblem& p, const MatmulPlan& plan,
                            const sm90::PatchTiles& t) {
-  return g_halo.load() && sm90::conv_halo_applies(p, plan, t) ? sm90::halo_tiles(t) : t;
+  if (!g_halo.load() || p.math != Math::BF16) return t;
+  const bool swapped = sm90::conv_halo_applies(p, plan, t);
+  const bool wide = g_halo_wide.load() && sm90::conv_halo_wide_applies(p, plan, t) &&
+                    sm90::resident_filter_blocks(p, plan, t) == 0;
+  return swapped || wide ? sm90::halo_tiles(t) : t;
 }
 // Off by default, by measurement (bench/NOTES-tensor-cores.md): the bias sums in the producer's
 // spare warps slow the backward-weight down by more than the separate reduction costs.
@@ -322,7 +340,7 @@ void run_forward(const Conv2dShape& s, const ConvOperands& ops, cudaStream_t str
                                 s.q(),    s.r,        s.s,        s.stride_h, s.stride_w,
                                 s.pad_h,  s.pad_w};
   const int k_block = ops.math == Math::BF16 ? 64 : 32;
-  const MatmulPlan plan = plan_matmul(p, device);
+  const MatmulPlan plan = conv_plan(p, device);
   // Which A feed: the TMA patches wherever they apply. Measured on the H200 over VGG-16's layers,
   // both feeds forced in one session (bench_conv2d --feed, bench/NOTES-tensor-cores.md), the
   // patches were as fast or faster on every forward and backward-data shape at 224^2 and 32^2, in
@@ -915,6 +933,16 @@ void set_conv_halo(bool on) {
   g_halo.store(on);
 }
 
+void set_conv_halo_wide(bool on) {
+  g_halo_wide.store(on);
+}
+
+void set_conv_tile_n(int tile_n) {
+  CUDP_CHECK(tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 256,
+             "set_conv_tile_n: 0 (the planner's choice), 64, 128 or 256, got ", tile_n);
+  g_tile_n.store(tile_n);
+}
+
 void set_wgrad_split_major(bool split_major) {
   g_wgrad_split_major.store(split_major);
 }
@@ -969,7 +997,7 @@ bool patch_problem(const Conv2dShape& shape, bool backward_data, MatmulProblem& 
   p.c_type = DType::BF16;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  plan = plan_matmul(p, device);
+  plan = conv_plan(p, device);
   patch = patch_tiles(s, 128, 64);
   patch.filters_resident = g_feed.load() != ConvFeed::patch_streamed;
   patch.swapped = g_swapped.load();

@@ -1679,6 +1679,194 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- halo tiles with two rings: the wide layers (conv_halo_kernel) ------------------------------
+//
+// The forward and backward-data of a 3 x 3 layer whose output is 128 or more channels wide, on halo
+// tiles (PatchTiles::halo): a tile is a patch of 8 x 16 output pixels of one image (its two 64-row
+// halves: 8 rows of 8 pixels each) by kTileN output channels, and the reduction runs channel block
+// by channel block: the input over the patch with its border (one 10 x 18 pixel box of 64
+// channels, kHaloStageBytes) comes into a ring of its own, kHaloStagesA deep, and stays there while
+// the 9 filter k-blocks of that channel block (tap rs: k-block rs * c_blocks + cb of the filters,
+// or its 180-degree rotation for backward-data, as kConvTma / kConvTmaBT load them) stream through
+// the second ring; tap (r, s) of half h reads the box from row (8h + r) * 10 + s on
+// (halo_descriptor). The input then comes from L2 once per channel block instead of nine times.
+// The sums run channel block by channel block (kConvTma's run tap by tap), so the bits are not
+// kConvTma's. One producer thread; the consumers cooperate on a tile (one half each) for 256-wide
+// tiles and take turns with whole tiles (ping-pong, as in matmul_kernel) for 128-wide ones; the
+// epilogue is store_tile's. No split-K, 3 x 3 filters, padding up to 2 (the host checks).
+constexpr int kHaloStagesA = 2;
+
+template <int kTileN>
+struct HaloRings {
+  static constexpr int kBlockBytesB = kTileN * kRowBytes;
+  static constexpr int kStagesB =
+      (kSharedBudget - 4096 - kHaloStagesA * kHaloStageBytes) / kBlockBytesB;
+  static constexpr bool kPingPong = kTileN <= 128;
+  static constexpr int kAccumulators = kTileN / 2;   // fp32 per thread for one m64nN
+  static constexpr int kHalves = kPingPong ? 2 : 1;  // 64-row halves a consumer holds
+  static constexpr int kBarriers = 2 * (kHaloStagesA + kStagesB);
+  static constexpr int kSharedBytes =
+      kHaloStagesA * kHaloStageBytes + kStagesB * kBlockBytesB + 1024 + 8 * kBarriers;
+  static_assert(kStagesB >= 4, "too few filter stages");
+  static_assert(kSharedBytes <= kSharedBudget, "the rings overrun shared memory");
+};
+
+// Moves a ring position on by one stage, flipping the phase when it wraps.
+template <int kStages>
+__device__ __forceinline__ void ring_next(int& stage, int& phase) {
+  if (++stage == kStages) {
+    stage = 0;
+    phase ^= 1;
+  }
+}
+
+// ... or by n stages.
+template <int kStages>
+__device__ __forceinline__ void ring_skip(int& stage, int& phase, int n) {
+  stage += n;
+  phase ^= (stage / kStages) & 1;
+  stage %= kStages;
+}
+
+template <int kTileN, bool kRotated>
+__global__ void __launch_bounds__(kThreads, 1)
+    conv_halo_kernel(const __grid_constant__ CUtensorMap map_a,
+                     const __grid_constant__ CUtensorMap map_b, const MainloopParams p) {
+  kernel_entry();
+  using Cfg = HaloRings<kTileN>;
+  extern __shared__ uint8_t shared_raw[];
+  const uint32_t base = (smem_addr(shared_raw) + 1023) & ~1023u;
+  const uint32_t stages_a = base;
+  const uint32_t stages_b = base + kHaloStagesA * kHaloStageBytes;
+  const uint32_t bars = stages_b + Cfg::kStagesB * Cfg::kBlockBytesB;
+  const auto full_a = [&](int s) { return bars + 8 * s; };
+  const auto empty_a = [&](int s) { return bars + 8 * (kHaloStagesA + s); };
+  const auto full_b = [&](int s) { return bars + 8 * (2 * kHaloStagesA + s); };
+  const auto empty_b = [&](int s) { return bars + 8 * (2 * kHaloStagesA + Cfg::kStagesB + s); };
+  if (threadIdx.x == 0) {
+    // A stage is read by the 4 warps of one consumer (ping-pong) or of both.
+    constexpr int kReaders = Cfg::kPingPong ? 4 : 4 * kConsumers;
+    for (int s = 0; s < kHaloStagesA; ++s) {
+      mbar_init(full_a(s), 1);
+      mbar_init(empty_a(s), kReaders);
+    }
+    for (int s = 0; s < Cfg::kStagesB; ++s) {
+      mbar_init(full_b(s), 1);
+      mbar_init(empty_b(s), kReaders);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const PatchTiles& t = p.patch;
+  const int work_items = p.tiles_m * p.tiles_n;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    int sa = 0, pa = 0, sb = 0, pb = 0;
+    for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
+      const WorkItem w = work_item(p, index);
+      const PatchOrigin o = patch_origin(t, w.tile_m);
+      for (int cb = 0; cb < t.c_blocks; ++cb) {
+        mbar_wait(empty_a(sa), pa ^ 1);
+        mbar_expect_tx(full_a(sa), kHaloBoxBytes);
+        tma_load_4d(stages_a + sa * kHaloStageBytes, &map_a, full_a(sa), cb * 64, o.q - t.pad_w,
+                    o.p - t.pad_h, o.n);
+        ring_next<kHaloStagesA>(sa, pa);
+        for (int rs = 0; rs < 9; ++rs) {
+          mbar_wait(empty_b(sb), pb ^ 1);
+          mbar_expect_tx(full_b(sb), Cfg::kBlockBytesB);
+          const uint32_t dst = stages_b + sb * Cfg::kBlockBytesB;
+          if constexpr (kRotated) {  // the filters' rows cb of tap 8 - rs, MN-major
+            const int column0 = (8 - rs) * p.n + w.tile_n * kTileN;
+#pragma unroll
+            for (int slab = 0; slab < kTileN / 64; ++slab) {
+              tma_load_2d(dst + slab * 64 * kRowBytes, &map_b, full_b(sb), column0 + 64 * slab,
+                          cb * 64);
+            }
+          } else {
+            tma_load_2d(dst, &map_b, full_b(sb), (rs * t.c_blocks + cb) * 64, w.tile_n * kTileN);
+          }
+          ring_next<Cfg::kStagesB>(sb, pb);
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const bool arrives = threadIdx.x % 32 == 0;
+  float acc[Cfg::kHalves * Cfg::kAccumulators];
+  int sa = 0, pa = 0, sb = 0, pb = 0;
+  int j = 0;
+  for (int index = blockIdx.x; index < work_items; index += gridDim.x, ++j) {
+    const WorkItem w = work_item(p, index);
+    if constexpr (Cfg::kPingPong) {
+      if ((j & 1) != consumer) {  // the other consumer's tile: its stages
+        ring_skip<kHaloStagesA>(sa, pa, t.c_blocks);
+        ring_skip<Cfg::kStagesB>(sb, pb, 9 * t.c_blocks);
+        continue;
+      }
+      if (j > 0) turn_wait(1 + consumer);
+    }
+    int previous_b = -1, previous_a = -1;  // the stages the last group read (A: if its last)
+    for (int cb = 0; cb < t.c_blocks; ++cb) {
+      mbar_wait(full_a(sa), pa);
+      const uint32_t a = stages_a + sa * kHaloStageBytes;
+#pragma unroll 1
+      for (int rs = 0; rs < 9; ++rs) {
+        mbar_wait(full_b(sb), pb);
+        const uint32_t b = stages_b + sb * Cfg::kBlockBytesB;
+        const int r = rs / 3, s = rs - 3 * (rs / 3);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const int accumulate = cb > 0 || rs > 0 || kk > 0;
+#pragma unroll
+          for (int half = 0; half < Cfg::kHalves; ++half) {
+            const int h = Cfg::kPingPong ? half : consumer;
+            const uint64_t desc_a =
+                halo_descriptor(a + ((8 * h + r) * kHaloPitch + s) * kRowBytes + 32 * kk);
+            float* d = acc + half * Cfg::kAccumulators;
+            if constexpr (kRotated) {
+              WgmmaBf16BT<kTileN>::mma(d, desc_a, wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk),
+                                       accumulate);
+            } else {
+              WgmmaBf16<kTileN>::mma(d, desc_a, smem_descriptor(b + 32 * kk), accumulate);
+            }
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        keep_in_registers<Cfg::kHalves * Cfg::kAccumulators>(acc);
+        if (previous_b >= 0 && arrives) {
+          mbar_arrive(empty_b(previous_b));
+          if (previous_a >= 0) mbar_arrive(empty_a(previous_a));
+        }
+        previous_b = sb;
+        previous_a = rs == 8 ? sa : -1;
+        ring_next<Cfg::kStagesB>(sb, pb);
+      }
+      ring_next<kHaloStagesA>(sa, pa);
+    }
+    wgmma_wait<0>();
+    keep_in_registers<Cfg::kHalves * Cfg::kAccumulators>(acc);
+    if (arrives) {
+      mbar_arrive(empty_b(previous_b));
+      if (previous_a >= 0) mbar_arrive(empty_a(previous_a));
+    }
+    if constexpr (Cfg::kPingPong) {
+      if (index + int(gridDim.x) < work_items) turn_arrive(2 - consumer);
+    }
+#pragma unroll
+    for (int half = 0; half < Cfg::kHalves; ++half) {
+      const int h = Cfg::kPingPong ? half : consumer;
+      store_tile<kTileN, true>(p, acc + half * Cfg::kAccumulators, w.tile_m, h * 64,
+                               w.tile_n * kTileN, 0);
+    }
+  }
+}
+
 // ---- host side -----------------------------------------------------------------------------------
 
 // cuTensorMapEncodeTiled, found through the runtime (no link against libcuda, so that the library
@@ -1891,6 +2079,48 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   } else {
     run(&matmul_kernel<Elem, kTileN, kGemm>, ConvGather{});
   }
+  check_launch();
+}
+
+// Enqueues conv_halo_kernel: the forward (or, `unrotated`, backward-data on the forward's own
+// filters) of `conv` on the halo tiling `patch` (conv_halo_applies, halo_tiles).
+template <int kTileN>
+void launch_conv_halo(const MatmulProblem& prob, const MatmulPlan& plan, const ConvGather& conv,
+                      const PatchTiles& patch, bool unrotated, float* column_partials,
+                      cudaStream_t stream) {
+  using Cfg = HaloRings<kTileN>;
+  constexpr CUtensorMapDataType kType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  CUDP_CHECK(patch.halo && patch.wb == kHaloTileW && patch.hb == kHaloTileH && patch.nb == 1 &&
+                 patch.r == 3 && patch.s == 3 && patch.pad_h <= 2 && patch.pad_w <= 2 &&
+                 plan.splits == 1 && plan.tile_n == kTileN && prob.k == 9 * patch.c_blocks * 64,
+             "conv: halo tiles need their tiling (halo_tiles), 3 x 3 filters, padding up to 2 and "
+             "no split-K");
+  const CUtensorMap map_a = encode_patch_map(conv, kType, 2, halo_box(patch));
+  const CUtensorMap map_b =
+      unrotated ? encode_k_major(prob.b, kType, 2, patch.c_blocks * 64, 9 * prob.n, 9 * prob.n, 64)
+                : encode_k_major(prob.b, kType, 2, prob.n, prob.k, prob.ldb, kTileN);
+  MainloopParams p{};
+  p.m = prob.m;
+  p.n = prob.n;
+  p.k = prob.k;
+  p.tiles_m = patch.tiles_q * patch.tiles_p * patch.tiles_n;
+  p.tiles_n = (prob.n + kTileN - 1) / kTileN;
+  p.splits = 1;
+  p.k_blocks = 9 * patch.c_blocks;
+  p.k_blocks_per_split = p.k_blocks;
+  p.c = prob.c;
+  p.ldc = prob.ldc;
+  p.c_is_bf16 = prob.c_type == DType::BF16;
+  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
+  p.patch = patch;
+  CUDP_CHECK(column_partials == nullptr || column_sums_in_epilogue(prob, plan),
+             "conv: column sums on the way are backward-data's, on whole tiles");
+  p.column_partials = column_partials;
+  const auto kernel =
+      unrotated ? &conv_halo_kernel<kTileN, true> : &conv_halo_kernel<kTileN, false>;
+  allow_shared_memory(reinterpret_cast<const void*>(kernel), Cfg::kSharedBytes);
+  launch("conv_halo_kernel", kernel, dim3(plan.grid), dim3(kThreads), Cfg::kSharedBytes, stream,
+         map_a, map_b, p);
   check_launch();
 }
 

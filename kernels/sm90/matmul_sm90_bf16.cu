@@ -76,6 +76,16 @@ void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const P
     return launch_mainloop<__nv_bfloat16, 64>(problem, plan, workspace, stream, &conv, mode, &patch,
                                               nullptr, column_partials);
   }
+  if (patch.halo) {  // the wide layers' halo tiles (two rings)
+    CUDP_CHECK(resident == 0, "conv: halo tiles of wide layers stream their filters");
+    if (plan.tile_n == 128) {
+      return launch_conv_halo<128>(problem, plan, conv, patch, unrotated, column_partials, stream);
+    }
+    if (plan.tile_n == 256) {
+      return launch_conv_halo<256>(problem, plan, conv, patch, unrotated, column_partials, stream);
+    }
+    CUDP_CHECK(false, "conv: no halo-tile kernel with tile width ", plan.tile_n);
+  }
   const int mode = unrotated ? kConvTmaBT : kConvTma;
   switch (plan.tile_n) {
     case 64:

@@ -372,6 +372,7 @@ TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
 TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   CUDP_REQUIRE_TENSOR_CORES();
   detail::set_conv_swapped(false);
+  detail::set_conv_halo(false);  // the nine-box kernels (halo tiles have tests of their own)
   int resident_runs[2][3] = {};  // [forward, backward-data][streamed, 9 k-blocks, 18 k-blocks]
   for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 56, 56, 64, 64, 3, 3, 1, 1, 1, 1},
@@ -432,6 +433,7 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   EXPECT_GT(resident_runs[1][1], 0) << "no backward-data kept 9 k-blocks of filters resident";
   EXPECT_GT(resident_runs[1][2], 0) << "no backward-data kept 18 k-blocks of filters resident";
   detail::set_conv_swapped(true);
+  detail::set_conv_halo(true);
 }
 
 // The swapped tiles of 64-channel outputs (the filters as wgmma's A, 128 pixels as its N; the
@@ -655,6 +657,104 @@ TEST(Conv2dTcTyped, HaloTilesAgainstTheReference) {
   }
   EXPECT_GE(halo_runs[0], 4) << "too few forwards took halo tiles";
   EXPECT_GE(halo_runs[1], 4) << "too few backward-data runs took halo tiles";
+}
+
+// Halo tiles of the wide layers (tiles 128 or 256 channels wide: the input box of a channel block
+// held in a ring of its own while the block's 9 filter k-blocks stream through a second ring; the
+// ping-pong schedule at 128, the cooperative one at 256): the forward with bias and ReLU and
+// backward-data with the mask and the column sums against the double references with the bf16
+// output's bound, with and without halo tiles, at both tile widths (forced: the planner gives such
+// small shapes 64-wide tiles). The sums run channel block by channel block, so the bits are not the
+// nine-box kernels'. 1 to 4 channel blocks, a partial tile column (n = 192 in tiles of 128, or 128
+// in tiles of 256), patches over the output's right edge, pad 0.
+TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  struct Defaults {
+    ~Defaults() {
+      detail::set_conv_halo(true);
+      detail::set_conv_tile_n(0);
+    }
+  } defaults;
+  int halo_runs[2][2] = {};  // [tile 128, 256][forward, backward-data]
+  for (const Conv2dShape s : {Conv2dShape{2, 16, 16, 128, 256, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 16, 16, 128, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 32, 30, 128, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{1, 16, 24, 192, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{1, 34, 26, 64, 128, 3, 3, 1, 1, 0, 0}}) {
+    SCOPED_TRACE(shape_text(s));
+    const std::vector<float> x = operand(size_t(s.x_size()), 61, Math::BF16);
+    const std::vector<float> w = operand(size_t(s.w_size()), 62, Math::BF16);
+    const std::vector<float> dy = operand(size_t(s.y_size()), 63, Math::BF16);
+    const std::vector<float> bias = testing::random_vector(size_t(s.k), 64);
+    std::vector<float> mask = operand(size_t(s.x_size()), 65, Math::BF16);
+    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
+    std::vector<float> y_ref(size_t(s.y_size())), y_abs(size_t(s.y_size()));
+    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), y_ref.data(), true);
+    std::vector<float> bias_abs(bias.size());
+    for (size_t i = 0; i < bias.size(); ++i) bias_abs[i] = std::fabs(bias[i]);
+    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), bias_abs.data(), y_abs.data(),
+                       false);
+    std::vector<float> dx_ref(size_t(s.x_size())), dx_abs(size_t(s.x_size()));
+    conv2d_backward_data_cpu(s, dy.data(), w.data(), dx_ref.data());
+    conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), dx_abs.data());
+    for (size_t i = 0; i < mask.size(); ++i) {
+      if (mask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
+    }
+    const std::vector<float> start = testing::random_vector(size_t(s.c), 66);
+    DeviceBuffer<uint16_t> dx_in(bf16_bits(x)), dw(bf16_bits(w)), ddy(bf16_bits(dy)),
+        dmask(bf16_bits(mask));
+    DeviceBuffer<float> dbias(bias);
+    for (const int tile_n : {128, 256}) {
+      for (const bool halo : {true, false}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "tile width " << tile_n << (halo ? ", halo tiles" : ", nine boxes"));
+        detail::set_conv_tile_n(tile_n);
+        detail::set_conv_halo(halo);
+        const bool fwd_halo = detail::conv2d_halo_tiles(s, false);
+        const bool bwd_halo = detail::conv2d_halo_tiles(s, true);
+        if (halo) {
+          halo_runs[tile_n / 256][0] += fwd_halo;
+          halo_runs[tile_n / 256][1] += bwd_halo;
+        } else {
+          EXPECT_FALSE(fwd_halo || bwd_halo);
+        }
+        DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
+        DeviceBuffer<float> sums(start);
+        y.fill(0xFFFF);
+        dx.fill(0xFFFF);
+        ConvOperands fwd{Math::BF16,  dx_in.get(), dw.get(), y.get(),
+                         DType::BF16, dbias.get(), true};
+        conv2d_forward_tc(s, fwd, nullptr);
+        ConvOperands back{Math::BF16, ddy.get(), dw.get(), dx.get(), DType::BF16, nullptr, false};
+        back.mask = dmask.get();
+        back.column_sums = sums.get();
+        conv2d_backward_data_tc(s, back, nullptr);
+        CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> y_bits = y.download(), dx_bits = dx.download();
+        EXPECT_EQ(std::count(y_bits.begin(), y_bits.end(), uint16_t(0xFFFF)), 0)
+            << "the forward left poisoned outputs";
+        EXPECT_EQ(std::count(dx_bits.begin(), dx_bits.end(), uint16_t(0xFFFF)), 0)
+            << "backward-data left poisoned outputs";
+        const std::vector<float> yv = bf16_widened(y_bits), dxv = bf16_widened(dx_bits);
+        int64_t bad_y = 0, bad_dx = 0;
+        for (size_t i = 0; i < yv.size(); ++i) {
+          bad_y += !(std::fabs(yv[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
+        }
+        for (size_t i = 0; i < dxv.size(); ++i) {
+          bad_dx += !(std::fabs(dxv[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
+        }
+        EXPECT_EQ(bad_y, 0) << "forward: of " << yv.size() << " outputs";
+        EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dxv.size() << " outputs";
+        EXPECT_TRUE(testing::column_sums_close(sums.download(), start, dxv));
+      }
+    }
+  }
+  // Forward: 5 shapes at 256 and 4 at 128 (the 64 -> 128 layer keeps its filters resident there);
+  // backward-data: the 4 whose view is 8 x 16 aligned enough, at each width.
+  EXPECT_GE(halo_runs[0][0], 4) << "too few 128-wide forwards took halo tiles";
+  EXPECT_GE(halo_runs[1][0], 5) << "too few 256-wide forwards took halo tiles";
+  EXPECT_GE(halo_runs[0][1], 4) << "too few 128-wide backward-data runs took halo tiles";
+  EXPECT_GE(halo_runs[1][1], 4) << "too few 256-wide backward-data runs took halo tiles";
 }
 
 // The bf16 backward-weight's split-K work items split-major (the default) or tile-major: the same
