@@ -601,9 +601,10 @@ int main(int argc, char** argv) {
   app.add_option("--halo", halo,
                  "bf16 3 x 3 layers: on (the default: halo tiles, each tile's input loaded once "
                  "with its border and the taps read as shifted views, on the swapped 64-channel "
-                 "layers and the 128/256-wide tiles of 56 x 56 and larger outputs), swapped (on "
-                 "the swapped layers only) or off (nine shifted boxes a tile)")
-      ->check(CLI::IsMember({"on", "swapped", "off"}));
+                 "layers and the 128/256-wide tiles of outputs that 8 x 16 patches tile exactly), "
+                 "covering (also the wide tiles of outputs they cover to 7/8: 56 x 56), swapped "
+                 "(the swapped layers only) or off (nine shifted boxes a tile)")
+      ->check(CLI::IsMember({"on", "covering", "swapped", "off"}));
   std::string wgrad_order = "split";
   app.add_option("--wgrad-order", wgrad_order,
                  "bf16 backward-weight's split-K work items: split (split-major, the default) or "
@@ -632,7 +633,10 @@ int main(int argc, char** argv) {
   cudp::kernels::detail::set_wgrad_split_major(wgrad_order == "split");
   cudp::kernels::detail::set_conv_swapped(swap == "on");
   cudp::kernels::detail::set_conv_halo(halo != "off");
-  cudp::kernels::detail::set_conv_halo_wide(halo == "on");
+  using cudp::kernels::detail::HaloWide;
+  cudp::kernels::detail::set_conv_halo_wide(halo == "on"         ? HaloWide::exact
+                                            : halo == "covering" ? HaloWide::covering
+                                                                 : HaloWide::off);
   using cudp::kernels::detail::ConvFeed;
   cudp::kernels::detail::set_conv_feed(feed == "gather"           ? ConvFeed::gather
                                        : feed == "patch-streamed" ? ConvFeed::patch_streamed

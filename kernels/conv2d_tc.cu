@@ -194,7 +194,7 @@ std::atomic<bool> g_swapped{true};
 // Halo tiles for the swapped 3 x 3 layers over 64 channels (sm90::conv_halo_applies).
 std::atomic<bool> g_halo{true};
 // ... and for the wide layers (sm90::conv_halo_wide_applies: two rings).
-std::atomic<bool> g_halo_wide{true};
+std::atomic<detail::HaloWide> g_halo_wide{detail::HaloWide::exact};
 // The tests' tile width for the forward and backward-data products (0: the planner's).
 std::atomic<int> g_tile_n{0};
 
@@ -214,7 +214,9 @@ sm90::PatchTiles with_halo(const MatmulProblem& p, const MatmulPlan& plan,
                            const sm90::PatchTiles& t) {
   if (!g_halo.load() || p.math != Math::BF16) return t;
   const bool swapped = sm90::conv_halo_applies(p, plan, t);
-  const bool wide = g_halo_wide.load() && sm90::conv_halo_wide_applies(p, plan, t) &&
+  const detail::HaloWide mode = g_halo_wide.load();
+  const bool wide = mode != detail::HaloWide::off &&
+                    sm90::conv_halo_wide_applies(p, plan, t, mode == detail::HaloWide::exact) &&
                     sm90::resident_filter_blocks(p, plan, t) == 0;
   return swapped || wide ? sm90::halo_tiles(t) : t;
 }
@@ -933,8 +935,8 @@ void set_conv_halo(bool on) {
   g_halo.store(on);
 }
 
-void set_conv_halo_wide(bool on) {
-  g_halo_wide.store(on);
+void set_conv_halo_wide(HaloWide mode) {
+  g_halo_wide.store(mode);
 }
 
 void set_conv_tile_n(int tile_n) {

@@ -112,18 +112,22 @@ inline bool conv_halo_applies(const MatmulProblem& p, const MatmulPlan& plan, co
 
 // Whether the wide layers' halo tiles (conv_halo_kernel: two rings, the input box of a channel
 // block held while its 9 filter k-blocks stream) can take `problem`: bf16, 3 x 3 filters over whole
-// blocks of 64 channels, padding up to 2, tiles 128 or 256 wide without split-K, and at least 7/8
-// of the halo tiles' pixels inside the output (56 x 56 and up, 16 x 16, 32 x 32; not 28 x 28 or
-// 14 x 14, whose own patches tile them exactly). For layers whose filters are not resident
+// blocks of 64 channels, padding up to 2, tiles 128 or 256 wide without split-K, and an output the
+// 8 x 16 patches tile exactly (`exact`: VGG's 224, 112, 32 and 16 wide layers) or at least 7/8 of
+// whose pixels they cover (56 x 56 too). By measurement (bench/NOTES-tensor-cores.md), the 1/8 of
+// idle pixels at 56 x 56 cost more than the halo saves, so the library asks for `exact`; the tests
+// also run the patches that hang over the edges. For layers whose filters are not resident
 // (resident_filter_blocks: the caller's check).
 inline bool conv_halo_wide_applies(const MatmulProblem& p, const MatmulPlan& plan,
-                                   const PatchTiles& t) {
+                                   const PatchTiles& t, bool exact) {
   const int64_t covered = int64_t((t.q + kHaloTileW - 1) / kHaloTileW * kHaloTileW) *
                           ((t.p + kHaloTileH - 1) / kHaloTileH * kHaloTileH);
+  const bool coverage =
+      exact ? covered == int64_t(t.q) * t.p : 8 * int64_t(t.q) * t.p >= 7 * covered;
   return p.math == Math::BF16 && (plan.tile_n == 128 || plan.tile_n == 256) && plan.splits == 1 &&
          t.r == 3 && t.s == 3 && t.pad_h <= 2 && t.pad_w <= 2 && t.c_blocks >= 1 &&
-         p.k == 9 * 64 * t.c_blocks && t.q >= kHaloTileW && t.p >= kHaloTileH &&
-         8 * int64_t(t.q) * t.p >= 7 * covered && !conv_swapped_applies(p, plan, t);
+         p.k == 9 * 64 * t.c_blocks && t.q >= kHaloTileW && t.p >= kHaloTileH && coverage &&
+         !conv_swapped_applies(p, plan, t);
 }
 
 // The halo tiling of the output `t` covers: patches of kHaloTileW x kHaloTileH pixels of one image.

@@ -672,9 +672,18 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
   struct Defaults {
     ~Defaults() {
       detail::set_conv_halo(true);
+      detail::set_conv_halo_wide(detail::HaloWide::exact);
       detail::set_conv_tile_n(0);
     }
   } defaults;
+  // What the library runs: halo tiles where the patches tile the output exactly, not at 56 x 56.
+  detail::set_conv_tile_n(256);
+  EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{1, 32, 16, 256, 256, 3, 3, 1, 1, 1, 1}, false));
+  EXPECT_FALSE(
+      detail::conv2d_halo_tiles(Conv2dShape{1, 56, 56, 256, 256, 3, 3, 1, 1, 1, 1}, false));
+  // The tests run the patches that hang over the edges too.
+  detail::set_conv_halo_wide(detail::HaloWide::covering);
+  EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{1, 56, 56, 256, 256, 3, 3, 1, 1, 1, 1}, false));
   int halo_runs[2][2] = {};  // [tile 128, 256][forward, backward-data]
   for (const Conv2dShape s : {Conv2dShape{2, 16, 16, 128, 256, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 16, 16, 128, 128, 3, 3, 1, 1, 1, 1},
