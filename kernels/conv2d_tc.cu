@@ -214,11 +214,14 @@ sm90::PatchTiles with_halo(const MatmulProblem& p, const MatmulPlan& plan,
                            const sm90::PatchTiles& t) {
   if (!g_halo.load() || p.math != Math::BF16) return t;
   const bool swapped = sm90::conv_halo_applies(p, plan, t);
+  if (swapped) return sm90::halo_tiles(t);
   const detail::HaloWide mode = g_halo_wide.load();
-  const bool wide = mode != detail::HaloWide::off &&
-                    sm90::conv_halo_wide_applies(p, plan, t, mode == detail::HaloWide::exact) &&
-                    sm90::resident_filter_blocks(p, plan, t) == 0;
-  return swapped || wide ? sm90::halo_tiles(t) : t;
+  if (mode == detail::HaloWide::off || sm90::resident_filter_blocks(p, plan, t) != 0) return t;
+  const sm90::HaloTiling tiling = sm90::conv_halo_wide_tiling(
+      p, plan, t, mode == detail::HaloWide::pairs || mode == detail::HaloWide::covering,
+      mode == detail::HaloWide::covering);
+  if (tiling == sm90::HaloTiling::none) return t;
+  return sm90::halo_tiles(t, tiling == sm90::HaloTiling::pairs);
 }
 // Off by default, by measurement (bench/NOTES-tensor-cores.md): the bias sums in the producer's
 // spare warps slow the backward-weight down by more than the separate reduction costs.

@@ -1685,28 +1685,35 @@ __global__ void __launch_bounds__(kThreads, 1)
 // tiles (PatchTiles::halo): a tile is a patch of 8 x 16 output pixels of one image (its two 64-row
 // halves: 8 rows of 8 pixels each) by kTileN output channels, and the reduction runs channel block
 // by channel block: the input over the patch with its border (one 10 x 18 pixel box of 64
-// channels, kHaloStageBytes) comes into a ring of its own, kHaloStagesA deep, and stays there while
-// the 9 filter k-blocks of that channel block (tap rs: k-block rs * c_blocks + cb of the filters,
-// or its 180-degree rotation for backward-data, as kConvTma / kConvTmaBT load them) stream through
-// the second ring; tap (r, s) of half h reads the box from row (8h + r) * 10 + s on
-// (halo_descriptor). The input then comes from L2 once per channel block instead of nine times.
-// The sums run channel block by channel block (kConvTma's run tap by tap), so the bits are not
-// kConvTma's. One producer thread; the consumers cooperate on a tile (one half each) for 256-wide
-// tiles and take turns with whole tiles (ping-pong, as in matmul_kernel) for 128-wide ones; the
-// epilogue is store_tile's. No split-K, 3 x 3 filters, padding up to 2 (the host checks).
+// channels, kHaloWideStageBytes) comes into a ring of its own, kHaloStagesA deep, and stays there
+// while the 9 filter k-blocks of that channel block (tap rs: k-block rs * c_blocks + cb of the
+// filters, or its 180-degree rotation for backward-data, as kConvTma / kConvTmaBT load them) stream
+// through the second ring; tap (r, s) of half h reads the box from row (8h + r) * 10 + s on
+// (halo_descriptor). With the `pairs` tiling (HaloTiling: outputs whose height is a multiple of 8
+// but not of 16) a tile is two images' 8 x 8 patches, one per half, and its box 10 x 10 x 2 pixels:
+// half h's taps start at row (10h + r) * 10 + s. The input then comes from L2 once per channel
+// block instead of nine times. The sums run channel block by channel block (kConvTma's run tap by
+// tap), so the bits are not kConvTma's. One producer thread; the consumers cooperate on a tile (one
+// half each) for 256-wide tiles and take turns with whole tiles (ping-pong, as in matmul_kernel)
+// for 128-wide ones; the epilogue is store_tile's. No split-K, 3 x 3 filters, padding up to 2 (the
+// host checks).
 constexpr int kHaloStagesA = 2;
+// A stage holds either tiling's box: 10 x 18 pixels (tall) or 10 x 10 x 2 (pairs).
+constexpr int kHaloWideStageBytes = 10 * 10 * 2 * kRowBytes;
+static_assert(kHaloWideStageBytes % 1024 == 0 && kHaloWideStageBytes >= kHaloBoxBytes,
+              "a wide halo stage holds either box, on the swizzle atom");
 
 template <int kTileN>
 struct HaloRings {
   static constexpr int kBlockBytesB = kTileN * kRowBytes;
   static constexpr int kStagesB =
-      (kSharedBudget - 4096 - kHaloStagesA * kHaloStageBytes) / kBlockBytesB;
+      (kSharedBudget - 4096 - kHaloStagesA * kHaloWideStageBytes) / kBlockBytesB;
   static constexpr bool kPingPong = kTileN <= 128;
   static constexpr int kAccumulators = kTileN / 2;   // fp32 per thread for one m64nN
   static constexpr int kHalves = kPingPong ? 2 : 1;  // 64-row halves a consumer holds
   static constexpr int kBarriers = 2 * (kHaloStagesA + kStagesB);
   static constexpr int kSharedBytes =
-      kHaloStagesA * kHaloStageBytes + kStagesB * kBlockBytesB + 1024 + 8 * kBarriers;
+      kHaloStagesA * kHaloWideStageBytes + kStagesB * kBlockBytesB + 1024 + 8 * kBarriers;
   static_assert(kStagesB >= 4, "too few filter stages");
   static_assert(kSharedBytes <= kSharedBudget, "the rings overrun shared memory");
 };
@@ -1737,7 +1744,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t shared_raw[];
   const uint32_t base = (smem_addr(shared_raw) + 1023) & ~1023u;
   const uint32_t stages_a = base;
-  const uint32_t stages_b = base + kHaloStagesA * kHaloStageBytes;
+  const uint32_t stages_b = base + kHaloStagesA * kHaloWideStageBytes;
   const uint32_t bars = stages_b + Cfg::kStagesB * Cfg::kBlockBytesB;
   const auto full_a = [&](int s) { return bars + 8 * s; };
   const auto empty_a = [&](int s) { return bars + 8 * (kHaloStagesA + s); };
@@ -1763,14 +1770,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
+    // The tiling's input box: (8 + 2) x (16 + 2) pixels, or (8 + 2) x (8 + 2) x 2 images.
+    const uint32_t box_bytes = (t.wb + 2) * (t.hb + 2) * t.nb * kRowBytes;
     int sa = 0, pa = 0, sb = 0, pb = 0;
     for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
       const WorkItem w = work_item(p, index);
       const PatchOrigin o = patch_origin(t, w.tile_m);
       for (int cb = 0; cb < t.c_blocks; ++cb) {
         mbar_wait(empty_a(sa), pa ^ 1);
-        mbar_expect_tx(full_a(sa), kHaloBoxBytes);
-        tma_load_4d(stages_a + sa * kHaloStageBytes, &map_a, full_a(sa), cb * 64, o.q - t.pad_w,
+        mbar_expect_tx(full_a(sa), box_bytes);
+        tma_load_4d(stages_a + sa * kHaloWideStageBytes, &map_a, full_a(sa), cb * 64, o.q - t.pad_w,
                     o.p - t.pad_h, o.n);
         ring_next<kHaloStagesA>(sa, pa);
         for (int rs = 0; rs < 9; ++rs) {
@@ -1797,6 +1806,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;
   const bool arrives = threadIdx.x % 32 == 0;
   float acc[Cfg::kHalves * Cfg::kAccumulators];
+  // Box rows from one 64-row half of the tile to the next: 8 (tall: the two halves are rows 0-7 and
+  // 8-15 of one patch) or 10 (pairs: each half is one image's box of 10 rows).
+  const int half_rows = t.nb == 2 ? t.hb + 2 : 8;
   int sa = 0, pa = 0, sb = 0, pb = 0;
   int j = 0;
   for (int index = blockIdx.x; index < work_items; index += gridDim.x, ++j) {
@@ -1812,7 +1824,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int previous_b = -1, previous_a = -1;  // the stages the last group read (A: if its last)
     for (int cb = 0; cb < t.c_blocks; ++cb) {
       mbar_wait(full_a(sa), pa);
-      const uint32_t a = stages_a + sa * kHaloStageBytes;
+      const uint32_t a = stages_a + sa * kHaloWideStageBytes;
 #pragma unroll 1
       for (int rs = 0; rs < 9; ++rs) {
         mbar_wait(full_b(sb), pb);
@@ -1826,7 +1838,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int half = 0; half < Cfg::kHalves; ++half) {
             const int h = Cfg::kPingPong ? half : consumer;
             const uint64_t desc_a =
-                halo_descriptor(a + ((8 * h + r) * kHaloPitch + s) * kRowBytes + 32 * kk);
+                halo_descriptor(a + ((h * half_rows + r) * kHaloPitch + s) * kRowBytes + 32 * kk);
             float* d = acc + half * Cfg::kAccumulators;
             if constexpr (kRotated) {
               WgmmaBf16BT<kTileN>::mma(d, desc_a, wgrad_descriptor<kWgrad>(b + 16 * kRowBytes * kk),
@@ -1884,12 +1896,13 @@ void allow_shared_memory(const void* kernel, int bytes);
 CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int elem_bytes,
                              const PatchTiles& t);
 
-// The input box of a halo tile (kConvHaloSwap, kConvHaloBTSwap): the patch with its border.
+// The input box of a halo tile (kConvHaloSwap, kConvHaloBTSwap, conv_halo_kernel): the patch with
+// its border of one pixel a side (3 x 3 filters).
 inline PatchTiles halo_box(const PatchTiles& t) {
   PatchTiles b = t;
-  b.wb = kHaloPitch;
-  b.hb = kHaloRows;
-  b.nb = 1;
+  b.wb = t.wb + 2;  // kHaloPitch
+  b.hb = t.hb + 2;
+  b.nb = t.nb;
   return b;
 }
 
@@ -2090,9 +2103,11 @@ void launch_conv_halo(const MatmulProblem& prob, const MatmulPlan& plan, const C
                       cudaStream_t stream) {
   using Cfg = HaloRings<kTileN>;
   constexpr CUtensorMapDataType kType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  CUDP_CHECK(patch.halo && patch.wb == kHaloTileW && patch.hb == kHaloTileH && patch.nb == 1 &&
-                 patch.r == 3 && patch.s == 3 && patch.pad_h <= 2 && patch.pad_w <= 2 &&
-                 plan.splits == 1 && plan.tile_n == kTileN && prob.k == 9 * patch.c_blocks * 64,
+  const bool tall = patch.wb == kHaloTileW && patch.hb == kHaloTileH && patch.nb == 1;
+  const bool pairs = patch.wb == kHaloTileW && patch.hb == 8 && patch.nb == 2;
+  CUDP_CHECK(patch.halo && (tall || pairs) && patch.r == 3 && patch.s == 3 && patch.pad_h <= 2 &&
+                 patch.pad_w <= 2 && plan.splits == 1 && plan.tile_n == kTileN &&
+                 prob.k == 9 * patch.c_blocks * 64,
              "conv: halo tiles need their tiling (halo_tiles), 3 x 3 filters, padding up to 2 and "
              "no split-K");
   const CUtensorMap map_a = encode_patch_map(conv, kType, 2, halo_box(patch));

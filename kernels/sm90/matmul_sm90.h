@@ -110,35 +110,48 @@ inline bool conv_halo_applies(const MatmulProblem& p, const MatmulPlan& plan, co
          p.k == 9 * 64;
 }
 
-// Whether the wide layers' halo tiles (conv_halo_kernel: two rings, the input box of a channel
-// block held while its 9 filter k-blocks stream) can take `problem`: bf16, 3 x 3 filters over whole
-// blocks of 64 channels, padding up to 2, tiles 128 or 256 wide without split-K, and an output the
-// 8 x 16 patches tile exactly (`exact`: VGG's 224, 112, 32 and 16 wide layers) or at least 7/8 of
-// whose pixels they cover (56 x 56 too). By measurement (bench/NOTES-tensor-cores.md), the 1/8 of
-// idle pixels at 56 x 56 cost more than the halo saves, so the library asks for `exact`; the tests
-// also run the patches that hang over the edges. For layers whose filters are not resident
-// (resident_filter_blocks: the caller's check).
-inline bool conv_halo_wide_applies(const MatmulProblem& p, const MatmulPlan& plan,
-                                   const PatchTiles& t, bool exact) {
+// The wide layers' halo tilings (conv_halo_kernel: two rings, the input box of a channel block held
+// while its 9 filter k-blocks stream): `tall`, patches of 8 x 16 pixels of one image (input boxes
+// of 10 x 18), or `pairs`, patches of 8 x 8 pixels over two images (boxes of 10 x 10 x 2: each
+// 64-row half of a tile is one image's 8 x 8), for outputs whose height is a multiple of 8 but not
+// of 16 (VGG's 56 x 56).
+enum class HaloTiling { none, tall, pairs };
+
+// Which of them the wide kernels give `problem`: bf16, 3 x 3 filters over whole blocks of 64
+// channels, padding up to 2, tiles 128 or 256 wide without split-K, and an output the patches tile
+// exactly: `tall` where 8 x 16 patches do (VGG's 224, 112, 32 and 16 wide layers), `pairs` (if
+// asked for) where 8 x 8 patches of image pairs do. With `covering`, also `tall` patches hanging
+// over the output's edges where they cover at least 7/8 of it: by measurement
+// (bench/NOTES-tensor-cores.md) the idle eighth at 56 x 56 costs more than the halo saves, so only
+// the tests ask for it. For layers whose filters are not resident (resident_filter_blocks: the
+// caller's check).
+inline HaloTiling conv_halo_wide_tiling(const MatmulProblem& p, const MatmulPlan& plan,
+                                        const PatchTiles& t, bool pairs, bool covering) {
+  const bool applies = p.math == Math::BF16 && (plan.tile_n == 128 || plan.tile_n == 256) &&
+                       plan.splits == 1 && t.r == 3 && t.s == 3 && t.pad_h <= 2 && t.pad_w <= 2 &&
+                       t.c_blocks >= 1 && p.k == 9 * 64 * t.c_blocks && t.q >= kHaloTileW &&
+                       !conv_swapped_applies(p, plan, t);
+  if (!applies) return HaloTiling::none;
+  if (t.q % kHaloTileW == 0 && t.p % kHaloTileH == 0) return HaloTiling::tall;
+  if (pairs && t.q % kHaloTileW == 0 && t.p % 8 == 0 && t.n % 2 == 0) return HaloTiling::pairs;
   const int64_t covered = int64_t((t.q + kHaloTileW - 1) / kHaloTileW * kHaloTileW) *
                           ((t.p + kHaloTileH - 1) / kHaloTileH * kHaloTileH);
-  const bool coverage =
-      exact ? covered == int64_t(t.q) * t.p : 8 * int64_t(t.q) * t.p >= 7 * covered;
-  return p.math == Math::BF16 && (plan.tile_n == 128 || plan.tile_n == 256) && plan.splits == 1 &&
-         t.r == 3 && t.s == 3 && t.pad_h <= 2 && t.pad_w <= 2 && t.c_blocks >= 1 &&
-         p.k == 9 * 64 * t.c_blocks && t.q >= kHaloTileW && t.p >= kHaloTileH && coverage &&
-         !conv_swapped_applies(p, plan, t);
+  if (covering && t.p >= kHaloTileH && 8 * int64_t(t.q) * t.p >= 7 * covered) {
+    return HaloTiling::tall;
+  }
+  return HaloTiling::none;
 }
 
-// The halo tiling of the output `t` covers: patches of kHaloTileW x kHaloTileH pixels of one image.
-inline PatchTiles halo_tiles(const PatchTiles& t) {
+// The halo tiling of the output `t` covers: patches of kHaloTileW x kHaloTileH pixels of one image,
+// or (`pairs`) of 8 x 8 pixels over two images.
+inline PatchTiles halo_tiles(const PatchTiles& t, bool pairs = false) {
   PatchTiles h = t;
   h.wb = kHaloTileW;
-  h.hb = kHaloTileH;
-  h.nb = 1;
-  h.tiles_q = (t.q + kHaloTileW - 1) / kHaloTileW;
-  h.tiles_p = (t.p + kHaloTileH - 1) / kHaloTileH;
-  h.tiles_n = t.n;
+  h.hb = pairs ? 8 : kHaloTileH;
+  h.nb = pairs ? 2 : 1;
+  h.tiles_q = (t.q + h.wb - 1) / h.wb;
+  h.tiles_p = (t.p + h.hb - 1) / h.hb;
+  h.tiles_n = (t.n + h.nb - 1) / h.nb;
   h.halo = true;
   return h;
 }

@@ -666,7 +666,8 @@ TEST(Conv2dTcTyped, HaloTilesAgainstTheReference) {
 // output's bound, with and without halo tiles, at both tile widths (forced: the planner gives such
 // small shapes 64-wide tiles). The sums run channel block by channel block, so the bits are not the
 // nine-box kernels'. 1 to 4 channel blocks, a partial tile column (n = 192 in tiles of 128, or 128
-// in tiles of 256), patches over the output's right edge, pad 0.
+// in tiles of 256), patches over the output's right edge, pad 0, and the `pairs` tiling (8 x 8
+// patches over two images, for heights that are multiples of 8 only: 24 x 24, 8 x 16).
 TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
   CUDP_REQUIRE_TENSOR_CORES();
   struct Defaults {
@@ -681,7 +682,14 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
   EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{1, 32, 16, 256, 256, 3, 3, 1, 1, 1, 1}, false));
   EXPECT_FALSE(
       detail::conv2d_halo_tiles(Conv2dShape{1, 56, 56, 256, 256, 3, 3, 1, 1, 1, 1}, false));
-  // The tests run the patches that hang over the edges too.
+  EXPECT_FALSE(
+      detail::conv2d_halo_tiles(Conv2dShape{2, 24, 24, 128, 128, 3, 3, 1, 1, 1, 1}, false));
+  detail::set_conv_halo_wide(detail::HaloWide::pairs);  // 8 x 8 patches over image pairs
+  EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{2, 56, 56, 256, 256, 3, 3, 1, 1, 1, 1}, false));
+  EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{2, 24, 24, 128, 128, 3, 3, 1, 1, 1, 1}, false));
+  EXPECT_FALSE(detail::conv2d_halo_tiles(Conv2dShape{3, 24, 24, 128, 128, 3, 3, 1, 1, 1, 1}, false))
+      << "an odd number of images";
+  // The tests run the patches that hang over the edges too (and the pairs).
   detail::set_conv_halo_wide(detail::HaloWide::covering);
   EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{1, 56, 56, 256, 256, 3, 3, 1, 1, 1, 1}, false));
   int halo_runs[2][2] = {};  // [tile 128, 256][forward, backward-data]
@@ -689,7 +697,9 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
                               Conv2dShape{2, 16, 16, 128, 128, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{2, 32, 30, 128, 128, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{1, 16, 24, 192, 128, 3, 3, 1, 1, 1, 1},
-                              Conv2dShape{1, 34, 26, 64, 128, 3, 3, 1, 1, 0, 0}}) {
+                              Conv2dShape{1, 34, 26, 64, 128, 3, 3, 1, 1, 0, 0},
+                              Conv2dShape{2, 24, 24, 128, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 8, 16, 128, 256, 3, 3, 1, 1, 1, 1}}) {
     SCOPED_TRACE(shape_text(s));
     const std::vector<float> x = operand(size_t(s.x_size()), 61, Math::BF16);
     const std::vector<float> w = operand(size_t(s.w_size()), 62, Math::BF16);
@@ -758,12 +768,12 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
       }
     }
   }
-  // Forward: 5 shapes at 256 and 4 at 128 (the 64 -> 128 layer keeps its filters resident there);
-  // backward-data: the 4 whose view is 8 x 16 aligned enough, at each width.
-  EXPECT_GE(halo_runs[0][0], 4) << "too few 128-wide forwards took halo tiles";
-  EXPECT_GE(halo_runs[1][0], 5) << "too few 256-wide forwards took halo tiles";
-  EXPECT_GE(halo_runs[0][1], 4) << "too few 128-wide backward-data runs took halo tiles";
-  EXPECT_GE(halo_runs[1][1], 4) << "too few 256-wide backward-data runs took halo tiles";
+  // Forward: 7 shapes at 256 and 6 at 128 (the 64 -> 128 layer keeps its filters resident there);
+  // backward-data: the 6 whose view the patches tile or cover to 7/8, at each width.
+  EXPECT_GE(halo_runs[0][0], 6) << "too few 128-wide forwards took halo tiles";
+  EXPECT_GE(halo_runs[1][0], 7) << "too few 256-wide forwards took halo tiles";
+  EXPECT_GE(halo_runs[0][1], 6) << "too few 128-wide backward-data runs took halo tiles";
+  EXPECT_GE(halo_runs[1][1], 6) << "too few 256-wide backward-data runs took halo tiles";
 }
 
 // The bf16 backward-weight's split-K work items split-major (the default) or tile-major: the same
