@@ -371,6 +371,12 @@ TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
 // SwappedTilesAgainstTheReference).
 TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   CUDP_REQUIRE_TENSOR_CORES();
+  struct Defaults {  // however the test ends
+    ~Defaults() {
+      detail::set_conv_swapped(true);
+      detail::set_conv_halo(true);
+    }
+  } defaults;
   detail::set_conv_swapped(false);
   detail::set_conv_halo(false);  // the nine-box kernels (halo tiles have tests of their own)
   int resident_runs[2][3] = {};  // [forward, backward-data][streamed, 9 k-blocks, 18 k-blocks]
@@ -432,8 +438,6 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   EXPECT_GT(resident_runs[0][2], 0) << "no forward kept 18 k-blocks of filters resident";
   EXPECT_GT(resident_runs[1][1], 0) << "no backward-data kept 9 k-blocks of filters resident";
   EXPECT_GT(resident_runs[1][2], 0) << "no backward-data kept 18 k-blocks of filters resident";
-  detail::set_conv_swapped(true);
-  detail::set_conv_halo(true);
 }
 
 // The swapped tiles of 64-channel outputs (the filters as wgmma's A, 128 pixels as its N; the
@@ -569,8 +573,14 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
 TEST(Conv2dTcTyped, HaloTilesAgainstTheReference) {
   CUDP_REQUIRE_TENSOR_CORES();
   struct Defaults {
-    ~Defaults() { detail::set_conv_halo(true); }
+    ~Defaults() {
+      detail::set_conv_halo(true);
+      detail::set_conv_halo_wide(detail::HaloWide::exact);
+    }
   } defaults;
+  // The swapped kernels' halo tiles alone (should the planner give a shape a wider tile, the wide
+  // halo tiles have their own test).
+  detail::set_conv_halo_wide(detail::HaloWide::off);
   int halo_runs[2] = {};  // forward, backward-data
   for (const Conv2dShape s : {Conv2dShape{2, 32, 32, 64, 64, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{3, 20, 12, 64, 64, 3, 3, 1, 1, 1, 1},
