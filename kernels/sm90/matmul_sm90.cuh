@@ -1891,6 +1891,26 @@ inline void check_launch() { CUDP_CUDA_CHECK(cudaGetLastError()); }
 // Raises the kernel's shared-memory limit once per device.
 void allow_shared_memory(const void* kernel, int bytes);
 
+// The product's part of the kernel parameters under `plan`: sizes, tiles of kTileM x tile_n rows
+// of C, k-blocks of k_block, split-K, C and the epilogue.
+inline MainloopParams product_params(const MatmulProblem& prob, const MatmulPlan& plan, int tile_n,
+                                     int k_block) {
+  MainloopParams p{};
+  p.m = prob.m;
+  p.n = prob.n;
+  p.k = prob.k;
+  p.tiles_m = (prob.m + kTileM - 1) / kTileM;
+  p.tiles_n = (prob.n + tile_n - 1) / tile_n;
+  p.splits = plan.splits;
+  p.k_blocks = (prob.k + k_block - 1) / k_block;
+  p.k_blocks_per_split = plan.k_blocks_per_split;
+  p.c = prob.c;
+  p.ldc = prob.ldc;
+  p.c_is_bf16 = prob.c_type == DType::BF16;
+  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
+  return p;
+}
+
 // Enqueues the mainloop. With a ConvGather (`conv` non-null) A is the im2col view of conv->x and
 // prob.a / prob.lda are unused; prob.m must be n*P*Q and prob.k R*S*C.
 CUtensorMap encode_patch_map(const ConvGather& g, CUtensorMapDataType type, int elem_bytes,
@@ -1971,19 +1991,7 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       swapped && prob.mask != nullptr
           ? encode_patch_map(nhwc_view(prob.mask), kType, sizeof(Elem), *patch)
           : CUtensorMap{};
-  MainloopParams p{};
-  p.m = prob.m;
-  p.n = prob.n;
-  p.k = prob.k;
-  p.tiles_m = (prob.m + kTileM - 1) / kTileM;
-  p.tiles_n = (prob.n + kTileN - 1) / kTileN;
-  p.splits = plan.splits;
-  p.k_blocks = (prob.k + Cfg::kBlockK - 1) / Cfg::kBlockK;
-  p.k_blocks_per_split = plan.k_blocks_per_split;
-  p.c = prob.c;
-  p.ldc = prob.ldc;
-  p.c_is_bf16 = prob.c_type == DType::BF16;
-  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
+  MainloopParams p = product_params(prob, plan, kTileN, Cfg::kBlockK);
   p.workspace = workspace;
   const bool wgrad_tma = mode == kWgradTma || mode == kWgradTmaT;
   CUDP_CHECK(bias_partials == nullptr || mode == kWgradTma || (mode == kWgradTmaT && kTileN <= 128),
@@ -2114,19 +2122,8 @@ void launch_conv_halo(const MatmulProblem& prob, const MatmulPlan& plan, const C
   const CUtensorMap map_b =
       unrotated ? encode_k_major(prob.b, kType, 2, patch.c_blocks * 64, 9 * prob.n, 9 * prob.n, 64)
                 : encode_k_major(prob.b, kType, 2, prob.n, prob.k, prob.ldb, kTileN);
-  MainloopParams p{};
-  p.m = prob.m;
-  p.n = prob.n;
-  p.k = prob.k;
-  p.tiles_m = patch.tiles_q * patch.tiles_p * patch.tiles_n;
-  p.tiles_n = (prob.n + kTileN - 1) / kTileN;
-  p.splits = 1;
-  p.k_blocks = 9 * patch.c_blocks;
-  p.k_blocks_per_split = p.k_blocks;
-  p.c = prob.c;
-  p.ldc = prob.ldc;
-  p.c_is_bf16 = prob.c_type == DType::BF16;
-  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
+  MainloopParams p = product_params(prob, plan, kTileN, 64);
+  p.tiles_m = patch.tiles_q * patch.tiles_p * patch.tiles_n;  // the halo patches
   p.patch = patch;
   CUDP_CHECK(column_partials == nullptr || column_sums_in_epilogue(prob, plan),
              "conv: column sums on the way are backward-data's, on whole tiles");

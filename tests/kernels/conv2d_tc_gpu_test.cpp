@@ -440,6 +440,86 @@ TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   EXPECT_GT(resident_runs[1][2], 0) << "no backward-data kept 18 k-blocks of filters resident";
 }
 
+// The typed bf16 forward (bias, fused ReLU) and backward-data (ReLU mask, column sums) of one shape
+// against the double CPU references, for the tests of the swapped and halo tiles: the operands
+// (seeds seed .. seed + 5), their references and the sums of |terms| that bound a bf16 output
+// (bf16_output_bound), and the operands on the device.
+struct TypedConvCase {
+  Conv2dShape s;
+  std::vector<float> y_ref, y_abs, dx_ref, dx_abs, start;
+  DeviceBuffer<uint16_t> x, w, dy, mask;
+  DeviceBuffer<float> bias;
+
+  TypedConvCase(const Conv2dShape& shape, uint64_t seed) : s(shape) {
+    const std::vector<float> hx = operand(size_t(s.x_size()), seed, Math::BF16);
+    const std::vector<float> hw = operand(size_t(s.w_size()), seed + 1, Math::BF16);
+    const std::vector<float> hdy = operand(size_t(s.y_size()), seed + 2, Math::BF16);
+    const std::vector<float> hbias = testing::random_vector(size_t(s.k), seed + 3);
+    std::vector<float> hmask = operand(size_t(s.x_size()), seed + 4, Math::BF16);
+    for (size_t i = 0; i < hmask.size(); i += 3) hmask[i] = 0.f;
+    // y = relu(x (*) w + bias), dx = mask(dy (*)^T w), and the sums of |terms|.
+    y_ref.resize(size_t(s.y_size()));
+    y_abs.resize(size_t(s.y_size()));
+    conv2d_forward_cpu(s, hx.data(), hw.data(), hbias.data(), y_ref.data(), true);
+    conv2d_forward_cpu(s, absolute(hx).data(), absolute(hw).data(), absolute(hbias).data(),
+                       y_abs.data(), false);
+    dx_ref.resize(size_t(s.x_size()));
+    dx_abs.resize(size_t(s.x_size()));
+    conv2d_backward_data_cpu(s, hdy.data(), hw.data(), dx_ref.data());
+    conv2d_backward_data_cpu(s, absolute(hdy).data(), absolute(hw).data(), dx_abs.data());
+    for (size_t i = 0; i < hmask.size(); ++i) {
+      if (hmask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
+    }
+    start = testing::random_vector(size_t(s.c), seed + 5);
+    x = DeviceBuffer<uint16_t>(bf16_bits(hx));
+    w = DeviceBuffer<uint16_t>(bf16_bits(hw));
+    dy = DeviceBuffer<uint16_t>(bf16_bits(hdy));
+    mask = DeviceBuffer<uint16_t>(bf16_bits(hmask));
+    bias = DeviceBuffer<float>(hbias);
+  }
+
+  struct Outputs {
+    std::vector<uint16_t> y, dx;
+    std::vector<float> sums;
+  };
+
+  // Both passes under the current settings, into poisoned outputs (sums starting from `start`).
+  Outputs run() const {
+    DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
+    DeviceBuffer<float> sums(start);
+    y.fill(0xFFFF);
+    dx.fill(0xFFFF);
+    ConvOperands fwd{Math::BF16, x.get(), w.get(), y.get(), DType::BF16, bias.get(), true};
+    conv2d_forward_tc(s, fwd, nullptr);
+    ConvOperands back{Math::BF16, dy.get(), w.get(), dx.get(), DType::BF16, nullptr, false};
+    back.mask = mask.get();
+    back.column_sums = sums.get();
+    conv2d_backward_data_tc(s, back, nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    return {y.download(), dx.download(), sums.download()};
+  }
+
+  // No poisoned output left, every output within the bf16 bound of its reference, the sums
+  // against double (column_sums_close).
+  void expect_within_references(const Outputs& o) const {
+    EXPECT_EQ(std::count(o.y.begin(), o.y.end(), uint16_t(0xFFFF)), 0)
+        << "the forward left poisoned outputs";
+    EXPECT_EQ(std::count(o.dx.begin(), o.dx.end(), uint16_t(0xFFFF)), 0)
+        << "backward-data left poisoned outputs";
+    const std::vector<float> yv = bf16_widened(o.y), dxv = bf16_widened(o.dx);
+    int64_t bad_y = 0, bad_dx = 0;
+    for (size_t i = 0; i < yv.size(); ++i) {
+      bad_y += !(std::fabs(yv[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
+    }
+    for (size_t i = 0; i < dxv.size(); ++i) {
+      bad_dx += !(std::fabs(dxv[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
+    }
+    EXPECT_EQ(bad_y, 0) << "forward: of " << yv.size() << " outputs";
+    EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dxv.size() << " outputs";
+    EXPECT_TRUE(testing::column_sums_close(o.sums, start, dxv));
+  }
+};
+
 // The swapped tiles of 64-channel outputs (the filters as wgmma's A, 128 pixels as its N; the
 // tile transposed through shared memory, written and its mask read by TMA): the forward with bias
 // and ReLU and backward-data with the ReLU mask and the column sums, each against the double CPU
@@ -482,80 +562,31 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
     EXPECT_TRUE(!bwd_swapped || s.c == 64);
     swapped_runs[0] += fwd_swapped;
     swapped_runs[1] += bwd_swapped;
-    const std::vector<float> x = operand(size_t(s.x_size()), 41, Math::BF16);
-    const std::vector<float> w = operand(size_t(s.w_size()), 42, Math::BF16);
-    const std::vector<float> dy = operand(size_t(s.y_size()), 43, Math::BF16);
-    const std::vector<float> bias = testing::random_vector(size_t(s.k), 44);
-    std::vector<float> mask = operand(size_t(s.x_size()), 45, Math::BF16);
-    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
-    // The references: y = relu(x (*) w + bias), dx = mask(dy (*)^T w), and the sums of |terms|.
-    std::vector<float> y_ref(size_t(s.y_size())), y_abs(size_t(s.y_size()));
-    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), y_ref.data(), true);
-    std::vector<float> ones(bias.size());
-    for (size_t i = 0; i < ones.size(); ++i) ones[i] = std::fabs(bias[i]);
-    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), ones.data(), y_abs.data(), false);
-    std::vector<float> dx_ref(size_t(s.x_size())), dx_abs(size_t(s.x_size()));
-    conv2d_backward_data_cpu(s, dy.data(), w.data(), dx_ref.data());
-    conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), dx_abs.data());
-    for (size_t i = 0; i < mask.size(); ++i) {
-      if (mask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
-    }
-    const std::vector<float> start = testing::random_vector(size_t(s.c), 46);
-    DeviceBuffer<uint16_t> dx_in(bf16_bits(x)), dw(bf16_bits(w)), ddy(bf16_bits(dy)),
-        dmask(bf16_bits(mask));
-    DeviceBuffer<float> dbias(bias);
-    std::vector<uint16_t> y_of[3], dx_of[3];  // swapped, swapped and streamed, unswapped
-    std::vector<float> sums_of[3];
+    const TypedConvCase c(s, 41);
+    TypedConvCase::Outputs out[3];  // swapped, swapped and streamed, unswapped
     for (int run = 0; run < 3; ++run) {
       detail::set_conv_swapped(run < 2);
       detail::set_conv_feed(run == 1 ? detail::ConvFeed::patch_streamed : detail::ConvFeed::patch);
-      DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
-      DeviceBuffer<float> sums(start);
-      y.fill(0xFFFF);
-      dx.fill(0xFFFF);
-      ConvOperands fwd{Math::BF16, dx_in.get(), dw.get(), y.get(), DType::BF16, dbias.get(), true};
-      conv2d_forward_tc(s, fwd, nullptr);
-      ConvOperands back{Math::BF16, ddy.get(), dw.get(), dx.get(), DType::BF16, nullptr, false};
-      back.mask = dmask.get();
-      back.column_sums = sums.get();
-      conv2d_backward_data_tc(s, back, nullptr);
-      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
-      y_of[run] = y.download();
-      dx_of[run] = dx.download();
-      sums_of[run] = sums.download();
+      out[run] = c.run();
     }
     detail::set_conv_swapped(true);
     detail::set_conv_feed(detail::ConvFeed::patch);
     const char* names[3] = {"swapped", "swapped, filters streamed", "unswapped"};
     for (int run = 0; run < 3; ++run) {
       SCOPED_TRACE(names[run]);
-      EXPECT_EQ(std::count(y_of[run].begin(), y_of[run].end(), uint16_t(0xFFFF)), 0)
-          << "the forward left poisoned outputs";
-      EXPECT_EQ(std::count(dx_of[run].begin(), dx_of[run].end(), uint16_t(0xFFFF)), 0)
-          << "backward-data left poisoned outputs";
-      const std::vector<float> y = bf16_widened(y_of[run]), dx = bf16_widened(dx_of[run]);
-      int64_t bad_y = 0, bad_dx = 0;
-      for (size_t i = 0; i < y.size(); ++i) {
-        bad_y += !(std::fabs(y[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
-      }
-      for (size_t i = 0; i < dx.size(); ++i) {
-        bad_dx += !(std::fabs(dx[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
-      }
-      EXPECT_EQ(bad_y, 0) << "forward: of " << y.size() << " outputs";
-      EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dx.size() << " outputs";
-      EXPECT_TRUE(testing::column_sums_close(sums_of[run], start, dx));
+      c.expect_within_references(out[run]);
     }
-    EXPECT_EQ(y_of[0], y_of[1]) << "resident and streamed filters: forward";
-    EXPECT_EQ(dx_of[0], dx_of[1]) << "resident and streamed filters: backward-data";
-    EXPECT_TRUE(testing::bitwise_equal(sums_of[0], sums_of[1]));
+    EXPECT_EQ(out[0].y, out[1].y) << "resident and streamed filters: forward";
+    EXPECT_EQ(out[0].dx, out[1].dx) << "resident and streamed filters: backward-data";
+    EXPECT_TRUE(testing::bitwise_equal(out[0].sums, out[1].sums));
     // The same bits as the unswapped kernels: wgmma evidently adds the products in the same order
     // with the roles swapped (on the H200 no output of these shapes differed), and both
     // epilogues round alike.
     if (fwd_swapped) {
-      EXPECT_EQ(y_of[0], y_of[2]) << "swapped and unswapped: forward";
+      EXPECT_EQ(out[0].y, out[2].y) << "swapped and unswapped: forward";
     }
     if (bwd_swapped) {
-      EXPECT_EQ(dx_of[0], dx_of[2]) << "swapped and unswapped: backward-data";
+      EXPECT_EQ(out[0].dx, out[2].dx) << "swapped and unswapped: backward-data";
     }
   }
   // Each pass: 1, 6 and 9 k-blocks (filters resident) and 18 (streamed), 5 shapes.
@@ -597,73 +628,24 @@ TEST(Conv2dTcTyped, HaloTilesAgainstTheReference) {
     EXPECT_EQ(bwd_halo, detail::conv2d_swapped_tiles(s, true));
     halo_runs[0] += fwd_halo;
     halo_runs[1] += bwd_halo;
-    const std::vector<float> x = operand(size_t(s.x_size()), 51, Math::BF16);
-    const std::vector<float> w = operand(size_t(s.w_size()), 52, Math::BF16);
-    const std::vector<float> dy = operand(size_t(s.y_size()), 53, Math::BF16);
-    const std::vector<float> bias = testing::random_vector(size_t(s.k), 54);
-    std::vector<float> mask = operand(size_t(s.x_size()), 55, Math::BF16);
-    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
-    std::vector<float> y_ref(size_t(s.y_size())), y_abs(size_t(s.y_size()));
-    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), y_ref.data(), true);
-    std::vector<float> bias_abs(bias.size());
-    for (size_t i = 0; i < bias.size(); ++i) bias_abs[i] = std::fabs(bias[i]);
-    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), bias_abs.data(), y_abs.data(),
-                       false);
-    std::vector<float> dx_ref(size_t(s.x_size())), dx_abs(size_t(s.x_size()));
-    conv2d_backward_data_cpu(s, dy.data(), w.data(), dx_ref.data());
-    conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), dx_abs.data());
-    for (size_t i = 0; i < mask.size(); ++i) {
-      if (mask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
-    }
-    const std::vector<float> start = testing::random_vector(size_t(s.c), 56);
-    DeviceBuffer<uint16_t> dx_in(bf16_bits(x)), dw(bf16_bits(w)), ddy(bf16_bits(dy)),
-        dmask(bf16_bits(mask));
-    DeviceBuffer<float> dbias(bias);
-    std::vector<uint16_t> y_of[2], dx_of[2];  // halo tiles, nine boxes
-    std::vector<float> sums_of[2];
+    const TypedConvCase c(s, 51);
+    TypedConvCase::Outputs out[2];  // halo tiles, nine boxes
     for (int run = 0; run < 2; ++run) {
       detail::set_conv_halo(run == 0);
       if (run == 1) {
         EXPECT_FALSE(detail::conv2d_halo_tiles(s, false));
         EXPECT_FALSE(detail::conv2d_halo_tiles(s, true));
       }
-      DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
-      DeviceBuffer<float> sums(start);
-      y.fill(0xFFFF);
-      dx.fill(0xFFFF);
-      ConvOperands fwd{Math::BF16, dx_in.get(), dw.get(), y.get(), DType::BF16, dbias.get(), true};
-      conv2d_forward_tc(s, fwd, nullptr);
-      ConvOperands back{Math::BF16, ddy.get(), dw.get(), dx.get(), DType::BF16, nullptr, false};
-      back.mask = dmask.get();
-      back.column_sums = sums.get();
-      conv2d_backward_data_tc(s, back, nullptr);
-      CUDP_CUDA_CHECK(cudaDeviceSynchronize());
-      y_of[run] = y.download();
-      dx_of[run] = dx.download();
-      sums_of[run] = sums.download();
+      out[run] = c.run();
     }
     detail::set_conv_halo(true);
     const char* names[2] = {"halo tiles", "nine boxes"};
     for (int run = 0; run < 2; ++run) {
       SCOPED_TRACE(names[run]);
-      EXPECT_EQ(std::count(y_of[run].begin(), y_of[run].end(), uint16_t(0xFFFF)), 0)
-          << "the forward left poisoned outputs";
-      EXPECT_EQ(std::count(dx_of[run].begin(), dx_of[run].end(), uint16_t(0xFFFF)), 0)
-          << "backward-data left poisoned outputs";
-      const std::vector<float> y = bf16_widened(y_of[run]), dx = bf16_widened(dx_of[run]);
-      int64_t bad_y = 0, bad_dx = 0;
-      for (size_t i = 0; i < y.size(); ++i) {
-        bad_y += !(std::fabs(y[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
-      }
-      for (size_t i = 0; i < dx.size(); ++i) {
-        bad_dx += !(std::fabs(dx[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
-      }
-      EXPECT_EQ(bad_y, 0) << "forward: of " << y.size() << " outputs";
-      EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dx.size() << " outputs";
-      EXPECT_TRUE(testing::column_sums_close(sums_of[run], start, dx));
+      c.expect_within_references(out[run]);
     }
-    EXPECT_EQ(y_of[0], y_of[1]) << "halo tiles and nine boxes: forward";
-    EXPECT_EQ(dx_of[0], dx_of[1]) << "halo tiles and nine boxes: backward-data";
+    EXPECT_EQ(out[0].y, out[1].y) << "halo tiles and nine boxes: forward";
+    EXPECT_EQ(out[0].dx, out[1].dx) << "halo tiles and nine boxes: backward-data";
   }
   EXPECT_GE(halo_runs[0], 4) << "too few forwards took halo tiles";
   EXPECT_GE(halo_runs[1], 4) << "too few backward-data runs took halo tiles";
@@ -711,28 +693,7 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
                               Conv2dShape{2, 24, 24, 128, 128, 3, 3, 1, 1, 1, 1},
                               Conv2dShape{4, 8, 16, 128, 256, 3, 3, 1, 1, 1, 1}}) {
     SCOPED_TRACE(shape_text(s));
-    const std::vector<float> x = operand(size_t(s.x_size()), 61, Math::BF16);
-    const std::vector<float> w = operand(size_t(s.w_size()), 62, Math::BF16);
-    const std::vector<float> dy = operand(size_t(s.y_size()), 63, Math::BF16);
-    const std::vector<float> bias = testing::random_vector(size_t(s.k), 64);
-    std::vector<float> mask = operand(size_t(s.x_size()), 65, Math::BF16);
-    for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0.f;
-    std::vector<float> y_ref(size_t(s.y_size())), y_abs(size_t(s.y_size()));
-    conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), y_ref.data(), true);
-    std::vector<float> bias_abs(bias.size());
-    for (size_t i = 0; i < bias.size(); ++i) bias_abs[i] = std::fabs(bias[i]);
-    conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), bias_abs.data(), y_abs.data(),
-                       false);
-    std::vector<float> dx_ref(size_t(s.x_size())), dx_abs(size_t(s.x_size()));
-    conv2d_backward_data_cpu(s, dy.data(), w.data(), dx_ref.data());
-    conv2d_backward_data_cpu(s, absolute(dy).data(), absolute(w).data(), dx_abs.data());
-    for (size_t i = 0; i < mask.size(); ++i) {
-      if (mask[i] <= 0.f) dx_ref[i] = dx_abs[i] = 0.f;
-    }
-    const std::vector<float> start = testing::random_vector(size_t(s.c), 66);
-    DeviceBuffer<uint16_t> dx_in(bf16_bits(x)), dw(bf16_bits(w)), ddy(bf16_bits(dy)),
-        dmask(bf16_bits(mask));
-    DeviceBuffer<float> dbias(bias);
+    const TypedConvCase c(s, 61);
     for (const int tile_n : {128, 256}) {
       for (const bool halo : {true, false}) {
         SCOPED_TRACE(::testing::Message()
@@ -747,34 +708,7 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
         } else {
           EXPECT_FALSE(fwd_halo || bwd_halo);
         }
-        DeviceBuffer<uint16_t> y(size_t(s.y_size())), dx(size_t(s.x_size()));
-        DeviceBuffer<float> sums(start);
-        y.fill(0xFFFF);
-        dx.fill(0xFFFF);
-        ConvOperands fwd{Math::BF16,  dx_in.get(), dw.get(), y.get(),
-                         DType::BF16, dbias.get(), true};
-        conv2d_forward_tc(s, fwd, nullptr);
-        ConvOperands back{Math::BF16, ddy.get(), dw.get(), dx.get(), DType::BF16, nullptr, false};
-        back.mask = dmask.get();
-        back.column_sums = sums.get();
-        conv2d_backward_data_tc(s, back, nullptr);
-        CUDP_CUDA_CHECK(cudaDeviceSynchronize());
-        const std::vector<uint16_t> y_bits = y.download(), dx_bits = dx.download();
-        EXPECT_EQ(std::count(y_bits.begin(), y_bits.end(), uint16_t(0xFFFF)), 0)
-            << "the forward left poisoned outputs";
-        EXPECT_EQ(std::count(dx_bits.begin(), dx_bits.end(), uint16_t(0xFFFF)), 0)
-            << "backward-data left poisoned outputs";
-        const std::vector<float> yv = bf16_widened(y_bits), dxv = bf16_widened(dx_bits);
-        int64_t bad_y = 0, bad_dx = 0;
-        for (size_t i = 0; i < yv.size(); ++i) {
-          bad_y += !(std::fabs(yv[i] - y_ref[i]) <= bf16_output_bound(y_ref[i], y_abs[i]));
-        }
-        for (size_t i = 0; i < dxv.size(); ++i) {
-          bad_dx += !(std::fabs(dxv[i] - dx_ref[i]) <= bf16_output_bound(dx_ref[i], dx_abs[i]));
-        }
-        EXPECT_EQ(bad_y, 0) << "forward: of " << yv.size() << " outputs";
-        EXPECT_EQ(bad_dx, 0) << "backward-data: of " << dxv.size() << " outputs";
-        EXPECT_TRUE(testing::column_sums_close(sums.download(), start, dxv));
+        c.expect_within_references(c.run());
       }
     }
   }
