@@ -601,11 +601,12 @@ int main(int argc, char** argv) {
   app.add_option("--halo", halo,
                  "bf16 3 x 3 layers: on (the default: halo tiles, each tile's input loaded once "
                  "with its border and the taps read as shifted views, on the swapped 64-channel "
-                 "layers and the 128/256-wide tiles of outputs that 8 x 16 patches tile exactly), "
-                 "pairs (also 8 x 8 patches over two images where the height is a multiple of 8 "
-                 "only: 56 x 56), covering (8 x 16 patches over 56 x 56 too, overhanging), swapped "
-                 "(the swapped layers only) or off (nine shifted boxes a tile)")
-      ->check(CLI::IsMember({"on", "pairs", "covering", "swapped", "off"}));
+                 "layers, the 128/256-wide tiles of outputs that 8 x 16 patches tile exactly, and "
+                 "8 x 8 patches over two images where the height is a multiple of 8 only: 56 x "
+                 "56), exact (not the image pairs), covering (8 x 16 patches over 56 x 56 too, "
+                 "overhanging), swapped (the swapped layers only) or off (nine shifted boxes a "
+                 "tile)")
+      ->check(CLI::IsMember({"on", "exact", "covering", "swapped", "off"}));
   std::string wgrad_order = "split";
   app.add_option("--wgrad-order", wgrad_order,
                  "bf16 backward-weight's split-K work items: split (split-major, the default) or "
@@ -635,8 +636,8 @@ int main(int argc, char** argv) {
   cudp::kernels::detail::set_conv_swapped(swap == "on");
   cudp::kernels::detail::set_conv_halo(halo != "off");
   using cudp::kernels::detail::HaloWide;
-  cudp::kernels::detail::set_conv_halo_wide(halo == "on"         ? HaloWide::exact
-                                            : halo == "pairs"    ? HaloWide::pairs
+  cudp::kernels::detail::set_conv_halo_wide(halo == "on"         ? HaloWide::pairs
+                                            : halo == "exact"    ? HaloWide::exact
                                             : halo == "covering" ? HaloWide::covering
                                                                  : HaloWide::off);
   using cudp::kernels::detail::ConvFeed;

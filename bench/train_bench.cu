@@ -547,11 +547,11 @@ int main(int argc, char** argv) {
   std::string halo = "on";
   app.add_option("--halo", halo,
                  "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
-                 "the taps read as shifted views) where they apply; pairs: also the wide layers "
-                 "at 56 x 56, on 8 x 8 patches over two images; covering: those on 8 x 16 "
-                 "patches, which overhang; swapped: on the swapped 64-channel layers only; off: "
-                 "nine shifted boxes a tile (to compare)")
-      ->check(CLI::IsMember({"on", "pairs", "covering", "swapped", "off"}))
+                 "the taps read as shifted views) where they apply, the wide layers at 56 x 56 on "
+                 "8 x 8 patches over two images; exact: not those image pairs; covering: 8 x 16 "
+                 "patches there, which overhang; swapped: on the swapped 64-channel layers only; "
+                 "off: nine shifted boxes a tile (to compare)")
+      ->check(CLI::IsMember({"on", "exact", "covering", "swapped", "off"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.graphs_given = graphs->count() > 0;
@@ -560,8 +560,8 @@ int main(int argc, char** argv) {
   detail::set_programmatic_launch(pdl == "on");
   kernels::detail::set_conv_swapped(swap == "on");
   kernels::detail::set_conv_halo(halo != "off");
-  kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::exact
-                                      : halo == "pairs"    ? kernels::detail::HaloWide::pairs
+  kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
+                                      : halo == "exact"    ? kernels::detail::HaloWide::exact
                                       : halo == "covering" ? kernels::detail::HaloWide::covering
                                                            : kernels::detail::HaloWide::off);
   // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait

@@ -197,9 +197,9 @@ bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data);
 void set_conv_halo(bool on);
 // The same for the layers 128 or 256 channels wide (the input box of a channel block held in a ring
 // of its own while that block's filters stream through a second ring), where set_conv_halo is on:
-// `exact` (the default) on outputs 8 x 16 patches tile exactly; `pairs` also on those whose height
-// is a multiple of 8 only (56 x 56), with 8 x 8 patches over two images (not yet measured, hence
-// not the default); `covering` also 8 x 16 patches that hang over the edges by up to 1/8 of their
+// `exact` on outputs 8 x 16 patches tile exactly; `pairs` (the default) also on those whose height
+// is a multiple of 8 only (56 x 56), with 8 x 8 patches over two images (faster there by
+// measurement); `covering` instead 8 x 16 patches that hang over the edges by up to 1/8 of their
 // pixels (slower at 56 x 56 by measurement; for the tests); `off` (bench_conv2d --halo swapped).
 enum class HaloWide { off, exact, pairs, covering };
 void set_conv_halo_wide(HaloWide mode);

@@ -6,8 +6,9 @@
 // filter, about one k-block, so the mainloop's pipeline never fills, its gather moves one 16-byte
 // chunk per pixel and tap, and 44% of each 128-wide k-block is padding. The layer's real cost is
 // writing y (at 224^2 and batch 64: 411 MB of bf16, ~0.09 ms at HBM bandwidth); the mainloop took
-// 0.31 ms. Here a block owns an 8 x 32 patch of output pixels and all 64 output channels:
-//   - the patch's input halo ((8 + R - 1) x (32 + S - 1) pixels of 16 bytes) comes to shared
+// 0.31 ms. Here a block owns a 4 x 32 patch of output pixels and all 64 output channels (two
+// blocks an SM):
+//   - the patch's input halo ((4 + R - 1) x (32 + S - 1) pixels of 16 bytes) comes to shared
 //     memory with cp.async, zero-filled outside the image (the padding), double-buffered across
 //     the block's tiles (persistent blocks);
 //   - warp w computes output row w / 2 of the tile for the 32 output channels of half w % 2, 16
@@ -43,7 +44,12 @@ template <typename Elem>
 constexpr int kChannels = 16 / int(sizeof(Elem));
 constexpr int kC = kChannels<__nv_bfloat16>;  // the bf16 kernels'
 constexpr int kK = 64;                  // output channels
-constexpr int kTileH = 8, kTileW = 32;  // output pixels of a block's tile
+// Output pixels of a block's tile: kTileH x kTileW. Four rows, so that two blocks share an SM (a
+// block's registers are a fourth of the SM's at 117 per thread): one block's epilogue and stores
+// overlap the other's products. With one block of eight rows per SM the forward took 0.27 ms at
+// 224^2, about three times the time its output takes to write.
+constexpr int kTileH = 4, kTileW = 32;
+constexpr int kBlocksPerSm = 2;
 constexpr int kMaxR = 3, kMaxS = 3;
 constexpr int kSteps = (kMaxR * kMaxS + 1) / 2;  // k steps (k16 bf16, k8 TF32): two taps each
 constexpr int kHaloH = kTileH + kMaxR - 1, kHaloW = kTileW + kMaxS - 1;
@@ -131,7 +137,8 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
 // b16 matrix's 8 x 8 is 8 pixels x 4 floats, and the thread's 32-bit word (row lane/4, word
 // lane%4) is the fragment's element (pixel lane/4, channel lane%4).
 template <typename Elem, typename Out>
-__global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const NarrowArgs a) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    narrow_forward_kernel(const NarrowArgs a) {
   kernel_entry();
   constexpr int kCe = kChannels<Elem>;
   __shared__ uint4 halo[2][kHaloChunks];
@@ -252,9 +259,10 @@ __global__ void __launch_bounds__(kThreads, 1) narrow_forward_kernel(const Narro
 //
 // dw[k][tap][c] = sum over output pixels of dy[pixel][k] * x[pixel shifted by tap][c]: a product of
 // M = 64 output channels by N = R*S*8 (one n8 tile per tap) over the pixels. A block takes the same
-// 8 x 32 output tiles as the forward; per tile it copies dy's 256 x 64 (32 KB) and x's halo to
-// shared memory, and its 8 warps (warp % 4: 16 output channels, warp / 4: half of the tile's
-// sixteen 16-pixel rows) run mma.sync with both fragments from ldmatrix.trans (the pixels, the
+// 4 x 32 output tiles as the forward; per tile it copies dy's 128 x 64 (16 KB) and x's halo to
+// shared memory (double-buffered: the next tile's copies run under this one's products), and its 8
+// warps (warp % 4: 16 output channels, warp / 4: half of the tile's eight 16-pixel rows) run
+// mma.sync with both fragments from ldmatrix.trans (the pixels, the
 // reduction, are the rows of both tensors). dy's 16-byte chunks are XOR-swizzled by pixel so that
 // the eight pixels of one ldmatrix matrix fall in different banks. Each block keeps its sums over
 // all its tiles in registers and writes one partial dw; a second kernel adds the blocks' partials
@@ -297,51 +305,64 @@ __device__ __forceinline__ bool add_sets(float (&acc)[kN][4], float* scratch, in
   return true;
 }
 
+// Starts the copies of tile `tile`'s x halo and dy block into `halo` and `dys` (one commit group).
+__device__ __forceinline__ void load_wgrad_tile(const NarrowWgradArgs& a, int tile, uint4* halo,
+                                                uint4* dys) {
+  const int tq = tile % a.tiles_q;
+  const int rest = tile / a.tiles_q;
+  const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
+  const int h0 = tp * kTileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
+  const int rows = kTileH + a.r - 1, cols = kTileW + a.s - 1;
+  for (int i = threadIdx.x; i < rows * cols; i += kWgradThreads) {
+    const int hy = i / cols, hx = i - hy * cols;
+    const int h = h0 + hy, w = w0 + hx;
+    const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
+    const __nv_bfloat16* src = inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * kC : a.x;
+    asm volatile(
+        "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
+        "l"(src), "r"(inside ? 16 : 0)
+        : "memory");
+  }
+  for (int i = threadIdx.x; i < kTileH * kTileW * 8; i += kWgradThreads) {
+    const int pixel = i / 8, chunk = i % 8;
+    const int pp = tp * kTileH + pixel / kTileW, qq = tq * kTileW + pixel % kTileW;
+    const bool inside = pp < a.p && qq < a.q;
+    const __nv_bfloat16* src =
+        inside ? a.dy + ((int64_t(img) * a.p + pp) * a.q + qq) * kK + chunk * 8 : a.dy;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                     smem_u32(dys + pixel * 8 + (chunk ^ (pixel & 7)))),
+                 "l"(src), "r"(inside ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The tiles' copies are double-buffered: tile t + grid's comes in while tile t's products run.
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
     narrow_wgrad_kernel(const NarrowWgradArgs a) {
   kernel_entry();
-  __shared__ uint4 halo[kHaloChunks];
-  __shared__ uint4 dys[kTileH * kTileW * 8];  // chunk j of pixel i at i * 8 + (j ^ (i & 7))
+  constexpr int kDyChunks = kTileH * kTileW * 8;  // chunk j of pixel i at i * 8 + (j ^ (i & 7))
+  __shared__ uint4 halo[2][kHaloChunks];
+  // Both buffers in one array: add_sets' scratch (20 KB) takes more than one.
+  __shared__ uint4 dys[2 * kDyChunks];
+  static_assert(sizeof(dys) >= 4 * (kMaxR * kMaxS + 1) * 4 * 32 * sizeof(float));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int mt = warp % 4, set = warp / 4;
   const int taps = a.r * a.s;
   const int matrix = lane / 8, j8 = lane % 8;
   float acc[kMaxR * kMaxS + 1][4] = {};
+  int buffer = 0;
+  if (blockIdx.x < a.tiles) load_wgrad_tile(a, blockIdx.x, halo[0], dys);
   for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
-    const int tq = tile % a.tiles_q;
-    const int rest = tile / a.tiles_q;
-    const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
-    __syncthreads();  // the last tile's reads are done
-    {
-      const int h0 = tp * kTileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
-      const int rows = kTileH + a.r - 1, cols = kTileW + a.s - 1;
-      for (int i = threadIdx.x; i < rows * cols; i += kWgradThreads) {
-        const int hy = i / cols, hx = i - hy * cols;
-        const int h = h0 + hy, w = w0 + hx;
-        const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
-        const __nv_bfloat16* src =
-            inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * kC : a.x;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                         smem_u32(halo + hy * kHaloW + hx)),
-                     "l"(src), "r"(inside ? 16 : 0)
-                     : "memory");
-      }
-      for (int i = threadIdx.x; i < kTileH * kTileW * 8; i += kWgradThreads) {
-        const int pixel = i / 8, chunk = i % 8;
-        const int pp = tp * kTileH + pixel / kTileW, qq = tq * kTileW + pixel % kTileW;
-        const bool inside = pp < a.p && qq < a.q;
-        const __nv_bfloat16* src =
-            inside ? a.dy + ((int64_t(img) * a.p + pp) * a.q + qq) * kK + chunk * 8 : a.dy;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                         smem_u32(dys + pixel * 8 + (chunk ^ (pixel & 7)))),
-                     "l"(src), "r"(inside ? 16 : 0)
-                     : "memory");
-      }
-      asm volatile("cp.async.commit_group;" ::: "memory");
+    const int next = tile + gridDim.x;
+    if (next < a.tiles) {
+      load_wgrad_tile(a, next, halo[buffer ^ 1], dys + (buffer ^ 1) * kDyChunks);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
-    __syncthreads();
-    const uint32_t halo_base = smem_u32(halo), dy_base = smem_u32(dys);
+    __syncthreads();  // the tile's copies are complete for every thread
+    const uint32_t halo_base = smem_u32(halo[buffer]), dy_base = smem_u32(dys + buffer * kDyChunks);
 #pragma unroll 1
     for (int g = set * (kTileRows / 2); g < (set + 1) * (kTileRows / 2); ++g) {
       const int row = g / (kTileW / 16), block = g % (kTileW / 16);
@@ -368,6 +389,8 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
         if (2 * u + 1 < taps) mma_bf16(acc[2 * u + 1], frag, bf[2], bf[3]);
       }
     }
+    __syncthreads();  // the buffer's reads are done before the next tile's copies refill it
+    buffer ^= 1;
   }
   if (add_sets(acc, reinterpret_cast<float*>(dys), set, mt, lane)) {
     const int cols = taps * 8;
@@ -385,20 +408,28 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
   }
 }
 
-// dw[m][tap][c] = beta * dw + the blocks' partials summed in block order (beta 0: dw is not read),
-// for the c < channels of each tap's `padded` partial columns.
+// dw[m][tap][c] = beta * dw + the blocks' partials, for the c < channels of each tap's `padded`
+// partial columns. A warp per element: lane l adds up the partials of blocks l, l + 32, ... in
+// that order, and the 32 lane sums meet in a fixed butterfly (deterministic; beta 0: dw is not
+// read). A thread per element, summing the 2-3 partials per SM one after the other, took 23 us at
+// 224^2: a chain of dependent loads.
 __global__ void narrow_wgrad_sum_kernel(const float* __restrict__ partial, int blocks, int taps,
                                         int channels, int padded, float beta,
                                         float* __restrict__ dw) {
   kernel_entry();
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= kK * taps * channels) return;
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int i = static_cast<int>(thread / 32), lane = static_cast<int>(thread % 32);
+  if (i >= kK * taps * channels) return;  // whole warps: i is the same across a warp
   const int m = i / (taps * channels), rest = i - m * taps * channels;
   const int tap = rest / channels, c = rest - tap * channels;
   const int size = kK * taps * padded, at = (m * taps + tap) * padded + c;
   float sum = 0.f;
-  for (int b = 0; b < blocks; ++b) sum = __fadd_rn(sum, partial[int64_t(b) * size + at]);
-  dw[i] = beta == 0.f ? sum : __fmaf_rn(beta, dw[i], sum);
+  for (int b = lane; b < blocks; b += 32) sum = __fadd_rn(sum, partial[int64_t(b) * size + at]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+  }
+  if (lane == 0) dw[i] = beta == 0.f ? sum : __fmaf_rn(beta, dw[i], sum);
 }
 
 // Backward-weight in TF32 (m16n8k8): fp32 x of 1 to 4 channels (each pixel's channels copied to a
@@ -548,8 +579,9 @@ void run_wgrad(const char* name, void (*kernel)(Args), Args a, int padded, int c
                     "the first layer's backward-weight partial sums");
   a.partial = partial.get();
   launch(name, kernel, blocks, kWgradThreads, 0, stream, a);
-  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel, grid_for(kK * taps * channels, 256),
-         256, 0, stream, partial.get(), blocks, taps, channels, padded, beta, dw);
+  launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel,
+         grid_for(int64_t(kK) * taps * channels * 32, 256), 256, 0, stream, partial.get(), blocks,
+         taps, channels, padded, beta, dw);
 }
 
 // The shape every narrow kernel takes, whatever its channels: 64 output channels, a filter of at
@@ -583,7 +615,7 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
   a.bias = ops.bias;
   a.y = ops.y;
   a.relu = ops.relu ? 1 : 0;
-  const unsigned grid = static_cast<unsigned>(std::min(a.tiles, sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min(a.tiles, kBlocksPerSm * sm_count()));
   const bool bf16_out = ops.y_type == DType::BF16;
   if (ops.math == Math::BF16) {
     launch("narrow_forward_kernel",

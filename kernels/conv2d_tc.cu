@@ -65,6 +65,33 @@ __global__ void pad_channels_kernel(const In* __restrict__ src, int64_t rows, in
   }
 }
 
+// The same for bf16 output with cp % 8 == 0 into a 16-byte aligned dst: a thread per 16-byte chunk
+// of 8 output channels, one whole store (VGG's first layer: 3 channels padded to 8, a chunk a
+// pixel; the element kernel above divides and stores 2 bytes per element).
+template <typename In>
+__global__ void pad_channels_chunks_kernel(const In* __restrict__ src, int64_t rows, int c, int cp,
+                                           uint4* __restrict__ dst) {
+  kernel_entry();
+  const int chunks = cp / 8;
+  const int64_t total = rows * chunks;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / chunks;
+    const int j0 = 8 * static_cast<int>(i - row * chunks);
+    const In* from = src + row * c;
+    uint32_t packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + 2 * e;
+      const float lo = j < c ? to_float(from[j]) : 0.f;
+      const float hi = j + 1 < c ? to_float(from[j + 1]) : 0.f;
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+      packed[e] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    dst[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
 // w' (C x R x S x kp) from w (K x R x S x C): w'[c][r][s][k] = w[k][R-1-r][S-1-s][c], 0 for k >= K.
 template <typename In, typename Out>
 __global__ void rotate_filters_kernel(const In* __restrict__ w, int k, int r, int s, int c, int kp,
@@ -154,7 +181,10 @@ void pad_channels(const In* src, int64_t rows, int c, int cp, void* dst, DType o
       return;
     }
   }
-  if (out == DType::BF16) {
+  if (out == DType::BF16 && cp % 8 == 0 && aligned16(dst)) {
+    launch("pad_channels_chunks_kernel", pad_channels_chunks_kernel<In>, blocks_for(rows * cp / 8),
+           256, 0, stream, src, rows, c, cp, static_cast<uint4*>(dst));
+  } else if (out == DType::BF16) {
     launch("pad_channels_kernel", pad_channels_kernel<In, __nv_bfloat16>, blocks_for(rows * cp),
            256, 0, stream, src, rows, c, cp, static_cast<__nv_bfloat16*>(dst));
   } else {
@@ -193,8 +223,10 @@ std::atomic<bool> g_wgrad_split_major{true};
 std::atomic<bool> g_swapped{true};
 // Halo tiles for the swapped 3 x 3 layers over 64 channels (sm90::conv_halo_applies).
 std::atomic<bool> g_halo{true};
-// ... and for the wide layers (sm90::conv_halo_wide_applies: two rings).
-std::atomic<detail::HaloWide> g_halo_wide{detail::HaloWide::exact};
+// ... and for the wide layers (sm90::conv_halo_wide_applies: two rings), on the outputs that 8 x 16
+// patches tile exactly and on 56 x 56 as 8 x 8 patches of image pairs: the faster, by measurement
+// (bench/NOTES-tensor-cores.md).
+std::atomic<detail::HaloWide> g_halo_wide{detail::HaloWide::pairs};
 // The tests' tile width for the forward and backward-data products (0: the planner's).
 std::atomic<int> g_tile_n{0};
 
