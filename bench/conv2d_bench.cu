@@ -510,14 +510,15 @@ void bench_layer_tc(std::vector<Result>& results, int input_size, int layer, con
     float* db = bias_grad ? static_cast<float*>(dbias.get()) : nullptr;
     const auto run_ours = [&](int i) {
       if (pass == Pass::Forward) {
-        conv2d_forward_tc(padded, {math, our_x(i), our_w(i), ours.get(), out_type, nullptr, false},
-                          stream);
+        ConvOperands ops{math, our_x(i), our_w(i), ours.get(), out_type, nullptr, false};
+        ops.live_channels = s.c;  // the channels past it are the padded copies' zeros
+        conv2d_forward_tc(padded, ops, stream);
       } else if (pass == Pass::BackwardData) {
         conv2d_backward_data_tc(s, {math, dy[i].get(), w[i].get(), ours.get(), out_type, nullptr,
                                     false}, stream);
       } else if (bf16) {
         conv2d_backward_weight_tc(padded, our_x(i), dy[i].get(), static_cast<float*>(ours.get()),
-                                  0.f, stream, db);
+                                  0.f, stream, db, s.c);
       } else {  // TF32: the float launcher on fp32 operands, x with its channels padded as above
         conv2d_backward_weight(padded, static_cast<const float*>(our_x(i)),
                                static_cast<const float*>(dy[i].get()),

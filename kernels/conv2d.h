@@ -114,6 +114,10 @@ struct ConvOperands {
   // channel c over n, h and w (fp32, deterministic; in the epilogue where it can be, with a mask:
   // MatmulProblem::column_sums): the bias gradient of the layer before, Module's bias hand-off.
   float* column_sums = nullptr;
+  // Forward only: where x and w carry channels past this many as zeros (a layer's padding of its
+  // C to 16-byte rows), their count, which lets VGG's first layer (3 of 8) skip more of the zeros'
+  // products; 0 (the default) claims nothing.
+  int live_channels = 0;
 };
 
 // y = relu?(conv(x, w) + bias), typed operands. x and w must be 16-byte aligned with C a multiple
@@ -147,8 +151,10 @@ void conv2d_filters_to_bf16(const float* w, const Conv2dShape& shape, void* dst,
 // dw = beta*dw + dy^T (*) x on tensor cores, bf16 x (C a multiple of 8) and dy (K a multiple of 8),
 // fp32 dw (weight gradients accumulate in fp32); deterministic split over the n*P*Q pixels.
 // dbias: as conv2d_backward_weight's (K floats, accumulated, or null).
+// live_channels: as ConvOperands' (x's channels past it zeros; 0 claims nothing).
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
-                               float beta, cudaStream_t stream, float* dbias = nullptr);
+                               float beta, cudaStream_t stream, float* dbias = nullptr,
+                               int live_channels = 0);
 
 namespace detail {
 // The float launchers' tensor-core paths (kernels/conv2d_tc.cu).

@@ -18,9 +18,10 @@
 //     tap past R*S points at a zero chunk). The filters (B) live in registers, loaded once per
 //     block;
 //   - the epilogue adds the bias and applies the ReLU exactly as the mainloop's epilogue does
-//     (kernels/matmul_epilogue.cuh: each step rounded on its own), rounds once, and writes the
-//     16 x 64 tile of each row through shared memory so that global stores are whole 16-byte
-//     chunks of consecutive pixels.
+//     (kernels/matmul_epilogue.cuh: each step rounded on its own), rounds once, and writes each
+//     warp's 16 pixels x 32 channels through shared memory of the warp's own, so that global
+//     stores are whole 16-byte chunks and no barrier of the block waits on them (one per tile, for
+//     the halo).
 // Requirements (narrow_forward_applies): x with one 16-byte chunk of channels (C = 8 bf16 or 4
 // fp32), filters of the same type, K = 64, R and S at most 3, stride 1, no mask; any H, W, padding
 // and batch. Sums run in a fixed order: deterministic on a given GPU (backward-weight's partials
@@ -34,6 +35,7 @@
 #include "kernels/conv2d_narrow.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
+#include "kernels/sm90/matmul_sm90.h"
 #include "kernels/workspace.h"
 
 namespace cudp::kernels::detail {
@@ -43,7 +45,7 @@ namespace {
 template <typename Elem>
 constexpr int kChannels = 16 / int(sizeof(Elem));
 constexpr int kC = kChannels<__nv_bfloat16>;  // the bf16 kernels'
-constexpr int kK = 64;                  // output channels
+constexpr int kK = 64;                        // output channels
 // Output pixels of a block's tile: kTileH x kTileW. Four rows, so that two blocks share an SM (a
 // block's registers are a fourth of the SM's at 117 per thread): one block's epilogue and stores
 // overlap the other's products. With one block of eight rows per SM the forward took 0.27 ms at
@@ -56,8 +58,10 @@ constexpr int kHaloH = kTileH + kMaxR - 1, kHaloW = kTileW + kMaxS - 1;
 constexpr int kHaloChunks = kHaloH * kHaloW + 1;  // + one zero chunk for taps past R*S
 constexpr int kWarps = 2 * kTileH;                // (row, half of the channels)
 constexpr int kThreads = 32 * kWarps;
-constexpr int kStageStride = kK + 8;  // elements per staged pixel: 16 or 32 bytes of padding
-                                      // keep the fragment writes free of bank conflicts
+// A warp stages its 16 pixels x 32 channels in shared memory of its own, 40 elements a pixel (80
+// or 160 bytes: the fragment writes, bf16 pairs or float pairs, then fall in different banks, and
+// each pixel's half-row stays 16-byte aligned for the reads back).
+constexpr int kStageStride = 40;
 
 // What every narrow kernel knows of its convolution: the shape, and the output cut into tiles of
 // tile_h x kTileW pixels (tiles_q across, tiles_p down, per image); each tap's offset in the halo.
@@ -65,6 +69,13 @@ struct NarrowGeometry {
   int n, h, w_in, p, q, r, s, pad_h, pad_w;
   int tiles_q, tiles_p, tiles;
   int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s (0 past R*S)
+  // bf16, 3 x 3, channels 4..7 of x and w zero (the layer's padding of 3 or 4 channels): paired
+  // taps. Each pixel's real half-chunk also goes, with its right neighbour's, into a second array
+  // of the halo (chunk i: channels 0..3 of pixels i and i + 1), so that one 16-byte row holds taps
+  // s = 0 and 1 of a filter row and a k16 step is the whole row: taps (r, 0), (r, 1) from the
+  // pairs and (r, 2) from the halo as it is (its channels 4..7 are zeros of x and of w). Three k
+  // steps instead of five in the forward, three products instead of five in backward-weight.
+  int paired;
 };
 
 struct NarrowArgs : NarrowGeometry {
@@ -79,10 +90,26 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Copies the lower 8 bytes of the pixel at `src` (zeros where `inside` is false) to the pairs
+// array's chunk `at` (lower half) and, past the row's first column, to chunk at - 1's upper half.
+__device__ __forceinline__ void load_pair_halves(uint4* pairs, int at, bool first_column,
+                                                 const void* src, bool inside) {
+  const uint32_t dst = smem_u32(pairs + at);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
+               "r"(inside ? 8 : 0)
+               : "memory");
+  if (!first_column) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst - 8u), "l"(src),
+                 "r"(inside ? 8 : 0)
+                 : "memory");
+  }
+}
+
 // Starts the copy of tile `tile`'s halo into `halo` (kHaloH x kHaloW chunks of 16 bytes, row
-// stride kHaloW), zero-filled outside the image.
-template <typename Elem>
-__device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* halo) {
+// stride kHaloW), zero-filled outside the image, and with kPaired its pairs into `pairs`.
+template <typename Elem, bool kPaired>
+__device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* halo,
+                                          uint4* pairs) {
   const int tq = tile % a.tiles_q;
   const int rest = tile / a.tiles_q;
   const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
@@ -98,6 +125,7 @@ __device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* 
         "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
         "l"(src), "r"(inside ? 16 : 0)
         : "memory");
+    if constexpr (kPaired) load_pair_halves(pairs, hy * kHaloW + hx, hx == 0, src, inside);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -136,32 +164,47 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
 // channels). Either way a k step's A fragment is one ldmatrix.x4 of 16-byte pixels: for TF32 the
 // b16 matrix's 8 x 8 is 8 pixels x 4 floats, and the thread's 32-bit word (row lane/4, word
 // lane%4) is the fragment's element (pixel lane/4, channel lane%4).
-template <typename Elem, typename Out>
+// kPaired (bf16, a.paired): three k steps, one a filter row (NarrowGeometry::paired).
+template <typename Elem, typename Out, bool kPaired>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     narrow_forward_kernel(const NarrowArgs a) {
   kernel_entry();
+  static_assert(!kPaired || sizeof(Elem) == 2, "paired taps are bf16's");
   constexpr int kCe = kChannels<Elem>;
-  __shared__ uint4 halo[2][kHaloChunks];
-  __shared__ __align__(16) Out stage[kTileH * 16][kStageStride];  // a 16-pixel block of each row
+  constexpr int kStepsUsed = kPaired ? kMaxR : kSteps;
+  // Per buffer: the halo, then (kPaired) its pairs.
+  constexpr int kBufferChunks = kPaired ? 2 * kHaloChunks : kHaloChunks;
+  __shared__ uint4 halo[2][kBufferChunks];
+  __shared__ __align__(16) Out stages[kWarps][16][kStageStride];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = warp / 2, half = warp % 2;  // output row of the tile, 32-channel half
+  Out(&stage)[16][kStageStride] = stages[warp];
   const int taps = a.r * a.s;
   if (threadIdx.x < 2) halo[threadIdx.x][kHaloChunks - 1] = make_uint4(0, 0, 0, 0);
 
   // B fragments (col-major k x n8, n = lane/4; bf16: the thread holds k = 2*(lane%4) + {0,1}
   // (+8), TF32: k = lane%4 (+4)): b[j][t][e] = w[channel][tap 2t + e][the thread's channels] for
   // channel = 32*half + 8j + lane/4.
-  uint32_t b[4][kSteps][2];
+  // kPaired: step t is filter row t; the thread's k = 2*(lane%4) + {0,1} is tap (t, k / 4),
+  // channels k % 4 (+1), and its k + 8 tap (t, 2), channels 2*(lane%4) (+1).
+  uint32_t b[4][kStepsUsed][2];
   const Elem* wt = static_cast<const Elem*>(a.w);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int channel = 32 * half + 8 * j + lane / 4;
 #pragma unroll
-    for (int t = 0; t < kSteps; ++t) {
+    for (int t = 0; t < kStepsUsed; ++t) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int tap = 2 * t + e;
-        const Elem* at = wt + (int64_t(channel) * taps + tap) * kCe + (lane % 4) * (kCe / 4);
+        int tap, c;
+        if constexpr (kPaired) {
+          tap = t * kMaxS + (e == 0 ? (lane % 4) / 2 : 2);
+          c = e == 0 ? 2 * (lane % 2) : 2 * (lane % 4);
+        } else {
+          tap = 2 * t + e;
+          c = (lane % 4) * (kCe / 4);
+        }
+        const Elem* at = wt + (int64_t(channel) * taps + tap) * kCe + c;
         b[j][t][e] = tap < taps ? __ldg(reinterpret_cast<const unsigned int*>(at)) : 0u;
       }
     }
@@ -175,36 +218,43 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
   // The halo offset of the pixel this lane addresses for ldmatrix, per k16 step: lanes 8i..8i+7
   // give the rows of matrix i = (pixel block (i & 1), tap 2t + (i >> 1)); -1 for a tap past R*S.
+  // kPaired: matrix i's rows are the pairs of taps (t, 0..1) for i < 2, the halo's tap (t, 2) for
+  // i >= 2.
   const int matrix = lane / 8;
   const int pixel = (matrix & 1) * 8 + lane % 8;  // within the 16-pixel block
-  int tap_at[kSteps];
+  int tap_at[kStepsUsed];
 #pragma unroll
-  for (int t = 0; t < kSteps; ++t) {
-    const int tap = 2 * t + (matrix >> 1);
-    const int r = tap / a.s, s = tap - (tap / a.s) * a.s;
-    tap_at[t] = tap < taps ? (row + r) * kHaloW + pixel + s : -1;
+  for (int t = 0; t < kStepsUsed; ++t) {
+    if constexpr (kPaired) {
+      tap_at[t] = (matrix >> 1) == 0 ? kHaloChunks + (row + t) * kHaloW + pixel
+                                     : (row + t) * kHaloW + pixel + 2;
+    } else {
+      const int tap = 2 * t + (matrix >> 1);
+      const int r = tap / a.s, s = tap - (tap / a.s) * a.s;
+      tap_at[t] = tap < taps ? (row + r) * kHaloW + pixel + s : -1;
+    }
   }
 
   int buffer = 0;
-  if (blockIdx.x < a.tiles) load_halo<Elem>(a, blockIdx.x, halo[0]);
+  if (blockIdx.x < a.tiles) load_halo<Elem, kPaired>(a, blockIdx.x, halo[0], halo[0] + kHaloChunks);
   for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    // The tile's halo is complete for every thread, and every warp is past its reads of the other
+    // buffer (the last tile's), which the next tile's copies may now refill.
+    __syncthreads();
     const int next = tile + gridDim.x;
-    if (next < a.tiles) {
-      load_halo<Elem>(a, next, halo[buffer ^ 1]);
-      asm volatile("cp.async.wait_group 1;" ::: "memory");
-    } else {
-      asm volatile("cp.async.wait_group 0;" ::: "memory");
-    }
-    __syncthreads();  // the halo is complete for every thread
+    if (next < a.tiles)
+      load_halo<Elem, kPaired>(a, next, halo[buffer ^ 1], halo[buffer ^ 1] + kHaloChunks);
     const uint32_t halo_base = smem_u32(halo[buffer]);
     const int tq = tile % a.tiles_q;
     const int rest = tile / a.tiles_q;
     const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
+    const int pp = tp * kTileH + row;
 #pragma unroll 1
     for (int block = 0; block < kTileW / 16; ++block) {
       float acc[4][4] = {};
 #pragma unroll
-      for (int t = 0; t < kSteps; ++t) {
+      for (int t = 0; t < kStepsUsed; ++t) {
         const uint32_t at =
             halo_base + 16u * uint32_t(tap_at[t] >= 0 ? tap_at[t] + 16 * block : kHaloChunks - 1);
         uint32_t frag[4];
@@ -217,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       }
       // acc[j]: pixels lane/4 (elements 0, 1) and lane/4 + 8 (2, 3) of the block, channels
       // 32*half + 8j + 2*(lane%4) + {0, 1}.
+      __syncwarp();  // the warp's reads of its stage (the last block's) are done
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -230,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
             v0 = relu_keep_nan(v0);
             v1 = relu_keep_nan(v1);
           }
-          Out* dst = &stage[row * 16 + lane / 4 + 8 * hh][32 * half + 8 * j + 2 * (lane % 4)];
+          Out* dst = &stage[lane / 4 + 8 * hh][8 * j + 2 * (lane % 4)];
           if constexpr (sizeof(Out) == 2) {
             *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
           } else {
@@ -238,18 +289,20 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
           }
         }
       }
-      __syncthreads();  // the block's 8 x 16 pixels are staged
-      // 16-byte chunks of consecutive pixels: row-major over (tile row, pixel, chunk).
-      constexpr int kChunks = kK * int(sizeof(Out)) / 16;  // per pixel
-      for (int i = threadIdx.x; i < kTileH * 16 * kChunks; i += kThreads) {
-        const int staged = i / kChunks, chunk = i - staged * kChunks;
-        const int pp = tp * kTileH + staged / 16, qq = tq * kTileW + 16 * block + staged % 16;
-        if (pp >= a.p || qq >= a.q) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(&stage[staged][chunk * 16 / sizeof(Out)]);
-        Out* y = static_cast<Out*>(a.y) + ((int64_t(img) * a.p + pp) * a.q + qq) * kK;
-        reinterpret_cast<uint4*>(y)[chunk] = v;
+      __syncwarp();  // the warp's 16 pixels x 32 channels are staged
+      // 16-byte chunks of the 16 pixels' half-rows, consecutive chunks to consecutive lanes.
+      constexpr int kChunks = 32 * int(sizeof(Out)) / 16;  // per pixel's half-row
+      if (pp < a.p) {
+#pragma unroll
+        for (int i = lane; i < 16 * kChunks; i += 32) {
+          const int pixel = i / kChunks, chunk = i - pixel * kChunks;
+          const int qq = tq * kTileW + 16 * block + pixel;
+          if (qq >= a.q) continue;
+          const uint4 v = *reinterpret_cast<const uint4*>(&stage[pixel][chunk * 16 / sizeof(Out)]);
+          Out* y = static_cast<Out*>(a.y) + ((int64_t(img) * a.p + pp) * a.q + qq) * kK + 32 * half;
+          reinterpret_cast<uint4*>(y)[chunk] = v;
+        }
       }
-      __syncthreads();  // the stage is free again
     }
     buffer ^= 1;
   }
@@ -260,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // dw[k][tap][c] = sum over output pixels of dy[pixel][k] * x[pixel shifted by tap][c]: a product of
 // M = 64 output channels by N = R*S*8 (one n8 tile per tap) over the pixels. A block takes the same
 // 4 x 32 output tiles as the forward; per tile it copies dy's 128 x 64 (16 KB) and x's halo to
-// shared memory (double-buffered: the next tile's copies run under this one's products), and its 8
+// shared memory (three stages: the copies run two tiles ahead of the products), and its 8
 // warps (warp % 4: 16 output channels, warp / 4: half of the tile's eight 16-pixel rows) run
 // mma.sync with both fragments from ldmatrix.trans (the pixels, the
 // reduction, are the rows of both tensors). dy's 16-byte chunks are XOR-swizzled by pixel so that
@@ -271,7 +324,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // NaN, which a training step with non-finite activations has lost anyway).
 constexpr int kWgradThreads = 256;
 constexpr int kWgradBlocksPerSm = 3;
+constexpr int kWgradStages = 3;
 constexpr int kTileRows = kTileH * (kTileW / 16);  // 16-pixel rows of a tile
+constexpr int kDyChunks = kTileH * kTileW * 8;     // chunk j of pixel i at i * 8 + (j ^ (i & 7))
+constexpr int kWgradStageChunks = kDyChunks + 2 * kHaloChunks;  // dy, the halo, its pairs
+constexpr int kWgradSharedBytes = kWgradStages * kWgradStageChunks * 16;
+// add_sets' scratch (4 x 10 x 4 x 32 floats) fits in the stages.
+static_assert(kWgradSharedBytes >= 4 * (kMaxR * kMaxS + 1) * 4 * 32 * int(sizeof(float)));
 
 struct NarrowWgradArgs : NarrowGeometry {
   const __nv_bfloat16* x;   // n x h x w x 8
@@ -305,7 +364,9 @@ __device__ __forceinline__ bool add_sets(float (&acc)[kN][4], float* scratch, in
   return true;
 }
 
-// Starts the copies of tile `tile`'s x halo and dy block into `halo` and `dys` (one commit group).
+// Starts the copies of tile `tile`'s x halo and dy block into `halo` and `dys` (the caller commits
+// them as one group).
+template <bool kPaired>
 __device__ __forceinline__ void load_wgrad_tile(const NarrowWgradArgs& a, int tile, uint4* halo,
                                                 uint4* dys) {
   const int tq = tile % a.tiles_q;
@@ -322,6 +383,9 @@ __device__ __forceinline__ void load_wgrad_tile(const NarrowWgradArgs& a, int ti
         "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
         "l"(src), "r"(inside ? 16 : 0)
         : "memory");
+    if constexpr (kPaired) {
+      load_pair_halves(halo + kHaloChunks, hy * kHaloW + hx, hx == 0, src, inside);
+    }
   }
   for (int i = threadIdx.x; i < kTileH * kTileW * 8; i += kWgradThreads) {
     const int pixel = i / 8, chunk = i % 8;
@@ -334,35 +398,43 @@ __device__ __forceinline__ void load_wgrad_tile(const NarrowWgradArgs& a, int ti
                  "l"(src), "r"(inside ? 16 : 0)
                  : "memory");
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// The tiles' copies are double-buffered: tile t + grid's comes in while tile t's products run.
+// The tiles' copies run kWgradStages - 1 tiles ahead of the products, in dynamic shared memory:
+// kWgradStages stages of dy's block then x's halo.
+// kPaired (a.paired): per filter row one ldmatrix and two products, taps (r, 0..1) from the pairs
+// and (r, 2) from the halo (NarrowGeometry::paired); acc[2r] then holds channels 0..3 of taps
+// (r, 0) and (r, 1), acc[2r + 1] the eight of tap (r, 2).
+template <bool kPaired>
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
     narrow_wgrad_kernel(const NarrowWgradArgs a) {
   kernel_entry();
-  constexpr int kDyChunks = kTileH * kTileW * 8;  // chunk j of pixel i at i * 8 + (j ^ (i & 7))
-  __shared__ uint4 halo[2][kHaloChunks];
-  // Both buffers in one array: add_sets' scratch (20 KB) takes more than one.
-  __shared__ uint4 dys[2 * kDyChunks];
-  static_assert(sizeof(dys) >= 4 * (kMaxR * kMaxS + 1) * 4 * 32 * sizeof(float));
+  extern __shared__ uint4 wgrad_smem[];
+  const auto dys = [](int stage) { return wgrad_smem + stage * kWgradStageChunks; };
+  const auto halo = [](int stage) { return wgrad_smem + stage * kWgradStageChunks + kDyChunks; };
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int mt = warp % 4, set = warp / 4;
   const int taps = a.r * a.s;
   const int matrix = lane / 8, j8 = lane % 8;
   float acc[kMaxR * kMaxS + 1][4] = {};
-  int buffer = 0;
-  if (blockIdx.x < a.tiles) load_wgrad_tile(a, blockIdx.x, halo[0], dys);
+  // The first kWgradStages - 1 tiles' copies, a commit group each (empty past the block's tiles).
+#pragma unroll
+  for (int k = 0; k < kWgradStages - 1; ++k) {
+    const int tile = blockIdx.x + k * gridDim.x;
+    if (tile < a.tiles) load_wgrad_tile<kPaired>(a, tile, halo(k), dys(k));
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  int stage = 0;
   for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
-    const int next = tile + gridDim.x;
-    if (next < a.tiles) {
-      load_wgrad_tile(a, next, halo[buffer ^ 1], dys + (buffer ^ 1) * kDyChunks);
-      asm volatile("cp.async.wait_group 1;" ::: "memory");
-    } else {
-      asm volatile("cp.async.wait_group 0;" ::: "memory");
-    }
+    // The tile kWgradStages - 1 ahead into the stage the last tile read (free since the barrier
+    // that ended the last iteration), then wait for this tile's group.
+    const int ahead = tile + (kWgradStages - 1) * gridDim.x;
+    const int refill = (stage + kWgradStages - 1) % kWgradStages;
+    if (ahead < a.tiles) load_wgrad_tile<kPaired>(a, ahead, halo(refill), dys(refill));
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(kWgradStages - 1) : "memory");
     __syncthreads();  // the tile's copies are complete for every thread
-    const uint32_t halo_base = smem_u32(halo[buffer]), dy_base = smem_u32(dys + buffer * kDyChunks);
+    const uint32_t halo_base = smem_u32(halo(stage)), dy_base = smem_u32(dys(stage));
 #pragma unroll 1
     for (int g = set * (kTileRows / 2); g < (set + 1) * (kTileRows / 2); ++g) {
       const int row = g / (kTileW / 16), block = g % (kTileW / 16);
@@ -376,33 +448,65 @@ __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
                    : "memory");
       // B = the taps' x (k16 x n8 per tap): matrix i holds tap 2u + (i >> 1), pixels 8*(i & 1)..
       const int b_pixel = row * kHaloW + 16 * block + 8 * (matrix & 1) + j8;
+      if constexpr (kPaired) {
+        // Matrices 0-1: the pairs of taps (r, 0..1); 2-3: the halo's tap (r, 2).
+        const int at = (matrix >> 1) == 0 ? kHaloChunks + b_pixel : b_pixel + 2;
 #pragma unroll
-      for (int u = 0; u < (kMaxR * kMaxS + 1) / 2; ++u) {
-        if (2 * u >= taps) break;
-        const int off = (matrix >> 1) ? a.tap_off[2 * u + 1] : a.tap_off[2 * u];
-        uint32_t bf[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(bf[0]), "=r"(bf[1]), "=r"(bf[2]), "=r"(bf[3])
-                     : "r"(halo_base + 16u * uint32_t(b_pixel + off))
-                     : "memory");
-        mma_bf16(acc[2 * u], frag, bf[0], bf[1]);
-        if (2 * u + 1 < taps) mma_bf16(acc[2 * u + 1], frag, bf[2], bf[3]);
+        for (int r = 0; r < kMaxR; ++r) {
+          uint32_t bf[4];
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(bf[0]), "=r"(bf[1]), "=r"(bf[2]), "=r"(bf[3])
+                       : "r"(halo_base + 16u * uint32_t(at + r * kHaloW))
+                       : "memory");
+          mma_bf16(acc[2 * r], frag, bf[0], bf[1]);
+          mma_bf16(acc[2 * r + 1], frag, bf[2], bf[3]);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < (kMaxR * kMaxS + 1) / 2; ++u) {
+          if (2 * u >= taps) break;
+          const int off = (matrix >> 1) ? a.tap_off[2 * u + 1] : a.tap_off[2 * u];
+          uint32_t bf[4];
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(bf[0]), "=r"(bf[1]), "=r"(bf[2]), "=r"(bf[3])
+                       : "r"(halo_base + 16u * uint32_t(b_pixel + off))
+                       : "memory");
+          mma_bf16(acc[2 * u], frag, bf[0], bf[1]);
+          if (2 * u + 1 < taps) mma_bf16(acc[2 * u + 1], frag, bf[2], bf[3]);
+        }
       }
     }
-    __syncthreads();  // the buffer's reads are done before the next tile's copies refill it
-    buffer ^= 1;
+    __syncthreads();  // the stage's reads are done before a later tile's copies refill it
+    stage = (stage + 1) % kWgradStages;
   }
-  if (add_sets(acc, reinterpret_cast<float*>(dys), set, mt, lane)) {
+  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy may land in add_sets' scratch
+  if (add_sets(acc, reinterpret_cast<float*>(wgrad_smem), set, mt, lane)) {
     const int cols = taps * 8;
     float* out = a.partial + int64_t(blockIdx.x) * kK * cols;
+    if constexpr (kPaired) {
+      // acc[2r]'s column n is channel n % 4 of tap (r, n / 4), whose channels 4..7 are zeros of x;
+      // acc[2r + 1]'s is channel n of tap (r, 2).
 #pragma unroll
-    for (int t = 0; t < kMaxR * kMaxS + 1; ++t) {
-      if (t >= taps) break;
+      for (int r = 0; r < kMaxR; ++r) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v = acc[t][e];
-        const int m = 16 * mt + lane / 4 + 8 * (e >> 1), n = t * 8 + 2 * (lane % 4) + (e & 1);
-        out[m * cols + n] = v;
+        for (int e = 0; e < 4; ++e) {
+          const int m = 16 * mt + lane / 4 + 8 * (e >> 1), n = 2 * (lane % 4) + (e & 1);
+          const int pair_at = (r * kMaxS + n / 4) * 8 + n % 4;
+          out[m * cols + pair_at] = acc[2 * r][e];
+          out[m * cols + pair_at + 4] = 0.f;
+          out[m * cols + (r * kMaxS + 2) * 8 + n] = acc[2 * r + 1][e];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < kMaxR * kMaxS + 1; ++t) {
+        if (t >= taps) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = acc[t][e];
+          const int m = 16 * mt + lane / 4 + 8 * (e >> 1), n = t * 8 + 2 * (lane % 4) + (e & 1);
+          out[m * cols + n] = v;
+        }
       }
     }
   }
@@ -555,6 +659,7 @@ NarrowGeometry narrow_geometry(const Conv2dShape& s, int tile_h, const char* wha
   g.s = s.s;
   g.pad_h = s.pad_h;
   g.pad_w = s.pad_w;
+  g.paired = 0;
   for (int t = 0; t <= kMaxR * kMaxS; ++t) {
     g.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
   }
@@ -569,16 +674,18 @@ NarrowGeometry narrow_geometry(const Conv2dShape& s, int tile_h, const char* wha
 
 // Runs a backward-weight kernel on a.tiles tiles (kWgradBlocksPerSm blocks per SM at most, one
 // partial each) and sums the partials into dw (`padded` columns per tap in a partial, of which the
-// first `channels` are dw's).
+// first `channels` are dw's), with `shared_bytes` of dynamic shared memory a block.
 template <typename Args>
 void run_wgrad(const char* name, void (*kernel)(Args), Args a, int padded, int channels, float beta,
-               float* dw, cudaStream_t stream) {
+               float* dw, int shared_bytes, cudaStream_t stream) {
   const int blocks = std::min(a.tiles, kWgradBlocksPerSm * sm_count());
   const int taps = a.r * a.s;
   Workspace partial(size_t(blocks) * size_t(kK) * size_t(taps * padded) * sizeof(float), stream,
                     "the first layer's backward-weight partial sums");
   a.partial = partial.get();
-  launch(name, kernel, blocks, kWgradThreads, 0, stream, a);
+  if (shared_bytes > 0)
+    sm90::allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes);
+  launch(name, kernel, blocks, kWgradThreads, shared_bytes, stream, a);
   launch("narrow_wgrad_sum_kernel", narrow_wgrad_sum_kernel,
          grid_for(int64_t(kK) * taps * channels * 32, 256), 256, 0, stream, partial.get(), blocks,
          taps, channels, padded, beta, dw);
@@ -595,6 +702,10 @@ bool aligned16(const void* p) {
 }
 
 }  // namespace
+
+bool narrow_paired_taps(const Conv2dShape& s, int live_channels) {
+  return s.c == kC && live_channels > 0 && live_channels <= kC / 2 && s.r == kMaxR && s.s == kMaxS;
+}
 
 bool narrow_forward_applies(const Conv2dShape& s, const ConvOperands& ops) {
   const bool channels = ops.math == Math::BF16   ? s.c == kChannels<__nv_bfloat16>
@@ -615,17 +726,24 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
   a.bias = ops.bias;
   a.y = ops.y;
   a.relu = ops.relu ? 1 : 0;
+  a.paired = ops.math == Math::BF16 && narrow_paired_taps(s, ops.live_channels) ? 1 : 0;
   const unsigned grid = static_cast<unsigned>(std::min(a.tiles, kBlocksPerSm * sm_count()));
   const bool bf16_out = ops.y_type == DType::BF16;
-  if (ops.math == Math::BF16) {
+  using Bf16 = __nv_bfloat16;
+  if (ops.math == Math::BF16 && a.paired) {
     launch("narrow_forward_kernel",
-           bf16_out ? narrow_forward_kernel<__nv_bfloat16, __nv_bfloat16>
-                    : narrow_forward_kernel<__nv_bfloat16, float>,
+           bf16_out ? narrow_forward_kernel<Bf16, Bf16, true>
+                    : narrow_forward_kernel<Bf16, float, true>,
+           grid, kThreads, 0, stream, a);
+  } else if (ops.math == Math::BF16) {
+    launch("narrow_forward_kernel",
+           bf16_out ? narrow_forward_kernel<Bf16, Bf16, false>
+                    : narrow_forward_kernel<Bf16, float, false>,
            grid, kThreads, 0, stream, a);
   } else {
     launch("narrow_forward_kernel",
-           bf16_out ? narrow_forward_kernel<float, __nv_bfloat16>
-                    : narrow_forward_kernel<float, float>,
+           bf16_out ? narrow_forward_kernel<float, Bf16, false>
+                    : narrow_forward_kernel<float, float, false>,
            grid, kThreads, 0, stream, a);
   }
 }
@@ -635,7 +753,7 @@ bool narrow_wgrad_applies(const Conv2dShape& s, const void* x, const void* dy) {
 }
 
 void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const void* dy, float* dw,
-                                   float beta, cudaStream_t stream) {
+                                   float beta, cudaStream_t stream, int live_channels) {
   CUDP_CHECK(narrow_wgrad_applies(s, x, dy) && dw != nullptr,
              "conv2d_backward_weight_narrow: needs bf16 x with C = 8 and dy with K = 64, a filter "
              "of at most 3 x 3, stride 1 and 16-byte aligned tensors");
@@ -643,7 +761,10 @@ void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const vo
   static_cast<NarrowGeometry&>(a) = narrow_geometry(s, kTileH, "conv2d_backward_weight_narrow");
   a.x = static_cast<const __nv_bfloat16*>(x);
   a.dy = static_cast<const __nv_bfloat16*>(dy);
-  run_wgrad("narrow_wgrad_kernel", narrow_wgrad_kernel, a, kC, kC, beta, dw, stream);
+  a.paired = narrow_paired_taps(s, live_channels) ? 1 : 0;
+  run_wgrad("narrow_wgrad_kernel",
+            a.paired ? narrow_wgrad_kernel<true> : narrow_wgrad_kernel<false>, a, kC, kC, beta, dw,
+            kWgradSharedBytes, stream);
 }
 
 bool narrow_wgrad_tf32_applies(const Conv2dShape& s, const float* dy) {
@@ -662,7 +783,7 @@ void conv2d_backward_weight_narrow_tf32(const Conv2dShape& s, const float* x, co
   a.dy = dy;
   a.c = s.c;
   run_wgrad("narrow_wgrad_tf32_kernel", narrow_wgrad_tf32_kernel, a, kChannels<float>, s.c, beta,
-            dw, stream);
+            dw, 0, stream);
 }
 
 }  // namespace cudp::kernels::detail

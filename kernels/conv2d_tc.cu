@@ -448,7 +448,7 @@ bool transposed_wgrad_fuses_bias(const MatmulPlan& plan) {
 // dw (fp32, K x R x S x C, row stride R*S*C) = beta*dw + dy^T im2col(x), bf16 x and dy; dbias
 // (K floats, or null) += dy's column sums: fused into the patch feed's product, else bias_grad.
 void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, float* dw, float beta,
-                         cudaStream_t stream, float* dbias = nullptr) {
+                         cudaStream_t stream, float* dbias = nullptr, int live_channels = 0) {
   CUDP_CHECK(s.c % 8 == 0, "conv2d_backward_weight_tc: C = ", s.c, " must be a multiple of 8");
   CUDP_CHECK(s.k % 8 == 0, "conv2d_backward_weight_tc: K = ", s.k,
              " must be a multiple of 8 (16-byte rows of dy for TMA)");
@@ -478,7 +478,7 @@ void run_backward_weight(const Conv2dShape& s, const void* x, const void* dy, fl
   // Eight input channels (VGG's first layer, padded): a kernel of its own, as for the forward.
   if (g_feed.load() != detail::ConvFeed::gather && variant < 0 &&
       detail::narrow_wgrad_applies(s, x, dy)) {
-    detail::conv2d_backward_weight_narrow(s, x, dy, dw, beta, stream);
+    detail::conv2d_backward_weight_narrow(s, x, dy, dw, beta, stream, live_channels);
     separate_bias_grad();
     return;
   }
@@ -892,9 +892,9 @@ bool conv2d_backward_data_reads_filters_as_they_are(const Conv2dShape& shape) {
 }
 
 void conv2d_backward_weight_tc(const Conv2dShape& shape, const void* x, const void* dy, float* dw,
-                               float beta, cudaStream_t stream, float* dbias) {
+                               float beta, cudaStream_t stream, float* dbias, int live_channels) {
   check_tc("conv2d_backward_weight_tc", shape, Math::BF16);
-  run_backward_weight(shape, x, dy, dw, beta, stream, dbias);
+  run_backward_weight(shape, x, dy, dw, beta, stream, dbias, live_channels);
 }
 
 void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperands& ops,
@@ -1118,7 +1118,7 @@ void conv2d_backward_weight_tc_f32(const Conv2dShape& shape, const float* x, con
   const int64_t rows = int64_t(kp) * shape.r * shape.s;
   Workspace part_ws(size_t(rows * cp * 4), stream);
   float* part = part_ws.get();
-  run_backward_weight(padded, xb, dyb, part, 0.f, stream);
+  run_backward_weight(padded, xb, dyb, part, 0.f, stream, nullptr, shape.c);
   const int64_t keep = int64_t(shape.k) * shape.r * shape.s;
   launch("unpad_accumulate_kernel", unpad_accumulate_kernel, blocks_for(keep * shape.c), 256, 0,
          stream, part, keep, shape.c, cp, beta, dw);
@@ -1149,6 +1149,7 @@ void conv2d_forward_tc_f32(const Conv2dShape& shape, const float* x, const float
   }
   Conv2dShape padded = shape;
   padded.c = cp;
+  ops.live_channels = shape.c;
   run_forward(padded, ops, stream);
 }
 

@@ -281,13 +281,14 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
           }
           kernels::Conv2dShape padded = s;
           padded.c = cp;
-          const kernels::ConvOperands ops{kernels::Math::BF16,
-                                          input_bf16_.data_ptr(),
-                                          weight_bf16_.data_ptr(),
-                                          y.data_ptr(),
-                                          kernels::DType::BF16,
-                                          b,
-                                          relu};
+          kernels::ConvOperands ops{kernels::Math::BF16,
+                                    input_bf16_.data_ptr(),
+                                    weight_bf16_.data_ptr(),
+                                    y.data_ptr(),
+                                    kernels::DType::BF16,
+                                    b,
+                                    relu};
+          ops.live_channels = s.c;  // the channels past it are the padding's zeros
           kernels::conv2d_forward_tc(padded, ops, stream);
         });
   }

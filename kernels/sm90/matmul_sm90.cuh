@@ -1888,9 +1888,6 @@ CUtensorMap encode_k_major(const void* ptr, CUtensorMapDataType type, int elem_b
 
 inline void check_launch() { CUDP_CUDA_CHECK(cudaGetLastError()); }
 
-// Raises the kernel's shared-memory limit once per device.
-void allow_shared_memory(const void* kernel, int bytes);
-
 // The product's part of the kernel parameters under `plan`: sizes, tiles of kTileM x tile_n rows
 // of C, k-blocks of k_block, split-K, C and the epilogue.
 inline MainloopParams product_params(const MatmulProblem& prob, const MatmulPlan& plan, int tile_n,

@@ -194,4 +194,8 @@ void conv_wgrad_tf32_patch(const MatmulProblem& problem, const ConvGather& conv,
                            const PatchTiles& patch, const MatmulPlan& plan, float* workspace,
                            cudaStream_t stream, bool transposed);
 
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device (once per kernel and
+// device; above 48 KB a kernel must ask).
+void allow_shared_memory(const void* kernel, int bytes);
+
 }  // namespace cudp::kernels::sm90

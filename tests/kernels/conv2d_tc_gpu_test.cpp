@@ -1079,6 +1079,104 @@ TEST(Conv2dTcTyped, NarrowFirstLayer) {
   }
 }
 
+// Paired taps (kernels/conv2d_narrow.h): x of 8 bf16 channels of which only the first 3 or 4 are
+// live (the rest zeros, as a layer pads them; the filters' padding channels random, which the
+// paired kernels must not need to be zeros), forward and backward-weight against the double
+// reference; the forward also without the claim (five k steps) within the same bound; dw's
+// channels past 4 left exactly as they were (their gradient is zero); and the float launcher a
+// layer uses (fp32 x and w of 3 channels, Math::BF16) on the paired kernels too.
+TEST(Conv2dTcTyped, NarrowPairedTaps) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  EXPECT_TRUE(detail::narrow_paired_taps(Conv2dShape{64, 224, 224, 8, 64, 3, 3, 1, 1, 1, 1}, 3));
+  EXPECT_FALSE(detail::narrow_paired_taps(Conv2dShape{64, 224, 224, 8, 64, 3, 3, 1, 1, 1, 1}, 5));
+  EXPECT_FALSE(detail::narrow_paired_taps(Conv2dShape{64, 224, 224, 8, 64, 3, 3, 1, 1, 1, 1}, 0));
+  EXPECT_FALSE(detail::narrow_paired_taps(Conv2dShape{64, 224, 224, 8, 64, 1, 1, 1, 1, 0, 0}, 3));
+  for (const int live : {3, 4}) {
+    for (const Conv2dShape real : {Conv2dShape{3, 19, 70, live, 64, 3, 3, 1, 1, 1, 1},
+                                   Conv2dShape{2, 32, 32, live, 64, 3, 3, 1, 1, 1, 1},
+                                   Conv2dShape{1, 9, 33, live, 64, 3, 3, 1, 1, 0, 0}}) {
+      SCOPED_TRACE(::testing::Message() << live << " live channels, " << real.n << "x" << real.h
+                                        << "x" << real.w << " pad " << real.pad_h);
+      Conv2dShape s = real;
+      s.c = 8;
+      std::vector<float> x = operand(size_t(s.x_size()), 51, Math::BF16);
+      const std::vector<float> w = operand(size_t(s.w_size()), 52, Math::BF16);
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (int(i % 8) >= live) x[i] = 0.f;
+      }
+      const std::vector<float> bias = testing::random_vector(size_t(s.k), 53);
+      std::vector<float> ref(size_t(s.y_size())), abs_sum(size_t(s.y_size()));
+      conv2d_forward_cpu(s, x.data(), w.data(), bias.data(), ref.data(), true);
+      conv2d_forward_cpu(s, absolute(x).data(), absolute(w).data(), nullptr, abs_sum.data(), false);
+      DeviceBuffer<uint16_t> dx(bf16_bits(x)), dw(bf16_bits(w)), yb(size_t(s.y_size()));
+      DeviceBuffer<float> db(bias), yf(size_t(s.y_size()));
+      ConvOperands ops{Math::BF16, dx.get(), dw.get(), yb.get(), DType::BF16, db.get(), true};
+      ops.live_channels = live;
+      ASSERT_TRUE(detail::narrow_forward_applies(s, ops));
+      ASSERT_TRUE(detail::narrow_paired_taps(s, live));
+      yb.fill(0xFFFF);
+      conv2d_forward_tc(s, ops, nullptr);
+      const std::vector<uint16_t> got = yb.download();
+      const std::vector<float> v = bf16_widened(got);
+      for (size_t i = 0; i < v.size(); ++i) {
+        ASSERT_LE(std::fabs(v[i] - ref[i]), bf16_output_bound(ref[i], abs_sum[i])) << "y " << i;
+      }
+      yb.fill(0xFFFF);
+      conv2d_forward_tc(s, ops, nullptr);
+      EXPECT_EQ(yb.download(), got) << "paired forward not deterministic";
+      ops.y = yf.get();
+      ops.y_type = DType::F32;
+      for (const int claim : {live, 0}) {
+        ops.live_channels = claim;
+        yf.fill(kPoison);
+        conv2d_forward_tc(s, ops, nullptr);
+        expect_within_bound(yf.download(), ref, abs_sum, Math::BF16,
+                            claim ? "paired forward, fp32 y" : "unpaired forward, fp32 y");
+      }
+
+      const std::vector<float> dy = operand(size_t(s.y_size()), 54, Math::BF16);
+      const std::vector<float> dw0 = testing::random_vector(size_t(s.w_size()), 55);
+      std::vector<float> wref = dw0, wabs(size_t(s.w_size()));
+      conv2d_backward_weight_cpu(s, x.data(), dy.data(), wref.data(), 1.f);
+      conv2d_backward_weight_cpu(s, absolute(x).data(), absolute(dy).data(), wabs.data(), 0.f);
+      for (size_t i = 0; i < wabs.size(); ++i) wabs[i] += std::fabs(dw0[i]);
+      DeviceBuffer<uint16_t> ddy(bf16_bits(dy));
+      DeviceBuffer<float> gw(dw0), gw2(dw0);
+      conv2d_backward_weight_tc(s, dx.get(), ddy.get(), gw.get(), 1.f, nullptr, nullptr, live);
+      const std::vector<float> gotw = gw.download();
+      expect_within_bound(gotw, wref, wabs, Math::BF16, "paired backward-weight");
+      for (size_t i = 0; i < gotw.size(); ++i) {
+        if (i % 8 >= 4) {
+          ASSERT_EQ(gotw[i], dw0[i]) << "dw channel " << i % 8 << " at " << i;
+        }
+      }
+      conv2d_backward_weight_tc(s, dx.get(), ddy.get(), gw2.get(), 1.f, nullptr, nullptr, live);
+      EXPECT_EQ(std::memcmp(gotw.data(), gw2.download().data(), gotw.size() * 4), 0)
+          << "paired backward-weight not deterministic";
+
+      // The float launcher on the live channels alone (it pads them, and claims them).
+      std::vector<float> xr(size_t(real.x_size())), wr(size_t(real.w_size()));
+      for (size_t i = 0; i < xr.size(); ++i) xr[i] = x[i / live * 8 + i % live];
+      for (size_t i = 0; i < wr.size(); ++i) wr[i] = w[i / live * 8 + i % live];
+      std::vector<float> rref(size_t(real.y_size())), rabs(size_t(real.y_size()));
+      conv2d_forward_cpu(real, xr.data(), wr.data(), bias.data(), rref.data(), true);
+      conv2d_forward_cpu(real, absolute(xr).data(), absolute(wr).data(), nullptr, rabs.data(),
+                         false);
+      DeviceBuffer<float> fx(xr), fw(wr), fy(size_t(real.y_size()));
+      fy.fill(kPoison);
+      conv2d_forward(real, fx.get(), fw.get(), db.get(), fy.get(), true, nullptr, Math::BF16);
+      expect_within_bound(fy.download(), rref, rabs, Math::BF16, "float launcher forward");
+      std::vector<float> rw(size_t(real.w_size())), rwabs(size_t(real.w_size()));
+      conv2d_backward_weight_cpu(real, xr.data(), dy.data(), rw.data(), 0.f);
+      conv2d_backward_weight_cpu(real, absolute(xr).data(), absolute(dy).data(), rwabs.data(), 0.f);
+      DeviceBuffer<float> fdy(dy), fdw(size_t(real.w_size()));
+      fdw.fill(kPoison);
+      conv2d_backward_weight(real, fx.get(), fdy.get(), fdw.get(), 0.f, nullptr, Math::BF16);
+      expect_within_bound(fdw.download(), rw, rwabs, Math::BF16, "float launcher backward-weight");
+    }
+  }
+}
+
 // Which byte offset of an MN-major wgmma descriptor holds the stride between 8-row groups along k
 // and which the stride between 64-wide slabs along m/n: the kernels assume one assignment
 // (kWgradAltByDefault in kernels/conv2d_tc.cu); this test shows that exactly that one computes
