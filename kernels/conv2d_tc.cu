@@ -865,6 +865,7 @@ void conv2d_backward_data_tc(const Conv2dShape& shape, const ConvOperands& ops,
   ConvOperands v = ops;
   v.bias = nullptr;
   v.relu = false;
+  v.live_channels = 0;  // a forward's claim: the view's input is dy, whose channels are all live
   if (unrotated_applies(view, v)) {  // bf16: the filters as they are, read rotated per tap
     run_forward(view, v, stream, /*unrotated=*/true);
     return;
@@ -907,6 +908,7 @@ void conv2d_backward_data_tc_rotated(const Conv2dShape& shape, const ConvOperand
   ConvOperands v = ops;
   v.bias = nullptr;
   v.relu = false;
+  v.live_channels = 0;  // a forward's claim: the view's input is dy, whose channels are all live
   run_forward(backward_data_view(shape, shape.k), v, stream);
 }
 
