@@ -16,7 +16,8 @@
 //     reduction index is tap * C + channel, so a k step is two taps, and an A fragment is one
 //     ldmatrix.x4 whose lanes point at the 16-byte pixels of the halo that the two taps read (a
 //     tap past R*S points at a zero chunk). The filters (B) live in registers, loaded once per
-//     block;
+//     block. With paired taps (NarrowGeometry::paired: bf16, 3 x 3, x's channels past 4 zeros) a
+//     k step is a whole filter row instead, three steps where there were five;
 //   - the epilogue adds the bias and applies the ReLU exactly as the mainloop's epilogue does
 //     (kernels/matmul_epilogue.cuh: each step rounded on its own), rounds once, and writes each
 //     warp's 16 pixels x 32 channels through shared memory of the warp's own, so that global
@@ -313,15 +314,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // dw[k][tap][c] = sum over output pixels of dy[pixel][k] * x[pixel shifted by tap][c]: a product of
 // M = 64 output channels by N = R*S*8 (one n8 tile per tap) over the pixels. A block takes the same
 // 4 x 32 output tiles as the forward; per tile it copies dy's 128 x 64 (16 KB) and x's halo to
-// shared memory (three stages: the copies run two tiles ahead of the products), and its 8
-// warps (warp % 4: 16 output channels, warp / 4: half of the tile's eight 16-pixel rows) run
-// mma.sync with both fragments from ldmatrix.trans (the pixels, the
-// reduction, are the rows of both tensors). dy's 16-byte chunks are XOR-swizzled by pixel so that
-// the eight pixels of one ldmatrix matrix fall in different banks. Each block keeps its sums over
-// all its tiles in registers and writes one partial dw; a second kernel adds the blocks' partials
-// in a fixed order (deterministic), with beta. Output pixels past the edge of the output read dy
-// as zeros there, so they add nothing (as the mainloop's zero fill; a non-finite x there would add
-// NaN, which a training step with non-finite activations has lost anyway).
+// shared memory (three stages: the copies run two tiles ahead of the products), and its 8 warps
+// (warp % 4: 16 output channels, warp / 4: half of the tile's eight 16-pixel rows) run mma.sync
+// with both fragments from ldmatrix.trans (the pixels, the reduction, are the rows of both
+// tensors); with paired taps, two n8 tiles per filter row instead of three. dy's 16-byte chunks are
+// XOR-swizzled by pixel so that the eight pixels of one ldmatrix matrix fall in different banks.
+// Each block keeps its sums over all its tiles in registers and writes one partial dw; a second
+// kernel adds the blocks' partials in a fixed order (deterministic), with beta. Output pixels past
+// the edge of the output read dy as zeros there, so they add nothing (as the mainloop's zero fill;
+// a non-finite x there would add NaN, which a training step with non-finite activations has lost
+// anyway).
 constexpr int kWgradThreads = 256;
 constexpr int kWgradBlocksPerSm = 3;
 constexpr int kWgradStages = 3;
