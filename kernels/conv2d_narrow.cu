@@ -106,28 +106,38 @@ __device__ __forceinline__ void load_pair_halves(uint4* pairs, int at, bool firs
   }
 }
 
-// Starts the copy of tile `tile`'s halo into `halo` (kHaloH x kHaloW chunks of 16 bytes, row
-// stride kHaloW), zero-filled outside the image, and with kPaired its pairs into `pairs`.
-template <typename Elem, bool kPaired>
-__device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* halo,
-                                          uint4* pairs) {
-  const int tq = tile % a.tiles_q;
-  const int rest = tile / a.tiles_q;
-  const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
-  const int h0 = tp * kTileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
-  const int rows = kTileH + a.r - 1, cols = kTileW + a.s - 1;
-  for (int i = threadIdx.x; i < rows * cols; i += kThreads) {
+// Starts the copies of tile `tile`'s input halo into `halo` (kHaloH x kHaloW chunks of 16 bytes,
+// row stride kHaloW; x has one 16-byte chunk a pixel), zero-filled outside the image, and with
+// kPaired its pairs into the kHaloChunks after it; `threads` threads share the copies. The caller
+// commits them.
+template <bool kPaired>
+__device__ __forceinline__ void copy_halo(const NarrowGeometry& g, const void* x, int tile,
+                                          uint4* halo, int threads) {
+  const int tq = tile % g.tiles_q;
+  const int rest = tile / g.tiles_q;
+  const int tp = rest % g.tiles_p, img = rest / g.tiles_p;
+  const int h0 = tp * kTileH - g.pad_h, w0 = tq * kTileW - g.pad_w;
+  const int rows = kTileH + g.r - 1, cols = kTileW + g.s - 1;
+  const uint4* pixels = static_cast<const uint4*>(x);
+  for (int i = threadIdx.x; i < rows * cols; i += threads) {
     const int hy = i / cols, hx = i - hy * cols;
     const int h = h0 + hy, w = w0 + hx;
-    const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
-    const Elem* x = static_cast<const Elem*>(a.x);
-    const Elem* src = inside ? x + ((int64_t(img) * a.h + h) * a.w_in + w) * kChannels<Elem> : x;
+    const bool inside = unsigned(h) < unsigned(g.h) && unsigned(w) < unsigned(g.w_in);
+    const uint4* src = inside ? pixels + (int64_t(img) * g.h + h) * g.w_in + w : pixels;
     asm volatile(
         "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
         "l"(src), "r"(inside ? 16 : 0)
         : "memory");
-    if constexpr (kPaired) load_pair_halves(pairs, hy * kHaloW + hx, hx == 0, src, inside);
+    if constexpr (kPaired) {
+      load_pair_halves(halo + kHaloChunks, hy * kHaloW + hx, hx == 0, src, inside);
+    }
   }
+}
+
+// The forward's copies of a tile's halo (and pairs), as one commit group.
+template <bool kPaired>
+__device__ __forceinline__ void load_halo(const NarrowArgs& a, int tile, uint4* halo) {
+  copy_halo<kPaired>(a, a.x, tile, halo, kThreads);
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
@@ -237,15 +247,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 
   int buffer = 0;
-  if (blockIdx.x < a.tiles) load_halo<Elem, kPaired>(a, blockIdx.x, halo[0], halo[0] + kHaloChunks);
+  if (blockIdx.x < a.tiles) load_halo<kPaired>(a, blockIdx.x, halo[0]);
   for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     // The tile's halo is complete for every thread, and every warp is past its reads of the other
     // buffer (the last tile's), which the next tile's copies may now refill.
     __syncthreads();
     const int next = tile + gridDim.x;
-    if (next < a.tiles)
-      load_halo<Elem, kPaired>(a, next, halo[buffer ^ 1], halo[buffer ^ 1] + kHaloChunks);
+    if (next < a.tiles) load_halo<kPaired>(a, next, halo[buffer ^ 1]);
     const uint32_t halo_base = smem_u32(halo[buffer]);
     const int tq = tile % a.tiles_q;
     const int rest = tile / a.tiles_q;
@@ -371,24 +380,10 @@ __device__ __forceinline__ bool add_sets(float (&acc)[kN][4], float* scratch, in
 template <bool kPaired>
 __device__ __forceinline__ void load_wgrad_tile(const NarrowWgradArgs& a, int tile, uint4* halo,
                                                 uint4* dys) {
+  copy_halo<kPaired>(a, a.x, tile, halo, kWgradThreads);
   const int tq = tile % a.tiles_q;
   const int rest = tile / a.tiles_q;
   const int tp = rest % a.tiles_p, img = rest / a.tiles_p;
-  const int h0 = tp * kTileH - a.pad_h, w0 = tq * kTileW - a.pad_w;
-  const int rows = kTileH + a.r - 1, cols = kTileW + a.s - 1;
-  for (int i = threadIdx.x; i < rows * cols; i += kWgradThreads) {
-    const int hy = i / cols, hx = i - hy * cols;
-    const int h = h0 + hy, w = w0 + hx;
-    const bool inside = unsigned(h) < unsigned(a.h) && unsigned(w) < unsigned(a.w_in);
-    const __nv_bfloat16* src = inside ? a.x + ((int64_t(img) * a.h + h) * a.w_in + w) * kC : a.x;
-    asm volatile(
-        "cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(halo + hy * kHaloW + hx)),
-        "l"(src), "r"(inside ? 16 : 0)
-        : "memory");
-    if constexpr (kPaired) {
-      load_pair_halves(halo + kHaloChunks, hy * kHaloW + hx, hx == 0, src, inside);
-    }
-  }
   for (int i = threadIdx.x; i < kTileH * kTileW * 8; i += kWgradThreads) {
     const int pixel = i / 8, chunk = i % 8;
     const int pp = tp * kTileH + pixel / kTileW, qq = tq * kTileW + pixel % kTileW;
