@@ -723,11 +723,12 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
   a.bias = ops.bias;
   a.y = ops.y;
   a.relu = ops.relu ? 1 : 0;
-  a.paired = ops.math == Math::BF16 && narrow_paired_taps(s, ops.live_channels) ? 1 : 0;
+  // TF32's C of 4 never pairs: narrow_paired_taps asks for 8 bf16 channels.
+  a.paired = narrow_paired_taps(s, ops.live_channels) ? 1 : 0;
   const unsigned grid = static_cast<unsigned>(std::min(a.tiles, kBlocksPerSm * sm_count()));
   const bool bf16_out = ops.y_type == DType::BF16;
   using Bf16 = __nv_bfloat16;
-  if (ops.math == Math::BF16 && a.paired) {
+  if (a.paired) {
     launch("narrow_forward_kernel",
            bf16_out ? narrow_forward_kernel<Bf16, Bf16, true>
                     : narrow_forward_kernel<Bf16, float, true>,
