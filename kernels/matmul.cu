@@ -347,7 +347,7 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
                "conv: unrotated filters need bf16 (TF32 reads K-major operands only)");
     bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream, feed == Feed::ConvTmaUnrotated,
                                column_ws.get())
-         : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream);
+         : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream, column_ws.get());
   } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
              feed == Feed::WgradTmaT) {
     const bool tma = feed == Feed::WgradTma || feed == Feed::WgradTmaT;

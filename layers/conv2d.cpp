@@ -110,10 +110,14 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   const kernels::Conv2dShape s = shape_for(input);
   saved_shape_ = s;
   input_dtype_ = input.dtype();
-  // The ReLU mask of the layer before: done in backward-data's epilogue under bf16 on the GPU
-  // (the tensor-core path), or after the CPU reference.
-  const bool tc_dgrad = precision_ == Precision::bf16 && input.dtype() == DType::bf16 &&
-                        kernels::bf16_channels(s.c) == s.c && kernels::bf16_channels(s.k) == s.k;
+  // The ReLU mask of the layer before: done in backward-data's epilogue on the tensor cores (bf16
+  // with whole 16-byte chunks of channels; tf32 with C and K multiples of 4 at stride 1, the typed
+  // TF32 call's requirements), or after the CPU reference.
+  const bool tc_dgrad =
+      (precision_ == Precision::bf16 && input.dtype() == DType::bf16 &&
+       kernels::bf16_channels(s.c) == s.c && kernels::bf16_channels(s.k) == s.k) ||
+      (precision_ == Precision::tf32 && s.c % 4 == 0 && s.k % 4 == 0 && s.stride_h == 1 &&
+       s.stride_w == 1);
   input_grad_masked_ = mask_requested_ && input_grad_ && (device_.is_cpu() || tc_dgrad);
   if (precision_ == Precision::bf16) {
     return forward_bf16(input, s);
@@ -184,7 +188,19 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
           output_grad_pass(output_.data<float>(), grad_output.data<float>(), dym.data<float>(), db,
                            rows, s.k, stream);
         }
-        if (out) kernels::conv2d_backward_data(s, dy, w, out, stream, math());
+        if (out && input_grad_masked_) {
+          // tf32 (forward_one's tc_dgrad): the ReLU before this layer masked in backward-data's
+          // epilogue (its output, this layer's input, is the mask), and the bias hand-off's
+          // column sums of the masked dx taken on the way (Module).
+          kernels::ConvOperands ops{kernels::Math::TF32, dy,      w,    out,
+                                    kernels::DType::F32, nullptr, false};
+          ops.mask = x;
+          ops.column_sums = grad_sums_into_;
+          input_grad_summed_ = ops.column_sums != nullptr;
+          kernels::conv2d_backward_data_tc(s, ops, stream);
+        } else if (out) {
+          kernels::conv2d_backward_data(s, dy, w, out, stream, math());
+        }
         kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math(), {},
                                         relu ? nullptr : db);
       });

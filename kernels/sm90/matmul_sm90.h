@@ -80,11 +80,11 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 // 64-channel layer, whose 128 x 64 tiles read 9 boxes of x and 9 of filters each. Swapped tiles
 // (conv_swapped_applies) keep 32 KB for their output: 9 k-blocks resident at most, 10-18 streamed.
 // Whether backward-data's column sums (MatmulProblem::column_sums) can be taken in the epilogue of
-// conv_tma_bf16 under `plan`: bf16, a ReLU mask, whole tiles, no split-K (the one rule of the
-// launcher's check and kernels/matmul.cu's choice).
+// conv_tma_bf16 or conv_tma_tf32 under `plan`: a ReLU mask, whole tiles, no split-K (the one rule
+// of the launchers' checks and kernels/matmul.cu's choice).
 inline bool column_sums_in_epilogue(const MatmulProblem& p, const MatmulPlan& plan) {
-  return p.math == Math::BF16 && p.mask != nullptr && plan.splits == 1 && p.n % plan.tile_n == 0 &&
-         p.ldc % 2 == 0 && p.beta == 0.f;
+  return p.mask != nullptr && plan.splits == 1 && p.n % plan.tile_n == 0 && p.ldc % 2 == 0 &&
+         p.beta == 0.f;
 }
 
 // Whether conv_tma_bf16 runs `problem` under `plan` with the operands' roles swapped
@@ -164,8 +164,10 @@ void conv_tma_bf16(const MatmulProblem& problem, const ConvGather& conv, const P
 // capacity of the kernel it takes: 9 or 18), or 0 where they are streamed.
 int resident_filter_blocks(const MatmulProblem& problem, const MatmulPlan& plan,
                            const PatchTiles& patch);
+// column_partials: as conv_tma_bf16's.
 void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
-                   const MatmulPlan& plan, float* workspace, cudaStream_t stream);
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream,
+                   float* column_partials = nullptr);
 
 // Backward-weight (bf16): problem is dw = dy^T im2col(x) (m = K, n = R*S*C, k = n*P*Q, A = dy
 // with lda = K); `alt` selects the other assignment of the MN-major descriptor offsets. With

@@ -1,5 +1,7 @@
 // The tf32 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh): one per tile width,
 // for products (A by TMA) and for convolutions (A gathered as im2col).
+#include <type_traits>
+
 #include "kernels/sm90/matmul_sm90.cuh"
 #include "kernels/sm90/matmul_sm90.h"
 
@@ -26,11 +28,20 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 }
 
 void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
-                   const MatmulPlan& plan, float* workspace, cudaStream_t stream) {
+                   const MatmulPlan& plan, float* workspace, cudaStream_t stream,
+                   float* column_partials) {
+  const auto run = [&](auto tile) {
+    constexpr int kTileN = decltype(tile)::value;
+    launch_mainloop<float, kTileN>(problem, plan, workspace, stream, &conv, kConvTma, &patch,
+                                   nullptr, column_partials);
+  };
   switch (plan.tile_n) {
-    case 64: return launch_mainloop<float, 64>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
-    case 128: return launch_mainloop<float, 128>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
-    case 256: return launch_mainloop<float, 256>(problem, plan, workspace, stream, &conv, kConvTma, &patch);
+    case 64:
+      return run(std::integral_constant<int, 64>{});
+    case 128:
+      return run(std::integral_constant<int, 128>{});
+    case 256:
+      return run(std::integral_constant<int, 256>{});
     default: CUDP_CHECK(false, "conv: no tf32 kernel with tile width ", plan.tile_n);
   }
 }

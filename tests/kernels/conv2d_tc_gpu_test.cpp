@@ -362,6 +362,63 @@ TEST(Conv2dTcTyped, BackwardDataAddsTheColumnSums) {
   }
 }
 
+// The same two under TF32 (fp32 dy, filters, mask and dx: the tf32 policy's Conv2d hands its ReLU
+// mask and bias sums to backward-data like bf16's): the mask's select on the unmasked product, bit
+// for bit (masked elements +0, every element written; the fp32 mask is zero every fifth element and
+// negative about half the rest); the column sums, in the epilogue on whole tiles (64-, 128- and
+// 256-wide) and in a pass of their own elsewhere (C = 32, split-K on the small output), against
+// double with column_sums_close's bound; dx unchanged by taking them; a second call the same bits.
+TEST(Conv2dTcTyped, Tf32BackwardDataMasksAndAddsTheColumnSums) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  for (const Conv2dShape s : {Conv2dShape{2, 12, 12, 64, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{3, 10, 12, 128, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 16, 16, 32, 64, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 28, 28, 64, 128, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{2, 14, 14, 256, 256, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{4, 9, 11, 64, 512, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{1, 2, 2, 512, 512, 3, 3, 1, 1, 1, 1}}) {
+    SCOPED_TRACE(shape_text(s));
+    std::vector<float> mask = operand(size_t(s.x_size()), 43, Math::TF32);
+    for (size_t i = 0; i < mask.size(); i += 5) mask[i] = 0.f;
+    DeviceBuffer<float> dy(operand(size_t(s.y_size()), 41, Math::TF32)),
+        w(operand(size_t(s.w_size()), 42, Math::TF32)), dmask(mask), plain(size_t(s.x_size())),
+        masked(size_t(s.x_size())), summed(size_t(s.x_size())), unmasked(size_t(s.x_size()));
+    for (DeviceBuffer<float>* b : {&plain, &masked, &summed, &unmasked}) b->fill(kPoison);
+    const std::vector<float> start = testing::random_vector(size_t(s.c), 44);
+    DeviceBuffer<float> sums(start), again(start), plain_sums(start);
+    ConvOperands ops{Math::TF32, dy.get(), w.get(), plain.get(), DType::F32, nullptr, false};
+    conv2d_backward_data_tc(s, ops, nullptr);
+    ops.y = unmasked.get();
+    ops.column_sums = plain_sums.get();  // no mask: a pass of its own
+    conv2d_backward_data_tc(s, ops, nullptr);
+    ops.y = masked.get();
+    ops.mask = dmask.get();
+    ops.column_sums = nullptr;
+    conv2d_backward_data_tc(s, ops, nullptr);
+    ops.y = summed.get();
+    ops.column_sums = sums.get();
+    conv2d_backward_data_tc(s, ops, nullptr);
+    ops.column_sums = again.get();
+    conv2d_backward_data_tc(s, ops, nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> p = plain.download(), m = masked.download();
+    int64_t bad = 0, zeros = 0;
+    for (size_t i = 0; i < p.size(); ++i) {
+      const float want = mask[i] <= 0.f ? 0.f : p[i];
+      bad += std::memcmp(&m[i], &want, sizeof(float)) != 0;
+      zeros += mask[i] <= 0.f;
+    }
+    EXPECT_EQ(bad, 0) << "of " << p.size() << " elements (" << zeros << " masked)";
+    EXPECT_GT(zeros, 0);
+    EXPECT_TRUE(testing::bitwise_equal(unmasked.download(), p));
+    EXPECT_TRUE(testing::column_sums_close(plain_sums.download(), start, p));
+    EXPECT_TRUE(testing::bitwise_equal(summed.download(), m));
+    const std::vector<float> got = sums.download();
+    EXPECT_TRUE(testing::column_sums_close(got, start, m));
+    EXPECT_TRUE(testing::bitwise_equal(again.download(), got));
+  }
+}
+
 // bf16 layers of 64 (forward) or 64..128 (backward-data's view) output channels keep their filters
 // resident in shared memory instead of streaming them with every k-block of x. The wgmma are the
 // same on the same operands, so the outputs must match the streamed kernels' bit for bit: forward
