@@ -16,7 +16,7 @@
 //     reduction index is tap * C + channel, so a k step is two taps, and an A fragment is one
 //     ldmatrix.x4 whose lanes point at the 16-byte pixels of the halo that the two taps read (a
 //     tap past R*S points at a zero chunk). The filters (B) live in registers, loaded once per
-//     block. With paired taps (NarrowGeometry::paired: bf16, 3 x 3, x's channels past 4 zeros) a
+//     block. With paired taps (narrow_paired_taps: bf16, 3 x 3, x's channels past 4 zeros) a
 //     k step is a whole filter row instead, three steps where there were five;
 //   - the epilogue adds the bias and applies the ReLU exactly as the mainloop's epilogue does
 //     (kernels/matmul_epilogue.cuh: each step rounded on its own), rounds once, and writes each
@@ -70,14 +70,15 @@ struct NarrowGeometry {
   int n, h, w_in, p, q, r, s, pad_h, pad_w;
   int tiles_q, tiles_p, tiles;
   int tap_off[kMaxR * kMaxS + 1];  // per tap: r * kHaloW + s (0 past R*S)
-  // bf16, 3 x 3, channels 4..7 of x and w zero (the layer's padding of 3 or 4 channels): paired
-  // taps. Each pixel's real half-chunk also goes, with its right neighbour's, into a second array
-  // of the halo (chunk i: channels 0..3 of pixels i and i + 1), so that one 16-byte row holds taps
-  // s = 0 and 1 of a filter row and a k16 step is the whole row: taps (r, 0), (r, 1) from the
-  // pairs and (r, 2) from the halo as it is (its channels 4..7 are zeros of x and of w). Three k
-  // steps instead of five in the forward, three products instead of five in backward-weight.
-  int paired;
 };
+
+// Paired taps (the kernels' kPaired; bf16, 3 x 3, channels 4..7 of x and w zero: the layer's
+// padding of 3 or 4 channels, narrow_paired_taps). Each pixel's real half-chunk also goes, with its
+// right neighbour's, into a second array of the halo (chunk i: channels 0..3 of pixels i and
+// i + 1), so that one 16-byte row holds taps s = 0 and 1 of a filter row and a k16 step is the
+// whole row: taps (r, 0), (r, 1) from the pairs and (r, 2) from the halo as it is (its channels
+// 4..7 are zeros of x and of w). Three k steps instead of five in the forward, three products
+// instead of five in backward-weight.
 
 struct NarrowArgs : NarrowGeometry {
   const void* x;      // n x h x w x 8 bf16, or 4 fp32
@@ -175,7 +176,7 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
 // channels). Either way a k step's A fragment is one ldmatrix.x4 of 16-byte pixels: for TF32 the
 // b16 matrix's 8 x 8 is 8 pixels x 4 floats, and the thread's 32-bit word (row lane/4, word
 // lane%4) is the fragment's element (pixel lane/4, channel lane%4).
-// kPaired (bf16, a.paired): three k steps, one a filter row (NarrowGeometry::paired).
+// kPaired (bf16): three k steps, one a filter row (paired taps, above NarrowArgs).
 template <typename Elem, typename Out, bool kPaired>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     narrow_forward_kernel(const NarrowArgs a) {
@@ -399,9 +400,9 @@ __device__ __forceinline__ void load_wgrad_tile(const NarrowWgradArgs& a, int ti
 
 // The tiles' copies run kWgradStages - 1 tiles ahead of the products, in dynamic shared memory:
 // kWgradStages stages of dy's block then x's halo.
-// kPaired (a.paired): per filter row one ldmatrix and two products, taps (r, 0..1) from the pairs
-// and (r, 2) from the halo (NarrowGeometry::paired); acc[2r] then holds channels 0..3 of taps
-// (r, 0) and (r, 1), acc[2r + 1] the eight of tap (r, 2).
+// kPaired: per filter row one ldmatrix and two products, taps (r, 0..1) from the pairs
+// and (r, 2) from the halo (paired taps, above NarrowArgs); acc[2r] then holds channels 0..3 of
+// taps (r, 0) and (r, 1), acc[2r + 1] the eight of tap (r, 2).
 template <bool kPaired>
 __global__ void __launch_bounds__(kWgradThreads, kWgradBlocksPerSm)
     narrow_wgrad_kernel(const NarrowWgradArgs a) {
@@ -656,7 +657,6 @@ NarrowGeometry narrow_geometry(const Conv2dShape& s, int tile_h, const char* wha
   g.s = s.s;
   g.pad_h = s.pad_h;
   g.pad_w = s.pad_w;
-  g.paired = 0;
   for (int t = 0; t <= kMaxR * kMaxS; ++t) {
     g.tap_off[t] = t < s.r * s.s ? (t / s.s) * kHaloW + t % s.s : 0;
   }
@@ -724,11 +724,11 @@ void conv2d_forward_narrow(const Conv2dShape& s, const ConvOperands& ops, cudaSt
   a.y = ops.y;
   a.relu = ops.relu ? 1 : 0;
   // TF32's C of 4 never pairs: narrow_paired_taps asks for 8 bf16 channels.
-  a.paired = narrow_paired_taps(s, ops.live_channels) ? 1 : 0;
+  const bool paired = narrow_paired_taps(s, ops.live_channels);
   const unsigned grid = static_cast<unsigned>(std::min(a.tiles, kBlocksPerSm * sm_count()));
   const bool bf16_out = ops.y_type == DType::BF16;
   using Bf16 = __nv_bfloat16;
-  if (a.paired) {
+  if (paired) {
     launch("narrow_forward_kernel",
            bf16_out ? narrow_forward_kernel<Bf16, Bf16, true>
                     : narrow_forward_kernel<Bf16, float, true>,
@@ -759,10 +759,10 @@ void conv2d_backward_weight_narrow(const Conv2dShape& s, const void* x, const vo
   static_cast<NarrowGeometry&>(a) = narrow_geometry(s, kTileH, "conv2d_backward_weight_narrow");
   a.x = static_cast<const __nv_bfloat16*>(x);
   a.dy = static_cast<const __nv_bfloat16*>(dy);
-  a.paired = narrow_paired_taps(s, live_channels) ? 1 : 0;
-  run_wgrad("narrow_wgrad_kernel",
-            a.paired ? narrow_wgrad_kernel<true> : narrow_wgrad_kernel<false>, a, kC, kC, beta, dw,
-            kWgradSharedBytes, stream);
+  run_wgrad(
+      "narrow_wgrad_kernel",
+      narrow_paired_taps(s, live_channels) ? narrow_wgrad_kernel<true> : narrow_wgrad_kernel<false>,
+      a, kC, kC, beta, dw, kWgradSharedBytes, stream);
 }
 
 bool narrow_wgrad_tf32_applies(const Conv2dShape& s, const float* dy) {
