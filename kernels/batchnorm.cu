@@ -32,12 +32,17 @@ constexpr int kThreads = 256;  // threads per block of the row-walking kernels
 // occupancy.
 template <int V>
 constexpr int kUnroll = V >= 8 ? 2 : 4;
-constexpr int kFinalLanes = 32;  // finalize: channels per block (x) ...
-constexpr int kFinalRows = 32;   // ... and partials walked in parallel (y)
-// Partials a finalize thread loads before merging them, in order: a thread walks ~parts / 32 of
-// them (~33 at one wave of 1056 blocks), and one dependent global load per merge would make the
-// finalize a chain of memory latencies (~20 us) on one or two SMs, as long as the data passes at
-// 32x32 images. The merge order is the same as one at a time.
+// The finalize kernels: 8 channels a block (x), 128 partials walked in parallel per channel (y).
+// The finalize is a chain of latencies on the step's critical path (nothing else can run while it
+// merges), so its depth matters more than its width: a thread walks ~parts / 128 partials (~8 at
+// one wave of 1056 blocks) and the rows are then merged in a 7-level tree. With 32 x 32 blocks a
+// thread walked ~33, and the two finalize kernels took 9 and 7.6 us a layer at 32x32 images (ncu,
+// VGG-16-BN), as long as the data passes.
+constexpr int kFinalLanes = 8;
+constexpr int kFinalRows = 128;
+// Partials a finalize thread loads before merging them, in order: one dependent global load per
+// merge would make the finalize a chain of memory latencies (~20 us at 33 partials a thread). The
+// merge order is the same as one at a time.
 constexpr int kFinalPrefetch = 8;
 
 // Channels per lane on the vector path: 16 bytes.
@@ -194,7 +199,7 @@ __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
 
 // Per channel: merges the partials in a fixed order, writes the saved and running statistics, and
 // the coefficients of y = ((x - K) - mean_d) * scale + shift into coef = [K | mean_d | scale |
-// shift].
+// shift]; batches_tracked (or null) += 1, once.
 template <typename T>
 __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
     bn_stats_finalize_kernel(const T* __restrict__ x, const float* __restrict__ part_n,
@@ -203,11 +208,14 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
                              const float* __restrict__ beta, float* __restrict__ running_mean,
                              float* __restrict__ running_var, float* __restrict__ save_mean,
                              float* __restrict__ save_invstd, float momentum, float eps,
-                             float* __restrict__ coef, float* __restrict__ summary_out) {
+                             float* __restrict__ coef, float* __restrict__ summary_out,
+                             int64_t* __restrict__ batches_tracked) {
   kernel_entry();
   __shared__ float s_n[kFinalRows][kFinalLanes], s_mean[kFinalRows][kFinalLanes],
       s_m2[kFinalRows][kFinalLanes];
   const int tx = threadIdx.x, ty = threadIdx.y;
+  // The layer's num_batches_tracked, counted here rather than by a launch of its own.
+  if (batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) *batches_tracked += 1;
   const int ch = blockIdx.x * kFinalLanes + tx;
   float n = 0.f, mean_d = 0.f, m2 = 0.f;
   if (ch < c) {
@@ -633,7 +641,8 @@ const dim3 kFinalBlock(kFinalLanes, kFinalRows);
 template <typename T, int V>
 void forward_train(const T* x, T* y, const float* gamma, const float* beta, float* running_mean,
                    float* running_var, float* save_mean, float* save_invstd, int64_t rows, int c,
-                   float momentum, float eps, bool relu, cudaStream_t stream) {
+                   float momentum, float eps, bool relu, cudaStream_t stream,
+                   int64_t* batches_tracked) {
   // Shared memory per thread: its count and V means and M2s.
   const Plan stats = make_plan(bn_stats_kernel<T, V>, rows, c, V, (1 + 2 * V) * sizeof(float));
   const int parts = int(stats.grid.y);
@@ -647,7 +656,7 @@ void forward_train(const T* x, T* y, const float* gamma, const float* beta, floa
          stream, x, rows, c, part_n, part_mean, part_m2);
   launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock, 0,
          stream, x, part_n, part_mean, part_m2, parts, rows, c, gamma, beta, running_mean,
-         running_var, save_mean, save_invstd, momentum, eps, coef, nullptr);
+         running_var, save_mean, save_invstd, momentum, eps, coef, nullptr, batches_tracked);
   const Plan apply = make_plan(bn_apply_kernel<T, V, false>, rows, c, V, 0);
   const ApplyParams params{coef, coef + c, coef + 2 * c, nullptr, coef + 3 * c, 0.f, relu};
   launch("bn_apply_kernel", bn_apply_kernel<T, V, false>, apply.grid, apply.block, 0, stream, x, y,
@@ -689,11 +698,12 @@ template <typename T>
 void batchnorm_forward_train(const T* x, std::type_identity_t<T>* y, const float* gamma,
                              const float* beta, float* running_mean, float* running_var,
                              float* save_mean, float* save_invstd, int64_t rows, int c,
-                             float momentum, float eps, BnActivation act, cudaStream_t stream) {
+                             float momentum, float eps, BnActivation act, cudaStream_t stream,
+                             int64_t* batches_tracked) {
   detail::check_batchnorm("batchnorm_forward_train", rows, c, true);
   with_vector<T>(vectorizable<T>(c, {x, y}), [&]<int V>() {
     forward_train<T, V>(x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, rows,
-                        c, momentum, eps, act == BnActivation::relu, stream);
+                        c, momentum, eps, act == BnActivation::relu, stream, batches_tracked);
   });
 }
 
@@ -760,7 +770,7 @@ void batchnorm_local_stats(const T* x, int64_t rows, int c, float* summary, cuda
            stream, x, rows, c, part_n, part_mean, part_m2);
     launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock,
            0, stream, x, part_n, part_mean, part_m2, parts, rows, c, nullptr, nullptr, nullptr,
-           nullptr, nullptr, nullptr, 0.f, 0.f, nullptr, summary);
+           nullptr, nullptr, nullptr, 0.f, 0.f, nullptr, summary, nullptr);
   });
 }
 
@@ -850,7 +860,7 @@ CUDP_BATCHNORM_SPLIT_INSTANTIATE(__nv_bfloat16)
 #define CUDP_BATCHNORM_INSTANTIATE(T)                                                             \
   template void batchnorm_forward_train<T>(const T*, T*, const float*, const float*, float*,      \
                                            float*, float*, float*, int64_t, int, float, float,    \
-                                           BnActivation, cudaStream_t);                           \
+                                           BnActivation, cudaStream_t, int64_t*);                 \
   template void batchnorm_forward_eval<T>(const T*, T*, const float*, const float*, const float*, \
                                           const float*, int64_t, int, float, BnActivation,        \
                                           cudaStream_t);                                          \

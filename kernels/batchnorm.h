@@ -71,12 +71,14 @@ enum class BnActivation : uint8_t { none, relu };
 template <typename T>
 using BnParam = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// T: float or __nv_bfloat16.
+// T: float or __nv_bfloat16. batches_tracked: a device counter (the layer's num_batches_tracked),
+// or null; += 1 by the launches that compute the statistics, so it costs no launch of its own.
 template <typename T>
 void batchnorm_forward_train(const T* x, std::type_identity_t<T>* y, const float* gamma,
                              const float* beta, float* running_mean, float* running_var,
                              float* save_mean, float* save_invstd, int64_t rows, int c,
-                             float momentum, float eps, BnActivation act, cudaStream_t stream);
+                             float momentum, float eps, BnActivation act, cudaStream_t stream,
+                             int64_t* batches_tracked = nullptr);
 // T: float, double or __nv_bfloat16.
 template <typename T>
 void batchnorm_forward_train_cpu(const T* x, std::type_identity_t<T>* y, const BnParam<T>* gamma,

@@ -45,11 +45,13 @@ int64_t BatchNorm2d::rows_of(const Tensor& input) const {
   return input.numel() / c_;
 }
 
-void BatchNorm2d::count_batch() {
+void BatchNorm2d::count_batch(bool counted_on_device) {
   int64_t* count = num_batches_tracked_->data<int64_t>();
   // +1 where the buffer lives: no pageable copy, and a CUDA graph's replays count too.
   run([&] { kernels::add_i64_cpu(count, 1); },
-      [&](cudaStream_t s) { kernels::add_i64(count, 1, s); });
+      [&](cudaStream_t s) {
+        if (!counted_on_device) kernels::add_i64(count, 1, s);
+      });
   ++batches_tracked_;
 }
 
@@ -93,10 +95,11 @@ void BatchNorm2d::forward_typed(const Tensor& input, Tensor& y) {
                                              momentum, eps, act);
       },
       [&](cudaStream_t s) {
+        // num_batches_tracked counted by the statistics' launches.
         kernels::batchnorm_forward_train(x, out, gamma, beta, mean, var, sm, si, rows, c, momentum,
-                                         eps, act, s);
+                                         eps, act, s, num_batches_tracked_->data<int64_t>());
       });
-  count_batch();
+  count_batch(/*counted_on_device=*/true);
   save_mean_ = save_mean;
   save_invstd_ = save_invstd;
 }

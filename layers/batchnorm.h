@@ -20,9 +20,10 @@
 //
 // num_batches_tracked lives on the module's device like every buffer, and the module keeps the
 // count on the host too (num_batches_tracked(), clones). After each training forward the buffer
-// is incremented where it lives (kernels/scalars.h add_i64: on a GPU a one-thread kernel on the
-// stream, no host memory involved, so a CUDA graph's replays count too), starting from the value
-// the buffer holds. load_state_dict updates the host count through import_tensor. Whoever
+// is incremented where it lives (on a GPU by the statistics' finalize kernel, or by
+// kernels/scalars.h add_i64, a one-thread kernel, where SyncBatchNorm2d merges the statistics: on
+// the stream, no host memory involved, so a CUDA graph's replays count too), starting from the
+// value the buffer holds. load_state_dict updates the host count through import_tensor. Whoever
 // writes the buffer by other means leaves the host count behind; the engine broadcasting replica
 // 0's buffers to the other replicas says so (sync_replica), and they take replica 0's count.
 //
@@ -73,7 +74,9 @@ class BatchNorm2d : public Module {
 
  protected:  // shared with SyncBatchNorm2d (layers/sync_batchnorm.h)
   int64_t rows_of(const Tensor& input) const;
-  void count_batch();
+  // num_batches_tracked += 1: on the CPU, or by a launch of its own on the GPU unless the caller's
+  // launches counted it already (counted_on_device: kernels::batchnorm_forward_train's counter).
+  void count_batch(bool counted_on_device = false);
   template <typename T>
   void forward_typed(const Tensor& input, Tensor& y);
   template <typename T>
