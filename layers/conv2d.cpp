@@ -111,8 +111,8 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   saved_shape_ = s;
   input_dtype_ = input.dtype();
   // The ReLU mask of the layer before: done in backward-data's epilogue on the tensor cores (bf16
-  // with whole 16-byte chunks of channels; tf32 with C and K multiples of 4 at stride 1, the typed
-  // TF32 call's requirements), or after the CPU reference.
+  // with whole 16-byte chunks of channels; tf32 at stride 1 with C and K multiples of 4: 16-byte
+  // rows of dy, dx and the mask for the typed TF32 call), or after the CPU reference.
   const bool tc_dgrad =
       (precision_ == Precision::bf16 && input.dtype() == DType::bf16 &&
        kernels::bf16_channels(s.c) == s.c && kernels::bf16_channels(s.k) == s.k) ||
@@ -191,11 +191,13 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         if (out && input_grad_masked_) {
           // tf32 (forward_one's tc_dgrad): the ReLU before this layer masked in backward-data's
           // epilogue (its output, this layer's input, is the mask), and the bias hand-off's
-          // column sums of the masked dx taken on the way (Module).
+          // column sums of the masked dx taken on the way (Module). Not the sums when the input
+          // came in bf16 (a bf16 layer before this tf32 one): its gradient goes back rounded to
+          // bf16, and the layer before sums those values itself.
           kernels::ConvOperands ops{kernels::Math::TF32, dy,      w,    out,
                                     kernels::DType::F32, nullptr, false};
           ops.mask = x;
-          ops.column_sums = grad_sums_into_;
+          ops.column_sums = input_widened(0) ? nullptr : grad_sums_into_;
           input_grad_summed_ = ops.column_sums != nullptr;
           kernels::conv2d_backward_data_tc(s, ops, stream);
         } else if (out) {

@@ -44,8 +44,8 @@ class Conv2d : public Module {
   bool can_fuse_relu() const override { return true; }
   // The fused ReLU's mask can be left to the next layer (Module's hand-off): the backward then
   // takes only the bias gradient from dy. And this layer does the mask of a ReLU before it in
-  // backward-data's epilogue, under bf16 on the GPU (the tensor-core path: bf16 input, channels
-  // multiples of 8), and on the CPU.
+  // backward-data's epilogue on the GPU's tensor cores (bf16: bf16 input, channels multiples of 8;
+  // tf32: stride 1, C and K multiples of 4), and on the CPU.
   bool can_take_masked_grad() const override { return true; }
   // The bias hand-off (Module): on the GPU, when the next layer did the fused ReLU's mask, the
   // bias gradient is the column sum of the gradient that layer returns, and it may add it up on

@@ -283,6 +283,9 @@ class Module : public std::enable_shared_from_this<Module> {
   bool output_grad_summed_ = false;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
+  // Whether input i of the last forward came in bf16 and was widened to f32 for this layer (one
+  // that does not take bf16): its gradient goes back rounded to bf16.
+  bool input_widened(size_t i) const { return i < widened_.size() && widened_[i]; }
 
  private:
   std::function<void()> backward_hook_;  // set_backward_hook

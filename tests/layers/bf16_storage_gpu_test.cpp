@@ -262,6 +262,45 @@ TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
   }
 }
 
+// A bf16 layer before a tf32 one (set_precision on part of a model): the tf32 Conv2d masks the bf16
+// layer's fused ReLU in backward-data's epilogue, but leaves that layer's bias gradient to it,
+// since the gradient it hands back is rounded to bf16 on the way (Module widened its input): the
+// bf16 layer adds up the rounded values, as it does without the fusion, so every gradient has the
+// unfused model's bits. (Had the tf32 layer added up its fp32 dx, the first bias gradient would
+// differ from the unfused one by the bf16 rounding of each term.)
+TEST(Bf16StorageGpu, Tf32ConvLeavesABf16LayersBiasSum) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const Device gpu = Device::cuda(0);
+  const auto make = [&](bool fusion) {
+    auto net = std::make_shared<Sequential>();
+    net->add(std::make_shared<Conv2d>(8, 32, 3, 1, 1));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<Conv2d>(32, 64, 3, 1, 1));
+    testing::randomize_parameters(*net, 23, -0.2f, 0.2f);
+    (*net)[0]->set_precision(Precision::bf16);
+    (*net)[2]->set_precision(Precision::tf32);
+    net->set_fusion(fusion);
+    net->to(gpu);
+    return net;
+  };
+  auto fused = make(true), separate = make(false);
+  const Tensor x = random_tensor({4, 12, 12, 8}, 24, -1.f, 1.f, gpu);
+  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  EXPECT_TRUE((*fused)[0]->relu_fused());
+  EXPECT_TRUE((*fused)[2]->input_grad_masked());
+  EXPECT_EQ(values(y1), values(y2));
+  const Tensor g = random_tensor(y1.shape(), 25, -1.f, 1.f, gpu);
+  fused->zero_grad();
+  separate->zero_grad();
+  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
+  EXPECT_FALSE((*fused)[2]->input_grad_summed());
+  const auto a = fused->parameters(), b = separate->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Bf16StorageGpu, FusedReluGpu,
                          ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
                          [](const auto& info) { return std::string(precision_name(info.param)); });
