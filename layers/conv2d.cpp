@@ -191,13 +191,12 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         if (out && input_grad_masked_) {
           // tf32 (forward_one's tc_dgrad): the ReLU before this layer masked in backward-data's
           // epilogue (its output, this layer's input, is the mask), and the bias hand-off's
-          // column sums of the masked dx taken on the way (Module). Not the sums when the input
-          // came in bf16 (a bf16 layer before this tf32 one): its gradient goes back rounded to
-          // bf16, and the layer before sums those values itself.
+          // column sums of the masked dx taken on the way (Module, which declines them where
+          // the input came in bf16).
           kernels::ConvOperands ops{kernels::Math::TF32, dy,      w,    out,
                                     kernels::DType::F32, nullptr, false};
           ops.mask = x;
-          ops.column_sums = input_widened(0) ? nullptr : grad_sums_into_;
+          ops.column_sums = grad_sums_into_;
           input_grad_summed_ = ops.column_sums != nullptr;
           kernels::conv2d_backward_data_tc(s, ops, stream);
         } else if (out) {

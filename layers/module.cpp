@@ -86,6 +86,10 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
              "was moved); run forward() first: backward uses what the forward saved, and frees it");
   check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
   input_grad_summed_ = false;
+  // The bias hand-off asks for the column sums of the gradient this module hands back; one that
+  // came in bf16 and was widened goes back rounded to bf16 (below), and the layer before must sum
+  // the rounded values, as it does without the hand-off: the request is declined.
+  if (!widened_.empty() && widened_[0]) grad_sums_into_ = nullptr;
   TensorList grads;
   try {
     grads = backward_impl(grad_outputs);

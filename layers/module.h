@@ -174,7 +174,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // (request_input_grad_sums); a layer that honours it adds the column sums of the gradient it
   // returns there (+=, as gradients accumulate) and says so (input_grad_summed), and the fused
   // layer is told (set_output_grad_summed) and skips its own sum. The result is the same sum in
-  // another order (fp32, deterministic); both requests hold for one backward.
+  // another order (fp32, deterministic); both requests hold for one backward. A module whose input
+  // came in bf16 and was widened declines it (backward_all): its gradient goes back rounded to
+  // bf16, and the sums of the values before that rounding would not be the same sum.
   virtual float* output_grad_sums_target() { return nullptr; }
   void request_input_grad_sums(float* into) { grad_sums_into_ = into; }
   bool input_grad_summed() const { return input_grad_summed_; }
@@ -283,9 +285,6 @@ class Module : public std::enable_shared_from_this<Module> {
   bool output_grad_summed_ = false;
   Device device_ = Device::cpu();
   bool forward_done_ = false;
-  // Whether input i of the last forward came in bf16 and was widened to f32 for this layer (one
-  // that does not take bf16): its gradient goes back rounded to bf16.
-  bool input_widened(size_t i) const { return i < widened_.size() && widened_[i]; }
 
  private:
   std::function<void()> backward_hook_;  // set_backward_hook

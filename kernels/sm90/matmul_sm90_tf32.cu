@@ -1,7 +1,5 @@
-// The tf32 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh): one per tile width,
-// for products (A by TMA) and for convolutions (A gathered as im2col).
-#include <type_traits>
-
+// The tf32 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh): one per tile
+// width, for products (A by TMA) and for convolutions (A gathered as im2col).
 #include "kernels/sm90/matmul_sm90.cuh"
 #include "kernels/sm90/matmul_sm90.h"
 
@@ -30,18 +28,16 @@ void conv_tf32(const MatmulProblem& problem, const ConvGather& conv, const Matmu
 void conv_tma_tf32(const MatmulProblem& problem, const ConvGather& conv, const PatchTiles& patch,
                    const MatmulPlan& plan, float* workspace, cudaStream_t stream,
                    float* column_partials) {
-  const auto run = [&](auto tile) {
-    constexpr int kTileN = decltype(tile)::value;
-    launch_mainloop<float, kTileN>(problem, plan, workspace, stream, &conv, kConvTma, &patch,
-                                   nullptr, column_partials);
-  };
   switch (plan.tile_n) {
     case 64:
-      return run(std::integral_constant<int, 64>{});
+      return launch_mainloop<float, 64>(problem, plan, workspace, stream, &conv, kConvTma, &patch,
+                                        nullptr, column_partials);
     case 128:
-      return run(std::integral_constant<int, 128>{});
+      return launch_mainloop<float, 128>(problem, plan, workspace, stream, &conv, kConvTma, &patch,
+                                         nullptr, column_partials);
     case 256:
-      return run(std::integral_constant<int, 256>{});
+      return launch_mainloop<float, 256>(problem, plan, workspace, stream, &conv, kConvTma, &patch,
+                                         nullptr, column_partials);
     default: CUDP_CHECK(false, "conv: no tf32 kernel with tile width ", plan.tile_n);
   }
 }
