@@ -282,6 +282,13 @@ __device__ __forceinline__ void keep_in_registers(float* acc) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// The same for A's fragments of TF32 backward-weight (WgmmaTf32RS): wgmma reads them
+// asynchronously, so they must stay in their registers until the group that reads them completes.
+__device__ __forceinline__ void keep_fragments(uint32_t (&fragment)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(fragment[i])::"memory");
+}
+
 // Named barriers 1 and 2 (0 is __syncthreads) pass the mainloop turn between the two consumer
 // warpgroups of the ping-pong schedule: one warpgroup arrives, the other waits, 256 threads in all.
 __device__ __forceinline__ void turn_arrive(int id) {
@@ -1018,28 +1025,42 @@ struct WgradGather {
   }
 };
 
-// TF32 backward-weight by patch boxes (kWgradTma / kWgradTmaT with fp32 operands): TF32 wgmma reads
-// K-major operands only, but a TMA box of an NHWC tensor over a patch of 32 output pixels lands
-// MN-major: 32 rows (pixels) of 128 bytes (32 channels), 128-byte swizzled (16-byte chunk cc of row
-// p at chunk cc ^ (p & 7)). The K-major layout the consumers read is the same 4 KiB square with the
-// roles swapped: row m (a channel) holds the 32 pixels, chunk pg (pixels 4pg..4pg+3) at pg ^ (m &
-// 7). So the box is transposed in place as 8 x 8 blocks of 4 pixels x 4 channels: block (pg, cc) of
-// the box (rows 4pg + i, chunk cc) becomes block (cc, pg) (rows 4cc + j, chunk pg), each a 4 x 4
-// transpose in registers. One warp owns a box: it loads all 64 blocks (lane l the blocks pg = l %
-// 8, cc = (pg + l / 8 + 4u) % 8 for u = 0, 1: 8 ld.shared.v4 a lane), then, after __syncwarp,
-// stores them transposed. Each quarter warp of one instruction reads and writes 8 different chunk
-// positions of 8 rows: no bank conflicts on either side (every diagonal pg - cc of the 8 x 8
-// blocks has that property under the 128-byte swizzle; checked exhaustively).
+// TF32 backward-weight by patch boxes (kWgradTma / kWgradTmaT with fp32 operands). A box of an NHWC
+// tensor over a patch of 32 output pixels lands MN-major: 32 rows (pixels) of 128 bytes (32
+// channels), 128-byte swizzled (16-byte chunk cc of row p at chunk cc ^ (p & 7)). TF32 wgmma reads
+// shared-memory operands K-major only, so:
+// - A (the tile's 128 rows: 4 boxes) is never transposed: the consumers load their wgmma fragments
+//   from the boxes as they landed (load_a_fragments), and wgmma takes A from registers.
+// - Each box of B is transposed in place by the producer's warps 1-3 (transpose_stages) to the
+//   K-major layout: row n (a channel) holds the 32 pixels, chunk pg at pg ^ (n & 7).
+// The order of k. Both operands see the 32 pixels of a k-block in one permuted order: within each
+// group of 8 (one k8 step), logical k = 0..3 are pixels 0, 2, 4, 6 and k = 4..7 pixels 1, 3, 5, 7
+// (kPixelOfK). A sum over k does not care, and with it each fragment load of A is free of bank
+// conflicts: lane 4g + t reads rows 2t (or 2t + 1) of the step at chunk (channel / 4) ^ row, and
+// the eight (g / 4, t) pairs of a warp then hit eight different chunks (in natural order rows t
+// and t' = t ^ 1 would meet in one chunk: 2-way conflicts).
+__host__ __device__ constexpr int kPixelOfK(int k) {
+  return (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1);
+}
+
+// The transposition of one box of B: 8 x 8 blocks of 4 pixels x 4 channels, block (pg, cc) of the
+// box (its 4 pixels, in the order above: rows 8 (pg / 2) + 2i + pg % 2, chunk cc) becomes block
+// (cc, pg) of the K-major square (rows 4cc + j, chunk pg), each a 4 x 4 transpose in registers.
+// One warp owns a box: it loads all 64 blocks (lane l the blocks pg = l % 8, cc = ((pg + l / 8 +
+// 4u) % 8) ^ (pg % 2) for u = 0, 1: 8 ld.shared.v4 a lane), then, after __syncwarp, stores them
+// transposed. Each quarter warp of one instruction reads and writes 8 different chunk positions:
+// no bank conflicts on either side (loads: chunk ((pg + l / 8 + 4u) % 8) ^ 2i; stores: chunk pg ^
+// (4 (l / 8 % 2) + j); checked exhaustively).
 __device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
   const int lane = threadIdx.x % 32;
   const int pg = lane & 7;
   uint32_t v[2][4][4];  // [block][pixel i][channel j]
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
-    const int cc = (pg + (lane >> 3) + 4 * u) & 7;
+    const int cc = ((pg + (lane >> 3) + 4 * u) & 7) ^ (pg & 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = 4 * pg + i;
+      const int row = kPixelOfK(4 * pg + i);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v[u][i][0]), "=r"(v[u][i][1]), "=r"(v[u][i][2]), "=r"(v[u][i][3])
                    : "r"(box + row * kRowBytes + ((cc ^ (row & 7)) << 4))
@@ -1049,7 +1070,7 @@ __device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
   __syncwarp();
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
-    const int cc = (pg + (lane >> 3) + 4 * u) & 7;
+    const int cc = ((pg + (lane >> 3) + 4 * u) & 7) ^ (pg & 1);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int row = 4 * cc + j;
@@ -1063,13 +1084,12 @@ __device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
 
 // The transposing warps of the TF32 patch feed (warps 1..3 of the producer warpgroup): they follow
 // the stages in the producer's order, wait for a stage's boxes to land (its "loaded" barrier: the
-// TMA's transaction bytes), transpose the stage's kBoxes boxes in place (box b by warp 1 + b % 3),
-// and arrive on the stage's "full" barrier (one arrival per thread, after a proxy fence: the
+// TMA's transaction bytes), transpose the stage's kBoxesB boxes of B in place (box b by warp 1 + b
+// % 3), and arrive on the stage's "full" barrier (one arrival per thread, after a proxy fence: the
 // consumers' wgmma reads through the async proxy what these threads wrote through the generic one).
-template <int kStages, int kBoxesA, int kBoxesB, int kStageBytesA, int kStageBytesB>
-__device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32_t stages_a,
-                                                 uint32_t stages_b, uint32_t loaded,
-                                                 uint32_t full) {
+template <int kStages, int kBoxesB, int kStageBytesB>
+__device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32_t stages_b,
+                                                 uint32_t loaded, uint32_t full) {
   const int warp = int(threadIdx.x) / 32 - 1;  // 0..2
   const int work_items = p.tiles_m * p.tiles_n * p.splits;
   int stage = 0, phase = 0;
@@ -1080,10 +1100,10 @@ __device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       mbar_wait(loaded + 8 * stage, phase);
 #pragma unroll
-      for (int b = warp; b < kBoxesA + kBoxesB; b += 3) {
-        transpose_box_in_place(b < kBoxesA ? stages_a + stage * kStageBytesA + b * 32 * kRowBytes
-                                           : stages_b + stage * kStageBytesB +
-                                                 (b - kBoxesA) * 32 * kRowBytes);
+      for (int i = 0; i < (kBoxesB + 2) / 3; ++i) {  // boxes warp, warp + 3, ...
+        const int b = warp + 3 * i;
+        if (b < kBoxesB)
+          transpose_box_in_place(stages_b + stage * kStageBytesB + b * 32 * kRowBytes);
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       mbar_arrive(full + 8 * stage);
@@ -1091,6 +1111,31 @@ __device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32
         stage = 0;
         phase ^= 1;
       }
+    }
+  }
+}
+
+// A consumer thread's TF32 A fragments of one k-block, from the MN-major boxes of its stage
+// (fragment[4 kk + r] for k8 step kk: the WgmmaTf32RS order, with k in the order kPixelOfK).
+// Consumer c's 64 rows are boxes 2c and 2c + 1; warp w's 16 rows are channels 16 (w % 2) + g and
+// + 8 of box 2c + w / 2. (The offsets are recomputed per k-block: a few integer instructions,
+// where holding them would cost the epilogue four registers.)
+__device__ __forceinline__ void load_a_fragments(uint32_t stage_a, int consumer,
+                                                 uint32_t (&fragment)[16]) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int g = lane / 4, t = lane % 4;
+  const uint32_t box = stage_a + uint32_t(2 * consumer + warp / 2) * 32 * kRowBytes;
+  const int chunk = 4 * (warp % 2) + g / 4;  // channel / 4 of row g
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // a0: (g, t), a1: (g + 8, t), a2: (g, t + 4), a3: (g + 8, t + 4)
+    const int row = kPixelOfK(t + 4 * (r / 2));
+    const uint32_t at = box + row * kRowBytes + (((chunk + 2 * (r % 2)) ^ row) << 4) + (g % 4) * 4;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      asm volatile("ld.shared.u32 %0, [%1];"
+                   : "=r"(fragment[4 * kk + r])
+                   : "r"(at + kk * 8 * kRowBytes)
+                   : "memory");
     }
   }
 }
@@ -1268,9 +1313,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kTransposes) {
       if (threadIdx.x >= 32) {
-        transpose_stages<Cfg::kStages, kTileM / Cfg::kBlockK, kTileN / Cfg::kBlockK,
-                         Cfg::kStageBytesA, Cfg::kStageBytesB>(p, stages_a, stages_b, load_bar(0),
-                                                               full_bar(0));
+        transpose_stages<Cfg::kStages, kTileN / Cfg::kBlockK, Cfg::kStageBytesB>(
+            p, stages_b, load_bar(0), full_bar(0));
       }
     }
     if (threadIdx.x == 0) {
@@ -1618,29 +1662,46 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
       float acc[Cfg::kAccumulators];
+      // kTransposes: A's fragments from registers, two k-blocks' worth (a wgmma group in flight
+      // reads one while the next k-block's are loaded into the other).
+      [[maybe_unused]] uint32_t fragments[2][16];
       for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
         const WorkItem w = work_item(p, index);
         const int kb_begin = w.split * p.k_blocks_per_split;
         const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
         int previous = -1;
-        for (int kb = kb_begin; kb < kb_end; ++kb) {
+        // One k-block: `fragment` takes A's fragments (kTransposes), while the wgmma group before,
+        // still in flight until the wait below, reads `in_flight`.
+        const auto k_block = [&](int kb, uint32_t(&fragment)[16], uint32_t(&in_flight)[16]) {
           mbar_wait(full_bar(stage), phase);
-          // A was written by cp.async or the transposing warps (the generic proxy); wgmma reads
-          // through the async proxy.
+          // A was written by cp.async or B by the transposing warps (the generic proxy); wgmma
+          // reads through the async proxy.
           if constexpr (kGathers || kTransposes) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           }
           const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
           const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
+          if constexpr (kTransposes) {
+            // A's boxes as the TMA wrote them: their own barrier ("full" counts the transposes of
+            // B, which followed it).
+            mbar_wait(load_bar(stage), phase);
+            load_a_fragments(stages_a + stage * Cfg::kStageBytesA, consumer, fragment);
+          }
           wgmma_fence();
-          if constexpr (kWgradMode) {
+          if constexpr (kTransposes) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {  // k8 steps: 32 bytes of B's rows further each
+              WgmmaTf32RS<kTileN>::mma(acc, fragment + 4 * kk, smem_descriptor(b + 32 * kk),
+                                       kb > kb_begin || kk > 0);
+            }
+          } else if constexpr (kWgradMode) {
             // MN-major: a k16 step is 16 rows of 128 bytes further.
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            WgmmaBf16MN<kTileN>::mma(acc, wgrad_descriptor<kMode>(a + 16 * kRowBytes * kk),
-                                     wgrad_descriptor<kMode>(b + 16 * kRowBytes * kk),
-                                     kb > kb_begin || kk > 0);
-          }
+            for (int kk = 0; kk < 4; ++kk) {
+              WgmmaBf16MN<kTileN>::mma(acc, wgrad_descriptor<kMode>(a + 16 * kRowBytes * kk),
+                                       wgrad_descriptor<kMode>(b + 16 * kRowBytes * kk),
+                                       kb > kb_begin || kk > 0);
+            }
           } else if constexpr (kBStoredKN) {
             // A K-major (32 bytes further per k16 step), B MN-major (16 rows of 128 bytes further).
 #pragma unroll
@@ -1651,28 +1712,43 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           } else {
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
-            Mma<Elem, kTileN>::mma(acc, smem_descriptor(a + 32 * kk), smem_descriptor(b + 32 * kk),
-                                   kb > kb_begin || kk > 0);
+            for (int kk = 0; kk < 4; ++kk) {  // 4 steps of 32 bytes of k: k16 bf16 or k8 tf32
+              Mma<Elem, kTileN>::mma(acc, smem_descriptor(a + 32 * kk),
+                                     smem_descriptor(b + 32 * kk), kb > kb_begin || kk > 0);
+            }
           }
+          wgmma_commit();
+          wgmma_wait<1>();
+          keep_in_registers<Cfg::kAccumulators>(acc);
+          // The group before has completed: until here its fragments stay where it reads them.
+          // if constexpr (kTransposes) keep_fragments(in_flight);
+          if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
+          previous = stage;
+          if (++stage == Cfg::kStages) {
+            stage = 0;
+            phase ^= 1;
           }
-        wgmma_commit();
-        wgmma_wait<1>();
+        };
+        if constexpr (kTransposes) {
+          // Two k-blocks a pass, so that each names its fragment registers statically, and an odd
+          // one last (on every path, a k-block's loads go to the registers the group before it
+          // does not read).
+          int kb = kb_begin;
+          for (; kb + 1 < kb_end; kb += 2) {
+            k_block(kb, fragments[0], fragments[1]);
+            k_block(kb + 1, fragments[1], fragments[0]);
+          }
+          if (kb < kb_end) k_block(kb, fragments[0], fragments[1]);
+        } else {
+          for (int kb = kb_begin; kb < kb_end; ++kb) k_block(kb, fragments[0], fragments[1]);
+        }
+        wgmma_wait<0>();
         keep_in_registers<Cfg::kAccumulators>(acc);
         if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
-        previous = stage;
-        if (++stage == Cfg::kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      wgmma_wait<0>();
-      keep_in_registers<Cfg::kAccumulators>(acc);
-      if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
-      if (kb_end <= kb_begin) {
+        if (kb_end <= kb_begin) {
 #pragma unroll
-        for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
-      }
+          for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.f;
+        }
       store_tile<kTileN, kConvPatch>(p, acc, w.tile_m, consumer * 64, w.tile_n * kTileN, w.split);
     }
     }
