@@ -218,9 +218,9 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
   const int esize = p.math == Math::BF16 ? 2 : 4;
   const char* want = p.math == Math::BF16 ? "bf16" : "fp32";
   if (p.a == nullptr || p.b == nullptr) return "A or B is null";
-  if ((p.a_transposed || p.b_transposed) && p.math != Math::BF16) {
-    return "operands stored k x m or k x n (a_transposed, b_transposed) need bf16: TF32 tensor "
-           "cores read K-major operands only; pass A as m x k and B as n x k";
+  if (p.a_transposed && p.math != Math::BF16) {
+    return "A stored k x m (a_transposed) needs bf16 (TF32 transposes B stored k x n only); pass A "
+           "as m x k";
   }
   if (p.a_transposed && !p.b_transposed) {
     return "A stored k x m (a_transposed) is supported with B stored k x n (b_transposed) only; "
@@ -436,9 +436,11 @@ void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float al
   const DType type = math == Math::BF16 ? DType::BF16 : DType::F32;
   const int esize = dtype_size(type);
   if (alpha == 0.f) k = 0;  // BLAS: A and B are not read
-  // An operand is used in place when it already is a K-major fp32 matrix that TMA can load.
+  // An operand is used in place when it is an fp32 matrix that TMA can load: A K-major, B either
+  // way (stored k x n, op(B) = B, it is read as MatmulProblem::b_transposed: transposed in shared
+  // memory by the kernel instead of a packed copy here).
   const bool a_direct = type == DType::F32 && !trans_a && aligned16(A) && (lda * 4) % 16 == 0;
-  const bool b_direct = type == DType::F32 && trans_b && aligned16(B) && (ldb * 4) % 16 == 0;
+  const bool b_direct = type == DType::F32 && aligned16(B) && (ldb * 4) % 16 == 0;
   const int64_t ldp = (int64_t(k) * esize + 15) / 16 * 16 / esize;  // packed row stride
   const int64_t a_bytes = a_direct || k == 0 ? 0 : (int64_t(m) * ldp * esize + 255) / 256 * 256;
   const int64_t b_bytes = b_direct || k == 0 ? 0 : int64_t(n) * ldp * esize;
@@ -454,6 +456,7 @@ void gemm_tensor_cores(bool trans_a, bool trans_b, int m, int n, int k, float al
   p.lda = a_direct ? lda : ldp;
   p.b = b_direct ? static_cast<const void*>(B) : ws + a_bytes;
   p.ldb = b_direct ? ldb : ldp;
+  p.b_transposed = b_direct && !trans_b;
   p.c = C;
   p.ldc = ldc;
   p.c_type = DType::F32;

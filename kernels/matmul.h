@@ -39,11 +39,12 @@ struct MatmulProblem {
   int64_t lda = 0;
   const void* b = nullptr;  // n x k, row stride ldb (elements); k x n when b_transposed
   int64_t ldb = 0;
-  // B stored k x n (row stride ldb >= n) instead of n x k: C = A * B. BF16 only (TF32 wgmma reads
-  // K-major operands alone); a Linear layer's backward-data (dx = dy W) reads W so, with no copy.
+  // B stored k x n (row stride ldb >= n) instead of n x k: C = A * B. BF16 through wgmma's
+  // transpose bit; TF32 (whose wgmma reads K-major operands alone) transposes B's boxes in shared
+  // memory. A Linear layer's backward-data (dx = dy W) reads W so, with no copy.
   bool b_transposed = false;
   // A stored k x m (row stride lda >= m) too: C = A^T * B, with b_transposed only (both operands
-  // MN-major). A Linear layer's backward-weight (dW = dy^T x) reads dy and x so.
+  // MN-major), BF16 only. A Linear layer's backward-weight (dW = dy^T x) reads dy and x so.
   bool a_transposed = false;
   void* c = nullptr;  // m x n, row stride ldc (elements)
   int64_t ldc = 0;

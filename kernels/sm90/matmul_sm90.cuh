@@ -196,10 +196,12 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, uint32_t lead
 //           x^T at the k-block's columns plus r * grid_w. A grid position that is not an output
 //           pixel holds zeros in dy^T, so what x^T holds at its shift adds nothing. kWgradShiftT
 //           swaps the roles (C = dw^T) as kWgradTmaT does. K-major, so the consumers are kGemm's.
-//   kGemmBT  kGemm with B stored k x n (bf16 only): each k-block of B is kTileN / 64 TMA boxes of
-//           64 rows (k) x 128 bytes (64 columns), the MN-major slab layout of backward-weight's
-//           operands, read by wgmma with B's transpose bit (a Linear layer's backward-data,
-//           dx = dy W, reads W as it is stored instead of a transposed copy).
+//   kGemmBT  kGemm with B stored k x n: each k-block of B is kTileN / 64 TMA boxes of 64 rows (k)
+//           x 128 bytes (64 columns), the MN-major slab layout of backward-weight's operands, read
+//           by wgmma with B's transpose bit (a Linear layer's backward-data, dx = dy W, reads W as
+//           it is stored instead of a transposed copy). In TF32 (no transpose bit) the boxes are
+//           32 x 32 and the producer's warps 1-3 transpose them in place (transpose_stages), as
+//           for TF32 backward-weight's B; the consumers are kGemm's.
 //   kGemmTT  kGemmBT with A stored k x m too (bf16 only): A's k-block is two such boxes (64 rows
 //           each), and the consumers are backward-weight's (both operands MN-major; a Linear
 //           layer's backward-weight, dW = dy^T x, reads dy and x as they are stored).
@@ -280,13 +282,6 @@ template <int kCount>
 __device__ __forceinline__ void keep_in_registers(float* acc) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-}
-
-// The same for A's fragments of TF32 backward-weight (WgmmaTf32RS): wgmma reads them
-// asynchronously, so they must stay in their registers until the group that reads them completes.
-__device__ __forceinline__ void keep_fragments(uint32_t (&fragment)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(fragment[i])::"memory");
 }
 
 // Named barriers 1 and 2 (0 is __syncthreads) pass the mainloop turn between the two consumer
@@ -1044,23 +1039,30 @@ __host__ __device__ constexpr int kPixelOfK(int k) {
 }
 
 // The transposition of one box of B: 8 x 8 blocks of 4 pixels x 4 channels, block (pg, cc) of the
-// box (its 4 pixels, in the order above: rows 8 (pg / 2) + 2i + pg % 2, chunk cc) becomes block
-// (cc, pg) of the K-major square (rows 4cc + j, chunk pg), each a 4 x 4 transpose in registers.
-// One warp owns a box: it loads all 64 blocks (lane l the blocks pg = l % 8, cc = ((pg + l / 8 +
-// 4u) % 8) ^ (pg % 2) for u = 0, 1: 8 ld.shared.v4 a lane), then, after __syncwarp, stores them
-// transposed. Each quarter warp of one instruction reads and writes 8 different chunk positions:
-// no bank conflicts on either side (loads: chunk ((pg + l / 8 + 4u) % 8) ^ 2i; stores: chunk pg ^
-// (4 (l / 8 % 2) + j); checked exhaustively).
+// box (4 pixel rows, chunk cc) becomes block (cc, pg) of the K-major square (rows 4cc + j, chunk
+// pg), each a 4 x 4 transpose in registers. kPermuted (backward-weight, A from registers): block
+// pg's pixels are rows kPixelOfK(4pg + i), i = 0..3; otherwise rows 4pg + i (k in its natural
+// order: kGemmBT, whose A is K-major by TMA). One warp owns a box: it loads all 64 blocks (lane l
+// the blocks pg = l % 8 and, for u = 0, 1, cc = (pg + l / 8 + 4u) % 8, xor pg % 2 when permuted:
+// 8 ld.shared.v4 a lane), then, after __syncwarp, stores them transposed. Each quarter warp of one
+// instruction reads and writes 8 different chunk positions: no bank conflicts on either side
+// (checked exhaustively for both orders; permuted, the loads' chunk is ((pg + l / 8 + 4u) % 8) ^
+// 2i and the stores' pg ^ (4 (l / 8 % 2) + j)).
+template <bool kPermuted>
 __device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
   const int lane = threadIdx.x % 32;
   const int pg = lane & 7;
+  const auto block_column = [&](int u) {
+    const int cc = (pg + (lane >> 3) + 4 * u) & 7;
+    return kPermuted ? cc ^ (pg & 1) : cc;
+  };
   uint32_t v[2][4][4];  // [block][pixel i][channel j]
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
-    const int cc = ((pg + (lane >> 3) + 4 * u) & 7) ^ (pg & 1);
+    const int cc = block_column(u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = kPixelOfK(4 * pg + i);
+      const int row = kPermuted ? kPixelOfK(4 * pg + i) : 4 * pg + i;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v[u][i][0]), "=r"(v[u][i][1]), "=r"(v[u][i][2]), "=r"(v[u][i][3])
                    : "r"(box + row * kRowBytes + ((cc ^ (row & 7)) << 4))
@@ -1070,7 +1072,7 @@ __device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
   __syncwarp();
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
-    const int cc = ((pg + (lane >> 3) + 4 * u) & 7) ^ (pg & 1);
+    const int cc = block_column(u);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int row = 4 * cc + j;
@@ -1082,12 +1084,12 @@ __device__ __forceinline__ void transpose_box_in_place(uint32_t box) {
   }
 }
 
-// The transposing warps of the TF32 patch feed (warps 1..3 of the producer warpgroup): they follow
+// The transposing warps of TF32's MN-major B (warps 1..3 of the producer warpgroup): they follow
 // the stages in the producer's order, wait for a stage's boxes to land (its "loaded" barrier: the
 // TMA's transaction bytes), transpose the stage's kBoxesB boxes of B in place (box b by warp 1 + b
 // % 3), and arrive on the stage's "full" barrier (one arrival per thread, after a proxy fence: the
 // consumers' wgmma reads through the async proxy what these threads wrote through the generic one).
-template <int kStages, int kBoxesB, int kStageBytesB>
+template <int kStages, int kBoxesB, int kStageBytesB, bool kPermuted>
 __device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32_t stages_b,
                                                  uint32_t loaded, uint32_t full) {
   const int warp = int(threadIdx.x) / 32 - 1;  // 0..2
@@ -1102,8 +1104,9 @@ __device__ __forceinline__ void transpose_stages(const MainloopParams& p, uint32
 #pragma unroll
       for (int i = 0; i < (kBoxesB + 2) / 3; ++i) {  // boxes warp, warp + 3, ...
         const int b = warp + 3 * i;
-        if (b < kBoxesB)
-          transpose_box_in_place(stages_b + stage * kStageBytesB + b * 32 * kRowBytes);
+        if (b < kBoxesB) {
+          transpose_box_in_place<kPermuted>(stages_b + stage * kStageBytesB + b * 32 * kRowBytes);
+        }
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       mbar_arrive(full + 8 * stage);
@@ -1176,7 +1179,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
   // TF32 backward-weight by patch boxes: the boxes land MN-major and the producer's warps 1..3
   // transpose them in place to the K-major layout TF32 wgmma reads (transpose_stages).
-  constexpr bool kTransposes = kWgradPatch && std::is_same_v<Elem, float>;
+  // TF32 with B stored k x n (kGemmBT: a Linear layer's backward-data reads W as it is): B's boxes
+  // land MN-major and are transposed the same way, in k's natural order (A is K-major by TMA).
+  constexpr bool kTransposes = (kWgradPatch || kMode == kGemmBT) && std::is_same_v<Elem, float>;
+  // TF32 backward-weight: A's fragments from registers (load_a_fragments), k permuted (kPixelOfK).
+  constexpr bool kRegisterA = kTransposes && kWgradPatch;
   constexpr bool kWgradMode =  // both operands MN-major
       kWgradGather || (kWgradPatch && !kTransposes) || kMode == kGemmTT;
   constexpr bool kGathers = kConv || kWgradGather;
@@ -1198,7 +1205,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The filters read rotated per tap, as MN-major boxes
   constexpr bool kRotatedB =
       kMode == kConvTmaBT || kMode == kConvTmaBTSwap || kMode == kConvHaloBTSwap;
-  constexpr bool kBStoredKN = kMode == kGemmBT || kMode == kConvTmaBT;  // B MN-major, A K-major
+  // B MN-major (read with wgmma's transpose bit), A K-major
+  constexpr bool kBStoredKN = (kMode == kGemmBT || kMode == kConvTmaBT) && !kTransposes;
   constexpr bool kPingPong = (kMode == kConv_ || kConvPatch) && kTileN <= 128;
   static_assert(kResidentB == 0 || (kConvPatch && kPingPong),
                 "resident B: the TMA-patch convolutions' ping-pong tiles only");
@@ -1313,7 +1321,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kTransposes) {
       if (threadIdx.x >= 32) {
-        transpose_stages<Cfg::kStages, kTileN / Cfg::kBlockK, Cfg::kStageBytesB>(
+        transpose_stages<Cfg::kStages, kTileN / Cfg::kBlockK, Cfg::kStageBytesB, kRegisterA>(
             p, stages_b, load_bar(0), full_bar(0));
       }
     }
@@ -1493,14 +1501,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                           full_bar(stage), w.tile_m * kTileM + 64 * half, kb * Cfg::kBlockK);
             }
           } else {
-            tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, full_bar(stage),
+            tma_load_2d(stages_a + stage * Cfg::kStageBytesA, &map_a, load_bar(stage),
                         kb * Cfg::kBlockK, w.tile_m * kTileM);
           }
           if constexpr (kMode == kGemmBT || kMode == kGemmTT) {
+            // B stored k x n: boxes of one k-block's rows by 128 bytes of columns (64 bf16, 32
+            // fp32)
 #pragma unroll
-            for (int slab = 0; slab < kTileN / 64; ++slab) {
-              tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * 64 * kRowBytes, &map_b,
-                          full_bar(stage), w.tile_n * kTileN + 64 * slab, kb * Cfg::kBlockK);
+            for (int slab = 0; slab < kTileN / Cfg::kBlockK; ++slab) {
+              tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * Cfg::kBlockK * kRowBytes,
+                          &map_b, load_bar(stage), w.tile_n * kTileN + Cfg::kBlockK * slab,
+                          kb * Cfg::kBlockK);
             }
           } else if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
                                kMode != kWgradShiftT && !kConvPatch) {
@@ -1662,7 +1673,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
       float acc[Cfg::kAccumulators];
-      // kTransposes: A's fragments from registers, two k-blocks' worth (a wgmma group in flight
+      // kRegisterA: A's fragments from registers, two k-blocks' worth (a wgmma group in flight
       // reads one while the next k-block's are loaded into the other).
       [[maybe_unused]] uint32_t fragments[2][16];
       for (int index = blockIdx.x; index < work_items; index += gridDim.x) {
@@ -1670,9 +1681,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int kb_begin = w.split * p.k_blocks_per_split;
         const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
         int previous = -1;
-        // One k-block: `fragment` takes A's fragments (kTransposes), while the wgmma group before,
-        // still in flight until the wait below, reads `in_flight`.
-        const auto k_block = [&](int kb, uint32_t(&fragment)[16], uint32_t(&in_flight)[16]) {
+        // One k-block: `fragment` takes A's fragments (kRegisterA; the wgmma group before, in
+        // flight until the wait below, reads the other buffer).
+        const auto k_block = [&](int kb, uint32_t(&fragment)[16]) {
           mbar_wait(full_bar(stage), phase);
           // A was written by cp.async or B by the transposing warps (the generic proxy); wgmma
           // reads through the async proxy.
@@ -1682,13 +1693,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t a = stages_a + stage * Cfg::kStageBytesA + consumer * 64 * kRowBytes;
           const uint32_t b = stages_b + stage * Cfg::kStageBytesB;
           if constexpr (kTransposes) {
-            // A's boxes as the TMA wrote them: their own barrier ("full" counts the transposes of
-            // B, which followed it).
+            // A as the TMA wrote it: its own barrier ("full" counts the transposes of B, which
+            // followed it).
             mbar_wait(load_bar(stage), phase);
+          }
+          if constexpr (kRegisterA) {
             load_a_fragments(stages_a + stage * Cfg::kStageBytesA, consumer, fragment);
           }
           wgmma_fence();
-          if constexpr (kTransposes) {
+          if constexpr (kRegisterA) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {  // k8 steps: 32 bytes of B's rows further each
               WgmmaTf32RS<kTileN>::mma(acc, fragment + 4 * kk, smem_descriptor(b + 32 * kk),
@@ -1720,8 +1733,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_commit();
           wgmma_wait<1>();
           keep_in_registers<Cfg::kAccumulators>(acc);
-          // The group before has completed: until here its fragments stay where it reads them.
-          // if constexpr (kTransposes) keep_fragments(in_flight);
           if (previous >= 0 && arrives) mbar_arrive(empty_bar(previous));
           previous = stage;
           if (++stage == Cfg::kStages) {
@@ -1729,18 +1740,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             phase ^= 1;
           }
         };
-        if constexpr (kTransposes) {
+        if constexpr (kRegisterA) {
           // Two k-blocks a pass, so that each names its fragment registers statically, and an odd
           // one last (on every path, a k-block's loads go to the registers the group before it
-          // does not read).
+          // does not read; otherwise ptxas serializes the wgmma).
           int kb = kb_begin;
           for (; kb + 1 < kb_end; kb += 2) {
-            k_block(kb, fragments[0], fragments[1]);
-            k_block(kb + 1, fragments[1], fragments[0]);
+            k_block(kb, fragments[0]);
+            k_block(kb + 1, fragments[1]);
           }
-          if (kb < kb_end) k_block(kb, fragments[0], fragments[1]);
+          if (kb < kb_end) k_block(kb, fragments[0]);
         } else {
-          for (int kb = kb_begin; kb < kb_end; ++kb) k_block(kb, fragments[0], fragments[1]);
+          for (int kb = kb_begin; kb < kb_end; ++kb) k_block(kb, fragments[0]);
         }
         wgmma_wait<0>();
         keep_in_registers<Cfg::kAccumulators>(acc);
@@ -2039,8 +2050,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       mode == kWgradShift
           ? encode_k_major(prob.b, kType, sizeof(Elem), shifted_rows, prob.k, prob.ldb, 64)
       : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
-      : mode == kGemmBT || mode == kGemmTT  // B stored k x n: 64-row boxes of 64 columns
-          ? encode_k_major(prob.b, kType, sizeof(Elem), prob.k, prob.n, prob.ldb, 64)
+      : mode == kGemmBT || mode == kGemmTT  // B stored k x n: boxes of a k-block's rows
+          ? encode_k_major(prob.b, kType, sizeof(Elem), prob.k, prob.n, prob.ldb, Cfg::kBlockK)
           : mode == kConvTmaBT || mode == kConvTmaBTSwap ||
                     mode == kConvHaloBTSwap  // the filters, K x R*S*C (the view's reduction
                                              // channels x taps*n)
@@ -2163,6 +2174,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       return run(&matmul_kernel<Elem, kTileN, kWgradShift>, ConvGather{}), check_launch();
     if (mode == kWgradShiftT)
       return run(&matmul_kernel<Elem, kTileN, kWgradShiftT>, ConvGather{}), check_launch();
+    if (mode == kGemmBT)
+      return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
   }
   CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode, " needs ",
              kBf16 ? "fp32 (TF32)" : "bf16", " operands");

@@ -7,10 +7,14 @@ namespace cudp::kernels::sm90 {
 
 void matmul_tf32(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
                  cudaStream_t stream) {
+  const int mode = problem.b_transposed ? kGemmBT : kGemm;
   switch (plan.tile_n) {
-    case 64: return launch_mainloop<float, 64>(problem, plan, workspace, stream);
-    case 128: return launch_mainloop<float, 128>(problem, plan, workspace, stream);
-    case 256: return launch_mainloop<float, 256>(problem, plan, workspace, stream);
+    case 64:
+      return launch_mainloop<float, 64>(problem, plan, workspace, stream, nullptr, mode);
+    case 128:
+      return launch_mainloop<float, 128>(problem, plan, workspace, stream, nullptr, mode);
+    case 256:
+      return launch_mainloop<float, 256>(problem, plan, workspace, stream, nullptr, mode);
     default: CUDP_CHECK(false, "matmul: no tf32 kernel with tile width ", plan.tile_n);
   }
 }
