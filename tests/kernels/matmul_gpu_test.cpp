@@ -461,11 +461,18 @@ TEST_P(MatmulGpu, GemmAllTransposes) {
   uint64_t seed = 1000;
   for (bool ta : {false, true}) {
     for (bool tb : {false, true}) {
-      // pad 3 or a 4-byte offset: operands packed; pad 2 (TF32): A and B of 16-byte rows read in
-      // place, B stored k x n (trans_b false) through MatmulProblem::b_transposed.
-      for (const auto& [offset, pad] : {std::pair{0, 3}, std::pair{1, 3}, std::pair{0, 2}}) {
+      // Row pads of A and B and a 4-byte offset. A TF32 operand of 16-byte rows (a row length
+      // that is a multiple of 4, no offset) is read in place, the others are packed: A when
+      // !trans_a, B either way (trans_b: K-major; !trans_b: stored k x n, through
+      // MatmulProblem::b_transposed). With k = 301 and n = 70: pads 3/3 read A (!ta) and B (tb) in
+      // place, 2/2 B (!tb) alone, 3/2 both A (!ta) and B (!tb); the offset packs both.
+      struct Layout {
+        int offset, pad_a, pad_b;
+      };
+      for (const auto& [offset, pad_a, pad_b] :
+           {Layout{0, 3, 3}, Layout{1, 3, 3}, Layout{0, 2, 2}, Layout{0, 3, 2}}) {
         const int m = 133, n = 70, k = 301;
-        const int lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad, ldc = n + pad;
+        const int lda = (ta ? m : k) + pad_a, ldb = (tb ? k : n) + pad_b, ldc = n + pad_b;
         std::vector<float> a = testing::random_vector(offset + size_t(ta ? k : m) * lda, seed++);
         std::vector<float> b = testing::random_vector(offset + size_t(tb ? n : k) * ldb, seed++);
         std::vector<float> c0 = testing::random_vector(offset + size_t(m) * ldc, seed++);
@@ -488,7 +495,7 @@ TEST_P(MatmulGpu, GemmAllTransposes) {
                                                         : 0.0)) +
                            1e-6;
         SCOPED_TRACE(::testing::Message() << "trans_a " << ta << " trans_b " << tb << " offset "
-                                          << offset << " pad " << pad);
+                                          << offset << " pads " << pad_a << " " << pad_b);
         EXPECT_ALL_CLOSE(got, want, 0.0, tol);
       }
     }
