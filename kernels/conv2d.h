@@ -235,6 +235,11 @@ void set_wgrad_split_major(bool split_major);
 // --tf32-wgrad.
 enum class Tf32WgradFeed { automatic, boxes, copies };
 void set_tf32_wgrad_feed(Tf32WgradFeed feed);
+// For the tests: the tile width (64, 128 or 256) and split-K count (at most one per k-block; fewer
+// where the k-blocks run out) of the TF32 backward-weight's boxes, so that every kernel and every
+// count of k-blocks a work item takes runs on small shapes; (0, 0), the default, leaves both to the
+// planner.
+void set_tf32_wgrad_plan(int tile_n, int splits);
 // Whether the TF32 backward-weight of `shape` takes the boxes under the current settings (for
 // 16-byte aligned tensors): for the tests that must know which kernel ran.
 bool conv2d_backward_weight_tf32_boxes(const Conv2dShape& shape);

@@ -273,6 +273,8 @@ sm90::PatchTiles with_halo(const MatmulProblem& p, const MatmulPlan& plan,
 // spare warps slow the backward-weight down by more than the separate reduction costs.
 std::atomic<bool> g_wgrad_bias_fusion{false};
 std::atomic<detail::Tf32WgradFeed> g_tf32_wgrad_feed{detail::Tf32WgradFeed::automatic};
+// detail::set_tf32_wgrad_plan: the TF32 boxes' tile width and split count (0: the planner's).
+std::atomic<int> g_tf32_wgrad_tile_n{0}, g_tf32_wgrad_splits{0};
 
 // The largest power of two that divides v, at most `cap`.
 int pow2_divisor(int v, int cap) {
@@ -739,6 +741,12 @@ void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const 
   p.c_type = DType::F32;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int forced_tile_n = g_tf32_wgrad_tile_n.load(), forced_splits = g_tf32_wgrad_splits.load();
+  const auto plan_for = [&](const MatmulProblem& q) {
+    return forced_tile_n > 0 ? make_matmul_plan(q, forced_tile_n, forced_splits,
+                                                detail::multiprocessor_count(device))
+                             : plan_matmul(q, device);
+  };
   const int rsc = s.r * s.s * s.c;
   if (s.k > 64) {
     p.m = s.k;
@@ -748,8 +756,7 @@ void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const 
     p.c = dw;
     p.ldc = rsc;
     p.beta = beta;
-    detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTma,
-                         &patch);
+    detail::run_mainloop(p, plan_for(p), &gather, stream, detail::Feed::WgradTma, &patch);
     return;
   }
   p.m = rsc;
@@ -760,7 +767,7 @@ void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const 
                        "backward-weight's dw^T before its transpose (TF32)");
   p.c = transposed.get();
   p.ldc = p.n;
-  detail::run_mainloop(p, plan_matmul(p, device), &gather, stream, detail::Feed::WgradTmaT, &patch);
+  detail::run_mainloop(p, plan_for(p), &gather, stream, detail::Feed::WgradTmaT, &patch);
   const int64_t total = int64_t(s.k) * rsc;
   launch("transpose_accumulate_kernel", transpose_accumulate_kernel, blocks_for(total), 256, 0,
          stream, transposed.get(), s.k, rsc, beta, dw);
@@ -1006,6 +1013,15 @@ void set_wgrad_bias_fusion(bool on) {
 
 void set_tf32_wgrad_feed(Tf32WgradFeed feed) {
   g_tf32_wgrad_feed.store(feed);
+}
+
+void set_tf32_wgrad_plan(int tile_n, int splits) {
+  CUDP_CHECK(tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 256,
+             "set_tf32_wgrad_plan: the tile width is 64, 128 or 256 (0: the planner's), got ",
+             tile_n);
+  CUDP_CHECK(splits >= 1 || tile_n == 0, "set_tf32_wgrad_plan: splits must be >= 1, got ", splits);
+  g_tf32_wgrad_tile_n.store(tile_n);
+  g_tf32_wgrad_splits.store(splits);
 }
 
 bool conv2d_backward_weight_tf32_boxes(const Conv2dShape& shape) {

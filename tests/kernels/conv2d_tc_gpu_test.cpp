@@ -997,6 +997,32 @@ INSTANTIATE_TEST_SUITE_P(BoxesAndCopies, Tf32WgradFeeds,
                            return info.param == detail::Tf32WgradFeed::boxes ? "boxes" : "copies";
                          });
 
+// The TF32 boxes' kernels plan by plan (detail::set_tf32_wgrad_plan): every tile width of dw (K >
+// 64: dy as wgmma's A, from registers) and of dw^T (K <= 64: x as A), with split counts that give a
+// work item an even number of k-blocks (pairs alone), an odd one of 3 or more (pairs and the odd
+// one last), or just one, against the double reference within the TF32 bound, bitwise
+// repeatable, beta 0 and 1. The k-blocks are patches of 32 output pixels: 8 x 4 over 3 images of
+// 8 x 8 (6 k-blocks: 6, 3, 2 and 1 a work item for splits 1, 2, 3 and 8), 4 x 8 over one image
+// of 8 x 12 (3 k-blocks: 3, 2 + 1, 1 and 1).
+TEST(Conv2dTcTyped, Tf32WgradBoxesEveryTileWidthAndSplit) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  struct Defaults {  // however the test ends
+    ~Defaults() { detail::set_tf32_wgrad_plan(0, 0); }
+  } defaults;
+  for (const Conv2dShape s : {Conv2dShape{3, 8, 8, 64, 96, 3, 3, 1, 1, 1, 1},
+                              Conv2dShape{1, 8, 12, 32, 36, 3, 3, 1, 1, 1, 1}}) {
+    ASSERT_TRUE(detail::conv2d_backward_weight_tf32_boxes(s)) << shape_text(s);
+    for (int tile_n : {64, 128, 256}) {
+      for (int splits : {1, 2, 3, 8}) {
+        detail::set_tf32_wgrad_plan(tile_n, splits);
+        const std::string what = "backward-weight " + shape_text(s) + " tile_n " +
+                                 std::to_string(tile_n) + " splits " + std::to_string(splits);
+        check_backward_weight(s, Math::TF32, splits == 2 ? 1.f : 0.f, what);
+      }
+    }
+  }
+}
+
 // Operands converted by the caller (Bf16Operands, what Conv2d passes under bf16) give bit for bit
 // what the launchers give when they convert: forward, backward-data and backward-weight, with
 // C = 3 (padded to 8) and with channels that need no padding; and the float pointers are then not
