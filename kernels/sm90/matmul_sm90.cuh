@@ -1177,10 +1177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kConv = kMode == kConv_;
   constexpr bool kWgradGather = kMode == kWgrad || kMode == kWgradAlt;
   constexpr bool kWgradPatch = kMode == kWgradTma || kMode == kWgradTmaT;
-  // TF32 backward-weight by patch boxes: the boxes land MN-major and the producer's warps 1..3
-  // transpose them in place to the K-major layout TF32 wgmma reads (transpose_stages).
-  // TF32 with B stored k x n (kGemmBT: a Linear layer's backward-data reads W as it is): B's boxes
-  // land MN-major and are transposed the same way, in k's natural order (A is K-major by TMA).
+  // TF32 with an MN-major B (backward-weight by patch boxes; kGemmBT, a Linear layer's backward
+  // reading W or x as stored): B's boxes land MN-major and the producer's warps 1..3 transpose them
+  // in place to the K-major layout TF32 wgmma reads (transpose_stages).
   constexpr bool kTransposes = (kWgradPatch || kMode == kGemmBT) && std::is_same_v<Elem, float>;
   // TF32 backward-weight: A's fragments from registers (load_a_fragments), k permuted (kPixelOfK).
   constexpr bool kRegisterA = kTransposes && kWgradPatch;
