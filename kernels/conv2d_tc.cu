@@ -244,14 +244,17 @@ std::atomic<detail::HaloWide> g_halo_wide{detail::HaloWide::pairs};
 // The tests' tile width for the forward and backward-data products (0: the planner's).
 std::atomic<int> g_tile_n{0};
 
+// The planner's plan for `p`, or the tests' tile width and split count where they set one
+// (tile_n 0: the planner's).
+MatmulPlan planned_or_forced(const MatmulProblem& p, int device, int tile_n, int splits) {
+  if (tile_n == 0) return plan_matmul(p, device);
+  return make_matmul_plan(p, tile_n, splits, detail::multiprocessor_count(device));
+}
+
 // The plan of a forward or backward-data product: the planner's, or one of the tests' tile width
 // without split-K.
 MatmulPlan conv_plan(const MatmulProblem& p, int device) {
-  const int tile_n = g_tile_n.load();
-  if (tile_n == 0) return plan_matmul(p, device);
-  int sms = 0;
-  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return make_matmul_plan(p, tile_n, 1, sms);
+  return planned_or_forced(p, device, g_tile_n.load(), 1);
 }
 
 // `t` (run_forward's tiling for the product `p` under `plan`) as the halo tiling where the halo
@@ -741,11 +744,8 @@ void run_backward_weight_tf32_boxes(const Conv2dShape& s, const float* x, const 
   p.c_type = DType::F32;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  const int forced_tile_n = g_tf32_wgrad_tile_n.load(), forced_splits = g_tf32_wgrad_splits.load();
   const auto plan_for = [&](const MatmulProblem& q) {
-    return forced_tile_n > 0 ? make_matmul_plan(q, forced_tile_n, forced_splits,
-                                                detail::multiprocessor_count(device))
-                             : plan_matmul(q, device);
+    return planned_or_forced(q, device, g_tf32_wgrad_tile_n.load(), g_tf32_wgrad_splits.load());
   };
   const int rsc = s.r * s.s * s.c;
   if (s.k > 64) {
