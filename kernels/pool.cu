@@ -88,6 +88,27 @@ __device__ __forceinline__ void store(int32_t* p, const int32_t (&v)[V]) {
   }
 }
 
+// The 2x2 windows' codes (kernels/pool.h): one byte per output, 4 bytes a vector.
+template <int V>
+__device__ __forceinline__ void load(const uint8_t* p, int (&v)[V]) {
+  if constexpr (V == 4) {
+    const uchar4 t = *reinterpret_cast<const uchar4*>(p);
+    v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+  } else {
+    v[0] = *p;
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store(uint8_t* p, const int (&v)[V]) {
+  if constexpr (V == 4) {
+    *reinterpret_cast<uchar4*>(p) =
+        make_uchar4(uint8_t(v[0]), uint8_t(v[1]), uint8_t(v[2]), uint8_t(v[3]));
+  } else {
+    *p = uint8_t(v[0]);
+  }
+}
+
 // Splits a flat NHWC index over [batch, rows, cols, vectors] (vectors fastest).
 template <typename I>
 __device__ __forceinline__ void split(I i, int vectors, int cols, int rows, int64_t& b, int& row,
@@ -145,10 +166,12 @@ __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__
   }
 }
 
-// 2x2 windows, stride 2, no padding: four loads, no bounds tests (every window lies inside).
+// 2x2 windows, stride 2, no padding: four loads, no bounds tests (every window lies inside). It
+// writes the int32 indices or the windows' codes (kernels/pool.h), whichever is not null.
 template <typename T, int V, typename I>
 __global__ void max_pool_2x2_forward_kernel(const T* __restrict__ x, T* __restrict__ y,
-                                            int32_t* __restrict__ indices, Geometry g, I total) {
+                                            int32_t* __restrict__ indices,
+                                            uint8_t* __restrict__ codes, Geometry g, I total) {
   kernel_entry();
   const int vectors = g.c / V;
   for (I i = first_index<I>(); i < total; i += grid_stride<I>()) {
@@ -164,16 +187,23 @@ __global__ void max_pool_2x2_forward_kernel(const T* __restrict__ x, T* __restri
     load<V>(p + row, v10);
     load<V>(p + row + g.c, v11);
     float best[V];
-    int32_t arg[V];
-    const int32_t at = ih * g.w + iw;
+    int at[V];  // 0..3: the maximum's place in window order
     for (int k = 0; k < V; ++k) {
-      best[k] = v00[k], arg[k] = at;  // what `takes` gives against -inf, NaN or not
-      if (takes(v01[k], best[k])) best[k] = v01[k], arg[k] = at + 1;
-      if (takes(v10[k], best[k])) best[k] = v10[k], arg[k] = at + g.w;
-      if (takes(v11[k], best[k])) best[k] = v11[k], arg[k] = at + g.w + 1;
+      best[k] = v00[k], at[k] = 0;  // what `takes` gives against -inf, NaN or not
+      if (takes(v01[k], best[k])) best[k] = v01[k], at[k] = 1;
+      if (takes(v10[k], best[k])) best[k] = v10[k], at[k] = 2;
+      if (takes(v11[k], best[k])) best[k] = v11[k], at[k] = 3;
     }
     store<V>(y + int64_t(i) * V, best);
-    if (indices != nullptr) store<V>(indices + int64_t(i) * V, arg);
+    if (indices != nullptr) {
+      int32_t arg[V];
+      for (int k = 0; k < V; ++k) arg[k] = (ih + at[k] / 2) * g.w + iw + at[k] % 2;
+      store<V>(indices + int64_t(i) * V, arg);
+    }
+    if (codes != nullptr) {
+      for (int k = 0; k < V; ++k) at[k] |= best[k] <= 0.f ? 4 : 0;
+      store<V>(codes + int64_t(i) * V, at);
+    }
   }
 }
 
@@ -249,10 +279,9 @@ __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
   }
 }
 
-// 2x2 stride 2, no padding, without an index tensor: each window's maximum is found again in the
-// saved input x, with the forward's comparisons in the forward's order (so the same element), and
-// dy goes to it; the window's other elements get 0. One thread per window, as above. With
-// `relu_mask` (x is a fused ReLU's output) dy goes there only where that maximum is not <= 0: the
+// 2x2 stride 2, no padding, from the windows' codes: dy goes to the element a window's code names
+// and the window's other elements get 0. One thread per window, as above. With `relu_mask` (the
+// pool's input is a fused ReLU's output) dy goes there only where the code's bit 2 is clear: the
 // ReLU's backward (relu_grad's select) applied to dx in the same pass.
 //
 // kSums: the thread also adds up the values it stores, per channel (its channels are the same
@@ -262,10 +291,10 @@ __global__ void max_pool_2x2_backward_kernel(const T* __restrict__ dy,
 // the layer whose output x is, with no pass over dx of its own. Deterministic: the rows depend on
 // the shape and the data alone.
 template <typename T, int V, typename I, bool kSums>
-__global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy,
-                                                        const T* __restrict__ x, T* __restrict__ dx,
-                                                        Geometry g, I total, bool relu_mask,
-                                                        float* __restrict__ partial) {
+__global__ void max_pool_2x2_backward_codes_kernel(const T* __restrict__ dy,
+                                                   const uint8_t* __restrict__ codes,
+                                                   T* __restrict__ dx, Geometry g, I total,
+                                                   bool relu_mask, float* __restrict__ partial) {
   kernel_entry();
   const int vectors = g.c / V;
   [[maybe_unused]] float sums[V] = {};
@@ -277,22 +306,14 @@ __global__ void max_pool_2x2_backward_from_input_kernel(const T* __restrict__ dy
     float d[V];
     int at[V];  // 0..3: which of the window's elements took the max; -1: no window (odd edge)
     for (int k = 0; k < V; ++k) d[k] = 0.f, at[k] = -1;
-    const int64_t row = int64_t(g.w) * g.c;
-    const T* p = x + ((b * g.h + 2 * wh) * g.w + 2 * ww) * g.c + cv * V;
     if (wh < g.out_h && ww < g.out_w) {
-      load<V>(dy + ((b * g.out_h + wh) * g.out_w + ww) * g.c + cv * V, d);
-      float v00[V], v01[V], v10[V], v11[V];
-      load<V>(p, v00);
-      load<V>(p + g.c, v01);
-      load<V>(p + row, v10);
-      load<V>(p + row + g.c, v11);
+      const int64_t o = ((b * g.out_h + wh) * g.out_w + ww) * g.c + cv * V;
+      int code[V];
+      load<V>(dy + o, d);
+      load<V>(codes + o, code);
       for (int k = 0; k < V; ++k) {
-        float best = v00[k];
-        at[k] = 0;
-        if (takes(v01[k], best)) best = v01[k], at[k] = 1;
-        if (takes(v10[k], best)) best = v10[k], at[k] = 2;
-        if (takes(v11[k], best)) best = v11[k], at[k] = 3;
-        if (relu_mask && best <= 0.f) d[k] = 0.f;
+        at[k] = code[k] & 3;
+        if (relu_mask && (code[k] & 4) != 0) d[k] = 0.f;
         if constexpr (kSums) sums[k] += d[k];
       }
     }
@@ -439,21 +460,22 @@ bool is_2x2_stride_2(const Geometry& g) {
 namespace {
 
 template <typename T>
-void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, int n, int h, int w, int c, int kh,
-                             int kw, int stride_h, int stride_w, int pad_h, int pad_w,
-                             cudaStream_t stream) {
+void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, uint8_t* codes, int n, int h,
+                             int w, int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
+                             int pad_w, cudaStream_t stream) {
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const bool fast = is_2x2_stride_2(g);
-  CUDP_CHECK(indices != nullptr || fast,
-             "max_pool2d_forward: indices may be null only for 2x2 "
-             "windows of stride 2 without padding (backward then reads the input)");
+  CUDP_CHECK(indices != nullptr || codes != nullptr,
+             "max_pool2d_forward: indices is null (2x2 windows of stride 2 may keep one byte per "
+             "output instead: max_pool2d_2x2_forward)");
   const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(x) &&
-                    detail::aligned<kVecBytes<T>>(y) && aligned16(indices);
+                    detail::aligned<kVecBytes<T>>(y) && aligned16(indices) &&
+                    detail::aligned<4>(codes);
   dispatch(vec4, int64_t(n) * g.out_h * g.out_w * c, [&]<int V, typename I>(I items) {
     if (fast) {
       launch("max_pool_2x2_forward_kernel", max_pool_2x2_forward_kernel<T, V, I>, blocks_for(items),
-             kThreads, 0, stream, x, y, indices, g, items);
+             kThreads, 0, stream, x, y, indices, codes, g, items);
     } else {
       launch("max_pool_forward_kernel", max_pool_forward_kernel<T, V, I>, blocks_for(items),
              kThreads, 0, stream, x, y, indices, g, items);
@@ -488,29 +510,28 @@ void max_pool2d_backward_impl(const T* dy, const int32_t* indices, T* dx, int n,
 constexpr int64_t kSumBlocks = 1024;
 
 template <typename T>
-void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, int h, int w, int c,
-                                         cudaStream_t stream, bool relu_mask, float* dbias) {
+void max_pool2d_2x2_backward_impl(const T* dy, const uint8_t* codes, T* dx, int n, int h, int w,
+                                  int c, cudaStream_t stream, bool relu_mask, float* dbias) {
   detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
   const Geometry g = max_geometry(h, w, c, 2, 2, 2, 2, 0, 0);
-  const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) &&
-                    detail::aligned<kVecBytes<T>>(x) && detail::aligned<kVecBytes<T>>(dx);
+  const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) && detail::aligned<4>(codes) &&
+                    detail::aligned<kVecBytes<T>>(dx);
   const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
   // The column sums on the way need every thread on one channel vector throughout.
   const int vectors = vec4 ? c / 4 : c;
   const bool sums = dbias != nullptr && kThreads % vectors == 0 && windows > 0;
   dispatch(vec4, windows, [&]<int V, typename I>(I items) {
     if (!sums) {
-      launch("max_pool_2x2_backward_from_input_kernel",
-             max_pool_2x2_backward_from_input_kernel<T, V, I, false>, blocks_for(items), kThreads,
-             0, stream, dy, x, dx, g, items, relu_mask, nullptr);
+      launch("max_pool_2x2_backward_codes_kernel",
+             max_pool_2x2_backward_codes_kernel<T, V, I, false>, blocks_for(items), kThreads, 0,
+             stream, dy, codes, dx, g, items, relu_mask, nullptr);
       return;
     }
     const unsigned blocks = unsigned(std::min<int64_t>(blocks_for(items), kSumBlocks));
     Workspace ws(size_t(blocks) * size_t(c) * sizeof(float), stream,
                  "max pooling's partial column sums of its input gradient");
-    launch("max_pool_2x2_backward_from_input_kernel",
-           max_pool_2x2_backward_from_input_kernel<T, V, I, true>, blocks, kThreads, 0, stream, dy,
-           x, dx, g, items, relu_mask, ws.get());
+    launch("max_pool_2x2_backward_codes_kernel", max_pool_2x2_backward_codes_kernel<T, V, I, true>,
+           blocks, kThreads, 0, stream, dy, codes, dx, g, items, relu_mask, ws.get());
     bias_grad_from_partials(ws.get(), dbias, blocks, c, 1.0f, stream);
     ws.release();
   });
@@ -522,29 +543,41 @@ void max_pool2d_backward_from_input_impl(const T* dy, const T* x, T* dx, int n, 
 
 }  // namespace
 
-void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
-                                    int c, cudaStream_t stream, bool relu_mask, float* dbias) {
-  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask, dbias);
+void max_pool2d_2x2_forward(const float* x, float* y, uint8_t* codes, int n, int h, int w, int c,
+                            cudaStream_t stream) {
+  CUDP_CHECK(codes != nullptr, "max_pool2d_2x2_forward: codes are null");
+  max_pool2d_forward_impl(x, y, nullptr, codes, n, h, w, c, 2, 2, 2, 2, 0, 0, stream);
 }
 
-void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
-                                    __nv_bfloat16* dx, int n, int h, int w, int c,
-                                    cudaStream_t stream, bool relu_mask, float* dbias) {
-  max_pool2d_backward_from_input_impl(dy, x, dx, n, h, w, c, stream, relu_mask, dbias);
+void max_pool2d_2x2_forward(const __nv_bfloat16* x, __nv_bfloat16* y, uint8_t* codes, int n, int h,
+                            int w, int c, cudaStream_t stream) {
+  CUDP_CHECK(codes != nullptr, "max_pool2d_2x2_forward: codes are null");
+  max_pool2d_forward_impl(x, y, nullptr, codes, n, h, w, c, 2, 2, 2, 2, 0, 0, stream);
+}
+
+void max_pool2d_2x2_backward(const float* dy, const uint8_t* codes, float* dx, int n, int h, int w,
+                             int c, cudaStream_t stream, bool relu_mask, float* dbias) {
+  max_pool2d_2x2_backward_impl(dy, codes, dx, n, h, w, c, stream, relu_mask, dbias);
+}
+
+void max_pool2d_2x2_backward(const __nv_bfloat16* dy, const uint8_t* codes, __nv_bfloat16* dx,
+                             int n, int h, int w, int c, cudaStream_t stream, bool relu_mask,
+                             float* dbias) {
+  max_pool2d_2x2_backward_impl(dy, codes, dx, n, h, w, c, stream, relu_mask, dbias);
 }
 
 void max_pool2d_forward(const float* x, float* y, int32_t* indices, int n, int h, int w, int c,
                         int kh, int kw, int stride_h, int stride_w, int pad_h, int pad_w,
                         cudaStream_t stream) {
-  max_pool2d_forward_impl(x, y, indices, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
-                          stream);
+  max_pool2d_forward_impl(x, y, indices, nullptr, n, h, w, c, kh, kw, stride_h, stride_w, pad_h,
+                          pad_w, stream);
 }
 
 void max_pool2d_forward(const __nv_bfloat16* x, __nv_bfloat16* y, int32_t* indices, int n, int h,
                         int w, int c, int kh, int kw, int stride_h, int stride_w, int pad_h,
                         int pad_w, cudaStream_t stream) {
-  max_pool2d_forward_impl(x, y, indices, n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w,
-                          stream);
+  max_pool2d_forward_impl(x, y, indices, nullptr, n, h, w, c, kh, kw, stride_h, stride_w, pad_h,
+                          pad_w, stream);
 }
 
 void max_pool2d_backward(const float* dy, const int32_t* indices, float* dx, int n, int h, int w,

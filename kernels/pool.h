@@ -70,23 +70,39 @@ void max_pool2d_backward_cpu(const T* dy, const int32_t* indices, std::type_iden
                              int n, int h, int w, int c, int kh, int kw, int stride_h, int stride_w,
                              int pad_h, int pad_w);
 
-// 2x2 windows of stride 2 without padding (VGG's pooling) need no index tensor: the forward may
-// take indices = null, and this backward finds each window's maximum again in the saved input x
-// (the forward's comparisons in its order: the same element, NaNs and ties included) and sends dy
-// there. It reads x instead of the indices and spares the forward their write and their memory
-// (4 bytes per output: 0.39 GB for VGG-16 at 224^2, batch 64). GPU only. With `relu_mask` (x is
-// the output of a fused ReLU) dx is also zeroed where x <= 0 in the same pass: the ReLU's backward
-// (kernels/elementwise.h's relu_grad), bit for bit, without a pass of its own. With `dbias` (C
-// floats, or null) dbias[c] += the sum of dx's channel c over n, h and w, fp32, taken from the
-// values the pass stores (the bias gradient of the layer whose output x is, Module's bias hand-off;
-// bias_grad's sum in another order, deterministic).
-void max_pool2d_backward_from_input(const float* dy, const float* x, float* dx, int n, int h, int w,
-                                    int c, cudaStream_t stream, bool relu_mask = false,
-                                    float* dbias = nullptr);
-void max_pool2d_backward_from_input(const __nv_bfloat16* dy, const __nv_bfloat16* x,
-                                    __nv_bfloat16* dx, int n, int h, int w, int c,
-                                    cudaStream_t stream, bool relu_mask = false,
-                                    float* dbias = nullptr);
+// 2x2 windows of stride 2 without padding (VGG's pooling) keep one byte per output instead of an
+// int32 index: codes[n, oh, ow, c] (u8, NHWC like y). Bits 0-1 are the maximum's place in window
+// order (0: row 0 col 0, 1: row 0 col 1, 2: row 1 col 0, 3: row 1 col 1), found with the
+// comparisons above (the same element, NaNs and ties included); bit 2 is set where that maximum is
+// <= 0 (not NaN). Backward reads the codes, not x: where x is a fused ReLU's output, bit 2 is the
+// ReLU's mask at the only element that gets a gradient. So neither the pool nor the layer before
+// keeps x for the backward (0.78 GB of VGG-16's bf16 activations at 224^2, batch 64; the codes are
+// 0.1 GB). GPU; the CPU references derive the codes from the general forward's indices and scatter
+// them back.
+void max_pool2d_2x2_forward(const float* x, float* y, uint8_t* codes, int n, int h, int w, int c,
+                            cudaStream_t stream);
+void max_pool2d_2x2_forward(const __nv_bfloat16* x, __nv_bfloat16* y, uint8_t* codes, int n, int h,
+                            int w, int c, cudaStream_t stream);
+template <typename T>
+void max_pool2d_2x2_forward_cpu(const T* x, std::type_identity_t<T>* y, uint8_t* codes, int n,
+                                int h, int w, int c);
+
+// dy, codes [n, out_h, out_w, c] -> dx [n, h, w, c] (=): dy at each window's maximum, 0 at its
+// other elements and at an odd edge's elements, which no window covers. With `relu_mask` (x was the
+// output of a fused ReLU) dx is also 0 where bit 2 is set: the ReLU's backward (kernels/
+// elementwise.h's relu_grad), bit for bit, without a pass of its own. With `dbias` (C floats, or
+// null) dbias[c] += the sum of dx's channel c over n, h and w, fp32, taken from the values the pass
+// stores (the bias gradient of the layer whose output x is, Module's bias hand-off; bias_grad's sum
+// in another order, deterministic).
+void max_pool2d_2x2_backward(const float* dy, const uint8_t* codes, float* dx, int n, int h, int w,
+                             int c, cudaStream_t stream, bool relu_mask = false,
+                             float* dbias = nullptr);
+void max_pool2d_2x2_backward(const __nv_bfloat16* dy, const uint8_t* codes, __nv_bfloat16* dx,
+                             int n, int h, int w, int c, cudaStream_t stream,
+                             bool relu_mask = false, float* dbias = nullptr);
+template <typename T>
+void max_pool2d_2x2_backward_cpu(const T* dy, const uint8_t* codes, std::type_identity_t<T>* dx,
+                                 int n, int h, int w, int c, bool relu_mask = false);
 
 // bf16: the gradients summed in float (double on the CPU) and rounded once to bf16; with windows
 // that do not overlap (VGG's 2x2 stride 2) nothing is summed and dx holds dy's values exactly.

@@ -102,6 +102,49 @@ void max_pool2d_backward_cpu(const T* dy, const int32_t* indices, std::type_iden
   for (size_t i = 0; i < acc.size(); ++i) dx[i] = T(acc[i]);
 }
 
+// The codes from the general forward's indices: the element the window took, and bit 2 where its
+// value is <= 0.
+template <typename T>
+void max_pool2d_2x2_forward_cpu(const T* x, std::type_identity_t<T>* y, uint8_t* codes, int n,
+                                int h, int w, int c) {
+  detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
+  const int oh_count = h / 2, ow_count = w / 2;
+  std::vector<int32_t> indices(size_t(n) * oh_count * ow_count * c);
+  max_pool2d_forward_cpu<T>(x, y, indices.data(), n, h, w, c, 2, 2, 2, 2, 0, 0);
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const int64_t ow = int64_t(i / size_t(c)) % ow_count;
+    const int64_t oh = int64_t(i / (size_t(c) * ow_count)) % oh_count;
+    const int dh = int(indices[i] / w - 2 * oh), dw = int(indices[i] % w - 2 * ow);
+    CUDP_CHECK(dh >= 0 && dh < 2 && dw >= 0 && dw < 2, "max_pool2d_2x2_forward: index ", indices[i],
+               " outside window (", oh, ", ", ow, ")");
+    codes[i] = uint8_t(2 * dh + dw + (y[i] <= T(0) ? 4 : 0));
+  }
+}
+
+template <typename T>
+void max_pool2d_2x2_backward_cpu(const T* dy, const uint8_t* codes, std::type_identity_t<T>* dx,
+                                 int n, int h, int w, int c, bool relu_mask) {
+  detail::check_max_pool2d(n, h, w, c, 2, 2, 2, 2, 0, 0);
+  const int oh_count = h / 2, ow_count = w / 2;
+  std::fill(dx, dx + size_t(n) * h * w * c, T(0));
+  // Scatter (the GPU gathers): each output sends its gradient to the element its code names.
+  for (int b = 0; b < n; ++b) {
+    for (int oh = 0; oh < oh_count; ++oh) {
+      for (int ow = 0; ow < ow_count; ++ow) {
+        for (int ch = 0; ch < c; ++ch) {
+          const int64_t out = ((int64_t(b) * oh_count + oh) * ow_count + ow) * c + ch;
+          const int code = codes[out];
+          CUDP_CHECK(code < 8, "max_pool2d_2x2_backward: code ", code, " at output ", out,
+                     " is not a 2x2 window code (0-7)");
+          const int ih = 2 * oh + (code & 3) / 2, iw = 2 * ow + (code & 1);
+          dx[((int64_t(b) * h + ih) * w + iw) * c + ch] =
+              relu_mask && (code & 4) != 0 ? T(0) : dy[out];
+        }
+      }
+    }
+  }
+}
+
 namespace {
 // PyTorch's adaptive windows: [floor(i*in/out), ceil((i+1)*in/out)).
 int window_start(int i, int in, int out) {
@@ -164,6 +207,9 @@ void adaptive_avg_pool2d_backward_cpu(const T* dy, std::type_identity_t<T>* dx, 
                                           int, int, int, int);                                    \
   template void max_pool2d_backward_cpu<T>(const T*, const int32_t*, T*, int, int, int, int, int, \
                                            int, int, int, int, int);                              \
+  template void max_pool2d_2x2_forward_cpu<T>(const T*, T*, uint8_t*, int, int, int, int);        \
+  template void max_pool2d_2x2_backward_cpu<T>(const T*, const uint8_t*, T*, int, int, int, int,  \
+                                               bool);                                             \
   template void adaptive_avg_pool2d_forward_cpu<T>(const T*, T*, int, int, int, int, int, int);   \
   template void adaptive_avg_pool2d_backward_cpu<T>(const T*, T*, int, int, int, int, int, int);
 CUDP_POOL_INSTANTIATE(float)

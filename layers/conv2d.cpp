@@ -101,7 +101,7 @@ void relu_mask_cpu(const Tensor& x, Tensor& dx) {
 }  // namespace
 
 float* Conv2d::output_grad_sums_target() {
-  const bool mask_done_after = output_.defined() && output_grad_masked_;
+  const bool mask_done_after = last_relu_fused_ && output_grad_masked_;
   return device_.is_cuda() && bias_ != nullptr && mask_done_after ? bias_->grad.data<float>()
                                                                   : nullptr;
 }
@@ -153,7 +153,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward) in the pass that
   // takes the bias gradient, unless the next layer did it (output_grad_masked_); both products
   // then read the masked dy.
-  const bool relu = output_.defined() && !output_grad_masked_;
+  const bool relu = last_relu_fused_ && !output_grad_masked_;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
   const float* x = input_.data<float>();
@@ -322,7 +322,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
              " but the output was bf16 (the bf16 precision policy); a gradient has its value's "
              "dtype");
   const bool relu =
-      output_.defined() && !output_grad_masked_;  // the mask not done by the next layer
+      last_relu_fused_ && !output_grad_masked_;  // the mask not done by the next layer
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).

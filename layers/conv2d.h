@@ -51,6 +51,12 @@ class Conv2d : public Module {
   // bias gradient is the column sum of the gradient that layer returns, and it may add it up on
   // the way (max pooling's backward does); this layer's bias gradient is where it goes.
   float* output_grad_sums_target() override;
+  // Where the next layer does the fused ReLU's mask, the output kept for it is dropped at once
+  // (VGG's pooled layers: the pool keeps one byte per output instead, kernels/pool.h).
+  void set_output_grad_masked(bool on) override {
+    Module::set_output_grad_masked(on);
+    if (on) output_ = Tensor();
+  }
 
   // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);
@@ -92,7 +98,7 @@ class Conv2d : public Module {
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
   // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
-  // backward-data; the output when a ReLU was fused.
+  // backward-data; the output when a ReLU was fused (and its mask is not the next layer's).
   Tensor input_;
   Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, output_;
   DType input_dtype_ = DType::f32;

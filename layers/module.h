@@ -163,7 +163,8 @@ class Module : public std::enable_shared_from_this<Module> {
   virtual bool can_take_masked_grad() const { return false; }  // a fused layer that can hand off
   void request_input_grad_mask(bool on) { mask_requested_ = on; }
   bool input_grad_masked() const { return input_grad_masked_; }
-  void set_output_grad_masked(bool on) { output_grad_masked_ = on; }
+  // A layer that kept its output for the mask alone may drop it here (override, calling this).
+  virtual void set_output_grad_masked(bool on) { output_grad_masked_ = on; }
 
   // Bias-gradient hand-off, on top of the mask's. The bias gradient of a layer is the column sum
   // of the gradient of its output, which the layer after the fused ReLU writes (masked) in its own

@@ -42,15 +42,15 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   const int p = kernels::max_pool2d_output_size(s.h, kernel_, stride_, padding_);
   const int q = kernels::max_pool2d_output_size(s.w, kernel_, stride_, padding_);
   Tensor y = Tensor::empty({s.n, p, q, s.c}, input.dtype(), device_);
-  // 2x2 windows of stride 2 on the GPU keep no indices: backward finds the maxima again in the
-  // input, which is kept instead (shared, no copy: the layer before keeps it too, for its own
-  // backward), kernels/pool.h.
-  const bool from_input = device_.is_cuda() && kernel_ == 2 && stride_ == 2 && padding_ == 0;
-  // The ReLU mask of a fused layer before (Module's hand-off): free where backward reads the input
-  // anyway (from_input), and after the reference on the CPU (which then keeps the input).
-  input_grad_masked_ = mask_requested_ && (from_input || device_.is_cpu());
-  Tensor indices = from_input ? Tensor() : Tensor::empty({s.n, p, q, s.c}, DType::i32, device_);
-  int32_t* idx = from_input ? nullptr : indices.data<int32_t>();
+  // 2x2 windows of stride 2 on the GPU keep one byte per output, which says where the maximum was
+  // and whether it was <= 0 (kernels/pool.h), instead of int32 indices.
+  const bool codes = device_.is_cuda() && kernel_ == 2 && stride_ == 2 && padding_ == 0;
+  // The ReLU mask of a fused layer before (Module's hand-off): free where the codes carry it, and
+  // after the reference on the CPU (which then keeps the input).
+  input_grad_masked_ = mask_requested_ && (codes || device_.is_cpu());
+  Tensor saved = Tensor::empty({s.n, p, q, s.c}, codes ? DType::u8 : DType::i32, device_);
+  int32_t* idx = codes ? nullptr : saved.data<int32_t>();
+  uint8_t* code = codes ? saved.data<uint8_t>() : nullptr;
   const int k = kernel_, st = stride_, pad = padding_;
   auto pool = [&]<typename T>(const T* x, T* out) {
     run(
@@ -58,8 +58,12 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
           kernels::max_pool2d_forward_cpu(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad);
         },
         [&](cudaStream_t stream) {
-          kernels::max_pool2d_forward(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
-                                      stream);
+          if (codes) {
+            kernels::max_pool2d_2x2_forward(x, out, code, s.n, s.h, s.w, s.c, stream);
+          } else {
+            kernels::max_pool2d_forward(x, out, idx, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,
+                                        stream);
+          }
         });
   };
   if (input.dtype() == DType::bf16) {
@@ -70,8 +74,9 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   input_shape_ = input.shape();
   input_dtype_ = input.dtype();
   output_shape_ = y.shape();
-  indices_ = indices;
-  input_ = from_input || input_grad_masked_ ? input : Tensor();
+  indices_ = codes ? Tensor() : saved;
+  codes_ = codes ? saved : Tensor();
+  input_ = input_grad_masked_ && device_.is_cpu() ? input : Tensor();
   return y;
 }
 
@@ -83,6 +88,7 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
   Tensor dx = Tensor::empty(input_shape_, input_dtype_, device_);
   const Nhwc s = nhwc_of(dx, "MaxPool2d", /*bf16_ok=*/true);
   const int32_t* idx = indices_.defined() ? indices_.data<int32_t>() : nullptr;
+  const uint8_t* code = codes_.defined() ? codes_.data<uint8_t>() : nullptr;
   const int k = kernel_, st = stride_, pad = padding_;
   auto pool = [&]<typename T>(const T* dy, const T* x, T* out) {
     run(
@@ -92,10 +98,10 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
           if (input_grad_masked_) kernels::relu_backward_cpu(x, out, out, dx.numel());
         },
         [&](cudaStream_t stream) {
-          if (idx == nullptr) {
+          if (code != nullptr) {
             // The bias hand-off (Module): the column sums of dx on the way, where asked.
-            kernels::max_pool2d_backward_from_input(dy, x, out, s.n, s.h, s.w, s.c, stream,
-                                                    input_grad_masked_, grad_sums_into_);
+            kernels::max_pool2d_2x2_backward(dy, code, out, s.n, s.h, s.w, s.c, stream,
+                                             input_grad_masked_, grad_sums_into_);
             input_grad_summed_ = grad_sums_into_ != nullptr;
           } else {
             kernels::max_pool2d_backward(dy, idx, out, s.n, s.h, s.w, s.c, k, k, st, st, pad, pad,

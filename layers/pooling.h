@@ -1,8 +1,9 @@
 // Pooling over NHWC activations with PyTorch's conventions (kernels/pool.h).
 //
 // MaxPool2d(kernel, stride = kernel, padding = 0): floor mode, padding as -inf; the forward keeps
-// the argmax of every output (int32, [N, P, Q, C]) and backward routes the gradient through it. The
-// saved indices are all it needs: the input is not kept.
+// the argmax of every output (int32, [N, P, Q, C]; for 2x2 windows of stride 2 on the GPU one byte,
+// kernels/pool.h) and backward routes the gradient through it. That is all it needs: the input is
+// not kept (but on the CPU where it does a fused ReLU's mask).
 //
 // AdaptiveAvgPool2d(out_h, out_w): PyTorch's overlapping windows. When the input already has the
 // output's size (VGG at 224x224: features end at 7x7) the op is the identity: forward returns its
@@ -28,6 +29,7 @@ class MaxPool2d : public Module {
   Tensor backward_one(const Tensor& grad_output) override;
   void release_saved() override {
     indices_ = Tensor();
+    codes_ = Tensor();
     input_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
@@ -36,8 +38,9 @@ class MaxPool2d : public Module {
   int kernel_, stride_, padding_;
   Shape input_shape_, output_shape_;  // saved for backward
   DType input_dtype_ = DType::f32;
-  Tensor indices_;  // the maxima's positions, or (2x2 stride 2 on the GPU) none and:
-  Tensor input_;    // the input, where backward finds them again (and the ReLU mask it may do)
+  Tensor indices_;  // the maxima's positions (int32), or (2x2 stride 2 on the GPU):
+  Tensor codes_;    // the windows' codes (u8, kernels/pool.h)
+  Tensor input_;    // the input, for the ReLU mask on the CPU
 };
 
 class AdaptiveAvgPool2d : public Module {

@@ -122,21 +122,25 @@ TEST(MaxPoolGpu, TiesAndNaNsMatchCpu) {
   }
 }
 
-// 2x2 stride 2 without indices: the backward that finds the maxima again in x gives the indexed
-// backward's dx bit for bit, on ties (values in {0, 1, 2}), NaNs, odd sizes (a partial window at
-// the edge has no output and gets zeros) and misaligned pointers; the forward without indices
-// writes the same y.
-TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
+// 2x2 stride 2 with codes (one byte per output, kernels/pool.h) instead of indices: the forward
+// writes the indexed forward's y and the CPU reference's codes, and the backward from the codes
+// gives the indexed backward's dx bit for bit, on ties (values in {0, 1, 2}), NaNs, values <= 0
+// (bit 2), odd sizes (a partial window at the edge has no output and gets zeros) and misaligned
+// pointers (the scalar path).
+TEST(MaxPoolGpu, TwoByTwoCodesGiveTheIndexedResults) {
   CUDP_REQUIRE_GPU();
   for (const PoolCase& k :
        {PoolCase{2, 7, 9, 4, 2, 2, 2, 2, 0, 0}, PoolCase{1, 8, 8, 3, 2, 2, 2, 2, 0, 0},
         PoolCase{3, 16, 12, 64, 2, 2, 2, 2, 0, 0}}) {
     for (size_t offset : {size_t{0}, size_t{1}}) {
       SCOPED_TRACE(describe(k, offset));
-      std::vector<float> x = testing::random_vector(k.in_size(), 61 + k.c, 0.f, 3.f);
+      std::vector<float> x = testing::random_vector(k.in_size(), 61 + k.c, -1.f, 3.f);
       for (float& v : x) v = std::floor(v);
       for (size_t i = 3; i < x.size(); i += 41) x[i] = std::numeric_limits<float>::quiet_NaN();
       const std::vector<float> dy_host = testing::random_vector(k.out_size(), 62);
+      std::vector<float> y_ref(k.out_size());
+      std::vector<uint8_t> codes_ref(k.out_size());
+      max_pool2d_2x2_forward_cpu(x.data(), y_ref.data(), codes_ref.data(), k.n, k.h, k.w, k.c);
       const DeviceBuffer<float> xd = upload_at(x, offset, 0.f);
       const DeviceBuffer<float> dy = upload_at(dy_host, offset, 0.f);
       DeviceBuffer<float> y1 = upload_at(std::vector<float>(k.out_size()), offset, 0.f);
@@ -144,24 +148,35 @@ TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputEqualsTheIndexedOne) {
       DeviceBuffer<float> dx1 = upload_at(std::vector<float>(k.in_size()), offset, 7.f);
       DeviceBuffer<float> dx2 = upload_at(std::vector<float>(k.in_size()), offset, 7.f);
       DeviceBuffer<int32_t> idx(k.out_size());
+      DeviceBuffer<uint8_t> codes =
+          upload_at(std::vector<uint8_t>(k.out_size(), 0xee), offset, uint8_t{0xee});
       max_pool2d_forward(xd.get() + offset, y1.get() + offset, idx.get(), k.n, k.h, k.w, k.c, 2, 2,
                          2, 2, 0, 0, nullptr);
-      max_pool2d_forward(xd.get() + offset, y2.get() + offset, nullptr, k.n, k.h, k.w, k.c, 2, 2, 2,
-                         2, 0, 0, nullptr);
+      max_pool2d_2x2_forward(xd.get() + offset, y2.get() + offset, codes.get() + offset, k.n, k.h,
+                             k.w, k.c, nullptr);
+      EXPECT_TRUE(bitwise_equal(download_at(y2, offset), download_at(y1, offset)));
+      EXPECT_TRUE(bitwise_equal(download_at(y2, offset), y_ref));
+      EXPECT_EQ(download_at(codes, offset), codes_ref);
       max_pool2d_backward(dy.get() + offset, idx.get(), dx1.get() + offset, k.n, k.h, k.w, k.c, 2,
                           2, 2, 2, 0, 0, nullptr);
-      max_pool2d_backward_from_input(dy.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
-                                     k.h, k.w, k.c, nullptr);
-      EXPECT_TRUE(bitwise_equal(download_at(y2, offset), download_at(y1, offset)));
+      max_pool2d_2x2_backward(dy.get() + offset, codes.get() + offset, dx2.get() + offset, k.n, k.h,
+                              k.w, k.c, nullptr);
       EXPECT_TRUE(bitwise_equal(download_at(dx2, offset), download_at(dx1, offset)));
+      std::vector<float> dx_ref(k.in_size());
+      max_pool2d_2x2_backward_cpu(dy_host.data(), codes_ref.data(), dx_ref.data(), k.n, k.h, k.w,
+                                  k.c);
+      EXPECT_TRUE(bitwise_equal(download_at(dx2, offset), dx_ref));
       // With the ReLU mask of x (a fused ReLU's output) in the same pass: the indexed backward
       // followed by the ReLU's own backward (zeros masked, NaNs kept), bit for bit.
       DeviceBuffer<float> dx3 = upload_at(std::vector<float>(k.in_size()), offset, 7.f);
-      max_pool2d_backward_from_input(dy.get() + offset, xd.get() + offset, dx3.get() + offset, k.n,
-                                     k.h, k.w, k.c, nullptr, /*relu_mask=*/true);
+      max_pool2d_2x2_backward(dy.get() + offset, codes.get() + offset, dx3.get() + offset, k.n, k.h,
+                              k.w, k.c, nullptr, /*relu_mask=*/true);
       relu_mask_bias_grad(xd.get() + offset, dx1.get() + offset, dx1.get() + offset, nullptr,
                           int64_t(k.in_size()), 1, 0.f, nullptr);
       EXPECT_TRUE(bitwise_equal(download_at(dx3, offset), download_at(dx1, offset)));
+      max_pool2d_2x2_backward_cpu(dy_host.data(), codes_ref.data(), dx_ref.data(), k.n, k.h, k.w,
+                                  k.c, /*relu_mask=*/true);
+      EXPECT_TRUE(bitwise_equal(download_at(dx3, offset), dx_ref));
     }
   }
   // Other windows need their indices.
@@ -192,21 +207,26 @@ void check_pool_backward_sums(const PoolCase& k, size_t offset, bool relu_mask) 
   DeviceBuffer<T> dx2 = upload_at(std::vector<T>(k.in_size()), offset, T(7.f));
   const std::vector<float> start = testing::random_vector(size_t(k.c), 73);
   DeviceBuffer<float> db1(start), db2(start);
-  max_pool2d_backward_from_input(dyd.get() + offset, xd.get() + offset, dx1.get() + offset, k.n,
-                                 k.h, k.w, k.c, nullptr, relu_mask);
-  max_pool2d_backward_from_input(dyd.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
-                                 k.h, k.w, k.c, nullptr, relu_mask, db1.get());
+  DeviceBuffer<T> y(k.out_size());
+  DeviceBuffer<uint8_t> codes = upload_at(std::vector<uint8_t>(k.out_size()), offset, uint8_t{0});
+  max_pool2d_2x2_forward(xd.get() + offset, y.get(), codes.get() + offset, k.n, k.h, k.w, k.c,
+                         nullptr);
+  const uint8_t* code = codes.get() + offset;
+  max_pool2d_2x2_backward(dyd.get() + offset, code, dx1.get() + offset, k.n, k.h, k.w, k.c, nullptr,
+                          relu_mask);
+  max_pool2d_2x2_backward(dyd.get() + offset, code, dx2.get() + offset, k.n, k.h, k.w, k.c, nullptr,
+                          relu_mask, db1.get());
   const std::vector<T> dx = download_at(dx2, offset);
   const std::vector<T> dx_alone = download_at(dx1, offset);
   EXPECT_EQ(std::memcmp(dx.data(), dx_alone.data(), dx.size() * sizeof(T)), 0);
   const std::vector<float> got = db1.download();
   EXPECT_TRUE(testing::column_sums_close(got, start, std::vector<float>(dx.begin(), dx.end())));
-  max_pool2d_backward_from_input(dyd.get() + offset, xd.get() + offset, dx2.get() + offset, k.n,
-                                 k.h, k.w, k.c, nullptr, relu_mask, db2.get());
+  max_pool2d_2x2_backward(dyd.get() + offset, code, dx2.get() + offset, k.n, k.h, k.w, k.c, nullptr,
+                          relu_mask, db2.get());
   EXPECT_TRUE(bitwise_equal(db2.download(), got));
 }
 
-TEST(MaxPoolGpu, TwoByTwoBackwardFromTheInputAddsTheColumnSums) {
+TEST(MaxPoolGpu, TwoByTwoBackwardFromCodesAddsTheColumnSums) {
   CUDP_REQUIRE_GPU();
   for (const PoolCase& k :
        {PoolCase{2, 7, 9, 4, 2, 2, 2, 2, 0, 0}, PoolCase{1, 8, 8, 3, 2, 2, 2, 2, 0, 0},

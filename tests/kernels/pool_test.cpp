@@ -75,6 +75,32 @@ TEST(MaxPoolCpu, TwoByTwoStrideTwoWithTies) {
   EXPECT_EQ(idx, (std::vector<int32_t>{4, 2, 8, 10}));
 }
 
+// The same plane through the codes: the window's place (0..3, row-major) and bit 2 where the max
+// is <= 0; backward sends dy to the coded element, and with the ReLU mask not where bit 2 is set.
+TEST(MaxPoolCpu, TwoByTwoCodesNameThePlaceAndTheSign) {
+  const std::vector<float> x = {1, 3, 3, 2, 5, 0, 3, 3, -1, -2, 7, 7, -4, -3, 7, 7};
+  std::vector<float> y(4);
+  std::vector<uint8_t> codes(4);
+  max_pool2d_2x2_forward_cpu(x.data(), y.data(), codes.data(), 1, 4, 4, 1);
+  EXPECT_EQ(y, (std::vector<float>{5, 3, -1, 7}));
+  EXPECT_EQ(codes, (std::vector<uint8_t>{2, 0, 4 + 0, 0}));
+  const std::vector<float> dy = {10, 20, 30, 40};
+  std::vector<float> dx(16, -9.f);
+  max_pool2d_2x2_backward_cpu(dy.data(), codes.data(), dx.data(), 1, 4, 4, 1);
+  EXPECT_EQ(dx, (std::vector<float>{0, 0, 20, 0, 10, 0, 0, 0, 30, 0, 40, 0, 0, 0, 0, 0}));
+  max_pool2d_2x2_backward_cpu(dy.data(), codes.data(), dx.data(), 1, 4, 4, 1, /*relu_mask=*/true);
+  EXPECT_EQ(dx, (std::vector<float>{0, 0, 20, 0, 10, 0, 0, 0, 0, 0, 40, 0, 0, 0, 0, 0}));
+  // An odd edge: the last row and column belong to no window and get zeros.
+  const std::vector<float> x3 = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<float> y3(1), dx3(9, -9.f);
+  std::vector<uint8_t> c3(1);
+  max_pool2d_2x2_forward_cpu(x3.data(), y3.data(), c3.data(), 1, 3, 3, 1);
+  EXPECT_EQ(y3[0], 5.f);
+  EXPECT_EQ(c3[0], 3);
+  max_pool2d_2x2_backward_cpu(dy.data(), c3.data(), dx3.data(), 1, 3, 3, 1);
+  EXPECT_EQ(dx3, (std::vector<float>{0, 0, 0, 0, 10, 0, 0, 0, 0}));
+}
+
 TEST(MaxPoolCpu, PaddingIsMinusInfinityAndChannelsAreIndependent) {
   // 3x3 window, stride 2, pad 1 over a 3x3 plane of two channels -> 2x2 outputs. Channel 0 is
   // all negative: a zero padding would win; -inf padding must not. Channel 1 = -channel 0.
