@@ -183,6 +183,30 @@ void bench_max_pool(std::vector<Result>& results, cudaStream_t stream, Cudnn& cu
   results.push_back({"max_pool2d bwd", shape, bwd_bytes,
                      cudp::bench::time_on_stream(stream, rotate(ours_bwd)).median_ms,
                      cudp::bench::time_on_stream(stream, rotate(ref_bwd)).median_ms, bwd_ok});
+  if (k != 2 || s != 2 || pad != 0) return;
+  // VGG's window as the layer runs it: one byte of code per output (kernels/pool.h) instead of the
+  // int32 index, and backward from the codes alone (cuDNN's reads x, y and dy).
+  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> codes;
+  for (int i = 0; i < copies; ++i) codes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(out));
+  auto codes_fwd = [&](int i) {
+    max_pool2d_2x2_forward(x[i]->p, y[i]->p, codes[i]->p, n, h, w, c, stream);
+  };
+  auto codes_bwd = [&](int i) {
+    max_pool2d_2x2_backward(dy[i]->p, codes[i]->p, dx[i]->p, n, h, w, c, stream);
+  };
+  for (int i = 0; i < copies; ++i) codes_fwd(i);
+  codes_bwd(0);
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const bool codes_fwd_ok =
+      validate("codes forward y vs cuDNN", y[0]->download(), y_ref[0]->download(), 0, 0);
+  const bool codes_bwd_ok =
+      validate("codes backward dx vs cuDNN", dx[0]->download(), dx_ref[0]->download(), 0, 0);
+  results.push_back({"max_pool2d fwd, codes", shape, 4.0 * (in + out) + double(out),
+                     cudp::bench::time_on_stream(stream, rotate(codes_fwd)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_fwd)).median_ms, codes_fwd_ok});
+  results.push_back({"max_pool2d bwd, codes", shape, 4.0 * (out + in) + double(out),
+                     cudp::bench::time_on_stream(stream, rotate(codes_bwd)).median_ms,
+                     cudp::bench::time_on_stream(stream, rotate(ref_bwd)).median_ms, codes_bwd_ok});
 }
 
 // Adaptive average pooling; cuDNN's average pooling stands in where the windows are uniform

@@ -11,6 +11,7 @@
 #                                        # step), and cudp-vgg on Fashion-MNIST in bf16
 #                                        # (.data/fashion-mnist or the system's)
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
+#   CUDP_CTEST_JOBS=6 scripts/gpu-check.sh       # ctest's parallel jobs (4 by default)
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
     step "pytorch golden file" "$([[ -n ${CUDP_GOLDEN_DIR:-} ]] && echo written || echo FAILED)"
   fi
   t0=$(date +%s)
-  ctest --test-dir build -j 4 --timeout 600 ${CUDP_TESTS:+-R "$CUDP_TESTS"} --output-on-failure \
+  ctest --test-dir build -j "${CUDP_CTEST_JOBS:-4}" --timeout 600 ${CUDP_TESTS:+-R "$CUDP_TESTS"} --output-on-failure \
     > "$out/ctest.log" 2>&1
   ctest_rc=$?
   step "ctest" "$(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
