@@ -1,7 +1,8 @@
 // Pooling kernels. One thread per output vector (forward) or per input vector (backward, a gather),
-// V = 4 consecutive channels per thread when C % 4 == 0 and the pointers are 16-byte aligned,
-// else 1. Flat indices are 32-bit when the element count allows (cheaper division), 64-bit
-// otherwise. Conventions and the reasons for them: kernels/pool.h.
+// V = 4 consecutive channels per thread when C % 4 == 0 and the pointers are aligned to 4 elements
+// (16 bytes of floats or indices, 8 of bf16, 4 of codes), else 1. Flat indices are 32-bit when the
+// element count allows (cheaper division), 64-bit otherwise. Conventions and the reasons for them:
+// kernels/pool.h.
 #include <climits>
 
 #include <cuda_bf16.h>
@@ -466,6 +467,7 @@ void max_pool2d_forward_impl(const T* x, T* y, int32_t* indices, uint8_t* codes,
   detail::check_max_pool2d(n, h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const Geometry g = max_geometry(h, w, c, kh, kw, stride_h, stride_w, pad_h, pad_w);
   const bool fast = is_2x2_stride_2(g);
+  if (n == 0) return;  // an empty batch (whose tensors may have null data)
   CUDP_CHECK(indices != nullptr || codes != nullptr,
              "max_pool2d_forward: indices is null (2x2 windows of stride 2 may keep one byte per "
              "output instead: max_pool2d_2x2_forward)");
@@ -517,6 +519,7 @@ void max_pool2d_2x2_backward_impl(const T* dy, const uint8_t* codes, T* dx, int 
   const bool vec4 = c % 4 == 0 && detail::aligned<kVecBytes<T>>(dy) && detail::aligned<4>(codes) &&
                     detail::aligned<kVecBytes<T>>(dx);
   const int64_t windows = int64_t(n) * ((h + 1) / 2) * ((w + 1) / 2) * c;
+  CUDP_CHECK(codes != nullptr || windows == 0, "max_pool2d_2x2_backward: codes are null");
   // The column sums on the way need every thread on one channel vector throughout.
   const int vectors = vec4 ? c / 4 : c;
   const bool sums = dbias != nullptr && kThreads % vectors == 0 && windows > 0;
@@ -545,13 +548,11 @@ void max_pool2d_2x2_backward_impl(const T* dy, const uint8_t* codes, T* dx, int 
 
 void max_pool2d_2x2_forward(const float* x, float* y, uint8_t* codes, int n, int h, int w, int c,
                             cudaStream_t stream) {
-  CUDP_CHECK(codes != nullptr, "max_pool2d_2x2_forward: codes are null");
   max_pool2d_forward_impl(x, y, nullptr, codes, n, h, w, c, 2, 2, 2, 2, 0, 0, stream);
 }
 
 void max_pool2d_2x2_forward(const __nv_bfloat16* x, __nv_bfloat16* y, uint8_t* codes, int n, int h,
                             int w, int c, cudaStream_t stream) {
-  CUDP_CHECK(codes != nullptr, "max_pool2d_2x2_forward: codes are null");
   max_pool2d_forward_impl(x, y, nullptr, codes, n, h, w, c, 2, 2, 2, 2, 0, 0, stream);
 }
 

@@ -20,9 +20,10 @@
 //   features and AdaptiveAvgPool2d(7)); backward is a gather over the windows that contain each
 //   input element.
 //
-// Fast paths: C % 4 == 0 with 16-byte aligned pointers moves float4/int4 along C; the common VGG
-// window (2x2, stride 2, no padding) has its own kernels, forward and backward. Everything else
-// takes the general kernels. Both give identical results (same comparisons in the same order).
+// Fast paths: C % 4 == 0 with pointers aligned to 4 elements moves 4 channels at a time along C;
+// the common VGG window (2x2, stride 2, no padding) has its own kernels, forward and backward.
+// Everything else takes the general kernels. Both give identical results (same comparisons in the
+// same order).
 //
 // The CPU references are templates instantiated for float and double (double lets the tests take
 // finite differences in double); they accumulate in double and the backward ones scatter, an

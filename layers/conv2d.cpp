@@ -154,6 +154,9 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // takes the bias gradient, unless the next layer did it (output_grad_masked_); both products
   // then read the masked dy.
   const bool relu = last_relu_fused_ && !output_grad_masked_;
+  CUDP_CHECK(!relu || output_.defined(),
+             "Conv2d: the output its fused ReLU's mask needs was "
+             "dropped (its gradient was said to arrive masked, then not); run forward() again");
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
   const float* x = input_.data<float>();
@@ -321,8 +324,11 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   CUDP_CHECK(grad_output.dtype() == DType::bf16, "Conv2d: grad_output is ", grad_output.str(),
              " but the output was bf16 (the bf16 precision policy); a gradient has its value's "
              "dtype");
-  const bool relu =
-      last_relu_fused_ && !output_grad_masked_;  // the mask not done by the next layer
+  // The mask not done by the next layer.
+  const bool relu = last_relu_fused_ && !output_grad_masked_;
+  CUDP_CHECK(!relu || output_.defined(),
+             "Conv2d: the output its fused ReLU's mask needs was "
+             "dropped (its gradient was said to arrive masked, then not); run forward() again");
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).

@@ -152,14 +152,14 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // ReLU mask hand-off. A fused ReLU's backward (dy zeroed where y <= 0) can be done by the layer
   // that reads y next, where that layer's backward writes the gradient anyway: max pooling's
-  // backward finds its window's maximum in y already, and backward-data's epilogue writes dx. Then
-  // nothing reads and writes dy a second time for the mask. Sequential asks the layer after a
-  // fused ReLU (request_input_grad_mask(true), for its next forward) when the fused layer can
-  // leave its mask (can_take_masked_grad); the layer decides in that forward whether it will (only
-  // where it costs no pass of its own on the GPU); if so, its backward returns dx zeroed where its
-  // input is <= 0 (input_grad_masked()), and the fused layer is told its gradient arrives masked
-  // (set_output_grad_masked). The hand-off is the Sequential's: its backward gives the same bits
-  // as with the ReLU modules (the mask is a select).
+  // backward knows its window's maximum already (the codes it kept, kernels/pool.h), and
+  // backward-data's epilogue writes dx. Then nothing reads and writes dy a second time for the
+  // mask. Sequential asks the layer after a fused ReLU (request_input_grad_mask(true), for its next
+  // forward) when the fused layer can leave its mask (can_take_masked_grad); the layer decides in
+  // that forward whether it will (only where it costs no pass of its own on the GPU); if so, its
+  // backward returns dx zeroed where its input is <= 0 (input_grad_masked()), and the fused layer
+  // is told its gradient arrives masked (set_output_grad_masked). The hand-off is the Sequential's:
+  // its backward gives the same bits as with the ReLU modules (the mask is a select).
   virtual bool can_take_masked_grad() const { return false; }  // a fused layer that can hand off
   void request_input_grad_mask(bool on) { mask_requested_ = on; }
   bool input_grad_masked() const { return input_grad_masked_; }

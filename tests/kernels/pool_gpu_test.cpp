@@ -179,6 +179,26 @@ TEST(MaxPoolGpu, TwoByTwoCodesGiveTheIndexedResults) {
       EXPECT_TRUE(bitwise_equal(download_at(dx3, offset), dx_ref));
     }
   }
+  // The codes alone misaligned (x, y, dy and dx aligned): the scalar path, the same results.
+  {
+    const PoolCase k{3, 16, 12, 64, 2, 2, 2, 2, 0, 0};
+    const std::vector<float> x = testing::random_vector(k.in_size(), 63, -1.f, 1.f);
+    const std::vector<float> dy_host = testing::random_vector(k.out_size(), 64);
+    std::vector<float> y_ref(k.out_size()), dx_ref(k.in_size());
+    std::vector<uint8_t> codes_ref(k.out_size());
+    max_pool2d_2x2_forward_cpu(x.data(), y_ref.data(), codes_ref.data(), k.n, k.h, k.w, k.c);
+    max_pool2d_2x2_backward_cpu(dy_host.data(), codes_ref.data(), dx_ref.data(), k.n, k.h, k.w, k.c,
+                                /*relu_mask=*/true);
+    const DeviceBuffer<float> xd(x), dy(dy_host);
+    DeviceBuffer<float> y(k.out_size()), dx(k.in_size());
+    DeviceBuffer<uint8_t> codes = upload_at(std::vector<uint8_t>(k.out_size()), 1, uint8_t{0});
+    max_pool2d_2x2_forward(xd.get(), y.get(), codes.get() + 1, k.n, k.h, k.w, k.c, nullptr);
+    max_pool2d_2x2_backward(dy.get(), codes.get() + 1, dx.get(), k.n, k.h, k.w, k.c, nullptr,
+                            /*relu_mask=*/true);
+    EXPECT_TRUE(bitwise_equal(y.download(), y_ref));
+    EXPECT_EQ(download_at(codes, 1), codes_ref);
+    EXPECT_TRUE(bitwise_equal(dx.download(), dx_ref));
+  }
   // Other windows need their indices.
   EXPECT_THROW(max_pool2d_forward(static_cast<const float*>(nullptr), nullptr, nullptr, 1, 4, 4, 1,
                                   3, 3, 2, 2, 1, 1, nullptr),
@@ -212,6 +232,12 @@ void check_pool_backward_sums(const PoolCase& k, size_t offset, bool relu_mask) 
   max_pool2d_2x2_forward(xd.get() + offset, y.get(), codes.get() + offset, k.n, k.h, k.w, k.c,
                          nullptr);
   const uint8_t* code = codes.get() + offset;
+  // The codes against the CPU reference on the values as floats (bf16 widens exactly).
+  std::vector<float> x_wide(x.size()), y_ref(k.out_size());
+  for (size_t i = 0; i < x.size(); ++i) x_wide[i] = float(x[i]);
+  std::vector<uint8_t> codes_ref(k.out_size());
+  max_pool2d_2x2_forward_cpu(x_wide.data(), y_ref.data(), codes_ref.data(), k.n, k.h, k.w, k.c);
+  EXPECT_EQ(download_at(codes, offset), codes_ref);
   max_pool2d_2x2_backward(dyd.get() + offset, code, dx1.get() + offset, k.n, k.h, k.w, k.c, nullptr,
                           relu_mask);
   max_pool2d_2x2_backward(dyd.get() + offset, code, dx2.get() + offset, k.n, k.h, k.w, k.c, nullptr,
@@ -262,6 +288,12 @@ TEST(MaxPoolGpu, BackwardIsDeterministicAndEmptyBatchIsANoOp) {
                                      k.sh, k.sw, k.ph, k.pw, nullptr));
   EXPECT_NO_THROW(max_pool2d_backward(dy.get(), idx.get(), dx1.get(), 0, k.h, k.w, k.c, k.kh, k.kw,
                                       k.sh, k.sw, k.ph, k.pw, nullptr));
+  // An empty batch's tensors have null data: the codes path takes them too.
+  float* none = nullptr;
+  EXPECT_NO_THROW(max_pool2d_2x2_forward(none, none, nullptr, 0, 8, 8, 4, nullptr));
+  EXPECT_NO_THROW(max_pool2d_2x2_backward(none, nullptr, none, 0, 8, 8, 4, nullptr, true, nullptr));
+  EXPECT_THROW(max_pool2d_2x2_backward(dy.get(), nullptr, dx1.get(), 1, 8, 8, 4, nullptr),
+               ValueError);
   CUDP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
