@@ -100,6 +100,14 @@ void relu_mask_cpu(const Tensor& x, Tensor& dx) {
 
 }  // namespace
 
+bool Conv2d::masks_output_grad() const {
+  const bool relu = last_relu_fused_ && !output_grad_masked_;
+  CUDP_CHECK(!relu || output_.defined(),
+             "Conv2d: the output its fused ReLU's mask needs was dropped (its gradient was said to "
+             "arrive masked, then not); run forward() again");
+  return relu;
+}
+
 float* Conv2d::output_grad_sums_target() {
   const bool mask_done_after = last_relu_fused_ && output_grad_masked_;
   return device_.is_cuda() && bias_ != nullptr && mask_done_after ? bias_->grad.data<float>()
@@ -153,10 +161,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward) in the pass that
   // takes the bias gradient, unless the next layer did it (output_grad_masked_); both products
   // then read the masked dy.
-  const bool relu = last_relu_fused_ && !output_grad_masked_;
-  CUDP_CHECK(!relu || output_.defined(),
-             "Conv2d: the output its fused ReLU's mask needs was "
-             "dropped (its gradient was said to arrive masked, then not); run forward() again");
+  const bool relu = masks_output_grad();
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
   const float* x = input_.data<float>();
@@ -324,11 +329,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   CUDP_CHECK(grad_output.dtype() == DType::bf16, "Conv2d: grad_output is ", grad_output.str(),
              " but the output was bf16 (the bf16 precision policy); a gradient has its value's "
              "dtype");
-  // The mask not done by the next layer.
-  const bool relu = last_relu_fused_ && !output_grad_masked_;
-  CUDP_CHECK(!relu || output_.defined(),
-             "Conv2d: the output its fused ReLU's mask needs was "
-             "dropped (its gradient was said to arrive masked, then not); run forward() again");
+  const bool relu = masks_output_grad();
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).

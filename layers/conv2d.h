@@ -92,6 +92,9 @@ class Conv2d : public Module {
   kernels::Conv2dShape shape_for(const Tensor& input) const;
   Tensor forward_bf16(const Tensor& input, const kernels::Conv2dShape& s);
   Tensor backward_bf16(const Tensor& grad_output);
+  // Whether this backward does its fused ReLU's mask (the next layer did not), from the output it
+  // kept for it.
+  bool masks_output_grad() const;
 
   int in_, out_, kernel_, stride_, padding_;
   Parameter* weight_ = nullptr;

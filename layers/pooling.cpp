@@ -74,8 +74,7 @@ Tensor MaxPool2d::forward_one(const Tensor& input) {
   input_shape_ = input.shape();
   input_dtype_ = input.dtype();
   output_shape_ = y.shape();
-  indices_ = codes ? Tensor() : saved;
-  codes_ = codes ? saved : Tensor();
+  argmax_ = saved;
   input_ = input_grad_masked_ && device_.is_cpu() ? input : Tensor();
   return y;
 }
@@ -87,8 +86,9 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
              "; a gradient has its value's dtype");
   Tensor dx = Tensor::empty(input_shape_, input_dtype_, device_);
   const Nhwc s = nhwc_of(dx, "MaxPool2d", /*bf16_ok=*/true);
-  const int32_t* idx = indices_.defined() ? indices_.data<int32_t>() : nullptr;
-  const uint8_t* code = codes_.defined() ? codes_.data<uint8_t>() : nullptr;
+  const bool codes = argmax_.dtype() == DType::u8;
+  const int32_t* idx = codes ? nullptr : argmax_.data<int32_t>();
+  const uint8_t* code = codes ? argmax_.data<uint8_t>() : nullptr;
   const int k = kernel_, st = stride_, pad = padding_;
   auto pool = [&]<typename T>(const T* dy, const T* x, T* out) {
     run(
@@ -98,7 +98,7 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
           if (input_grad_masked_) kernels::relu_backward_cpu(x, out, out, dx.numel());
         },
         [&](cudaStream_t stream) {
-          if (code != nullptr) {
+          if (codes) {
             // The bias hand-off (Module): the column sums of dx on the way, where asked.
             kernels::max_pool2d_2x2_backward(dy, code, out, s.n, s.h, s.w, s.c, stream,
                                              input_grad_masked_, grad_sums_into_);

@@ -28,8 +28,7 @@ class MaxPool2d : public Module {
   Tensor forward_one(const Tensor& input) override;
   Tensor backward_one(const Tensor& grad_output) override;
   void release_saved() override {
-    indices_ = Tensor();
-    codes_ = Tensor();
+    argmax_ = Tensor();
     input_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
@@ -38,9 +37,10 @@ class MaxPool2d : public Module {
   int kernel_, stride_, padding_;
   Shape input_shape_, output_shape_;  // saved for backward
   DType input_dtype_ = DType::f32;
-  Tensor indices_;  // the maxima's positions (int32), or (2x2 stride 2 on the GPU):
-  Tensor codes_;    // the windows' codes (u8, kernels/pool.h)
-  Tensor input_;    // the input, for the ReLU mask on the CPU
+  // Where the maxima were: int32 indices, or (2x2 stride 2 on the GPU) the windows' u8 codes,
+  // kernels/pool.h.
+  Tensor argmax_;
+  Tensor input_;  // the input, for the ReLU mask on the CPU
 };
 
 class AdaptiveAvgPool2d : public Module {
