@@ -108,6 +108,8 @@ struct Ranks {
   }
 };
 Ranks g_ranks;
+// --zero-grad: how each step's zero_grad leaves the gradients (Optimizer::zero_grad).
+ZeroGrad g_zero_grad = ZeroGrad::deferred;
 
 struct Options {
   std::vector<std::string> archs = {"vgg16"};
@@ -198,7 +200,7 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) 
   const auto body = [&](const Tensor& x, const Tensor& y) {
     const Tensor out = model.forward(x);
     const Tensor loss = criterion.forward(out, y, loss_weight);
-    opt.zero_grad();
+    opt.zero_grad(g_zero_grad);
     model.backward(criterion.backward());
     opt.step();
     return TensorList{loss};
@@ -531,6 +533,13 @@ int main(int argc, char** argv) {
                  "its weights at every forward (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string zero_grad = "deferred";
+  app.add_option("--zero-grad", zero_grad,
+                 "deferred: zero_grad leaves the convolutions' and linear layers' weight "
+                 "gradients to their backward, which writes them (no memset, no read-back); "
+                 "fill: every gradient zeroed, then added to (to compare)")
+      ->check(CLI::IsMember({"deferred", "fill"}))
+      ->capture_default_str();
   std::string pdl = "on";
   app.add_option("--pdl", pdl,
                  "on: kernels launch programmatically (each one's launch and set-up overlap the "
@@ -558,6 +567,7 @@ int main(int argc, char** argv) {
   detail::set_bias_handoff(bias_handoff == "on");
   detail::set_parameter_store(param_store == "on");
   detail::set_programmatic_launch(pdl == "on");
+  g_zero_grad = zero_grad == "fill" ? ZeroGrad::fill : ZeroGrad::deferred;
   kernels::detail::set_conv_swapped(swap == "on");
   kernels::detail::set_conv_halo(halo != "off");
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs

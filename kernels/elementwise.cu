@@ -124,7 +124,42 @@ void run(const char* name, Op op, const T* a, const std::type_identity_t<T>* b, 
   }
 }
 
+// zero_ranges: up to kRangesPerLaunch ranges per launch, passed by value (1 KiB of parameters);
+// blockIdx.y picks the range, a grid-stride loop over x covers it.
+constexpr int kRangesPerLaunch = 64;
+struct RangeBatch {
+  int64_t begin[kRangesPerLaunch];
+  int64_t end[kRangesPerLaunch];
+};
+
+__global__ void zero_ranges_kernel(float* base, RangeBatch batch) {
+  kernel_entry();
+  const int64_t begin = batch.begin[blockIdx.y], end = batch.end[blockIdx.y];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < end; i += stride) {
+    base[i] = 0.0f;
+  }
+}
+
 }  // namespace
+
+void zero_ranges(float* base, const FloatRange* ranges, int64_t count, cudaStream_t stream) {
+  detail::check_zero_ranges("zero_ranges", base, ranges, count);
+  for (int64_t first = 0; first < count; first += kRangesPerLaunch) {
+    RangeBatch batch{};
+    const int64_t in_batch = std::min<int64_t>(kRangesPerLaunch, count - first);
+    int64_t longest = 0;
+    for (int64_t r = 0; r < in_batch; ++r) {
+      batch.begin[r] = ranges[first + r].begin;
+      batch.end[r] = ranges[first + r].end;
+      longest = std::max(longest, batch.end[r] - batch.begin[r]);
+    }
+    if (longest == 0) continue;
+    const unsigned blocks = std::min(grid_for(longest, kThreads), kMaxBlocks);
+    launch("zero_ranges", zero_ranges_kernel, dim3(blocks, unsigned(in_batch)), kThreads, 0, stream,
+           base, batch);
+  }
+}
 
 void relu_forward(const float* x, float* y, int64_t n, cudaStream_t stream) {
   detail::check_elementwise("relu_forward", n, {x, y});

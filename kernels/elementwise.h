@@ -1,4 +1,4 @@
-// Element-wise fp32 kernels: ReLU forward and backward, scale, axpy, add.
+// Element-wise fp32 kernels: ReLU forward and backward, scale, axpy, add, and zero_ranges.
 //
 // These are pure bandwidth: one pass over memory, a handful of flops per element. The CUDA versions
 // move 16 bytes per load and store (float4) whenever the pointers allow it (all of them with the
@@ -58,6 +58,18 @@ void axpy_cpu(float alpha, const float* x, float* y, int64_t n);
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
 void add_cpu(const float* a, const float* b, float* out, int64_t n);
 
+// Elements [begin, end) of a buffer, in floats.
+struct FloatRange {
+  int64_t begin = 0, end = 0;
+};
+
+// base[i] = 0 for every i in the ranges: a flat gradient buffer's pieces that a deferred
+// zero_grad writes (layers/module.h, NOTE [Deferred zeroing]), in one launch where a memset per
+// piece would take one each. Ranges may be empty; each must have 0 <= begin <= end, or it throws
+// ValueError naming the range. Ranges that overlap are zeroed alike.
+void zero_ranges(float* base, const FloatRange* ranges, int64_t count, cudaStream_t stream);
+void zero_ranges_cpu(float* base, const FloatRange* ranges, int64_t count);
+
 namespace detail {
 
 CUDP_HD inline float relu(float x) {
@@ -105,6 +117,8 @@ inline VectorSplit vector_split(int64_t n,
 // The argument checks every launcher and CPU reference of elementwise.h, bias.h, dropout.h and
 // layout.h makes: n >= 0, and no null pointer unless n == 0. Throws ValueError naming `op`.
 void check_elementwise(const char* op, int64_t n, std::initializer_list<const void*> pointers);
+// zero_ranges' checks (above), for its launcher and its reference.
+void check_zero_ranges(const char* op, const float* base, const FloatRange* ranges, int64_t count);
 
 }  // namespace detail
 }  // namespace cudp::kernels

@@ -1,9 +1,23 @@
 // CPU references of elementwise.h: plain loops over the shared per-element formulas.
+#include <algorithm>
+
 #include "engine/core/error.h"
 #include "kernels/elementwise.h"
 
 namespace cudp::kernels {
 namespace detail {
+
+void check_zero_ranges(const char* op, const float* base, const FloatRange* ranges, int64_t count) {
+  CUDP_CHECK(count >= 0, op, ": count must be >= 0, got ", count);
+  CUDP_CHECK(count == 0 || ranges != nullptr, op, ": the ranges are null while count = ", count);
+  bool any = false;
+  for (int64_t r = 0; r < count; ++r) {
+    CUDP_CHECK(ranges[r].begin >= 0 && ranges[r].begin <= ranges[r].end, op, ": range ", r, " [",
+               ranges[r].begin, ", ", ranges[r].end, ") is not 0 <= begin <= end");
+    any = any || ranges[r].end > ranges[r].begin;
+  }
+  CUDP_CHECK(!any || base != nullptr, op, ": the buffer is null while a range is not empty");
+}
 
 void check_elementwise(const char* op, int64_t n, std::initializer_list<const void*> pointers) {
   CUDP_CHECK(n >= 0, op, ": n must be >= 0, got ", n);
@@ -61,6 +75,13 @@ void add_cpu(const float* a, const float* b, float* out, int64_t n) {
   detail::check_elementwise("add_cpu", n, {a, b, out});
   for (int64_t i = 0; i < n; ++i) {
     out[i] = a[i] + b[i];
+  }
+}
+
+void zero_ranges_cpu(float* base, const FloatRange* ranges, int64_t count) {
+  detail::check_zero_ranges("zero_ranges_cpu", base, ranges, count);
+  for (int64_t r = 0; r < count; ++r) {
+    std::fill(base + ranges[r].begin, base + ranges[r].end, 0.0f);
   }
 }
 

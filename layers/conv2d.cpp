@@ -24,6 +24,7 @@ Conv2d::Conv2d(init::SkipInit, int in_channels, int out_channels, int kernel, in
   CUDP_CHECK(kernel_ > 0 && stride_ > 0 && padding_ >= 0, "Conv2d: invalid kernel ", kernel_,
              ", stride ", stride_, " or padding ", padding_);
   weight_ = &register_parameter("weight", Tensor::empty({out_, kernel_, kernel_, in_}));
+  weight_->backward_writes_grad = true;  // NOTE [Deferred zeroing] (layers/module.h)
   if (bias) {
     bias_ = &register_parameter("bias", Tensor::empty({out_}));
   }
@@ -168,6 +169,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
+  const float dw_beta = weight_->take_grad_beta();  // 0: written, not added (Deferred zeroing)
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).
   float* db = bias_ && !output_grad_summed_ ? bias_->grad.data<float>() : nullptr;
   float* out = input_grad_ ? dx.data<float>() : nullptr;
@@ -188,7 +190,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
           if (input_grad_masked_) relu_mask_cpu(input_, dx);
         }
         const OperandView xr(x, input_.numel(), precision_);
-        kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, /*beta=*/1.0f);
+        kernels::conv2d_backward_weight_cpu(s, xr.get(), dyr.get(), dw, dw_beta);
       },
       [&](cudaStream_t stream) {
         // The bias gradient in the mask's pass where there is one, else with backward-weight.
@@ -210,7 +212,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         } else if (out) {
           kernels::conv2d_backward_data(s, dy, w, out, stream, math());
         }
-        kernels::conv2d_backward_weight(s, x, dy, dw, 1.0f, stream, math(), {},
+        kernels::conv2d_backward_weight(s, x, dy, dw, dw_beta, stream, math(), {},
                                         relu ? nullptr : db);
       });
   return dx;
@@ -332,6 +334,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   const bool relu = masks_output_grad();
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
+  const float dw_beta = weight_->take_grad_beta();  // 0: written, not added (Deferred zeroing)
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).
   float* db = bias_ && !output_grad_summed_ ? bias_->grad.data<float>() : nullptr;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::bf16, device_) : grad_output;
@@ -342,7 +345,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
                      std::nullopt);
     const std::vector<float> g = cpu_operand(dym, true), x = cpu_operand(input_, true),
                              w = cpu_operand(weight_->data, true);
-    kernels::conv2d_backward_weight_cpu(s, x.data(), g.data(), dw, 1.0f);
+    kernels::conv2d_backward_weight_cpu(s, x.data(), g.data(), dw, dw_beta);
     if (!input_grad_) return dx;
     std::vector<float> out(static_cast<size_t>(s.x_size()));
     kernels::conv2d_backward_data_cpu(s, g.data(), w.data(), out.data());
@@ -399,8 +402,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
             kernels::f32_to_bf16(dxf.data<float>(), dx.data<__nv_bfloat16>(), dx.numel(), stream);
           }
         }
-        kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, 1.0f, stream, kernels::Math::BF16,
-                                        converted, relu ? nullptr : db);
+        kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, dw_beta, stream,
+                                        kernels::Math::BF16, converted, relu ? nullptr : db);
       });
   return dx;
 }

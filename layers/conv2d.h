@@ -17,7 +17,9 @@
 // computes in fp32. On the tensor cores (tf32, bf16) backward-data takes stride 1 only
 // (kernels/conv2d.h): a strided layer's input gradient throws.
 //
-// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1). The forward keeps its
+// Backward writes dx and accumulates dW and db (docs/architecture.md §2.1); after a deferred
+// zero_grad it writes dW with beta 0 instead (NOTE [Deferred zeroing], layers/module.h; db, summed
+// by several kernels, is zeroed by zero_grad as before). The forward keeps its
 // input for the weight gradient. Parameters are initialised as torchvision's VGG does
 // (layers/init.h).
 #pragma once

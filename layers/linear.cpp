@@ -29,10 +29,10 @@ int gemm_extent(int64_t n, const char* what) {
 enum class Operands { kForward, kBStoredKN, kBothStoredK };
 
 // c (m x n, row-major, of c_type) = the product of bf16 row-major a and b on tensor cores, laid
-// out as `operands` says, (+ bias), c accumulated into when kBothStoredK.
+// out as `operands` says, (+ bias) (+ beta c: the weight gradient's accumulation).
 void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c,
                   kernels::DType c_type, const float* bias, cudaStream_t stream,
-                  Operands operands = Operands::kForward) {
+                  Operands operands = Operands::kForward, float beta = 0.f) {
   const bool a_t = operands == Operands::kBothStoredK;
   const bool b_t = operands != Operands::kForward;
   kernels::MatmulProblem p;
@@ -46,7 +46,7 @@ void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c
   p.b = b.data_ptr();
   p.ldb = b_t ? n : k;
   p.b_transposed = b_t;
-  p.beta = a_t ? 1.f : 0.f;
+  p.beta = beta;
   p.c = c;
   p.ldc = n;
   p.c_type = c_type;
@@ -68,8 +68,10 @@ Linear::Linear(init::SkipInit, int64_t in_features, int64_t out_features, bool b
   gemm_extent(in_, "in_features");
   gemm_extent(out_, "out_features");
   weight_ = &register_parameter("weight", Tensor::empty({out_, in_}));
+  weight_->backward_writes_grad = true;  // NOTE [Deferred zeroing] (layers/module.h)
   if (bias) {
     bias_ = &register_parameter("bias", Tensor::empty({out_}));
+    bias_->backward_writes_grad = true;
   }
 }
 
@@ -169,6 +171,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
+  // 0: written, not added (NOTE [Deferred zeroing], layers/module.h).
+  const float dw_beta = weight_->take_grad_beta();
+  const float db_beta = bias_ ? bias_->take_grad_beta() : 1.f;
   // Backward-data on the forward's bf16 weight (read as B stored k x n) and backward-weight on the
   // bf16 copies of dy and x as they are stored, when dy's rows are 16-byte multiples too.
   const bool direct_dx = input_grad_ && weight_bf16_.defined() && direct_bf16(out_);
@@ -191,9 +196,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
           kernels::gemm_cpu(false, false, rows, k, n, 1.0f, dyr.get(), n, wr.get(), k, 0.0f, out,
                             k);
         }
-        kernels::gemm_cpu(true, false, n, k, rows, 1.0f, dyr.get(), n, xr.get(), k, 1.0f, dw, k);
+        kernels::gemm_cpu(true, false, n, k, rows, 1.0f, dyr.get(), n, xr.get(), k, dw_beta, dw, k);
         if (db) {
-          kernels::bias_grad_cpu(dy, db, rows, n, 1.0f);
+          kernels::bias_grad_cpu(dy, db, rows, n, db_beta);
         }
       },
       [&](cudaStream_t s) {
@@ -208,12 +213,12 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         }
         if (direct_dw) {  // dW += dy^T x
           bf16_product(n, k, rows, dy_bf16, input_bf16_, dw, kernels::DType::F32, nullptr, s,
-                       Operands::kBothStoredK);
+                       Operands::kBothStoredK, dw_beta);
         } else {
-          kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, 1.0f, dw, k, s, math());
+          kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, dw_beta, dw, k, s, math());
         }
         if (db) {
-          kernels::bias_grad(dy, db, rows, n, 1.0f, s);
+          kernels::bias_grad(dy, db, rows, n, db_beta, s);
         }
       });
   // The gradient of a bf16 input is bf16 (one rounding of the fp32 result, as the direct path).

@@ -5,7 +5,8 @@
 //   y  = x W^T        (trans_b)       then y += b (kernels/bias.h)
 //   dx = dy W         written
 //   dW += dy^T x      (trans_a, beta = 1: parameter gradients accumulate, docs/architecture.md
-//   §2.1) db += column sums of dy (bias_grad, beta = 1)
+//                     §2.1; beta = 0 right after a deferred zero_grad, layers/module.h)
+//   db += column sums of dy (bias_grad, beta as dW's)
 // The forward keeps its input for dW. Parameters are initialised as torchvision's VGG does
 // (layers/init.h): W ~ N(0, 0.01), b = 0. Under the bf16 policy the layer takes f32 or bf16 input
 // and writes an fp32 output; the input gradient has the input's dtype.

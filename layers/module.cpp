@@ -14,8 +14,10 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
+#include "kernels/elementwise.h"
 #include "kernels/layout.h"
 
+#include <algorithm>
 #include <atomic>
 #include <set>
 #include <sstream>
@@ -370,6 +372,59 @@ void Module::set_fusion(bool on) {
 void Module::zero_grad() {
   for (Parameter* p : parameters()) {
     p->grad.zero_();
+    p->grad_zero_pending = false;
+  }
+}
+
+void zero_grads_not_pending(const std::vector<Parameter*>& params, float* flat, int64_t flat_size) {
+  if (flat == nullptr) {
+    for (Parameter* p : params) {
+      if (!p->grad_zero_pending) p->grad.zero_();  // undefined: nothing
+    }
+    return;
+  }
+  CUDP_CHECK(!params.empty(), "zero_grads_not_pending: a flat buffer without parameters");
+  const Device device = params[0]->grad.device();
+  // The pending gradients' spans, in buffer order; the ranges to zero are the gaps around them.
+  std::vector<kernels::FloatRange> pending;
+  for (const Parameter* p : params) {
+    if (!p->grad_zero_pending) continue;
+    const int64_t begin = p->grad.data<float>() - flat;
+    CUDP_CHECK(p->grad.device() == device && begin >= 0 && begin + p->grad.numel() <= flat_size,
+               "zero_grads_not_pending: a gradient ", p->grad.str(),
+               " is not inside the flat buffer of ", flat_size, " floats on ", device);
+    pending.push_back({begin, begin + p->grad.numel()});
+  }
+  std::sort(
+      pending.begin(), pending.end(),
+      [](const kernels::FloatRange& a, const kernels::FloatRange& b) { return a.begin < b.begin; });
+  std::vector<kernels::FloatRange> ranges;
+  int64_t from = 0;
+  for (const kernels::FloatRange& span : pending) {
+    if (span.begin > from) ranges.push_back({from, span.begin});
+    from = std::max(from, span.end);
+  }
+  if (from < flat_size) ranges.push_back({from, flat_size});
+  const auto count = static_cast<int64_t>(ranges.size());
+  if (device.is_cpu()) {
+    kernels::zero_ranges_cpu(flat, ranges.data(), count);
+    return;
+  }
+  const cuda::DeviceGuard guard(device.index);
+  const cudaStream_t stream = stream_for(device);
+  if (pending.empty()) {
+    // As Tensor::zero_ (a memset node in a graph): nothing deferred, the whole span.
+    CUDP_CUDA_CHECK(cudaMemsetAsync(flat, 0, flat_size * sizeof(float), stream));
+  } else {
+    kernels::zero_ranges(flat, ranges.data(), count, stream);
+  }
+}
+
+void zero_pending_grads(const std::vector<Parameter*>& params) {
+  for (Parameter* p : params) {
+    if (!p->grad_zero_pending) continue;
+    p->grad.zero_();
+    p->grad_zero_pending = false;
   }
 }
 

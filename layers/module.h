@@ -47,11 +47,44 @@ using TensorList = std::vector<Tensor>;
 // (Module::refresh_compute_copies); to() and
 // set_precision to another policy drop it. Code that writes `data` itself (through data<float>())
 // calls refresh_compute_copies() on the model afterwards. Undefined: the layers convert as before.
+//
+// NOTE [Deferred zeroing]
+// Optimizer::zero_grad(ZeroGrad::deferred) (what train_step and the trainers use) does not write
+// the gradients whose layer writes them whole in its backward (`backward_writes_grad`: Conv2d's
+// weight, Linear's weight and bias): it marks them `grad_zero_pending`, and that backward writes
+// the gradient with beta 0 instead of adding to zeros with beta 1 (take_grad_beta()). A step then
+// neither memsets those gradients nor reads them back, PyTorch's zero_grad(set_to_none=True)
+// without taking the tensors away. While the flag is set the gradient counts as zero and its
+// contents are unspecified; whatever reads gradients (Optimizer::step, clip_grad_norm, grad_norm,
+// the gradient reducers, DataParallel's all-reduce) first zeroes those still pending
+// (zero_pending_grads: a parameter whose module's backward did not run). Every other gradient is
+// zeroed by zero_grad as before. Bit for bit the same sums as zeroing first, but for the sign of
+// a zero sum (beta 0 keeps -0, adding it to +0 gives +0).
 struct Parameter {
   Tensor data;
   Tensor grad;
   Tensor compute{};  // bf16(data) under the bf16 policy when flattened; see the NOTE above
+  bool backward_writes_grad = false;  // set by the layer: see NOTE [Deferred zeroing]
+  bool grad_zero_pending = false;     // the gradient counts as zero; its contents are stale
+
+  // The beta of a backward's write of this gradient: 0 while it counts as zero (the write replaces
+  // whatever the tensor holds and never reads it), else 1 (accumulate). Clears the flag: the
+  // backward calls it once, where it enqueues the write.
+  float take_grad_beta() {
+    const float beta = grad_zero_pending ? 0.f : 1.f;
+    grad_zero_pending = false;
+    return beta;
+  }
 };
+
+// Zeroes (on their devices' current streams) the gradients of `params` that still count as zero
+// under NOTE [Deferred zeroing], and clears their flags: what reads gradients calls it first.
+void zero_pending_grads(const std::vector<Parameter*>& params);
+// Zeroes the gradients of `params` but those that count as zero (their flags stay set). `flat`:
+// the buffer of `flat_size` floats that every one of them views (flatten_parameters), zeroed in
+// one launch, the padding between them included; null: one memset per gradient. All on one device,
+// its current stream.
+void zero_grads_not_pending(const std::vector<Parameter*>& params, float* flat, int64_t flat_size);
 
 class Module : public std::enable_shared_from_this<Module> {
  public:

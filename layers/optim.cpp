@@ -149,20 +149,13 @@ void Optimizer::set_lr(double lr) {
   lr_ = lr;
 }
 
-void Optimizer::zero_grad() {
-  if (const std::optional<Flat> flat = find_flat(params_)) {
-    on_device(
-        flat->device, [&] { std::memset(flat->grad, 0, flat->n * sizeof(float)); },
-        [&](cudaStream_t stream) {
-          CUDP_CUDA_CHECK(cudaMemsetAsync(flat->grad, 0, flat->n * sizeof(float), stream));
-        });
-    return;
-  }
+void Optimizer::zero_grad(ZeroGrad how) {
   for (Parameter* p : params_) {
-    if (p->grad.defined()) {
-      p->grad.zero_();
-    }
+    p->grad_zero_pending =
+        how == ZeroGrad::deferred && p->backward_writes_grad && p->grad.defined();
   }
+  const std::optional<Flat> flat = find_flat(params_);
+  zero_grads_not_pending(params_, flat ? flat->grad : nullptr, flat ? flat->n : 0);
 }
 
 void Optimizer::check_gradients() const {
@@ -260,6 +253,7 @@ void Optimizer::fold_skips() const {
 void Optimizer::take_step(const Tensor* skip, Issue issue) {
   const bool stage = issue == Issue::Stage;
   check_gradients();
+  zero_pending_grads(params_);  // a parameter no backward wrote since a deferred zero_grad
   // Without unread gated steps, folding is bookkeeping on the host; with them it would wait for the
   // device, so the counts stay issued and the kernels correct them.
   if (!gated_since_fold_) fold_skips();
@@ -689,6 +683,7 @@ Tensor gradient_norm(const std::vector<Parameter*>& params, std::optional<float>
     check_parameter(*params[i], i, what);
   }
   const Device device = common_device(params, what);
+  zero_pending_grads(params);  // NOTE [Deferred zeroing] (layers/module.h)
   const cuda::AllocationPurpose purpose("the gradients' norm");
   Tensor total = Tensor::empty({}, DType::f32, device);
   float* norm = total.data<float>();

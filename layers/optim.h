@@ -59,6 +59,12 @@
 
 namespace cudp {
 
+// How Optimizer::zero_grad leaves the gradients (see there).
+enum class ZeroGrad {
+  fill,      // every gradient written with zeros now (PyTorch's zero_grad(set_to_none=False))
+  deferred,  // written by the next backward where its layer can (as set_to_none=True saves)
+};
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -70,8 +76,13 @@ class Optimizer {
   virtual std::string type_name() const = 0;  // "SGD", "AdamW"
 
   // Zeroes every gradient on its device's current stream (no host synchronisation); one memset for
-  // flat parameters.
-  void zero_grad();
+  // flat parameters. ZeroGrad::deferred leaves the gradients that their layer's backward writes
+  // whole (Conv2d's and Linear's weights, Linear's bias) to that backward, which then writes them
+  // instead of adding to zeros: no memset of them and no read of them (layers/module.h, NOTE
+  // [Deferred zeroing]); the rest are zeroed in one launch. Until that backward runs those
+  // gradients count as zero, and their tensors' contents are unspecified: step(), clip_grad_norm
+  // and grad_norm zero any still pending first.
+  void zero_grad(ZeroGrad how = ZeroGrad::fill);
   // One update of every parameter. Checks first that each gradient matches its parameter.
   void step();
   // The same update, skipped on the device when `skip` (one i32 element on the parameters' device,

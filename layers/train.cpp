@@ -63,7 +63,7 @@ PendingStep train_step_async(Module& model, CrossEntropyLoss& criterion, Optimiz
   model.set_input_grad(false);  // the images need no gradient: the first layer skips backward-data
   const Forward f = forward_batch(model, images, labels);
   Tensor loss = criterion.forward(f.logits, f.labels);
-  optimizer.zero_grad();
+  optimizer.zero_grad(ZeroGrad::deferred);  // the backward writes what it can (layers/module.h)
   model.backward(criterion.backward());
   optimizer.step();
   return {loss, f.correct, f.logits.size(0)};

@@ -280,10 +280,11 @@ class Replicated {
     }
   }
 
-  // Zeroes every replica's gradients (replicas 1.. are zeroed by each backward anyway).
-  void zero_grad() {
+  // Zeroes every replica's gradients (replicas 1.. are zeroed by each backward anyway), or defers
+  // it to the next backward (Optimizer::zero_grad).
+  void zero_grad(ZeroGrad how = ZeroGrad::fill) {
     for (auto& opt : optimizers_) {
-      opt->zero_grad();
+      opt->zero_grad(how);
     }
   }
 

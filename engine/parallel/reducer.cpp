@@ -189,6 +189,9 @@ void Reducer::prepare(size_t active_ranks) {
   CUDP_CHECK(active_ranks >= 1 && active_ranks <= ranks, "Reducer::prepare: ", active_ranks,
              " active ranks of ", ranks);
   group_.begin(buckets_.size());
+  // Ranks without a chunk run no backward: what a deferred zero_grad left them counts as zero
+  // (NOTE [Deferred zeroing], layers/module.h), zeroed before their buckets are marked ready.
+  for (size_t r = active_ranks; r < ranks; ++r) zero_pending_grads(params_[r]);
   next_ = 0;
   issued_early_ = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -235,6 +238,11 @@ void Reducer::finish() {
   for (size_t b = next_; b < buckets_.size(); ++b) {
     for (size_t r = 0; r < params_.size(); ++r) {
       if (left_[b][r] > 0) {
+        // A module whose backward did not run: its gradients that a deferred zero_grad left
+        // pending count as zero (NOTE [Deferred zeroing], layers/module.h).
+        std::vector<Parameter*> unwritten;
+        for (const size_t k : buckets_[b].params) unwritten.push_back(params_[r][k]);
+        zero_pending_grads(unwritten);
         left_[b][r] = 0;
         group_.mark_ready(r, b);
       }

@@ -160,15 +160,22 @@ void ReplicaSet::broadcast_buffers() {
 
 void ReplicaSet::zero_mirror_gradients() {
   if (replicas_.size() < 2 || !mirrors_hold_total_) return;
-  std::vector<TensorList> grads = parameter_tensors(/*grads=*/true);
+  // Those a deferred zero_grad left pending are written by the next backward, not zeroed here
+  // (NOTE [Deferred zeroing], layers/module.h).
+  const std::vector<TensorList> grads = parameter_tensors(/*grads=*/true);
   for (size_t r = 1; r < grads.size(); ++r) {
-    for (Tensor& g : grads[r]) g.zero_();
+    const bool flat = grads[r].size() == 1 && flat_[r].second.defined() &&
+                      grads[r][0].data_ptr() == flat_[r].second.data_ptr();
+    zero_grads_not_pending(params_[r], flat ? flat_[r].second.data<float>() : nullptr,
+                           flat ? flat_[r].second.numel() : 0);
   }
   mirrors_hold_total_ = false;
 }
 
 void ReplicaSet::all_reduce_gradients() {
   if (!comm_) return;
+  // Unused parameters, replicas without a chunk: what is still pending counts as zero.
+  for (const auto& params : params_) zero_pending_grads(params);
   const nvtx::Range range("gradient all-reduce");
   comm_->all_reduce_many(parameter_tensors(/*grads=*/true), ReduceOp::Sum);
   mirrors_hold_total_ = true;

@@ -306,7 +306,7 @@ class ReplicatedOptimizer final : public TrainOptimizer {
  public:
   ReplicatedOptimizer(Module& model, const typename parallel::Replicated<Opt>::Options& options)
       : r_(model, options) {}
-  void zero_grad() override { r_.zero_grad(); }
+  void zero_grad() override { r_.zero_grad(ZeroGrad::deferred); }  // layers/module.h
   void step() override { r_.step(); }
   void step(const Tensor& skip) override { r_.step(skip); }
   int64_t skipped_steps() override { return r_.skipped_steps(); }

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -150,6 +151,33 @@ TEST(ElementwiseGpu, AddMatchesCpu) {
       EXPECT_ALL_CLOSE(da.download(), expected, 0.0, 0.0);
     }
   }
+}
+
+// More ranges than one launch takes (64), of every length from empty to past 2^20 + some, some
+// overlapping, at odd offsets: the GPU zeroes what the reference does and nothing else.
+TEST(ElementwiseGpu, ZeroRangesMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const int64_t n = (int64_t(1) << 21) + 77;
+  std::vector<FloatRange> ranges;
+  int64_t at = 3;
+  for (int r = 0; r < 150; ++r) {
+    const int64_t length = r % 7 == 0 ? 0 : r == 40 ? (int64_t(1) << 20) + 5 : (r * 37) % 1500;
+    ranges.push_back({at, std::min(n, at + length)});
+    at = r % 5 == 0 ? at + length / 2 : at + length + (r % 3);  // every fifth overlaps the next
+    if (at >= n) at = n - 1;
+  }
+  const std::vector<float> data = testing::random_vector(n, 900, 1.f, 2.f);
+  std::vector<float> expected = data;
+  zero_ranges_cpu(expected.data(), ranges.data(), int64_t(ranges.size()));
+  Slice buffer(n, 1);
+  buffer.upload(data);
+  zero_ranges(buffer.get(), ranges.data(), int64_t(ranges.size()), stream);
+  EXPECT_ALL_CLOSE(buffer.download(), expected, 0.0, 0.0);
+  EXPECT_TRUE(buffer.guards_intact());
+  EXPECT_NO_THROW(zero_ranges(nullptr, nullptr, 0, stream));
+  const FloatRange backwards[] = {{4, 2}};
+  EXPECT_THROW(zero_ranges(buffer.get(), backwards, 1, stream), ValueError);
 }
 
 TEST(ElementwiseGpu, ZeroSizeLaunchesNothing) {

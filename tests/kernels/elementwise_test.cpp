@@ -113,6 +113,37 @@ TEST(Add, HandValuesAndAliasing) {
   EXPECT_EQ(a, out);
 }
 
+TEST(ZeroRanges, ZeroesExactlyTheRanges) {
+  std::vector<float> v(20, 5.0f);
+  const FloatRange ranges[] = {{2, 5}, {5, 5}, {9, 12}, {10, 11}, {19, 20}};
+  zero_ranges_cpu(v.data(), ranges, 5);
+  std::vector<float> expected(20, 5.0f);
+  for (int i : {2, 3, 4, 9, 10, 11, 19}) expected[static_cast<size_t>(i)] = 0.0f;
+  EXPECT_EQ(v, expected);
+  EXPECT_NO_THROW(zero_ranges_cpu(nullptr, nullptr, 0));
+  const FloatRange empty[] = {{3, 3}};
+  EXPECT_NO_THROW(zero_ranges_cpu(nullptr, empty, 1));  // nothing to write
+}
+
+TEST(ZeroRanges, BadRangesThrowValueErrorNamingTheRange) {
+  float v[4] = {};
+  const FloatRange backwards[] = {{0, 1}, {3, 2}};
+  try {
+    zero_ranges_cpu(v, backwards, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("range 1 [3, 2) is not 0 <= begin <= end"),
+              std::string::npos)
+        << e.what();
+  }
+  const FloatRange negative[] = {{-1, 2}};
+  EXPECT_THROW(zero_ranges_cpu(v, negative, 1), ValueError);
+  const FloatRange some[] = {{0, 2}};
+  EXPECT_THROW(zero_ranges_cpu(nullptr, some, 1), ValueError);
+  EXPECT_THROW(zero_ranges_cpu(v, nullptr, 1), ValueError);
+  EXPECT_THROW(zero_ranges_cpu(v, some, -1), ValueError);
+}
+
 TEST(Elementwise, ZeroSizeIsANoOpEvenWithNullPointers) {
   EXPECT_NO_THROW(relu_forward_cpu(kNoFloats, kNoFloats, 0));
   EXPECT_NO_THROW(relu_backward_cpu(kNoFloats, kNoFloats, kNoFloats, 0));

@@ -7,6 +7,7 @@
 // the element-wise sums of the ranks' own gradients (the truth computed here without any reducer).
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -265,6 +266,43 @@ TEST(Reducer, ARankWithoutWorkIsReadyAtOnceAndAModuleWithoutBackwardAtFinish) {
       "ready 1 5", "ready 1 4", "ready 0 0", "ready 1 0", "ready 0 1", "ready 1 1", "reduce 0",
       "reduce 1",  "reduce 2",  "reduce 3",  "reduce 4",  "reduce 5",  "finish"};
   EXPECT_EQ(group2.log, expected);
+}
+
+// Deferred zeroing (layers/module.h): every gradient of both ranks holds a stale NaN and counts
+// as zero. Rank 1 has no chunk and rank 0 skips the last Linear's backward, so the reducer sums
+// gradients no backward wrote: it must zero them first, so that the sums are rank 0's own
+// gradients where it ran and zero where nobody did.
+TEST(Reducer, GradientsADeferredZeroGradLeftUnwrittenAreSummedAsZero) {
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2);
+  Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
+  for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
+  for (size_t r = 0; r < 2; ++r) {
+    for (Parameter* p : ranks.params[r]) {
+      p->grad.fill_(std::numeric_limits<float>::quiet_NaN());
+      p->grad_zero_pending = p->backward_writes_grad;
+    }
+  }
+  reducer.prepare(1);
+  auto& model = dynamic_cast<Sequential&>(*ranks.models[0]);
+  model.forward(input(0));
+  Tensor g = Tensor::from_vector(random_vector(5 * 12, 300), {5, 12});
+  for (size_t m = 4; m-- > 0;) g = model.children()[m].second->backward(g);
+  reducer.finish();
+  // The truth: the same backward on a fresh copy whose gradients start at zero.
+  Ranks fresh = make_ranks(1);
+  auto& truth = dynamic_cast<Sequential&>(*fresh.models[0]);
+  truth.forward(input(0));
+  Tensor t = Tensor::from_vector(random_vector(5 * 12, 300), {5, 12});
+  for (size_t m = 4; m-- > 0;) t = truth.children()[m].second->backward(t);
+  for (size_t r = 0; r < 2; ++r) {
+    for (size_t k = 0; k < ranks.params[r].size(); ++k) {
+      EXPECT_FALSE(ranks.params[r][k]->grad_zero_pending) << "rank " << r << " parameter " << k;
+      EXPECT_EQ(ranks.params[r][k]->grad.to_vector<float>(),
+                fresh.params[0][k]->grad.to_vector<float>())
+          << "rank " << r << " parameter " << k;
+    }
+  }
 }
 
 TEST(Reducer, AModuleWhoseBackwardRunsTwiceIsAnErrorThatSaysWhatToDo) {

@@ -1,0 +1,97 @@
+// Host tests of deferred zeroing (layers/module.h, NOTE [Deferred zeroing]): the CPU paths of
+// Conv2d and Linear under every precision, per parameter and flat, with accumulation, against the
+// same network zeroed first (deferred_zero_grad_testing.h); a parameter no backward writes; and
+// the flags that fill, Module::zero_grad and train_step leave.
+#include <gtest/gtest.h>
+
+#include "tests/layers/deferred_zero_grad_testing.h"
+
+namespace cudp::testing {
+namespace {
+
+class DeferredZeroGrad : public ::testing::TestWithParam<std::tuple<Precision, bool>> {};
+
+TEST_P(DeferredZeroGrad, EqualsZeroingFirst) {
+  const auto [precision, flat] = GetParam();
+  expect_deferred_zeroing_equals_zeroing_first(
+      {.device = Device::cpu(), .precision = precision, .flat = flat});
+}
+
+TEST_P(DeferredZeroGrad, AccumulatedMicroBatchesEqualZeroingFirst) {
+  const auto [precision, flat] = GetParam();
+  // Three micro-batches of 3, 3 and 2 rows: the first backward writes, the others add.
+  expect_deferred_zeroing_equals_zeroing_first(
+      {.device = Device::cpu(), .precision = precision, .flat = flat, .micro_batches = 3});
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, DeferredZeroGrad,
+                         ::testing::Combine(::testing::Values(Precision::fp32, Precision::tf32,
+                                                              Precision::bf16),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(precision_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "Flat" : "PerParameter");
+                         });
+
+TEST(DeferredZeroGradCpu, AnUnusedParameterCountsAsZero) {
+  expect_unused_parameter_counts_as_zero(Device::cpu(), false);
+  expect_unused_parameter_counts_as_zero(Device::cpu(), true);
+}
+
+TEST(DeferredZeroGradCpu, FillAndModuleZeroGradClearTheFlags) {
+  auto net = deferred_zeroing_net();
+  SGD opt(net->parameters(), {.lr = 0.1});
+  opt.zero_grad(ZeroGrad::deferred);
+  size_t pending = 0;
+  for (Parameter* p : net->parameters()) pending += p->grad_zero_pending ? 1 : 0;
+  EXPECT_EQ(pending, deferred_parameter_names().size());
+  fill_gradients(*net, kStaleNaN);
+  opt.zero_grad();  // fill: every gradient zero, nothing pending
+  for (Parameter* p : net->parameters()) {
+    EXPECT_FALSE(p->grad_zero_pending);
+    EXPECT_EQ(p->grad.to_vector<float>(), std::vector<float>(p->grad.numel(), 0.f));
+  }
+  opt.zero_grad(ZeroGrad::deferred);
+  fill_gradients(*net, kStaleNaN);
+  net->zero_grad();
+  for (Parameter* p : net->parameters()) {
+    EXPECT_FALSE(p->grad_zero_pending);
+    EXPECT_EQ(p->grad.to_vector<float>(), std::vector<float>(p->grad.numel(), 0.f));
+  }
+}
+
+// train_step defers; three of its steps against zero_grad(), backward and step by hand.
+TEST(DeferredZeroGradCpu, TrainStepEqualsTheStepWithZeroingFirst) {
+  auto by_hand = deferred_zeroing_net(), stepped = deferred_zeroing_net();
+  SGD hand_opt(by_hand->parameters(), {.lr = 0.05, .momentum = 0.9});
+  SGD step_opt(stepped->parameters(), {.lr = 0.05, .momentum = 0.9});
+  fill_gradients(*stepped, kStaleNaN);
+  CrossEntropyLoss hand_loss, step_loss;
+  for (int step = 0; step < 3; ++step) {
+    const Tensor x = deferred_zeroing_images(6, 60 + step, Device::cpu());
+    const Tensor y = deferred_zeroing_labels(6, step, Device::cpu());
+    by_hand->set_input_grad(false);  // as train_step does
+    hand_loss.forward(by_hand->forward(x), y);
+    hand_opt.zero_grad();
+    by_hand->backward(hand_loss.backward());
+    hand_opt.step();
+    const StepResult r = train_step(*stepped, step_loss, step_opt, x, y);
+    EXPECT_TRUE(std::isfinite(r.loss));
+  }
+  const auto want = by_hand->named_parameters(), got = stepped->named_parameters();
+  for (size_t i = 0; i < want.size(); ++i) {
+    expect_same_values(got[i].second->data, want[i].second->data, got[i].first);
+  }
+}
+
+TEST(DeferredZeroGradCpu, TakeGradBetaWritesOnceThenAdds) {
+  Parameter p{Tensor::zeros({2}), Tensor::zeros({2})};
+  EXPECT_EQ(p.take_grad_beta(), 1.f);
+  p.grad_zero_pending = true;
+  EXPECT_EQ(p.take_grad_beta(), 0.f);
+  EXPECT_FALSE(p.grad_zero_pending);
+  EXPECT_EQ(p.take_grad_beta(), 1.f);
+}
+
+}  // namespace
+}  // namespace cudp::testing
