@@ -242,9 +242,17 @@ TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs
   // After a synced backward every rank holds the total. A rank other than 0 drops it before it adds
   // another backward's part, or the next all-reduce would count it once per rank; rank 0 keeps it,
   // so that gradients accumulate as in one model (DataParallel's replicas do the same). With a
-  // zero_grad() in between this is a redundant memset of the flat gradient buffer.
+  // zero_grad() in between this is a redundant memset of the flat gradient buffer, and the
+  // gradients a deferred zero_grad left to the backward are not zeroed (NOTE [Deferred zeroing],
+  // layers/module.h).
   check_not_broken();
-  if (holds_total_ && rank() != 0) flat_grad_.zero_();
+  if (holds_total_ && rank() != 0) {
+    if (reducer_->layout_intact()) {
+      zero_grads_not_pending(module_->parameters(), flat_grad_.data<float>(), flat_grad_.numel());
+    } else {
+      flat_grad_.zero_();  // the layout's error comes below
+    }
+  }
   holds_total_ = false;
   if (!gradient_sync_) return module_->backward_all(grad_outputs);
   CUDP_CHECK(reducer_->layout_intact(),
