@@ -43,6 +43,9 @@
 // --graphs on off: each configuration with its steps replayed from a CUDA graph (GraphedStep,
 // layers/train.h: two eager warm-up steps, the capture, then replays; at least 3 untimed steps) and
 // launched kernel by kernel; JSON field "cudp_graphs".
+//
+// --zero-grad deferred (the default, as train_step and cudp-vgg) or fill: how each step's
+// zero_grad leaves the gradients (Optimizer::zero_grad); JSON field "cudp_zero_grad".
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -317,10 +320,11 @@ void print_row(const Row& w, FILE* json) {
       "{\"framework\": \"cudp\", \"model\": \"%s\", \"bn\": %s, \"cudp_precision\": \"%s\", "
       "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
       "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
-      "\"step_ms\": %.3f, \"allreduce_ms\": %.3f%s}\n",
+      "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\"%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
-      r.images_per_s, r.step_ms, r.allreduce_ms, extra.c_str());
+      r.images_per_s, r.step_ms, r.allreduce_ms,
+      g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", extra.c_str());
   std::fflush(json);
 }
 
