@@ -20,10 +20,27 @@ TEST(BenchTrain, OneProcessOnTheCpu) {
   EXPECT_EQ(row.at("gpus"), 0);
   EXPECT_EQ(row.at("batch_per_gpu"), 4);
   EXPECT_EQ(row.at("cudp_graphs"), "off");
+  EXPECT_EQ(row.at("cudp_zero_grad"), "deferred");  // the default
   EXPECT_EQ(row.at("bn"), false);          // --bn is off by default
   EXPECT_FALSE(row.contains("peak_gib"));  // GPU memory only
   expect_global_batch(row, 4);
   EXPECT_EQ(count_of(r.output, "| vgg11 | fp32 | off | 32 | 4 | 1 | 0 (CPU) |"), 1u) << r.output;
+}
+
+// --zero-grad fill: the row says so; an unknown mode is a usage error.
+TEST(BenchTrain, ZeroGradFillIsRecorded) {
+  CUDP_REQUIRE_BENCH_TRAIN();
+  TempDir dir;
+  const RunResult r = run_program(dir, kBenchTrain,
+                                  kTinyCpu + "--zero-grad fill --json '" + (dir / "t.json") + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto rows = json_lines(dir / "t.json");
+  ASSERT_EQ(rows.size(), 1u) << r.output;
+  EXPECT_EQ(rows[0].at("cudp_zero_grad"), "fill");
+  expect_global_batch(rows[0], 4);
+  const RunResult bad = run_program(dir, kBenchTrain, kTinyCpu + "--zero-grad later");
+  EXPECT_NE(bad.code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("--zero-grad"), std::string::npos) << bad.output;
 }
 
 // --bn: VGG with a BatchNorm2d after every convolution, in each precision the CPU runs (the bf16
