@@ -169,7 +169,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
-  const float dw_beta = weight_->take_grad_beta();  // 0: written, not added (Deferred zeroing)
+  const float dw_beta = weight_->grad_beta();  // 0: written, not added (Deferred zeroing)
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).
   float* db = bias_ && !output_grad_summed_ ? bias_->grad.data<float>() : nullptr;
   float* out = input_grad_ ? dx.data<float>() : nullptr;
@@ -215,6 +215,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         kernels::conv2d_backward_weight(s, x, dy, dw, dw_beta, stream, math(), {},
                                         relu ? nullptr : db);
       });
+  weight_->grad_written();
   return dx;
 }
 
@@ -334,7 +335,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   const bool relu = masks_output_grad();
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
-  const float dw_beta = weight_->take_grad_beta();  // 0: written, not added (Deferred zeroing)
+  const float dw_beta = weight_->grad_beta();  // 0: written, not added (Deferred zeroing)
   // Not when the layer after the ReLU added it up already (the bias hand-off, Module).
   float* db = bias_ && !output_grad_summed_ ? bias_->grad.data<float>() : nullptr;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::bf16, device_) : grad_output;
@@ -346,6 +347,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
     const std::vector<float> g = cpu_operand(dym, true), x = cpu_operand(input_, true),
                              w = cpu_operand(weight_->data, true);
     kernels::conv2d_backward_weight_cpu(s, x.data(), g.data(), dw, dw_beta);
+    weight_->grad_written();
     if (!input_grad_) return dx;
     std::vector<float> out(static_cast<size_t>(s.x_size()));
     kernels::conv2d_backward_data_cpu(s, g.data(), w.data(), out.data());
@@ -405,6 +407,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
         kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, dw_beta, stream,
                                         kernels::Math::BF16, converted, relu ? nullptr : db);
       });
+  weight_->grad_written();
   return dx;
 }
 

@@ -172,8 +172,8 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
   // 0: written, not added (NOTE [Deferred zeroing], layers/module.h).
-  const float dw_beta = weight_->take_grad_beta();
-  const float db_beta = bias_ ? bias_->take_grad_beta() : 1.f;
+  const float dw_beta = weight_->grad_beta();
+  const float db_beta = bias_ ? bias_->grad_beta() : 1.f;
   // Backward-data on the forward's bf16 weight (read as B stored k x n) and backward-weight on the
   // bf16 copies of dy and x as they are stored, when dy's rows are 16-byte multiples too.
   const bool direct_dx = input_grad_ && weight_bf16_.defined() && direct_bf16(out_);
@@ -221,6 +221,8 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
           kernels::bias_grad(dy, db, rows, n, db_beta, s);
         }
       });
+  weight_->grad_written();
+  if (bias_) bias_->grad_written();
   // The gradient of a bf16 input is bf16 (one rounding of the fp32 result, as the direct path).
   if (dx.defined() && dx.dtype() != input_dtype_) dx = convert(dx, input_dtype_);
   return dx;

@@ -371,7 +371,7 @@ void Module::set_fusion(bool on) {
 
 void Module::zero_grad() {
   for (Parameter* p : parameters()) {
-    p->grad.zero_();
+    if (p->grad.defined()) p->grad.zero_();
     p->grad_zero_pending = false;
   }
 }
@@ -379,7 +379,7 @@ void Module::zero_grad() {
 void zero_grads_not_pending(const std::vector<Parameter*>& params, float* flat, int64_t flat_size) {
   if (flat == nullptr) {
     for (Parameter* p : params) {
-      if (!p->grad_zero_pending) p->grad.zero_();  // undefined: nothing
+      if (!p->grad_zero_pending && p->grad.defined()) p->grad.zero_();
     }
     return;
   }
@@ -423,7 +423,7 @@ void zero_grads_not_pending(const std::vector<Parameter*>& params, float* flat, 
 void zero_pending_grads(const std::vector<Parameter*>& params) {
   for (Parameter* p : params) {
     if (!p->grad_zero_pending) continue;
-    p->grad.zero_();
+    if (p->grad.defined()) p->grad.zero_();
     p->grad_zero_pending = false;
   }
 }

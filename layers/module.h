@@ -52,14 +52,14 @@ using TensorList = std::vector<Tensor>;
 // Optimizer::zero_grad(ZeroGrad::deferred) (what train_step and the trainers use) does not write
 // the gradients whose layer writes them whole in its backward (`backward_writes_grad`: Conv2d's
 // weight, Linear's weight and bias): it marks them `grad_zero_pending`, and that backward writes
-// the gradient with beta 0 instead of adding to zeros with beta 1 (take_grad_beta()). A step then
-// neither memsets those gradients nor reads them back, PyTorch's zero_grad(set_to_none=True)
-// without taking the tensors away. While the flag is set the gradient counts as zero and its
-// contents are unspecified; whatever reads gradients (Optimizer::step, clip_grad_norm, grad_norm,
-// the gradient reducers, DataParallel's all-reduce) first zeroes those still pending
-// (zero_pending_grads: a parameter whose module's backward did not run). Every other gradient is
-// zeroed by zero_grad as before. Bit for bit the same sums as zeroing first, but for the sign of
-// a zero sum (beta 0 keeps -0, adding it to +0 gives +0).
+// the gradient with beta 0 instead of adding to zeros with beta 1 (grad_beta(), then
+// grad_written()). A step then neither memsets those gradients nor reads them back, PyTorch's
+// zero_grad(set_to_none=True) without taking the tensors away. While the flag is set the gradient
+// counts as zero and its contents are unspecified; whatever reads gradients (Optimizer::step,
+// clip_grad_norm, grad_norm, the gradient reducers, DataParallel's all-reduce) first zeroes those
+// still pending (zero_pending_grads: a parameter whose module's backward did not run). Every other
+// gradient is zeroed by zero_grad as before. Bit for bit the same sums as zeroing first, but for
+// the sign of a zero sum (beta 0 keeps -0, adding it to +0 gives +0).
 struct Parameter {
   Tensor data;
   Tensor grad;
@@ -68,13 +68,11 @@ struct Parameter {
   bool grad_zero_pending = false;     // the gradient counts as zero; its contents are stale
 
   // The beta of a backward's write of this gradient: 0 while it counts as zero (the write replaces
-  // whatever the tensor holds and never reads it), else 1 (accumulate). Clears the flag: the
-  // backward calls it once, where it enqueues the write.
-  float take_grad_beta() {
-    const float beta = grad_zero_pending ? 0.f : 1.f;
-    grad_zero_pending = false;
-    return beta;
-  }
+  // whatever the tensor holds and never reads it), else 1 (accumulate).
+  float grad_beta() const { return grad_zero_pending ? 0.f : 1.f; }
+  // Called by that backward once the write is enqueued: from then on the gradient holds a value. A
+  // backward that throws before it leaves the flag set, so that a retry still writes.
+  void grad_written() { grad_zero_pending = false; }
 };
 
 // Zeroes (on their devices' current streams) the gradients of `params` that still count as zero

@@ -253,7 +253,9 @@ void Optimizer::fold_skips() const {
 void Optimizer::take_step(const Tensor* skip, Issue issue) {
   const bool stage = issue == Issue::Stage;
   check_gradients();
-  zero_pending_grads(params_);  // a parameter no backward wrote since a deferred zero_grad
+  // A parameter no backward wrote since a deferred zero_grad. Not when staging a replay: the
+  // graph holds what its capture issued, and the host's flags describe the captured step's end.
+  if (!stage) zero_pending_grads(params_);
   // Without unread gated steps, folding is bookkeeping on the host; with them it would wait for the
   // device, so the counts stay issued and the kernels correct them.
   if (!gated_since_fold_) fold_skips();

@@ -84,13 +84,49 @@ TEST(DeferredZeroGradCpu, TrainStepEqualsTheStepWithZeroingFirst) {
   }
 }
 
-TEST(DeferredZeroGradCpu, TakeGradBetaWritesOnceThenAdds) {
+TEST(DeferredZeroGradCpu, GradBetaIsZeroUntilTheWrite) {
   Parameter p{Tensor::zeros({2}), Tensor::zeros({2})};
-  EXPECT_EQ(p.take_grad_beta(), 1.f);
+  EXPECT_EQ(p.grad_beta(), 1.f);
   p.grad_zero_pending = true;
-  EXPECT_EQ(p.take_grad_beta(), 0.f);
+  EXPECT_EQ(p.grad_beta(), 0.f);
+  EXPECT_EQ(p.grad_beta(), 0.f);  // asking does not clear it: a backward that throws leaves it
+  p.grad_written();
   EXPECT_FALSE(p.grad_zero_pending);
-  EXPECT_EQ(p.take_grad_beta(), 1.f);
+  EXPECT_EQ(p.grad_beta(), 1.f);
+}
+
+// A backward that fails before its write (here: a gradient of the wrong shape) leaves the gradient
+// counting as zero, so that the backward run again writes it rather than adding to stale values.
+TEST(DeferredZeroGradCpu, ABackwardThatThrowsLeavesTheFlag) {
+  Linear linear(4, 3, true, 5);
+  SGD opt(linear.parameters(), {.lr = 0.1});
+  opt.zero_grad(ZeroGrad::deferred);
+  poison_pending_gradients(linear);
+  const Tensor x = Tensor::from_vector(random_vector(8, 7), {2, 4});
+  linear.forward(x);
+  EXPECT_THROW(linear.backward(Tensor::zeros({2, 5})), ValueError);
+  for (Parameter* p : linear.parameters()) EXPECT_TRUE(p->grad_zero_pending);
+  linear.forward(x);
+  linear.backward(Tensor::from_vector(random_vector(6, 8), {2, 3}));
+  for (Parameter* p : linear.parameters()) {
+    EXPECT_FALSE(p->grad_zero_pending);
+    for (float g : p->grad.to_vector<float>()) EXPECT_TRUE(std::isfinite(g));
+  }
+}
+
+// An optimizer over a parameter without a gradient zeroes the others and reports that one at
+// step(), in either mode.
+TEST(DeferredZeroGradCpu, AParameterWithoutAGradientIsSkippedByZeroGrad) {
+  Parameter with{Tensor::zeros({3}), Tensor::from_vector(std::vector<float>{1, 2, 3}, {3})};
+  Parameter without{Tensor::zeros({2}), Tensor()};
+  SGD opt({&with, &without}, {.lr = 0.1});
+  EXPECT_NO_THROW(opt.zero_grad());
+  EXPECT_EQ(with.grad.to_vector<float>(), std::vector<float>(3, 0.f));
+  with.backward_writes_grad = without.backward_writes_grad = true;
+  EXPECT_NO_THROW(opt.zero_grad(ZeroGrad::deferred));
+  EXPECT_TRUE(with.grad_zero_pending);
+  EXPECT_FALSE(without.grad_zero_pending);
+  EXPECT_THROW(opt.step(), ValueError);
 }
 
 }  // namespace

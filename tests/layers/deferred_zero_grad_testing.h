@@ -32,17 +32,31 @@ namespace cudp::testing {
 
 constexpr float kStaleNaN = std::numeric_limits<float>::quiet_NaN();
 
-// 8x8x3 images: Conv2d(3, 16) on padded input channels, ReLU, 2x2 max pooling, Conv2d(16, 16),
-// BatchNorm2d, ReLU, pooling, then Linear(64, 32), ReLU, Linear(32, 10) (10 outputs: the float
-// launcher under bf16). Conv2d and Linear defer; the convolutions' biases and BatchNorm do not.
-inline std::shared_ptr<Sequential> deferred_zeroing_net() {
+// Two sizes of one shape of network: Conv2d(3, c1) on 3 input channels (the padded first layer
+// under bf16, the narrow kernels under TF32), ReLU, 2x2 max pooling, Conv2d(c1, c2), BatchNorm2d,
+// ReLU, pooling, then Linear(c2 * (image/4)^2, hidden), ReLU, Linear(hidden, 10) (10 outputs: the
+// float launcher under bf16). Conv2d and Linear defer; the convolutions' biases and BatchNorm do
+// not. Small (8x8 images, 16 channels, batch 8) for the CPU references; wide (16x16 images, 64 and
+// 128 channels, batch 32) on the GPU, where the layers take the kernels VGG's do: TF32's narrow
+// first layer (64 filters on 3 channels) and boxes (64 input channels), filters of more than 64
+// rows, and backward-weight products long in k (batch x pixels) against their m and n, which the
+// planner splits.
+struct DeferredZeroingNet {
+  int image = 8, c1 = 16, c2 = 16, hidden = 32;
+  int64_t batch = 8;
+};
+inline constexpr DeferredZeroingNet kSmallNet{};
+inline constexpr DeferredZeroingNet kWideNet{16, 64, 128, 64, 32};
+
+inline std::shared_ptr<Sequential> deferred_zeroing_net(const DeferredZeroingNet& n = kSmallNet) {
+  const int features = n.c2 * (n.image / 4) * (n.image / 4);
   return std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
-      std::make_shared<Conv2d>(3, 16, 3, 1, 1, true, 21), std::make_shared<ReLU>(true),
-      std::make_shared<MaxPool2d>(2), std::make_shared<Conv2d>(16, 16, 3, 1, 1, true, 22),
-      std::make_shared<BatchNorm2d>(16), std::make_shared<ReLU>(true),
+      std::make_shared<Conv2d>(3, n.c1, 3, 1, 1, true, 21), std::make_shared<ReLU>(true),
+      std::make_shared<MaxPool2d>(2), std::make_shared<Conv2d>(n.c1, n.c2, 3, 1, 1, true, 22),
+      std::make_shared<BatchNorm2d>(n.c2), std::make_shared<ReLU>(true),
       std::make_shared<MaxPool2d>(2), std::make_shared<Flatten>(),
-      std::make_shared<Linear>(64, 32, true, 23), std::make_shared<ReLU>(true),
-      std::make_shared<Linear>(32, 10, true, 24)});
+      std::make_shared<Linear>(features, n.hidden, true, 23), std::make_shared<ReLU>(true),
+      std::make_shared<Linear>(n.hidden, 10, true, 24)});
 }
 
 // The parameters whose backward writes them whole: the names deferred_zeroing_net gives them.
@@ -52,9 +66,10 @@ inline const std::set<std::string>& deferred_parameter_names() {
   return names;
 }
 
-inline Tensor deferred_zeroing_images(int64_t n, uint64_t seed, Device device) {
-  return Tensor::from_vector(random_vector(static_cast<size_t>(n) * 8 * 8 * 3, seed, -1.f, 1.f),
-                             {n, 8, 8, 3})
+inline Tensor deferred_zeroing_images(int64_t n, uint64_t seed, Device device, int image = 8) {
+  return Tensor::from_vector(
+             random_vector(static_cast<size_t>(n) * image * image * 3, seed, -1.f, 1.f),
+             {n, image, image, 3})
       .to(device);
 }
 
@@ -83,17 +98,26 @@ inline void fill_gradients(Module& m, float value) {
   for (Parameter* p : m.parameters()) p->grad.fill_(value);
 }
 
+// What a gradient that counts as zero may hold: NaN in every one still pending, as after a step
+// that diverged, so that a read of it or a gradient left unwritten shows.
+inline void poison_pending_gradients(Module& m) {
+  for (Parameter* p : m.parameters()) {
+    if (p->grad_zero_pending) p->grad.fill_(kStaleNaN);
+  }
+}
+
 struct DeferredZeroingCase {
   Device device = Device::cpu();
   Precision precision = Precision::fp32;
   bool flat = false;          // flatten_parameters() first: one launch over the flat buffer
   int64_t micro_batches = 1;  // > 1: forward_backward_micro_batches (accumulation)
+  DeferredZeroingNet net = kSmallNet;
 };
 
 // Three steps of SGD with momentum and weight decay on each copy; see the header.
 inline void expect_deferred_zeroing_equals_zeroing_first(const DeferredZeroingCase& c) {
-  constexpr int64_t kBatch = 8;
-  auto filled = deferred_zeroing_net(), deferred = deferred_zeroing_net();
+  const int64_t batch = c.net.batch;
+  auto filled = deferred_zeroing_net(c.net), deferred = deferred_zeroing_net(c.net);
   for (auto* m : {filled.get(), deferred.get()}) {
     m->to(c.device);
     m->set_precision(c.precision);
@@ -114,8 +138,8 @@ inline void expect_deferred_zeroing_equals_zeroing_first(const DeferredZeroingCa
   };
   for (int step = 0; step < 3; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    const Tensor x = deferred_zeroing_images(kBatch, 40 + step, c.device);
-    const Tensor y = deferred_zeroing_labels(kBatch, step, c.device);
+    const Tensor x = deferred_zeroing_images(batch, 40 + step, c.device, c.net.image);
+    const Tensor y = deferred_zeroing_labels(batch, step, c.device);
     filled_opt.zero_grad();
     backward(*filled, filled_loss, x, y);
 
@@ -132,6 +156,7 @@ inline void expect_deferred_zeroing_equals_zeroing_first(const DeferredZeroingCa
         EXPECT_EQ(g, std::vector<float>(g.size(), 0.f)) << name << " was not zeroed";
       }
     }
+    poison_pending_gradients(*deferred);  // at every step, not only the first
     backward(*deferred, deferred_loss, x, y);
     const auto want = filled->named_parameters();
     const auto got = deferred->named_parameters();
@@ -158,8 +183,8 @@ inline void expect_unused_parameter_counts_as_zero(Device device, bool flat) {
   if (flat) both->flatten_parameters();
   const std::vector<float> weight_before = unused->parameters()[0]->data.to_vector<float>();
   SGD opt(both->parameters(), {.lr = 0.1, .momentum = 0.9});
-  fill_gradients(*both, kStaleNaN);
   opt.zero_grad(ZeroGrad::deferred);
+  poison_pending_gradients(*both);
   CrossEntropyLoss criterion;
   criterion.forward(used->forward(deferred_zeroing_images(4, 50, device)),
                     deferred_zeroing_labels(4, 1, device));
@@ -174,8 +199,8 @@ inline void expect_unused_parameter_counts_as_zero(Device device, bool flat) {
   opt.step();
   EXPECT_EQ(unused->parameters()[0]->data.to_vector<float>(), weight_before);
   // A parameter whose gradient counts as zero at step() (no grad_norm before it) moves as zero.
-  fill_gradients(*unused, kStaleNaN);
   opt.zero_grad(ZeroGrad::deferred);
+  poison_pending_gradients(*both);
   criterion.forward(used->forward(deferred_zeroing_images(4, 51, device)),
                     deferred_zeroing_labels(4, 2, device));
   used->backward(criterion.backward());

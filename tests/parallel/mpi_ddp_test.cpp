@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,8 +62,10 @@ struct Trained {
   std::unique_ptr<DistributedDataParallel> ddp;
 };
 
-// kSteps steps of DDP, each rank on its shard, weighting its loss by ddp.loss_weight().
-Trained ddp_run() {
+// kSteps steps of DDP, each rank on its shard, weighting its loss by ddp.loss_weight(). Deferred
+// zeroing (layers/module.h) fills the gradients left to the backward with NaN first, as stale
+// values a step must neither read nor keep.
+Trained ddp_run(ZeroGrad how = ZeroGrad::fill) {
   Trained t;
   t.model = tiny_net();
   t.ddp = std::make_unique<DistributedDataParallel>(t.model, mpi_host_group(*mpi_session()));
@@ -71,7 +74,10 @@ Trained ddp_run() {
   CrossEntropyLoss criterion;
   for (int step = 0; step < kSteps; ++step) {
     const Batch s = shard(make_batch(kGlobalBatch, 500 + step), ddp.rank(), ddp.world_size());
-    sgd.zero_grad();
+    sgd.zero_grad(how);
+    for (Parameter* p : ddp.parameters()) {
+      if (p->grad_zero_pending) p->grad.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
     const Tensor out = ddp.forward(s.images);
     criterion.forward(out, s.labels, ddp.loss_weight());
     ddp.backward(criterion.backward());
@@ -112,6 +118,29 @@ TEST(MpiDdp, KStepsOnTheRanksShardsAreOneProcessOnTheWholeBatch) {
   ddp.broadcast_buffers();
   for (const auto& [name, buffer] : buffers) {
     EXPECT_EQ(differs_from_rank0(*buffer), 0u) << "rank " << ddp.rank() << "'s buffer " << name;
+  }
+}
+
+// Deferred zeroing gives the same sums: every rank's parameters after kSteps steps are those of
+// zeroing first, bit for bit (== on each value). Ranks other than 0 drop the all-reduced total
+// before each backward, leaving the flagged gradients to it.
+TEST(MpiDdp, DeferredZeroingTrainsAsZeroingFirst) {
+  ASSERT_NE(mpi_session(), nullptr);
+  std::vector<std::vector<float>> filled;
+  {
+    const Trained t = ddp_run(ZeroGrad::fill);
+    for (const auto& [name, p] : t.model->named_parameters()) {
+      filled.push_back(p->data.to_vector<float>());
+    }
+  }
+  const Trained t = ddp_run(ZeroGrad::deferred);
+  const auto got = t.model->named_parameters();
+  ASSERT_EQ(got.size(), filled.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    const std::vector<float> v = got[k].second->data.to_vector<float>();
+    size_t differ = 0;
+    for (size_t i = 0; i < v.size(); ++i) differ += v[i] == filled[k][i] ? 0 : 1;
+    EXPECT_EQ(differ, 0u) << "rank " << t.ddp->rank() << "'s " << got[k].first;
   }
 }
 

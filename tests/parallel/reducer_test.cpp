@@ -278,9 +278,12 @@ TEST(Reducer, GradientsADeferredZeroGradLeftUnwrittenAreSummedAsZero) {
   Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
   for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
   for (size_t r = 0; r < 2; ++r) {
+    // Every Linear parameter writes its gradient whole; the first bias is made one that does not
+    // (zeroed, not flagged, as zero_grad leaves such a one), so that both kinds are summed.
+    ranks.params[r][1]->backward_writes_grad = false;
     for (Parameter* p : ranks.params[r]) {
-      p->grad.fill_(std::numeric_limits<float>::quiet_NaN());
       p->grad_zero_pending = p->backward_writes_grad;
+      p->grad.fill_(p->grad_zero_pending ? std::numeric_limits<float>::quiet_NaN() : 0.f);
     }
   }
   reducer.prepare(1);
