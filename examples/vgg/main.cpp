@@ -1392,6 +1392,7 @@ int run(Options o) {
     }
   }
   settle();  // the last save is complete before the run says it is done
+  if (folder) folder->wait();  // and the last metrics.csv and curves.png (their error, if any)
   if (start_epoch >= end_epoch) {
     print_checksum();
     return 0;

@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "engine/core/error.h"
 
@@ -138,27 +140,49 @@ RunFolder::RunFolder(const std::string& dir, int64_t start_epoch, const std::str
   commands += command_line + "\n";
   write_file_atomically(dir + "/command.txt", commands);
   write_file_atomically(dir + "/settings.txt", settings);
-  write_metrics();
+  write_metrics(dir_, rows_);
 }
 
-void RunFolder::write_metrics() const {
+RunFolder::~RunFolder() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cudp-vgg: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "cudp-vgg: writing the run folder's metrics failed\n");
+  }
+}
+
+void RunFolder::wait() {
+  if (writer_.joinable()) writer_.join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+void RunFolder::write_metrics(const std::string& dir, const std::vector<EpochMetrics>& rows) {
   std::string csv = std::string(kHeader) + "\n";
   std::vector<CurvePoint> points;
-  for (const EpochMetrics& m : rows_) {
+  for (const EpochMetrics& m : rows) {
     csv += row_text(m) + "\n";
     points.push_back({m.epoch, m.train_loss, m.test_loss, m.train_top1, m.test_top1, m.test_top5});
   }
-  write_file_atomically(dir_ + "/metrics.csv", csv);
+  write_file_atomically(dir + "/metrics.csv", csv);
   if (!points.empty()) {
     const std::vector<uint8_t> png = draw_curves(points);
-    write_file_atomically(dir_ + "/curves.png", std::string(png.begin(), png.end()));
+    write_file_atomically(dir + "/curves.png", std::string(png.begin(), png.end()));
   }
 }
 
 void RunFolder::add(const EpochMetrics& m) {
+  wait();
   while (!rows_.empty() && rows_.back().epoch >= m.epoch) rows_.pop_back();
   rows_.push_back(m);
-  write_metrics();
+  writer_ = std::thread([this, dir = dir_, rows = rows_] {
+    try {
+      write_metrics(dir, rows);
+    } catch (...) {
+      error_ = std::current_exception();  // read by wait(), after the join
+    }
+  });
 }
 
 }  // namespace cudp::trainer

@@ -11,11 +11,15 @@
 // Resuming in the folder keeps the rows up to the checkpoint's epoch and drops any later ones (a
 // run killed after writing a row but before its checkpoint), so metrics.csv always matches the
 // checkpoint it continues from. Files other than the checkpoints are replaced atomically (written
-// beside, then renamed), so a reader never sees half a picture.
+// beside, then renamed), so a reader never sees half a picture. An epoch's metrics.csv and
+// curves.png are written on the folder's own thread while the next epoch trains (drawing the curves
+// takes ~10 ms with the GPU otherwise idle), one write at a time, in epoch order.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "examples/vgg/plot.h"
@@ -36,18 +40,29 @@ class RunFolder {
   RunFolder(const std::string& dir, int64_t start_epoch, const std::string& command_line,
             const std::string& settings);
 
-  // Appends the epoch's row and redraws curves.png.
+  // Waits for the write in flight. Its error, if nobody collected it with wait(), goes to stderr: a
+  // destructor cannot throw, and it runs when something else already failed.
+  ~RunFolder();
+  RunFolder(const RunFolder&) = delete;
+  RunFolder& operator=(const RunFolder&) = delete;
+
+  // Waits for the previous write (rethrowing its error), then appends the epoch's row and rewrites
+  // metrics.csv and curves.png on the folder's thread.
   void add(const EpochMetrics& m);
+  // Waits for the write in flight, if any; rethrows its error (once).
+  void wait();
 
   std::string last_checkpoint() const { return dir_ + "/last.safetensors"; }
   std::string best_checkpoint() const { return dir_ + "/best.safetensors"; }
   const std::string& dir() const { return dir_; }
 
  private:
-  void write_metrics() const;
+  static void write_metrics(const std::string& dir, const std::vector<EpochMetrics>& rows);
 
   std::string dir_;
   std::vector<EpochMetrics> rows_;
+  std::thread writer_;
+  std::exception_ptr error_;
 };
 
 // Throws IoError (what the file is for, the path, what to do) unless `path` can be created or
