@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -72,6 +73,12 @@ class Buffer {
     CUDP_CUDA_CHECK(cudaDeviceSynchronize());
   }
   void poison() { upload(std::vector<float>(size_t(n_), testing::kPoison)); }
+  // What a beta-0 output may hold before the kernel writes it (a gradient that a deferred zero_grad
+  // left, layers/module.h): NaN, which any read would carry into the result (0 * NaN is NaN, where
+  // 0 * kPoison is 0).
+  void poison_nan() {
+    upload(std::vector<float>(size_t(n_), std::numeric_limits<float>::quiet_NaN()));
+  }
   // Only the n elements from get(): the shift elements before them are never written, and a copy
   // of them would be a read of uninitialised memory (compute-sanitizer's initcheck says so).
   std::vector<float> download() const {
@@ -275,10 +282,10 @@ TEST_P(Conv2dGpu, BackwardWeight) {
   ddy.upload(dy);
   const double atol = atol_for(int64_t(s.n) * s.p() * s.q());
 
-  // beta = 0: dw holds poison, which must be neither read nor left behind.
+  // beta = 0: dw holds NaN, which must be neither read nor left behind.
   std::vector<float> expected(size_t(s.w_size()));
   conv2d_backward_weight_cpu(s, x.data(), dy.data(), expected.data(), 0.0f);
-  ddw.poison();
+  ddw.poison_nan();
   conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 0.0f, stream);
   const std::vector<float> got = ddw.download();
   EXPECT_ALL_CLOSE(got, expected, kRtol, atol);
@@ -439,8 +446,8 @@ TEST_F(Conv2dGpuTest, BackwardWeightLongReduction) {
                          [](float v) { return std::isfinite(v) && v != testing::kPoison; });
     };
 
-    // beta = 0: dw holds poison, which must be neither read nor left behind.
-    ddw.poison();
+    // beta = 0: dw holds NaN, which must be neither read nor left behind.
+    ddw.poison_nan();
     conv2d_backward_weight(s, dx.get(), ddy.get(), ddw.get(), 0.0f, stream);
     const std::vector<float> got = ddw.download();
     EXPECT_TRUE(written(got)) << "beta = 0 left poison (or produced a non-finite value) in dw";

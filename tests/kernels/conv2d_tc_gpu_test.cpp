@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -926,7 +927,10 @@ void check_backward_weight(const Conv2dShape& s, Math math, float beta, const st
   conv2d_backward_weight_cpu(s, x.data(), dy.data(), ref.data(), beta);
   conv2d_backward_weight_cpu(s, absolute(x).data(), absolute(dy).data(), abs_sum.data(), 0.f);
   for (size_t i = 0; i < abs_sum.size(); ++i) abs_sum[i] += std::fabs(beta * dw0[i]);
-  const std::vector<float> start = beta != 0.f ? dw0 : std::vector<float>(dw0.size(), kPoison);
+  // beta 0: dw starts as NaN, which a read would carry into the result (a deferred zero_grad
+  // leaves stale gradients there, layers/module.h).
+  const std::vector<float> start =
+      beta != 0.f ? dw0 : std::vector<float>(dw0.size(), std::numeric_limits<float>::quiet_NaN());
   // The bias gradient on the way (dbias += dy's column sums, any order): the bound of any fp32
   // summation of n terms, (n - 1) u sum|terms| (u = 2^-24), here n = pixels + 1 with dbias's start.
   const std::vector<float> db0 = testing::random_vector(size_t(s.k), 14);

@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -139,7 +140,9 @@ class Product {
     return p;
   }
 
-  // C as float after the GPU run (poisoned first when beta == 0: every element must be written).
+  // C as float after the GPU run. With beta == 0 C starts as NaN, which every element must
+  // overwrite without reading (0 * NaN is NaN: a deferred zero_grad leaves stale gradients there,
+  // layers/module.h), and its padding columns as kPoison, which must stay.
   std::vector<float> gpu(const std::optional<MatmulPlan>& plan) const {
     DeviceBuffer<uint8_t> da(a_.bytes()), db(b_.bytes());
     CUDP_CUDA_CHECK(cudaMemcpy(da.get(), a_.host(), a_.bytes(), cudaMemcpyHostToDevice));
@@ -147,6 +150,13 @@ class Product {
     DeviceBuffer<float> dbias(bias_);
     const size_t count = size_t(c_.m) * ldc_;
     std::vector<float> start = c_.beta != 0.f ? c0_ : std::vector<float>(count, kPoison);
+    if (c_.beta == 0.f) {
+      for (int i = 0; i < c_.m; ++i) {
+        for (int j = 0; j < c_.n; ++j) {
+          start[size_t(i) * ldc_ + j] = std::numeric_limits<float>::quiet_NaN();
+        }
+      }
+    }
     std::vector<float> out(count);
     if (c_.c_type == DType::F32) {
       DeviceBuffer<float> dc(start), dmask(mask_);
