@@ -4,6 +4,7 @@
 
 #include "engine/core/memory.h"
 #include "kernels/bias.h"
+#include "kernels/elementwise.h"
 #include "kernels/gemm.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
@@ -29,10 +30,11 @@ int gemm_extent(int64_t n, const char* what) {
 enum class Operands { kForward, kBStoredKN, kBothStoredK };
 
 // c (m x n, row-major, of c_type) = the product of bf16 row-major a and b on tensor cores, laid
-// out as `operands` says, (+ bias) (+ beta c: the weight gradient's accumulation).
+// out as `operands` says, (+ bias) (+ beta c: the weight gradient's accumulation) (max 0: a fused
+// ReLU).
 void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c,
                   kernels::DType c_type, const float* bias, cudaStream_t stream,
-                  Operands operands = Operands::kForward, float beta = 0.f) {
+                  Operands operands = Operands::kForward, float beta = 0.f, bool relu = false) {
   const bool a_t = operands == Operands::kBothStoredK;
   const bool b_t = operands != Operands::kForward;
   kernels::MatmulProblem p;
@@ -51,6 +53,7 @@ void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c
   p.ldc = n;
   p.c_type = c_type;
   p.bias = bias;
+  p.relu = relu;
   kernels::matmul(p, stream);
 }
 
@@ -112,6 +115,8 @@ Tensor Linear::forward_one(const Tensor& input) {
   float* out = y.data<float>();
   input_dtype_ = input.dtype();
   weight_bf16_ = input_bf16_ = Tensor();
+  const bool relu = relu_fused_;
+  output_ = relu ? y : Tensor();
   if (direct_bf16(in_)) {
     run([] {},
         [&](cudaStream_t s) {
@@ -130,7 +135,8 @@ Tensor Linear::forward_one(const Tensor& input) {
             kernels::f32_to_bf16(weight_->data.data<float>(), weight_bf16_.data<__nv_bfloat16>(),
                                  out_ * in_, s);
           }
-          bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s);
+          bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s,
+                       Operands::kForward, 0.f, relu);
         });
     // Where the weight gradient takes the float launcher (an odd out_features), it takes x in
     // fp32: an fp32 input is kept as it came (shared, no copy), so that backward need not widen
@@ -148,12 +154,14 @@ Tensor Linear::forward_one(const Tensor& input) {
         if (b) {
           kernels::bias_add_cpu(out, b, rows, n);
         }
+        if (relu) kernels::relu_forward_cpu(out, out, int64_t{rows} * n);
       },
       [&](cudaStream_t s) {
         kernels::gemm(false, true, rows, n, k, 1.0f, x, k, w, k, 0.0f, out, n, s, math());
         if (b) {
           kernels::bias_add(out, b, rows, n, s);
         }
+        if (relu) kernels::relu_forward(out, out, int64_t{rows} * n, s);
       });
   return y;
 }
@@ -167,7 +175,13 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
              " but the output was f32; a gradient has its value's dtype");
   const int rows = static_cast<int>(saved.numel() / in_);
   const int n = static_cast<int>(out_), k = static_cast<int>(in_);
-  const float* dy = grad_output.data<float>();
+  // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward), the bias gradient
+  // taken in the same pass; every product below reads the masked dy.
+  const bool relu = last_relu_fused_;
+  CUDP_CHECK(!relu || output_.defined(),
+             "Linear: the output its fused ReLU's mask needs is gone; run forward() again");
+  const Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
+  const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
@@ -190,6 +204,10 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   float* out = input_grad_ && !direct_dx ? dx.data<float>() : nullptr;
   run(
       [&] {
+        if (relu) {
+          kernels::relu_mask_bias_grad_cpu(output_.data<float>(), grad_output.data<float>(),
+                                           dym.data<float>(), db, rows, n, db_beta);
+        }
         const OperandView xr(x, int64_t{rows} * k, precision_), wr(w, int64_t{n} * k, precision_);
         const OperandView dyr(dy, int64_t{rows} * n, precision_);
         if (out) {
@@ -197,13 +215,16 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
                             k);
         }
         kernels::gemm_cpu(true, false, n, k, rows, 1.0f, dyr.get(), n, xr.get(), k, dw_beta, dw, k);
-        if (db) {
+        if (db && !relu) {
           kernels::bias_grad_cpu(dy, db, rows, n, db_beta);
         }
       },
       [&](cudaStream_t s) {
-        const Tensor dy_bf16 =
-            direct_dx || direct_dw ? convert(grad_output, DType::bf16) : Tensor();
+        if (relu) {
+          kernels::relu_mask_bias_grad(output_.data<float>(), grad_output.data<float>(),
+                                       dym.data<float>(), db, rows, n, db_beta, s);
+        }
+        const Tensor dy_bf16 = direct_dx || direct_dw ? convert(dym, DType::bf16) : Tensor();
         if (direct_dx) {
           bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),
                        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
@@ -217,7 +238,7 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         } else {
           kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, dw_beta, dw, k, s, math());
         }
-        if (db) {
+        if (db && !relu) {
           kernels::bias_grad(dy, db, rows, n, db_beta, s);
         }
       });

@@ -26,6 +26,11 @@ class Linear : public Module {
   std::string type_name() const override { return "Linear"; }
   // Under bf16: f32 or bf16 input, f32 output (the logits stay fp32 for the loss).
   bool takes_bf16() const override { return precision_ == Precision::bf16; }
+  // A ReLU right after it in a Sequential runs inside it (Module::can_fuse_relu): max(y, 0) in the
+  // product's epilogue (or after the float launcher's bias), and in backward dy masked by y > 0 in
+  // the pass that takes the bias gradient (kernels::relu_mask_bias_grad), so that the classifier's
+  // ReLUs cost no launches of their own.
+  bool can_fuse_relu() const override { return true; }
 
   // weight ~ N(0, 0.01) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);
@@ -48,6 +53,7 @@ class Linear : public Module {
     input_ = Tensor();
     input_bf16_ = Tensor();
     weight_bf16_ = Tensor();
+    output_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
 
@@ -60,6 +66,7 @@ class Linear : public Module {
   // Saved for backward: the input (fp32, or widened), or under bf16 on the GPU its bf16 copy and
   // the weight's bf16 copy (backward-data reads it as B stored k x n: no W^T copy).
   Tensor input_, input_bf16_, weight_bf16_;
+  Tensor output_;  // with a fused ReLU: y, its mask
   DType input_dtype_ = DType::f32;
 };
 

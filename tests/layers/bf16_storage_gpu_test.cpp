@@ -16,6 +16,7 @@
 #include "kernels/bias.h"
 #include "layers/activation.h"
 #include "layers/conv2d.h"
+#include "layers/dropout.h"
 #include "layers/flatten.h"
 #include "layers/linear.h"
 #include "layers/pooling.h"
@@ -259,6 +260,50 @@ TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
       EXPECT_NEAR(got[j], want[j], 2e-5 * (1.0 + std::fabs(want[j])))
           << "parameter " << i << ", element " << j;
     }
+  }
+}
+
+// The ReLUs after VGG's classifier layers run inside them on the GPU too: Linear(64, 32) on the
+// bf16 tensor cores throughout, Linear(32, 12) with its backward on the float launcher (12
+// outputs), Linear(12, 10) on it entirely; the ReLU modules' bits everywhere, bias gradients
+// included (the mask and the column sums in one pass, the same sums in the same order).
+TEST_P(FusedReluGpu, LinearGivesTheReluModulesBits) {
+  if (GetParam() == Precision::fp32) {
+    CUDP_REQUIRE_GPU();
+  } else {
+    CUDP_REQUIRE_TENSOR_CORES();
+  }
+  const Device gpu = Device::cuda(0);
+  const auto make = [] {
+    auto net = std::make_shared<Sequential>();
+    net->add(std::make_shared<Linear>(64, 32));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<Dropout>(0.5f, 3));
+    net->add(std::make_shared<Linear>(32, 12));
+    net->add(std::make_shared<ReLU>());
+    net->add(std::make_shared<Linear>(12, 10));
+    testing::randomize_parameters(*net, 51, -0.3f, 0.3f);
+    return net;
+  };
+  auto fused = make(), separate = make();
+  fused->set_precision(GetParam());
+  separate->set_precision(GetParam());
+  separate->set_fusion(false);
+  fused->to(gpu);
+  separate->to(gpu);
+  const Tensor x = random_tensor({40, 64}, 52, -1.f, 1.f, gpu);
+  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  EXPECT_TRUE((*fused)[0]->relu_fused());
+  EXPECT_TRUE((*fused)[3]->relu_fused());
+  EXPECT_FALSE((*separate)[0]->relu_fused());
+  EXPECT_EQ(values(y1), values(y2));
+  const Tensor g = random_tensor(y1.shape(), 53, -1.f, 1.f, gpu);
+  fused->zero_grad();
+  separate->zero_grad();
+  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
+  const auto a = fused->parameters(), b = separate->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
   }
 }
 

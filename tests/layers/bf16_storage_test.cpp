@@ -10,6 +10,7 @@
 #include "engine/core/error.h"
 #include "layers/activation.h"
 #include "layers/conv2d.h"
+#include "layers/dropout.h"
 #include "layers/flatten.h"
 #include "layers/linear.h"
 #include "layers/pooling.h"
@@ -180,11 +181,41 @@ TEST(Bf16Storage, AFusedReluHoldsForOneForwardOnly) {
   EXPECT_LT(*std::min_element(alone.begin(), alone.end()), 0.0f);
 }
 
-// Linear does not fuse (a layer that cannot refuses to be asked).
-TEST(Bf16Storage, LinearDoesNotFuse) {
-  Linear linear(4, 4);
-  EXPECT_FALSE(linear.can_fuse_relu());
-  EXPECT_THROW_WITH(linear.fuse_relu(true), "Linear cannot apply a ReLU to its output");
+// A layer that cannot fuse refuses to be asked.
+TEST(Bf16Storage, ALayerThatCannotFuseRefuses) {
+  Flatten flatten;
+  EXPECT_FALSE(flatten.can_fuse_relu());
+  EXPECT_THROW_WITH(flatten.fuse_relu(true), "Flatten cannot apply a ReLU to its output");
+}
+
+// A classifier as VGG's: Linear, ReLU, Dropout, Linear, ReLU, Linear. The ReLUs after the Linear
+// layers run inside them (max(y, 0) after the bias; the mask in the bias gradient's pass): the
+// ReLU modules' bits everywhere, under every precision, the Dropout between them included (the
+// same seed in both models: the same mask).
+std::shared_ptr<Sequential> classifier_net(uint64_t seed) {
+  auto net = std::make_shared<Sequential>();
+  net->add(std::make_shared<Linear>(32, 24));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<Dropout>(0.5f, 3));
+  net->add(std::make_shared<Linear>(24, 16));
+  net->add(std::make_shared<ReLU>());
+  net->add(std::make_shared<Linear>(16, 10));
+  testing::randomize_parameters(*net, seed, -0.5f, 0.5f);
+  return net;
+}
+
+TEST_P(FusedRelu, LinearGivesTheReluModulesBits) {
+  auto separate = classifier_net(41);
+  auto fused = expect_fusion_is_exact(classifier_net(41), separate, GetParam(),
+                                      random_tensor({6, 32}, 42), 43);
+  EXPECT_TRUE((*fused)[0]->relu_fused());
+  EXPECT_TRUE((*fused)[3]->relu_fused());
+  EXPECT_FALSE((*fused)[5]->relu_fused());  // nothing after it
+  EXPECT_FALSE((*separate)[0]->relu_fused());
+  // The masks reached the first layer's gradient: some rows zeroed, not all.
+  const std::vector<float> first = values((*fused)[0]->parameters()[0]->grad);
+  EXPECT_TRUE(std::any_of(first.begin(), first.end(), [](float v) { return v != 0.0f; }));
+  EXPECT_TRUE(std::any_of(first.begin(), first.end(), [](float v) { return v == 0.0f; }));
 }
 
 // A layer that does not take bf16 (Linear) computes on the widened values (exact) and returns its
