@@ -249,6 +249,9 @@ TEST(Reducer, ARankWithoutWorkIsReadyAtOnceAndAModuleWithoutBackwardAtFinish) {
   // buckets (0 and 1) are marked and issued by finish, and the ones after them wait, in order.
   HostGroup group2(2);
   Ranks partial = make_ranks(2);
+  // The children's backward runs by hand below: each ReLU module must have run its own forward,
+  // not inside the Linear before it (Module::can_fuse_relu).
+  for (auto& model : partial.models) model->set_fusion(false);
   Reducer reducer2(partial.params, partial.flat, group2, {.bucket_cap_bytes = 4, .overlap = true});
   for (size_t r = 0; r < 2; ++r) reducer2.attach(r, *partial.models[r]);
   reducer2.prepare(2);
@@ -274,6 +277,7 @@ TEST(Reducer, ARankWithoutWorkIsReadyAtOnceAndAModuleWithoutBackwardAtFinish) {
 // gradients where it ran and zero where nobody did.
 TEST(Reducer, GradientsADeferredZeroGradLeftUnwrittenAreSummedAsZero) {
   Ranks ranks = make_ranks(2);
+  for (auto& model : ranks.models) model->set_fusion(false);  // backward by hand below
   HostGroup group(2);
   Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 4, .overlap = true});
   for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
@@ -294,6 +298,7 @@ TEST(Reducer, GradientsADeferredZeroGradLeftUnwrittenAreSummedAsZero) {
   reducer.finish();
   // The truth: the same backward on a fresh copy whose gradients start at zero.
   Ranks fresh = make_ranks(1);
+  fresh.models[0]->set_fusion(false);
   auto& truth = dynamic_cast<Sequential&>(*fresh.models[0]);
   truth.forward(input(0));
   Tensor t = Tensor::from_vector(random_vector(5 * 12, 300), {5, 12});
