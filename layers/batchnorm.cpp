@@ -120,12 +120,28 @@ Tensor BatchNorm2d::forward_one(const Tensor& input) {
   return y;
 }
 
+void BatchNorm2d::set_output_grad_masked(bool on) {
+  Module::set_output_grad_masked(on);
+  if (on) relu_output_ = Tensor();  // the next layer reads it as its input, and masks
+}
+
+template <typename T>
+const T* BatchNorm2d::relu_mask() const {
+  if (!last_relu_fused_ || output_grad_masked_) return nullptr;
+  CUDP_CHECK(relu_output_.defined(), type_name(),
+             ": the output its fused ReLU's mask needs was dropped (its gradient was "
+             "said to arrive masked, then not); run forward() again");
+  return relu_output_.data<T>();
+}
+template const float* BatchNorm2d::relu_mask<float>() const;
+template const __nv_bfloat16* BatchNorm2d::relu_mask<__nv_bfloat16>() const;
+
 template <typename T>
 void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
   const int64_t rows = rows_of(input_);
   const T* x = input_.data<T>();
   const T* dy = grad_output.data<T>();
-  const T* mask = relu_output_.defined() ? relu_output_.data<T>() : nullptr;
+  const T* mask = relu_mask<T>();
   T* out = dx.data<T>();
   const float* gamma = weight_->data.data<float>();
   float* dgamma = weight_->grad.data<float>();

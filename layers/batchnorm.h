@@ -16,7 +16,9 @@
 //
 // A ReLU directly after it in a Sequential is fused (can_fuse_relu): forward writes max(bn(x), 0)
 // and keeps that output; backward masks the incoming gradient by it, exactly as the ReLU would,
-// so fused and unfused give the same bits.
+// so fused and unfused give the same bits. Where the layer after the ReLU takes the mask over
+// (Module's mask hand-off: a max pooling's backward, or a convolution's backward-data epilogue,
+// which read that output anyway), the output is not kept and backward reads it no more.
 //
 // num_batches_tracked lives on the module's device like every buffer, and the module keeps the
 // count on the host too (num_batches_tracked(), clones). After each training forward the buffer
@@ -44,6 +46,9 @@ class BatchNorm2d : public Module {
   std::string type_name() const override { return "BatchNorm2d"; }
   bool takes_bf16() const override { return true; }  // its output keeps the input's dtype
   bool can_fuse_relu() const override { return true; }
+  bool can_take_masked_grad() const override { return true; }
+  // Drops the output kept for the mask when the next layer masks (Module).
+  void set_output_grad_masked(bool on) override;
 
   // weight = 1, bias = 0, running_mean = 0, running_var = 1, num_batches_tracked = 0.
   void reset_parameters();
@@ -81,6 +86,10 @@ class BatchNorm2d : public Module {
   void forward_typed(const Tensor& input, Tensor& y);
   template <typename T>
   void backward_typed(const Tensor& grad_output, Tensor& dx);
+  // The fused ReLU's mask for backward (its output), or null: no ReLU fused, or the layer after it
+  // masked the gradient already.
+  template <typename T>
+  const T* relu_mask() const;
 
   int c_;
   float eps_, momentum_;

@@ -185,7 +185,7 @@ void SyncBatchNorm2d::backward_synced(const Tensor& grad_output, Tensor& dx) {
   const int64_t rows = rows_of(input_);
   const T* x = input_.data<T>();
   const T* dy = grad_output.data<T>();
-  const T* mask = relu_output_.defined() ? relu_output_.data<T>() : nullptr;
+  const T* mask = relu_mask<T>();
   T* out = dx.data<T>();
   const float* gamma = weight_->data.data<float>();
   float* dgamma = weight_->grad.data<float>();

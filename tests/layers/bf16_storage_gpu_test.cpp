@@ -15,6 +15,7 @@
 #include "engine/core/error.h"
 #include "kernels/bias.h"
 #include "layers/activation.h"
+#include "layers/batchnorm.h"
 #include "layers/conv2d.h"
 #include "layers/dropout.h"
 #include "layers/flatten.h"
@@ -298,6 +299,54 @@ TEST_P(FusedReluGpu, LinearGivesTheReluModulesBits) {
   EXPECT_FALSE((*separate)[0]->relu_fused());
   EXPECT_EQ(values(y1), values(y2));
   const Tensor g = random_tensor(y1.shape(), 53, -1.f, 1.f, gpu);
+  fused->zero_grad();
+  separate->zero_grad();
+  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
+  const auto a = fused->parameters(), b = separate->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
+  }
+}
+
+// BatchNorm2d's fused ReLU hands its mask to the layer after it on the GPU: the pooling's codes
+// backward (every policy) and backward-data's epilogue (tf32 and bf16; under fp32 the Conv2d
+// declines and BatchNorm masks itself). The ReLU modules' bits everywhere: no bias hand-off is
+// involved (a BatchNorm offers no bias gradient target).
+TEST_P(FusedReluGpu, BatchNormHandsItsMaskOn) {
+  if (GetParam() == Precision::fp32) {
+    CUDP_REQUIRE_GPU();
+  } else {
+    CUDP_REQUIRE_TENSOR_CORES();
+  }
+  const Device gpu = Device::cuda(0);
+  const auto make = [] {
+    auto net = std::make_shared<Sequential>();
+    net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
+    net->add(std::make_shared<BatchNorm2d>(32));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<MaxPool2d>(2));
+    net->add(std::make_shared<Conv2d>(32, 64, 3, 1, 1));
+    net->add(std::make_shared<BatchNorm2d>(64));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<Conv2d>(64, 64, 3, 1, 1));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<Flatten>());
+    net->add(std::make_shared<Linear>(64 * 8 * 8, 10));
+    testing::randomize_parameters(*net, 71, -0.2f, 0.2f);
+    return net;
+  };
+  auto fused = make(), separate = make();
+  fused->set_precision(GetParam());
+  separate->set_precision(GetParam());
+  separate->set_fusion(false);
+  fused->to(gpu);
+  separate->to(gpu);
+  const Tensor x = random_tensor({4, 16, 16, 3}, 72, -1.f, 1.f, gpu);
+  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  EXPECT_TRUE((*fused)[3]->input_grad_masked());
+  EXPECT_EQ((*fused)[7]->input_grad_masked(), GetParam() != Precision::fp32);
+  EXPECT_EQ(values(y1), values(y2));
+  const Tensor g = random_tensor(y1.shape(), 73, -1.f, 1.f, gpu);
   fused->zero_grad();
   separate->zero_grad();
   EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));

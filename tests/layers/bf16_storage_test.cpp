@@ -9,6 +9,7 @@
 #include "common/bf16.h"
 #include "engine/core/error.h"
 #include "layers/activation.h"
+#include "layers/batchnorm.h"
 #include "layers/conv2d.h"
 #include "layers/dropout.h"
 #include "layers/flatten.h"
@@ -166,6 +167,36 @@ TEST_P(ReluMaskHandOff, GivesTheReluModulesBits) {
 INSTANTIATE_TEST_SUITE_P(Bf16Storage, ReluMaskHandOff,
                          ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
                          [](const auto& info) { return std::string(precision_name(info.param)); });
+
+// BatchNorm2d's fused ReLU hands its mask to the layer after it too: a max pooling, a Conv2d. The
+// same bits as the ReLU modules under every precision, and the BatchNorm layers' own backward no
+// longer reads their output.
+std::shared_ptr<Sequential> batchnorm_handoff_net(uint64_t seed) {
+  auto net = std::make_shared<Sequential>();
+  net->add(std::make_shared<Conv2d>(3, 8, 3, 1, 1));
+  net->add(std::make_shared<BatchNorm2d>(8));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<MaxPool2d>(2));  // masks the first BatchNorm's ReLU
+  net->add(std::make_shared<Conv2d>(8, 16, 3, 1, 1));
+  net->add(std::make_shared<BatchNorm2d>(16));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<Conv2d>(16, 16, 3, 1, 1));  // masks the second's
+  net->add(std::make_shared<ReLU>());
+  net->add(std::make_shared<Flatten>());
+  net->add(std::make_shared<Linear>(16 * 4 * 4, 10));
+  testing::randomize_parameters(*net, seed, -0.5f, 0.5f);
+  return net;
+}
+
+TEST_P(ReluMaskHandOff, BatchNormGivesTheReluModulesBits) {
+  auto separate = batchnorm_handoff_net(61);
+  auto fused = expect_fusion_is_exact(batchnorm_handoff_net(61), separate, GetParam(),
+                                      random_tensor({3, 8, 8, 3}, 62), 63);
+  EXPECT_TRUE((*fused)[1]->relu_fused());
+  EXPECT_TRUE((*fused)[3]->input_grad_masked());
+  EXPECT_TRUE((*fused)[7]->input_grad_masked());
+  EXPECT_FALSE((*separate)[3]->input_grad_masked());
+}
 
 // fuse_relu(true) holds for one forward: a layer called directly after a Sequential's forward
 // computes itself alone (negative outputs stay).
