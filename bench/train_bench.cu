@@ -537,6 +537,14 @@ int main(int argc, char** argv) {
                  "its weights at every forward (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string bn_mask_handoff = "on";
+  app.add_option(
+         "--bn-mask-handoff", bn_mask_handoff,
+         "on: with --bn, the layer after a BatchNorm's fused ReLU (pooling, convolution) "
+         "masks the gradient, and BatchNorm neither keeps nor reads its output in backward; "
+         "off: BatchNorm masks in its own backward (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   std::string zero_grad = "deferred";
   app.add_option("--zero-grad", zero_grad,
                  "deferred: zero_grad leaves the convolutions' and linear layers' weight "
@@ -570,6 +578,7 @@ int main(int argc, char** argv) {
   o.graphs_given = graphs->count() > 0;
   detail::set_bias_handoff(bias_handoff == "on");
   detail::set_parameter_store(param_store == "on");
+  detail::set_batchnorm_mask_handoff(bn_mask_handoff == "on");
   detail::set_programmatic_launch(pdl == "on");
   g_zero_grad = zero_grad == "fill" ? ZeroGrad::fill : ZeroGrad::deferred;
   kernels::detail::set_conv_swapped(swap == "on");

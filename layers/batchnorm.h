@@ -46,7 +46,7 @@ class BatchNorm2d : public Module {
   std::string type_name() const override { return "BatchNorm2d"; }
   bool takes_bf16() const override { return true; }  // its output keeps the input's dtype
   bool can_fuse_relu() const override { return true; }
-  bool can_take_masked_grad() const override { return true; }
+  bool can_take_masked_grad() const override { return detail::batchnorm_mask_handoff(); }
   // Drops the output kept for the mask when the next layer masks (Module).
   void set_output_grad_masked(bool on) override;
 

@@ -606,6 +606,15 @@ bool bias_handoff() {
   return g_bias_handoff.load();
 }
 namespace {
+std::atomic<bool> g_batchnorm_mask_handoff{true};
+}  // namespace
+void set_batchnorm_mask_handoff(bool on) {
+  g_batchnorm_mask_handoff.store(on);
+}
+bool batchnorm_mask_handoff() {
+  return g_batchnorm_mask_handoff.load();
+}
+namespace {
 std::atomic<bool> g_parameter_store{true};
 }  // namespace
 void set_parameter_store(bool on) {

@@ -338,6 +338,11 @@ namespace detail {
 // gradient in a pass of its own, as before the hand-off.
 void set_bias_handoff(bool on);
 bool bias_handoff();
+// BatchNorm2d's mask hand-off (its fused ReLU's mask done by the layer after it) on (the default)
+// or off for every BatchNorm2d: to compare, as bench_train --bn-mask-handoff does. Off, BatchNorm
+// keeps its output and masks in its own backward, as before.
+void set_batchnorm_mask_handoff(bool on);
+bool batchnorm_mask_handoff();
 // The parameter store's bf16 copies (NOTE [The parameter store]) made by flatten_parameters (the
 // default) or not, for models flattened after the call: to compare, as bench_train --param-store
 // does. Off, Conv2d and Linear convert their weights at every forward, as before the store.
