@@ -196,11 +196,20 @@ TEST_P(ReluMaskHandOff, BatchNormGivesTheReluModulesBits) {
   EXPECT_TRUE((*fused)[3]->input_grad_masked());
   EXPECT_TRUE((*fused)[7]->input_grad_masked());
   EXPECT_FALSE((*separate)[3]->input_grad_masked());
-  // Switched off (bench_train --bn-mask-handoff off), BatchNorm masks itself: the same bits.
+  // In evaluation (the frozen statistics' backward), the same.
+  auto frozen = batchnorm_handoff_net(61), frozen_separate = batchnorm_handoff_net(61);
+  frozen->eval();
+  frozen_separate->eval();
+  expect_fusion_is_exact(frozen, frozen_separate, GetParam(), random_tensor({3, 8, 8, 3}, 64), 65);
+  EXPECT_TRUE((*frozen)[3]->input_grad_masked());
+  // Switched off (bench_train --bn-mask-handoff off), BatchNorm masks itself: the same bits. The
+  // switch is process-wide: restored however the block ends.
+  struct Restore {
+    ~Restore() { detail::set_batchnorm_mask_handoff(true); }
+  } restore;
   detail::set_batchnorm_mask_handoff(false);
   auto own = expect_fusion_is_exact(batchnorm_handoff_net(61), batchnorm_handoff_net(61),
                                     GetParam(), random_tensor({3, 8, 8, 3}, 62), 63);
-  detail::set_batchnorm_mask_handoff(true);
   EXPECT_FALSE((*own)[3]->input_grad_masked());
   EXPECT_EQ(values(own->parameters()[0]->grad), values(fused->parameters()[0]->grad));
 }
