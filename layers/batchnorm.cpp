@@ -116,25 +116,9 @@ Tensor BatchNorm2d::forward_one(const Tensor& input) {
   }
   // A fused ReLU's backward needs the output (its mask); kept only then. The tensor is the one
   // returned, so this costs no memory while the next layer holds it.
-  relu_output_ = relu_fused_ ? y : Tensor();
+  keep_fused_relu_output(y);
   return y;
 }
-
-void BatchNorm2d::set_output_grad_masked(bool on) {
-  Module::set_output_grad_masked(on);
-  if (on) relu_output_ = Tensor();  // the next layer reads it as its input, and masks
-}
-
-template <typename T>
-const T* BatchNorm2d::relu_mask() const {
-  if (!last_relu_fused_ || output_grad_masked_) return nullptr;
-  CUDP_CHECK(relu_output_.defined(), type_name(),
-             ": the output its fused ReLU's mask needs was dropped (its gradient was "
-             "said to arrive masked, then not); run forward() again");
-  return relu_output_.data<T>();
-}
-template const float* BatchNorm2d::relu_mask<float>() const;
-template const __nv_bfloat16* BatchNorm2d::relu_mask<__nv_bfloat16>() const;
 
 template <typename T>
 void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {

@@ -47,8 +47,6 @@ class BatchNorm2d : public Module {
   bool takes_bf16() const override { return true; }  // its output keeps the input's dtype
   bool can_fuse_relu() const override { return true; }
   bool can_take_masked_grad() const override { return detail::batchnorm_mask_handoff(); }
-  // Drops the output kept for the mask when the next layer masks (Module).
-  void set_output_grad_masked(bool on) override;
 
   // weight = 1, bias = 0, running_mean = 0, running_var = 1, num_batches_tracked = 0.
   void reset_parameters();
@@ -72,7 +70,6 @@ class BatchNorm2d : public Module {
     input_ = Tensor();
     save_mean_ = Tensor();
     save_invstd_ = Tensor();
-    relu_output_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const override;
@@ -86,10 +83,12 @@ class BatchNorm2d : public Module {
   void forward_typed(const Tensor& input, Tensor& y);
   template <typename T>
   void backward_typed(const Tensor& grad_output, Tensor& dx);
-  // The fused ReLU's mask for backward (its output), or null: no ReLU fused, or the layer after it
-  // masked the gradient already.
+  // The fused ReLU's mask for backward (Module::fused_relu_mask), as T, or null.
   template <typename T>
-  const T* relu_mask() const;
+  const T* relu_mask() const {
+    const Tensor* y = fused_relu_mask();
+    return y != nullptr ? y->data<T>() : nullptr;
+  }
 
   int c_;
   float eps_, momentum_;
@@ -104,7 +103,6 @@ class BatchNorm2d : public Module {
   // Saved by forward for backward (the statistics by a training forward only).
   bool saved_training_ = false;
   Tensor input_, save_mean_, save_invstd_;
-  Tensor relu_output_;  // the output, when the forward fused a ReLU (else undefined)
 };
 
 }  // namespace cudp

@@ -101,14 +101,6 @@ void relu_mask_cpu(const Tensor& x, Tensor& dx) {
 
 }  // namespace
 
-bool Conv2d::masks_output_grad() const {
-  const bool relu = last_relu_fused_ && !output_grad_masked_;
-  CUDP_CHECK(!relu || output_.defined(),
-             "Conv2d: the output its fused ReLU's mask needs was dropped (its gradient was said to "
-             "arrive masked, then not); run forward() again");
-  return relu;
-}
-
 float* Conv2d::output_grad_sums_target() {
   const bool mask_done_after = last_relu_fused_ && output_grad_masked_;
   return device_.is_cuda() && bias_ != nullptr && mask_done_after ? bias_->grad.data<float>()
@@ -147,7 +139,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
       [&](cudaStream_t stream) { kernels::conv2d_forward(s, x, w, b, out, relu, stream, math()); });
   input_ = input;
   input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
-  output_ = relu ? y : Tensor();
+  keep_fused_relu_output(y);
   return y;
 }
 
@@ -162,7 +154,8 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward) in the pass that
   // takes the bias gradient, unless the next layer did it (output_grad_masked_); both products
   // then read the masked dy.
-  const bool relu = masks_output_grad();
+  const Tensor* relu_y = fused_relu_mask();
+  const bool relu = relu_y != nullptr;
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, DType::f32, device_) : Tensor();
   const float* x = input_.data<float>();
@@ -181,7 +174,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
   // gradient takes dy as it is.
   run(
       [&] {
-        output_grad_pass(relu ? output_.data<float>() : nullptr, grad_output.data<float>(),
+        output_grad_pass(relu ? relu_y->data<float>() : nullptr, grad_output.data<float>(),
                          dym.data<float>(), db, rows, s.k, std::nullopt);
         const OperandView dyr(dy, dym.numel(), precision_);
         if (out) {
@@ -195,7 +188,7 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
       [&](cudaStream_t stream) {
         // The bias gradient in the mask's pass where there is one, else with backward-weight.
         if (relu) {
-          output_grad_pass(output_.data<float>(), grad_output.data<float>(), dym.data<float>(), db,
+          output_grad_pass(relu_y->data<float>(), grad_output.data<float>(), dym.data<float>(), db,
                            rows, s.k, stream);
         }
         if (out && input_grad_masked_) {
@@ -320,7 +313,7 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
           kernels::conv2d_forward_tc(padded, ops, stream);
         });
   }
-  output_ = relu ? y : Tensor();
+  keep_fused_relu_output(y);
   return y;
 }
 
@@ -332,7 +325,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   CUDP_CHECK(grad_output.dtype() == DType::bf16, "Conv2d: grad_output is ", grad_output.str(),
              " but the output was bf16 (the bf16 precision policy); a gradient has its value's "
              "dtype");
-  const bool relu = masks_output_grad();
+  const Tensor* relu_y = fused_relu_mask();
+  const bool relu = relu_y != nullptr;
   const int64_t rows = s.y_size() / s.k;
   float* dw = weight_->grad.data<float>();
   const float dw_beta = weight_->grad_beta();  // 0: written, not added (Deferred zeroing)
@@ -341,7 +335,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::bf16, device_) : grad_output;
   Tensor dx = input_grad_ ? Tensor::empty({s.n, s.h, s.w, s.c}, input_dtype_, device_) : Tensor();
   if (device_.is_cpu()) {
-    output_grad_pass(relu ? output_.data<__nv_bfloat16>() : nullptr,
+    output_grad_pass(relu ? relu_y->data<__nv_bfloat16>() : nullptr,
                      grad_output.data<__nv_bfloat16>(), dym.data<__nv_bfloat16>(), db, rows, s.k,
                      std::nullopt);
     const std::vector<float> g = cpu_operand(dym, true), x = cpu_operand(input_, true),
@@ -360,7 +354,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
         // The bias gradient in the mask's pass where there is one, else taken by backward-weight
         // from the dy tiles it loads (no pass of its own; kernels/conv2d.h).
         if (relu) {
-          output_grad_pass(output_.data<__nv_bfloat16>(), grad_output.data<__nv_bfloat16>(),
+          output_grad_pass(relu_y->data<__nv_bfloat16>(), grad_output.data<__nv_bfloat16>(),
                            dym.data<__nv_bfloat16>(), db, rows, s.k, stream);
         }
         const int cp = kernels::bf16_channels(s.c), kp = kernels::bf16_channels(s.k);

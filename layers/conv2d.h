@@ -53,12 +53,6 @@ class Conv2d : public Module {
   // bias gradient is the column sum of the gradient that layer returns, and it may add it up on
   // the way (max pooling's backward does); this layer's bias gradient is where it goes.
   float* output_grad_sums_target() override;
-  // Where the next layer does the fused ReLU's mask, the output kept for it is dropped at once
-  // (VGG's pooled layers: the pool keeps one byte per output instead, kernels/pool.h).
-  void set_output_grad_masked(bool on) override {
-    Module::set_output_grad_masked(on);
-    if (on) output_ = Tensor();
-  }
 
   // weight ~ N(0, sqrt(2 / (out * kernel^2))) from derive_seed(seed, "weight"); bias = 0.
   void reset_parameters(uint64_t seed);
@@ -83,7 +77,6 @@ class Conv2d : public Module {
     input_bf16_ = Tensor();
     weight_bf16_ = Tensor();
     weight_rot_bf16_ = Tensor();
-    output_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor export_tensor(const std::string& local_name, const Tensor& internal) const override;
@@ -94,18 +87,14 @@ class Conv2d : public Module {
   kernels::Conv2dShape shape_for(const Tensor& input) const;
   Tensor forward_bf16(const Tensor& input, const kernels::Conv2dShape& s);
   Tensor backward_bf16(const Tensor& grad_output);
-  // Whether this backward does its fused ReLU's mask (the next layer did not), from the output it
-  // kept for it.
-  bool masks_output_grad() const;
-
   int in_, out_, kernel_, stride_, padding_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
   // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
-  // backward-data; the output when a ReLU was fused (and its mask is not the next layer's).
+  // backward-data. (The output a fused ReLU's mask needs is Module's, keep_fused_relu_output.)
   Tensor input_;
-  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, output_;
+  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_;
   DType input_dtype_ = DType::f32;
   kernels::Conv2dShape saved_shape_;
 };

@@ -116,7 +116,7 @@ Tensor Linear::forward_one(const Tensor& input) {
   input_dtype_ = input.dtype();
   weight_bf16_ = input_bf16_ = Tensor();
   const bool relu = relu_fused_;
-  output_ = relu ? y : Tensor();
+  keep_fused_relu_output(y);
   if (direct_bf16(in_)) {
     run([] {},
         [&](cudaStream_t s) {
@@ -177,9 +177,8 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   const int n = static_cast<int>(out_), k = static_cast<int>(in_);
   // A fused ReLU: dy masked by y > 0 (bit for bit the ReLU module's backward), the bias gradient
   // taken in the same pass; every product below reads the masked dy.
-  const bool relu = last_relu_fused_;
-  CUDP_CHECK(!relu || output_.defined(),
-             "Linear: the output its fused ReLU's mask needs is gone; run forward() again");
+  const Tensor* relu_y = fused_relu_mask();  // never handed on: Linear keeps its own mask
+  const bool relu = relu_y != nullptr;
   const Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
   const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
@@ -205,7 +204,7 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   run(
       [&] {
         if (relu) {
-          kernels::relu_mask_bias_grad_cpu(output_.data<float>(), grad_output.data<float>(),
+          kernels::relu_mask_bias_grad_cpu(relu_y->data<float>(), grad_output.data<float>(),
                                            dym.data<float>(), db, rows, n, db_beta);
         }
         const OperandView xr(x, int64_t{rows} * k, precision_), wr(w, int64_t{n} * k, precision_);
@@ -221,7 +220,7 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
       },
       [&](cudaStream_t s) {
         if (relu) {
-          kernels::relu_mask_bias_grad(output_.data<float>(), grad_output.data<float>(),
+          kernels::relu_mask_bias_grad(relu_y->data<float>(), grad_output.data<float>(),
                                        dym.data<float>(), db, rows, n, db_beta, s);
         }
         const Tensor dy_bf16 = direct_dx || direct_dw ? convert(dym, DType::bf16) : Tensor();

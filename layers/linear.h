@@ -53,7 +53,6 @@ class Linear : public Module {
     input_ = Tensor();
     input_bf16_ = Tensor();
     weight_bf16_ = Tensor();
-    output_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
 
@@ -66,7 +65,6 @@ class Linear : public Module {
   // Saved for backward: the input (fp32, or widened), or under bf16 on the GPU its bf16 copy and
   // the weight's bf16 copy (backward-data reads it as B stored k x n: no W^T copy).
   Tensor input_, input_bf16_, weight_bf16_;
-  Tensor output_;  // with a fused ReLU: y, its mask
   DType input_dtype_ = DType::f32;
 };
 

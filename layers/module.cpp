@@ -103,6 +103,7 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
   grad_sums_into_ = nullptr;
   output_grad_summed_ = false;
   release_saved();
+  fused_relu_output_ = Tensor();
   forward_done_ = false;
   for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
     if (widened_[i]) grads[i] = convert(grads[i], DType::bf16);
@@ -369,6 +370,14 @@ void Module::set_fusion(bool on) {
   }
 }
 
+const Tensor* Module::fused_relu_mask() const {
+  if (!last_relu_fused_ || output_grad_masked_) return nullptr;
+  CUDP_CHECK(fused_relu_output_.defined(), type_name(),
+             ": the output its fused ReLU's mask needs was dropped (its gradient was said to "
+             "arrive masked, then not); run forward() again");
+  return &fused_relu_output_;
+}
+
 void Module::zero_grad() {
   for (Parameter* p : parameters()) {
     if (p->grad.defined()) p->grad.zero_();
@@ -456,6 +465,7 @@ Module& Module::to(Device device) {
     }
     if (module->device_ != device) {
       module->release_saved();  // what the forward saved stays on the old device: drop it
+      module->fused_relu_output_ = Tensor();
       module->forward_done_ = false;
     }
     module->device_ = device;

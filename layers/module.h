@@ -194,8 +194,11 @@ class Module : public std::enable_shared_from_this<Module> {
   virtual bool can_take_masked_grad() const { return false; }  // a fused layer that can hand off
   void request_input_grad_mask(bool on) { mask_requested_ = on; }
   bool input_grad_masked() const { return input_grad_masked_; }
-  // A layer that kept its output for the mask alone may drop it here (override, calling this).
-  virtual void set_output_grad_masked(bool on) { output_grad_masked_ = on; }
+  // Drops the output kept for the mask (keep_fused_relu_output) when the next layer masks.
+  void set_output_grad_masked(bool on) {
+    output_grad_masked_ = on;
+    if (on) fused_relu_output_ = Tensor();
+  }
 
   // Bias-gradient hand-off, on top of the mask's. The bias gradient of a layer is the column sum
   // of the gradient of its output, which the layer after the fused ReLU writes (masked) in its own
@@ -253,6 +256,14 @@ class Module : public std::enable_shared_from_this<Module> {
   // forward. Leaf layers override it; containers' children release their own.
   virtual void release_saved() {}
 
+  // A fused ReLU's mask, the layer's own output: kept by a forward that applied the ReLU (call it
+  // with the output in forward), dropped when the layer after it takes the mask over
+  // (set_output_grad_masked) and with the rest of the saved state after a backward.
+  void keep_fused_relu_output(const Tensor& y) { fused_relu_output_ = relu_fused_ ? y : Tensor(); }
+  // The output this backward masks its gradient by, or null: no ReLU fused, or the layer after it
+  // masked the gradient already. Throws if the output was dropped and is needed after all.
+  const Tensor* fused_relu_mask() const;
+
   Parameter& register_parameter(const std::string& name, Tensor data);
   Tensor& register_buffer(const std::string& name, Tensor data);
   template <typename M>
@@ -309,6 +320,7 @@ class Module : public std::enable_shared_from_this<Module> {
   bool mask_requested_ = false;
   bool input_grad_masked_ = false;
   bool output_grad_masked_ = false;
+  Tensor fused_relu_output_;  // keep_fused_relu_output
   // The bias-gradient hand-off (above): grad_sums_into_ and output_grad_summed_ are set by
   // Sequential for one backward; a layer that honours the request sets input_grad_summed_ in that
   // backward (cleared before each backward).

@@ -175,7 +175,7 @@ Tensor SyncBatchNorm2d::forward_one(const Tensor& input) {
   } else {
     forward_synced<float>(input, y);
   }
-  relu_output_ = relu_fused_ ? y : Tensor();
+  keep_fused_relu_output(y);
   synced_ = true;
   return y;
 }

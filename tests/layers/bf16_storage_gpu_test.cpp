@@ -264,6 +264,34 @@ TEST_P(FusedReluGpu, GivesTheReluModulesBits) {
   }
 }
 
+// Two models from `make` on the GPU under `precision`, the second with set_fusion(false): the
+// same output, input gradient and parameter gradients (==, element by element). Returns the fused
+// model, its forward and backward done (its hand-off flags are those of that forward).
+template <typename Make>
+std::shared_ptr<Sequential> expect_gpu_fusion_is_exact(const Make& make, Precision precision,
+                                                       const Shape& input, uint64_t seed) {
+  const Device gpu = Device::cuda(0);
+  auto fused = make(), separate = make();
+  for (auto* m : {fused.get(), separate.get()}) {
+    m->set_precision(precision);
+    m->to(gpu);
+  }
+  separate->set_fusion(false);
+  const Tensor x = random_tensor(input, seed, -1.f, 1.f, gpu);
+  const Tensor y = fused->forward(x);
+  EXPECT_EQ(values(y), values(separate->forward(x)));
+  for (size_t i = 0; i < separate->size(); ++i) EXPECT_FALSE((*separate)[i]->relu_fused()) << i;
+  const Tensor g = random_tensor(y.shape(), seed + 1, -1.f, 1.f, gpu);
+  fused->zero_grad();
+  separate->zero_grad();
+  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
+  const auto a = fused->parameters(), b = separate->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
+  }
+  return fused;
+}
+
 // The ReLUs after VGG's classifier layers run inside them on the GPU too: Linear(64, 32) on the
 // bf16 tensor cores throughout, Linear(32, 12) with its backward on the float launcher (12
 // outputs), Linear(12, 10) on it entirely; the ReLU modules' bits everywhere, bias gradients
@@ -274,7 +302,6 @@ TEST_P(FusedReluGpu, LinearGivesTheReluModulesBits) {
   } else {
     CUDP_REQUIRE_TENSOR_CORES();
   }
-  const Device gpu = Device::cuda(0);
   const auto make = [] {
     auto net = std::make_shared<Sequential>();
     net->add(std::make_shared<Linear>(64, 32));
@@ -286,26 +313,9 @@ TEST_P(FusedReluGpu, LinearGivesTheReluModulesBits) {
     testing::randomize_parameters(*net, 51, -0.3f, 0.3f);
     return net;
   };
-  auto fused = make(), separate = make();
-  fused->set_precision(GetParam());
-  separate->set_precision(GetParam());
-  separate->set_fusion(false);
-  fused->to(gpu);
-  separate->to(gpu);
-  const Tensor x = random_tensor({40, 64}, 52, -1.f, 1.f, gpu);
-  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  auto fused = expect_gpu_fusion_is_exact(make, GetParam(), {40, 64}, 52);
   EXPECT_TRUE((*fused)[0]->relu_fused());
   EXPECT_TRUE((*fused)[3]->relu_fused());
-  EXPECT_FALSE((*separate)[0]->relu_fused());
-  EXPECT_EQ(values(y1), values(y2));
-  const Tensor g = random_tensor(y1.shape(), 53, -1.f, 1.f, gpu);
-  fused->zero_grad();
-  separate->zero_grad();
-  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
-  const auto a = fused->parameters(), b = separate->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
-  }
 }
 
 // BatchNorm2d's fused ReLU hands its mask to the layer after it on the GPU: the pooling's codes
@@ -318,7 +328,6 @@ TEST_P(FusedReluGpu, BatchNormHandsItsMaskOn) {
   } else {
     CUDP_REQUIRE_TENSOR_CORES();
   }
-  const Device gpu = Device::cuda(0);
   const auto make = [] {
     auto net = std::make_shared<Sequential>();
     net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
@@ -335,25 +344,9 @@ TEST_P(FusedReluGpu, BatchNormHandsItsMaskOn) {
     testing::randomize_parameters(*net, 71, -0.2f, 0.2f);
     return net;
   };
-  auto fused = make(), separate = make();
-  fused->set_precision(GetParam());
-  separate->set_precision(GetParam());
-  separate->set_fusion(false);
-  fused->to(gpu);
-  separate->to(gpu);
-  const Tensor x = random_tensor({4, 16, 16, 3}, 72, -1.f, 1.f, gpu);
-  const Tensor y1 = fused->forward(x), y2 = separate->forward(x);
+  auto fused = expect_gpu_fusion_is_exact(make, GetParam(), {4, 16, 16, 3}, 72);
   EXPECT_TRUE((*fused)[3]->input_grad_masked());
   EXPECT_EQ((*fused)[7]->input_grad_masked(), GetParam() != Precision::fp32);
-  EXPECT_EQ(values(y1), values(y2));
-  const Tensor g = random_tensor(y1.shape(), 73, -1.f, 1.f, gpu);
-  fused->zero_grad();
-  separate->zero_grad();
-  EXPECT_EQ(values(fused->backward(g)), values(separate->backward(g)));
-  const auto a = fused->parameters(), b = separate->parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
-  }
 }
 
 // A bf16 layer before a tf32 one (set_precision on part of a model): the tf32 Conv2d masks the bf16

@@ -43,14 +43,8 @@ TEST(DeferredZeroGradGpuSplit, Tf32BoxesSplitKEqualsZeroingFirst) {
   kernels::detail::set_tf32_wgrad_plan(0, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Gpu, DeferredZeroGradGpu,
-                         ::testing::Combine(::testing::Values(Precision::fp32, Precision::tf32,
-                                                              Precision::bf16),
-                                            ::testing::Bool()),
-                         [](const auto& info) {
-                           return std::string(precision_name(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) ? "Flat" : "PerParameter");
-                         });
+INSTANTIATE_TEST_SUITE_P(Gpu, DeferredZeroGradGpu, kDeferredZeroingCases,
+                         deferred_zeroing_case_name);
 
 // A backward that throws after it asked for the weight gradient's beta (a strided TF32 layer's
 // input gradient: backward-data on the tensor cores takes stride 1 only, and it runs before

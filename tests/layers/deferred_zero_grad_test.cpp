@@ -24,14 +24,7 @@ TEST_P(DeferredZeroGrad, AccumulatedMicroBatchesEqualZeroingFirst) {
       {.device = Device::cpu(), .precision = precision, .flat = flat, .micro_batches = 3});
 }
 
-INSTANTIATE_TEST_SUITE_P(Cpu, DeferredZeroGrad,
-                         ::testing::Combine(::testing::Values(Precision::fp32, Precision::tf32,
-                                                              Precision::bf16),
-                                            ::testing::Bool()),
-                         [](const auto& info) {
-                           return std::string(precision_name(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) ? "Flat" : "PerParameter");
-                         });
+INSTANTIATE_TEST_SUITE_P(Cpu, DeferredZeroGrad, kDeferredZeroingCases, deferred_zeroing_case_name);
 
 TEST(DeferredZeroGradCpu, AnUnusedParameterCountsAsZero) {
   expect_unused_parameter_counts_as_zero(Device::cpu(), false);

@@ -14,6 +14,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/compare.h"
@@ -104,6 +105,15 @@ inline void poison_pending_gradients(Module& m) {
   for (Parameter* p : m.parameters()) {
     if (p->grad_zero_pending) p->grad.fill_(kStaleNaN);
   }
+}
+
+// The parameterised suites' cases, (precision, flat), and their names ("bf16Flat").
+inline const auto kDeferredZeroingCases = ::testing::Combine(
+    ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16), ::testing::Bool());
+inline std::string deferred_zeroing_case_name(
+    const ::testing::TestParamInfo<std::tuple<Precision, bool>>& info) {
+  return std::string(precision_name(std::get<0>(info.param))) +
+         (std::get<1>(info.param) ? "Flat" : "PerParameter");
 }
 
 struct DeferredZeroingCase {
