@@ -525,9 +525,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   std::string bias_handoff = "on";
   app.add_option("--bias-handoff", bias_handoff,
-                 "on: a max pooling after a convolution's fused ReLU adds up that convolution's "
-                 "bias gradient in its backward pass; off: the convolution takes it in a pass of "
-                 "its own (to compare)")
+                 "on: the layer whose backward writes a convolution's output gradient (a max "
+                 "pooling or convolution after its fused ReLU, a BatchNorm after it) adds up that "
+                 "convolution's bias gradient on the way; off: the convolution takes it in a pass "
+                 "of its own (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   std::string param_store = "on";

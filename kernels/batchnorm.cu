@@ -20,6 +20,7 @@
 
 #include "engine/core/launch.cuh"
 #include "kernels/batchnorm.h"
+#include "kernels/bias.h"
 #include "kernels/elementwise.h"
 #include "kernels/workspace.h"
 
@@ -473,22 +474,28 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_
   coef[2 * c + ch] = frozen ? 0.f : grad_gamma * invstd / m;
 }
 
-// dx = k * (g - a - (x - mean) * b); with frozen statistics (b == 0) x is not read.
-template <typename T, int V, bool Frozen>
+// dx = k * (g - a - (x - mean) * b); with frozen statistics (b == 0) x is not read. With Sums, also
+// the column sums of dx as stored (bf16: the rounded values), the bias gradient of the layer before
+// (kernels/batchnorm.h, input_grad_sums): each thread adds its rows in order, the block's threads
+// are added in a fixed tree over blockDim.y in shared memory, and the block writes one partial row
+// (part_dx[blockIdx.y][c]) for bias_grad_from_partials to add up in row-block order.
+template <typename T, int V, bool Frozen, bool Sums>
 __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                       const T* __restrict__ mask, const float* __restrict__ mean_in,
                                       const float* __restrict__ coef, T* __restrict__ dx,
-                                      int64_t rows, int c) {
+                                      int64_t rows, int c, float* __restrict__ part_dx) {
   kernel_entry();
   const int channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
-  if (channel >= c) return;
-  float mean[V], k_[V], a[V], b[V];
+  const bool active = channel < c;
+  if (!Sums && !active) return;
+  float mean[V], k_[V], a[V], b[V], sum[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    mean[k] = mean_in[channel + k];
-    k_[k] = coef[channel + k];
-    a[k] = coef[c + channel + k];
-    b[k] = coef[2 * c + channel + k];
+    mean[k] = active ? mean_in[channel + k] : 0.f;
+    k_[k] = active ? coef[channel + k] : 0.f;
+    a[k] = active ? coef[c + channel + k] : 0.f;
+    b[k] = active ? coef[2 * c + channel + k] : 0.f;
+    sum[k] = 0.f;
   }
   auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
     Pack<T, V> out;
@@ -500,32 +507,58 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
       } else {
         out.v[k] = from_f32<T>(k_[k] * fmaf(mean[k] - to_f32(xv.v[k]), b[k], g - a[k]));
       }
+      if constexpr (Sums) sum[k] += to_f32(out.v[k]);
     }
     return out;
   };
   const int64_t step = int64_t(blockDim.y) * gridDim.y;
   int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
-    Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
+  if (active) {
+    for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+      Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
 #pragma unroll
-    for (int u = 0; u < kUnroll<V>; ++u) {
-      const int64_t at = (r + u * step) * c + channel;
-      if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
-      gv[u] = load<T, V>(dy + at);
-      if (mask) mv[u] = load<T, V>(mask + at);
+      for (int u = 0; u < kUnroll<V>; ++u) {
+        const int64_t at = (r + u * step) * c + channel;
+        if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
+        gv[u] = load<T, V>(dy + at);
+        if (mask) mv[u] = load<T, V>(mask + at);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll<V>; ++u) {
+        *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
+            grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
+      }
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll<V>; ++u) {
-      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
-          grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
+    for (; r < rows; r += step) {
+      const int64_t at = r * c + channel;
+      Pack<T, V> xv, mv;
+      if constexpr (!Frozen) xv = load<T, V>(x + at);
+      if (mask) mv = load<T, V>(mask + at);
+      *reinterpret_cast<Pack<T, V>*>(dx + at) =
+          grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
     }
   }
-  for (; r < rows; r += step) {
-    const int64_t at = r * c + channel;
-    Pack<T, V> xv, mv;
-    if constexpr (!Frozen) xv = load<T, V>(x + at);
-    if (mask) mv = load<T, V>(mask + at);
-    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
+  if constexpr (Sums) {
+    extern __shared__ float s_sum[];  // [blockDim.y][width]
+    const int width = blockDim.x * V, tx = threadIdx.x, ty = threadIdx.y;
+#pragma unroll
+    for (int k = 0; k < V; ++k) s_sum[ty * width + tx * V + k] = sum[k];
+    __syncthreads();
+    for (int half = pow2_ceil(blockDim.y) / 2; half > 0; half /= 2) {
+      if (ty < half && ty + half < int(blockDim.y)) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          s_sum[ty * width + tx * V + k] += s_sum[(ty + half) * width + tx * V + k];
+        }
+      }
+      __syncthreads();
+    }
+    if (ty == 0 && active) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        part_dx[int64_t(blockIdx.y) * c + channel + k] = s_sum[tx * V + k];
+      }
+    }
   }
 }
 
@@ -667,7 +700,8 @@ void forward_train(const T* x, T* y, const float* gamma, const float* beta, floa
 template <typename T, int V>
 void backward(const T* x, const T* dy, const T* mask, const float* gamma, const float* mean,
               const float* save_invstd, const float* running_var, float eps, T* dx, float* dgamma,
-              float* dbeta, int64_t rows, int c, float beta_accumulate, cudaStream_t stream) {
+              float* dbeta, int64_t rows, int c, float beta_accumulate, cudaStream_t stream,
+              float* input_grad_sums) {
   const Plan reduce = make_plan(bn_backward_reduce_kernel<T, V>, rows, c, V, 2 * V * sizeof(float));
   const int parts = int(reduce.grid.y);
   Workspace ws((size_t(parts) * 2 * c + 3 * size_t(c)) * sizeof(float), stream,
@@ -680,15 +714,30 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
   launch("bn_backward_finalize_kernel", bn_backward_finalize_kernel, finalize_grid(c), kFinalBlock,
          0, stream, part_dy, part_dy_xmu, parts, rows, c, gamma, save_invstd, running_var, eps,
          dgamma, dbeta, beta_accumulate, coef, nullptr);
-  auto dx_pass = [&]<bool Frozen>() {
-    const Plan apply = make_plan(bn_backward_dx_kernel<T, V, Frozen>, rows, c, V, 0);
-    launch("bn_backward_dx_kernel", bn_backward_dx_kernel<T, V, Frozen>, apply.grid, apply.block, 0,
-           stream, x, dy, mask, mean, coef, dx, rows, c);
+  auto dx_pass = [&]<bool Frozen, bool Sums>() {
+    const auto kernel = bn_backward_dx_kernel<T, V, Frozen, Sums>;
+    // With the sums, shared memory for the block's tree: V floats a thread.
+    const Plan apply = make_plan(kernel, rows, c, V, Sums ? V * sizeof(float) : 0);
+    if constexpr (Sums) {
+      const int64_t parts = apply.grid.y;
+      Workspace partials(size_t(parts) * c * sizeof(float), stream,
+                         "batch norm's partial column sums of dx");
+      launch("bn_backward_dx_kernel", kernel, apply.grid, apply.block, apply.shared_bytes, stream,
+             x, dy, mask, mean, coef, dx, rows, c, partials.get());
+      bias_grad_from_partials(partials.get(), input_grad_sums, parts, c, 1.f, stream);
+    } else {
+      launch("bn_backward_dx_kernel", kernel, apply.grid, apply.block, 0, stream, x, dy, mask, mean,
+             coef, dx, rows, c, nullptr);
+    }
   };
-  if (running_var) {
-    dx_pass.template operator()<true>();
+  if (running_var && input_grad_sums) {
+    dx_pass.template operator()<true, true>();
+  } else if (running_var) {
+    dx_pass.template operator()<true, false>();
+  } else if (input_grad_sums) {
+    dx_pass.template operator()<false, true>();
   } else {
-    dx_pass.template operator()<false>();
+    dx_pass.template operator()<false, false>();
   }
 }
 
@@ -729,13 +778,13 @@ void batchnorm_backward(const T* x, const std::type_identity_t<T>* dy,
                         const std::type_identity_t<T>* relu_output, const float* gamma,
                         const float* save_mean, const float* save_invstd,
                         std::type_identity_t<T>* dx, float* dgamma, float* dbeta, int64_t rows,
-                        int c, float beta_accumulate, cudaStream_t stream) {
+                        int c, float beta_accumulate, cudaStream_t stream, float* input_grad_sums) {
   detail::check_batchnorm("batchnorm_backward", rows, c, true);
   CUDP_CHECK(save_mean && save_invstd,
              "batchnorm_backward: needs save_mean and save_invstd from the training forward");
   with_vector<T>(vectorizable<T>(c, {x, dy, relu_output, dx}), [&]<int V>() {
     backward<T, V>(x, dy, relu_output, gamma, save_mean, save_invstd, nullptr, 0.f, dx, dgamma,
-                   dbeta, rows, c, beta_accumulate, stream);
+                   dbeta, rows, c, beta_accumulate, stream, input_grad_sums);
   });
 }
 
@@ -750,7 +799,7 @@ void batchnorm_backward_eval(const T* x, const std::type_identity_t<T>* dy,
              "batchnorm_backward_eval: needs running_mean and running_var");
   with_vector<T>(vectorizable<T>(c, {x, dy, relu_output, dx}), [&]<int V>() {
     backward<T, V>(x, dy, relu_output, gamma, running_mean, nullptr, running_var, eps, dx, dgamma,
-                   dbeta, rows, c, beta_accumulate, stream);
+                   dbeta, rows, c, beta_accumulate, stream, nullptr);
   });
 }
 
@@ -837,9 +886,9 @@ void batchnorm_backward_global(const T* x, const std::type_identity_t<T>* dy,
          stream, sums, c, gamma, save_invstd, coef);
   if (rows == 0) return;
   with_vector<T>(vectorizable<T>(c, {x, dy, relu_output, dx}), [&]<int V>() {
-    const Plan apply = make_plan(bn_backward_dx_kernel<T, V, false>, rows, c, V, 0);
-    launch("bn_backward_dx_kernel", bn_backward_dx_kernel<T, V, false>, apply.grid, apply.block, 0,
-           stream, x, dy, relu_output, save_mean, coef, dx, rows, c);
+    const Plan apply = make_plan(bn_backward_dx_kernel<T, V, false, false>, rows, c, V, 0);
+    launch("bn_backward_dx_kernel", bn_backward_dx_kernel<T, V, false, false>, apply.grid,
+           apply.block, 0, stream, x, dy, relu_output, save_mean, coef, dx, rows, c, nullptr);
   });
 }
 
@@ -866,7 +915,7 @@ CUDP_BATCHNORM_SPLIT_INSTANTIATE(__nv_bfloat16)
                                           cudaStream_t);                                          \
   template void batchnorm_backward<T>(const T*, const T*, const T*, const float*, const float*,   \
                                       const float*, T*, float*, float*, int64_t, int, float,      \
-                                      cudaStream_t);                                              \
+                                      cudaStream_t, float*);                                      \
   template void batchnorm_backward_eval<T>(const T*, const T*, const T*, const float*,            \
                                            const float*, const float*, T*, float*, float*,        \
                                            int64_t, int, float, float, cudaStream_t);

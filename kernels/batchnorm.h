@@ -98,12 +98,19 @@ void batchnorm_forward_eval_cpu(const T* x, std::type_identity_t<T>* y, const Bn
                                 BnActivation act = BnActivation::none);
 
 // Backward of a training forward: save_mean and save_invstd are its. relu_output: see above.
+// input_grad_sums (c floats, nullable): += the column sums of dx as stored (bf16: the rounded
+// values), in fp32 and a fixed order (per thread in row order, a fixed tree over the block, then
+// the row blocks in order: kernels/bias.h's bias_grad_from_partials). That is the bias gradient of
+// the layer whose output x is (a convolution's before BatchNorm), taken in the pass that writes dx
+// instead of a second read of it; dx is the same bits with or without. The sums are bias_grad's
+// over dx in another order (its CPU reference, bias_grad_cpu, is theirs).
 template <typename T>
 void batchnorm_backward(const T* x, const std::type_identity_t<T>* dy,
                         const std::type_identity_t<T>* relu_output, const float* gamma,
                         const float* save_mean, const float* save_invstd,
                         std::type_identity_t<T>* dx, float* dgamma, float* dbeta, int64_t rows,
-                        int c, float beta_accumulate, cudaStream_t stream);
+                        int c, float beta_accumulate, cudaStream_t stream,
+                        float* input_grad_sums = nullptr);
 template <typename T>
 void batchnorm_backward_cpu(const T* x, const std::type_identity_t<T>* dy,
                             const std::type_identity_t<T>* relu_output, const BnParam<T>* gamma,

@@ -134,6 +134,10 @@ void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
   if (saved_training_) {
     const float* mean = save_mean_.data<float>();
     const float* invstd = save_invstd_.data<float>();
+    // The bias hand-off (Module): on the GPU, the column sums of dx, the bias gradient of the
+    // layer before (a convolution's), in the pass that writes dx. The CPU path declines: that
+    // layer sums dx itself.
+    float* sums = device_.is_cuda() ? grad_sums_into_ : nullptr;
     run(
         [&] {
           kernels::batchnorm_backward_cpu(x, dy, mask, gamma, mean, invstd, out, dgamma, dbeta,
@@ -141,8 +145,9 @@ void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
         },
         [&](cudaStream_t s) {
           kernels::batchnorm_backward(x, dy, mask, gamma, mean, invstd, out, dgamma, dbeta, rows, c,
-                                      1.0f, s);
+                                      1.0f, s, sums);
         });
+    input_grad_summed_ = sums != nullptr;
     return;
   }
   const float* mean = running_mean_->data<float>();

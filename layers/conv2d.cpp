@@ -102,9 +102,11 @@ void relu_mask_cpu(const Tensor& x, Tensor& dx) {
 }  // namespace
 
 float* Conv2d::output_grad_sums_target() {
-  const bool mask_done_after = last_relu_fused_ && output_grad_masked_;
-  return device_.is_cuda() && bias_ != nullptr && mask_done_after ? bias_->grad.data<float>()
-                                                                  : nullptr;
+  // dy arrives as the next layer wrote it: without a fused ReLU (a BatchNorm after the
+  // convolution), or with its mask done there. A fused ReLU masked here needs its own pass anyway.
+  const bool dy_as_written = !last_relu_fused_ || output_grad_masked_;
+  return device_.is_cuda() && bias_ != nullptr && dy_as_written ? bias_->grad.data<float>()
+                                                                : nullptr;
 }
 
 Tensor Conv2d::forward_one(const Tensor& input) {

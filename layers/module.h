@@ -200,18 +200,19 @@ class Module : public std::enable_shared_from_this<Module> {
     if (on) fused_relu_output_ = Tensor();
   }
 
-  // Bias-gradient hand-off, on top of the mask's. The bias gradient of a layer is the column sum
-  // of the gradient of its output, which the layer after the fused ReLU writes (masked) in its own
-  // backward; where that pass can add its values up on the way, the fused layer need not read the
-  // gradient again for them. Before that layer's backward, Sequential asks the fused layer where
-  // the sums go (output_grad_sums_target: its bias gradient, or null when it has no use for
-  // them: no bias, its mask in a pass of its own, the CPU) and hands the address over
-  // (request_input_grad_sums); a layer that honours it adds the column sums of the gradient it
-  // returns there (+=, as gradients accumulate) and says so (input_grad_summed), and the fused
-  // layer is told (set_output_grad_summed) and skips its own sum. The result is the same sum in
-  // another order (fp32, deterministic); both requests hold for one backward. A module whose input
-  // came in bf16 and was widened declines it (backward_all): its gradient goes back rounded to
-  // bf16, and the sums of the values before that rounding would not be the same sum.
+  // Bias-gradient hand-off. The bias gradient of a layer is the column sum of the gradient of its
+  // output, which the next layer writes in its own backward: the layer after a fused ReLU (with
+  // the mask's hand-off, masked), or the layer directly after an unfused one (a BatchNorm after a
+  // convolution, whose dx pass writes it); where that pass can add its values up on the way, the
+  // layer need not read the gradient again for them. Before that layer's backward, Sequential asks
+  // the producing layer where the sums go (output_grad_sums_target: its bias gradient, or null
+  // when it has no use for them: no bias, its mask in a pass of its own, the CPU) and hands the
+  // address over (request_input_grad_sums); a layer that honours it adds the column sums of the
+  // gradient it returns there (+=, as gradients accumulate) and says so (input_grad_summed), and
+  // the producing layer is told (set_output_grad_summed) and skips its own sum. The result is the
+  // same sum in another order (fp32, deterministic); both requests hold for one backward. A module
+  // whose input came in bf16 and was widened declines it (backward_all): its gradient goes back
+  // rounded to bf16, and the sums of the values before that rounding would not be the same sum.
   virtual float* output_grad_sums_target() { return nullptr; }
   void request_input_grad_sums(float* into) { grad_sums_into_ = into; }
   bool input_grad_summed() const { return input_grad_summed_; }

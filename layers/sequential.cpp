@@ -58,17 +58,23 @@ Tensor Sequential::backward_one(const Tensor& grad_output) {
   for (size_t i = modules.size(); i-- > 0;) {
     if (skipped_[i]) continue;
     Module& child = *modules[i].second;
-    // The bias hand-off (Module): the layer after a fused ReLU may add up the fused layer's bias
-    // gradient in its own backward.
-    Module* fused = i < fused_before_.size() && fused_before_[i] >= 0
-                        ? modules[static_cast<size_t>(fused_before_[i])].second.get()
-                        : nullptr;
-    float* sums =
-        fused != nullptr && detail::bias_handoff() ? fused->output_grad_sums_target() : nullptr;
+    // The bias hand-off (Module): the layer whose backward writes a layer's output gradient may
+    // add up that layer's bias gradient on the way: the layer after a fused ReLU for the fused
+    // layer, else the layer directly after it (a BatchNorm after a convolution). Both only with
+    // fusion on (set_fusion(false) runs each layer's backward whole).
+    Module* producer = nullptr;
+    if (i < fused_before_.size() && fused_before_[i] >= 0) {
+      producer = modules[static_cast<size_t>(fused_before_[i])].second.get();
+    } else if (fusion() && i > 0 && !skipped_[i - 1]) {
+      producer = modules[i - 1].second.get();
+    }
+    float* sums = producer != nullptr && detail::bias_handoff()
+                      ? producer->output_grad_sums_target()
+                      : nullptr;
     child.request_input_grad_sums(sums);
     g = child.backward(g);
-    if (fused != nullptr)
-      fused->set_output_grad_summed(sums != nullptr && child.input_grad_summed());
+    if (producer != nullptr)
+      producer->set_output_grad_summed(sums != nullptr && child.input_grad_summed());
   }
   return g;
 }

@@ -648,5 +648,64 @@ TEST(BatchNormGpu, Bf16WithReluIsBitwiseDeterministic) {
   }
 }
 
+// The column sums of dx taken by the dx pass (batchnorm_backward's input_grad_sums, the bias
+// gradient of the convolution before a BatchNorm): dx the same bits as without them; the sums
+// added (+=) to what the buffer held, within a few roundings of sum |dx| of the channel (fp32
+// sums of the same values, as dbeta's bound above) of a double sum of the dx written; the same
+// bits on a second call. f32 and bf16 (the sums of the rounded values), with and without a mask.
+template <typename T>
+void expect_dx_column_sums(const BnCase& k, uint64_t seed) {
+  const std::vector<T> x = stored<T>(bn_input(k, seed, 2.f));
+  const std::vector<T> dy = stored<T>(testing::random_vector(k.size(), seed + 1));
+  const DeviceBuffer<T> xg(x), dyg(dy);
+  const DeviceBuffer<float> gg(testing::random_vector(k.c, seed + 2, 0.5f, 1.5f)),
+      bg(testing::random_vector(k.c, seed + 3));
+  const std::vector<float> init = testing::random_vector(k.c, seed + 4);
+  for (const BnActivation act : {BnActivation::none, BnActivation::relu}) {
+    SCOPED_TRACE(act == BnActivation::relu ? "relu mask" : "no mask");
+    DeviceBuffer<T> y(k.size()), dx_plain(k.size()), dx(k.size());
+    DeviceBuffer<float> rm(std::vector<float>(k.c, 0.f)), rv(std::vector<float>(k.c, 1.f)), m(k.c),
+        i(k.c), dg(k.c), db(k.c), sums(init), again(init);
+    batchnorm_forward_train(xg.get(), y.get(), gg.get(), bg.get(), rm.get(), rv.get(), m.get(),
+                            i.get(), k.rows(), k.c, kMomentum, kEps, act, nullptr);
+    const T* mask = act == BnActivation::relu ? y.get() : nullptr;
+    batchnorm_backward(xg.get(), dyg.get(), mask, gg.get(), m.get(), i.get(), dx_plain.get(),
+                       dg.get(), db.get(), k.rows(), k.c, 0.f, nullptr);
+    batchnorm_backward(xg.get(), dyg.get(), mask, gg.get(), m.get(), i.get(), dx.get(), dg.get(),
+                       db.get(), k.rows(), k.c, 0.f, nullptr, sums.get());
+    const std::vector<float> written = floats(dx.download());
+    EXPECT_TRUE(bitwise_equal(written, floats(dx_plain.download())));
+    std::vector<double> exact(init.begin(), init.end()), scale(k.c, 0.0);
+    for (size_t j = 0; j < written.size(); ++j) {
+      exact[j % k.c] += written[j];
+      scale[j % k.c] += std::fabs(written[j]);
+    }
+    const std::vector<float> got = sums.download();
+    for (int ch = 0; ch < k.c; ++ch) {
+      EXPECT_NEAR(got[ch], exact[ch], 2e-7 * (scale[ch] + std::fabs(init[ch]))) << "channel " << ch;
+    }
+    batchnorm_backward(xg.get(), dyg.get(), mask, gg.get(), m.get(), i.get(), dx.get(), dg.get(),
+                       db.get(), k.rows(), k.c, 0.f, nullptr, again.get());
+    EXPECT_TRUE(bitwise_equal(again.download(), got));
+  }
+}
+
+TEST(BatchNormGpu, DxColumnSumsAreTheBiasGradientBefore) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k :
+       {BnCase{3, 7, 7, 5}, BnCase{2, 5, 7, 12}, BnCase{2, 9, 9, 264}, BnCase{2, 3, 3, 513},
+        BnCase{256, 4, 4, 256}, BnCase{4, 56, 56, 256}, BnCase{16, 112, 112, 64}}) {
+    SCOPED_TRACE(describe(k));
+    {
+      SCOPED_TRACE("f32");
+      expect_dx_column_sums<float>(k, 221);
+    }
+    {
+      SCOPED_TRACE("bf16");
+      expect_dx_column_sums<__nv_bfloat16>(k, 231);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cudp::kernels

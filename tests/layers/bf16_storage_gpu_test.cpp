@@ -318,35 +318,107 @@ TEST_P(FusedReluGpu, LinearGivesTheReluModulesBits) {
   EXPECT_TRUE((*fused)[3]->relu_fused());
 }
 
+// VGG-BN's blocks in small: Conv -> BatchNorm -> ReLU -> {MaxPool, Conv}. Parameters: the
+// convolutions' weights and biases are 0/1, 4/5 and 8/9, BatchNorm's 2/3 and 6/7, Linear's 10/11.
+std::shared_ptr<Sequential> batchnorm_net() {
+  auto net = std::make_shared<Sequential>();
+  net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
+  net->add(std::make_shared<BatchNorm2d>(32));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<MaxPool2d>(2));
+  net->add(std::make_shared<Conv2d>(32, 64, 3, 1, 1));
+  net->add(std::make_shared<BatchNorm2d>(64));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<Conv2d>(64, 64, 3, 1, 1));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<Flatten>());
+  net->add(std::make_shared<Linear>(64 * 8 * 8, 10));
+  testing::randomize_parameters(*net, 71, -0.2f, 0.2f);
+  return net;
+}
+
+// The bias hand-off is process-wide (bench_train --bias-handoff): off for a scope, restored
+// however it ends.
+struct BiasHandoffOff {
+  BiasHandoffOff() { detail::set_bias_handoff(false); }
+  ~BiasHandoffOff() { detail::set_bias_handoff(true); }
+};
+
 // BatchNorm2d's fused ReLU hands its mask to the layer after it on the GPU: the pooling's codes
 // backward (every policy) and backward-data's epilogue (tf32 and bf16; under fp32 the Conv2d
-// declines and BatchNorm masks itself). The ReLU modules' bits everywhere: no bias hand-off is
-// involved (a BatchNorm offers no bias gradient target).
+// declines and BatchNorm masks itself). The ReLU modules' bits everywhere. The bias hand-off is
+// off here (BatchNorm's sums of dx for the convolution before it are the next test's).
 TEST_P(FusedReluGpu, BatchNormHandsItsMaskOn) {
   if (GetParam() == Precision::fp32) {
     CUDP_REQUIRE_GPU();
   } else {
     CUDP_REQUIRE_TENSOR_CORES();
   }
-  const auto make = [] {
-    auto net = std::make_shared<Sequential>();
-    net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
-    net->add(std::make_shared<BatchNorm2d>(32));
-    net->add(std::make_shared<ReLU>(true));
-    net->add(std::make_shared<MaxPool2d>(2));
-    net->add(std::make_shared<Conv2d>(32, 64, 3, 1, 1));
-    net->add(std::make_shared<BatchNorm2d>(64));
-    net->add(std::make_shared<ReLU>(true));
-    net->add(std::make_shared<Conv2d>(64, 64, 3, 1, 1));
-    net->add(std::make_shared<ReLU>(true));
-    net->add(std::make_shared<Flatten>());
-    net->add(std::make_shared<Linear>(64 * 8 * 8, 10));
-    testing::randomize_parameters(*net, 71, -0.2f, 0.2f);
-    return net;
-  };
-  auto fused = expect_gpu_fusion_is_exact(make, GetParam(), {4, 16, 16, 3}, 72);
+  const BiasHandoffOff no_bias_handoff;
+  auto fused = expect_gpu_fusion_is_exact(batchnorm_net, GetParam(), {4, 16, 16, 3}, 72);
   EXPECT_TRUE((*fused)[3]->input_grad_masked());
   EXPECT_EQ((*fused)[7]->input_grad_masked(), GetParam() != Precision::fp32);
+  EXPECT_FALSE((*fused)[1]->input_grad_summed());
+}
+
+// BatchNorm2d adds up the bias gradient of the convolution before it in its dx pass (Module's bias
+// hand-off), so the convolution reads its output gradient once. Against the same layers run one
+// by one (no fusion, no hand-off): the output, the input gradient and every other gradient the
+// same bits; the two convolutions' biases before a BatchNorm (parameters 1 and 5) are fp32 sums of
+// the same dx in another order, so each is compared with a double sum of the dx the BatchNorm
+// wrote (the one-by-one run's), within a few roundings of sum |dx| of the channel, the bound of
+// the kernel's test (kernels' BatchNormGpu.DxColumnSumsAreTheBiasGradientBefore). One term lost or
+// counted twice would move a sum by about sum |dx| / rows, 1/1,024 or 1/256 of it here.
+TEST_P(FusedReluGpu, BatchNormAddsUpTheConvolutionsBiasGradient) {
+  if (GetParam() == Precision::fp32) {
+    CUDP_REQUIRE_GPU();
+  } else {
+    CUDP_REQUIRE_TENSOR_CORES();
+  }
+  const Device gpu = Device::cuda(0);
+  auto model = batchnorm_net(), layers = batchnorm_net();
+  for (auto* m : {model.get(), layers.get()}) {
+    m->set_precision(GetParam());
+    m->to(gpu);
+  }
+  const Tensor x = random_tensor({4, 16, 16, 3}, 72, -1.f, 1.f, gpu);
+  const Tensor y = model->forward(x);
+  std::vector<Tensor> outputs{x};
+  for (size_t i = 0; i < layers->size(); ++i) outputs.push_back((*layers)[i]->forward(outputs[i]));
+  EXPECT_EQ(values(y), values(outputs.back()));
+  const Tensor g = random_tensor(y.shape(), 73, -1.f, 1.f, gpu);
+  model->zero_grad();
+  layers->zero_grad();
+  const Tensor dx = model->backward(g);
+  // input_grads[i]: the gradient of child i's input, that is of child i - 1's output.
+  std::vector<Tensor> input_grads(layers->size() + 1);
+  input_grads.back() = g;
+  for (size_t i = layers->size(); i-- > 0;) {
+    input_grads[i] = (*layers)[i]->backward(input_grads[i + 1]);
+  }
+  EXPECT_EQ(values(dx), values(input_grads[0]));
+  EXPECT_TRUE((*model)[1]->input_grad_summed());
+  EXPECT_TRUE((*model)[5]->input_grad_summed());
+  const auto a = model->parameters(), b = layers->parameters();
+  ASSERT_EQ(a.size(), 12u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (i != 1 && i != 5) {
+      EXPECT_EQ(values(a[i]->grad), values(b[i]->grad)) << "parameter " << i;
+      continue;
+    }
+    const std::vector<float> d = values(input_grads[i]);  // BatchNorm's dx: children 1 and 5
+    const std::vector<float> got = values(a[i]->grad), own = values(b[i]->grad);
+    const size_t c = got.size();
+    std::vector<double> exact(c, 0.0), scale(c, 0.0);
+    for (size_t j = 0; j < d.size(); ++j) {
+      exact[j % c] += d[j];
+      scale[j % c] += std::fabs(d[j]);
+    }
+    for (size_t ch = 0; ch < c; ++ch) {
+      EXPECT_NEAR(got[ch], exact[ch], 2e-7 * scale[ch]) << "parameter " << i << ", channel " << ch;
+      EXPECT_NEAR(own[ch], exact[ch], 2e-7 * scale[ch]) << "parameter " << i << ", channel " << ch;
+    }
+  }
 }
 
 // A bf16 layer before a tf32 one (set_precision on part of a model): the tf32 Conv2d masks the bf16
