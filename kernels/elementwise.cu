@@ -141,7 +141,46 @@ __global__ void zero_ranges_kernel(float* base, RangeBatch batch) {
   }
 }
 
+struct SpanBatch {
+  const float* data[kRangesPerLaunch];
+  int64_t size[kRangesPerLaunch];
+  int64_t flag[kRangesPerLaunch];  // the span's index among all: its flag
+};
+
+// blockIdx.y picks the span; any thread that meets a NaN or an infinity sets its flag (every
+// writer writes 1: the result does not depend on which).
+__global__ void flag_non_finite_kernel(SpanBatch batch, int* flags) {
+  kernel_entry();
+  const float* v = batch.data[blockIdx.y];
+  const int64_t n = batch.size[blockIdx.y];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  bool bad = false;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    bad = bad || !isfinite(v[i]);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) flags[batch.flag[blockIdx.y]] = 1;
+}
+
 }  // namespace
+
+void flag_non_finite(const FloatSpan* spans, int64_t count, int* flags, cudaStream_t stream) {
+  detail::check_spans("flag_non_finite", spans, count, flags);
+  for (int64_t first = 0; first < count; first += kRangesPerLaunch) {
+    SpanBatch batch{};
+    const int64_t in_batch = std::min<int64_t>(kRangesPerLaunch, count - first);
+    int64_t longest = 0;
+    for (int64_t i = 0; i < in_batch; ++i) {
+      batch.data[i] = spans[first + i].data;
+      batch.size[i] = spans[first + i].size;
+      batch.flag[i] = first + i;
+      longest = std::max(longest, batch.size[i]);
+    }
+    if (longest == 0) continue;
+    const unsigned blocks = std::min(grid_for(longest, kThreads), kMaxBlocks);
+    launch("flag_non_finite", flag_non_finite_kernel, dim3(blocks, unsigned(in_batch)), kThreads, 0,
+           stream, batch, flags);
+  }
+}
 
 void zero_ranges(float* base, const FloatRange* ranges, int64_t count, cudaStream_t stream) {
   detail::check_zero_ranges("zero_ranges", base, ranges, count);

@@ -70,6 +70,19 @@ struct FloatRange {
 void zero_ranges(float* base, const FloatRange* ranges, int64_t count, cudaStream_t stream);
 void zero_ranges_cpu(float* base, const FloatRange* ranges, int64_t count);
 
+// A tensor's floats, for flag_non_finite.
+struct FloatSpan {
+  const float* data = nullptr;
+  int64_t size = 0;
+};
+
+// flags[i] = 1 where spans[i] holds a NaN or an infinity; the other flags are left as they were
+// (the caller zeroes them first). One launch per 64 spans: a model's state checked at once (a
+// trainer's checkpoint, layers/checkpoint.h) instead of a copy to the host to look at. A span
+// with size > 0 needs data; a negative size throws ValueError naming the span.
+void flag_non_finite(const FloatSpan* spans, int64_t count, int* flags, cudaStream_t stream);
+void flag_non_finite_cpu(const FloatSpan* spans, int64_t count, int* flags);
+
 namespace detail {
 
 CUDP_HD inline float relu(float x) {
@@ -119,6 +132,8 @@ inline VectorSplit vector_split(int64_t n,
 void check_elementwise(const char* op, int64_t n, std::initializer_list<const void*> pointers);
 // zero_ranges' checks (above), for its launcher and its reference.
 void check_zero_ranges(const char* op, const float* base, const FloatRange* ranges, int64_t count);
+// flag_non_finite's checks.
+void check_spans(const char* op, const FloatSpan* spans, int64_t count, const int* flags);
 
 }  // namespace detail
 }  // namespace cudp::kernels

@@ -1,5 +1,6 @@
 // CPU references of elementwise.h: plain loops over the shared per-element formulas.
 #include <algorithm>
+#include <cmath>
 
 #include "engine/core/error.h"
 #include "kernels/elementwise.h"
@@ -17,6 +18,18 @@ void check_zero_ranges(const char* op, const float* base, const FloatRange* rang
     any = any || ranges[r].end > ranges[r].begin;
   }
   CUDP_CHECK(!any || base != nullptr, op, ": the buffer is null while a range is not empty");
+}
+
+void check_spans(const char* op, const FloatSpan* spans, int64_t count, const int* flags) {
+  CUDP_CHECK(count >= 0, op, ": count must be >= 0, got ", count);
+  CUDP_CHECK(count == 0 || (spans != nullptr && flags != nullptr), op,
+             ": the spans or the flags are null while count = ", count);
+  for (int64_t i = 0; i < count; ++i) {
+    CUDP_CHECK(spans[i].size >= 0, op, ": span ", i, " has size ", spans[i].size,
+               "; sizes must be >= 0");
+    CUDP_CHECK(spans[i].size == 0 || spans[i].data != nullptr, op, ": span ", i,
+               " is null with size ", spans[i].size);
+  }
 }
 
 void check_elementwise(const char* op, int64_t n, std::initializer_list<const void*> pointers) {
@@ -82,6 +95,14 @@ void zero_ranges_cpu(float* base, const FloatRange* ranges, int64_t count) {
   detail::check_zero_ranges("zero_ranges_cpu", base, ranges, count);
   for (int64_t r = 0; r < count; ++r) {
     std::fill(base + ranges[r].begin, base + ranges[r].end, 0.0f);
+  }
+}
+
+void flag_non_finite_cpu(const FloatSpan* spans, int64_t count, int* flags) {
+  detail::check_spans("flag_non_finite_cpu", spans, count, flags);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* v = spans[i].data;
+    if (!std::all_of(v, v + spans[i].size, [](float x) { return std::isfinite(x); })) flags[i] = 1;
   }
 }
 

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "engine/core/file.h"
+#include "engine/core/memory.h"
+#include "kernels/elementwise.h"
 
 namespace cudp {
 namespace {
@@ -272,6 +274,86 @@ CheckpointSnapshot snapshot_checkpoint(Module& model, const Optimizer* optimizer
   return snapshot;
 }
 
+StagedCheckpoint stage_checkpoint(Module& model, const Optimizer* optimizer,
+                                  const Metadata& metadata) {
+  for (const auto& [key, value] : metadata) {
+    CUDP_CHECK(!starts_with(key, "cudp.") && !starts_with(key, kOptimizerPrefix),
+               "save_checkpoint: metadata key '", key,
+               "' uses a reserved prefix (\"cudp.\" or \"optimizer.\")");
+  }
+  StagedCheckpoint staged;
+  const cuda::AllocationPurpose purpose(
+      "a checkpoint's copy of the model and optimizer state on the device (brought to the host "
+      "while training goes on)",
+      "Free device memory, or save checkpoints less often.");
+  staged.train_metadata = metadata;
+  if (optimizer) {
+    staged.train = optimizer->state_copy(parameter_names(model, *optimizer));
+    staged.train_metadata[kTypeKey] = optimizer->type_name();
+    for (const auto& [key, value] : optimizer->hyperparameters()) {
+      staged.train_metadata[kOptimizerPrefix + key] = value;
+    }
+  }
+  staged.model = model.copy_state();
+  const auto on_gpu = [&](const Tensor& t) {
+    if (t.is_cpu()) return;
+    CUDP_CHECK(staged.device < 0 || staged.device == t.device().index,
+               "stage_checkpoint: the state is on more than one GPU (cuda:", staged.device,
+               " and cuda:", t.device().index, "); stage the model of one device");
+    staged.device = t.device().index;
+  };
+  for (const auto& item : staged.model.items) on_gpu(item.copy);
+  for (const auto& [key, t] : staged.train) on_gpu(t);
+  if (staged.device >= 0) {
+    staged.copies_done = cuda::Event::create(staged.device);
+    staged.copies_done.record(cuda::current_stream(staged.device));
+  }
+  return staged;
+}
+
+CheckpointSnapshot StagedCheckpoint::to_host() const {
+  CheckpointSnapshot snapshot;
+  snapshot.train_metadata = train_metadata;
+  const auto copy = [&] {
+    snapshot.model = model.to_host();
+    for (const auto& [key, t] : train) snapshot.train[key] = t.is_cpu() ? t : t.cpu();
+  };
+  if (device < 0) {
+    copy();
+    return snapshot;
+  }
+  // On a stream of this thread's own: the device's default stream is the caller's, which runs on.
+  copies_done.synchronize();
+  const cuda::Stream stream = cuda::Stream::create(device);
+  const cuda::StreamGuard guard(device, stream.get());
+  copy();
+  return snapshot;
+}
+
+std::string StagedCheckpoint::first_non_finite() const {
+  std::vector<kernels::FloatSpan> spans;
+  std::vector<const std::string*> names;
+  for (const auto& item : model.items) {
+    if (item.copy.dtype() != DType::f32 || item.copy.numel() == 0) continue;
+    spans.push_back({item.copy.data<float>(), item.copy.numel()});
+    names.push_back(&item.name);
+  }
+  std::vector<int32_t> flags(spans.size(), 0);
+  if (device < 0) {
+    kernels::flag_non_finite_cpu(spans.data(), int64_t(spans.size()), flags.data());
+  } else if (!spans.empty()) {
+    const cuda::DeviceGuard guard(device);
+    Tensor on_device = Tensor::zeros({int64_t(spans.size())}, DType::i32, Device::cuda(device));
+    kernels::flag_non_finite(spans.data(), int64_t(spans.size()), on_device.data<int32_t>(),
+                             cuda::current_stream(device));
+    flags = on_device.to_vector<int32_t>();  // waits for the copies and the check
+  }
+  for (size_t i = 0; i < flags.size(); ++i) {
+    if (flags[i] != 0) return *names[i];
+  }
+  return "";
+}
+
 void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapshot) {
   const std::string train_path = optimizer_state_path(path);
   const std::string prev = previous_checkpoint_path(path), prev_train = optimizer_state_path(prev);
@@ -330,6 +412,18 @@ void CheckpointWriter::save(std::vector<std::string> paths, CheckpointSnapshot s
   wait();
   thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
     try {
+      for (const std::string& path : paths) write_checkpoint(path, snapshot);
+    } catch (...) {
+      error_ = std::current_exception();  // read by wait() after the join
+    }
+  });
+}
+
+void CheckpointWriter::save(std::vector<std::string> paths, StagedCheckpoint staged) {
+  wait();
+  thread_ = std::thread([this, paths = std::move(paths), staged = std::move(staged)] {
+    try {
+      const CheckpointSnapshot snapshot = staged.to_host();
       for (const std::string& path : paths) write_checkpoint(path, snapshot);
     } catch (...) {
       error_ = std::current_exception();  // read by wait() after the join

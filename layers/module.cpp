@@ -14,6 +14,7 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
+#include "engine/core/stream.h"
 #include "kernels/elementwise.h"
 #include "kernels/layout.h"
 
@@ -288,6 +289,34 @@ std::map<std::string, Tensor> Module::state_dict() {
   std::map<std::string, Tensor> state;
   for (const Entry& e : entries) {
     state.emplace(e.name, snapshot(e.owner->export_tensor(e.local, *e.tensor), *e.tensor));
+  }
+  return state;
+}
+
+Module::StateCopy Module::copy_state() {
+  std::vector<Entry> entries;
+  collect_entries("", entries);
+  StateCopy copy;
+  copy.items.reserve(entries.size());
+  for (const Entry& e : entries) {
+    const Tensor& t = *e.tensor;
+    Tensor mine = Tensor::empty(t.shape(), t.dtype(), t.device());
+    if (t.is_cpu()) {
+      mine.copy_from(t);
+    } else {
+      mine.copy_from(t, cuda::current_stream(t.device().index));  // enqueued, not waited for
+    }
+    copy.items.push_back({e.name, e.owner, e.local, std::move(mine)});
+  }
+  return copy;
+}
+
+std::map<std::string, Tensor> Module::StateCopy::to_host() const {
+  std::map<std::string, Tensor> state;
+  for (const Item& item : items) {
+    // The copy is private: what the hook returns may alias it (snapshot's clone is not needed).
+    Tensor exported = item.owner->export_tensor(item.local, item.copy);
+    state.emplace(item.name, exported.is_cpu() ? exported : exported.cpu());
   }
   return state;
 }

@@ -141,6 +141,24 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // Parameters and buffers in PyTorch's layout (conv weights OIHW), as CPU tensors.
   std::map<std::string, Tensor> state_dict();
+  // state_dict() in two halves, for a caller that brings the state to the host on another thread
+  // while this module trains on (layers/checkpoint.h, stage_checkpoint): copy_state() takes a
+  // private copy of every parameter and buffer where it lives (on a GPU, device to device on the
+  // current stream, without waiting for it), and StateCopy::to_host() (after that stream has done
+  // the copies) turns them into state_dict()'s CPU tensors. to_host reads only the copies and the
+  // owners' fixed configuration (the export hooks): the module must outlive it and keep its
+  // structure, but its values may change meanwhile.
+  struct StateCopy {
+    struct Item {
+      std::string name;     // dotted PyTorch name
+      const Module* owner;  // for its export hook
+      std::string local;    // the name inside the owner
+      Tensor copy;          // the private copy, internal layout
+    };
+    std::vector<Item> items;
+    std::map<std::string, Tensor> to_host() const;
+  };
+  StateCopy copy_state();
   // Loads PyTorch-layout tensors; strict: every key present and no extra key. Errors name the key.
   void load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
 

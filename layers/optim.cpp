@@ -11,6 +11,7 @@
 
 #include "engine/core/graph.h"
 #include "engine/core/memory.h"
+#include "engine/core/stream.h"
 #include "kernels/optim.h"
 
 namespace cudp {
@@ -25,11 +26,6 @@ void on_device(Device device, Cpu&& cpu, Gpu&& gpu) {
     cuda::DeviceGuard guard(device.index);
     gpu(stream_for(device));
   }
-}
-
-// A snapshot on the host that never aliases the live tensor.
-Tensor snapshot(const Tensor& t) {
-  return t.is_cpu() ? t.clone() : t.cpu();
 }
 
 // Flat parameters (Module::flatten_parameters): every parameter's data is a view into one buffer,
@@ -379,6 +375,14 @@ std::string Optimizer::key_prefix(size_t i, const std::vector<std::string>& para
 }
 
 TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) const {
+  TensorMap out = state_copy(param_names);
+  for (auto& [key, t] : out) {
+    if (!t.is_cpu()) t = t.cpu();  // after the copy, on this thread's current stream
+  }
+  return out;
+}
+
+TensorMap Optimizer::state_copy(const std::vector<std::string>& param_names) const {
   fold_skips();
   TensorMap out;
   const std::vector<std::string> names = state_names();
@@ -388,7 +392,14 @@ TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) con
     }
     const std::string prefix = key_prefix(i, param_names);
     for (size_t k = 0; k < state_.size() && k < names.size(); ++k) {
-      out[prefix + names[k]] = snapshot(state_[k][i]);
+      const Tensor& t = state_[k][i];
+      Tensor mine = Tensor::empty(t.shape(), t.dtype(), t.device());
+      if (t.is_cpu()) {
+        mine.copy_from(t);
+      } else {
+        mine.copy_from(t, cuda::current_stream(t.device().index));  // enqueued, not waited for
+      }
+      out[prefix + names[k]] = std::move(mine);
     }
     for (const std::string& name : scalar_state_names()) {
       out[prefix + name] = export_scalar_state(i, name);

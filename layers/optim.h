@@ -109,6 +109,10 @@ class Optimizer {
   // Snapshots (fresh CPU tensors) of the state, named "<i>.<state>" (see above), or
   // "<param_names[i]>.<state>" when the parameters' names are given (one per parameter).
   TensorMap state_dict(const std::vector<std::string>& param_names = {}) const;
+  // The same entries as private copies where the state lives: on a GPU, device to device on the
+  // current stream, not waited for (layers/checkpoint.h's stage_checkpoint brings them to the host
+  // on another thread once that stream has done them).
+  TensorMap state_copy(const std::vector<std::string>& param_names = {}) const;
   // Replaces the state with `state` as state_dict(param_names) wrote it. Every key must name a
   // parameter and a state this optimizer keeps, each tensor must have its parameter's shape (a
   // step: one whole number >= 1), and a parameter has either all of its state or none. Everything

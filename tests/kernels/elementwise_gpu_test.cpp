@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -178,6 +179,58 @@ TEST(ElementwiseGpu, ZeroRangesMatchesCpu) {
   EXPECT_NO_THROW(zero_ranges(nullptr, nullptr, 0, stream));
   const FloatRange backwards[] = {{4, 2}};
   EXPECT_THROW(zero_ranges(buffer.get(), backwards, 1, stream), ValueError);
+}
+
+// flag_non_finite over 150 spans of one buffer (more than one launch's 64), of every length up to
+// 2^20 + 5 (and empty ones), with a NaN, +inf or -inf planted in some (first, last or middle
+// element), against the CPU reference; flags already set stay set.
+TEST(ElementwiseGpu, FlagNonFiniteMatchesCpu) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const int64_t n = (int64_t(1) << 22);
+  std::vector<float> data = testing::random_vector(n, 910, -3.f, 3.f);
+  Slice buffer(n, 1);
+  std::vector<std::pair<int64_t, int64_t>> where;  // (begin, size)
+  int64_t at = 0;
+  for (int s = 0; s < 150; ++s) {
+    const int64_t size = s % 9 == 0 ? 0 : s == 70 ? (int64_t(1) << 20) + 5 : (s * 53) % 3000 + 1;
+    where.emplace_back(at, size);
+    if (size > 0 && s % 4 == 1) {
+      const int64_t k = s % 3 == 0 ? 0 : s % 3 == 1 ? size - 1 : size / 2;
+      data[at + k] = s % 8 == 1   ? std::numeric_limits<float>::quiet_NaN()
+                     : s % 8 == 5 ? std::numeric_limits<float>::infinity()
+                                  : -std::numeric_limits<float>::infinity();
+    }
+    at += size;
+  }
+  ASSERT_LE(at, n);
+  buffer.upload(data);
+  std::vector<FloatSpan> on_host, on_device;
+  for (const auto& [begin, size] : where) {
+    on_host.push_back({data.data() + begin, size});
+    on_device.push_back({buffer.get() + begin, size});
+  }
+  std::vector<int> expected(where.size(), 0);
+  expected[3] = 1;  // set before: stays
+  flag_non_finite_cpu(on_host.data(), int64_t(on_host.size()), expected.data());
+  int flagged = 0;
+  for (int f : expected) flagged += f;
+  EXPECT_GT(flagged, 30);
+  int* flags = nullptr;
+  ASSERT_EQ(cudaMalloc(&flags, where.size() * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(flags, 0, where.size() * sizeof(int)), cudaSuccess);
+  const int one = 1;
+  ASSERT_EQ(cudaMemcpy(flags + 3, &one, sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+  flag_non_finite(on_device.data(), int64_t(on_device.size()), flags, stream);
+  std::vector<int> got(where.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), flags, got.size() * sizeof(int), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  cudaFree(flags);
+  EXPECT_EQ(got, expected);
+  EXPECT_TRUE(buffer.guards_intact());
+  const FloatSpan negative[] = {{buffer.get(), -1}};
+  int flag = 0;
+  EXPECT_THROW(flag_non_finite(negative, 1, &flag, stream), ValueError);
 }
 
 TEST(ElementwiseGpu, ZeroSizeLaunchesNothing) {

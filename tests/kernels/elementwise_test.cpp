@@ -113,6 +113,23 @@ TEST(Add, HandValuesAndAliasing) {
   EXPECT_EQ(a, out);
 }
 
+TEST(FlagNonFinite, FlagsTheSpansHoldingNanOrInfinity) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> v = {1.f, nan, 2.f, -inf, 3.f, 4.f, inf, -0.f, 3e38f};
+  const FloatSpan spans[] = {{v.data(), 1},     {v.data() + 1, 1}, {v.data() + 2, 2},
+                             {v.data() + 4, 2}, {v.data() + 6, 1}, {nullptr, 0},
+                             {v.data() + 7, 2}};
+  std::vector<int> flags = {0, 0, 0, 0, 0, 1, 0};  // a flag set before stays set
+  flag_non_finite_cpu(spans, 7, flags.data());
+  EXPECT_EQ(flags, (std::vector<int>{0, 1, 1, 0, 1, 1, 0}));
+  const FloatSpan negative[] = {{v.data(), -1}}, null_data[] = {{nullptr, 2}};
+  EXPECT_THROW(flag_non_finite_cpu(negative, 1, flags.data()), ValueError);
+  EXPECT_THROW(flag_non_finite_cpu(null_data, 1, flags.data()), ValueError);
+  EXPECT_THROW(flag_non_finite_cpu(spans, 1, nullptr), ValueError);
+  EXPECT_NO_THROW(flag_non_finite_cpu(nullptr, 0, nullptr));
+}
+
 TEST(ZeroRanges, ZeroesExactlyTheRanges) {
   std::vector<float> v(20, 5.0f);
   const FloatRange ranges[] = {{2, 5}, {5, 5}, {9, 12}, {10, 11}, {19, 20}};

@@ -26,5 +26,17 @@ TEST(CheckpointResumeGpu, Tf32TrainingResumesBitExactly) {
   testing::expect_exact_resume(Device::cuda(0), Precision::tf32, 3);
 }
 
+// The snapshot in two halves (stage_checkpoint): device copies taken on the stream, brought to
+// the host later on the writer's thread while the next step runs.
+TEST(CheckpointStagedGpu, AStagedCheckpointHoldsItsMoment) {
+  CUDP_REQUIRE_GPU();
+  testing::expect_staged_checkpoint_holds_its_moment(Device::cuda(0), Precision::fp32, 2);
+}
+
+TEST(CheckpointStagedGpu, AStagedBf16CheckpointHoldsItsMoment) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  testing::expect_staged_checkpoint_holds_its_moment(Device::cuda(0), Precision::bf16, 2);
+}
+
 }  // namespace
 }  // namespace cudp

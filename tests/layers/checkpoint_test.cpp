@@ -151,6 +151,12 @@ TEST_F(Checkpoint, AWriterSavesTheSnapshotsMomentWhileTrainingGoesOn) {
   expect_same_values(loaded_sgd.state_dict(), sgd_.state_dict());
 }
 
+// The snapshot in two halves on the CPU path (the GPU's twin is in checkpoint_gpu_test).
+TEST(CheckpointStaged, AStagedCheckpointHoldsItsMoment) {
+  testing::expect_staged_checkpoint_holds_its_moment(Device::cpu(), Precision::fp32, 2);
+  testing::expect_staged_checkpoint_holds_its_moment(Device::cpu(), Precision::bf16, 2);
+}
+
 // A save that fails on the writer's thread (here: its directory does not exist) is not lost: the
 // next save() or wait() throws its error, once.
 TEST_F(Checkpoint, AWritersFailedSaveIsRethrownOnce) {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -128,6 +129,56 @@ inline void expect_precision_changes_training(Device device, Precision precision
   const std::vector<float> a = as_floats(fp32.model->state_dict().at("0.weight"));
   const std::vector<float> b = as_floats(other.model->state_dict().at("0.weight"));
   EXPECT_FALSE(bitwise_equal(a, b)) << precision_name(precision) << " trained as fp32 did";
+}
+
+// A staged checkpoint (stage_checkpoint: copies where the state lives, brought to the host later,
+// on another thread) holds the moment it was staged: after K steps, staged, then one more step
+// taken at once (on a GPU without waiting for the copies: the step's kernels queue behind them on
+// the same stream), its host snapshot equals snapshot_checkpoint's of that moment bit for bit, and
+// a writer saving it from its own thread writes that moment; first_non_finite finds a NaN or an
+// infinity where one was planted.
+inline void expect_staged_checkpoint_holds_its_moment(Device device, Precision precision, int k) {
+  SCOPED_TRACE(::testing::Message() << "on " << device << " under " << precision_name(precision));
+  ResumeRun run = make_resume_run(7, device, precision);
+  for (int step = 0; step < k; ++step) train_step(run, step, device);
+  const Metadata meta = {{"step", std::to_string(k)}};
+  const CheckpointSnapshot then = snapshot_checkpoint(*run.model, run.sgd.get(), meta);
+  StagedCheckpoint staged = stage_checkpoint(*run.model, run.sgd.get(), meta);
+  StagedCheckpoint written = stage_checkpoint(*run.model, run.sgd.get(), meta);
+  train_step(run, k, device);  // the live state moves on
+  const CheckpointSnapshot later = staged.to_host();
+  expect_bitwise_same(later.model, then.model, "the staged model");
+  expect_bitwise_same(later.train, then.train, "the staged optimizer state");
+  EXPECT_EQ(later.train_metadata, then.train_metadata);
+  EXPECT_FALSE(bitwise_equal(as_floats(later.model.at("0.weight")),
+                             as_floats(run.model->state_dict().at("0.weight"))))
+      << "the step after staging changed nothing: the test would not see a copy that followed it";
+
+  TempDir dir;
+  CheckpointWriter writer;
+  const std::string path = dir.file("staged.safetensors");
+  writer.save({path}, std::move(written));
+  writer.wait();
+  ResumeRun loaded = make_resume_run(99, device, precision);
+  EXPECT_EQ(load_checkpoint(path, *loaded.model, loaded.sgd.get()).at("step"), std::to_string(k));
+  expect_bitwise_same(loaded.model->state_dict(), then.model, "the model written");
+  expect_bitwise_same(loaded.sgd->state_dict(parameter_names(*loaded.model)), then.train,
+                      "the optimizer state written");
+
+  // first_non_finite: "" for this model; with an infinity planted in Linear's weight and a NaN in
+  // BatchNorm's running variance, the first of them in state_dict order.
+  EXPECT_EQ(stage_checkpoint(*run.model, run.sgd.get()).first_non_finite(), "");
+  const auto plant = [&](Tensor& t, float value) {
+    std::vector<float> v = as_floats(t);
+    v[v.size() / 2] = value;
+    t.copy_from(Tensor::from_vector(v, t.shape()));
+  };
+  BatchNorm2d& bn = static_cast<BatchNorm2d&>(*(*run.model)[1]);
+  Linear& fc = static_cast<Linear&>(*(*run.model)[5]);
+  plant(fc.weight().data, std::numeric_limits<float>::infinity());
+  EXPECT_EQ(stage_checkpoint(*run.model, run.sgd.get()).first_non_finite(), "5.weight");
+  plant(bn.running_var(), std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(stage_checkpoint(*run.model, run.sgd.get()).first_non_finite(), "1.running_var");
 }
 
 }  // namespace cudp::testing
