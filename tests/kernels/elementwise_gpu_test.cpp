@@ -222,6 +222,8 @@ TEST(ElementwiseGpu, FlagNonFiniteMatchesCpu) {
   const int one = 1;
   ASSERT_EQ(cudaMemcpy(flags + 3, &one, sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
   flag_non_finite(on_device.data(), int64_t(on_device.size()), flags, stream);
+  // The stream is non-blocking: the legacy stream's copy below would not wait for it.
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   std::vector<int> got(where.size());
   ASSERT_EQ(cudaMemcpy(got.data(), flags, got.size() * sizeof(int), cudaMemcpyDeviceToHost),
             cudaSuccess);
