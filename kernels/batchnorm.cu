@@ -730,9 +730,8 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
              coef, dx, rows, c, nullptr);
     }
   };
-  if (running_var && input_grad_sums) {
-    dx_pass.template operator()<true, true>();
-  } else if (running_var) {
+  // Only the training backward takes the sums (batchnorm_backward_eval passes none).
+  if (running_var) {
     dx_pass.template operator()<true, false>();
   } else if (input_grad_sums) {
     dx_pass.template operator()<false, true>();

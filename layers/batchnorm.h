@@ -20,8 +20,8 @@
 // (Module's mask hand-off: a max pooling's backward, or a convolution's backward-data epilogue,
 // which read that output anyway), the output is not kept and backward reads it no more. In
 // training, on the GPU, it also takes Module's bias hand-off: its dx pass adds up the column sums
-// of the dx it writes into the bias gradient of the convolution before it, which then reads its
-// gradient once (backward-weight) instead of twice.
+// of the dx it writes into the bias gradient of the convolution before it, which then takes no
+// pass of its own over its output gradient for it.
 //
 // num_batches_tracked lives on the module's device like every buffer, and the module keeps the
 // count on the host too (num_batches_tracked(), clones). After each training forward the buffer

@@ -397,6 +397,7 @@ void save_checkpoint(const std::string& path, Module& model, const Optimizer* op
 
 CheckpointWriter::~CheckpointWriter() {
   if (thread_.joinable()) thread_.join();
+  staged_.reset();
   if (error_) {
     try {
       std::rethrow_exception(error_);
@@ -421,9 +422,10 @@ void CheckpointWriter::save(std::vector<std::string> paths, CheckpointSnapshot s
 
 void CheckpointWriter::save(std::vector<std::string> paths, StagedCheckpoint staged) {
   wait();
-  thread_ = std::thread([this, paths = std::move(paths), staged = std::move(staged)] {
+  staged_ = std::make_unique<StagedCheckpoint>(std::move(staged));
+  thread_ = std::thread([this, paths = std::move(paths), copies = staged_.get()] {
     try {
-      const CheckpointSnapshot snapshot = staged.to_host();
+      const CheckpointSnapshot snapshot = copies->to_host();
       for (const std::string& path : paths) write_checkpoint(path, snapshot);
     } catch (...) {
       error_ = std::current_exception();  // read by wait() after the join
@@ -433,6 +435,7 @@ void CheckpointWriter::save(std::vector<std::string> paths, StagedCheckpoint sta
 
 void CheckpointWriter::wait() {
   if (thread_.joinable()) thread_.join();
+  staged_.reset();  // here, on the caller's thread (save's note)
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -85,8 +86,9 @@ void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapsho
 // result. Later updates of the model do not reach the copies. The model must outlive the staged
 // checkpoint (to_host uses its layers' export hooks) and keep its structure; the copies take device
 // memory the size of the state until the staged checkpoint is gone. first_non_finite() looks for a
-// NaN or an infinity in the model's f32 copies where they are (on a GPU, one launch and a read of
-// one flag per tensor on the current stream) and names the first such entry, or returns "".
+// NaN or an infinity in the model's f32 copies where they are (on a GPU, a launch per 64 tensors
+// and a read of one flag per tensor on the current stream, which waits for the copies and the
+// check: ~0.1 ms for VGG-16-BN's 61 MB) and names the first such entry, or returns "".
 struct StagedCheckpoint {
   Module::StateCopy model;
   TensorMap train;  // Optimizer::state_copy
@@ -117,7 +119,9 @@ class CheckpointWriter {
   // in turn (one checkpoint each, as write_checkpoint) on the writer's thread.
   void save(std::vector<std::string> paths, CheckpointSnapshot snapshot);
   // The same from a staged checkpoint: the writer's thread brings it to the host (to_host), then
-  // writes it.
+  // writes it. The staged copies are released by the next save() or wait() (or the destructor),
+  // on the caller's thread: their frees go to the stream they were made on, the caller's, and
+  // from the writer's thread they could land in a CUDA graph the caller is capturing meanwhile.
   void save(std::vector<std::string> paths, StagedCheckpoint staged);
   // Waits for the save in flight, if any; rethrows its error (once).
   void wait();
@@ -125,6 +129,7 @@ class CheckpointWriter {
  private:
   std::thread thread_;
   std::exception_ptr error_;
+  std::unique_ptr<StagedCheckpoint> staged_;  // the save in flight's, read by its thread
 };
 
 // Loads the last complete save of the checkpoint at `path` (find_checkpoint): the model strictly

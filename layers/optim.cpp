@@ -375,14 +375,25 @@ std::string Optimizer::key_prefix(size_t i, const std::vector<std::string>& para
 }
 
 TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) const {
-  TensorMap out = state_copy(param_names);
-  for (auto& [key, t] : out) {
-    if (!t.is_cpu()) t = t.cpu();  // after the copy, on this thread's current stream
-  }
-  return out;
+  // Host snapshots that never alias the live state, each copied to the host directly.
+  return collect_state(param_names,
+                       [](const Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); });
 }
 
 TensorMap Optimizer::state_copy(const std::vector<std::string>& param_names) const {
+  return collect_state(param_names, [](const Tensor& t) {
+    Tensor mine = Tensor::empty(t.shape(), t.dtype(), t.device());
+    if (t.is_cpu()) {
+      mine.copy_from(t);
+    } else {
+      mine.copy_from(t, cuda::current_stream(t.device().index));  // enqueued, not waited for
+    }
+    return mine;
+  });
+}
+
+TensorMap Optimizer::collect_state(const std::vector<std::string>& param_names,
+                                   const std::function<Tensor(const Tensor&)>& copy) const {
   fold_skips();
   TensorMap out;
   const std::vector<std::string> names = state_names();
@@ -392,14 +403,7 @@ TensorMap Optimizer::state_copy(const std::vector<std::string>& param_names) con
     }
     const std::string prefix = key_prefix(i, param_names);
     for (size_t k = 0; k < state_.size() && k < names.size(); ++k) {
-      const Tensor& t = state_[k][i];
-      Tensor mine = Tensor::empty(t.shape(), t.dtype(), t.device());
-      if (t.is_cpu()) {
-        mine.copy_from(t);
-      } else {
-        mine.copy_from(t, cuda::current_stream(t.device().index));  // enqueued, not waited for
-      }
-      out[prefix + names[k]] = std::move(mine);
+      out[prefix + names[k]] = copy(state_[k][i]);
     }
     for (const std::string& name : scalar_state_names()) {
       out[prefix + name] = export_scalar_state(i, name);

@@ -50,6 +50,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -202,6 +203,9 @@ class Optimizer {
   // accessors report the counts it corrects.
   void fold_skips() const;
   std::string key_prefix(size_t i, const std::vector<std::string>& param_names) const;
+  // state_dict's and state_copy's walk: every state entry as `copy` makes it, with its key.
+  TensorMap collect_state(const std::vector<std::string>& param_names,
+                          const std::function<Tensor(const Tensor&)>& copy) const;
   // Runs update(u) on u.device (made current, with its current stream filled in).
   void dispatch(Update u);
 

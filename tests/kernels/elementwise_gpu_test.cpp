@@ -218,15 +218,18 @@ TEST(ElementwiseGpu, FlagNonFiniteMatchesCpu) {
   EXPECT_GT(flagged, 30);
   int* flags = nullptr;
   ASSERT_EQ(cudaMalloc(&flags, where.size() * sizeof(int)), cudaSuccess);
-  ASSERT_EQ(cudaMemset(flags, 0, where.size() * sizeof(int)), cudaSuccess);
+  // Everything on the test's stream (non-blocking: the legacy stream's calls would not be ordered
+  // with the kernel), then waited for.
+  ASSERT_EQ(cudaMemsetAsync(flags, 0, where.size() * sizeof(int), stream), cudaSuccess);
   const int one = 1;
-  ASSERT_EQ(cudaMemcpy(flags + 3, &one, sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
-  flag_non_finite(on_device.data(), int64_t(on_device.size()), flags, stream);
-  // The stream is non-blocking: the legacy stream's copy below would not wait for it.
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  std::vector<int> got(where.size());
-  ASSERT_EQ(cudaMemcpy(got.data(), flags, got.size() * sizeof(int), cudaMemcpyDeviceToHost),
+  ASSERT_EQ(cudaMemcpyAsync(flags + 3, &one, sizeof(int), cudaMemcpyHostToDevice, stream),
             cudaSuccess);
+  flag_non_finite(on_device.data(), int64_t(on_device.size()), flags, stream);
+  std::vector<int> got(where.size());
+  ASSERT_EQ(
+      cudaMemcpyAsync(got.data(), flags, got.size() * sizeof(int), cudaMemcpyDeviceToHost, stream),
+      cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaFree(flags);
   EXPECT_EQ(got, expected);
   EXPECT_TRUE(buffer.guards_intact());

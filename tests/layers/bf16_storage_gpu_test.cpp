@@ -341,7 +341,8 @@ std::shared_ptr<Sequential> batchnorm_net() {
 // however it ends.
 struct BiasHandoffOff {
   BiasHandoffOff() { detail::set_bias_handoff(false); }
-  ~BiasHandoffOff() { detail::set_bias_handoff(true); }
+  ~BiasHandoffOff() { detail::set_bias_handoff(was_on); }
+  const bool was_on = detail::bias_handoff();
 };
 
 // BatchNorm2d's fused ReLU hands its mask to the layer after it on the GPU: the pooling's codes
