@@ -252,59 +252,52 @@ Metadata load_checkpoint_metadata(const std::string& path) {
   return user_metadata(load_safetensors_metadata(files.train));
 }
 
-CheckpointSnapshot snapshot_checkpoint(Module& model, const Optimizer* optimizer,
-                                       const Metadata& metadata) {
+namespace {
+
+// The training state file's metadata: the caller's (checked for the reserved prefixes), then the
+// optimizer's type and hyperparameters.
+Metadata train_metadata_of(const Optimizer* optimizer, const Metadata& metadata) {
   for (const auto& [key, value] : metadata) {
     CUDP_CHECK(!starts_with(key, "cudp.") && !starts_with(key, kOptimizerPrefix),
                "save_checkpoint: metadata key '", key,
                "' uses a reserved prefix (\"cudp.\" or \"optimizer.\")");
   }
+  Metadata out = metadata;
+  if (optimizer) {
+    out[kTypeKey] = optimizer->type_name();
+    for (const auto& [key, value] : optimizer->hyperparameters()) {
+      out[kOptimizerPrefix + key] = value;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+CheckpointSnapshot snapshot_checkpoint(Module& model, const Optimizer* optimizer,
+                                       const Metadata& metadata) {
   // Module::state_dict and Optimizer::state_dict return fresh host tensors that never alias the
   // live state (a model on the CPU included): the snapshot is theirs.
   CheckpointSnapshot snapshot;
-  snapshot.train_metadata = metadata;
-  if (optimizer) {
-    snapshot.train = optimizer->state_dict(parameter_names(model, *optimizer));
-    snapshot.train_metadata[kTypeKey] = optimizer->type_name();
-    for (const auto& [key, value] : optimizer->hyperparameters()) {
-      snapshot.train_metadata[kOptimizerPrefix + key] = value;
-    }
-  }
+  snapshot.train_metadata = train_metadata_of(optimizer, metadata);
+  if (optimizer) snapshot.train = optimizer->state_dict(parameter_names(model, *optimizer));
   snapshot.model = model.state_dict();
   return snapshot;
 }
 
 StagedCheckpoint stage_checkpoint(Module& model, const Optimizer* optimizer,
                                   const Metadata& metadata) {
-  for (const auto& [key, value] : metadata) {
-    CUDP_CHECK(!starts_with(key, "cudp.") && !starts_with(key, kOptimizerPrefix),
-               "save_checkpoint: metadata key '", key,
-               "' uses a reserved prefix (\"cudp.\" or \"optimizer.\")");
-  }
   StagedCheckpoint staged;
+  staged.train_metadata = train_metadata_of(optimizer, metadata);
   const cuda::AllocationPurpose purpose(
       "a checkpoint's copy of the model and optimizer state on the device (brought to the host "
       "while training goes on)",
       "Free device memory, or save checkpoints less often.");
-  staged.train_metadata = metadata;
-  if (optimizer) {
-    staged.train = optimizer->state_copy(parameter_names(model, *optimizer));
-    staged.train_metadata[kTypeKey] = optimizer->type_name();
-    for (const auto& [key, value] : optimizer->hyperparameters()) {
-      staged.train_metadata[kOptimizerPrefix + key] = value;
-    }
-  }
+  if (optimizer) staged.train = optimizer->state_copy(parameter_names(model, *optimizer));
   staged.model = model.copy_state();
-  const auto on_gpu = [&](const Tensor& t) {
-    if (t.is_cpu()) return;
-    CUDP_CHECK(staged.device < 0 || staged.device == t.device().index,
-               "stage_checkpoint: the state is on more than one GPU (cuda:", staged.device,
-               " and cuda:", t.device().index, "); stage the model of one device");
-    staged.device = t.device().index;
-  };
-  for (const auto& item : staged.model.items) on_gpu(item.copy);
-  for (const auto& [key, t] : staged.train) on_gpu(t);
-  if (staged.device >= 0) {
+  // The optimizer's state lives with the parameters, on the model's device.
+  if (model.device().is_cuda()) {
+    staged.device = model.device().index;
     staged.copies_done = cuda::Event::create(staged.device);
     staged.copies_done.record(cuda::current_stream(staged.device));
   }
@@ -411,22 +404,21 @@ CheckpointWriter::~CheckpointWriter() {
 
 void CheckpointWriter::save(std::vector<std::string> paths, CheckpointSnapshot snapshot) {
   wait();
-  thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
-    try {
-      for (const std::string& path : paths) write_checkpoint(path, snapshot);
-    } catch (...) {
-      error_ = std::current_exception();  // read by wait() after the join
-    }
-  });
+  start(std::move(paths), [snapshot = std::move(snapshot)] { return snapshot; });
 }
 
 void CheckpointWriter::save(std::vector<std::string> paths, StagedCheckpoint staged) {
   wait();
   staged_ = std::make_unique<StagedCheckpoint>(std::move(staged));
-  thread_ = std::thread([this, paths = std::move(paths), copies = staged_.get()] {
+  start(std::move(paths), [copies = staged_.get()] { return copies->to_host(); });
+}
+
+void CheckpointWriter::start(std::vector<std::string> paths,
+                             std::function<CheckpointSnapshot()> snapshot) {
+  thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
     try {
-      const CheckpointSnapshot snapshot = copies->to_host();
-      for (const std::string& path : paths) write_checkpoint(path, snapshot);
+      const CheckpointSnapshot taken = snapshot();
+      for (const std::string& path : paths) write_checkpoint(path, taken);
     } catch (...) {
       error_ = std::current_exception();  // read by wait() after the join
     }

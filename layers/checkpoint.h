@@ -44,6 +44,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -127,6 +128,10 @@ class CheckpointWriter {
   void wait();
 
  private:
+  // Takes `snapshot()` and writes it to each of `paths` on the writer's thread (save() has waited
+  // for the previous save).
+  void start(std::vector<std::string> paths, std::function<CheckpointSnapshot()> snapshot);
+
   std::thread thread_;
   std::exception_ptr error_;
   std::unique_ptr<StagedCheckpoint> staged_;  // the save in flight's, read by its thread

@@ -14,7 +14,6 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
-#include "engine/core/stream.h"
 #include "kernels/elementwise.h"
 #include "kernels/layout.h"
 
@@ -299,14 +298,7 @@ Module::StateCopy Module::copy_state() {
   StateCopy copy;
   copy.items.reserve(entries.size());
   for (const Entry& e : entries) {
-    const Tensor& t = *e.tensor;
-    Tensor mine = Tensor::empty(t.shape(), t.dtype(), t.device());
-    if (t.is_cpu()) {
-      mine.copy_from(t);
-    } else {
-      mine.copy_from(t, cuda::current_stream(t.device().index));  // enqueued, not waited for
-    }
-    copy.items.push_back({e.name, e.owner, e.local, std::move(mine)});
+    copy.items.push_back({e.name, e.owner, e.local, e.tensor->clone_async()});
   }
   return copy;
 }

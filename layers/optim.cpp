@@ -11,7 +11,6 @@
 
 #include "engine/core/graph.h"
 #include "engine/core/memory.h"
-#include "engine/core/stream.h"
 #include "kernels/optim.h"
 
 namespace cudp {
@@ -381,15 +380,7 @@ TensorMap Optimizer::state_dict(const std::vector<std::string>& param_names) con
 }
 
 TensorMap Optimizer::state_copy(const std::vector<std::string>& param_names) const {
-  return collect_state(param_names, [](const Tensor& t) {
-    Tensor mine = Tensor::empty(t.shape(), t.dtype(), t.device());
-    if (t.is_cpu()) {
-      mine.copy_from(t);
-    } else {
-      mine.copy_from(t, cuda::current_stream(t.device().index));  // enqueued, not waited for
-    }
-    return mine;
-  });
+  return collect_state(param_names, [](const Tensor& t) { return t.clone_async(); });
 }
 
 TensorMap Optimizer::collect_state(const std::vector<std::string>& param_names,

@@ -186,6 +186,13 @@ Tensor Tensor::clone() const {
   return out;
 }
 
+Tensor Tensor::clone_async() const {
+  if (is_cpu()) return clone();
+  Tensor out = empty(shape_, dtype_, device());
+  out.copy_from(*this, cuda::current_stream(device().index));
+  return out;
+}
+
 void Tensor::copy_from(const Tensor& src, cudaStream_t stream) {
   CUDP_CHECK(defined() && src.defined(), "copy_from with an undefined tensor");
   CUDP_CHECK(src.shape_ == shape_ && src.dtype_ == dtype_, "copy_from: source ", src.str(),

@@ -108,6 +108,9 @@ class Tensor {
   Tensor cuda(int device = -1) const;  // -1: the current device
   Tensor pin_memory() const;           // a pinned host copy
   Tensor clone() const;                // a copy on the same device
+  // A copy on the same device enqueued on that device's current stream and not waited for (a CPU
+  // tensor is copied at once): the source may change after the stream has reached the copy.
+  Tensor clone_async() const;
 
   // Copies `src` (same shape and dtype, any device) into this tensor, enqueued on `stream`, or, when
   // `stream` is null, on the current stream of the CUDA device involved (the destination's if both

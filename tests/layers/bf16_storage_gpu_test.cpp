@@ -22,6 +22,7 @@
 #include "layers/linear.h"
 #include "layers/pooling.h"
 #include "layers/sequential.h"
+#include "tests/layers/fusion_nets.h"
 #include "tests/layers/layer_testing.h"
 
 namespace cudp {
@@ -302,39 +303,15 @@ TEST_P(FusedReluGpu, LinearGivesTheReluModulesBits) {
   } else {
     CUDP_REQUIRE_TENSOR_CORES();
   }
-  const auto make = [] {
-    auto net = std::make_shared<Sequential>();
-    net->add(std::make_shared<Linear>(64, 32));
-    net->add(std::make_shared<ReLU>(true));
-    net->add(std::make_shared<Dropout>(0.5f, 3));
-    net->add(std::make_shared<Linear>(32, 12));
-    net->add(std::make_shared<ReLU>());
-    net->add(std::make_shared<Linear>(12, 10));
-    testing::randomize_parameters(*net, 51, -0.3f, 0.3f);
-    return net;
-  };
+  const auto make = [] { return testing::classifier_net(64, 32, 12, 51, 0.3f); };
   auto fused = expect_gpu_fusion_is_exact(make, GetParam(), {40, 64}, 52);
   EXPECT_TRUE((*fused)[0]->relu_fused());
   EXPECT_TRUE((*fused)[3]->relu_fused());
 }
 
-// VGG-BN's blocks in small: Conv -> BatchNorm -> ReLU -> {MaxPool, Conv}. Parameters: the
-// convolutions' weights and biases are 0/1, 4/5 and 8/9, BatchNorm's 2/3 and 6/7, Linear's 10/11.
+// VGG-BN's blocks (testing::batchnorm_block_net) for [4, 16, 16, 3] inputs.
 std::shared_ptr<Sequential> batchnorm_net() {
-  auto net = std::make_shared<Sequential>();
-  net->add(std::make_shared<Conv2d>(3, 32, 3, 1, 1));
-  net->add(std::make_shared<BatchNorm2d>(32));
-  net->add(std::make_shared<ReLU>(true));
-  net->add(std::make_shared<MaxPool2d>(2));
-  net->add(std::make_shared<Conv2d>(32, 64, 3, 1, 1));
-  net->add(std::make_shared<BatchNorm2d>(64));
-  net->add(std::make_shared<ReLU>(true));
-  net->add(std::make_shared<Conv2d>(64, 64, 3, 1, 1));
-  net->add(std::make_shared<ReLU>(true));
-  net->add(std::make_shared<Flatten>());
-  net->add(std::make_shared<Linear>(64 * 8 * 8, 10));
-  testing::randomize_parameters(*net, 71, -0.2f, 0.2f);
-  return net;
+  return testing::batchnorm_block_net(32, 64, 8, 71, 0.2f);
 }
 
 // The bias hand-off is process-wide (bench_train --bias-handoff): off for a scope, restored

@@ -16,6 +16,7 @@
 #include "layers/linear.h"
 #include "layers/pooling.h"
 #include "layers/sequential.h"
+#include "tests/layers/fusion_nets.h"
 #include "tests/layers/layer_testing.h"
 
 namespace cudp {
@@ -172,20 +173,7 @@ INSTANTIATE_TEST_SUITE_P(Bf16Storage, ReluMaskHandOff,
 // same bits as the ReLU modules under every precision, and the BatchNorm layers' own backward no
 // longer reads their output.
 std::shared_ptr<Sequential> batchnorm_handoff_net(uint64_t seed) {
-  auto net = std::make_shared<Sequential>();
-  net->add(std::make_shared<Conv2d>(3, 8, 3, 1, 1));
-  net->add(std::make_shared<BatchNorm2d>(8));
-  net->add(std::make_shared<ReLU>(true));
-  net->add(std::make_shared<MaxPool2d>(2));  // masks the first BatchNorm's ReLU
-  net->add(std::make_shared<Conv2d>(8, 16, 3, 1, 1));
-  net->add(std::make_shared<BatchNorm2d>(16));
-  net->add(std::make_shared<ReLU>(true));
-  net->add(std::make_shared<Conv2d>(16, 16, 3, 1, 1));  // masks the second's
-  net->add(std::make_shared<ReLU>());
-  net->add(std::make_shared<Flatten>());
-  net->add(std::make_shared<Linear>(16 * 4 * 4, 10));
-  testing::randomize_parameters(*net, seed, -0.5f, 0.5f);
-  return net;
+  return testing::batchnorm_block_net(8, 16, 4, seed, 0.5f);
 }
 
 TEST_P(ReluMaskHandOff, BatchNormGivesTheReluModulesBits) {
@@ -240,15 +228,7 @@ TEST(Bf16Storage, ALayerThatCannotFuseRefuses) {
 // ReLU modules' bits everywhere, under every precision, the Dropout between them included (the
 // same seed in both models: the same mask).
 std::shared_ptr<Sequential> classifier_net(uint64_t seed) {
-  auto net = std::make_shared<Sequential>();
-  net->add(std::make_shared<Linear>(32, 24));
-  net->add(std::make_shared<ReLU>(true));
-  net->add(std::make_shared<Dropout>(0.5f, 3));
-  net->add(std::make_shared<Linear>(24, 16));
-  net->add(std::make_shared<ReLU>());
-  net->add(std::make_shared<Linear>(16, 10));
-  testing::randomize_parameters(*net, seed, -0.5f, 0.5f);
-  return net;
+  return testing::classifier_net(32, 24, 16, seed, 0.5f);
 }
 
 TEST_P(FusedRelu, LinearGivesTheReluModulesBits) {
