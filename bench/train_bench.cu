@@ -67,6 +67,7 @@
 #include "engine/parallel/data_parallel.h"
 #include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
+#include "kernels/batchnorm.h"
 #include "kernels/conv2d.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
@@ -546,6 +547,13 @@ int main(int argc, char** argv) {
          "off: BatchNorm masks in its own backward (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string bn_cluster = "on";
+  app.add_option("--bn-cluster", bn_cluster,
+                 "on: with --bn, each BatchNorm of at most 2^23 values (rows x channels) runs its "
+                 "training forward and its backward in one launch each, a thread-block cluster "
+                 "per channel group; off: three kernels each at every size (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   std::string zero_grad = "deferred";
   app.add_option("--zero-grad", zero_grad,
                  "deferred: zero_grad leaves the convolutions' and linear layers' weight "
@@ -580,6 +588,7 @@ int main(int argc, char** argv) {
   detail::set_bias_handoff(bias_handoff == "on");
   detail::set_parameter_store(param_store == "on");
   detail::set_batchnorm_mask_handoff(bn_mask_handoff == "on");
+  kernels::detail::set_batchnorm_cluster(bn_cluster == "on");
   detail::set_programmatic_launch(pdl == "on");
   g_zero_grad = zero_grad == "fill" ? ZeroGrad::fill : ZeroGrad::deferred;
   kernels::detail::set_conv_swapped(swap == "on");

@@ -12,11 +12,14 @@
 // Reductions are deterministic: per thread in row order, then across blockDim.y in a fixed tree in
 // shared memory, then (finalize kernel) across row blocks in a fixed order. The grid depends on the
 // GPU's SM count and occupancy, so results are bitwise reproducible on one GPU model, not across.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 
 #include "engine/core/launch.cuh"
 #include "kernels/batchnorm.h"
@@ -26,6 +29,8 @@
 
 namespace cudp::kernels {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;  // threads per block of the row-walking kernels
 // Rows in flight per thread: 4 on the 16-byte float path; 2 for 8 bf16 per lane, whose 32
@@ -106,33 +111,29 @@ __device__ __forceinline__ int pow2_ceil(int v) {
   return v <= 1 ? 1 : 1 << (32 - __clz(v - 1));
 }
 
-// ---- forward statistics -------------------------------------------------------------------------
+// ---- the walks the kernels share ----------------------------------------------------------------
 //
-// Everything is relative to a per-channel shift K = x[row 0, channel] (a sample of the data, so
-// |mean - K| is a few standard deviations at most): each thread sums d = x - K and d^2, turns them
-// into (count, mean of d, M2) where sum d^2 - (sum d)^2 / n loses nothing to cancellation, and
-// those are merged with Chan's formula. The merged mean of d stays small, so its rounding errors
-// are relative to the spread of the data and not to |mean|: a channel with mean 1000 and spread 1
-// is normalised as accurately as one with mean 0. K is added back only for the saved mean.
+// A thread walks rows r0, r0 + step, ... below `rows` of the V channels from `channel`, kUnroll<V>
+// rows in flight. The multi-pass kernels and the one-launch cluster kernels (below) walk with the
+// same functions, so a thread computes the same values on either path; the paths differ only in
+// how the threads' results are combined.
+//
+// Forward statistics: everything is relative to a per-channel shift K = x[row 0, channel] (a
+// sample of the data, so |mean - K| is a few standard deviations at most): each thread sums d = x -
+// K and d^2, turns them into (count, mean of d, M2) where sum d^2 - (sum d)^2 / n loses nothing to
+// cancellation, and those are merged with Chan's formula. The merged mean of d stays small, so its
+// rounding errors are relative to the spread of the data and not to |mean|: a channel with mean
+// 1000 and spread 1 is normalised as accurately as one with mean 0. K is added back only for the
+// saved mean.
 
-// Partials per (row block, channel): count, mean of x - K, M2 of the rows that block walked.
+// One thread's summary of its rows into its slots of the block's arrays: s_n [blockDim.y][lanes],
+// s_mean and s_m2 [blockDim.y][lanes * V] (count, mean of x - K, M2 per channel).
 template <typename T, int V>
-__global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
-                                float* __restrict__ part_n, float* __restrict__ part_mean,
-                                float* __restrict__ part_m2) {
-  kernel_entry();
-  extern __shared__ float smem[];
+__device__ __forceinline__ void thread_stats(const T* __restrict__ x, int64_t r0, int64_t step,
+                                             int64_t rows, int c, int channel, bool active,
+                                             float* s_n, float* s_mean, float* s_m2) {
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
-  float* s_n = smem;                          // [blockDim.y][lanes]
-  float* s_mean = s_n + blockDim.y * lanes;   // [blockDim.y][width]
-  float* s_m2 = s_mean + blockDim.y * width;  // [blockDim.y][width]
-
-  const int channel = (blockIdx.x * lanes + tx) * V;
-  const bool active = channel < c;
-  const int64_t step = int64_t(blockDim.y) * gridDim.y;
-  const int64_t r0 = int64_t(blockIdx.y) * blockDim.y + ty;
   const int64_t count = rows_walked(r0, step, rows);
-
   float shift[V], s1[V], s2[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) shift[k] = s1[k] = s2[k] = 0.f;
@@ -173,6 +174,12 @@ __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
     s_mean[ty * width + tx * V + k] = n > 0 ? s1[k] / n : 0.f;
     s_m2[ty * width + tx * V + k] = n > 0 ? fmaxf(s2[k] - s1[k] * (s1[k] / n), 0.f) : 0.f;
   }
+}
+
+// Merges the block's summaries over blockDim.y in a fixed tree; row 0 ends with the block's.
+template <int V>
+__device__ __forceinline__ void stats_tree(float* s_n, float* s_mean, float* s_m2) {
+  const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
   __syncthreads();
   for (int half = pow2_ceil(blockDim.y) / 2; half > 0; half /= 2) {
     if (ty < half && ty + half < int(blockDim.y)) {
@@ -188,6 +195,164 @@ __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
     }
     __syncthreads();
   }
+}
+
+// Adds Arrays arrays of [blockDim.y][lanes * V] floats (the i-th at s + i * stride) over
+// blockDim.y in a fixed tree; row 0 ends with the block's sums.
+template <int V, int Arrays>
+__device__ __forceinline__ void sum_tree(float* s, int stride) {
+  const int width = blockDim.x * V, tx = threadIdx.x, ty = threadIdx.y;
+  __syncthreads();
+  for (int half = pow2_ceil(blockDim.y) / 2; half > 0; half /= 2) {
+    if (ty < half && ty + half < int(blockDim.y)) {
+#pragma unroll
+      for (int i = 0; i < Arrays; ++i) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          s[i * stride + ty * width + tx * V + k] +=
+              s[i * stride + (ty + half) * width + tx * V + k];
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// y = act(((x - center) - offset) * scale + shift) over the thread's rows.
+template <typename T, int V>
+__device__ __forceinline__ void apply_walk(const T* __restrict__ x, T* __restrict__ y, int64_t r0,
+                                           int64_t step, int64_t rows, int c, int channel,
+                                           const float (&center)[V], const float (&offset)[V],
+                                           const float (&scale)[V], const float (&shift)[V],
+                                           bool relu) {
+  auto apply = [&](const Pack<T, V>& in) {
+    Pack<T, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float v = fmaf((to_f32(in.v[k]) - center[k]) - offset[k], scale[k], shift[k]);
+      if (relu) v = detail::relu(v);
+      out.v[k] = from_f32<T>(v);
+    }
+    return out;
+  };
+  int64_t r = r0;
+  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+    Pack<T, V> v[kUnroll<V>];
+#pragma unroll
+    for (int u = 0; u < kUnroll<V>; ++u) v[u] = load<T, V>(x + (r + u * step) * c + channel);
+#pragma unroll
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      *reinterpret_cast<Pack<T, V>*>(y + (r + u * step) * c + channel) = apply(v[u]);
+    }
+  }
+  for (; r < rows; r += step) {
+    *reinterpret_cast<Pack<T, V>*>(y + r * c + channel) = apply(load<T, V>(x + r * c + channel));
+  }
+}
+
+// The thread's sums of g and g * (x - mean) over its rows, g = dy masked by the fused ReLU's
+// output (mask, nullable), added to a and b.
+template <typename T, int V>
+__device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T* __restrict__ dy,
+                                               const T* __restrict__ mask, const float (&mean)[V],
+                                               int64_t r0, int64_t step, int64_t rows, int c,
+                                               int channel, float (&a)[V], float (&b)[V]) {
+  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = masked_grad(gv.v[k], mask_row, k);
+      a[k] += g;
+      b[k] = fmaf(g, to_f32(xv.v[k]) - mean[k], b[k]);
+    }
+  };
+  int64_t r = r0;
+  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+    Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
+#pragma unroll
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      const int64_t at = (r + u * step) * c + channel;
+      xv[u] = load<T, V>(x + at);
+      gv[u] = load<T, V>(dy + at);
+      if (mask) mv[u] = load<T, V>(mask + at);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mask ? mv[u].v : nullptr);
+  }
+  for (; r < rows; r += step) {
+    const int64_t at = r * c + channel;
+    Pack<T, V> mv;
+    if (mask) mv = load<T, V>(mask + at);
+    accumulate(load<T, V>(x + at), load<T, V>(dy + at), mask ? mv.v : nullptr);
+  }
+}
+
+// dx = k * (g - a - (x - mean) * b) over the thread's rows; with frozen statistics (b == 0) x is
+// not read. With Sums, adds the stored dx (bf16: the rounded values) to sum, in row order.
+template <typename T, int V, bool Frozen, bool Sums>
+__device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __restrict__ dy,
+                                        const T* __restrict__ mask, const float (&mean)[V],
+                                        const float (&k_)[V], const float (&a)[V],
+                                        const float (&b)[V], T* __restrict__ dx, int64_t r0,
+                                        int64_t step, int64_t rows, int c, int channel,
+                                        float (&sum)[V]) {
+  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
+    Pack<T, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = masked_grad(gv.v[k], mask_row, k);
+      if constexpr (Frozen) {
+        out.v[k] = from_f32<T>(k_[k] * g);
+      } else {
+        out.v[k] = from_f32<T>(k_[k] * fmaf(mean[k] - to_f32(xv.v[k]), b[k], g - a[k]));
+      }
+      if constexpr (Sums) sum[k] += to_f32(out.v[k]);
+    }
+    return out;
+  };
+  int64_t r = r0;
+  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
+    Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
+#pragma unroll
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      const int64_t at = (r + u * step) * c + channel;
+      if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
+      gv[u] = load<T, V>(dy + at);
+      if (mask) mv[u] = load<T, V>(mask + at);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll<V>; ++u) {
+      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
+          grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
+    }
+  }
+  for (; r < rows; r += step) {
+    const int64_t at = r * c + channel;
+    Pack<T, V> xv, mv;
+    if constexpr (!Frozen) xv = load<T, V>(x + at);
+    if (mask) mv = load<T, V>(mask + at);
+    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
+  }
+}
+
+// ---- the multi-pass kernels ---------------------------------------------------------------------
+
+// Partials per (row block, channel): count, mean of x - K, M2 of the rows that block walked.
+template <typename T, int V>
+__global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
+                                float* __restrict__ part_n, float* __restrict__ part_mean,
+                                float* __restrict__ part_m2) {
+  kernel_entry();
+  extern __shared__ float smem[];
+  const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
+  float* s_n = smem;                          // [blockDim.y][lanes]
+  float* s_mean = s_n + blockDim.y * lanes;   // [blockDim.y][width]
+  float* s_m2 = s_mean + blockDim.y * width;  // [blockDim.y][width]
+  const int channel = (blockIdx.x * lanes + tx) * V;
+  const bool active = channel < c;
+  const int64_t step = int64_t(blockDim.y) * gridDim.y;
+  thread_stats<T, V>(x, int64_t(blockIdx.y) * blockDim.y + ty, step, rows, c, channel, active, s_n,
+                     s_mean, s_m2);
+  stats_tree<V>(s_n, s_mean, s_m2);
   if (ty == 0 && active) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -307,31 +472,9 @@ __global__ void bn_apply_kernel(const T* __restrict__ x, T* __restrict__ y, int6
       shift[k] = p.shift[channel + k];
     }
   }
-  const bool relu = p.relu;
-  auto apply = [&](const Pack<T, V>& in) {
-    Pack<T, V> out;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      float v = fmaf((to_f32(in.v[k]) - center[k]) - offset[k], scale[k], shift[k]);
-      if (relu) v = detail::relu(v);
-      out.v[k] = from_f32<T>(v);
-    }
-    return out;
-  };
-  const int64_t step = int64_t(blockDim.y) * gridDim.y;
-  int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-  for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
-    Pack<T, V> v[kUnroll<V>];
-#pragma unroll
-    for (int u = 0; u < kUnroll<V>; ++u) v[u] = load<T, V>(x + (r + u * step) * c + channel);
-#pragma unroll
-    for (int u = 0; u < kUnroll<V>; ++u) {
-      *reinterpret_cast<Pack<T, V>*>(y + (r + u * step) * c + channel) = apply(v[u]);
-    }
-  }
-  for (; r < rows; r += step) {
-    *reinterpret_cast<Pack<T, V>*>(y + r * c + channel) = apply(load<T, V>(x + r * c + channel));
-  }
+  apply_walk<T, V>(x, y, int64_t(blockIdx.y) * blockDim.y + threadIdx.y,
+                   int64_t(blockDim.y) * gridDim.y, rows, c, channel, center, offset, scale, shift,
+                   p.relu);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -347,61 +490,24 @@ __global__ void bn_backward_reduce_kernel(const T* __restrict__ x, const T* __re
   kernel_entry();
   extern __shared__ float smem[];
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
-  float* s_dy = smem;                           // [blockDim.y][width]
-  float* s_dy_xmu = s_dy + blockDim.y * width;  // [blockDim.y][width]
-
+  const int stride = blockDim.y * width;
+  float* s_dy = smem;               // [blockDim.y][width]
+  float* s_dy_xmu = s_dy + stride;  // [blockDim.y][width]
   const int channel = (blockIdx.x * lanes + tx) * V;
   const bool active = channel < c;
-  const int64_t step = int64_t(blockDim.y) * gridDim.y;
   float mean[V], a[V], b[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = active ? mean_in[channel + k] : 0.f;
-  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float g = masked_grad(gv.v[k], mask_row, k);
-      a[k] += g;
-      b[k] = fmaf(g, to_f32(xv.v[k]) - mean[k], b[k]);
-    }
-  };
   if (active) {
-    int64_t r = int64_t(blockIdx.y) * blockDim.y + ty;
-    for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
-      Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
-#pragma unroll
-      for (int u = 0; u < kUnroll<V>; ++u) {
-        const int64_t at = (r + u * step) * c + channel;
-        xv[u] = load<T, V>(x + at);
-        gv[u] = load<T, V>(dy + at);
-        if (mask) mv[u] = load<T, V>(mask + at);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mask ? mv[u].v : nullptr);
-    }
-    for (; r < rows; r += step) {
-      const int64_t at = r * c + channel;
-      Pack<T, V> mv;
-      if (mask) mv = load<T, V>(mask + at);
-      accumulate(load<T, V>(x + at), load<T, V>(dy + at), mask ? mv.v : nullptr);
-    }
+    grad_sums_walk<T, V>(x, dy, mask, mean, int64_t(blockIdx.y) * blockDim.y + ty,
+                         int64_t(blockDim.y) * gridDim.y, rows, c, channel, a, b);
   }
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     s_dy[ty * width + tx * V + k] = a[k];
     s_dy_xmu[ty * width + tx * V + k] = b[k];
   }
-  __syncthreads();
-  for (int half = pow2_ceil(blockDim.y) / 2; half > 0; half /= 2) {
-    if (ty < half && ty + half < int(blockDim.y)) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const int ia = ty * width + tx * V + k, ib = (ty + half) * width + tx * V + k;
-        s_dy[ia] += s_dy[ib];
-        s_dy_xmu[ia] += s_dy_xmu[ib];
-      }
-    }
-    __syncthreads();
-  }
+  sum_tree<V, 2>(smem, stride);
   if (ty == 0 && active) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -497,68 +603,226 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
     b[k] = active ? coef[2 * c + channel + k] : 0.f;
     sum[k] = 0.f;
   }
-  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
-    Pack<T, V> out;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float g = masked_grad(gv.v[k], mask_row, k);
-      if constexpr (Frozen) {
-        out.v[k] = from_f32<T>(k_[k] * g);
-      } else {
-        out.v[k] = from_f32<T>(k_[k] * fmaf(mean[k] - to_f32(xv.v[k]), b[k], g - a[k]));
-      }
-      if constexpr (Sums) sum[k] += to_f32(out.v[k]);
-    }
-    return out;
-  };
-  const int64_t step = int64_t(blockDim.y) * gridDim.y;
-  int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
   if (active) {
-    for (; r + (kUnroll<V> - 1) * step < rows; r += kUnroll<V> * step) {
-      Pack<T, V> xv[kUnroll<V>], gv[kUnroll<V>], mv[kUnroll<V>];
-#pragma unroll
-      for (int u = 0; u < kUnroll<V>; ++u) {
-        const int64_t at = (r + u * step) * c + channel;
-        if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
-        gv[u] = load<T, V>(dy + at);
-        if (mask) mv[u] = load<T, V>(mask + at);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll<V>; ++u) {
-        *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
-            grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
-      }
-    }
-    for (; r < rows; r += step) {
-      const int64_t at = r * c + channel;
-      Pack<T, V> xv, mv;
-      if constexpr (!Frozen) xv = load<T, V>(x + at);
-      if (mask) mv = load<T, V>(mask + at);
-      *reinterpret_cast<Pack<T, V>*>(dx + at) =
-          grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
-    }
+    dx_walk<T, V, Frozen, Sums>(x, dy, mask, mean, k_, a, b, dx,
+                                int64_t(blockIdx.y) * blockDim.y + threadIdx.y,
+                                int64_t(blockDim.y) * gridDim.y, rows, c, channel, sum);
   }
   if constexpr (Sums) {
     extern __shared__ float s_sum[];  // [blockDim.y][width]
     const int width = blockDim.x * V, tx = threadIdx.x, ty = threadIdx.y;
 #pragma unroll
     for (int k = 0; k < V; ++k) s_sum[ty * width + tx * V + k] = sum[k];
-    __syncthreads();
-    for (int half = pow2_ceil(blockDim.y) / 2; half > 0; half /= 2) {
-      if (ty < half && ty + half < int(blockDim.y)) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          s_sum[ty * width + tx * V + k] += s_sum[(ty + half) * width + tx * V + k];
-        }
-      }
-      __syncthreads();
-    }
+    sum_tree<V, 1>(s_sum, 0);
     if (ty == 0 && active) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         part_dx[int64_t(blockIdx.y) * c + channel + k] = s_sum[tx * V + k];
       }
     }
+  }
+}
+
+// ---- one launch per call: a thread-block cluster per channel group ------------------------------
+//
+// Where a layer is small (kernels/batchnorm.h: at most kBatchnormClusterElements values), its cost
+// is the multi-pass kernels' launches and the finalize's serial latency, not its bytes. There one
+// launch does a whole forward or backward: a cluster of kClusterBlocks blocks covers every row of
+// `lanes` channel vectors (block rank q walks rows q * blockDim.y + ty, stepping by the cluster's
+// threads), each block reduces its threads in the fixed tree of the multi-pass kernels, and the
+// blocks read each other's results from distributed shared memory, merging them in rank order
+// (every block the same merge, so every block holds the same coefficients). The element-wise pass
+// follows in the same launch. No workspace, no finalize launch, no float atomics; the grid
+// depends on the shape alone, so the bits are the same on every GPU with clusters.
+constexpr int kClusterBlocks = 8;     // blocks per cluster, along the rows: the portable maximum
+constexpr int kClusterThreads = 512;  // threads per block
+
+// barrier.cluster in two halves: arrive (release: this block's earlier shared-memory reads and
+// writes are ordered before it) and wait (acquire). Every thread of every block of the cluster
+// executes both, in this order, as often as the others.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+// The training forward in one launch: statistics, the saved and running statistics (rank 0 of
+// each cluster writes its channels'), batches_tracked += 1 (once), and y.
+template <typename T, int V>
+__global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kClusterThreads)
+    bn_forward_cluster_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int c,
+                              const float* __restrict__ gamma, const float* __restrict__ beta,
+                              float* __restrict__ running_mean, float* __restrict__ running_var,
+                              float* __restrict__ save_mean, float* __restrict__ save_invstd,
+                              float momentum, float eps, bool relu,
+                              int64_t* __restrict__ batches_tracked) {
+  kernel_entry();
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ float smem[];
+  const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
+  float* s_n = smem;                          // [blockDim.y][lanes]
+  float* s_mean = s_n + blockDim.y * lanes;   // [blockDim.y][width]
+  float* s_m2 = s_mean + blockDim.y * width;  // [blockDim.y][width]
+  float* s_coef = s_m2 + blockDim.y * width;  // [4][width]: K, mean_d, scale, shift
+  const int channel = (blockIdx.x * lanes + tx) * V;
+  const bool active = channel < c;
+  const unsigned rank = cluster.block_rank();
+  const int64_t step = int64_t(blockDim.y) * kClusterBlocks;
+  const int64_t r0 = int64_t(rank) * blockDim.y + ty;
+  thread_stats<T, V>(x, r0, step, rows, c, channel, active, s_n, s_mean, s_m2);
+  stats_tree<V>(s_n, s_mean, s_m2);
+  cluster_sync();  // every block's summary is in row 0 of its arrays
+  if (ty == 0 && active) {
+    float n[V], mean_d[V], m2[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) n[k] = mean_d[k] = m2[k] = 0.f;
+    for (unsigned q = 0; q < kClusterBlocks; ++q) {
+      const float n_q = cluster.map_shared_rank(s_n, q)[tx];
+      const float* mean_q = cluster.map_shared_rank(s_mean, q) + tx * V;
+      const float* m2_q = cluster.map_shared_rank(s_m2, q) + tx * V;
+#pragma unroll
+      for (int k = 0; k < V; ++k) chan_merge(n[k], mean_d[k], m2[k], n_q, mean_q[k], m2_q[k]);
+    }
+    const Pack<T, V> first = load<T, V>(x + channel);  // K: row 0
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int ch = channel + k;
+      const float shift_k = to_f32(first.v[k]);
+      const float mean = shift_k + mean_d[k];
+      const float var = m2[k] / float(rows);
+      const float invstd = 1.f / sqrtf(var + eps);
+      if (rank == 0) {
+        if (save_mean) save_mean[ch] = mean;
+        if (save_invstd) save_invstd[ch] = invstd;
+        if (running_mean) running_mean[ch] = (1.f - momentum) * running_mean[ch] + momentum * mean;
+        if (running_var) {
+          const float unbiased = m2[k] / float(rows - 1);
+          running_var[ch] = (1.f - momentum) * running_var[ch] + momentum * unbiased;
+        }
+      }
+      s_coef[tx * V + k] = shift_k;
+      s_coef[width + tx * V + k] = mean_d[k];
+      s_coef[2 * width + tx * V + k] = gamma ? gamma[ch] * invstd : invstd;
+      s_coef[3 * width + tx * V + k] = beta ? beta[ch] : 0.f;
+    }
+  }
+  if (batches_tracked != nullptr && rank == 0 && blockIdx.x == 0 && tx == 0 && ty == 0) {
+    *batches_tracked += 1;
+  }
+  __syncthreads();
+  cluster_arrive();  // this block is done reading its peers' summaries
+  if (active) {
+    float center[V], offset[V], scale[V], shift[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      center[k] = s_coef[tx * V + k];
+      offset[k] = s_coef[width + tx * V + k];
+      scale[k] = s_coef[2 * width + tx * V + k];
+      shift[k] = s_coef[3 * width + tx * V + k];
+    }
+    apply_walk<T, V>(x, y, r0, step, rows, c, channel, center, offset, scale, shift, relu);
+  }
+  cluster_wait();  // and its peers with its own: its shared memory may go
+}
+
+// The training backward in one launch: dgamma and dbeta (rank 0 of each cluster writes its
+// channels'), dx, and with Sums the column sums of dx as stored added to input_grad_sums.
+template <typename T, int V, bool Sums>
+__global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kClusterThreads)
+    bn_backward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                               const T* __restrict__ mask, const float* __restrict__ gamma,
+                               const float* __restrict__ mean_in,
+                               const float* __restrict__ save_invstd, T* __restrict__ dx,
+                               float* __restrict__ dgamma, float* __restrict__ dbeta,
+                               float beta_accumulate, int64_t rows, int c,
+                               float* __restrict__ input_grad_sums) {
+  kernel_entry();
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ float smem[];
+  const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
+  const int stride = blockDim.y * width;
+  float* s_a = smem;             // [blockDim.y][width]: sum g, later (Sums) sum of dx
+  float* s_b = s_a + stride;     // [blockDim.y][width]: sum g * (x - mean)
+  float* s_coef = s_b + stride;  // [3][width]: k, a, b
+  const int channel = (blockIdx.x * lanes + tx) * V;
+  const bool active = channel < c;
+  const unsigned rank = cluster.block_rank();
+  const int64_t step = int64_t(blockDim.y) * kClusterBlocks;
+  const int64_t r0 = int64_t(rank) * blockDim.y + ty;
+  float mean[V], a[V], b[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = active ? mean_in[channel + k] : 0.f;
+  if (active) grad_sums_walk<T, V>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    s_a[ty * width + tx * V + k] = a[k];
+    s_b[ty * width + tx * V + k] = b[k];
+  }
+  sum_tree<V, 2>(smem, stride);
+  cluster_sync();  // every block's sums are in row 0 of its arrays
+  if (ty == 0 && active) {
+    float sum_dy[V], sum_dy_xmu[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sum_dy[k] = sum_dy_xmu[k] = 0.f;
+    for (unsigned q = 0; q < kClusterBlocks; ++q) {
+      const float* a_q = cluster.map_shared_rank(s_a, q) + tx * V;
+      const float* b_q = cluster.map_shared_rank(s_b, q) + tx * V;
+#pragma unroll
+      for (int k = 0; k < V; ++k) sum_dy[k] += a_q[k], sum_dy_xmu[k] += b_q[k];
+    }
+    const float m = float(rows);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int ch = channel + k;
+      const float invstd = save_invstd[ch];
+      const float grad_gamma = sum_dy_xmu[k] * invstd, grad_beta = sum_dy[k];
+      if (rank == 0 && dgamma) {
+        dgamma[ch] =
+            beta_accumulate == 0.f ? grad_gamma : beta_accumulate * dgamma[ch] + grad_gamma;
+      }
+      if (rank == 0 && dbeta) {
+        dbeta[ch] = beta_accumulate == 0.f ? grad_beta : beta_accumulate * dbeta[ch] + grad_beta;
+      }
+      s_coef[tx * V + k] = gamma ? gamma[ch] * invstd : invstd;
+      s_coef[width + tx * V + k] = sum_dy[k] / m;
+      s_coef[2 * width + tx * V + k] = grad_gamma * invstd / m;
+    }
+  }
+  __syncthreads();
+  cluster_arrive();  // this block is done reading its peers' sums
+  float k_[V], sum[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    k_[k] = active ? s_coef[tx * V + k] : 0.f;
+    a[k] = active ? s_coef[width + tx * V + k] : 0.f;
+    b[k] = active ? s_coef[2 * width + tx * V + k] : 0.f;
+    sum[k] = 0.f;
+  }
+  if (active) {
+    dx_walk<T, V, false, Sums>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c, channel, sum);
+  }
+  cluster_wait();  // and its peers with its own: s_a and s_b may be written again
+  if constexpr (Sums) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) s_a[ty * width + tx * V + k] = sum[k];
+    sum_tree<V, 1>(s_a, 0);
+    cluster_sync();  // every block's column sums are in row 0 of s_a
+    if (rank == 0 && ty == 0 && active) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float total = 0.f;
+        for (unsigned q = 0; q < kClusterBlocks; ++q) {
+          total += cluster.map_shared_rank(s_a, q)[tx * V + k];
+        }
+        input_grad_sums[channel + k] += total;  // bias_grad_from_partials' beta = 1
+      }
+    }
+    cluster_sync();  // rank 0 is done reading: the blocks' shared memory may go
   }
 }
 
@@ -671,11 +935,41 @@ dim3 finalize_grid(int c) {
 }
 const dim3 kFinalBlock(kFinalLanes, kFinalRows);
 
+std::atomic<bool> g_cluster{true};
+
+// The cluster kernels' grid and block for rows x c (V channels a lane; `bytes` per value), or none
+// where the multi-pass kernels run: above kBatchnormClusterElements values, switched off, or on a
+// GPU without thread-block clusters. A lane takes 32 bytes of a row (one sector), fewer where that
+// would leave clusters for fewer blocks than the GPU has SMs.
+std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
+  if (!detail::batchnorm_one_launch(rows, c)) return std::nullopt;
+  int device = 0, sms = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int vectors = c / v;
+  int lanes = std::min(vectors, std::max(1, 32 / (v * bytes)));
+  auto clusters = [&] { return (vectors + lanes - 1) / lanes; };
+  while (lanes > 1 && int64_t(clusters()) * kClusterBlocks < sms) lanes = (lanes + 1) / 2;
+  Plan plan;
+  plan.block = dim3(lanes, kClusterThreads / lanes);
+  plan.grid = dim3(clusters(), kClusterBlocks);
+  return plan;
+}
+
 template <typename T, int V>
 void forward_train(const T* x, T* y, const float* gamma, const float* beta, float* running_mean,
                    float* running_var, float* save_mean, float* save_invstd, int64_t rows, int c,
                    float momentum, float eps, bool relu, cudaStream_t stream,
                    int64_t* batches_tracked) {
+  if (const std::optional<Plan> one = cluster_plan(rows, c, V, int(sizeof(T)))) {
+    // Shared memory: the block's counts, means and M2s, then the 4 coefficients of its channels.
+    const size_t threads = size_t(one->block.x) * one->block.y, width = size_t(one->block.x) * V;
+    const size_t bytes = (threads + 2 * threads * V + 4 * width) * sizeof(float);
+    launch("bn_forward_cluster_kernel", bn_forward_cluster_kernel<T, V>, one->grid, one->block,
+           bytes, stream, x, y, rows, c, gamma, beta, running_mean, running_var, save_mean,
+           save_invstd, momentum, eps, relu, batches_tracked);
+    return;
+  }
   // Shared memory per thread: its count and V means and M2s.
   const Plan stats = make_plan(bn_stats_kernel<T, V>, rows, c, V, (1 + 2 * V) * sizeof(float));
   const int parts = int(stats.grid.y);
@@ -702,6 +996,24 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
               const float* save_invstd, const float* running_var, float eps, T* dx, float* dgamma,
               float* dbeta, int64_t rows, int c, float beta_accumulate, cudaStream_t stream,
               float* input_grad_sums) {
+  const std::optional<Plan> one =
+      running_var ? std::nullopt : cluster_plan(rows, c, V, int(sizeof(T)));
+  if (one) {
+    // Shared memory: the block's two sums, then the 3 coefficients of its channels.
+    const size_t threads = size_t(one->block.x) * one->block.y, width = size_t(one->block.x) * V;
+    const size_t bytes = (2 * threads * V + 3 * width) * sizeof(float);
+    auto run = [&]<bool Sums>() {
+      launch("bn_backward_cluster_kernel", bn_backward_cluster_kernel<T, V, Sums>, one->grid,
+             one->block, bytes, stream, x, dy, mask, gamma, mean, save_invstd, dx, dgamma, dbeta,
+             beta_accumulate, rows, c, input_grad_sums);
+    };
+    if (input_grad_sums) {
+      run.template operator()<true>();
+    } else {
+      run.template operator()<false>();
+    }
+    return;
+  }
   const Plan reduce = make_plan(bn_backward_reduce_kernel<T, V>, rows, c, V, 2 * V * sizeof(float));
   const int parts = int(reduce.grid.y);
   Workspace ws((size_t(parts) * 2 * c + 3 * size_t(c)) * sizeof(float), stream,
@@ -890,6 +1202,26 @@ void batchnorm_backward_global(const T* x, const std::type_identity_t<T>* dy,
            apply.block, 0, stream, x, dy, relu_output, save_mean, coef, dx, rows, c, nullptr);
   });
 }
+
+namespace detail {
+
+void set_batchnorm_cluster(bool on) {
+  g_cluster.store(on);
+}
+
+bool batchnorm_cluster() {
+  return g_cluster.load();
+}
+
+bool batchnorm_one_launch(int64_t rows, int c) {
+  if (!g_cluster.load() || rows * int64_t(c) > kBatchnormClusterElements) return false;
+  int device = 0, clusters = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+  return clusters != 0;
+}
+
+}  // namespace detail
 
 #define CUDP_BATCHNORM_SPLIT_INSTANTIATE(T)                                                     \
   template void batchnorm_local_stats<T>(const T*, int64_t, int, float*, cudaStream_t);         \

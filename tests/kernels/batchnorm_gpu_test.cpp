@@ -86,6 +86,41 @@ double dx_term_scale(const std::vector<float>& x, const std::vector<float>& dy,
   return scale;
 }
 
+// The tests of training forwards and backwards run on both paths (kernels/batchnorm.h): OneLaunch,
+// the default, where the layers of at most kBatchnormClusterElements values take the cluster
+// kernels and larger ones the multi-pass kernels; MultiPass, the multi-pass kernels at every size.
+class BatchNormPathGpu : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { detail::set_batchnorm_cluster(GetParam()); }
+  void TearDown() override { detail::set_batchnorm_cluster(was_on_); }
+
+ private:
+  const bool was_on_ = detail::batchnorm_cluster();
+};
+
+INSTANTIATE_TEST_SUITE_P(Paths, BatchNormPathGpu, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "OneLaunch" : "MultiPass";
+                         });
+
+// Which layers take one launch: VGG-16-BN's at 32 x 32 and batch 256 from conv3 on (conv3 and
+// conv4 are the largest, exactly kBatchnormClusterElements values), not conv1 and conv2, none with
+// the cluster path off. The OneLaunch tests below run the cluster kernels where this says so.
+TEST(BatchNormGpu, LayersUpToTheLimitTakeOneLaunch) {
+  CUDP_REQUIRE_GPU();
+  const bool was_on = detail::batchnorm_cluster();
+  detail::set_batchnorm_cluster(true);
+  EXPECT_TRUE(detail::batchnorm_one_launch(256 * 16 * 16, 128));
+  EXPECT_TRUE(detail::batchnorm_one_launch(256 * 8 * 8, 256));
+  EXPECT_TRUE(detail::batchnorm_one_launch(256 * 2 * 2, 512));
+  EXPECT_TRUE(detail::batchnorm_one_launch(3 * 7 * 7, 5));
+  EXPECT_FALSE(detail::batchnorm_one_launch(256 * 32 * 32, 64));
+  EXPECT_FALSE(detail::batchnorm_one_launch(kBatchnormClusterElements + 1, 1));
+  detail::set_batchnorm_cluster(false);
+  EXPECT_FALSE(detail::batchnorm_one_launch(256 * 2 * 2, 512));
+  detail::set_batchnorm_cluster(was_on);
+}
+
 // Everything one training step of a BN layer touches, on the GPU.
 struct BnGpu {
   DeviceBuffer<float> x, y, gamma, beta, running_mean, running_var, save_mean, save_invstd, dy, dx,
@@ -120,7 +155,7 @@ const BnCase kCases[] = {
     {16, 112, 112, 64},  // 200,704 rows: long per-channel reductions
 };
 
-TEST(BatchNormGpu, TrainingForwardAndBackwardMatchCpu) {
+TEST_P(BatchNormPathGpu, TrainingForwardAndBackwardMatchCpu) {
   CUDP_REQUIRE_GPU();
   for (const BnCase& k : kCases) {
     SCOPED_TRACE(describe(k));
@@ -202,7 +237,7 @@ TEST(BatchNormGpu, EvalMatchesCpu) {
   }
 }
 
-TEST(BatchNormGpu, LargeMeanIsNumericallyStable) {
+TEST_P(BatchNormPathGpu, LargeMeanIsNumericallyStable) {
   CUDP_REQUIRE_GPU();
   // Means near +-1000 with spreads 0.5 .. 2: E[x^2] - E[x]^2 in fp32 would lose the variance to
   // cancellation (an error of ~ulp(1e6) = 0.06 on variances of ~0.1 .. 1.3), and even a mean
@@ -227,7 +262,7 @@ TEST(BatchNormGpu, LargeMeanIsNumericallyStable) {
   EXPECT_ALL_CLOSE(yg.download(), y, 1e-5, 2e-5);
 }
 
-TEST(BatchNormGpu, AccumulateSemanticsAndOptionalPointers) {
+TEST_P(BatchNormPathGpu, AccumulateSemanticsAndOptionalPointers) {
   CUDP_REQUIRE_GPU();
   const BnCase k{3, 7, 7, 12};
   const std::vector<float> x = bn_input(k, 131, 1.f);
@@ -278,7 +313,7 @@ TEST(BatchNormGpu, AccumulateSemanticsAndOptionalPointers) {
   EXPECT_ALL_CLOSE(dxg.download(), dx, 1e-5, 4e-6 * dx_term_scale(x, dy, {}, gm, gi, k.c));
 }
 
-TEST(BatchNormGpu, ReductionsAreBitwiseDeterministic) {
+TEST_P(BatchNormPathGpu, ReductionsAreBitwiseDeterministic) {
   CUDP_REQUIRE_GPU();
   for (const BnCase& k : {BnCase{4, 56, 56, 256}, BnCase{3, 7, 7, 5}, BnCase{16, 112, 112, 64}}) {
     SCOPED_TRACE(describe(k));
@@ -325,7 +360,7 @@ struct TensorDesc {
   ~TensorDesc() { cudnnDestroyTensorDescriptor(desc); }
 };
 
-TEST(BatchNormGpu, MatchesCudnnSpatialNhwc) {
+TEST_P(BatchNormPathGpu, MatchesCudnnSpatialNhwc) {
   CUDP_REQUIRE_GPU();
   Cudnn cudnn;
   for (const BnCase& k :
@@ -429,9 +464,11 @@ const BnCase kBf16Cases[] = {
     {5, 7, 7, 64},       // VGG's first width
     {4, 56, 56, 256},    // VGG: one group of 32 lanes
     {16, 112, 112, 64},  // long per-channel reductions
+    {256, 16, 16, 128},  // VGG-16-BN's conv3 at 32 x 32: the largest layer of one launch
+    {256, 2, 2, 512},    // its conv11 to conv13
 };
 
-TEST(BatchNormGpu, Bf16TrainingMatchesTheDoubleReference) {
+TEST_P(BatchNormPathGpu, Bf16TrainingMatchesTheDoubleReference) {
   CUDP_REQUIRE_GPU();
   using bf16 = __nv_bfloat16;
   for (const BnCase& k : kBf16Cases) {
@@ -553,7 +590,7 @@ void expect_fused_relu_is_relu_gpu(const BnCase& k, uint64_t seed) {
   }
 }
 
-TEST(BatchNormGpu, FusedReluIsReluBitForBit) {
+TEST_P(BatchNormPathGpu, FusedReluIsReluBitForBit) {
   CUDP_REQUIRE_GPU();
   for (const BnCase& k : {BnCase{3, 7, 7, 5}, BnCase{2, 5, 7, 12}, BnCase{4, 56, 56, 256}}) {
     SCOPED_TRACE(describe(k));
@@ -618,7 +655,7 @@ TEST(BatchNormGpu, EvalBackwardMatchesCpu) {
   }
 }
 
-TEST(BatchNormGpu, Bf16WithReluIsBitwiseDeterministic) {
+TEST_P(BatchNormPathGpu, Bf16WithReluIsBitwiseDeterministic) {
   CUDP_REQUIRE_GPU();
   using bf16 = __nv_bfloat16;
   for (const BnCase& k : {BnCase{16, 112, 112, 64}, BnCase{3, 7, 7, 5}, BnCase{2, 9, 9, 264}}) {
@@ -694,7 +731,7 @@ void expect_dx_column_sums(const BnCase& k, uint64_t seed) {
   }
 }
 
-TEST(BatchNormGpu, DxColumnSumsAreTheBiasGradientBefore) {
+TEST_P(BatchNormPathGpu, DxColumnSumsAreTheBiasGradientBefore) {
   CUDP_REQUIRE_GPU();
   for (const BnCase& k :
        {BnCase{3, 7, 7, 5}, BnCase{2, 5, 7, 12}, BnCase{2, 9, 9, 264}, BnCase{2, 3, 3, 513},
