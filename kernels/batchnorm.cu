@@ -935,7 +935,7 @@ dim3 finalize_grid(int c) {
 }
 const dim3 kFinalBlock(kFinalLanes, kFinalRows);
 
-std::atomic<bool> g_cluster{true};
+std::atomic<bool> g_cluster{false};  // off until measured and tested on a GPU (kernels/batchnorm.h)
 
 // The cluster kernels' grid and block for rows x c (V channels a lane; `bytes` per value), or none
 // where the multi-pass kernels run: above kBatchnormClusterElements values, switched off, or on a

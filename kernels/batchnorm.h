@@ -30,13 +30,14 @@
 // ReLU's backward would, so fused and unfused gradients are the same bit for bit. relu_output ==
 // nullptr means no fused ReLU.
 //
-// How (batchnorm.cu): no float atomics anywhere, so that results are bitwise reproducible. Layers
-// of at most kBatchnormClusterElements values (rows * c) take one launch per call (forward or
-// backward): a thread-block cluster of 8 blocks per group of channels walks all rows, the blocks
-// merge their partials through distributed shared memory in a fixed order, and the element-wise
-// pass follows in the same launch; its grid depends on the shape alone. Larger layers (and every
-// layer with detail::set_batchnorm_cluster(false)) take three kernels per call, whose grid fills
-// the GPU, so that their result is bitwise reproducible on a given GPU model:
+// How (batchnorm.cu): no float atomics anywhere, so that results are bitwise reproducible. With
+// detail::set_batchnorm_cluster(true), layers of at most kBatchnormClusterElements values (rows *
+// c) take one launch per call (forward or backward): a thread-block cluster of 8 blocks per group
+// of channels walks all rows, the blocks merge their partials through distributed shared memory in
+// a fixed order, and the element-wise pass follows in the same launch; its grid depends on the
+// shape alone. (It is off by default until it has been measured and tested on a GPU: it was
+// written in a session that had none.) Every other layer takes three kernels per call, whose grid
+// fills the GPU, so that its result is bitwise reproducible on a given GPU model:
 //   1. partial reduction: a grid of (channel groups) x (row blocks); each thread walks its rows
 //      with 16-byte loads along C (4 floats or 8 bf16), each block writes one partial per channel
 //      to a workspace;
@@ -234,11 +235,11 @@ namespace detail {
 // value.
 void check_batchnorm(const char* op, int64_t rows, int c, bool training);
 
-// The one-launch cluster kernels for the layers small enough (on, the default), or the multi-pass
-// kernels at every size (off): to compare (bench_train --bn-cluster), and for tests that need the
-// multi-pass path's bits (the split passes of SyncBatchNorm2d are multi-pass). The paths give the
-// same values up to fp32 rounding in another order. The evaluation forward and the backward of an
-// evaluation forward are one pass either way.
+// The one-launch cluster kernels for the layers small enough (on), or the multi-pass kernels at
+// every size (off, the default for now: see above): to compare (bench_train --bn-cluster), and for
+// tests that need the multi-pass path's bits (the split passes of SyncBatchNorm2d are multi-pass).
+// The paths give the same values up to fp32 rounding in another order. The evaluation forward and
+// the backward of an evaluation forward are one pass either way.
 void set_batchnorm_cluster(bool on);
 bool batchnorm_cluster();
 // Whether a training forward or backward of rows x c on the current device takes one launch.

@@ -87,8 +87,9 @@ double dx_term_scale(const std::vector<float>& x, const std::vector<float>& dy,
 }
 
 // The tests of training forwards and backwards run on both paths (kernels/batchnorm.h): OneLaunch,
-// the default, where the layers of at most kBatchnormClusterElements values take the cluster
-// kernels and larger ones the multi-pass kernels; MultiPass, the multi-pass kernels at every size.
+// where the layers of at most kBatchnormClusterElements values take the cluster kernels and larger
+// ones the multi-pass kernels; MultiPass (the default for now), the multi-pass kernels at every
+// size.
 class BatchNormPathGpu : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override { detail::set_batchnorm_cluster(GetParam()); }

@@ -51,7 +51,8 @@ BnStep cpu_truth(BatchNorm2d& bn, const Tensor& x, const Tensor& dy) {
 
 // The split passes are the multi-pass kernels cut where the participants exchange their sums, so
 // one participant gets the multi-pass kernels' bits (the one-launch cluster kernels, which the
-// single-device pass takes for a layer this small by default, merge in another order).
+// single-device pass takes for a layer this small when they are switched on, merge in another
+// order).
 struct MultiPassOnly {
   MultiPassOnly() { kernels::detail::set_batchnorm_cluster(false); }
   ~MultiPassOnly() { kernels::detail::set_batchnorm_cluster(was_on); }
