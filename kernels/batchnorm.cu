@@ -633,13 +633,25 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
 // blocks read each other's results from distributed shared memory, merging them in rank order
 // (every block the same merge, so every block holds the same coefficients). The element-wise pass
 // follows in the same launch. No workspace, no finalize launch, no float atomics; the grid
-// depends on the shape alone, so the bits are the same on every GPU with clusters.
+// depends on the shape alone (cluster_plan), so the bits are the same on every GPU with clusters.
 constexpr int kClusterBlocks = 8;     // blocks per cluster, along the rows: the portable maximum
 constexpr int kClusterThreads = 512;  // threads per block
+
+// The cluster kernels are sm_90's. The older targets of a multi-architecture build (e.g.
+// CMAKE_CUDA_ARCHITECTURES "80;90") compile them empty, and the host never launches them there:
+// such a GPU has no cluster launch (detail::batchnorm_one_launch).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define CUDP_BN_CLUSTERS 0
+#define CUDP_BN_CLUSTER_DIMS
+#else
+#define CUDP_BN_CLUSTERS 1
+#define CUDP_BN_CLUSTER_DIMS __cluster_dims__(1, kClusterBlocks, 1)
+#endif
 
 // barrier.cluster in two halves: arrive (release: this block's earlier shared-memory reads and
 // writes are ordered before it) and wait (acquire). Every thread of every block of the cluster
 // executes both, in this order, as often as the others.
+#if CUDP_BN_CLUSTERS
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -650,11 +662,12 @@ __device__ __forceinline__ void cluster_sync() {
   cluster_arrive();
   cluster_wait();
 }
+#endif
 
 // The training forward in one launch: statistics, the saved and running statistics (rank 0 of
 // each cluster writes its channels'), batches_tracked += 1 (once), and y.
 template <typename T, int V>
-__global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kClusterThreads)
+__global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
     bn_forward_cluster_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int c,
                               const float* __restrict__ gamma, const float* __restrict__ beta,
                               float* __restrict__ running_mean, float* __restrict__ running_var,
@@ -662,6 +675,7 @@ __global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kCluste
                               float momentum, float eps, bool relu,
                               int64_t* __restrict__ batches_tracked) {
   kernel_entry();
+#if CUDP_BN_CLUSTERS
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ float smem[];
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
@@ -674,6 +688,9 @@ __global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kCluste
   const unsigned rank = cluster.block_rank();
   const int64_t step = int64_t(blockDim.y) * kClusterBlocks;
   const int64_t r0 = int64_t(rank) * blockDim.y + ty;
+  // K, row 0, read before any block of the cluster may have written y (which may be x).
+  Pack<T, V> first{};
+  if (ty == 0 && active) first = load<T, V>(x + channel);
   thread_stats<T, V>(x, r0, step, rows, c, channel, active, s_n, s_mean, s_m2);
   stats_tree<V>(s_n, s_mean, s_m2);
   cluster_sync();  // every block's summary is in row 0 of its arrays
@@ -688,7 +705,6 @@ __global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kCluste
 #pragma unroll
       for (int k = 0; k < V; ++k) chan_merge(n[k], mean_d[k], m2[k], n_q, mean_q[k], m2_q[k]);
     }
-    const Pack<T, V> first = load<T, V>(x + channel);  // K: row 0
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int ch = channel + k;
@@ -728,12 +744,13 @@ __global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kCluste
     apply_walk<T, V>(x, y, r0, step, rows, c, channel, center, offset, scale, shift, relu);
   }
   cluster_wait();  // and its peers with its own: its shared memory may go
+#endif
 }
 
 // The training backward in one launch: dgamma and dbeta (rank 0 of each cluster writes its
 // channels'), dx, and with Sums the column sums of dx as stored added to input_grad_sums.
 template <typename T, int V, bool Sums>
-__global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kClusterThreads)
+__global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
     bn_backward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                const T* __restrict__ mask, const float* __restrict__ gamma,
                                const float* __restrict__ mean_in,
@@ -742,6 +759,7 @@ __global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kCluste
                                float beta_accumulate, int64_t rows, int c,
                                float* __restrict__ input_grad_sums) {
   kernel_entry();
+#if CUDP_BN_CLUSTERS
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ float smem[];
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
@@ -824,14 +842,19 @@ __global__ void __cluster_dims__(1, kClusterBlocks, 1) __launch_bounds__(kCluste
     }
     cluster_sync();  // rank 0 is done reading: the blocks' shared memory may go
   }
+#endif
 }
+
+#undef CUDP_BN_CLUSTERS
+#undef CUDP_BN_CLUSTER_DIMS
 
 // ---- split passes (kernels/batchnorm.h, "Split passes") -----------------------------------------
 
 // Per channel: merges the participants' summaries in slot order relative to slot 0's shift, then
 // writes what bn_stats_finalize_kernel writes. With one slot the merge is the identity (from an
 // empty summary Chan's merge takes the slot's mean and M2 as they are), so one participant gets the
-// single-device pass's bits.
+// bits of the single-device multi-pass kernels (not of the one-launch cluster kernels, which merge
+// in another order).
 __global__ void bn_merge_stats_kernel(
     const float* __restrict__ summaries, int parts, int c, const float* __restrict__ gamma,
     const float* __restrict__ beta, float* __restrict__ running_mean,
@@ -937,22 +960,28 @@ const dim3 kFinalBlock(kFinalLanes, kFinalRows);
 
 std::atomic<bool> g_cluster{false};  // off until measured and tested on a GPU (kernels/batchnorm.h)
 
+// The blocks the cluster plan aims for: about one per SM of an H100 or H200 (132). A constant, not
+// the GPU's SM count, so that the grid, and with it the bits, depend on the shape alone.
+constexpr int kClusterTargetBlocks = 128;
+
 // The cluster kernels' grid and block for rows x c (V channels a lane; `bytes` per value), or none
-// where the multi-pass kernels run: above kBatchnormClusterElements values, switched off, or on a
-// GPU without thread-block clusters. A lane takes 32 bytes of a row (one sector), fewer where that
-// would leave clusters for fewer blocks than the GPU has SMs.
+// where the multi-pass kernels run (detail::batchnorm_one_launch). A lane takes 32 bytes of a row
+// (one sector); more lanes where the rows would not reach every block of a cluster (VGG's conv11
+// to conv13 at 32 x 32: 1,024 rows), as long as that leaves kClusterTargetBlocks; fewer where the
+// clusters would have fewer blocks than that.
 std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
   if (!detail::batchnorm_one_launch(rows, c)) return std::nullopt;
-  int device = 0, sms = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int vectors = c / v;
   int lanes = std::min(vectors, std::max(1, 32 / (v * bytes)));
-  auto clusters = [&] { return (vectors + lanes - 1) / lanes; };
-  while (lanes > 1 && int64_t(clusters()) * kClusterBlocks < sms) lanes = (lanes + 1) / 2;
+  auto blocks = [&](int l) { return int64_t((vectors + l - 1) / l) * kClusterBlocks; };
+  while (2 * lanes <= vectors && rows < int64_t(kClusterThreads / lanes) * kClusterBlocks &&
+         blocks(2 * lanes) >= kClusterTargetBlocks) {
+    lanes *= 2;
+  }
+  while (lanes > 1 && blocks(lanes) < kClusterTargetBlocks) lanes = (lanes + 1) / 2;
   Plan plan;
   plan.block = dim3(lanes, kClusterThreads / lanes);
-  plan.grid = dim3(clusters(), kClusterBlocks);
+  plan.grid = dim3((vectors + lanes - 1) / lanes, kClusterBlocks);
   return plan;
 }
 
@@ -1215,6 +1244,9 @@ bool batchnorm_cluster() {
 
 bool batchnorm_one_launch(int64_t rows, int c) {
   if (!g_cluster.load() || rows * int64_t(c) > kBatchnormClusterElements) return false;
+  // Few channels over many rows would leave all but a few SMs idle (one cluster of 8 blocks per
+  // channel group): there the multi-pass kernels' full grid is faster.
+  if (c < 64 && rows * int64_t(c) > kBatchnormClusterFewChannels) return false;
   int device = 0, clusters = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));

@@ -229,6 +229,8 @@ void batchnorm_backward_global_cpu(const T* x, const std::type_identity_t<T>* dy
 // Above it the bytes, not the launches, are the cost, and the multi-pass kernels' full grid reads
 // them faster than clusters of 8 blocks per channel group would.
 inline constexpr int64_t kBatchnormClusterElements = int64_t(1) << 23;
+// Layers of fewer than 64 channels take one launch only up to this many values.
+inline constexpr int64_t kBatchnormClusterFewChannels = int64_t(1) << 20;
 
 namespace detail {
 // Argument checks shared by the launchers and the CPU references; throw ValueError naming the

@@ -105,10 +105,15 @@ INSTANTIATE_TEST_SUITE_P(Paths, BatchNormPathGpu, ::testing::Bool(),
                          });
 
 // Which layers take one launch: VGG-16-BN's at 32 x 32 and batch 256 from conv3 on (conv3 and
-// conv4 are the largest, exactly kBatchnormClusterElements values), not conv1 and conv2, none with
-// the cluster path off. The OneLaunch tests below run the cluster kernels where this says so.
+// conv4 are the largest, exactly kBatchnormClusterElements values), not conv1 and conv2, nor a
+// few channels over many rows, none with the cluster path off. The OneLaunch tests below run the
+// cluster kernels where this says so.
 TEST(BatchNormGpu, LayersUpToTheLimitTakeOneLaunch) {
   CUDP_REQUIRE_GPU();
+  int device = 0, clusters = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+  if (clusters == 0) GTEST_SKIP() << "this GPU has no thread-block clusters (sm_90 and later do)";
   const bool was_on = detail::batchnorm_cluster();
   detail::set_batchnorm_cluster(true);
   EXPECT_TRUE(detail::batchnorm_one_launch(256 * 16 * 16, 128));
@@ -117,6 +122,8 @@ TEST(BatchNormGpu, LayersUpToTheLimitTakeOneLaunch) {
   EXPECT_TRUE(detail::batchnorm_one_launch(3 * 7 * 7, 5));
   EXPECT_FALSE(detail::batchnorm_one_launch(256 * 32 * 32, 64));
   EXPECT_FALSE(detail::batchnorm_one_launch(kBatchnormClusterElements + 1, 1));
+  EXPECT_FALSE(detail::batchnorm_one_launch(kBatchnormClusterFewChannels / 4 + 1, 4));
+  EXPECT_TRUE(detail::batchnorm_one_launch(kBatchnormClusterFewChannels / 4, 4));
   detail::set_batchnorm_cluster(false);
   EXPECT_FALSE(detail::batchnorm_one_launch(256 * 2 * 2, 512));
   detail::set_batchnorm_cluster(was_on);
