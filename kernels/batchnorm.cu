@@ -688,9 +688,13 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
   const unsigned rank = cluster.block_rank();
   const int64_t step = int64_t(blockDim.y) * kClusterBlocks;
   const int64_t r0 = int64_t(rank) * blockDim.y + ty;
-  // K, row 0, read before any block of the cluster may have written y (which may be x).
-  Pack<T, V> first{};
-  if (ty == 0 && active) first = load<T, V>(x + channel);
+  // K, row 0, read before any block of the cluster may have written y (which may be x), and kept
+  // in the K slots of s_coef, which the same threads fill after the merge.
+  if (ty == 0 && active) {
+    const Pack<T, V> first = load<T, V>(x + channel);
+#pragma unroll
+    for (int k = 0; k < V; ++k) s_coef[tx * V + k] = to_f32(first.v[k]);
+  }
   thread_stats<T, V>(x, r0, step, rows, c, channel, active, s_n, s_mean, s_m2);
   stats_tree<V>(s_n, s_mean, s_m2);
   cluster_sync();  // every block's summary is in row 0 of its arrays
@@ -708,7 +712,7 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int ch = channel + k;
-      const float shift_k = to_f32(first.v[k]);
+      const float shift_k = s_coef[tx * V + k];
       const float mean = shift_k + mean_d[k];
       const float var = m2[k] / float(rows);
       const float invstd = 1.f / sqrtf(var + eps);
