@@ -1,5 +1,7 @@
 #include "layers/checkpoint.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -347,18 +349,33 @@ std::string StagedCheckpoint::first_non_finite() const {
   return "";
 }
 
-void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapshot) {
+namespace {
+
+// Files a save moved aside (move_aside): the .prev pairs it replaced, removed once the new pairs
+// are in place (removing a file frees its blocks, what made replacing it slow).
+using SetAside = std::vector<std::string>;
+
+void remove_set_aside(SetAside& files) {
+  for (const std::string& file : files) ::unlink(file.c_str());
+  files.clear();
+}
+
+// Puts a file moved aside back at `original` unless that name is taken again (link never replaces
+// a file), and removes the aside name. True when it is back.
+bool put_back(const std::string& aside, const std::string& original) {
+  const bool back = ::link(aside.c_str(), original.c_str()) == 0;
+  ::unlink(aside.c_str());
+  return back;
+}
+
+// Steps 2 and 3 of a save (checkpoint.h) at `path`, whose new pair is staged: complete and durable
+// under temporary names beside it.
+void replace_pair(const std::string& path, StagedFile& new_train, StagedFile& new_model,
+                  SetAside& set_aside) {
   const std::string train_path = optimizer_state_path(path);
   const std::string prev = previous_checkpoint_path(path), prev_train = optimizer_state_path(prev);
-  const std::string id = new_checkpoint_id();
-  Metadata train_metadata = snapshot.train_metadata;
-  train_metadata[kIdKey] = id;
-  // 1. Both new files, complete and durable under temporary names (staging first removes what
-  //    killed saves left behind). A failure here (a full disk) throws with nothing replaced; the
-  //    temporaries go with the StagedFiles.
-  const auto new_train = stage_safetensors(train_path, snapshot.train, train_metadata);
-  const auto new_model = stage_safetensors(path, snapshot.model, {{"format", "pt"}, {kIdKey, id}});
-  fault("staged");
+  remove_stale_temporaries(prev);  // files killed saves moved aside
+  remove_stale_temporaries(prev_train);
 
   // 2. The last complete save moves to the .prev names, training state first, so that at every
   //    moment one complete pair exists: (path, train) -> (path, prev train) -> (prev, prev train).
@@ -366,7 +383,24 @@ void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapsho
   const Candidate model_now = read_id(path), train_now = read_id(train_path);
   const Candidate prev_train_now = read_id(prev_train);
   if (matches(model_now, train_now)) {
-    rename_durably(train_path, prev_train, "checkpoint");
+    // The pair at `path` is complete, so the .prev pair is not the last complete save: it moves
+    // aside to fresh names first (a kill from here on leaves the pair at `path` or the moved one),
+    // the moves below replace nothing, and its blocks are freed once the new pair is in place.
+    // Should the first move fail, it goes back to the .prev names if they are still free.
+    const std::string old_train = move_aside(prev_train), old_model = move_aside(prev);
+    fault("moved previous save aside");
+    try {
+      rename_durably(train_path, prev_train, "checkpoint");
+    } catch (...) {
+      const bool train_back = old_train.empty() || put_back(old_train, prev_train);
+      if (!old_model.empty() && !(train_back && put_back(old_model, prev))) {
+        ::unlink(old_model.c_str());
+      }
+      throw;
+    }
+    for (const std::string& aside : {old_train, old_model}) {
+      if (!aside.empty()) set_aside.push_back(aside);
+    }
     fault("moved training state");
     rename_durably(path, prev, "checkpoint");
     fault("moved model");
@@ -377,10 +411,77 @@ void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapsho
 
   // 3. The new pair goes in, training state first: until the model follows, the pair at `path` is
   //    torn and find_checkpoint uses the .prev pair.
-  new_train->publish();
+  new_train.publish();
   fault("published training state");
-  new_model->publish();
+  new_model.publish();
   fault("published model");
+}
+
+// A save of `snapshot` at `path`, both files written.
+void write_pair(const std::string& path, const CheckpointSnapshot& snapshot, SetAside& set_aside) {
+  const std::string id = new_checkpoint_id();
+  Metadata train_metadata = snapshot.train_metadata;
+  train_metadata[kIdKey] = id;
+  // 1. Both new files, complete and durable under temporary names (staging first removes what
+  //    killed saves left behind). A failure here (a full disk) throws with nothing replaced; the
+  //    temporaries go with the StagedFiles.
+  const auto new_train =
+      stage_safetensors(optimizer_state_path(path), snapshot.train, train_metadata);
+  const auto new_model = stage_safetensors(path, snapshot.model, {{"format", "pt"}, {kIdKey, id}});
+  fault("staged");
+  replace_pair(path, *new_train, *new_model, set_aside);
+}
+
+// A save at `path` of the pair just published at `source` (same save, same snapshot): step 1 is
+// hard links to it under temporary names beside `path` instead of written copies; steps 2 and 3 are
+// write_pair's. False, with nothing changed, where the file system cannot link them there.
+bool link_pair(const std::string& source, const std::string& path, SetAside& set_aside) {
+  const std::string train_path = optimizer_state_path(path);
+  remove_stale_temporaries(train_path);
+  remove_stale_temporaries(path);
+  const auto new_train =
+      StagedFile::link(optimizer_state_path(source), train_path, "safetensors file");
+  if (!new_train) return false;
+  const auto new_model = StagedFile::link(source, path, "safetensors file");
+  if (!new_model) return false;  // new_train's link goes with it
+  fault("staged");
+  replace_pair(path, *new_train, *new_model, set_aside);
+  return true;
+}
+
+// Each of `paths` in turn: the first written, each further one linked to a target written before it
+// (the first, or where that file system cannot link, the next written one), or written where none
+// can be linked.
+void write_targets(const std::vector<std::string>& paths, const CheckpointSnapshot& snapshot,
+                   SetAside& set_aside) {
+  std::vector<const std::string*> written;
+  for (const std::string& path : paths) {
+    bool linked = false;
+    for (size_t i = 0; i < written.size() && !linked; ++i) {
+      linked = link_pair(*written[i], path, set_aside);
+    }
+    if (!linked) {
+      write_pair(path, snapshot, set_aside);
+      written.push_back(&path);
+    }
+  }
+}
+
+}  // namespace
+
+void write_checkpoints(const std::vector<std::string>& paths, const CheckpointSnapshot& snapshot) {
+  SetAside set_aside;
+  try {
+    write_targets(paths, snapshot, set_aside);
+  } catch (...) {
+    remove_set_aside(set_aside);
+    throw;
+  }
+  remove_set_aside(set_aside);
+}
+
+void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapshot) {
+  write_checkpoints({path}, snapshot);
 }
 
 void save_checkpoint(const std::string& path, Module& model, const Optimizer* optimizer,
@@ -415,18 +516,34 @@ void CheckpointWriter::save(std::vector<std::string> paths, StagedCheckpoint sta
 
 void CheckpointWriter::start(std::vector<std::string> paths,
                              std::function<CheckpointSnapshot()> snapshot) {
+  if (thread_.joinable()) thread_.join();  // the last save's removals (wait() saw it complete)
+  done_ = false;
   thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
+    SetAside set_aside;
+    std::exception_ptr error;
     try {
       const CheckpointSnapshot taken = snapshot();
-      for (const std::string& path : paths) write_checkpoint(path, taken);
+      write_targets(paths, taken, set_aside);
     } catch (...) {
-      error_ = std::current_exception();  // read by wait() after the join
+      error = std::current_exception();
     }
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      error_ = error;  // read by wait() once done_ is set
+      done_ = true;
+    }
+    done_changed_.notify_all();
+    // The save is complete (or failed): wait() returns while the files it set aside are removed
+    // here, the freeing of their blocks off the caller's path.
+    remove_set_aside(set_aside);
   });
 }
 
 void CheckpointWriter::wait() {
-  if (thread_.joinable()) thread_.join();
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_changed_.wait(lock, [this] { return done_; });
+  }
   staged_.reset();  // here, on the caller's thread (save's note)
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }

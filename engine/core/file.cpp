@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 
 #include "engine/core/error.h"
 
@@ -24,11 +25,20 @@ std::string directory_of(const std::string& path) {
   return p.has_parent_path() ? p.parent_path().string() : ".";
 }
 
-// ".<name>.tmp-": the temporaries of `path` start with this; the pid and a counter follow.
-std::string temp_prefix(const std::string& path) {
+// ".<name>.tmp-": the temporaries of `path` start with this; the pid and a counter follow. Files
+// move_aside set aside start with ".<name>.old-".
+std::string temp_prefix(const std::string& path, const char* kind = ".tmp-") {
   std::string prefix(1, '.');  // built by append: g++ 12 misreports "." + s as overlapping
-  prefix.append(fs::path(path).filename().string()).append(".tmp-");
+  prefix.append(fs::path(path).filename().string()).append(kind);
   return prefix;
+}
+
+// A fresh name for a temporary (or, with kind ".old-", a file set aside) of `path`, beside it.
+std::string temp_name(const std::string& path, const char* kind = ".tmp-") {
+  static std::atomic<uint64_t> counter{0};
+  return (fs::path(directory_of(path)) /
+          detail::str(temp_prefix(path, kind), ::getpid(), '-', counter++))
+      .string();
 }
 
 std::atomic<detail::FileFaultHook> fault_hook{nullptr};
@@ -107,12 +117,9 @@ void InputFile::read_exact(void* out, size_t bytes, std::string_view what) {
   }
 }
 
-
 StagedFile::StagedFile(const std::string& path, std::string_view what) : path_(path), kind_(what) {
-  static std::atomic<uint64_t> counter{0};
-  const std::string dir = directory_of(path);
   for (int attempt = 0;; ++attempt) {
-    tmp_ = (fs::path(dir) / detail::str(temp_prefix(path), ::getpid(), '-', counter++)).string();
+    tmp_ = temp_name(path);
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd_ >= 0) return;
     if (errno != EEXIST || attempt > 100) {
@@ -122,6 +129,34 @@ StagedFile::StagedFile(const std::string& path, std::string_view what) : path_(p
       CUDP_THROW(IoError, kind_, " '", path_, "': cannot create the temporary file '", tmp,
                  "': ", std::strerror(error));
     }
+  }
+}
+
+StagedFile::StagedFile(std::string path, std::string_view what, std::string tmp)
+    : path_(std::move(path)), kind_(what), tmp_(std::move(tmp)) {}
+
+std::unique_ptr<StagedFile> StagedFile::link(const std::string& source, const std::string& path,
+                                             std::string_view what) {
+  for (int attempt = 0;; ++attempt) {
+    std::string tmp = temp_name(path);
+    const int injected = injected_error("link", tmp);
+    if (injected == 0 && ::link(source.c_str(), tmp.c_str()) == 0) {
+      std::unique_ptr<StagedFile> file(new StagedFile(path, what, std::move(tmp)));
+      // finish() fsyncs the inode (its new link count; the data already was), as it does a written
+      // temporary's; opened read-only, so that nothing writes to the file `source` also names.
+      file->fd_ = ::open(file->tmp_.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+      if (file->fd_ < 0) file->fail("open", errno);  // the destructor removes the link
+      file->finish();
+      return file;
+    }
+    const int error = injected != 0 ? injected : errno;
+    if (error == EEXIST && attempt <= 100) continue;
+    if (error == EXDEV || error == EPERM || error == EOPNOTSUPP || error == ENOTSUP ||
+        error == ENOSYS || error == EMLINK) {
+      return nullptr;  // this file system cannot link it here: the caller writes a copy
+    }
+    CUDP_THROW(IoError, what, " '", path, "': cannot link the temporary file '", tmp, "' to '",
+               source, "': ", std::strerror(error));
   }
 }
 
@@ -141,6 +176,7 @@ void StagedFile::fail(std::string_view step, int error) {
 void StagedFile::write(const void* data, size_t bytes) {
   CUDP_CHECK(fd_ >= 0, kind_, " '", path_, "': write after finish()");
   const auto* p = static_cast<const char*>(data);
+  [[maybe_unused]] const uint64_t before = written_;  // for the writeback hint below
   while (bytes > 0) {
     const ssize_t n = ::write(fd_, p, bytes);
     if (n < 0) {
@@ -151,6 +187,18 @@ void StagedFile::write(const void* data, size_t bytes) {
     bytes -= static_cast<size_t>(n);
     written_ += static_cast<uint64_t>(n);
   }
+#ifdef __linux__
+  // Each time the file passes a multiple of 8 MB, the writeback of what was written since the last
+  // one is started, not waited for: the disk works while the rest is written, and finish()'s fsync
+  // (which still makes the file durable) has less left to do. A VGG-16 checkpoint (122 MB) was made
+  // durable in 0.083 s instead of 0.100 s. Only a hint: its errors show in the fsync.
+  constexpr uint64_t kChunk = uint64_t(8) << 20;
+  if (written_ / kChunk != before / kChunk) {
+    const uint64_t from = before / kChunk * kChunk;
+    ::sync_file_range(fd_, static_cast<off64_t>(from), static_cast<off64_t>(written_ - from),
+                      SYNC_FILE_RANGE_WRITE);
+  }
+#endif
 }
 
 void StagedFile::finish() {
@@ -192,12 +240,21 @@ void rename_durably(const std::string& from, const std::string& to, std::string_
   sync_directory_of(to);
 }
 
+std::string move_aside(const std::string& path) {
+  std::string aside = temp_name(path, ".old-");
+  // The name is this process's own (its pid and a counter): the rename replaces nothing, or at
+  // worst a file set aside by a dead process of the same pid.
+  if (::rename(path.c_str(), aside.c_str()) != 0) return "";
+  return aside;
+}
+
 int remove_stale_temporaries(const std::string& path) {
-  const std::string prefix = temp_prefix(path);
+  const std::string temporary = temp_prefix(path), aside = temp_prefix(path, ".old-");
   std::error_code ec;
   int removed = 0;
   for (const auto& entry : fs::directory_iterator(directory_of(path), ec)) {
     const std::string name = entry.path().filename().string();
+    const std::string& prefix = name.compare(0, aside.size(), aside) == 0 ? aside : temporary;
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     // ".<name>.tmp-<pid>-<n>": stale when no process <pid> runs (kill(pid, 0) fails with ESRCH).
     long pid = 0;

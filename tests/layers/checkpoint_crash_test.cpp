@@ -60,6 +60,15 @@ struct Trainee {
     save_checkpoint(path, *model, with_optimizer ? &sgd : nullptr, {{"step", std::to_string(i)}});
   }
 
+  // Save i to every one of `paths` (the first written, the others hard-linked to it).
+  void save_to(const std::vector<std::string>& paths, int i) {
+    for (Parameter* p : model->parameters()) p->data.fill_(static_cast<float>(i));
+    TensorMap state = sgd.state_dict(names());
+    for (auto& [name, t] : state) t.fill_(static_cast<float>(i) + 0.5f);
+    sgd.load_state_dict(state, names());
+    write_checkpoints(paths, snapshot_checkpoint(*model, &sgd, {{"step", std::to_string(i)}}));
+  }
+
   std::vector<std::string> names() const {
     std::vector<std::string> out;
     for (const auto& [name, p] : model->named_parameters()) out.push_back(name);
@@ -106,6 +115,17 @@ int temporaries(const TempDir& dir) {
   }
 }
 
+// The same for a save to several paths at once.
+[[noreturn]] void run_linked_saver(const std::vector<std::string>& paths, int first, int ack_fd,
+                                   void (*hook)(const char*)) {
+  Trainee t;
+  detail::set_checkpoint_fault_hook(hook);
+  for (int i = first;; ++i) {
+    t.save_to(paths, i);
+    if (::write(ack_fd, &i, sizeof i) != sizeof i) ::_exit(3);
+  }
+}
+
 // The last step the child reported, or -1.
 int last_ack(int fd) {
   int last = -1, step = 0;
@@ -139,6 +159,19 @@ Child start_saver(const std::string& path, int first, void (*hook)(const char*))
   if (pid == 0) {
     ::close(fds[0]);
     run_saver(path, first, fds[1], hook);
+  }
+  ::close(fds[1]);
+  return {pid, fds[0]};
+}
+
+Child start_linked_saver(const std::vector<std::string>& paths, int first,
+                         void (*hook)(const char*)) {
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    run_linked_saver(paths, first, fds[1], hook);
   }
   ::close(fds[1]);
   return {pid, fds[0]};
@@ -200,6 +233,134 @@ TEST(CheckpointKill, EveryStepOfASaveLeavesTheLastCompleteCheckpoint) {
     }
   }
   EXPECT_EQ(kills, 13);
+}
+
+// Files a save set aside (the .prev pairs it replaced, ".old-"), which only a kill leaves behind.
+int set_aside(const TempDir& dir) {
+  int n = 0;
+  for (const std::string& name : dir.entries()) n += name.find(".old-") != std::string::npos;
+  return n;
+}
+
+// The kill of a save to two paths (the second's files hard links to the first's): the child dies
+// at stage g_kill_stage of target g_kill_target (0: written, 1: linked) of the save after
+// g_kill_after complete ones.
+int g_kill_target = 0;
+int g_published = 0;  // "published model" so far: two a save
+
+void kill_at_linked_stage(const char* stage) {
+  const int save = g_published / 2, target = g_published % 2;
+  if (std::strcmp(stage, "published model") == 0) ++g_published;
+  if (save == g_kill_after && target == g_kill_target && std::strcmp(stage, g_kill_stage) == 0) {
+    ::raise(SIGKILL);
+  }
+}
+
+// A save to two paths killed at every step of each path's part: each path loads its last complete
+// save (the one in flight once that path's model is published, the previous one before), the
+// second path's files are the first's wherever both hold the same save, and the next save removes
+// every temporary and set-aside file the dead process left, in both paths' names.
+TEST(CheckpointKill, EveryStepOfALinkedSaveLeavesTheLastCompleteCheckpoint) {
+  const char* const stages[] = {"staged",      "moved previous save aside", "moved training state",
+                                "moved model", "published training state",  "published model"};
+  int kills = 0;
+  for (int completed = 0; completed <= 2; ++completed) {
+    for (int target = 0; target < 2; ++target) {
+      for (const std::string stage : stages) {
+        // The first save has no earlier checkpoint to move.
+        if (completed == 0 && stage.rfind("moved", 0) == 0) continue;
+        SCOPED_TRACE(::testing::Message() << "killed at '" << stage << "' of path " << target
+                                          << " after " << completed << " complete saves");
+        TempDir dir;
+        const std::vector<std::string> paths = {dir.file("last.safetensors"),
+                                                dir.file("best.safetensors")};
+        g_kill_stage = stage.c_str();
+        g_kill_after = completed;
+        g_kill_target = target;
+        g_published = 0;
+        const Child child = start_linked_saver(paths, 0, kill_at_linked_stage);
+        const int last = reap(child);
+        ++kills;
+        ASSERT_EQ(last, completed - 1);
+        const bool in_flight_done = stage == "published model";
+        for (int p = 0; p < 2; ++p) {
+          SCOPED_TRACE(paths[p]);
+          // Paths before the one killed hold the save in flight; the one killed holds it once its
+          // model is published; the ones after it, the previous save.
+          const int expected =
+              p < target || (p == target && in_flight_done) ? completed : completed - 1;
+          if (expected < 0) {
+            EXPECT_THROW(find_checkpoint(paths[p]), IoError);
+          } else {
+            EXPECT_EQ(load_and_check(paths[p]), expected);
+          }
+        }
+        if (target == 1 && in_flight_done) {
+          EXPECT_TRUE(std::filesystem::equivalent(paths[0], paths[1]));
+        }
+        // Set aside until the save's end: the .prev pair of each path the save got past "staged"
+        // in, when it had one.
+        const int paths_set_aside = completed >= 2 ? target + (stage != "staged") : 0;
+        EXPECT_EQ(set_aside(dir), 2 * paths_set_aside) << ::testing::PrintToString(dir.entries());
+        EXPECT_EQ(temporaries(dir), temporaries_left_at(stage));
+        Trainee t;
+        t.save_to(paths, 100);
+        EXPECT_EQ(temporaries(dir) + set_aside(dir), 0) << ::testing::PrintToString(dir.entries());
+        for (const std::string& path : paths) {
+          EXPECT_EQ(load_and_check(path), 100);
+          EXPECT_FALSE(find_checkpoint(path).fallback);
+        }
+        EXPECT_TRUE(std::filesystem::equivalent(paths[0], paths[1]));
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+  EXPECT_EQ(kills, 2 * (3 + 6 + 6));
+}
+
+// Random kills of a process saving to two paths: each path loads either the save it held before
+// (or the last one the process reported, which both paths hold) or the one the process was in, and
+// the second path is never newer than the first.
+TEST(CheckpointKill, RandomKillsOfALinkedSaveLeaveTheLastOrTheNextSave) {
+  TempDir dir;
+  const std::vector<std::string> paths = {dir.file("last.safetensors"),
+                                          dir.file("best.safetensors")};
+  std::mt19937 rng(54321);
+  int next = 0, apart = 0;
+  int known[2] = {-1, -1};  // what each path held after the last kill
+  const int kIterations = 100;
+  for (int iteration = 0; iteration < kIterations; ++iteration) {
+    const Child child = start_linked_saver(paths, next, nullptr);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 20000));
+    ::kill(child.pid, SIGKILL);
+    const int last = reap(child);
+    SCOPED_TRACE(::testing::Message() << "iteration " << iteration << ", last reported save "
+                                      << last << ", first of this child " << next);
+    if (last < 0 && next == 0) {  // killed before anything was complete at both paths
+      if (::testing::Test::HasFailure()) break;
+      continue;
+    }
+    const int in_flight = last >= 0 ? last + 1 : next;
+    int steps[2];
+    for (int p = 0; p < 2; ++p) {
+      const int held = last >= 0 ? last : known[p];
+      steps[p] = load_and_check(paths[p]);
+      EXPECT_TRUE(steps[p] == held || steps[p] == in_flight)
+          << paths[p] << ": loaded step " << steps[p] << ", expected " << held << " or "
+          << in_flight;
+      known[p] = steps[p];
+    }
+    EXPECT_LE(steps[1], steps[0]);
+    apart += steps[0] != steps[1];
+    next = steps[0] + 1;
+    if (::testing::Test::HasFailure()) break;
+  }
+  std::printf("%d random kills of a two-path save: %d left the paths at different saves\n",
+              kIterations, apart);
+  Trainee t;
+  t.save_to(paths, next);
+  EXPECT_EQ(temporaries(dir) + set_aside(dir), 0) << ::testing::PrintToString(dir.entries());
+  for (const std::string& path : paths) EXPECT_EQ(load_and_check(path), next);
 }
 
 TEST(CheckpointKill, RandomKillsAlwaysLeaveTheLastOrTheNextSave) {
@@ -377,6 +538,77 @@ TEST(CheckpointIoFailure, AFailingFsyncOrRenameLeavesTheLastCompleteCheckpoint) 
     }
     detail::set_checkpoint_warning_handler(nullptr);
   }
+}
+
+// A save to two paths (the second hard-linked to the first) with each of its fsyncs, renames and
+// links failing in turn (EIO): the save throws, no temporary or set-aside file remains, and each
+// path loads its last complete save: the new one where the failure came after that path's last
+// rename, the one before otherwise. Where the failure was a path's first move to the .prev names,
+// the .prev pair it had set aside is back. The next save goes through at both paths.
+TEST(CheckpointIoFailure, AFailingCallOfALinkedSaveLeavesEachPathsLastCompleteCheckpoint) {
+  const auto save_with_failing_call = [](const std::vector<std::string>& paths, int fail_call,
+                                         std::string& what) {
+    Trainee t;
+    t.save_to(paths, 1);
+    t.save_to(paths, 2);
+    g_file_calls.clear();
+    g_fail_call = fail_call;
+    detail::set_file_fault_hook(fail_one_call);
+    try {
+      t.save_to(paths, 3);
+    } catch (const IoError& e) {
+      what = e.what();
+    }
+    detail::set_file_fault_hook(nullptr);
+    return g_file_calls;
+  };
+  std::vector<std::string> calls;
+  {
+    TempDir dir;
+    std::string what;
+    calls =
+        save_with_failing_call({dir.file("a.safetensors"), dir.file("b.safetensors")}, -1, what);
+    EXPECT_EQ(what, "");
+  }
+  // The first path: 2 fsyncs and 4 renames; the second: 2 links, each fsync'ed, and 4 renames;
+  // every rename followed by the directory's fsync.
+  ASSERT_EQ(std::count(calls.begin(), calls.end(), "link"), 2) << ::testing::PrintToString(calls);
+  ASSERT_EQ(std::count(calls.begin(), calls.end(), "fsync"), 4);
+  ASSERT_EQ(std::count(calls.begin(), calls.end(), "rename"), 8);
+  ASSERT_EQ(std::count(calls.begin(), calls.end(), "fsync directory"), 8);
+  std::vector<int> renames;
+  for (int k = 0; k < static_cast<int>(calls.size()); ++k) {
+    if (calls[k] == "rename") renames.push_back(k);
+  }
+  detail::set_checkpoint_warning_handler([](const std::string&) {});
+  for (int k = 0; k < static_cast<int>(calls.size()); ++k) {
+    SCOPED_TRACE(::testing::Message() << "call " << k << " (" << calls[k] << ") fails");
+    TempDir dir;
+    const std::vector<std::string> paths = {dir.file("a.safetensors"), dir.file("b.safetensors")};
+    std::string what;
+    const std::vector<std::string> made = save_with_failing_call(paths, k, what);
+    EXPECT_EQ(made.size(), static_cast<size_t>(k) + 1) << "a save went on after a failed call";
+    EXPECT_NE(what.find(std::strerror(EIO)), std::string::npos) << what;
+    EXPECT_EQ(temporaries(dir) + set_aside(dir), 0) << ::testing::PrintToString(dir.entries());
+    int expected[2];
+    for (int p = 0; p < 2; ++p) {
+      expected[p] = k > renames[4 * p + 3] ? 3 : 2;
+      EXPECT_EQ(load_and_check(paths[p]), expected[p]) << paths[p];
+      if (k == renames[4 * p]) {  // its first move failed: its .prev pair went back
+        EXPECT_EQ(load_and_check(previous_checkpoint_path(paths[p])), 1) << paths[p];
+        EXPECT_FALSE(find_checkpoint(paths[p]).fallback);
+      }
+    }
+    Trainee t;
+    t.save_to(paths, 4);
+    EXPECT_EQ(temporaries(dir) + set_aside(dir), 0) << ::testing::PrintToString(dir.entries());
+    for (int p = 0; p < 2; ++p) {
+      EXPECT_EQ(load_and_check(paths[p]), 4);
+      EXPECT_EQ(load_and_check(previous_checkpoint_path(paths[p])), expected[p]);
+    }
+    EXPECT_TRUE(std::filesystem::equivalent(paths[0], paths[1]));
+  }
+  detail::set_checkpoint_warning_handler(nullptr);
 }
 
 TEST(CheckpointStaleTemporaries, OnlyThoseOfDeadProcessesAreRemoved) {

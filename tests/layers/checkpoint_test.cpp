@@ -2,8 +2,11 @@
 // way a pair of files can fail to fit.
 #include "layers/checkpoint.h"
 
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -149,6 +152,150 @@ TEST_F(Checkpoint, AWriterSavesTheSnapshotsMomentWhileTrainingGoesOn) {
   load_checkpoint(later, *loaded, &loaded_sgd);
   expect_same_values(loaded->state_dict(), model_->state_dict());
   expect_same_values(loaded_sgd.state_dict(), sgd_.state_dict());
+}
+
+// The inode of `path` (0 when it cannot be read).
+ino_t inode(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
+}
+
+// Whether `path`'s model file and training state are the same inodes as `other`'s.
+bool shares_files(const std::string& path, const std::string& other) {
+  return inode(path) != 0 && inode(path) == inode(other) &&
+         inode(optimizer_state_path(path)) == inode(optimizer_state_path(other));
+}
+
+// Files a save leaves only while it runs: temporaries (".tmp-") and replaced files set aside
+// (".old-").
+int leftovers(const TempDir& dir) {
+  int n = 0;
+  for (const std::string& name : dir.entries()) {
+    n += name.find(".tmp-") != std::string::npos || name.find(".old-") != std::string::npos;
+  }
+  return n;
+}
+
+// Loads `path` into a fresh model and optimizer and checks it holds `model` and `state`.
+void expect_checkpoint_holds(const std::string& path, const TensorMap& model,
+                             const TensorMap& state) {
+  SCOPED_TRACE(path);
+  auto loaded = small_net(99);
+  SGD loaded_sgd(loaded->parameters(), {.lr = 1.0, .momentum = 0.9, .weight_decay = 5e-4});
+  load_checkpoint(path, *loaded, &loaded_sgd);
+  expect_same_values(loaded->state_dict(), model);
+  expect_same_values(loaded_sgd.state_dict(), state);
+}
+
+// One save to two paths writes the files once: the second path's are hard links to the first's
+// (same inodes on one file system), both load the saved state bit for bit, and the next save moves
+// each path's pair to its own .prev names, where the previous save stays loadable. The same through
+// a CheckpointWriter. Nothing set aside or temporary outlives a save.
+TEST_F(Checkpoint, ASaveToSeveralPathsLinksTheSecondToTheFirst) {
+  for (const bool writer : {false, true}) {
+    SCOPED_TRACE(writer ? "CheckpointWriter" : "write_checkpoints");
+    TempDir dir;
+    const std::string a = dir.file("last.safetensors"), b = dir.file("best.safetensors");
+    const auto save = [&](const std::vector<std::string>& paths) {
+      if (!writer) return write_checkpoints(paths, snapshot_checkpoint(*model_, &sgd_, metadata_));
+      CheckpointWriter w;
+      w.save(paths, snapshot_checkpoint(*model_, &sgd_, metadata_));
+      w.wait();
+    };
+    std::vector<TensorMap> models, states;  // the state each save holds
+    for (int i = 0; i < 4; ++i) {
+      set_grads(*model_, 10 + i);
+      sgd_.step();
+      models.push_back(clone_map(model_->state_dict()));
+      states.push_back(clone_map(sgd_.state_dict()));
+      save({a, b});
+      EXPECT_TRUE(shares_files(a, b));
+      struct stat st {};
+      ASSERT_EQ(::stat(b.c_str(), &st), 0);
+      EXPECT_EQ(st.st_nlink, 2u);  // a and b; the .prev pairs hold the previous save's inodes
+      EXPECT_EQ(leftovers(dir), 0) << ::testing::PrintToString(dir.entries());
+      for (const std::string& path : {a, b}) {
+        EXPECT_FALSE(find_checkpoint(path).fallback);
+        expect_checkpoint_holds(path, models[i], states[i]);
+        if (i > 0) {
+          expect_checkpoint_holds(previous_checkpoint_path(path), models[i - 1], states[i - 1]);
+        }
+      }
+      if (i > 0) {
+        EXPECT_TRUE(shares_files(previous_checkpoint_path(a), previous_checkpoint_path(b)));
+      }
+    }
+    EXPECT_EQ(dir.entries().size(), 8u) << ::testing::PrintToString(dir.entries());
+    // A save to the first path alone replaces its pair and leaves the second's as it was.
+    set_grads(*model_, 20);
+    sgd_.step();
+    save({a});
+    EXPECT_FALSE(shares_files(a, b));
+    expect_checkpoint_holds(b, models[3], states[3]);
+    expect_checkpoint_holds(previous_checkpoint_path(a), models[3], states[3]);
+    EXPECT_EQ(leftovers(dir), 0) << ::testing::PrintToString(dir.entries());
+  }
+}
+
+// The file fault hook's (engine/core/file.h) target: every "link" whose new name contains
+// g_link_fails_for fails with g_link_error.
+std::string g_link_fails_for;
+int g_link_error = 0;
+
+int fail_links(const char* operation, const std::string& path) {
+  return std::strcmp(operation, "link") == 0 && path.find(g_link_fails_for) != std::string::npos
+             ? g_link_error
+             : 0;
+}
+
+// Where a path's file system cannot link to the first path's files (another file system: EXDEV;
+// none that links: EPERM, EOPNOTSUPP), that path is written in full instead, and a later path links
+// to the first; where linking fails otherwise (EIO), the save throws an IoError, the path keeps its
+// last complete checkpoint, and no temporary remains.
+TEST_F(Checkpoint, APathThatCannotLinkIsWrittenInFull) {
+  const std::string a = dir_.file("a.safetensors"), b = dir_.file("b.safetensors"),
+                    c = dir_.file("c.safetensors");
+  for (const int error : {EXDEV, EPERM, EOPNOTSUPP, EMLINK}) {
+    SCOPED_TRACE(std::strerror(error));
+    // The first link fails, or the second.
+    for (const std::string failing : {"b.safetensors", "b.train"}) {
+      g_link_fails_for = failing;
+      g_link_error = error;
+      detail::set_file_fault_hook(fail_links);
+      set_grads(*model_, 3);
+      sgd_.step();
+      write_checkpoints({a, b, c}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+      detail::set_file_fault_hook(nullptr);
+      EXPECT_FALSE(shares_files(a, b));
+      EXPECT_NE(inode(a), inode(b));
+      EXPECT_NE(inode(optimizer_state_path(a)), inode(optimizer_state_path(b)));
+      EXPECT_TRUE(shares_files(a, c));
+      for (const std::string& path : {a, b, c}) {
+        expect_checkpoint_holds(path, model_->state_dict(), sgd_.state_dict());
+      }
+      EXPECT_EQ(leftovers(dir_), 0) << ::testing::PrintToString(dir_.entries());
+    }
+  }
+  const TensorMap model_then = clone_map(model_->state_dict());
+  const TensorMap state_then = clone_map(sgd_.state_dict());
+  g_link_fails_for = "b.";
+  g_link_error = EIO;
+  detail::set_file_fault_hook(fail_links);
+  set_grads(*model_, 4);
+  sgd_.step();
+  try {
+    write_checkpoints({a, b, c}, snapshot_checkpoint(*model_, &sgd_, metadata_));
+    ADD_FAILURE() << "a failing link went unnoticed";
+  } catch (const IoError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cannot link"), std::string::npos) << what;
+    EXPECT_NE(what.find(std::strerror(EIO)), std::string::npos) << what;
+  }
+  detail::set_file_fault_hook(nullptr);
+  expect_checkpoint_holds(a, model_->state_dict(), sgd_.state_dict());  // saved before the failure
+  expect_checkpoint_holds(b, model_then, state_then);                   // as it was
+  expect_checkpoint_holds(c, model_then, state_then);                   // not reached
+  EXPECT_EQ(leftovers(dir_), 0) << ::testing::PrintToString(dir_.entries());
 }
 
 // The snapshot in two halves on the CPU path (the GPU's twin is in checkpoint_gpu_test).
