@@ -1,5 +1,6 @@
 #include "layers/checkpoint.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -360,12 +361,23 @@ void remove_set_aside(SetAside& files) {
   files.clear();
 }
 
-// Puts a file moved aside back at `original` unless that name is taken again (link never replaces
-// a file), and removes the aside name. True when it is back.
+// Puts a file moved aside back at `original` unless that name is taken again, and removes the aside
+// name. True when it is back. By a hard link, which never replaces a file; where the file system
+// has none (or no room for one), by a rename, once `original` is seen to be free (a file there now
+// is newer and must stay).
 bool put_back(const std::string& aside, const std::string& original) {
-  const bool back = ::link(aside.c_str(), original.c_str()) == 0;
+  if (::link(aside.c_str(), original.c_str()) == 0) {
+    ::unlink(aside.c_str());
+    return true;
+  }
+  const int link_error = errno;
+  struct stat st {};
+  if (link_error != EEXIST && ::lstat(original.c_str(), &st) != 0 && errno == ENOENT &&
+      ::rename(aside.c_str(), original.c_str()) == 0) {
+    return true;
+  }
   ::unlink(aside.c_str());
-  return back;
+  return false;
 }
 
 // Steps 2 and 3 of a save (checkpoint.h) at `path`, whose new pair is staged: complete and durable
@@ -518,25 +530,31 @@ void CheckpointWriter::start(std::vector<std::string> paths,
                              std::function<CheckpointSnapshot()> snapshot) {
   if (thread_.joinable()) thread_.join();  // the last save's removals (wait() saw it complete)
   done_ = false;
-  thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
-    SetAside set_aside;
-    std::exception_ptr error;
-    try {
-      const CheckpointSnapshot taken = snapshot();
-      write_targets(paths, taken, set_aside);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      error_ = error;  // read by wait() once done_ is set
-      done_ = true;
-    }
-    done_changed_.notify_all();
-    // The save is complete (or failed): wait() returns while the files it set aside are removed
-    // here, the freeing of their blocks off the caller's path.
-    remove_set_aside(set_aside);
-  });
+  try {
+    thread_ = std::thread([this, paths = std::move(paths), snapshot = std::move(snapshot)] {
+      SetAside set_aside;
+      std::exception_ptr error;
+      try {
+        const CheckpointSnapshot taken = snapshot();
+        write_targets(paths, taken, set_aside);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        error_ = error;  // read by wait() once done_ is set
+        done_ = true;
+      }
+      done_changed_.notify_all();
+      // The save is complete (or failed): wait() returns while the files it set aside are removed
+      // here, the freeing of their blocks off the caller's path.
+      remove_set_aside(set_aside);
+    });
+  } catch (...) {  // no thread (std::system_error): no save in flight, nothing for wait() to await
+    done_ = true;
+    staged_.reset();
+    throw;
+  }
 }
 
 void CheckpointWriter::wait() {

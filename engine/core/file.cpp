@@ -187,7 +187,7 @@ void StagedFile::write(const void* data, size_t bytes) {
     bytes -= static_cast<size_t>(n);
     written_ += static_cast<uint64_t>(n);
   }
-#ifdef __linux__
+#if defined(__linux__) && defined(SYNC_FILE_RANGE_WRITE)
   // Each time the file passes a multiple of 8 MB, the writeback of what was written since the last
   // one is started, not waited for: the disk works while the rest is written, and finish()'s fsync
   // (which still makes the file durable) has less left to do. A VGG-16 checkpoint (122 MB) was made
@@ -195,7 +195,7 @@ void StagedFile::write(const void* data, size_t bytes) {
   constexpr uint64_t kChunk = uint64_t(8) << 20;
   if (written_ / kChunk != before / kChunk) {
     const uint64_t from = before / kChunk * kChunk;
-    ::sync_file_range(fd_, static_cast<off64_t>(from), static_cast<off64_t>(written_ - from),
+    ::sync_file_range(fd_, static_cast<int64_t>(from), static_cast<int64_t>(written_ - from),
                       SYNC_FILE_RANGE_WRITE);
   }
 #endif
