@@ -334,6 +334,56 @@ __device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __rest
   }
 }
 
+// ---- a channel's outputs from its merged sums (the finalize, merge and cluster kernels)
+// -----------
+
+// The forward's, from the channel's statistics (K, the mean of x - K and M2 over n rows; n_minus_1
+// = n - 1 as the caller counts): the saved and running statistics, each where given, and the
+// coefficients of y = ((x - K) - mean_d) * scale + shift at coef[0], coef[stride], coef[2 stride],
+// coef[3 stride].
+__device__ __forceinline__ void finish_statistics(int ch, float shift_k, float mean_d, float m2,
+                                                  float n, float n_minus_1, const float* gamma,
+                                                  const float* beta, float* running_mean,
+                                                  float* running_var, float* save_mean,
+                                                  float* save_invstd, float momentum, float eps,
+                                                  float* coef, int stride) {
+  const float mean = shift_k + mean_d;
+  const float var = m2 / n;
+  const float invstd = 1.f / sqrtf(var + eps);
+  if (save_mean) save_mean[ch] = mean;
+  if (save_invstd) save_invstd[ch] = invstd;
+  if (running_mean) running_mean[ch] = (1.f - momentum) * running_mean[ch] + momentum * mean;
+  if (running_var) {
+    const float unbiased = m2 / n_minus_1;
+    running_var[ch] = (1.f - momentum) * running_var[ch] + momentum * unbiased;
+  }
+  coef[0] = shift_k;
+  coef[stride] = mean_d;
+  coef[2 * stride] = gamma ? gamma[ch] * invstd : invstd;
+  coef[3 * stride] = beta ? beta[ch] : 0.f;
+}
+
+// The backward's, from the channel's sums of g and g * (x - mean) over m rows: dgamma and dbeta,
+// each where given (= or, with beta_accumulate != 0, beta_accumulate * old +), and, where coef is
+// given, the coefficients of dx = k * (g - a - (x - mean) * b) at coef[0], coef[stride],
+// coef[2 stride]; frozen statistics have a = b = 0.
+__device__ __forceinline__ void finish_gradients(int ch, float sum_dy, float sum_dy_xmu,
+                                                 float invstd, float m, bool frozen,
+                                                 const float* gamma, float* dgamma, float* dbeta,
+                                                 float beta_accumulate, float* coef, int stride) {
+  const float grad_gamma = sum_dy_xmu * invstd, grad_beta = sum_dy;
+  if (dgamma) {
+    dgamma[ch] = beta_accumulate == 0.f ? grad_gamma : beta_accumulate * dgamma[ch] + grad_gamma;
+  }
+  if (dbeta) {
+    dbeta[ch] = beta_accumulate == 0.f ? grad_beta : beta_accumulate * dbeta[ch] + grad_beta;
+  }
+  if (coef == nullptr) return;
+  coef[0] = gamma ? gamma[ch] * invstd : invstd;
+  coef[stride] = frozen ? 0.f : sum_dy / m;
+  coef[2 * stride] = frozen ? 0.f : grad_gamma * invstd / m;
+}
+
 // ---- the multi-pass kernels ---------------------------------------------------------------------
 
 // Partials per (row block, channel): count, mean of x - K, M2 of the rows that block walked.
@@ -421,20 +471,8 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows)
     summary_out[1 + 2 * c + ch] = m2;
     return;
   }
-  const float mean = shift_k + mean_d;
-  const float var = m2 / float(rows);
-  const float invstd = 1.f / sqrtf(var + eps);
-  if (save_mean) save_mean[ch] = mean;
-  if (save_invstd) save_invstd[ch] = invstd;
-  if (running_mean) running_mean[ch] = (1.f - momentum) * running_mean[ch] + momentum * mean;
-  if (running_var) {
-    const float unbiased = m2 / float(rows - 1);
-    running_var[ch] = (1.f - momentum) * running_var[ch] + momentum * unbiased;
-  }
-  coef[ch] = shift_k;
-  coef[c + ch] = mean_d;
-  coef[2 * c + ch] = gamma ? gamma[ch] * invstd : invstd;
-  coef[3 * c + ch] = beta ? beta[ch] : 0.f;
+  finish_statistics(ch, shift_k, mean_d, m2, float(rows), float(rows - 1), gamma, beta,
+                    running_mean, running_var, save_mean, save_invstd, momentum, eps, coef + ch, c);
 }
 
 // ---- the forward's element-wise pass ------------------------------------------------------------
@@ -561,23 +599,15 @@ __global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_
   sum_dy_xmu = s_dy_xmu[0][tx];
   const bool frozen = running_var != nullptr;
   const float invstd = frozen ? 1.f / sqrtf(running_var[ch] + eps) : save_invstd[ch];
-  const float grad_gamma = sum_dy_xmu * invstd, grad_beta = sum_dy;
-  if (dgamma) {
-    dgamma[ch] = beta_accumulate == 0.f ? grad_gamma : beta_accumulate * dgamma[ch] + grad_gamma;
-  }
-  if (dbeta) {
-    dbeta[ch] = beta_accumulate == 0.f ? grad_beta : beta_accumulate * dbeta[ch] + grad_beta;
-  }
-  if (sums_out) {  // the split backward: this participant's sums; the dx pass comes later
+  // The split backward (sums_out) writes this participant's sums instead of coefficients; its dx
+  // pass comes later.
+  finish_gradients(ch, sum_dy, sum_dy_xmu, invstd, float(rows), frozen, gamma, dgamma, dbeta,
+                   beta_accumulate, sums_out ? nullptr : coef + ch, c);
+  if (sums_out) {
     sums_out[ch] = sum_dy;
     sums_out[c + ch] = sum_dy_xmu;
     if (ch == 0) sums_out[2 * c] = float(rows);
-    return;
   }
-  const float m = float(rows);
-  coef[ch] = gamma ? gamma[ch] * invstd : invstd;
-  coef[c + ch] = frozen ? 0.f : sum_dy / m;
-  coef[2 * c + ch] = frozen ? 0.f : grad_gamma * invstd / m;
 }
 
 // dx = k * (g - a - (x - mean) * b); with frozen statistics (b == 0) x is not read. With Sums, also
@@ -662,6 +692,27 @@ __device__ __forceinline__ void cluster_sync() {
   cluster_arrive();
   cluster_wait();
 }
+
+// What a thread of a cluster kernel walks: the V channels from `channel` (active: below c), rows
+// r0, r0 + step, ... (block rank q takes rows q * blockDim.y + ty of every stride of the cluster's
+// threads).
+struct ClusterWalk {
+  int channel;
+  bool active;
+  unsigned rank;
+  int64_t r0, step;
+};
+
+template <int V>
+__device__ __forceinline__ ClusterWalk cluster_walk(const cg::cluster_group& cluster, int c) {
+  ClusterWalk w;
+  w.channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  w.active = w.channel < c;
+  w.rank = cluster.block_rank();
+  w.step = int64_t(blockDim.y) * kClusterBlocks;
+  w.r0 = int64_t(w.rank) * blockDim.y + threadIdx.y;
+  return w;
+}
 #endif
 
 // The training forward in one launch: statistics, the saved and running statistics (rank 0 of
@@ -683,22 +734,18 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
   float* s_mean = s_n + blockDim.y * lanes;   // [blockDim.y][width]
   float* s_m2 = s_mean + blockDim.y * width;  // [blockDim.y][width]
   float* s_coef = s_m2 + blockDim.y * width;  // [4][width]: K, mean_d, scale, shift
-  const int channel = (blockIdx.x * lanes + tx) * V;
-  const bool active = channel < c;
-  const unsigned rank = cluster.block_rank();
-  const int64_t step = int64_t(blockDim.y) * kClusterBlocks;
-  const int64_t r0 = int64_t(rank) * blockDim.y + ty;
+  const ClusterWalk w = cluster_walk<V>(cluster, c);
   // K, row 0, read before any block of the cluster may have written y (which may be x), and kept
   // in the K slots of s_coef, which the same threads fill after the merge.
-  if (ty == 0 && active) {
-    const Pack<T, V> first = load<T, V>(x + channel);
+  if (ty == 0 && w.active) {
+    const Pack<T, V> first = load<T, V>(x + w.channel);
 #pragma unroll
     for (int k = 0; k < V; ++k) s_coef[tx * V + k] = to_f32(first.v[k]);
   }
-  thread_stats<T, V>(x, r0, step, rows, c, channel, active, s_n, s_mean, s_m2);
+  thread_stats<T, V>(x, w.r0, w.step, rows, c, w.channel, w.active, s_n, s_mean, s_m2);
   stats_tree<V>(s_n, s_mean, s_m2);
   cluster_sync();  // every block's summary is in row 0 of its arrays
-  if (ty == 0 && active) {
+  if (ty == 0 && w.active) {
     float n[V], mean_d[V], m2[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) n[k] = mean_d[k] = m2[k] = 0.f;
@@ -709,34 +756,22 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) chan_merge(n[k], mean_d[k], m2[k], n_q, mean_q[k], m2_q[k]);
     }
+    const bool writer = w.rank == 0;  // writes the statistics; every block its coefficients
+    const float count = float(rows), count_minus_1 = float(rows - 1);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const int ch = channel + k;
-      const float shift_k = s_coef[tx * V + k];
-      const float mean = shift_k + mean_d[k];
-      const float var = m2[k] / float(rows);
-      const float invstd = 1.f / sqrtf(var + eps);
-      if (rank == 0) {
-        if (save_mean) save_mean[ch] = mean;
-        if (save_invstd) save_invstd[ch] = invstd;
-        if (running_mean) running_mean[ch] = (1.f - momentum) * running_mean[ch] + momentum * mean;
-        if (running_var) {
-          const float unbiased = m2[k] / float(rows - 1);
-          running_var[ch] = (1.f - momentum) * running_var[ch] + momentum * unbiased;
-        }
-      }
-      s_coef[tx * V + k] = shift_k;
-      s_coef[width + tx * V + k] = mean_d[k];
-      s_coef[2 * width + tx * V + k] = gamma ? gamma[ch] * invstd : invstd;
-      s_coef[3 * width + tx * V + k] = beta ? beta[ch] : 0.f;
+      finish_statistics(w.channel + k, s_coef[tx * V + k], mean_d[k], m2[k], count, count_minus_1,
+                        gamma, beta, writer ? running_mean : nullptr,
+                        writer ? running_var : nullptr, writer ? save_mean : nullptr,
+                        writer ? save_invstd : nullptr, momentum, eps, s_coef + tx * V + k, width);
     }
   }
-  if (batches_tracked != nullptr && rank == 0 && blockIdx.x == 0 && tx == 0 && ty == 0) {
+  if (batches_tracked != nullptr && w.rank == 0 && blockIdx.x == 0 && tx == 0 && ty == 0) {
     *batches_tracked += 1;
   }
   __syncthreads();
   cluster_arrive();  // this block is done reading its peers' summaries
-  if (active) {
+  if (w.active) {
     float center[V], offset[V], scale[V], shift[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -745,7 +780,7 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
       scale[k] = s_coef[2 * width + tx * V + k];
       shift[k] = s_coef[3 * width + tx * V + k];
     }
-    apply_walk<T, V>(x, y, r0, step, rows, c, channel, center, offset, scale, shift, relu);
+    apply_walk<T, V>(x, y, w.r0, w.step, rows, c, w.channel, center, offset, scale, shift, relu);
   }
   cluster_wait();  // and its peers with its own: its shared memory may go
 #endif
@@ -771,15 +806,11 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
   float* s_a = smem;             // [blockDim.y][width]: sum g, later (Sums) sum of dx
   float* s_b = s_a + stride;     // [blockDim.y][width]: sum g * (x - mean)
   float* s_coef = s_b + stride;  // [3][width]: k, a, b
-  const int channel = (blockIdx.x * lanes + tx) * V;
-  const bool active = channel < c;
-  const unsigned rank = cluster.block_rank();
-  const int64_t step = int64_t(blockDim.y) * kClusterBlocks;
-  const int64_t r0 = int64_t(rank) * blockDim.y + ty;
+  const ClusterWalk w = cluster_walk<V>(cluster, c);
   float mean[V], a[V], b[V];
 #pragma unroll
-  for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = active ? mean_in[channel + k] : 0.f;
-  if (active) grad_sums_walk<T, V>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
+  for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = w.active ? mean_in[w.channel + k] : 0.f;
+  if (w.active) grad_sums_walk<T, V>(x, dy, mask, mean, w.r0, w.step, rows, c, w.channel, a, b);
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     s_a[ty * width + tx * V + k] = a[k];
@@ -787,7 +818,7 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
   }
   sum_tree<V, 2>(smem, stride);
   cluster_sync();  // every block's sums are in row 0 of its arrays
-  if (ty == 0 && active) {
+  if (ty == 0 && w.active) {
     float sum_dy[V], sum_dy_xmu[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) sum_dy[k] = sum_dy_xmu[k] = 0.f;
@@ -797,22 +828,14 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) sum_dy[k] += a_q[k], sum_dy_xmu[k] += b_q[k];
     }
+    const bool writer = w.rank == 0;  // writes dgamma and dbeta; every block its coefficients
     const float m = float(rows);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const int ch = channel + k;
-      const float invstd = save_invstd[ch];
-      const float grad_gamma = sum_dy_xmu[k] * invstd, grad_beta = sum_dy[k];
-      if (rank == 0 && dgamma) {
-        dgamma[ch] =
-            beta_accumulate == 0.f ? grad_gamma : beta_accumulate * dgamma[ch] + grad_gamma;
-      }
-      if (rank == 0 && dbeta) {
-        dbeta[ch] = beta_accumulate == 0.f ? grad_beta : beta_accumulate * dbeta[ch] + grad_beta;
-      }
-      s_coef[tx * V + k] = gamma ? gamma[ch] * invstd : invstd;
-      s_coef[width + tx * V + k] = sum_dy[k] / m;
-      s_coef[2 * width + tx * V + k] = grad_gamma * invstd / m;
+      const int ch = w.channel + k;
+      finish_gradients(ch, sum_dy[k], sum_dy_xmu[k], save_invstd[ch], m, false, gamma,
+                       writer ? dgamma : nullptr, writer ? dbeta : nullptr, beta_accumulate,
+                       s_coef + tx * V + k, width);
     }
   }
   __syncthreads();
@@ -820,13 +843,14 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
   float k_[V], sum[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    k_[k] = active ? s_coef[tx * V + k] : 0.f;
-    a[k] = active ? s_coef[width + tx * V + k] : 0.f;
-    b[k] = active ? s_coef[2 * width + tx * V + k] : 0.f;
+    k_[k] = w.active ? s_coef[tx * V + k] : 0.f;
+    a[k] = w.active ? s_coef[width + tx * V + k] : 0.f;
+    b[k] = w.active ? s_coef[2 * width + tx * V + k] : 0.f;
     sum[k] = 0.f;
   }
-  if (active) {
-    dx_walk<T, V, false, Sums>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c, channel, sum);
+  if (w.active) {
+    dx_walk<T, V, false, Sums>(x, dy, mask, mean, k_, a, b, dx, w.r0, w.step, rows, c, w.channel,
+                               sum);
   }
   cluster_wait();  // and its peers with its own: s_a and s_b may be written again
   if constexpr (Sums) {
@@ -834,14 +858,14 @@ __global__ void CUDP_BN_CLUSTER_DIMS __launch_bounds__(kClusterThreads)
     for (int k = 0; k < V; ++k) s_a[ty * width + tx * V + k] = sum[k];
     sum_tree<V, 1>(s_a, 0);
     cluster_sync();  // every block's column sums are in row 0 of s_a
-    if (rank == 0 && ty == 0 && active) {
+    if (w.rank == 0 && ty == 0 && w.active) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         float total = 0.f;
         for (unsigned q = 0; q < kClusterBlocks; ++q) {
           total += cluster.map_shared_rank(s_a, q)[tx * V + k];
         }
-        input_grad_sums[channel + k] += total;  // bias_grad_from_partials' beta = 1
+        input_grad_sums[w.channel + k] += total;  // bias_grad_from_partials' beta = 1
       }
     }
     cluster_sync();  // rank 0 is done reading: the blocks' shared memory may go
@@ -874,20 +898,8 @@ __global__ void bn_merge_stats_kernel(
     const float* s = summaries + p * size;
     chan_merge(n, mean_d, m2, s[0], (s[1 + ch] - shift_k) + s[1 + c + ch], s[1 + 2 * c + ch]);
   }
-  const float mean = shift_k + mean_d;
-  const float var = m2 / n;
-  const float invstd = 1.f / sqrtf(var + eps);
-  if (save_mean) save_mean[ch] = mean;
-  if (save_invstd) save_invstd[ch] = invstd;
-  if (running_mean) running_mean[ch] = (1.f - momentum) * running_mean[ch] + momentum * mean;
-  if (running_var) {
-    const float unbiased = m2 / (n - 1.f);
-    running_var[ch] = (1.f - momentum) * running_var[ch] + momentum * unbiased;
-  }
-  coef[ch] = shift_k;
-  coef[c + ch] = mean_d;
-  coef[2 * c + ch] = gamma ? gamma[ch] * invstd : invstd;
-  coef[3 * c + ch] = beta ? beta[ch] : 0.f;
+  finish_statistics(ch, shift_k, mean_d, m2, n, n - 1.f, gamma, beta, running_mean, running_var,
+                    save_mean, save_invstd, momentum, eps, coef + ch, c);
 }
 
 // Per channel: the dx coefficients [k | a | b] from the summed sums, as bn_backward_finalize_kernel
@@ -899,12 +911,8 @@ __global__ void bn_backward_coef_kernel(const float* __restrict__ sums, int c,
   kernel_entry();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= c) return;
-  const float invstd = save_invstd[ch];
-  const float m = sums[2 * c];
-  const float grad_gamma = sums[c + ch] * invstd;
-  coef[ch] = gamma ? gamma[ch] * invstd : invstd;
-  coef[c + ch] = sums[ch] / m;
-  coef[2 * c + ch] = grad_gamma * invstd / m;
+  finish_gradients(ch, sums[ch], sums[c + ch], save_invstd[ch], sums[2 * c], false, gamma, nullptr,
+                   nullptr, 0.f, coef + ch, c);
 }
 
 // ---- host side ----------------------------------------------------------------------------------

@@ -163,41 +163,54 @@ __global__ void flag_non_finite_kernel(SpanBatch batch, int* flags) {
 
 }  // namespace
 
-void flag_non_finite(const FloatSpan* spans, int64_t count, int* flags, cudaStream_t stream) {
-  detail::check_spans("flag_non_finite", spans, count, flags);
+namespace {
+
+// Runs `count` items in launches of at most kRangesPerLaunch (zero_ranges, flag_non_finite): fill(
+// batch, slot, item) puts item into a Batch's slot and returns its length; launch_batch(batch,
+// grid) launches one batch on (blocks for the longest item, capped) x (items in the batch) blocks.
+// A batch whose items are all empty launches nothing.
+template <typename Batch, typename Fill, typename Launch>
+void in_batches(int64_t count, Fill&& fill, Launch&& launch_batch) {
   for (int64_t first = 0; first < count; first += kRangesPerLaunch) {
-    SpanBatch batch{};
+    Batch batch{};
     const int64_t in_batch = std::min<int64_t>(kRangesPerLaunch, count - first);
     int64_t longest = 0;
-    for (int64_t i = 0; i < in_batch; ++i) {
-      batch.data[i] = spans[first + i].data;
-      batch.size[i] = spans[first + i].size;
-      batch.flag[i] = first + i;
-      longest = std::max(longest, batch.size[i]);
-    }
+    for (int64_t i = 0; i < in_batch; ++i) longest = std::max(longest, fill(batch, i, first + i));
     if (longest == 0) continue;
-    const unsigned blocks = std::min(grid_for(longest, kThreads), kMaxBlocks);
-    launch("flag_non_finite", flag_non_finite_kernel, dim3(blocks, unsigned(in_batch)), kThreads, 0,
-           stream, batch, flags);
+    launch_batch(batch,
+                 dim3(std::min(grid_for(longest, kThreads), kMaxBlocks), unsigned(in_batch)));
   }
+}
+
+}  // namespace
+
+void flag_non_finite(const FloatSpan* spans, int64_t count, int* flags, cudaStream_t stream) {
+  detail::check_spans("flag_non_finite", spans, count, flags);
+  in_batches<SpanBatch>(
+      count,
+      [&](SpanBatch& batch, int64_t slot, int64_t item) {
+        batch.data[slot] = spans[item].data;
+        batch.size[slot] = spans[item].size;
+        batch.flag[slot] = item;
+        return batch.size[slot];
+      },
+      [&](const SpanBatch& batch, dim3 grid) {
+        launch("flag_non_finite", flag_non_finite_kernel, grid, kThreads, 0, stream, batch, flags);
+      });
 }
 
 void zero_ranges(float* base, const FloatRange* ranges, int64_t count, cudaStream_t stream) {
   detail::check_zero_ranges("zero_ranges", base, ranges, count);
-  for (int64_t first = 0; first < count; first += kRangesPerLaunch) {
-    RangeBatch batch{};
-    const int64_t in_batch = std::min<int64_t>(kRangesPerLaunch, count - first);
-    int64_t longest = 0;
-    for (int64_t r = 0; r < in_batch; ++r) {
-      batch.begin[r] = ranges[first + r].begin;
-      batch.end[r] = ranges[first + r].end;
-      longest = std::max(longest, batch.end[r] - batch.begin[r]);
-    }
-    if (longest == 0) continue;
-    const unsigned blocks = std::min(grid_for(longest, kThreads), kMaxBlocks);
-    launch("zero_ranges", zero_ranges_kernel, dim3(blocks, unsigned(in_batch)), kThreads, 0, stream,
-           base, batch);
-  }
+  in_batches<RangeBatch>(
+      count,
+      [&](RangeBatch& batch, int64_t slot, int64_t item) {
+        batch.begin[slot] = ranges[item].begin;
+        batch.end[slot] = ranges[item].end;
+        return batch.end[slot] - batch.begin[slot];
+      },
+      [&](const RangeBatch& batch, dim3 grid) {
+        launch("zero_ranges", zero_ranges_kernel, grid, kThreads, 0, stream, base, batch);
+      });
 }
 
 void relu_forward(const float* x, float* y, int64_t n, cudaStream_t stream) {

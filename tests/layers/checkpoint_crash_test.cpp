@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -53,20 +54,21 @@ struct Trainee {
 
   // Save i: every weight i, every momentum buffer i + 0.5.
   void save(const std::string& path, int i, bool with_optimizer = true) {
-    for (Parameter* p : model->parameters()) p->data.fill_(static_cast<float>(i));
-    TensorMap state = sgd.state_dict(names());
-    for (auto& [name, t] : state) t.fill_(static_cast<float>(i) + 0.5f);
-    sgd.load_state_dict(state, names());
+    set_state(i);
     save_checkpoint(path, *model, with_optimizer ? &sgd : nullptr, {{"step", std::to_string(i)}});
   }
 
   // Save i to every one of `paths` (the first written, the others hard-linked to it).
   void save_to(const std::vector<std::string>& paths, int i) {
+    set_state(i);
+    write_checkpoints(paths, snapshot_checkpoint(*model, &sgd, {{"step", std::to_string(i)}}));
+  }
+
+  void set_state(int i) {
     for (Parameter* p : model->parameters()) p->data.fill_(static_cast<float>(i));
     TensorMap state = sgd.state_dict(names());
     for (auto& [name, t] : state) t.fill_(static_cast<float>(i) + 0.5f);
     sgd.load_state_dict(state, names());
-    write_checkpoints(paths, snapshot_checkpoint(*model, &sgd, {{"step", std::to_string(i)}}));
   }
 
   std::vector<std::string> names() const {
@@ -103,25 +105,17 @@ int temporaries(const TempDir& dir) {
   return n;
 }
 
+// How a saver saves step i: Trainee::save to one path, or save_to several.
+using SaveStep = std::function<void(Trainee&, int)>;
+
 // A child process that saves steps first, first + 1, ... and writes each finished step's number to
 // `ack_fd`; `hook` (if any) runs at every step of every save.
-[[noreturn]] void run_saver(const std::string& path, int first, int ack_fd,
+[[noreturn]] void run_saver(const SaveStep& save, int first, int ack_fd,
                             void (*hook)(const char*)) {
   Trainee t;
   detail::set_checkpoint_fault_hook(hook);
   for (int i = first;; ++i) {
-    t.save(path, i);
-    if (::write(ack_fd, &i, sizeof i) != sizeof i) ::_exit(3);
-  }
-}
-
-// The same for a save to several paths at once.
-[[noreturn]] void run_linked_saver(const std::vector<std::string>& paths, int first, int ack_fd,
-                                   void (*hook)(const char*)) {
-  Trainee t;
-  detail::set_checkpoint_fault_hook(hook);
-  for (int i = first;; ++i) {
-    t.save_to(paths, i);
+    save(t, i);
     if (::write(ack_fd, &i, sizeof i) != sizeof i) ::_exit(3);
   }
 }
@@ -152,29 +146,25 @@ struct Child {
   int ack_fd;
 };
 
-Child start_saver(const std::string& path, int first, void (*hook)(const char*)) {
+Child start_saver(const SaveStep& save, int first, void (*hook)(const char*)) {
   int fds[2];
   EXPECT_EQ(::pipe(fds), 0);
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(fds[0]);
-    run_saver(path, first, fds[1], hook);
+    run_saver(save, first, fds[1], hook);
   }
   ::close(fds[1]);
   return {pid, fds[0]};
 }
 
+Child start_saver(const std::string& path, int first, void (*hook)(const char*)) {
+  return start_saver([&path](Trainee& t, int i) { t.save(path, i); }, first, hook);
+}
+
 Child start_linked_saver(const std::vector<std::string>& paths, int first,
                          void (*hook)(const char*)) {
-  int fds[2];
-  EXPECT_EQ(::pipe(fds), 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    run_linked_saver(paths, first, fds[1], hook);
-  }
-  ::close(fds[1]);
-  return {pid, fds[0]};
+  return start_saver([&paths](Trainee& t, int i) { t.save_to(paths, i); }, first, hook);
 }
 
 // Waits for the child to die of SIGKILL and returns the last step it finished.
