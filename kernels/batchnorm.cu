@@ -976,18 +976,37 @@ std::atomic<bool> g_cluster{false};  // off until measured and tested on a GPU (
 // the GPU's SM count, so that the grid, and with it the bits, depend on the shape alone.
 constexpr int kClusterTargetBlocks = 128;
 
+// The cluster kernels' dynamic shared memory for a block of `lanes` lanes (V values each) and
+// kClusterThreads / lanes rows. The forward: the block's counts, means and M2s, then the 4
+// coefficients of its channels; the backward: its two sums, then 3 coefficients (never more than
+// the forward's).
+size_t cluster_forward_bytes(int lanes, int v) {
+  const size_t threads = size_t(lanes) * (kClusterThreads / lanes), width = size_t(lanes) * v;
+  return (threads + 2 * threads * v + 4 * width) * sizeof(float);
+}
+size_t cluster_backward_bytes(int lanes, int v) {
+  const size_t threads = size_t(lanes) * (kClusterThreads / lanes), width = size_t(lanes) * v;
+  return (2 * threads * v + 3 * width) * sizeof(float);
+}
+
+// What a block may take without opting in to more (cudaFuncAttributeMaxDynamicSharedMemorySize).
+constexpr size_t kClusterSharedLimit = 48 * 1024;
+
 // The cluster kernels' grid and block for rows x c (V channels a lane; `bytes` per value), or none
 // where the multi-pass kernels run (detail::batchnorm_one_launch). A lane takes 32 bytes of a row
 // (one sector); more lanes where the rows would not reach every block of a cluster (VGG's conv11
-// to conv13 at 32 x 32: 1,024 rows), as long as that leaves kClusterTargetBlocks; fewer where the
-// clusters would have fewer blocks than that.
+// to conv13 at 32 x 32: 1,024 rows), as long as that leaves kClusterTargetBlocks and the block's
+// shared memory within kClusterSharedLimit (a few rows of many channels: 8 x 16,384 in bf16 would
+// ask 50 KB at 128 lanes); fewer where the clusters would have fewer blocks than that. The first
+// lanes (at most 16) take at most 35 KB.
 std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
   if (!detail::batchnorm_one_launch(rows, c)) return std::nullopt;
   const int vectors = c / v;
   int lanes = std::min(vectors, std::max(1, 32 / (v * bytes)));
   auto blocks = [&](int l) { return int64_t((vectors + l - 1) / l) * kClusterBlocks; };
   while (2 * lanes <= vectors && rows < int64_t(kClusterThreads / lanes) * kClusterBlocks &&
-         blocks(2 * lanes) >= kClusterTargetBlocks) {
+         blocks(2 * lanes) >= kClusterTargetBlocks &&
+         cluster_forward_bytes(2 * lanes, v) <= kClusterSharedLimit) {
     lanes *= 2;
   }
   while (lanes > 1 && blocks(lanes) < kClusterTargetBlocks) lanes = (lanes + 1) / 2;
@@ -1003,12 +1022,9 @@ void forward_train(const T* x, T* y, const float* gamma, const float* beta, floa
                    float momentum, float eps, bool relu, cudaStream_t stream,
                    int64_t* batches_tracked) {
   if (const std::optional<Plan> one = cluster_plan(rows, c, V, int(sizeof(T)))) {
-    // Shared memory: the block's counts, means and M2s, then the 4 coefficients of its channels.
-    const size_t threads = size_t(one->block.x) * one->block.y, width = size_t(one->block.x) * V;
-    const size_t bytes = (threads + 2 * threads * V + 4 * width) * sizeof(float);
     launch("bn_forward_cluster_kernel", bn_forward_cluster_kernel<T, V>, one->grid, one->block,
-           bytes, stream, x, y, rows, c, gamma, beta, running_mean, running_var, save_mean,
-           save_invstd, momentum, eps, relu, batches_tracked);
+           cluster_forward_bytes(int(one->block.x), V), stream, x, y, rows, c, gamma, beta,
+           running_mean, running_var, save_mean, save_invstd, momentum, eps, relu, batches_tracked);
     return;
   }
   // Shared memory per thread: its count and V means and M2s.
@@ -1040,13 +1056,10 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
   const std::optional<Plan> one =
       running_var ? std::nullopt : cluster_plan(rows, c, V, int(sizeof(T)));
   if (one) {
-    // Shared memory: the block's two sums, then the 3 coefficients of its channels.
-    const size_t threads = size_t(one->block.x) * one->block.y, width = size_t(one->block.x) * V;
-    const size_t bytes = (2 * threads * V + 3 * width) * sizeof(float);
     auto run = [&]<bool Sums>() {
       launch("bn_backward_cluster_kernel", bn_backward_cluster_kernel<T, V, Sums>, one->grid,
-             one->block, bytes, stream, x, dy, mask, gamma, mean, save_invstd, dx, dgamma, dbeta,
-             beta_accumulate, rows, c, input_grad_sums);
+             one->block, cluster_backward_bytes(int(one->block.x), V), stream, x, dy, mask, gamma,
+             mean, save_invstd, dx, dgamma, dbeta, beta_accumulate, rows, c, input_grad_sums);
     };
     if (input_grad_sums) {
       run.template operator()<true>();

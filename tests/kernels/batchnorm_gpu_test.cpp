@@ -474,6 +474,7 @@ const BnCase kBf16Cases[] = {
     {16, 112, 112, 64},  // long per-channel reductions
     {256, 16, 16, 128},  // VGG-16-BN's conv3 at 32 x 32: the largest layer of one launch
     {256, 2, 2, 512},    // its conv11 to conv13
+    {8, 1, 1, 16384},    // few rows of many channels: one launch's widest blocks (shared memory)
 };
 
 TEST_P(BatchNormPathGpu, Bf16TrainingMatchesTheDoubleReference) {
