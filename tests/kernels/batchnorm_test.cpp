@@ -12,24 +12,13 @@
 #include <vector>
 
 #include "common/compare.h"
+#include "common/expect_error.h"
 #include "engine/core/error.h"
 #include "kernels/batchnorm.h"
 #include "tests/kernels/batchnorm_testing.h"
 
 namespace cudp::kernels {
 namespace {
-
-std::string value_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "<no ValueError>";
-}
-
-#define EXPECT_VALUE_ERROR(call, text) \
-  EXPECT_NE(value_error([&] { call; }).find(text), std::string::npos) << value_error([&] { call; })
 
 std::vector<double> random_doubles(size_t n, uint64_t seed, double lo, double hi) {
   const std::vector<float> f = testing::random_vector(n, seed, 0.f, 1.f);

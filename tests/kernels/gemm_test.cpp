@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/compare.h"
+#include "common/expect_error.h"
 #include "engine/core/error.h"
 #include "kernels/gemm.h"
 
@@ -37,18 +38,6 @@ std::vector<double> naive_gemm(bool ta, bool tb, int m, int n, int k, float alph
     }
   }
   return c;
-}
-
-// Runs f and expects a ValueError whose message contains `text`.
-template <typename F>
-void expect_value_error(F&& f, const std::string& text) {
-  try {
-    f();
-    ADD_FAILURE() << "no ValueError thrown; expected one containing \"" << text << "\"";
-  } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find(text), std::string::npos)
-        << "message \"" << e.what() << "\" lacks \"" << text << "\"";
-  }
 }
 
 struct HandCase {
@@ -150,33 +139,33 @@ TEST(GemmCpu, ArgumentErrorsThrowValueError) {
   const float* A = a.data();
   const float* B = b.data();
   float* C = c.data();
-  expect_value_error([&] { gemm_cpu(false, false, -1, 2, 2, 1.f, A, 2, B, 2, 0.f, C, 2); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, -1, 2, 2, 1.f, A, 2, B, 2, 0.f, C, 2),
                      "gemm: m must be >= 0, got -1");
-  expect_value_error([&] { gemm_cpu(false, false, 2, -3, 2, 1.f, A, 2, B, 2, 0.f, C, 2); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, -3, 2, 1.f, A, 2, B, 2, 0.f, C, 2),
                      "gemm: n must be >= 0, got -3");
-  expect_value_error([&] { gemm_cpu(false, false, 2, 2, -4, 1.f, A, 2, B, 2, 0.f, C, 2); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 2, -4, 1.f, A, 2, B, 2, 0.f, C, 2),
                      "gemm: k must be >= 0, got -4");
   // A is m x k (lda >= k) or, transposed, k x m (lda >= m).
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 5, 1.f, A, 4, B, 3, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 5, 1.f, A, 4, B, 3, 0.f, C, 3),
                      "gemm: lda = 4 is smaller than the rows of A (A is stored m x k, k = 5)");
-  expect_value_error(
-      [&] { gemm_cpu(true, false, 6, 3, 2, 1.f, A, 5, B, 3, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(
+      gemm_cpu(true, false, 6, 3, 2, 1.f, A, 5, B, 3, 0.f, C, 3),
       "gemm: lda = 5 is smaller than the rows of A (A is stored k x m with trans_a, m = 6)");
   // B is k x n (ldb >= n) or, transposed, n x k (ldb >= k).
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, B, 2, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, B, 2, 0.f, C, 3),
                      "gemm: ldb = 2 is smaller than the rows of B (B is stored k x n, n = 3)");
-  expect_value_error(
-      [&] { gemm_cpu(false, true, 2, 3, 5, 1.f, A, 5, B, 4, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(
+      gemm_cpu(false, true, 2, 3, 5, 1.f, A, 5, B, 4, 0.f, C, 3),
       "gemm: ldb = 4 is smaller than the rows of B (B is stored n x k with trans_b, k = 5)");
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, B, 3, 0.f, C, 2); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, B, 3, 0.f, C, 2),
                      "gemm: ldc = 2 is smaller than the rows of C (n = 3)");
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 0, 1.f, A, 0, B, 3, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 0, 1.f, A, 0, B, 3, 0.f, C, 3),
                      "gemm: lda = 0");  // at least 1 even when k == 0 (the BLAS rule)
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 5, 1.f, nullptr, 5, B, 3, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 5, 1.f, nullptr, 5, B, 3, 0.f, C, 3),
                      "gemm: A is null");
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, nullptr, 3, 0.f, C, 3); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, nullptr, 3, 0.f, C, 3),
                      "gemm: B is null");
-  expect_value_error([&] { gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, B, 3, 0.f, nullptr, 3); },
+  EXPECT_VALUE_ERROR(gemm_cpu(false, false, 2, 3, 5, 1.f, A, 5, B, 3, 0.f, nullptr, 3),
                      "gemm: C is null");
 }
 
@@ -205,13 +194,11 @@ TEST(Gemm, TensorCoreMathWithoutAnSm90GpuSaysWhatToUse) {
 
 TEST(Gemm, ChecksArgumentsBeforeLaunching) {
   std::vector<float> a(16, 1.f), b(16, 1.f), c(16, 0.f);
-  expect_value_error(
-      [&] {
-        gemm(false, false, 2, -1, 2, 1.f, a.data(), 2, b.data(), 2, 0.f, c.data(), 2, nullptr);
-      },
+  EXPECT_VALUE_ERROR(
+      gemm(false, false, 2, -1, 2, 1.f, a.data(), 2, b.data(), 2, 0.f, c.data(), 2, nullptr),
       "gemm: n must be >= 0, got -1");
-  expect_value_error(
-      [&] { gemm(false, true, 2, 2, 3, 1.f, a.data(), 3, b.data(), 2, 0.f, c.data(), 2, nullptr); },
+  EXPECT_VALUE_ERROR(
+      gemm(false, true, 2, 2, 3, 1.f, a.data(), 3, b.data(), 2, 0.f, c.data(), 2, nullptr),
       "gemm: ldb = 2 is smaller than the rows of B");
 }
 
@@ -234,8 +221,8 @@ TEST(GemmPlan, MakePlanNormalisesChunks) {
       }
     }
   }
-  expect_value_error([] { detail::make_gemm_plan(32, 1, 8); }, "tile_m must be 64 or 128, got 32");
-  expect_value_error([] { detail::make_gemm_plan(64, 0, 8); }, "splits must be >= 1, got 0");
+  EXPECT_VALUE_ERROR(detail::make_gemm_plan(32, 1, 8), "tile_m must be 64 or 128, got 32");
+  EXPECT_VALUE_ERROR(detail::make_gemm_plan(64, 0, 8), "splits must be >= 1, got 0");
 }
 
 TEST(GemmPlan, LargeSquareProductsNeitherSplitNorShrink) {

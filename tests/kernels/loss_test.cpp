@@ -4,29 +4,17 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "common/compare.h"
+#include "common/expect_error.h"
 #include "engine/core/error.h"
 #include "kernels/loss.h"
 
 namespace cudp::kernels {
 namespace {
-
-std::string value_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "<no ValueError>";
-}
-
-#define EXPECT_VALUE_ERROR(call, text) \
-  EXPECT_NE(value_error([&] { call; }).find(text), std::string::npos) << value_error([&] { call; })
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 

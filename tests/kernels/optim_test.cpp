@@ -5,29 +5,17 @@
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "common/compare.h"
+#include "common/expect_error.h"
 #include "engine/core/error.h"
 #include "kernels/optim.h"
 
 namespace cudp::kernels {
 namespace {
-
-std::string value_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "<no ValueError>";
-}
-
-#define EXPECT_VALUE_ERROR(call, text) \
-  EXPECT_NE(value_error([&] { call; }).find(text), std::string::npos) << value_error([&] { call; })
 
 TEST(SgdCpu, ExactSmallSteps) {
   // Powers of two keep every intermediate exact in fp32 (worked by hand):

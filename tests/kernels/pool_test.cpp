@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/compare.h"
+#include "common/expect_error.h"
 #include "engine/core/error.h"
 #include "kernels/pool.h"
 
@@ -16,19 +17,6 @@ namespace cudp::kernels {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// The message of the ValueError f throws, or a note that it threw none.
-std::string value_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "<no ValueError>";
-}
-
-#define EXPECT_VALUE_ERROR(call, text) \
-  EXPECT_NE(value_error([&] { call; }).find(text), std::string::npos) << value_error([&] { call; })
 
 // Uniform doubles in [-1, 1): distinct with probability 1, so no ties at finite-difference scale.
 std::vector<double> random_doubles(size_t n, uint64_t seed) {

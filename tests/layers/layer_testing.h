@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/compare.h"
+#include "common/expect_error.h"
 #include "engine/core/tensor.h"
 #include "layers/module.h"
 
@@ -188,18 +189,6 @@ inline void check_gradients(Module& m, const Tensor& x, uint64_t seed, GradCheck
                                           param_loss, o));
   }
 }
-
-// Expects a std::exception whose what() contains `fragment`.
-#define EXPECT_THROW_WITH(statement, fragment)                                   \
-  do {                                                                           \
-    try {                                                                        \
-      statement;                                                                 \
-      ADD_FAILURE() << "expected an exception containing: " << (fragment);       \
-    } catch (const std::exception& e) {                                          \
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)         \
-          << "message: " << e.what() << "\nexpected to contain: " << (fragment); \
-    }                                                                            \
-  } while (0)
 
 // ---- GPU comparisons ----------------------------------------------------------------------------
 
