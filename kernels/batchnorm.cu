@@ -680,12 +680,16 @@ constexpr int kClusterThreads = 512;  // threads per block
 
 // barrier.cluster in two halves: arrive (release: this block's earlier shared-memory reads and
 // writes are ordered before it) and wait (acquire). Every thread of every block of the cluster
-// executes both, in this order, as often as the others.
+// executes both, in this order, as often as the others. .aligned asks every thread of a warp to
+// execute the instruction together; the walks before some of them leave a warp's threads after
+// different trip counts (rows differ by ty), so each first reconverges the warp.
 #if CUDP_BN_CLUSTERS
 __device__ __forceinline__ void cluster_arrive() {
+  __syncwarp();
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
+  __syncwarp();
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_sync() {
@@ -997,14 +1001,15 @@ constexpr size_t kClusterSharedLimit = 48 * 1024;
 // (one sector); more lanes where the rows would not reach every block of a cluster (VGG's conv11
 // to conv13 at 32 x 32: 1,024 rows), as long as that leaves kClusterTargetBlocks and the block's
 // shared memory within kClusterSharedLimit (a few rows of many channels: 8 x 16,384 in bf16 would
-// ask 50 KB at 128 lanes); fewer where the clusters would have fewer blocks than that. The first
-// lanes (at most 16) take at most 35 KB.
+// ask 50 KB at 128 lanes) and at least one row of threads; fewer where the clusters would have
+// fewer blocks than that. The first lanes (at most 16) take at most 35 KB.
 std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
   if (!detail::batchnorm_one_launch(rows, c)) return std::nullopt;
   const int vectors = c / v;
   int lanes = std::min(vectors, std::max(1, 32 / (v * bytes)));
   auto blocks = [&](int l) { return int64_t((vectors + l - 1) / l) * kClusterBlocks; };
-  while (2 * lanes <= vectors && rows < int64_t(kClusterThreads / lanes) * kClusterBlocks &&
+  while (2 * lanes <= vectors && 2 * lanes <= kClusterThreads &&
+         rows < int64_t(kClusterThreads / lanes) * kClusterBlocks &&
          blocks(2 * lanes) >= kClusterTargetBlocks &&
          cluster_forward_bytes(2 * lanes, v) <= kClusterSharedLimit) {
     lanes *= 2;

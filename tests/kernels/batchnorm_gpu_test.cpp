@@ -161,6 +161,7 @@ const BnCase kCases[] = {
     {5, 7, 7, 64},       // float4, one group of 16 lanes
     {4, 56, 56, 256},    // VGG: float4, two groups of 32 lanes
     {16, 112, 112, 64},  // 200,704 rows: long per-channel reductions
+    {2, 1, 1, 15361},    // scalar, 2 rows of many channels: one launch's widest blocks
 };
 
 TEST_P(BatchNormPathGpu, TrainingForwardAndBackwardMatchCpu) {
@@ -475,6 +476,7 @@ const BnCase kBf16Cases[] = {
     {256, 16, 16, 128},  // VGG-16-BN's conv3 at 32 x 32: the largest layer of one launch
     {256, 2, 2, 512},    // its conv11 to conv13
     {8, 1, 1, 16384},    // few rows of many channels: one launch's widest blocks (shared memory)
+    {2, 1, 1, 15361},    // the same, scalar: as many lanes as a block has threads
 };
 
 TEST_P(BatchNormPathGpu, Bf16TrainingMatchesTheDoubleReference) {
