@@ -339,10 +339,10 @@ std::string StagedCheckpoint::first_non_finite() const {
     kernels::flag_non_finite_cpu(spans.data(), int64_t(spans.size()), flags.data());
   } else if (!spans.empty()) {
     const cuda::DeviceGuard guard(device);
-    Tensor on_device = Tensor::zeros({int64_t(spans.size())}, DType::i32, Device::cuda(device));
-    kernels::flag_non_finite(spans.data(), int64_t(spans.size()), on_device.data<int32_t>(),
+    Tensor device_flags = Tensor::zeros({int64_t(spans.size())}, DType::i32, Device::cuda(device));
+    kernels::flag_non_finite(spans.data(), int64_t(spans.size()), device_flags.data<int32_t>(),
                              cuda::current_stream(device));
-    flags = on_device.to_vector<int32_t>();  // waits for the copies and the check
+    flags = device_flags.to_vector<int32_t>();  // waits for the copies and the check
   }
   for (size_t i = 0; i < flags.size(); ++i) {
     if (flags[i] != 0) return *names[i];

@@ -9,17 +9,6 @@
 namespace cudp {
 namespace {
 
-// Runs `cpu()` for a host device, or `gpu(stream)` with `device` current and its current stream.
-template <typename Cpu, typename Gpu>
-void on_device(Device device, Cpu&& cpu, Gpu&& gpu) {
-  if (device.is_cpu()) {
-    cpu();
-  } else {
-    cuda::DeviceGuard guard(device.index);
-    gpu(stream_for(device));
-  }
-}
-
 // The kernels take int sizes; the loss kernels check n * classes against their limit.
 int as_int(int64_t n, const char* what) {
   CUDP_CHECK(n <= INT32_MAX, "CrossEntropyLoss: ", what, " ", n, " exceeds 2^31 - 1");

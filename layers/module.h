@@ -312,16 +312,11 @@ class Module : public std::enable_shared_from_this<Module> {
   // names it in errors, so they speak PyTorch's layout). Identity unless overridden.
   virtual Shape export_shape(const std::string& local_name, const Shape& internal) const;
 
-  // Runs `cpu()` for a module on the host, or `gpu(stream)` with the module's device current and
-  // the device's current stream: the one dispatch every layer's forward and backward go through.
+  // on_device (engine/core/tensor.h) on the module's device: what every layer's forward and
+  // backward go through.
   template <typename Cpu, typename Gpu>
   void run(Cpu&& cpu, Gpu&& gpu) const {
-    if (device_.is_cpu()) {
-      cpu();
-    } else {
-      cuda::DeviceGuard guard(device_.index);
-      gpu(stream_for(device_));
-    }
+    on_device(device_, std::forward<Cpu>(cpu), std::forward<Gpu>(gpu));
   }
 
   bool training_ = true;

@@ -16,17 +16,6 @@
 namespace cudp {
 namespace {
 
-// Runs `cpu()` for a host device, or `gpu(stream)` with `device` current and its current stream.
-template <typename Cpu, typename Gpu>
-void on_device(Device device, Cpu&& cpu, Gpu&& gpu) {
-  if (device.is_cpu()) {
-    cpu();
-  } else {
-    cuda::DeviceGuard guard(device.index);
-    gpu(stream_for(device));
-  }
-}
-
 // Flat parameters (Module::flatten_parameters): every parameter's data is a view into one buffer,
 // in list order, and every gradient sits at the same offset of another buffer. Gaps between
 // parameters may only be alignment padding (under 256 bytes), which flatten_parameters zeroes and

@@ -150,4 +150,16 @@ void check_shape(const Tensor& t, const Shape& expected, const char* what);
 // The stream that work on tensors of `device` goes to (null for the CPU).
 cudaStream_t stream_for(Device device);
 
+// Runs `cpu()` for the host, or `gpu(stream)` with `device` current and its current stream: the
+// one dispatch that layers, losses and optimizers go through.
+template <typename Cpu, typename Gpu>
+void on_device(Device device, Cpu&& cpu, Gpu&& gpu) {
+  if (device.is_cpu()) {
+    cpu();
+  } else {
+    const cuda::DeviceGuard guard(device.index);
+    gpu(stream_for(device));
+  }
+}
+
 }  // namespace cudp
