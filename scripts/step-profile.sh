@@ -1,28 +1,52 @@
 #!/usr/bin/env bash
-# Device helper: where one training step's kernel time goes. Builds bench_train, runs ncu over one
-# timed step (after one warm-up step) and prints the kernels grouped by name with their total time,
-# launch count and share, largest first. ncu serialises kernels and (with --clock-control none)
-# keeps the GPU's own clocks, so the sum is the kernel time of a step without overlap.
+# Device helper: where one training step's kernel time goes. Builds bench_train (or, with
+# --trainer, cudp-vgg), runs ncu over one timed step (after one warm-up step) and prints the kernels
+# grouped by name with their total time, launch count and share, largest first. ncu serialises
+# kernels and (with --clock-control none) keeps the GPU's own clocks, so the sum is the kernel time
+# of a step without overlap.
 #   scripts/step-profile.sh [size] [precision] [bench_train flags...]
 #     e.g. scripts/step-profile.sh 224 bf16;  scripts/step-profile.sh 32 bf16 --bn
+#   scripts/step-profile.sh --trainer [cudp-vgg flags...]
+#     the trainer's own step: cudp-vgg on its default data (Fashion-MNIST, VGG-16-BN, bf16, batch
+#     256), two steps; set beside `32 bf16 --bn` it shows what the trainer's step adds to the
+#     benchmark's (the gradient norm, the first layer of one channel, ...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-size=${1:-224}
-precision=${2:-bf16}
-shift $(( $# < 2 ? $# : 2 ))
+trainer=0
+if [[ ${1:-} == --trainer ]]; then
+  trainer=1
+  shift
+  size=fmnist
+  precision=bf16
+else
+  size=${1:-224}
+  precision=${2:-bf16}
+  shift $(( $# < 2 ? $# : 2 ))
+fi
 extra=("$@")
 out=${OUT:-$PWD/out}; mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH
 [[ -f build/build.ninja ]] || cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build build --target bench_train -j "$(nproc)" > "$out/profile-build.log" 2>&1 || {
+target=$([[ $trainer == 1 ]] && echo cudp-vgg || echo bench_train)
+cmake --build build --target "$target" -j "$(nproc)" > "$out/profile-build.log" 2>&1 || {
   tail -20 "$out/profile-build.log"; exit 1; }
 csv=$out/profile-$size-$precision.csv
-ncu --clock-control none --nvtx --nvtx-include "training step/" --nvtx-include "VGG forward/" \
-  --nvtx-include "VGG backward/" \
-  --metrics gpu__time_duration.sum --csv --print-units base \
-  build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off \
-  --warmup 1 --steps 1 "${extra[@]}" \
+if [[ $trainer == 1 ]]; then
+  run_dir=$(mktemp -d)
+  command=(build/examples/cudp-vgg --precision bf16 --epochs 1 --batch-size 256 --limit-train 512
+           --limit-test 256 --graphs off --output "$run_dir/run" "${extra[@]}")
+else
+  command=(build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off
+           --warmup 1 --steps 1 "${extra[@]}")
+fi
+# The trainer on one GPU runs its step on the main thread, inside "training step" (its evaluation's
+# forward is not); the benchmark's replica threads have their own ranges.
+ranges=(--nvtx-include "training step/")
+[[ $trainer == 1 ]] || ranges+=(--nvtx-include "VGG forward/" --nvtx-include "VGG backward/")
+ncu --clock-control none --nvtx "${ranges[@]}" \
+  --metrics gpu__time_duration.sum --csv --print-units base "${command[@]}" \
   > "$csv" 2> "$out/profile-ncu.log"
+[[ $trainer == 1 ]] && rm -rf "$run_dir"
 python3 - "$csv" <<'PY'
 import csv, sys, collections, re, signal
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
