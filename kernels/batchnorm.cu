@@ -1283,6 +1283,11 @@ bool batchnorm_one_launch(int64_t rows, int c) {
   return clusters != 0;
 }
 
+int batchnorm_cluster_rows_per_block(int64_t rows, int c, int v, int bytes) {
+  const std::optional<Plan> plan = cluster_plan(rows, c, v, bytes);
+  return plan ? int(plan->block.y) : 0;
+}
+
 }  // namespace detail
 
 #define CUDP_BATCHNORM_SPLIT_INSTANTIATE(T)                                                     \

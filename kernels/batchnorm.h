@@ -246,6 +246,11 @@ void set_batchnorm_cluster(bool on);
 bool batchnorm_cluster();
 // Whether a training forward or backward of rows x c on the current device takes one launch.
 bool batchnorm_one_launch(int64_t rows, int c);
+// The one-launch kernels' threads along the rows of a block, for rows x c values of `bytes` bytes
+// read `v` to a lane (16 / bytes where c is a multiple of it and the pointers are 16-byte aligned,
+// else 1); 0 where the layer takes the multi-pass kernels. Block rank q's thread ty walks rows q *
+// it + ty, stepping by 8 * it; tests emulate the kernels' order of operations with it.
+int batchnorm_cluster_rows_per_block(int64_t rows, int c, int v, int bytes);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/compare.h"
@@ -126,6 +127,169 @@ TEST(BatchNormGpu, LayersUpToTheLimitTakeOneLaunch) {
   EXPECT_TRUE(detail::batchnorm_one_launch(kBatchnormClusterFewChannels / 4, 4));
   detail::set_batchnorm_cluster(false);
   EXPECT_FALSE(detail::batchnorm_one_launch(256 * 2 * 2, 512));
+  detail::set_batchnorm_cluster(was_on);
+}
+
+// ---- the one-launch kernels' order, emulated on the host ----------------------------------------
+//
+// The one-launch kernels' bits depend on the shape alone (kernels/batchnorm.cu), so their order
+// of operations can be pinned: each thread's fp32 walk over rows q * per_block + ty, q * per_block
+// + ty + 8 * per_block, ... (block rank q, per_block threads along the rows), the block's fixed
+// tree over ty (halves of the next power of two), then the cluster's 8 blocks merged in rank
+// order. The values below use no product and sum the compiler may contract into one operation:
+// adds, IEEE divisions, and explicit fmaf, which std::fma rounds as the GPU does. So a merge in
+// another order (the blocks' arrival, say) changes the bits these tests compare.
+
+int pow2_at_least(int v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+// A value per thread (thread(q, ty)), merged over each block's tree and then over the ranks.
+template <typename S, typename Thread, typename Merge>
+S in_cluster_order(int per_block, Thread&& thread, Merge&& merge) {
+  constexpr int kRanks = 8;
+  S total{};
+  for (int q = 0; q < kRanks; ++q) {
+    std::vector<S> t(per_block);
+    for (int ty = 0; ty < per_block; ++ty) t[ty] = thread(q, ty);
+    for (int half = pow2_at_least(per_block) / 2; half > 0; half /= 2) {
+      for (int ty = 0; ty < half && ty + half < per_block; ++ty) merge(t[ty], t[ty + half]);
+    }
+    merge(total, t[0]);
+  }
+  return total;
+}
+
+// Calls f(row) for a thread's rows, in its order.
+template <typename F>
+void thread_rows(int64_t rows, int per_block, int q, int ty, F&& f) {
+  for (int64_t r = int64_t(q) * per_block + ty; r < rows; r += 8 * int64_t(per_block)) f(r);
+}
+
+// The saved mean: K = x[0, ch]; a thread's count and mean of x - K; Chan's merge of counts and
+// means (whose mean does not depend on M2); K + the merged mean.
+std::vector<float> one_launch_saved_mean(const std::vector<float>& x, int64_t rows, int c,
+                                         int per_block) {
+  struct CountMean {
+    float n = 0.f, mean = 0.f;
+  };
+  const auto merge = [](CountMean& a, const CountMean& b) {
+    if (b.n == 0.f) return;
+    const float total = a.n + b.n;
+    const float delta = b.mean - a.mean;
+    const float frac = b.n / total;
+    a.mean = std::fma(delta, frac, a.mean);
+    a.n = total;
+  };
+  std::vector<float> mean(c);
+  for (int ch = 0; ch < c; ++ch) {
+    const float k = x[size_t(ch)];
+    const CountMean m = in_cluster_order<CountMean>(
+        per_block,
+        [&](int q, int ty) {
+          float sum = 0.f;
+          int64_t n = 0;
+          thread_rows(rows, per_block, q, ty, [&](int64_t r) {
+            sum += x[size_t(r * c + ch)] - k;
+            ++n;
+          });
+          return CountMean{float(n), n > 0 ? sum / float(n) : 0.f};
+        },
+        merge);
+    mean[size_t(ch)] = k + m.mean;
+  }
+  return mean;
+}
+
+// dbeta = the sum of dy, dgamma = invstd * the sum of fmaf(dy, x - mean, .), each in the order.
+void one_launch_dgamma_dbeta(const std::vector<float>& x, const std::vector<float>& dy,
+                             const std::vector<float>& mean, const std::vector<float>& invstd,
+                             int64_t rows, int c, int per_block, std::vector<float>& dgamma,
+                             std::vector<float>& dbeta) {
+  struct Sums {
+    float dy = 0.f, dy_xmu = 0.f;
+  };
+  const auto add = [](Sums& a, const Sums& b) {
+    a.dy += b.dy;
+    a.dy_xmu += b.dy_xmu;
+  };
+  dgamma.assign(size_t(c), 0.f);
+  dbeta.assign(size_t(c), 0.f);
+  for (int ch = 0; ch < c; ++ch) {
+    const Sums s = in_cluster_order<Sums>(
+        per_block,
+        [&](int q, int ty) {
+          Sums t;
+          thread_rows(rows, per_block, q, ty, [&](int64_t r) {
+            const float g = dy[size_t(r * c + ch)];
+            t.dy += g;
+            t.dy_xmu = std::fma(g, x[size_t(r * c + ch)] - mean[size_t(ch)], t.dy_xmu);
+          });
+          return t;
+        },
+        add);
+    dbeta[size_t(ch)] = s.dy;
+    dgamma[size_t(ch)] = s.dy_xmu * invstd[size_t(ch)];
+  }
+}
+
+template <typename T>
+void expect_one_launch_order(const BnCase& k, uint64_t seed) {
+  const int bytes = int(sizeof(T)), vector = 16 / bytes;
+  const int per_block = detail::batchnorm_cluster_rows_per_block(
+      k.rows(), k.c, k.c % vector == 0 ? vector : 1, bytes);
+  ASSERT_GT(per_block, 0) << "the shape takes the multi-pass kernels";
+  // Values exact in T, so that the host reads what the kernels read.
+  const auto exact = [](std::vector<float> v) {
+    return std::is_same_v<T, float> ? v : testing_bn::bf16_exact(v);
+  };
+  const std::vector<float> xf = exact(bn_input(k, seed, 2.f));
+  const std::vector<float> dyf = exact(testing::random_vector(k.size(), seed + 1));
+  const std::vector<float> gamma = testing::random_vector(k.c, seed + 2, 0.5f, 1.5f);
+  const DeviceBuffer<T> x(stored<T>(xf)), dy(stored<T>(dyf));
+  DeviceBuffer<T> y(k.size()), dx(k.size());
+  DeviceBuffer<float> g(gamma), b(std::vector<float>(k.c, 0.f)), rm(std::vector<float>(k.c, 0.f)),
+      rv(std::vector<float>(k.c, 1.f)), mean(k.c), invstd(k.c), dgamma(k.c), dbeta(k.c);
+  batchnorm_forward_train(x.get(), y.get(), g.get(), b.get(), rm.get(), rv.get(), mean.get(),
+                          invstd.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::none,
+                          nullptr);
+  const std::vector<float> gpu_mean = mean.download(), gpu_invstd = invstd.download();
+  EXPECT_TRUE(bitwise_equal(gpu_mean, one_launch_saved_mean(xf, k.rows(), k.c, per_block)))
+      << "the saved mean";
+  batchnorm_backward(x.get(), dy.get(), nullptr, g.get(), mean.get(), invstd.get(), dx.get(),
+                     dgamma.get(), dbeta.get(), k.rows(), k.c, 0.f, nullptr);
+  std::vector<float> want_dgamma, want_dbeta;
+  one_launch_dgamma_dbeta(xf, dyf, gpu_mean, gpu_invstd, k.rows(), k.c, per_block, want_dgamma,
+                          want_dbeta);
+  EXPECT_TRUE(bitwise_equal(dbeta.download(), want_dbeta)) << "dbeta";
+  EXPECT_TRUE(bitwise_equal(dgamma.download(), want_dgamma)) << "dgamma";
+}
+
+TEST(BatchNormGpu, OneLaunchMergesInRankOrderBitForBit) {
+  CUDP_REQUIRE_GPU();
+  int device = 0, clusters = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+  if (clusters == 0) GTEST_SKIP() << "this GPU has no thread-block clusters (sm_90 and later do)";
+  const bool was_on = detail::batchnorm_cluster();
+  detail::set_batchnorm_cluster(true);
+  // Several rows a thread; one lane of scalars; one row a thread over 4 lanes (conv11-13);
+  // the largest layer of one launch (conv3); few rows, wide blocks; a block of one row of threads.
+  for (const BnCase& k :
+       {BnCase{256, 8, 8, 256}, BnCase{3, 7, 7, 5}, BnCase{256, 2, 2, 512},
+        BnCase{256, 16, 16, 128}, BnCase{8, 1, 1, 16384}, BnCase{2, 1, 1, 15361}}) {
+    SCOPED_TRACE(describe(k));
+    {
+      SCOPED_TRACE("fp32");
+      expect_one_launch_order<float>(k, 211 + k.c);
+    }
+    {
+      SCOPED_TRACE("bf16");
+      expect_one_launch_order<__nv_bfloat16>(k, 221 + k.c);
+    }
+  }
   detail::set_batchnorm_cluster(was_on);
 }
 
