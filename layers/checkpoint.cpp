@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <iomanip>
 #include <random>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -74,26 +75,70 @@ void fault(const char* stage) {
   if (fault_hook) fault_hook(stage);
 }
 
+// What is wrong with one file of a possible pair: it decides the wording of find_checkpoint's
+// error, never which pair it chooses (that depends on the ids alone).
+enum class Problem {
+  none,             // a checkpoint file with an id
+  missing,          // no file at the path
+  not_safetensors,  // the first bytes are not a safetensors header
+  cut_short,        // a safetensors header, but the file ends before the header or the data does
+  other,            // no id, trailing data, a bad tensor entry, a directory, no permission, ...
+};
+
 // One file of a possible pair: its checkpoint id, or why it has none.
 struct Candidate {
   std::string path;
   std::string id;     // empty when the file is absent, unreadable or has no id
-  std::string error;  // why
+  std::string error;  // why, naming the file
+  Problem problem = Problem::none;
 };
 
+// Why `path` has no id, from the reader's error: whether it is there at all, and what kind of
+// damage the reader found (SafetensorsDamage). It words find_checkpoint's error, never decides
+// which pair it chooses (that depends on the ids alone).
+std::pair<Problem, std::string> classify(const std::string& path, const IoError& error) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return {Problem::missing, detail::str("'", path, "' does not exist")};
+    }
+  } else if (S_ISDIR(st.st_mode)) {
+    return {Problem::not_safetensors,
+            detail::str("'", path, "' is a directory, not a safetensors file; give the path of ",
+                        "the checkpoint's model file")};
+  }
+  const auto* damaged = dynamic_cast<const SafetensorsError*>(&error);
+  if (damaged == nullptr) return {Problem::other, error.message()};
+  // The reader's reason, without its "safetensors file '<path>': ".
+  const std::string prefix = detail::str("safetensors file '", path, "': ");
+  const std::string& message = error.message();
+  const std::string reason = starts_with(message, prefix) ? message.substr(prefix.size()) : message;
+  switch (damaged->damage()) {
+    case SafetensorsDamage::not_safetensors:
+      return {Problem::not_safetensors,
+              detail::str("'", path, "' is not a safetensors file (", reason, ")")};
+    case SafetensorsDamage::cut_short:
+      return {Problem::cut_short, detail::str("'", path, "' is cut short: ", reason)};
+    case SafetensorsDamage::invalid:
+      break;
+  }
+  return {Problem::other, message};
+}
+
 Candidate read_id(const std::string& path) {
-  Candidate c{path, {}, {}};
+  Candidate c{path, {}, {}, Problem::none};
   try {
     const Metadata metadata = load_safetensors_metadata(path);
     const auto it = metadata.find(kIdKey);
     if (it == metadata.end() || it->second.empty()) {
       c.error =
           detail::str("'", path, "' has no checkpoint id (it was not written by save_checkpoint)");
+      c.problem = Problem::other;
     } else {
       c.id = it->second;
     }
   } catch (const IoError& e) {
-    c.error = e.message();
+    std::tie(c.problem, c.error) = classify(path, e);
   }
   return c;
 }
@@ -115,6 +160,40 @@ std::string describe(const Candidate& model, const Candidate& train) {
   return detail::str("the model file '", model.path, "' and the training-state file '", train.path,
                      "' do not belong to the same save (checkpoint ids ", model.id, " and ",
                      train.id, " differ)");
+}
+
+// What is wrong with the pair at `path` (model, train), in a sentence that begins "checkpoint
+// '<path>' ...", and whether a save interrupted between its steps (or, on a file system that lost
+// writes, during one) would explain it: a file missing, files of two saves, a file cut short. Only
+// then does the sentence ask whether a save was interrupted; a file that is not safetensors, or is
+// damaged otherwise, is said to be just that.
+struct PairProblem {
+  std::string why;
+  bool interrupted;  // the likely cause is an interrupted save
+};
+
+PairProblem why_not_a_pair(const std::string& path, const Candidate& model, const Candidate& train,
+                           bool earlier_save_present) {
+  if (model.problem == Problem::missing && train.problem == Problem::missing) {
+    return {
+        detail::str("checkpoint '", path, "' does not exist",
+                    earlier_save_present ? detail::str(", nor does its training-state file '",
+                                                       train.path, "' (was a save interrupted?)")
+                                         : ""),
+        earlier_save_present};
+  }
+  if (model.problem == Problem::not_safetensors) {
+    return {detail::str("checkpoint ", model.error), false};
+  }
+  const auto interrupted = [](Problem p) {
+    return p == Problem::none || p == Problem::missing || p == Problem::cut_short;
+  };
+  if (interrupted(model.problem) && interrupted(train.problem)) {
+    return {detail::str("checkpoint '", path, "' is incomplete: ", describe(model, train),
+                        " (was a save interrupted?)"),
+            true};
+  }
+  return {detail::str("checkpoint '", path, "' cannot be loaded: ", describe(model, train)), false};
 }
 
 // The caller's entries of a training-state file's metadata.
@@ -231,23 +310,33 @@ CheckpointFiles find_checkpoint(const std::string& path) {
   const Candidate model = read_id(path), train = read_id(optimizer_state_path(path));
   const Candidate prev_model = read_id(prev), prev_train = read_id(optimizer_state_path(prev));
   if (matches(model, train)) {
-    return {model.path, train.path, false, {}};
+    return {path, model.path, train.path, false, {}};
   }
-  const std::string why = detail::str("checkpoint '", path, "' is incomplete: ",
-                                      describe(model, train), " (was a save interrupted?)");
+  const bool earlier_save_present =
+      prev_model.problem != Problem::missing || prev_train.problem != Problem::missing;
+  const PairProblem problem = why_not_a_pair(path, model, train, earlier_save_present);
+  const std::string& why = problem.why;
   // The pairs a save can leave behind, newest first (save_checkpoint's steps, in checkpoint.h).
   for (const auto& [m, t] : {std::pair{&model, &prev_train}, std::pair{&prev_model, &prev_train}}) {
     if (matches(*m, *t)) {
-      return {m->path, t->path, true,
-              detail::str(why, "; using the last complete save, '", m->path, "' with '", t->path,
-                          "'")};
+      return {
+          path, m->path, t->path, true,
+          detail::str(why, "; using the last complete save, '", m->path, "' with '", t->path, "'")};
     }
   }
-  CUDP_THROW(IoError, why, ", and no complete earlier save is beside it (", prev_model.path, ": ",
-             prev_model.error.empty() ? "id " + prev_model.id : prev_model.error, "; ",
-             prev_train.path, ": ",
-             prev_train.error.empty() ? "id " + prev_train.id : prev_train.error,
-             "). Resume from another checkpoint or start afresh");
+  if (!earlier_save_present) {
+    // Nothing at the .prev names. Where the save at `path` looks interrupted, say that there is no
+    // earlier one to go back to; where it is not there at all, or is no checkpoint, that is all.
+    if (!problem.interrupted) CUDP_THROW(IoError, why);
+    CUDP_THROW(IoError, why, ", and no complete earlier save is beside it (neither '",
+               prev_model.path, "' nor '", prev_train.path,
+               "' exists). Resume from another checkpoint or start afresh");
+  }
+  const auto state = [](const Candidate& c) {
+    return c.error.empty() ? detail::str("'", c.path, "' has checkpoint id ", c.id) : c.error;
+  };
+  CUDP_THROW(IoError, why, ", and no complete earlier save is beside it (", state(prev_model), "; ",
+             state(prev_train), "). Resume from another checkpoint or start afresh");
 }
 
 Metadata load_checkpoint_metadata(const std::string& path) {
@@ -571,6 +660,11 @@ Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* opti
   if (files.fallback) {
     warning_handler(files.note);
   }
+  return load_checkpoint(files, model, optimizer);
+}
+
+Metadata load_checkpoint(const CheckpointFiles& files, Module& model, Optimizer* optimizer) {
+  const std::string& path = files.path;
   const std::string& train_path = files.train;
   const SafetensorsFile model_file = load_safetensors(files.model);
   const SafetensorsFile train_file = load_safetensors(train_path);

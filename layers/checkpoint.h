@@ -179,11 +179,20 @@ Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* opti
 
 // Where the last complete save of the checkpoint at `path` is.
 struct CheckpointFiles {
-  std::string model, train;  // its two files
+  std::string path;          // the checkpoint asked for
+  std::string model, train;  // its last complete save's two files
   bool fallback = false;     // not the pair at `path`: the last save there did not complete
   std::string note;          // when fallback: what was wrong and which pair is used instead
 };
-// Reads only the headers. Throws IoError naming every file when no complete pair exists.
+// The same from the pair find_checkpoint found, without looking again and without the warning:
+// for a caller that loads one checkpoint more than once (a trainer: the model, then the model and
+// its optimizer) and says itself which save it uses.
+Metadata load_checkpoint(const CheckpointFiles& files, Module& model,
+                         Optimizer* optimizer = nullptr);
+// Reads only the headers. Throws IoError when no complete pair exists: "does not exist" where no
+// file is at `path` or the .prev names, "is not a safetensors file" where the model file is not
+// one; otherwise naming each file and what is wrong with it, asking whether a save was interrupted
+// only where that would explain it (a file missing or cut short, files of two saves).
 CheckpointFiles find_checkpoint(const std::string& path);
 // The caller's metadata of the last complete save, without loading tensors (a trainer reads its
 // settings before it builds the model). Validate the values with the metadata_* getters below.

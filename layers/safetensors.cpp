@@ -33,8 +33,13 @@ constexpr const char* kUnsupported[] = {"F64",     "I8",      "I16",     "U16", 
                                         "F6_E2M3", "F6_E3M2", "F4",      "C64"};
 
 template <typename... Args>
+[[noreturn]] void fail_as(SafetensorsDamage damage, const std::string& path, const Args&... what) {
+  throw SafetensorsError(damage, detail::str("safetensors file '", path, "': ", what...), __FILE__,
+                         __LINE__);
+}
+template <typename... Args>
 [[noreturn]] void fail(const std::string& path, const Args&... what) {
-  CUDP_THROW(IoError, "safetensors file '", path, "': ", what...);
+  fail_as(SafetensorsDamage::invalid, path, what...);
 }
 
 // A JSON value for an error message, bounded: a corrupt header may hold megabytes or deep nesting.
@@ -197,8 +202,8 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
          "] end before they begin");
   }
   if (e.end > data_bytes) {
-    fail(path, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end,
-         "] run past the end of the data section (", data_bytes, " bytes)");
+    fail_as(SafetensorsDamage::cut_short, path, "tensor '", name, "': data_offsets [", e.begin,
+            ", ", e.end, "] run past the end of the data section (", data_bytes, " bytes)");
   }
   if (e.end - e.begin != bytes) {
     fail(path, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] hold ",
@@ -248,20 +253,31 @@ struct Header {
 Header read_header(InputFile& file) {
   const std::string& path = file.path();
   const uint64_t file_bytes = file.size();
+  using enum SafetensorsDamage;
   if (file_bytes < 8) {
-    fail(path, "the file is ", file_bytes, " bytes, shorter than the 8-byte header length");
+    fail_as(not_safetensors, path, "the file is ", file_bytes,
+            " bytes, shorter than the 8-byte header length");
   }
   uint64_t header_bytes = 0;
   file.read_exact(&header_bytes, 8, "the header length");
-  if (header_bytes > file_bytes - 8) {
-    fail(path, "header length ", header_bytes, " runs past the end of the file (", file_bytes,
-         " bytes)");
-  }
   if (header_bytes > kMaxHeaderBytes) {
-    fail(path, "header length ", header_bytes, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
+    fail_as(not_safetensors, path, "its first 8 bytes, read as the header length, give ",
+            header_bytes, ", above the limit of ", kMaxHeaderBytes, " bytes");
   }
-  std::string text(header_bytes, '\0');
-  file.read_exact(text.data(), header_bytes, "the header");
+  // What there is of the header: a JSON object, '{' first (JSON allows whitespace before it).
+  std::string text(std::min(header_bytes, file_bytes - 8), '\0');
+  file.read_exact(text.data(), text.size(), "the header");
+  const size_t first = text.find_first_not_of(" \t\n\r");
+  const bool begins_as_json_object = first != std::string::npos && text[first] == '{';
+  if (header_bytes > file_bytes - 8) {
+    if (!begins_as_json_object) {
+      fail_as(not_safetensors, path, "its first 8 bytes, read as the header length, give ",
+              header_bytes, ", more than the file's ", file_bytes, " bytes");
+    }
+    fail_as(cut_short, path, "header length ", header_bytes, " runs past the end of the file (",
+            file_bytes, " bytes)");
+  }
+  if (!begins_as_json_object) fail_as(not_safetensors, path, "the header is not a JSON object");
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
 
   // JSON allows a name twice in one object; a tensor table or an entry must not have it (which one
@@ -287,10 +303,10 @@ Header read_header(InputFile& file) {
   try {
     header = nlohmann::json::parse(text, find_duplicates);
   } catch (const nlohmann::json::exception& e) {
-    fail(path, "invalid JSON header: ", e.what());
+    fail_as(not_safetensors, path, "invalid JSON header: ", e.what());
   }
   if (!header.is_object()) {
-    fail(path, "the header is not a JSON object");
+    fail_as(not_safetensors, path, "the header is not a JSON object");
   }
   if (duplicate) {
     if (duplicate->second == 1) {

@@ -14,11 +14,13 @@
 // never a torn one; temporaries of killed writers are removed by the next save of the same file.
 //
 // Reading trusts nothing: anything but a regular file (a FIFO would hang), a short file, a header
-// length past the end, invalid JSON, a name repeated in any object, an empty tensor name, an unknown
-// dtype, a shape that overflows or does not match its byte range, ranges that overlap, leave gaps or
-// leave bytes after the last tensor all throw cudp::IoError naming the file, the tensor and the
-// problem. Every byte of the data section must belong to exactly one tensor, as the reference
-// implementation requires.
+// length past the end, invalid JSON, a name repeated in any object, an empty tensor name, an
+// unknown dtype, a shape that overflows or does not match its byte range, ranges that overlap,
+// leave gaps or leave bytes after the last tensor all throw cudp::IoError naming the file, the
+// tensor and the problem. Every byte of the data section must belong to exactly one tensor, as the
+// reference implementation requires. A file that was read and failed these checks throws
+// SafetensorsError, which says what kind of damage it is; a file that cannot be opened or read, a
+// plain IoError.
 #pragma once
 
 #include <map>
@@ -32,6 +34,24 @@ namespace cudp {
 
 using TensorMap = std::map<std::string, Tensor>;
 using Metadata = std::map<std::string, std::string>;
+
+// How a file failed to read as safetensors, for callers that word their own errors (a checkpoint
+// asks "was a save interrupted?" only of a file cut short).
+enum class SafetensorsDamage {
+  not_safetensors,  // its first bytes are no safetensors header (a length, then a JSON object)
+  cut_short,        // it begins as one, but ends before its header or its tensors' data does
+  invalid,          // a whole header that breaks the format's rules, or bytes after the last tensor
+};
+
+class SafetensorsError : public IoError {
+ public:
+  SafetensorsError(SafetensorsDamage damage, const std::string& message, const char* file, int line)
+      : IoError(message, file, line), damage_(damage) {}
+  SafetensorsDamage damage() const { return damage_; }
+
+ private:
+  SafetensorsDamage damage_;
+};
 
 struct SafetensorsFile {
   TensorMap tensors;  // CPU tensors

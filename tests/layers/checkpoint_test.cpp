@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "common/compare.h"
 #include "layers/activation.h"
@@ -476,6 +477,148 @@ TEST_F(Checkpoint, ATornPairWithOnlyOneSaveBeforeItLoadsThatSave) {
   save_checkpoint(path_, *model_, &sgd_, {{"step", "2"}});  // and a save after it repairs the pair
   EXPECT_FALSE(find_checkpoint(path_).fallback);
   EXPECT_EQ(load_checkpoint(previous_checkpoint_path(path_), *model_, &sgd_).at("step"), "1");
+}
+
+// find_checkpoint's error, which must be an IoError.
+std::string find_error(const std::string& path) {
+  try {
+    find_checkpoint(path);
+  } catch (const IoError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an IoError for " << path;
+  return {};
+}
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// `bytes` at the end of `path`.
+void append(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::app) << bytes;
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// A header length (8 bytes, little-endian) and then `header`.
+std::string with_length(const std::string& header) {
+  std::string out(8, '\0');
+  uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header;
+}
+
+// QA: every bad checkpoint was reported as an interrupted save, a path that does not exist with 700
+// characters about an incomplete save and the files of an earlier one.
+TEST_F(Checkpoint, APathWithNoCheckpointSaysItDoesNotExist) {
+  const std::string nothing = dir_.file("nothing.safetensors");
+  std::string e = find_error(nothing);
+  EXPECT_TRUE(has(e, "checkpoint '" + nothing + "' does not exist")) << e;
+  EXPECT_FALSE(has(e, "interrupted")) << e;
+  EXPECT_FALSE(has(e, "incomplete")) << e;
+  EXPECT_LT(e.size(), 200u) << e;
+  // cudp-vgg --resume FOLDER reads FOLDER/last.safetensors: an empty folder has none.
+  std::filesystem::create_directory(dir_.file("run"));
+  const std::string last = dir_.file("run/last.safetensors");
+  e = find_error(last);
+  EXPECT_TRUE(has(e, "checkpoint '" + last + "' does not exist")) << e;
+  EXPECT_FALSE(has(e, "interrupted")) << e;
+  // The folder itself, given as a checkpoint: a directory, not a safetensors file.
+  e = find_error(dir_.file("run"));
+  EXPECT_TRUE(has(e, "'" + dir_.file("run") + "' is a directory, not a safetensors file")) << e;
+  EXPECT_FALSE(has(e, "interrupted")) << e;
+  // The same through load_checkpoint and load_checkpoint_metadata.
+  expect_load_error<IoError>(nothing, *model_, &sgd_, "' does not exist");
+  try {
+    load_checkpoint_metadata(nothing);
+    ADD_FAILURE() << "expected IoError";
+  } catch (const IoError& error) {
+    EXPECT_TRUE(has(error.what(), "does not exist")) << error.what();
+  }
+}
+
+TEST_F(Checkpoint, AFileThatIsNotSafetensorsSaysSo) {
+  const std::string train = optimizer_state_path(path_);
+  const auto expect_not_safetensors = [&](const std::string& bad_file, const std::string& detail) {
+    const std::string e = find_error(path_);
+    EXPECT_TRUE(has(e, "'" + bad_file + "' is not a safetensors file")) << e;
+    EXPECT_TRUE(has(e, detail)) << e;
+    EXPECT_FALSE(has(e, "interrupted")) << e;
+    EXPECT_FALSE(has(e, "runs past the end")) << e;
+  };
+  // Text: its first 8 bytes make an absurd header length (7022349239403356795 for "this is ").
+  write_file(path_, "this is not a safetensors file");
+  expect_not_safetensors(path_, "");
+  write_file(train, "this is not a safetensors file");
+  expect_not_safetensors(path_, "");
+  std::filesystem::remove(train);
+  // A plausible length, but the header is not JSON, not a JSON object, or the file too short.
+  write_file(path_, with_length("hello, world"));
+  expect_not_safetensors(path_, "");
+  write_file(path_, with_length("{\"a\": ") + "xx");
+  expect_not_safetensors(path_, "JSON");
+  write_file(path_, with_length("[1, 2]"));
+  expect_not_safetensors(path_, "");
+  write_file(path_, "abc");
+  expect_not_safetensors(path_, "3 bytes");
+  write_file(path_, "");
+  expect_not_safetensors(path_, "0 bytes");
+
+  // A good model file and a training-state file that is not safetensors.
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  write_file(train, "PK\x03\x04 a zip file, say");
+  expect_not_safetensors(train, "");
+  // With a complete save at the .prev names, that one is used, and the note says what was wrong.
+  std::filesystem::remove(train);
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "8"}});
+  save_checkpoint(path_, *model_, &sgd_, {{"step", "9"}});
+  write_file(path_, "this is not a safetensors file");
+  const CheckpointFiles files = find_checkpoint(path_);
+  EXPECT_TRUE(files.fallback);
+  EXPECT_EQ(files.model, previous_checkpoint_path(path_));
+  EXPECT_TRUE(has(files.note, "'" + path_ + "' is not a safetensors file")) << files.note;
+  EXPECT_FALSE(has(files.note, "interrupted")) << files.note;
+}
+
+// A file cut short whose header is whole (or whose header length is plausible and what is there of
+// the header begins as one): what a save that died while writing in place would leave.
+TEST_F(Checkpoint, AFileCutShortIsCalledAnInterruptedSave) {
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  const uint64_t size = std::filesystem::file_size(path_);
+  std::filesystem::resize_file(path_, size - 10);
+  std::string e = find_error(path_);
+  EXPECT_TRUE(has(e, "checkpoint '" + path_ + "' is incomplete")) << e;
+  EXPECT_TRUE(has(e, "'" + path_ + "' is cut short")) << e;
+  EXPECT_TRUE(has(e, "(was a save interrupted?)")) << e;
+  EXPECT_FALSE(has(e, "not a safetensors file")) << e;
+  std::filesystem::resize_file(path_, 20);  // inside the header
+  e = find_error(path_);
+  EXPECT_TRUE(has(e, "'" + path_ + "' is cut short")) << e;
+  EXPECT_TRUE(has(e, "(was a save interrupted?)")) << e;
+  // A pair whose training-state file is missing.
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  std::filesystem::remove(previous_checkpoint_path(path_));
+  std::filesystem::remove(optimizer_state_path(previous_checkpoint_path(path_)));
+  std::filesystem::remove(optimizer_state_path(path_));
+  e = find_error(path_);
+  EXPECT_TRUE(has(e, "is incomplete")) << e;
+  EXPECT_TRUE(has(e, "'" + optimizer_state_path(path_) + "' does not exist")) << e;
+  EXPECT_TRUE(has(e, "(was a save interrupted?)")) << e;
+  EXPECT_TRUE(has(e, "no complete earlier save")) << e;
+}
+
+// Bytes added after the last tensor: the file was changed, not cut short by a save.
+TEST_F(Checkpoint, TrailingDataIsNotCalledAnInterruptedSave) {
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  append(path_, std::string(1000, 'x'));
+  const std::string e = find_error(path_);
+  EXPECT_TRUE(has(e, "1000 bytes of trailing data")) << e;
+  EXPECT_TRUE(has(e, "checkpoint '" + path_ + "' cannot be loaded")) << e;
+  EXPECT_FALSE(has(e, "interrupted")) << e;
+  EXPECT_FALSE(has(e, "incomplete")) << e;
 }
 
 TEST(CheckpointMetadata, ValidatedGettersNameTheKeyAndTheFile) {

@@ -268,6 +268,41 @@ TEST_F(CorruptSafetensors, TruncatedData) {
   expect_io_error(path_, {"tensor 'w'", "run past the end of the data section"});
 }
 
+// Each failure says its kind of damage (SafetensorsError::damage): a checkpoint words its errors by
+// it. A file that cannot be opened is a plain IoError.
+TEST_F(CorruptSafetensors, ErrorsSayTheKindOfDamage) {
+  const auto damage = [&]() -> std::optional<SafetensorsDamage> {
+    try {
+      load_safetensors_metadata(path_);
+    } catch (const SafetensorsError& e) {
+      return e.damage();
+    } catch (const IoError&) {
+      return std::nullopt;
+    }
+    ADD_FAILURE() << "no error for " << read_file(path_);
+    return std::nullopt;
+  };
+  using enum SafetensorsDamage;
+  std::ofstream(path_, std::ios::binary) << "abc";
+  EXPECT_EQ(damage(), not_safetensors);
+  std::ofstream(path_, std::ios::binary) << "this is not a safetensors file";
+  EXPECT_EQ(damage(), not_safetensors);
+  write_raw(path_, "hello", "");
+  EXPECT_EQ(damage(), not_safetensors);
+  write_raw(path_, R"({"a": )", "");
+  EXPECT_EQ(damage(), not_safetensors);  // a whole header that is not JSON
+  write_raw(path_, "{}", "", 1000);
+  EXPECT_EQ(damage(), cut_short);  // a header that begins as one, cut off
+  write_raw(path_, R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "1234");
+  EXPECT_EQ(damage(), cut_short);  // its data cut off
+  write_raw(path_, R"({"w": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}})", eight_);
+  EXPECT_EQ(damage(), invalid);
+  write_raw(path_, R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}})", "abcd");
+  EXPECT_EQ(damage(), invalid);  // trailing data
+  std::filesystem::remove(path_);
+  EXPECT_EQ(damage(), std::nullopt);
+}
+
 // ---- hostile files (issue: nothing silently accepted, nothing hung) ----------------------------
 
 TEST_F(CorruptSafetensors, EmptyTensorName) {
