@@ -129,6 +129,15 @@ struct Data {
 
 // Where a data set's files are expected, and what to do when they are not there.
 [[noreturn]] void absent(const Options& o, const std::string& dir) {
+  if (fs::exists(dir)) {
+    CUDP_THROW(IoError, "--data ", o.data, ": --data-dir ", dir,
+               " is a file; give the folder that holds the data set's files");
+  }
+  if (o.was_given("--data-dir")) {
+    CUDP_THROW(IoError, "--data ", o.data, ": --data-dir ", dir,
+               " does not exist; give the folder that holds the data set's files, or train on "
+               "generated images with --data synthetic");
+  }
   std::string how = o.data == "fashion-mnist"
                         ? "install the Debian/Ubuntu package dataset-fashion-mnist or pass "
                           "--data-dir DIR (a folder with Fashion-MNIST's IDX files)"
@@ -709,20 +718,26 @@ Figures global_figures(const StepResults& r) {
   return {ratio(v[0], v[1]), 100 * ratio(v[2], v[1]), 100 * ratio(v[3], v[1]), ratio(v[4], v[5])};
 }
 
+// A loss as printed: NaN without its sign bit ("nan", not printf's "-nan").
+double shown(double loss) {
+  return std::isnan(loss) ? std::fabs(loss) : loss;
+}
+
 void progress(bool tty, int64_t epoch, int64_t epochs, int64_t step, int64_t steps,
               double images_per_s, float loss, double mean_loss, double eta) {
   if (tty) {
     const int width = 30;
     const int filled = static_cast<int>(width * step / std::max<int64_t>(steps, 1));
-    std::printf("\repoch %lld/%lld [%-*s] %lld/%lld  %8.0f img/s  loss %.4f (mean %.4f)  ETA %5.1f s ",
-                static_cast<long long>(epoch + 1), static_cast<long long>(epochs), width,
-                std::string(filled, '=').c_str(), static_cast<long long>(step),
-                static_cast<long long>(steps), images_per_s, loss, mean_loss, eta);
+    std::printf(
+        "\repoch %lld/%lld [%-*s] %lld/%lld  %8.0f img/s  loss %.4f (mean %.4f)  ETA %5.1f s ",
+        static_cast<long long>(epoch + 1), static_cast<long long>(epochs), width,
+        std::string(filled, '=').c_str(), static_cast<long long>(step),
+        static_cast<long long>(steps), images_per_s, shown(loss), shown(mean_loss), eta);
   } else {
     std::printf("epoch %lld/%lld step %lld/%lld  %.0f img/s  loss %.4f (mean %.4f)\n",
                 static_cast<long long>(epoch + 1), static_cast<long long>(epochs),
-                static_cast<long long>(step), static_cast<long long>(steps), images_per_s, loss,
-                mean_loss);
+                static_cast<long long>(step), static_cast<long long>(steps), images_per_s,
+                shown(loss), shown(mean_loss));
   }
   std::fflush(stdout);
 }
@@ -783,9 +798,29 @@ int run(Options o) {
     try {
       cuda::check_device(g);
     } catch (const ValueError& e) {
-      throw UsageError("--gpus: " + e.message());
+      throw UsageError(
+          "--gpus: " + e.message() +
+          (visible == 0 ? "; train on the CPU with --gpus none (or leave --gpus out)" : ""));
     }
   }
+
+  // A resumed run takes the checkpoint's settings before anything depends on them.
+  std::string resume_file, state_file;
+  CheckpointFiles resumed_files;
+  Metadata resumed_meta;
+  if (!o.resume.empty()) {
+    resume_file = resume_path(o.resume);
+    // The last complete save (a torn pair falls back to the previous one, layers/checkpoint.h).
+    resumed_files = find_checkpoint(resume_file);
+    if (resumed_files.fallback) std::fprintf(stderr, "warning: %s\n", resumed_files.note.c_str());
+    state_file = resumed_files.train;
+    resumed_meta = load_checkpoint_metadata(resume_file);
+    adopt_settings(o, resumed_meta, state_file);
+    // A run folder resumes in place: where it is now, wherever it was first written (it may have
+    // been copied or moved since), unless --output says otherwise.
+    if (fs::is_directory(o.resume) && !o.was_given("--output")) o.output = o.resume;
+  }
+  resolve_and_check(o);
   const cuda::VisibleDevices vis = cuda::visible_devices();
   std::printf("cudp-vgg: %d visible GPU(s)%s%s\n", visible,
               vis.set ? (" (CUDA_VISIBLE_DEVICES=\"" + vis.raw + "\")").c_str() : "",
@@ -796,18 +831,6 @@ int run(Options o) {
         "they fail)\n",
         g_ranks.world);
   }
-
-  // A resumed run takes the checkpoint's settings before anything depends on them.
-  std::string resume_file, state_file;
-  Metadata resumed_meta;
-  if (!o.resume.empty()) {
-    resume_file = resume_path(o.resume);
-    // The last complete save (a torn pair falls back to the previous one, layers/checkpoint.h).
-    state_file = find_checkpoint(resume_file).train;
-    resumed_meta = load_checkpoint_metadata(resume_file);
-    adopt_settings(o, resumed_meta, state_file);
-  }
-  resolve_and_check(o);
   int64_t start_epoch = 0, global_step = 0;
   if (!resume_file.empty()) {
     start_epoch = metadata_int(resumed_meta, "epoch", 0, 1000000, state_file);
@@ -950,10 +973,15 @@ int run(Options o) {
               where.c_str());
 
   if (!resume_file.empty()) {
-    load_checkpoint(resume_file, *net, nullptr);
+    load_checkpoint(resumed_files, *net, nullptr);
     load_dropout_state(*net, resumed_meta, state_file);
-    std::printf("resumed from %s at epoch %lld (step %lld)\n", resume_file.c_str(),
-                static_cast<long long>(start_epoch), static_cast<long long>(global_step));
+    std::printf(
+        "resumed from %s at epoch %lld (step %lld)\n",
+        resumed_files.fallback
+            ? detail::str(resumed_files.model, " (the last complete save at ", resume_file, ")")
+                  .c_str()
+            : resume_file.c_str(),
+        static_cast<long long>(start_epoch), static_cast<long long>(global_step));
   }
   {
     const cuda::AllocationPurpose purpose(
@@ -1005,7 +1033,7 @@ int run(Options o) {
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   if (!resume_file.empty()) {
     // Replica 0's optimizer from the checkpoint, then its state into every replica's.
-    load_checkpoint(resume_file, *net, &opt->primary());
+    load_checkpoint(resumed_files, *net, &opt->primary());
     opt->load_state_dict(opt->primary().state_dict());
     for (size_t r = 1; r < opt->size(); ++r) {
       opt->replica(r).load_hyperparameters(opt->primary().hyperparameters());
@@ -1084,7 +1112,8 @@ int run(Options o) {
   if (o.eval_only) {
     if (rank != 0) return 0;  // rank 0 evaluates
     const Eval e = evaluate();
-    std::printf("test loss %.4f, test accuracy %.2f%% (top-5 %.2f%%)\n", e.loss, e.top1, e.top5);
+    std::printf("test loss %.4f, test accuracy %.2f%% (top-5 %.2f%%)\n", shown(e.loss), e.top1,
+                e.top5);
     json.write({{"event", "eval"}, {"test_loss", e.loss}, {"test_accuracy", e.top1 / 100},
                 {"test_top5", e.top5 / 100}});
     print_checksum();
@@ -1321,9 +1350,9 @@ int run(Options o) {
         "epoch %lld/%lld: train loss %.4f, train accuracy %.2f%%, test loss %.4f, test "
         "accuracy %.2f%% (top-5 %.2f%%), lr %.4g, %.1f s (%.0f img/s, input wait %.2f s, "
         "waiting for the device %.2f s), %.1f s so far%s\n",
-        static_cast<long long>(epoch + 1), static_cast<long long>(o.epochs), train_loss, train_top1,
-        test.loss, test.top1, test.top5, lr, epoch_seconds, images_seen / epoch_seconds, input_wait,
-        device_wait, seconds_since(run_start),
+        static_cast<long long>(epoch + 1), static_cast<long long>(o.epochs), shown(train_loss),
+        train_top1, shown(test.loss), test.top1, test.top5, lr, epoch_seconds,
+        images_seen / epoch_seconds, input_wait, device_wait, seconds_since(run_start),
         skipped ? detail::str(", ", skipped, " step(s) skipped").c_str() : "");
     json.write({{"event", "epoch"},
                 {"epoch", epoch + 1},

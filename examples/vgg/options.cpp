@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -314,6 +315,8 @@ int parse_command_line(int argc, char** argv, Options& o) {
           if (!problem.empty()) throw CLI::ValidationError(s.option, problem);
         },
         s.help);
+    // Given twice, the last value counts (argparse's rule, which PyTorch scripts follow).
+    option->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     // The default beside the option, except where it is worked out later (lr and weight decay
     // depend on --opt, the progress interval on the terminal).
     const std::string shown = s.get(defaults);
@@ -331,7 +334,8 @@ int parse_command_line(int argc, char** argv, Options& o) {
   std::string gpus;
   app.add_option("--gpus", gpus,
                  "comma-separated device ids, or none for the CPU (default: all visible; under "
-                 "mpirun one per process, picked by its local rank)");
+                 "mpirun one per process, picked by its local rank)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_flag("-e,--evaluate,--eval-only", o.eval_only, "evaluate the --resume checkpoint and stop");
   app.add_flag("--print-checksum", o.print_checksum,
                "print a checksum of the model's parameters and buffers at the end (compares runs)");
@@ -355,6 +359,12 @@ int parse_command_line(int argc, char** argv, Options& o) {
     std::fprintf(stderr,
                  "cudp-vgg: --sync-bn synchronises the BatchNorm layers and --no-bn leaves none; "
                  "give one\n");
+    return kExitUsage;
+  }
+  if (o.was_given("--gpus") && gpus.empty()) {
+    std::fprintf(stderr,
+                 "cudp-vgg: --gpus is empty; give device ids (e.g. --gpus 0,1), none for the CPU, "
+                 "or leave it out for every visible GPU\n");
     return kExitUsage;
   }
   o.no_gpus = gpus == "none";
@@ -404,6 +414,13 @@ void resolve_and_check(Options& o) {
     throw UsageError(detail::str("--warmup-epochs ", o.warmup_epochs, " must be less than --epochs ",
                                  o.epochs));
   }
+  if (o.accumulate > o.batch_size) {
+    throw UsageError(detail::str("--accumulate ", o.accumulate,
+                                 " splits each batch of --batch-size ", o.batch_size,
+                                 " into that many micro-batches of at least one "
+                                 "image; give at most ",
+                                 o.batch_size));
+  }
   if (o.stop_after > o.epochs) {
     throw UsageError(detail::str("--stop-after ", o.stop_after, " is more than --epochs ", o.epochs,
                                  ": the run would stop at --epochs anyway; give --stop-after <= "
@@ -411,15 +428,40 @@ void resolve_and_check(Options& o) {
   }
 }
 
+namespace {
+
+// A setting as a user writes it: "--lr 0.1", and a flag as itself or its absence ("--no-bn",
+// "no --augment").
+std::string as_written(const Setting& s, const std::string& value) {
+  if (!s.flag) return s.option + " " + value;
+  if (value == "1") return s.option;
+  return s.option == "--bn" ? std::string("--no-bn") : "no " + s.option;
+}
+
+// Where a run writes (its run folder, checkpoint and log), not how it trains.
+bool is_output(const Setting& s) {
+  return s.option == "--output" || s.option == "--checkpoint" || s.option == "--json";
+}
+
+}  // namespace
+
 Metadata settings_metadata(const Options& o) {
   Metadata meta;
   for (const Setting& s : settings()) {
-    if (s.key) meta[s.key] = s.get(o);
+    if (!s.key) continue;
+    meta[s.key] = s.get(o);
+    // Where the run writes, as absolute paths: a resume from another folder writes to the same
+    // places, not to new ones below the folder it was started from.
+    if (is_output(s) && !meta[s.key].empty()) {
+      meta[s.key] = std::filesystem::absolute(meta[s.key]).lexically_normal().string();
+    }
   }
   return meta;
 }
 
 void adopt_settings(Options& o, const Metadata& meta, const std::string& file) {
+  // Notes are printed once every setting has been checked: a refused resume prints none.
+  std::vector<std::string> notes;
   for (const Setting& s : settings()) {
     if (!s.key) continue;
     const auto it = meta.find(s.key);
@@ -440,31 +482,48 @@ void adopt_settings(Options& o, const Metadata& meta, const std::string& file) {
       continue;
     }
     if (s.strict) {
+      const std::string leave = s.option == "--bn" ? "--bn/--no-bn" : s.option;
       throw UsageError(detail::str("--resume ", o.resume, ": the checkpoint was written with ",
-                                   s.option, " ", it->second, ", this run has ", s.option, " ",
-                                   mine, "; resuming needs the same value (leave ", s.option,
-                                   " out to take the checkpoint's)"));
+                                   as_written(s, it->second), ", this run has ",
+                                   as_written(s, mine), "; resuming needs the same value (leave ",
+                                   leave, " out to take the checkpoint's)"));
     }
     if (s.option == "--epochs") {
       if (o.schedule != "constant") {
-        std::printf("note: the checkpointed run planned %s epochs; the %s schedule now spans %lld, "
-                    "so the rates from here on are those of a %lld-epoch run\n",
-                    it->second.c_str(), o.schedule.c_str(), static_cast<long long>(o.epochs),
-                    static_cast<long long>(o.epochs));
+        notes.push_back(detail::str("the checkpointed run planned ", it->second, " epochs; the ",
+                                    o.schedule, " schedule now spans ", o.epochs,
+                                    ", so the rates from here on are those of a ", o.epochs,
+                                    "-epoch run"));
       }
       continue;
     }
-    std::printf("note: %s %s differs from the checkpoint's %s: training continues with it, not as "
-                "the checkpointed run would have\n",
-                s.option.c_str(), mine.c_str(), it->second.c_str());
+    if (is_output(s)) {
+      notes.push_back(detail::str(s.option, " ", mine,
+                                  ": this run writes there, not to the "
+                                  "checkpoint's ",
+                                  it->second));
+      continue;
+    }
+    notes.push_back(detail::str(as_written(s, mine), " differs from the checkpoint's ",
+                                as_written(s, it->second),
+                                ": training continues with it, not as "
+                                "the checkpointed run would have"));
   }
+  for (const std::string& note : notes) std::printf("note: %s\n", note.c_str());
 }
 
 std::string settings_text(const Options& o) {
   std::string out;
   for (const Setting& s : settings()) {
+    const std::string value = s.get(o);
     if (s.option == "--resume" && o.resume.empty()) continue;
-    out += s.option + " " + shell_quote(s.get(o)) + "\n";
+    if (s.option == "--print-freq" && value == "0") continue;  // unset: chosen at run time
+    if (s.flag) {
+      // As a command line has it: the flag, or --no-bn; an unset flag is left out.
+      if (value == "1" || s.option == "--bn") out += as_written(s, value) + "\n";
+      continue;
+    }
+    out += s.option + " " + shell_quote(value) + "\n";
   }
   std::string gpus;
   for (int g : o.gpus) gpus += (gpus.empty() ? "" : ",") + std::to_string(g);

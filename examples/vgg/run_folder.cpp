@@ -77,8 +77,9 @@ void check_output_file(const std::string& path, const std::string& what) {
   const auto status = fs::status(p, ec);
   if (fs::exists(status)) {
     if (fs::is_directory(status)) {
+      const char* example = what == "--json" ? "log.jsonl" : "run.safetensors";
       CUDP_THROW(IoError, what, " ", path, " is a folder; give a file name (e.g. ",
-                 (p / "run.safetensors").string(), ")");
+                 (p / example).string(), ")");
     }
     if (!fs::is_regular_file(status)) {
       CUDP_THROW(IoError, what, " ", path,
@@ -88,7 +89,8 @@ void check_output_file(const std::string& path, const std::string& what) {
   const fs::path folder = p.has_parent_path() ? p.parent_path() : fs::path(".");
   if (!fs::is_directory(folder, ec)) {
     CUDP_THROW(IoError, what, " ", path, ": the folder ", folder.string(),
-               " does not exist; create it first or choose another path");
+               fs::exists(folder, ec) ? " is a file; choose another path"
+                                      : " does not exist; create it first or choose another path");
   }
   // Create and remove a file beside it: the only test that covers permissions, read-only file
   // systems and quotas alike.

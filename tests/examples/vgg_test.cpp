@@ -238,6 +238,13 @@ TEST(VggTrainer, UsageErrors) {
   EXPECT_TRUE(contains(r.output, "BatchNorm after every convolution (the default)")) << r.output;
   r = run_on_cpu(dir, "--bn --no-bn --data synthetic");
   EXPECT_EQ(r.code, 2) << r.output;
+  // Given twice, the last value counts (argparse's rule): batch 4, which 8 micro-batches exceed.
+  r = run_on_cpu(dir, "--data synthetic --batch-size 0 --batch-size 4 --accumulate 8");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--accumulate 8 splits each batch of --batch-size 4")) << r.output;
+  r = run_on_cpu(dir, "--gpus ''");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--gpus is empty")) << r.output;
 }
 
 // --sync-bn converts the model's BatchNorm layers; without a group of several devices they are
@@ -313,6 +320,10 @@ TEST(VggTrainer, AbsentDataSetIsAnError) {
   EXPECT_TRUE(contains(r.output, "nothing-here does not exist")) << r.output;
   EXPECT_TRUE(contains(r.output, "--data synthetic")) << r.output;
   EXPECT_FALSE(contains(r.output, "synthetic (")) << "trained on generated data:\n" << r.output;
+  { std::ofstream(dir / "a-file") << "x"; }
+  r = run_on_cpu(dir, "--data mnist --data-dir '" + (dir / "a-file") + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "a-file is a file")) << r.output;
   if (!std::filesystem::exists("/usr/share/datasets/mnist")) {
     r = run_on_cpu(dir, "--data mnist");
     EXPECT_EQ(r.code, 1) << r.output;
@@ -524,8 +535,12 @@ TEST(VggTrainer, RunFolderMetricsAndResumeInPlace) {
     EXPECT_TRUE(std::filesystem::exists(out + "/" + name)) << name << "\n" << r.output;
   }
   EXPECT_TRUE(contains(read_text(out + "/command.txt"), "--stop-after 1")) << r.output;
-  EXPECT_TRUE(contains(read_text(out + "/settings.txt"), "--lr 0.05\n"));
-  EXPECT_TRUE(contains(read_text(out + "/settings.txt"), "--head compact\n"));
+  const std::string settings = read_text(out + "/settings.txt");
+  EXPECT_TRUE(contains(settings, "--lr 0.05\n")) << settings;
+  EXPECT_TRUE(contains(settings, "--head compact\n")) << settings;
+  // As a command line has them: flags bare, unset ones left out.
+  EXPECT_TRUE(contains(settings, "\n--bn\n")) << settings;
+  EXPECT_FALSE(contains(settings, "--bn 1") || contains(settings, "--augment")) << settings;
 
   // The JSON log: steps and epochs counted from 1; the epoch's train loss is its steps' mean.
   std::vector<double> step_losses;
@@ -564,6 +579,12 @@ TEST(VggTrainer, RunFolderMetricsAndResumeInPlace) {
   EXPECT_EQ(w, 960u);
   EXPECT_EQ(h, 400u);
 
+  // A refused resume says why in the options' own words, and prints no notes first.
+  r = run_on_cpu(dir, "--resume '" + out + "' --no-bn --epochs 3");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "written with --bn, this run has --no-bn")) << r.output;
+  EXPECT_FALSE(contains(r.output, "note:")) << r.output;
+
   // Resume from the folder: --output and --json come from the checkpoint; epoch 2 is added.
   r = run_on_cpu(dir, "--print-freq 1 --resume '" + out + "'");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -574,6 +595,45 @@ TEST(VggTrainer, RunFolderMetricsAndResumeInPlace) {
   EXPECT_EQ(cudp::load_checkpoint_metadata(out + "/last.safetensors").at("epoch"), "2");
   EXPECT_TRUE(contains(read_text(json), "\"epoch\":2")) << read_text(json);
   EXPECT_EQ(lines_of(read_text(out + "/command.txt")).size(), 2u);
+}
+
+// A run folder resumes where it is now: copied elsewhere, the copy goes on and the original is
+// left as it was; the paths a run writes to are recorded absolute, so a resume started from
+// another folder does not make a new run folder there.
+TEST(VggTrainer, RunFolderResumesWhereItIsNow) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string small = kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 ";
+  const std::string in_dir = "cd '" + (dir / "") + "' && CUDA_VISIBLE_DEVICES= ";
+  RunResult r = run_vgg(dir, small + "--epochs 2 --stop-after 1 --output run", in_dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string run = dir / "run", copy = dir / "copy", other = dir / "other";
+  EXPECT_EQ(cudp::load_checkpoint_metadata(run + "/last.safetensors").at("output"),
+            std::filesystem::path(run).lexically_normal().string());
+  std::filesystem::copy(run, copy, std::filesystem::copy_options::recursive);
+  std::filesystem::create_directories(other);
+  r = run_vgg(dir, "--resume ../copy", "cd '" + other + "' && CUDA_VISIBLE_DEVICES= ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "epoch 2/2:")) << r.output;
+  EXPECT_EQ(lines_of(read_text(copy + "/metrics.csv")).size(), 3u) << r.output;
+  EXPECT_EQ(lines_of(read_text(run + "/metrics.csv")).size(), 2u) << r.output;
+  EXPECT_EQ(cudp::load_checkpoint_metadata(copy + "/last.safetensors").at("epoch"), "2");
+  EXPECT_EQ(cudp::load_checkpoint_metadata(run + "/last.safetensors").at("epoch"), "1");
+  EXPECT_TRUE(std::filesystem::is_empty(other)) << r.output;
+
+  // A damaged last checkpoint: the save before it is used, said once, and named.
+  std::filesystem::resize_file(copy + "/last.safetensors", 100);
+  r = run_on_cpu(dir, "-e --resume '" + copy + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  size_t warnings = 0;
+  for (size_t at = r.output.find("warning:"); at != std::string::npos;
+       at = r.output.find("warning:", at + 1)) {
+    ++warnings;
+  }
+  EXPECT_EQ(warnings, 1u) << r.output;
+  EXPECT_TRUE(contains(r.output, "resumed from " + copy + "/last.prev.safetensors (the last " +
+                                     "complete save at " + copy + "/last.safetensors)"))
+      << r.output;
 }
 
 // --opt adamw, --warmup-epochs, --schedule cosine, --clip-grad and --label-smoothing wired through:
