@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <limits>
 
 #include "engine/core/error.h"
@@ -393,7 +394,10 @@ Normalization imagenet_normalization() {
   return {{0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f}};
 }
 
-std::vector<std::string> image_folder_classes(const std::string& root) {
+namespace {
+
+// The sub-folders of root, sorted; IoError where root is not a folder.
+std::vector<std::string> class_folders(const std::string& root) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) {
     CUDP_THROW(IoError, root, " is not a folder (an ImageFolder is root/<class>/<image>)");
@@ -403,6 +407,53 @@ std::vector<std::string> image_folder_classes(const std::string& root) {
     if (entry.is_directory()) classes.push_back(entry.path().filename().string());
   }
   std::sort(classes.begin(), classes.end());
+  return classes;
+}
+
+// 'a', 'b', 'c': at most 10 names, then how many in all.
+std::string quoted_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 10; ++i) {
+    out += cudp::detail::str(i == 0 ? "" : ", ", "'", names[i], "'");
+  }
+  if (names.size() > 10) out += cudp::detail::str(", ... (", names.size(), " in all)");
+  return out;
+}
+
+// A split given the training split's classes must have exactly those class folders: one missing
+// leaves a class untested, and one more would be dropped unseen here, where torchvision's
+// ImageFolder, which numbers each split's sorted folders, would shift the labels after it.
+void check_same_classes(const std::string& root, const std::vector<std::string>& expected) {
+  const std::vector<std::string> present = class_folders(root);
+  std::vector<std::string> sorted = expected, missing, extra;
+  std::sort(sorted.begin(), sorted.end());
+  std::set_difference(sorted.begin(), sorted.end(), present.begin(), present.end(),
+                      std::back_inserter(missing));
+  std::set_difference(present.begin(), present.end(), sorted.begin(), sorted.end(),
+                      std::back_inserter(extra));
+  if (missing.empty() && extra.empty()) return;
+  const auto folders = [](const std::vector<std::string>& names, const char* one,
+                          const char* many) {
+    return cudp::detail::str(names.size() == 1 ? "the class folder " : "the class folders ",
+                             quoted_names(names), names.size() == 1 ? one : many);
+  };
+  std::string what;
+  if (!missing.empty()) what = folders(missing, " is missing", " are missing");
+  if (!extra.empty()) {
+    what += cudp::detail::str(
+        what.empty() ? "" : "; ",
+        folders(extra, " is not in the training split", " are not in the training split"));
+  }
+  CUDP_THROW(IoError, root, ": ", what, " (every split needs the same class folders as the ",
+             "training split, which has ", quoted_names(expected),
+             ": torchvision's ImageFolder numbers each split's class folders in sorted order, so ",
+             "a folder only one split has would shift the labels of those after it)");
+}
+
+}  // namespace
+
+std::vector<std::string> image_folder_classes(const std::string& root) {
+  std::vector<std::string> classes = class_folders(root);
   if (classes.empty()) {
     CUDP_THROW(ValueError, root, " has no class folders (an ImageFolder is root/<class>/<image>)");
   }
@@ -414,6 +465,7 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options, st
   CUDP_CHECK(options_.size > 0 && options_.size <= 4096, "ImageFolder: size ", options_.size,
              " must be in [1, 4096]");
   classes_ = options_.classes.empty() ? image_folder_classes(root) : options_.classes;
+  if (!options_.classes.empty()) check_same_classes(root, classes_);
   int64_t jpegs = 0, pngs = 0;
   for (size_t c = 0; c < classes_.size(); ++c) {
     const fs::path dir = fs::path(root) / classes_[c];

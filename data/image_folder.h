@@ -44,18 +44,19 @@ enum class ImageTransform {
 struct ImageFolderOptions {
   int64_t size = 224;  // output side (pixels)
   ImageTransform transform = ImageTransform::Eval;
-  // Class names to use (their order gives the labels), e.g. the training set's for the test set.
-  // Empty: the sub-folders of root, sorted.
+  // Class names to use (their order gives the labels), e.g. the training set's for the test set:
+  // root must then have exactly these class folders (IoError naming those missing and those
+  // extra). Empty: the sub-folders of root, sorted.
   std::vector<std::string> classes;
 };
 
 class ImageFolder final : public SampleSource {
  public:
   // Lists root/<class>/*.{jpg,jpeg,png} (extensions in any case; other files are ignored). Throws
-  // IoError for a missing folder or class folder, or when a decoder the files need is not
-  // installed; ValueError for a folder with no classes or no images. Files are not read here: one
-  // that does not decode (or is not a regular file: a FIFO, a broken link) is an IoError naming it
-  // when the loader reaches it.
+  // IoError for a missing folder, a class folder missing or extra (options.classes), or when a
+  // decoder the files need is not installed; ValueError for a folder with no classes or no images.
+  // Files are not read here: one that does not decode (or is not a regular file: a FIFO, a broken
+  // link) is an IoError naming it when the loader reaches it.
   ImageFolder(const std::string& root, ImageFolderOptions options, std::string name = "folder");
 
   const std::string& name() const override { return name_; }

@@ -175,6 +175,53 @@ TEST(ImageFolder, ErrorsNameTheFile) {
   EXPECT_THROW(data::ImageFolder(dir / "t", o), IoError);
 }
 
+// A split given the training split's classes (cudp-vgg's val/ or test/) must have exactly those
+// class folders. One missing was an error; one more was dropped without a word, its images
+// unused, where torchvision's ImageFolder would number the classes of the two splits differently.
+TEST(ImageFolder, ASplitNeedsTheTrainingSplitsClassFolders) {
+  REQUIRE_PNG();
+  TempDir dir;
+  const auto make_split = [&](const std::string& split, const std::vector<std::string>& classes) {
+    std::filesystem::remove_all(dir / split);
+    for (const std::string& c : classes) {
+      std::filesystem::create_directories(dir / (split + "/" + c));
+      write_png(dir / (split + "/" + c + "/0.png"), 8, 8, constant_rgb(8, 8, 1, 2, 3));
+    }
+    return dir / split;
+  };
+  data::ImageFolderOptions o;
+  o.size = 8;
+  const data::ImageFolder train(make_split("train", {"cat", "dog"}), o);
+  o.classes = train.classes();
+  const auto refused = [&](const std::string& root) {
+    try {
+      data::ImageFolder split(root, o);
+      ADD_FAILURE() << root << " was accepted with the classes " << split.classes().size();
+    } catch (const IoError& e) {
+      return e.message();
+    }
+    return std::string();
+  };
+  EXPECT_EQ(data::ImageFolder(make_split("val", {"cat", "dog"}), o).size(), 2);
+
+  // Class folders that the training split has not: each is named.
+  std::string e = refused(make_split("val", {"ant", "cat", "dog", "fox"}));
+  EXPECT_NE(e.find(dir / "val"), std::string::npos) << e;
+  EXPECT_NE(e.find("'ant', 'fox'"), std::string::npos) << e;
+  EXPECT_NE(e.find("not in the training split"), std::string::npos) << e;
+  EXPECT_NE(e.find("every split needs the same class folders"), std::string::npos) << e;
+  EXPECT_NE(e.find("'cat', 'dog'"), std::string::npos) << e;  // what the training split has
+
+  // One missing, as before, and both at once in one message.
+  e = refused(make_split("val", {"cat"}));
+  EXPECT_NE(e.find("'dog'"), std::string::npos) << e;
+  EXPECT_NE(e.find("missing"), std::string::npos) << e;
+  EXPECT_NE(e.find("every split needs the same class folders"), std::string::npos) << e;
+  e = refused(make_split("val", {"cat", "fox"}));
+  EXPECT_NE(e.find("'dog'"), std::string::npos) << e;
+  EXPECT_NE(e.find("'fox'"), std::string::npos) << e;
+}
+
 // read(index) throws IoError whose message holds every one of `parts`.
 void expect_read_error(const data::ImageFolder& folder, int64_t index,
                        const std::vector<std::string>& parts) {
