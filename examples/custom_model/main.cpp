@@ -4,6 +4,7 @@
 //
 //   custom_model                                   # Fashion-MNIST, all visible GPUs, 1 epoch
 //   custom_model --data synthetic --epochs 1       # no files needed; runs on the CPU without a GPU
+//   custom_model --data synthetic --gpus none      # the CPU, GPUs or not
 //   custom_model --gpus 0 --steps 50 --print-checksum
 //   custom_model --gpus 0,1 --steps 50 --print-checksum   # same checksum to fp32 rounding
 //   CUDA_VISIBLE_DEVICES=1 custom_model --save cnn.safetensors
@@ -13,11 +14,17 @@
 // training with the test accuracy computed the seed's way: argmax of the logits, moved to the host
 // with .cpu(), compared with the labels there.
 #include <cudp/cudp.h>
+#include <unistd.h>  // getpid, for the --save check's probe file
 
+#include <cerrno>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -34,7 +41,8 @@ namespace {
 struct Options {
   std::string data = "fashion-mnist";  // or "synthetic"
   std::string data_dir;                // empty: data::kFashionMnistSystemDir
-  std::vector<int> gpus;               // empty: every visible GPU (none: the CPU)
+  std::vector<int> gpus;               // empty: every visible GPU
+  bool cpu = false;                    // --gpus none: the CPU, GPUs or not
   int epochs = 1;
   int64_t steps = 0;  // > 0: stop after this many steps
   int64_t batch_size = 64;
@@ -47,59 +55,177 @@ struct Options {
 };
 
 const char* kUsage =
-    "usage: custom_model [--data fashion-mnist|synthetic] [--data-dir DIR] [--gpus 0,1,...]\n"
+    "usage: custom_model [--data fashion-mnist|synthetic] [--data-dir DIR] [--gpus 0,1,...|none]\n"
     "                    [--epochs N] [--steps N] [--batch-size N] [--lr X] [--momentum X]\n"
     "                    [--seed N] [--synthetic-size N] [--save PATH] [--print-checksum]\n"
-    "                    [--precision fp32|bf16|tf32]\n";
+    "                    [--precision fp32|bf16|tf32]\n"
+    "Exit status: 0 success; 1 the run failed; 2 the command line is wrong.\n"
+    "Errors print without cudp's source locations; CUDP_VERBOSE=1 adds them.\n";
 
-// A hand-written parser (the installed cudp does not bring CLI11 along): `--name value` pairs.
+// A wrong command line (exit 2), told apart from a run that failed (exit 1).
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Strict values, as cudp-vgg reads them: the whole text is the value and the value is in range,
+// or the message names the option, what it takes and what it got. (std::stoll reads "10abc" as
+// 10, std::stoull reads "-1" as 2^64-1, and std::stod takes "nan".)
+[[noreturn]] void bad_value(const std::string& option, const std::string& takes,
+                            const std::string& v) {
+  throw UsageError(option + ": must be " + takes + " (got \"" + v + "\")");
+}
+
+// A whole number: digits, with a minus sign for a signed T only (no "+", no spaces).
+template <typename T>
+bool read_whole(const std::string& v, T& x) {
+  const auto [end, error] = std::from_chars(v.data(), v.data() + v.size(), x);
+  return error == std::errc() && end == v.data() + v.size();
+}
+
+template <typename T>
+T whole(const std::string& option, const std::string& v, T lo, T hi) {
+  T x = 0;
+  if (!read_whole(v, x) || x < lo || x > hi) {
+    bad_value(option, "a whole number from " + std::to_string(lo) + " to " + std::to_string(hi), v);
+  }
+  return x;
+}
+
+// A finite number in [lo, hi], or one greater than lo when hi is infinity ("1e-3", not "0.1x",
+// "nan" or "inf").
+double real(const std::string& option, const std::string& v, double lo, double hi) {
+  const auto text = [](double d) {
+    char buf[32];
+    return std::string(buf, std::to_chars(buf, buf + sizeof buf, d).ptr);
+  };
+  double x = 0;
+  const auto [end, error] = std::from_chars(v.data(), v.data() + v.size(), x);
+  const bool number = error == std::errc() && end == v.data() + v.size() && std::isfinite(x);
+  if (std::isinf(hi)) {
+    if (!number || x <= lo) bad_value(option, "a number greater than " + text(lo), v);
+  } else if (!number || x < lo || x > hi) {
+    bad_value(option, "a number from " + text(lo) + " to " + text(hi), v);
+  }
+  return x;
+}
+
+std::string one_of(const std::string& option, const std::string& v,
+                   const std::vector<std::string>& values) {
+  std::string list;
+  for (const std::string& x : values) {
+    if (v == x) return v;
+    list += (list.empty() ? "" : ", ") + x;
+  }
+  bad_value(option, "one of " + list, v);
+}
+
+// A hand-written parser (the installed cudp does not bring CLI11 along): `--name value` or
+// `--name=value`, every value checked here, before anything runs. The ranges are cudp-vgg's.
 Options parse(int argc, char** argv) {
   Options o;
+  constexpr double kNoMax = std::numeric_limits<double>::infinity();
   using Set = std::function<void(const std::string&)>;
   const std::map<std::string, Set> takes_value = {
-      {"--data", [&](const std::string& v) { o.data = v; }},
+      {"--data",
+       [&](const std::string& v) {
+         o.data = one_of("--data", v, {"fashion-mnist", "synthetic"});
+       }},
       {"--data-dir", [&](const std::string& v) { o.data_dir = v; }},
-      {"--epochs", [&](const std::string& v) { o.epochs = std::stoi(v); }},
-      {"--steps", [&](const std::string& v) { o.steps = std::stoll(v); }},
-      {"--batch-size", [&](const std::string& v) { o.batch_size = std::stoll(v); }},
-      {"--synthetic-size", [&](const std::string& v) { o.synthetic_size = std::stoll(v); }},
-      {"--lr", [&](const std::string& v) { o.lr = std::stod(v); }},
-      {"--momentum", [&](const std::string& v) { o.momentum = std::stod(v); }},
-      {"--seed", [&](const std::string& v) { o.seed = std::stoull(v); }},
+      {"--epochs", [&](const std::string& v) { o.epochs = whole("--epochs", v, 1, 1000000); }},
+      {"--steps",
+       [&](const std::string& v) {
+         o.steps = whole<int64_t>("--steps", v, 0, std::numeric_limits<int>::max());
+       }},
+      {"--batch-size",
+       [&](const std::string& v) { o.batch_size = whole<int64_t>("--batch-size", v, 1, 1 << 20); }},
+      {"--synthetic-size",
+       [&](const std::string& v) {
+         o.synthetic_size = whole<int64_t>("--synthetic-size", v, 1, 1 << 20);
+       }},
+      {"--lr", [&](const std::string& v) { o.lr = real("--lr", v, 0, kNoMax); }},
+      {"--momentum", [&](const std::string& v) { o.momentum = real("--momentum", v, 0, 0.999); }},
+      {"--seed",
+       [&](const std::string& v) {
+         o.seed = whole<uint64_t>("--seed", v, 0, std::numeric_limits<uint64_t>::max());
+       }},
       {"--save", [&](const std::string& v) { o.save = v; }},
-      {"--precision", [&](const std::string& v) { o.precision = v; }},
+      {"--precision",
+       [&](const std::string& v) {
+         o.precision = one_of("--precision", v, {"fp32", "bf16", "tf32"});
+       }},
       {"--gpus",
        [&](const std::string& v) {
-         std::stringstream list(v);
-         for (std::string id; std::getline(list, id, ',');) o.gpus.push_back(std::stoi(id));
+         o.gpus.clear();
+         o.cpu = v == "none";
+         std::stringstream list(o.cpu ? std::string() : v);
+         for (std::string id; std::getline(list, id, ',');) {
+           int x = 0;
+           if (!read_whole(id, x) || x < 0) {
+             throw UsageError("--gpus: \"" + id +
+                              "\" is not a device id (a whole number >= 0, or none)");
+           }
+           o.gpus.push_back(x);
+         }
        }},
   };
   for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
+    std::string arg = argv[i];
+    std::string value;
+    bool has_value = false;  // --name=value
+    if (const size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg.resize(eq);
+      has_value = true;
+    }
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (arg == "--print-checksum") {
+      if (has_value) throw UsageError(arg + " takes no value");
       o.print_checksum = true;
     } else if (const auto it = takes_value.find(arg); it != takes_value.end()) {
-      if (i + 1 == argc) throw std::invalid_argument(arg + " needs a value");
-      try {
-        it->second(argv[++i]);
-      } catch (const std::logic_error&) {  // what std::stoi and friends throw on a bad number
-        throw std::invalid_argument(arg + ": \"" + argv[i] + "\" is not a valid value");
-      }
+      if (!has_value && i + 1 == argc) throw UsageError(arg + " needs a value");
+      it->second(has_value ? value : std::string(argv[++i]));
     } else {
-      throw std::invalid_argument("unknown option " + arg);
+      throw UsageError("unknown option " + std::string(argv[i]));
     }
   }
-  if (o.precision != "fp32" && o.precision != "bf16" && o.precision != "tf32")
-    throw std::invalid_argument("--precision is fp32, bf16 or tf32, not " + o.precision);
-  if (o.data != "fashion-mnist" && o.data != "synthetic")
-    throw std::invalid_argument("--data is fashion-mnist or synthetic, not " + o.data);
-  if (o.batch_size <= 0 || o.epochs < 0 || o.steps < 0 || o.synthetic_size <= 0)
-    throw std::invalid_argument(
-        "--batch-size and --synthetic-size must be > 0, --epochs and --steps >= 0");
   return o;
+}
+
+// --save is checked before anything trains, as cudp-vgg checks --checkpoint: a path that cannot
+// be written should not cost a run (and leave half of a checkpoint behind).
+void check_output_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  const fs::file_status status = fs::status(p, ec);
+  if (fs::is_directory(status)) {
+    throw std::runtime_error("--save " + path + " is a folder; give a file name (e.g. " +
+                             (p / "cnn.safetensors").string() + ")");
+  }
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    throw std::runtime_error("--save " + path +
+                             " exists and is not a regular file (a FIFO, device or socket); give "
+                             "a file path");
+  }
+  const fs::path folder = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(folder, ec)) {
+    throw std::runtime_error("--save " + path + ": the folder " + folder.string() +
+                             " does not exist; create it first or choose another path");
+  }
+  // Create and remove a file beside it: the one test that covers permissions, read-only file
+  // systems and quotas alike.
+  const std::string probe = path + ".probe-" + std::to_string(::getpid());
+  std::FILE* f = std::fopen(probe.c_str(), "wx");
+  if (f == nullptr) {
+    const int err = errno;
+    throw std::runtime_error("--save " + path + " cannot be written: creating a file in " +
+                             folder.string() + " failed (" + std::strerror(err) +
+                             "); choose a writable folder");
+  }
+  std::fclose(f);
+  std::remove(probe.c_str());
 }
 
 // The seed's device calls: torch.cuda.device_count(), current_device(), set_device(), and what
@@ -187,13 +313,26 @@ void print_checksum(Module& net) {
 int run(const Options& o) {
   show_devices();
 
-  // The GPUs to use: --gpus, or all of them; none at all on a machine without a GPU.
+  // The GPUs to use: --gpus, or all of them; none at all with --gpus none or without a GPU.
   std::vector<int> gpus = o.gpus;
-  if (gpus.empty()) {
+  if (gpus.empty() && !o.cpu) {
     for (int i = 0; i < cuda::device_count(); ++i) gpus.push_back(i);
   }
-  for (int g : gpus) cuda::check_device(g);  // an invalid id: an error naming the valid ones
+  if (o.cpu) std::printf("--gpus none: the model trains on the CPU\n");
+  for (int g : gpus) {
+    try {
+      cuda::check_device(g);
+    } catch (const ValueError& e) {  // an invalid id: the message names the valid ones
+      throw UsageError("--gpus: " + e.message());
+    }
+  }
   const Device device = gpus.empty() ? Device::cpu() : Device::cuda(gpus[0]);
+
+  // The output files, before anything is loaded or trained: the model and the optimizer state.
+  if (!o.save.empty()) {
+    check_output_file(o.save);
+    check_output_file(optimizer_state_path(o.save));
+  }
 
   const Data d = load_data(o);
   data::LoaderOptions lo;
@@ -307,12 +446,19 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // cudp's exceptions are cudp::Error: what() starts with the library's file and line, message()
+  // is what went wrong, which is what a user needs. CUDP_VERBOSE=1 prints the location too.
+  const char* env = std::getenv("CUDP_VERBOSE");
+  const bool verbose = env != nullptr && std::string(env) == "1";
   try {
     return run(parse(argc, argv));
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "custom_model: %s\n%s", e.what(), kUsage);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "custom_model: %s\nRun custom_model --help for the options.\n", e.what());
     return 2;
-  } catch (const std::exception& e) {  // cudp::Error names the file, line and what went wrong
+  } catch (const cudp::Error& e) {
+    std::fprintf(stderr, "custom_model: %s\n", verbose ? e.what() : e.message().c_str());
+    return 1;
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "custom_model: %s\n", e.what());
     return 1;
   }

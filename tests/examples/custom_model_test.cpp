@@ -6,7 +6,10 @@
 //     on PyTorch-layout weights from state_dict(), flatten in (c, h, w) order);
 //   - backward against central differences of that reference, with the gradient of either output,
 //     of both, or with the features' gradient undefined (a zero);
-//   - save and load through a safetensors file; a short CPU training run whose loss falls.
+//   - save and load through a safetensors file; a short CPU training run whose loss falls;
+//   - the program (main.cpp) as a user runs it: a bad command line is refused before anything
+//     runs (exit 2, the option and its range named), errors print without source locations,
+//     --gpus none trains on the CPU, and --save is checked before training.
 //
 // Why the finite differences are taken on the double reference and not on the model's fp32 forward:
 // the model is ReLU and max-pooling between convolutions, so a step large enough to drown fp32
@@ -20,8 +23,12 @@
 // gradient plus 1e-4 relative: about 1000x that rounding, while any real error (a term missing, the
 // features' gradient not added, a wrong flatten order) is of the order of the gradient itself.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,6 +36,13 @@
 #include "examples/custom_model/seed_cnn.h"
 #include "layers/layer_testing.h"
 #include "layers/temp_dir.h"
+
+// The example's program, compiled in with its main() renamed: the example is a project of its own
+// that CI builds against the installed package (.ci/run), so this build has no custom_model binary
+// to start. The tests below call custom_model_main() as the shell would call main().
+#define main custom_model_main
+#include "examples/custom_model/main.cpp"
+#undef main
 
 namespace cudp {
 namespace {
@@ -340,6 +354,170 @@ TEST(CustomModelTest, ShortCpuTrainingLowersTheLoss) {
   }
   const float after = loss_on_first();
   EXPECT_LT(after, 0.5f * before) << "before " << before << ", after " << after;
+}
+
+// ---- the program: command line, errors, --save ------------------------------------------------
+
+struct ProgramRun {
+  int code = -1;
+  std::string out, err;  // stdout, stderr
+};
+
+// custom_model `args` (split at spaces), its stdout and stderr captured.
+ProgramRun run_program(const std::string& args) {
+  std::vector<std::string> words = {"custom_model"};
+  std::stringstream ss(args);
+  for (std::string w; ss >> w;) words.push_back(w);
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  ProgramRun r;
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  r.code = custom_model_main(static_cast<int>(words.size()), argv.data());
+  r.out = ::testing::internal::GetCapturedStdout();
+  r.err = ::testing::internal::GetCapturedStderr();
+  return r;
+}
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A quick run on the CPU: 64 synthetic images, one step.
+const std::string kQuick = "--data synthetic --synthetic-size 64 --batch-size 32 --steps 1 ";
+
+// Every value is parsed whole and checked against its range before anything runs: exit 2, the
+// option, the allowed values and the given text named, and nothing printed on stdout (no device,
+// data or model was touched).
+TEST(CustomModelProgramTest, RefusesABadCommandLineBeforeRunning) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--lr -1", "--lr: must be a number greater than 0 (got \"-1\")"},
+      {"--lr nan", "--lr: must be a number greater than 0 (got \"nan\")"},
+      {"--lr inf", "--lr: must be a number greater than 0 (got \"inf\")"},
+      {"--lr 0", "--lr: must be a number greater than 0 (got \"0\")"},
+      {"--lr 0.1x", "--lr: must be a number greater than 0 (got \"0.1x\")"},
+      {"--momentum 5", "--momentum: must be a number from 0 to 0.999 (got \"5\")"},
+      {"--momentum -0.1", "--momentum: must be a number from 0 to 0.999 (got \"-0.1\")"},
+      {"--batch-size 10abc",
+       "--batch-size: must be a whole number from 1 to 1048576 (got \"10abc\")"},
+      {"--batch-size 0", "--batch-size: must be a whole number from 1 to 1048576 (got \"0\")"},
+      {"--batch-size +8", "--batch-size: must be a whole number from 1 to 1048576 (got \"+8\")"},
+      {"--epochs 0", "--epochs: must be a whole number from 1 to 1000000 (got \"0\")"},
+      {"--epochs 2.5", "--epochs: must be a whole number from 1 to 1000000 (got \"2.5\")"},
+      {"--steps -1", "--steps: must be a whole number from 0 to 2147483647 (got \"-1\")"},
+      {"--synthetic-size 0",
+       "--synthetic-size: must be a whole number from 1 to 1048576 (got \"0\")"},
+      {"--seed -1", "--seed: must be a whole number from 0 to 18446744073709551615 (got \"-1\")"},
+      {"--seed 18446744073709551616",
+       "--seed: must be a whole number from 0 to 18446744073709551615"},
+      {"--seed 1e3", "--seed: must be a whole number from 0 to 18446744073709551615"},
+      {"--gpus 0,x", "--gpus: \"x\" is not a device id (a whole number >= 0, or none)"},
+      {"--gpus 0,,1", "--gpus: \"\" is not a device id"},
+      {"--gpus -1", "--gpus: \"-1\" is not a device id"},
+      {"--precision fp16", "--precision: must be one of fp32, bf16, tf32 (got \"fp16\")"},
+      {"--data cifar10", "--data: must be one of fashion-mnist, synthetic (got \"cifar10\")"},
+      {"--lr", "--lr needs a value"},
+      {"--learning-rate 0.1", "unknown option --learning-rate"},
+  };
+  for (const auto& [args, message] : cases) {
+    // The quick options first: were the bad value taken, the run would be short.
+    const ProgramRun r = run_program(kQuick + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out << r.err;
+    EXPECT_TRUE(has(r.err, "custom_model: " + message)) << args << "\n" << r.err;
+    EXPECT_TRUE(has(r.err, "custom_model --help")) << args << "\n" << r.err;
+    EXPECT_EQ(r.out, "") << args;
+  }
+}
+
+// --name=value is --name value.
+TEST(CustomModelProgramTest, TakesNameEqualsValue) {
+  const ProgramRun r = run_program(
+      "--data=synthetic --synthetic-size=64 --batch-size=32 "
+      "--steps=1 --lr=-1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_TRUE(has(r.err, "--lr: must be a number greater than 0 (got \"-1\")")) << r.err;
+}
+
+// A library error prints its message alone (cudp::Error::message()), not what() with cudp's file
+// and line; CUDP_VERBOSE=1 adds them. An invalid GPU id is a usage error, as in cudp-vgg.
+TEST(CustomModelProgramTest, ErrorsPrintTheMessageWithoutTheSourceLocation) {
+  testing::TempDir dir;
+  const std::string missing = dir.file("no-such-folder");
+  ProgramRun r = run_program("--data-dir " + missing);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_TRUE(has(r.err, "custom_model: fashion-mnist file not found: " + missing)) << r.err;
+  EXPECT_FALSE(has(r.err, ".cpp:")) << r.err;
+
+  ::setenv("CUDP_VERBOSE", "1", 1);
+  r = run_program("--data-dir " + missing);
+  ::unsetenv("CUDP_VERBOSE");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_TRUE(has(r.err, ".cpp:")) << r.err;
+
+  r = run_program(kQuick + "--gpus 4095");  // no machine has as many
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_TRUE(has(r.err, "custom_model: --gpus: invalid device id 4095")) << r.err;
+  EXPECT_FALSE(has(r.err, ".cpp:")) << r.err;
+}
+
+// --gpus none: the CPU, GPUs or not (cudp-vgg's meaning).
+TEST(CustomModelProgramTest, GpusNoneTrainsOnTheCpu) {
+  const ProgramRun r = run_program(kQuick + "--gpus none");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(has(r.out, "DataParallel over 1 replica(s) on cpu")) << r.out;
+  EXPECT_TRUE(has(r.out, "epoch 1: 1 steps")) << r.out;
+}
+
+// --save is checked before anything trains: a folder, a missing folder or one that cannot be
+// written ends the run at once (exit 1), with no file left behind; a good path gets the model and
+// the optimizer state.
+TEST(CustomModelProgramTest, SavePathIsCheckedBeforeTraining) {
+  testing::TempDir dir;
+  std::filesystem::create_directory(dir.file("x"));
+  ProgramRun r = run_program(kQuick + "--save " + dir.file("x"));
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_TRUE(has(r.err, "custom_model: --save " + dir.file("x") +
+                             " is a folder; give a file name (e.g. " + dir.file("x") +
+                             "/cnn.safetensors)"))
+      << r.err;
+  EXPECT_FALSE(has(r.out, "epoch 1")) << r.out;
+  EXPECT_EQ(dir.entries(), std::vector<std::string>{"x"});
+
+  const std::string nowhere = dir.file("missing/cnn.safetensors");
+  r = run_program(kQuick + "--save " + nowhere);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_TRUE(has(r.err, "custom_model: --save " + nowhere + ": the folder " + dir.file("missing") +
+                             " does not exist"))
+      << r.err;
+  EXPECT_FALSE(has(r.out, "epoch 1")) << r.out;
+
+  // The optimizer state's file is checked too: a folder in its place.
+  const std::string model = dir.file("m.safetensors");
+  std::filesystem::create_directory(optimizer_state_path(model));
+  r = run_program(kQuick + "--save " + model);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_TRUE(has(r.err, "--save " + optimizer_state_path(model) + " is a folder")) << r.err;
+  EXPECT_FALSE(has(r.out, "epoch 1")) << r.out;
+  std::filesystem::remove(optimizer_state_path(model));
+
+  if (::geteuid() != 0) {  // root writes anywhere
+    std::filesystem::create_directory(dir.file("ro"));
+    ::chmod(dir.file("ro").c_str(), 0555);
+    r = run_program(kQuick + "--save " + dir.file("ro/cnn.safetensors"));
+    ::chmod(dir.file("ro").c_str(), 0755);
+    EXPECT_EQ(r.code, 1) << r.out << r.err;
+    EXPECT_TRUE(has(r.err, "cannot be written")) << r.err;
+    EXPECT_FALSE(has(r.out, "epoch 1")) << r.out;
+  }
+
+  r = run_program(kQuick + "--save " + model);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(std::filesystem::is_regular_file(model));
+  EXPECT_TRUE(std::filesystem::is_regular_file(optimizer_state_path(model)));
+  for (const std::string& name : dir.entries()) {
+    EXPECT_FALSE(has(name, "probe")) << "the writability probe is left: " << name;
+  }
 }
 
 }  // namespace
