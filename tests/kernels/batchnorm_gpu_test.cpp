@@ -105,18 +105,28 @@ INSTANTIATE_TEST_SUITE_P(Paths, BatchNormPathGpu, ::testing::Bool(),
                            return info.param ? "OneLaunch" : "MultiPass";
                          });
 
+bool gpu_has_clusters() {
+  int device = 0, clusters = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+  return clusters != 0;
+}
+
+// The one-launch path on while it lives, then as it was.
+struct OneLaunchOn {
+  OneLaunchOn() { detail::set_batchnorm_cluster(true); }
+  ~OneLaunchOn() { detail::set_batchnorm_cluster(was_on); }
+  const bool was_on = detail::batchnorm_cluster();
+};
+
 // Which layers take one launch: VGG-16-BN's at 32 x 32 and batch 256 from conv3 on (conv3 and
 // conv4 are the largest, exactly kBatchnormClusterElements values), not conv1 and conv2, nor a
 // few channels over many rows, none with the cluster path off. The OneLaunch tests below run the
 // cluster kernels where this says so.
 TEST(BatchNormGpu, LayersUpToTheLimitTakeOneLaunch) {
   CUDP_REQUIRE_GPU();
-  int device = 0, clusters = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
-  if (clusters == 0) GTEST_SKIP() << "this GPU has no thread-block clusters (sm_90 and later do)";
-  const bool was_on = detail::batchnorm_cluster();
-  detail::set_batchnorm_cluster(true);
+  if (!gpu_has_clusters()) GTEST_SKIP() << "this GPU has no thread-block clusters (sm_90 has)";
+  const OneLaunchOn one_launch;
   EXPECT_TRUE(detail::batchnorm_one_launch(256 * 16 * 16, 128));
   EXPECT_TRUE(detail::batchnorm_one_launch(256 * 8 * 8, 256));
   EXPECT_TRUE(detail::batchnorm_one_launch(256 * 2 * 2, 512));
@@ -127,7 +137,6 @@ TEST(BatchNormGpu, LayersUpToTheLimitTakeOneLaunch) {
   EXPECT_TRUE(detail::batchnorm_one_launch(kBatchnormClusterFewChannels / 4, 4));
   detail::set_batchnorm_cluster(false);
   EXPECT_FALSE(detail::batchnorm_one_launch(256 * 2 * 2, 512));
-  detail::set_batchnorm_cluster(was_on);
 }
 
 // ---- the one-launch kernels' order, emulated on the host ----------------------------------------
@@ -269,12 +278,8 @@ void expect_one_launch_order(const BnCase& k, uint64_t seed) {
 
 TEST(BatchNormGpu, OneLaunchMergesInRankOrderBitForBit) {
   CUDP_REQUIRE_GPU();
-  int device = 0, clusters = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
-  if (clusters == 0) GTEST_SKIP() << "this GPU has no thread-block clusters (sm_90 and later do)";
-  const bool was_on = detail::batchnorm_cluster();
-  detail::set_batchnorm_cluster(true);
+  if (!gpu_has_clusters()) GTEST_SKIP() << "this GPU has no thread-block clusters (sm_90 has)";
+  const OneLaunchOn one_launch;
   // Several rows a thread; one lane of scalars; one row a thread over 4 lanes (conv11-13);
   // the largest layer of one launch (conv3); few rows, wide blocks; a block of one row of threads.
   for (const BnCase& k :
@@ -290,7 +295,6 @@ TEST(BatchNormGpu, OneLaunchMergesInRankOrderBitForBit) {
       expect_one_launch_order<__nv_bfloat16>(k, 221 + k.c);
     }
   }
-  detail::set_batchnorm_cluster(was_on);
 }
 
 // Everything one training step of a BN layer touches, on the GPU.
