@@ -280,7 +280,7 @@ Data load_data(const Options& o) {
 
 // The seed's accuracy on the first 2000 test images: forward, argmax of the logits, .cpu(), and
 // a comparison with the labels on the host (torch.max(test_output, 1)[1].data.cpu() == test_y).
-double test_accuracy(DataParallel& model, data::Loader& test, Device device) {
+double test_accuracy(Module& model, data::Loader& test, Device device) {
   model.eval();
   int64_t correct = 0, seen = 0;
   test.start_epoch(0);
@@ -367,12 +367,15 @@ int run(const Options& o) {
   }
   std::printf("\n");
 
-  // Every GPU in `gpus` gets a replica; without a GPU, DataParallel runs the model as it is.
-  std::unique_ptr<DataParallel> wrapped = gpus.empty() ? std::make_unique<DataParallel>(net)
-                                                       : std::make_unique<DataParallel>(net, gpus);
-  DataParallel& model = *wrapped;
-  std::printf("DataParallel over %zu replica(s) on %s\n", model.num_replicas(),
-              device.str().c_str());
+  // Every GPU in `gpus` gets a replica. On the CPU the model runs as it is: a DataParallel given no
+  // device list would take every visible GPU, as PyTorch's does.
+  std::unique_ptr<DataParallel> wrapped;
+  if (!gpus.empty()) wrapped = std::make_unique<DataParallel>(net, gpus);
+  Module& model = wrapped ? static_cast<Module&>(*wrapped) : *net;
+  if (wrapped) {
+    std::printf("DataParallel over %zu replica(s) on %s\n", wrapped->num_replicas(),
+                device.str().c_str());
+  }
 
   // One SGD per replica, stepped together: every replica applies the same summed gradient, so they
   // stay identical without re-broadcasting weights.

@@ -465,7 +465,10 @@ TEST(CustomModelProgramTest, ErrorsPrintTheMessageWithoutTheSourceLocation) {
 TEST(CustomModelProgramTest, GpusNoneTrainsOnTheCpu) {
   const ProgramRun r = run_program(kQuick + "--gpus none");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_TRUE(has(r.out, "DataParallel over 1 replica(s) on cpu")) << r.out;
+  EXPECT_TRUE(has(r.out, "--gpus none: the model trains on the CPU")) << r.out;
+  // Not wrapped: a DataParallel given no device list would take every visible GPU (the GPU
+  // machine's run failed so: its parameters on the CPU, its device_ids[0] cuda:0).
+  EXPECT_FALSE(has(r.out, "DataParallel over")) << r.out;
   EXPECT_TRUE(has(r.out, "epoch 1: 1 steps")) << r.out;
 }
 
