@@ -551,8 +551,8 @@ int main(int argc, char** argv) {
   app.add_option("--bn-cluster", bn_cluster,
                  "on: with --bn, each BatchNorm of at most 2^23 values (rows x channels) runs its "
                  "training forward and its backward in one launch each, a thread-block cluster "
-                 "per channel group; off: three kernels each at every size (the default until "
-                 "measured on a GPU)")
+                 "per channel group; off: three kernels each at every size (the default: the "
+                 "one-launch path measured slower)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   std::string zero_grad = "deferred";
