@@ -208,26 +208,20 @@ TEST(VggTrainer, PrecisionPolicies) {
 TEST(VggTrainer, UsageErrors) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  // One exit code for every usage error (CLI11's own codes were 105, 109, ...).
-  RunResult r = run_on_cpu(dir, "--no-such-option");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "no-such-option")) << r.output;
-  r = run_on_cpu(dir, "--arch vgg99");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "--arch: must be one of vgg11, vgg13, vgg16, vgg19")) << r.output;
-  r = run_on_cpu(dir, "--graphs maybe");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "--graphs: must be one of on, off")) << r.output;
-  r = run_on_cpu(dir, "--batch-size 0");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "--batch-size")) << r.output;
-  r = run_on_cpu(dir, "--epochs many");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "--epochs")) << r.output;
-  r = run_on_cpu(dir, "--gpus x");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "\"x\" is not a device id")) << r.output;
-  r = run_on_cpu(dir, "--help");
+  // A usage error: exit 2, one code for all of them (CLI11's own were 105, 109, ...), with a
+  // message that says `says`.
+  const auto refused = [&](const std::string& args, const std::string& says) {
+    const RunResult r = run_on_cpu(dir, args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, says)) << args << "\n" << r.output;
+  };
+  refused("--no-such-option", "no-such-option");
+  refused("--arch vgg99", "--arch: must be one of vgg11, vgg13, vgg16, vgg19");
+  refused("--graphs maybe", "--graphs: must be one of on, off");
+  refused("--batch-size 0", "--batch-size");
+  refused("--epochs many", "--epochs");
+  refused("--gpus x", "\"x\" is not a device id");
+  RunResult r = run_on_cpu(dir, "--help");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--limit-train")) << r.output;
   EXPECT_TRUE(contains(r.output, "--print-checksum")) << r.output;
@@ -236,15 +230,11 @@ TEST(VggTrainer, UsageErrors) {
   EXPECT_TRUE(contains(r.output, "2 the command line is wrong")) << r.output;
   EXPECT_FALSE(contains(r.output, "{false}")) << r.output;
   EXPECT_TRUE(contains(r.output, "BatchNorm after every convolution (the default)")) << r.output;
-  r = run_on_cpu(dir, "--bn --no-bn --data synthetic");
-  EXPECT_EQ(r.code, 2) << r.output;
+  refused("--bn --no-bn --data synthetic", "--bn and --no-bn contradict each other");
   // Given twice, the last value counts (argparse's rule): batch 4, which 8 micro-batches exceed.
-  r = run_on_cpu(dir, "--data synthetic --batch-size 0 --batch-size 4 --accumulate 8");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "--accumulate 8 splits each batch of --batch-size 4")) << r.output;
-  r = run_on_cpu(dir, "--gpus ''");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "--gpus is empty")) << r.output;
+  refused("--data synthetic --batch-size 0 --batch-size 4 --accumulate 8",
+          "--accumulate 8 splits each batch of --batch-size 4");
+  refused("--gpus ''", "--gpus is empty");
 }
 
 // --sync-bn converts the model's BatchNorm layers; without a group of several devices they are
