@@ -220,6 +220,48 @@ void naming_file(const std::string& file, F&& load) {
   }
 }
 
+// The first NaN or infinity of a floating-point tensor on the host: its index and what it is, or
+// index -1 (an integer tensor, or every value finite). An IEEE value is not finite when its
+// exponent bits are all ones; it is a NaN when its mantissa is not zero.
+struct NonFinite {
+  int64_t index = -1;
+  const char* what = "";
+};
+template <typename Bits>
+NonFinite first_non_finite(const Tensor& t, Bits exponent, Bits sign) {
+  const auto* bits = static_cast<const Bits*>(t.data_ptr());
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    if ((bits[i] & exponent) != exponent) continue;
+    const bool nan = (bits[i] & Bits(~(exponent | sign))) != 0;
+    return {i, nan ? "NaN" : (bits[i] & sign) != 0 ? "-inf" : "inf"};
+  }
+  return {};
+}
+
+// A model file read for loading holds finite values only: NaN or infinity there means the run
+// that saved it had diverged (a save refuses such a model, StagedCheckpoint::first_non_finite,
+// but a file written elsewhere or before that check was made may hold them). One pass over the
+// host copies the reader just made, before anything is loaded.
+void check_finite(const std::string& file, const TensorMap& tensors) {
+  for (const auto& [name, t] : tensors) {
+    NonFinite found;
+    if (t.dtype() == DType::f32) {
+      found = first_non_finite<uint32_t>(t, 0x7f800000u, 0x80000000u);
+    } else if (t.dtype() == DType::bf16) {
+      found = first_non_finite<uint16_t>(t, 0x7f80u, 0x8000u);
+    } else if (t.dtype() == DType::f16) {
+      found = first_non_finite<uint16_t>(t, 0x7c00u, 0x8000u);
+    }
+    if (found.index >= 0) {
+      CUDP_THROW(IoError, "checkpoint file '", file, "': tensor '", name,
+                 "' holds NaN/Inf values (element ", found.index, " is ", found.what,
+                 "); the run that saved it had diverged: resume from or evaluate an earlier "
+                 "checkpoint");
+    }
+  }
+}
+
 [[noreturn]] void bad_metadata(const Metadata& metadata, const std::string& key,
                                const std::string& file, const std::string& expected) {
   const auto it = metadata.find(key);
@@ -675,6 +717,7 @@ Metadata load_checkpoint(const CheckpointFiles& files, Module& model, Optimizer*
     CUDP_THROW(IoError, "checkpoint '", path, "': '", files.model, "' and '", train_path,
                "' changed while being read (is another process saving this checkpoint?)");
   }
+  check_finite(files.model, model_file.tensors);
 
   // Check that the training state fits the optimizer before loading anything.
   Metadata hyperparameters;
@@ -716,6 +759,7 @@ void save_weights(const std::string& path, Module& model, const Metadata& metada
 
 void load_weights(const std::string& path, Module& model, bool strict) {
   const SafetensorsFile file = load_safetensors(path);
+  check_finite(path, file.tensors);
   naming_file(path, [&] { model.load_state_dict(file.tensors, strict); });
 }
 

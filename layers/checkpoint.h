@@ -171,10 +171,12 @@ class CheckpointWriter {
 
 // Loads the last complete save of the checkpoint at `path` (find_checkpoint): the model strictly
 // (every key, no extra: Module::load_state_dict) and, when `optimizer` is given, its state and
-// lr/steps (the checkpoint must hold state of the same optimizer type). Errors name the file and the
-// tensor. Returns the caller's metadata as saved. Both files are read and checked against each
-// other before anything is loaded; the model is loaded before the optimizer, so an error in the
-// optimizer state leaves the model loaded and the optimizer as it was.
+// lr/steps (the checkpoint must hold state of the same optimizer type). Errors name the file and
+// the tensor; a model file holding a NaN or an infinity (the run that saved it had diverged) is
+// refused as it is read, naming the tensor and the element. Returns the caller's metadata as saved.
+// Both files are read and checked against each other before anything is loaded; the model is loaded
+// before the optimizer, so an error in the optimizer state leaves the model loaded and the
+// optimizer as it was.
 Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* optimizer = nullptr);
 
 // Where the last complete save of the checkpoint at `path` is.
@@ -219,6 +221,7 @@ const std::string& metadata_choice(const Metadata& metadata, const std::string& 
 
 // Just the model: the model file alone, as PyTorch reads and writes it (e.g. weights exported by
 // `safetensors.torch.save_file(model.state_dict(), path)`). Atomic; strict unless told otherwise.
+// load_weights refuses NaN and infinities as load_checkpoint does.
 void save_weights(const std::string& path, Module& model, const Metadata& metadata = {});
 void load_weights(const std::string& path, Module& model, bool strict = true);
 

@@ -748,6 +748,18 @@ std::string resume_path(const std::string& given) {
   return given;
 }
 
+// A file to evaluate with nothing of a cudp checkpoint beside it (no training-state file, no
+// previous save): a model's weights alone, a state dict as PyTorch saves it
+// (safetensors.torch.save_file(model.state_dict(), path)). It records no settings.
+bool weights_only_file(const std::string& path) {
+  std::error_code ignored;
+  const std::string prev = previous_checkpoint_path(path);
+  for (const std::string& p : {optimizer_state_path(path), prev, optimizer_state_path(prev)}) {
+    if (fs::exists(p, ignored)) return false;
+  }
+  return fs::is_regular_file(path, ignored);
+}
+
 // Under a launcher that started more than one process (mpirun, srun): MPI, this process's rank,
 // and its standard output sent to /dev/null unless it is rank 0.
 void join_ranks() {
@@ -804,12 +816,14 @@ int run(Options o) {
     }
   }
 
-  // A resumed run takes the checkpoint's settings before anything depends on them.
+  // A resumed run takes the checkpoint's settings before anything depends on them. Evaluating a
+  // file of weights alone needs no training state, and takes the command line's settings.
   std::string resume_file, state_file;
   CheckpointFiles resumed_files;
   Metadata resumed_meta;
-  if (!o.resume.empty()) {
-    resume_file = resume_path(o.resume);
+  if (!o.resume.empty()) resume_file = resume_path(o.resume);
+  const bool weights_only = o.eval_only && !resume_file.empty() && weights_only_file(resume_file);
+  if (!resume_file.empty() && !weights_only) {
     // The last complete save (a torn pair falls back to the previous one, layers/checkpoint.h).
     resumed_files = find_checkpoint(resume_file);
     if (resumed_files.fallback) std::fprintf(stderr, "warning: %s\n", resumed_files.note.c_str());
@@ -832,7 +846,7 @@ int run(Options o) {
         g_ranks.world);
   }
   int64_t start_epoch = 0, global_step = 0;
-  if (!resume_file.empty()) {
+  if (!resume_file.empty() && !weights_only) {
     start_epoch = metadata_int(resumed_meta, "epoch", 0, 1000000, state_file);
     global_step = metadata_int(resumed_meta, "step", 0, std::numeric_limits<int64_t>::max(),
                                state_file);
@@ -972,7 +986,20 @@ int run(Options o) {
               static_cast<long long>(net->num_parameters()), o.precision.c_str(), cpu_note,
               where.c_str());
 
-  if (!resume_file.empty()) {
+  if (weights_only) {
+    try {
+      load_weights(resume_file, *net);
+    } catch (const ValueError& e) {
+      throw UsageError(detail::str(e.message(),
+                                   "; a file of weights alone records no settings: "
+                                   "give the --arch, --bn/--no-bn, --head, --image-size and data "
+                                   "set its model was trained with"));
+    }
+    std::printf(
+        "evaluating the weights in %s (no training state beside them: the settings are "
+        "the command line's)\n",
+        resume_file.c_str());
+  } else if (!resume_file.empty()) {
     load_checkpoint(resumed_files, *net, nullptr);
     load_dropout_state(*net, resumed_meta, state_file);
     std::printf(
@@ -1031,7 +1058,7 @@ int run(Options o) {
   }
   std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
-  if (!resume_file.empty()) {
+  if (!resume_file.empty() && !weights_only) {
     // Replica 0's optimizer from the checkpoint, then its state into every replica's.
     load_checkpoint(resumed_files, *net, &opt->primary());
     opt->load_state_dict(opt->primary().state_dict());

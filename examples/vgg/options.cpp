@@ -336,7 +336,10 @@ int parse_command_line(int argc, char** argv, Options& o) {
                  "comma-separated device ids, or none for the CPU (default: all visible; under "
                  "mpirun one per process, picked by its local rank)")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.add_flag("-e,--evaluate,--eval-only", o.eval_only, "evaluate the --resume checkpoint and stop");
+  app.add_flag("-e,--evaluate,--eval-only", o.eval_only,
+               "evaluate the --resume checkpoint and stop; a file of weights alone (a state dict "
+               "as PyTorch saves it, no training-state file beside it) is evaluated with the "
+               "command line's settings (--arch, --bn/--no-bn, --head, --image-size, --data)");
   app.add_flag("--print-checksum", o.print_checksum,
                "print a checksum of the model's parameters and buffers at the end (compares runs)");
   app.add_flag("--verbose", o.verbose, "error messages with their source locations");

@@ -448,6 +448,85 @@ TEST(VggTrainer, EvalOnlyNeedsResume) {
   EXPECT_TRUE(contains(r.output, "--eval-only needs --resume")) << r.output;
 }
 
+// -e of a file of weights alone (a state dict as PyTorch saves it, no training state beside it)
+// evaluates it with the command line's settings: the training run's own weights and test result.
+// Training from it is refused as before (a resume needs the training state), and settings that do
+// not fit the weights are refused naming the tensors and what to give.
+TEST(VggTrainer, EvaluatesAFileOfWeightsAlone) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string base = kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 ";
+  const std::string ckpt = dir / "c.safetensors", weights = dir / "weights.safetensors";
+  const RunResult trained =
+      run_on_cpu(dir, base + "--epochs 1 --print-checksum --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  cudp::save_safetensors(weights, cudp::load_safetensors(ckpt).tensors, {{"format", "pt"}});
+
+  RunResult r = run_on_cpu(dir, base + "--print-checksum -e --resume '" + weights + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "evaluating the weights in " + weights)) << r.output;
+  EXPECT_NE(checksum_of(r), "") << r.output;
+  EXPECT_EQ(checksum_of(r), checksum_of(trained)) << r.output;
+  EXPECT_NE(test_result(r), "") << r.output;
+  EXPECT_EQ(test_result(r), test_result(trained)) << r.output;
+
+  r = run_on_cpu(dir, base + "--epochs 2 --resume '" + weights + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "weights.train.safetensors' does not exist")) << r.output;
+  EXPECT_FALSE(contains(r.output, "epoch 1/2")) << r.output;
+
+  r = run_on_cpu(dir, base + "--arch vgg13 -e --resume '" + weights + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "'features.")) << r.output;
+  EXPECT_TRUE(contains(r.output, "records no settings: give the --arch")) << r.output;
+  EXPECT_FALSE(contains(r.output, "test accuracy")) << r.output;
+}
+
+// Weights holding a NaN or an infinity (a diverged run's) are refused when they are read, for an
+// evaluation and for a resume, naming the file, the tensor and the element; nothing is evaluated
+// or trained.
+TEST(VggTrainer, NonFiniteWeightsAreRefusedWhenLoaded) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string base = kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 ";
+  const std::string ckpt = dir / "c.safetensors";
+  const RunResult trained = run_on_cpu(dir, base + "--epochs 1 --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  const cudp::SafetensorsFile model = cudp::load_safetensors(ckpt);
+  const auto save_with = [&](const std::string& path, const std::string& name, int64_t element,
+                             float value, const cudp::Metadata& metadata) {
+    cudp::TensorMap tensors;
+    for (const auto& [key, t] : model.tensors) tensors.emplace(key, t.clone());
+    tensors.at(name).data<float>()[element] = value;
+    cudp::save_safetensors(path, tensors, metadata);
+  };
+
+  // The checkpoint (the same id: still a pair) with an infinite BatchNorm variance.
+  save_with(ckpt, "features.1.running_var", 3, INFINITY, model.metadata);
+  const std::string says = "checkpoint file '" + ckpt +
+                           "': tensor 'features.1.running_var' holds NaN/Inf values (element 3 "
+                           "is inf); the run that saved it had diverged";
+  for (const std::string args : {"--epochs 2 --resume", "-e --resume"}) {
+    const RunResult r = run_on_cpu(dir, args + " '" + ckpt + "'");
+    EXPECT_EQ(r.code, 1) << args << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, says)) << args << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, "earlier checkpoint")) << args << ": " << r.output;
+    EXPECT_FALSE(contains(r.output, "epoch 2/2")) << args << ": " << r.output;
+    EXPECT_FALSE(contains(r.output, "test accuracy")) << args << ": " << r.output;
+  }
+
+  // A file of weights alone with a NaN weight.
+  const std::string weights = dir / "weights.safetensors";
+  save_with(weights, "features.0.weight", 5, NAN, {{"format", "pt"}});
+  const RunResult r = run_on_cpu(dir, base + "-e --resume '" + weights + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "checkpoint file '" + weights +
+                                     "': tensor 'features.0.weight' holds NaN/Inf values "
+                                     "(element 5 is NaN)"))
+      << r.output;
+  EXPECT_FALSE(contains(r.output, "test accuracy")) << r.output;
+}
+
 TEST(VggTrainer, MissingCheckpointIsAnError) {
   CUDP_REQUIRE_VGG();
   TempDir dir;

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <vector>
 
 #include "common/compare.h"
 #include "layers/activation.h"
@@ -462,6 +464,98 @@ TEST_F(Checkpoint, ModelErrorsNameTheFile) {
   } catch (const ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("'" + path_ + "'"), std::string::npos) << e.what();
   }
+}
+
+// A model file holding a NaN or an infinity (the save of a run that had diverged) is refused as it
+// is read, naming the file, the tensor and the element, and nothing of it is loaded: a parameter,
+// a buffer, by load_checkpoint and by load_weights.
+TEST_F(Checkpoint, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  const SafetensorsFile good = load_safetensors(path_);
+  const auto save_with = [&](const std::string& name, int64_t element, float value) {
+    TensorMap tensors = clone_map(good.tensors);
+    tensors.at(name).data<float>()[element] = value;
+    save_safetensors(path_, tensors, good.metadata);  // the same id: still a pair
+  };
+  auto other = small_net(99);
+  const TensorMap before = clone_map(other->state_dict());
+  save_with("0.weight", 5, std::numeric_limits<float>::quiet_NaN());
+  expect_load_error<IoError>(path_, *other, nullptr,
+                             "checkpoint file '" + path_ +
+                                 "': tensor '0.weight' holds NaN/Inf values (element 5 is NaN); "
+                                 "the run that saved it had diverged: resume from or evaluate an "
+                                 "earlier checkpoint");
+  save_with("1.running_var", 2, -std::numeric_limits<float>::infinity());
+  expect_load_error<IoError>(path_, *other, nullptr,
+                             "tensor '1.running_var' holds NaN/Inf values (element 2 is -inf)");
+  save_with("5.bias", 0, std::numeric_limits<float>::max());  // finite: loads
+  load_checkpoint(path_, *other, nullptr);
+  other = small_net(99);
+
+  const std::string weights = dir_.file("w.safetensors");
+  TensorMap tensors = clone_map(good.tensors);
+  tensors.at("5.weight").data<float>()[7] = std::numeric_limits<float>::infinity();
+  save_safetensors(weights, tensors, {{"format", "pt"}});
+  try {
+    load_weights(weights, *other);
+    ADD_FAILURE() << "expected an IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint file '" + weights +
+                                         "': tensor '5.weight' holds NaN/Inf values (element 7 "
+                                         "is inf)"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_same_values(other->state_dict(), before);
+}
+
+// Half-precision state (a module of one's own may hold it) is checked as f32 is: by its exponent
+// bits, the largest finite values passing.
+class HalfBuffers : public Module {
+ public:
+  HalfBuffers() {
+    register_buffer("b", Tensor::zeros({4}, DType::bf16));
+    register_buffer("h", Tensor::zeros({4}, DType::f16));
+  }
+  std::string type_name() const override { return "HalfBuffers"; }
+
+ protected:
+  Tensor forward_one(const Tensor& x) override { return x; }
+  std::shared_ptr<Module> make_empty_copy() const override {
+    return std::make_shared<HalfBuffers>();
+  }
+};
+
+TEST(CheckpointPaths, NonFiniteHalfPrecisionStateIsRefused) {
+  TempDir dir;
+  const std::string path = dir.file("w.safetensors");
+  HalfBuffers model;
+  TensorMap state = clone_map(model.state_dict());
+  const auto set = [&](const char* name, std::vector<uint16_t> bits) {
+    std::memcpy(state.at(name).data_ptr(), bits.data(), bits.size() * sizeof(uint16_t));
+    save_safetensors(path, state, {{"format", "pt"}});
+  };
+  const auto refused = [&](const std::string& part) {
+    try {
+      load_weights(path, model);
+      ADD_FAILURE() << "expected an error containing " << part;
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  // The largest finite values of each sign, the smallest subnormal and zero: finite, loaded.
+  set("b", {0x7f7f, 0xff7f, 0x0001, 0x0000});
+  set("h", {0x7bff, 0xfbff, 0x0001, 0x0000});
+  load_weights(path, model);
+  set("b", {0x7f7f, 0xff80, 0x0000, 0x0000});
+  refused("tensor 'b' holds NaN/Inf values (element 1 is -inf)");
+  set("b", {0x0000, 0x0000, 0x7f81, 0x0000});
+  refused("tensor 'b' holds NaN/Inf values (element 2 is NaN)");
+  set("b", {0x0000, 0x0000, 0x0000, 0x0000});
+  set("h", {0x0000, 0x0000, 0x0000, 0x7c00});
+  refused("tensor 'h' holds NaN/Inf values (element 3 is inf)");
+  set("h", {0x0000, 0xfe00, 0x0000, 0x0000});
+  refused("tensor 'h' holds NaN/Inf values (element 1 is NaN)");
 }
 
 TEST_F(Checkpoint, ATornPairWithOnlyOneSaveBeforeItLoadsThatSave) {
