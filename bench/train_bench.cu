@@ -69,6 +69,7 @@
 #include "engine/parallel/mpi_bootstrap.h"
 #include "kernels/batchnorm.h"
 #include "kernels/conv2d.h"
+#include "kernels/matmul.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
 #include "layers/train.h"
@@ -555,6 +556,13 @@ int main(int argc, char** argv) {
                  "one-launch path measured slower)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string splitk = kernels::detail::splitk_in_kernel_enabled() ? "in-kernel" : "kernel";
+  app.add_option("--splitk", splitk,
+                 "in-kernel: a tensor-core product split along k adds its splits up in its own "
+                 "kernel (the last split of each tile's rows); kernel: in a reduction kernel "
+                 "after it (to compare; the same bits)")
+      ->check(CLI::IsMember({"in-kernel", "kernel"}))
+      ->capture_default_str();
   std::string zero_grad = "deferred";
   app.add_option("--zero-grad", zero_grad,
                  "deferred: zero_grad leaves the convolutions' and linear layers' weight "
@@ -590,6 +598,7 @@ int main(int argc, char** argv) {
   detail::set_parameter_store(param_store == "on");
   detail::set_batchnorm_mask_handoff(bn_mask_handoff == "on");
   kernels::detail::set_batchnorm_cluster(bn_cluster == "on");
+  kernels::detail::set_splitk_in_kernel(splitk == "in-kernel");
   detail::set_programmatic_launch(pdl == "on");
   g_zero_grad = zero_grad == "fill" ? ZeroGrad::fill : ZeroGrad::deferred;
   kernels::detail::set_conv_swapped(swap == "on");

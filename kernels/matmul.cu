@@ -9,6 +9,7 @@
 // Narrow tiles lose some efficiency (B is re-read for every 128 rows of A instead of 256). The
 // model only has to rank candidates; its constants were set from the H200 (see bench/README-gemm.md).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -305,6 +306,20 @@ void matmul_with_plan(const MatmulProblem& p, const MatmulPlan& plan, cudaStream
 
 namespace detail {
 
+namespace {
+std::atomic<bool> g_splitk_in_kernel{false};  // off until measured (kernels/matmul.h)
+}  // namespace
+
+void set_splitk_in_kernel(bool on) {
+  g_splitk_in_kernel.store(on);
+}
+bool splitk_in_kernel_enabled() {
+  return g_splitk_in_kernel.load();
+}
+bool splitk_in_kernel(const MatmulPlan& plan) {
+  return plan.splits > 1 && plan.splits <= kMaxSplitsInKernel && g_splitk_in_kernel.load();
+}
+
 void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
                      cudaStream_t stream) {
   if (type == DType::BF16) {
@@ -322,6 +337,9 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     return;
   }
 #ifdef CUDP_HAVE_SM90
+  // The switch read once: the kernel and the reduction below must agree on who sums the splits.
+  MatmulPlan run = plan;
+  run.sum_in_kernel = splitk_in_kernel(plan);
   Workspace partials(size_t(matmul_workspace_bytes(p, plan)), stream,
                      "the tensor-core product's split-K partial sums");
   float* ws = partials.get();
@@ -335,8 +353,8 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   int64_t column_rows = 0;
   if (p.column_sums != nullptr && patch != nullptr &&
       (feed == Feed::ConvTma || feed == Feed::ConvTmaUnrotated) &&
-      sm90::column_sums_in_epilogue(p, plan)) {
-    const bool swapped = bf16 && sm90::conv_swapped_applies(p, plan, *patch);
+      sm90::column_sums_in_epilogue(p, run)) {
+    const bool swapped = bf16 && sm90::conv_swapped_applies(p, run, *patch);
     column_rows = int64_t(patch->tiles_q) * patch->tiles_p * patch->tiles_n * (swapped ? 1 : 8);
     column_ws = Workspace(size_t(column_rows) * size_t(p.n) * sizeof(float), stream,
                           "backward-data's partial column sums");
@@ -345,9 +363,9 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     CUDP_CHECK(conv != nullptr && patch != nullptr, "conv: the patch feed needs its tiling");
     CUDP_CHECK(bf16 || feed == Feed::ConvTma,
                "conv: unrotated filters need bf16 (TF32 reads K-major operands only)");
-    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, plan, ws, stream, feed == Feed::ConvTmaUnrotated,
+    bf16 ? sm90::conv_tma_bf16(p, *conv, *patch, run, ws, stream, feed == Feed::ConvTmaUnrotated,
                                column_ws.get())
-         : sm90::conv_tma_tf32(p, *conv, *patch, plan, ws, stream, column_ws.get());
+         : sm90::conv_tma_tf32(p, *conv, *patch, run, ws, stream, column_ws.get());
   } else if (feed == Feed::Wgrad || feed == Feed::WgradAlt || feed == Feed::WgradTma ||
              feed == Feed::WgradTmaT) {
     const bool tma = feed == Feed::WgradTma || feed == Feed::WgradTmaT;
@@ -360,12 +378,12 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
                "conv: the bias gradient is fused into backward-weight's patch feed only");
     if (!bf16) {
       CUDP_CHECK(p.bias_grad == nullptr, "conv: the TF32 backward-weight takes no bias gradient");
-      sm90::conv_wgrad_tf32_patch(p, *conv, *patch, plan, ws, stream, feed == Feed::WgradTmaT);
+      sm90::conv_wgrad_tf32_patch(p, *conv, *patch, run, ws, stream, feed == Feed::WgradTmaT);
     } else {
       const int channels = feed == Feed::WgradTmaT ? p.n : p.m;  // K
       Workspace bias_partials(p.bias_grad ? size_t(plan.splits) * channels * sizeof(float) : 0,
                               stream, "backward-weight's partial bias gradients");
-      sm90::conv_wgrad_bf16(p, *conv, plan, ws, stream, feed == Feed::WgradAlt,
+      sm90::conv_wgrad_bf16(p, *conv, run, ws, stream, feed == Feed::WgradAlt,
                             tma ? patch : nullptr, feed == Feed::WgradTmaT, bias_partials.get());
       if (p.bias_grad) {
         bias_grad_from_partials(bias_partials.get(), p.bias_grad, plan.splits, channels, 1.f,
@@ -376,13 +394,13 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
     CUDP_CHECK(p.bias_grad == nullptr,
                "conv: the bias gradient is fused into the bf16 backward-weight's patch feed only");
     CUDP_CHECK(!bf16 && patch != nullptr, "backward-weight's shifted feed needs TF32 and its taps");
-    sm90::conv_wgrad_tf32(p, *patch, plan, ws, stream, feed == Feed::WgradShiftT);
+    sm90::conv_wgrad_tf32(p, *patch, run, ws, stream, feed == Feed::WgradShiftT);
   } else if (conv != nullptr) {
-    bf16 ? sm90::conv_bf16(p, *conv, plan, ws, stream) : sm90::conv_tf32(p, *conv, plan, ws, stream);
+    bf16 ? sm90::conv_bf16(p, *conv, run, ws, stream) : sm90::conv_tf32(p, *conv, run, ws, stream);
   } else {
-    bf16 ? sm90::matmul_bf16(p, plan, ws, stream) : sm90::matmul_tf32(p, plan, ws, stream);
+    bf16 ? sm90::matmul_bf16(p, run, ws, stream) : sm90::matmul_tf32(p, run, ws, stream);
   }
-  if (ws != nullptr) splitk_reduce(p, ws, plan.splits, stream);
+  if (ws != nullptr && !run.sum_in_kernel) splitk_reduce(p, ws, plan.splits, stream);
   if (column_rows > 0) {
     bias_grad(column_ws.get(), p.column_sums, column_rows, p.n, 1.f, stream);
   } else if (p.column_sums != nullptr) {

@@ -76,6 +76,10 @@ struct MatmulPlan {
   int splits = 1;
   int k_blocks_per_split = 0;
   int grid = 0;  // persistent blocks
+  // With splits > 1: the splits added up in the product's own kernel (detail::splitk_in_kernel),
+  // or by a reduction kernel after it. Set by the launch, once, from the process-wide switch; the
+  // value a caller's plan holds is not read.
+  bool sum_in_kernel = false;
 };
 
 // Bytes of split-K workspace `plan` needs for `problem` (0 without split-K).
@@ -148,8 +152,21 @@ enum class Feed {
 void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
                      cudaStream_t stream);
 
+// Split-K's sum: in the mainloop kernel (on: the last of a tile's splits to write its slice of the
+// workspace adds every split's slice up, in split order, and applies the epilogue) or by a
+// reduction kernel after it (off, the default until the in-kernel sum has run on a GPU). The same
+// sums in the same order, so the same bits; in the kernel saves a launch and a pass over the
+// workspace per product (bench/NOTES-tensor-cores.md). For the tests and bench_train --splitk;
+// process-wide.
+void set_splitk_in_kernel(bool on);
+bool splitk_in_kernel_enabled();
+// Whether `plan`'s split-K sum is taken in the kernel: the switch on, 2 to kMaxSplitsInKernel
+// splits (more would make the last split's block add up a long column alone).
+inline constexpr int kMaxSplitsInKernel = 16;
+bool splitk_in_kernel(const MatmulPlan& plan);
+
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
-// reduction.
+// reduction (in the kernel or after it: splitk_in_kernel).
 void run_mainloop(const MatmulProblem& problem, const MatmulPlan& plan,
                   const sm90::ConvGather* conv, cudaStream_t stream, Feed feed = Feed::Tma,
                   const sm90::PatchTiles* patch = nullptr);

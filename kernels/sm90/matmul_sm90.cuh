@@ -16,7 +16,8 @@
 //   the cast), the producer already loads the next tile's first stages.
 // - Tiles are visited in groups of kGroupM tile rows, so that the blocks running at one time share
 //   A rows and B columns in L2. With split-K a work item is (tile, split); partial sums go to a
-//   workspace and kernels/matmul.cu's reduction applies the epilogue.
+//   workspace, and the last split of each tile's rows to arrive adds them up and applies the
+//   epilogue (or, with plan.sum_in_kernel off, kernels/matmul.cu's reduction kernel does).
 //
 // Phases: a stage's barriers flip parity each time the ring wraps; the producer waits on "empty"
 // with the opposite parity so that its first pass through a fresh ring does not wait.
@@ -73,6 +74,10 @@ struct MainloopParams {
   // order afterwards (bias_grad): C's column sums, deterministic. kConvTmaSwap / kConvTmaBTSwap:
   // one row of the 64 columns per tile, row tile_m (store_swapped_tile).
   float* column_partials;
+  // Split-K with the sum in the kernel (MatmulPlan::sum_in_kernel), or null (kernels/matmul.cu's
+  // reduction kernel runs after): one arrival counter per warp slice (16 rows) of every tile, zero
+  // before the launch and left zero after it (splitk_counters).
+  int* split_counters;
 };
 
 // kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
@@ -626,14 +631,68 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
   }
 }
 
-// Writes one consumer warpgroup's 64 x kTileN accumulators: the final C (one split) or the split's
-// slice of the workspace. Rows are tile-local (local0 = the warpgroup's first) and mapped to C's
-// rows here (patch tiles or plain blocks). The output path is chosen once, before the unrolled
-// loop, so that each path's code is compact: the three paths interleaved in one unrolled loop made
-// the epilogue ~140 KB of straight-line code and cost a third of a 4096^3 product's time (the
-// instruction cache; bench/NOTES-tensor-cores.md).
+// Split-K in the kernel: whether this warp's slice of the tile (16 rows, every column) is the last
+// of its p.splits to reach the workspace. Each lane's slice stores are made visible to the GPU
+// before lane 0 counts the slice in, and the last to count sees every other split's stores (the
+// fence after the count) and sets the counter back to zero for the next product.
+__device__ __forceinline__ bool last_split_slice(const MainloopParams& p, int unit) {
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (threadIdx.x % 32 == 0) {
+    last = atomicAdd(p.split_counters + unit, 1) == p.splits - 1;
+    if (last) atomicExch(p.split_counters + unit, 0);
+  }
+  last = __shfl_sync(0xFFFFFFFFu, last, 0);
+  if (last) {
+    __threadfence();
+    __syncwarp();  // every lane's loads of the other slices after lane 0's count and fence
+  }
+  return last != 0;
+}
+
+// The sums over the splits of the lane's elements into sum, in split order from 0.f (the reduction
+// kernel's order, so the same bits), read past L1 (other blocks wrote them during this launch).
+template <int kTileN>
+__device__ __forceinline__ void sum_splits(const MainloopParams& p, const int (&rows)[2],
+                                           int base_col, float* sum) {
+  const int n = p.n;
+  const bool vec = n % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < kTileN / 2; ++i) sum[i] = 0.f;
+  for (int s = 0; s < p.splits; ++s) {
+    const float* ws = p.workspace + int64_t(s) * p.m * n;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (rows[h] < 0) continue;
+#pragma unroll
+      for (int j = 0; j < kTileN / 8; ++j) {
+        const int col = base_col + 8 * j;
+        if (col >= n) continue;
+        const float* src = ws + int64_t(rows[h]) * n + col;
+        if (vec && col + 1 < n) {
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
+          sum[4 * j + 2 * h] += v.x;
+          sum[4 * j + 2 * h + 1] += v.y;
+        } else {
+          sum[4 * j + 2 * h] += __ldcg(src);
+          if (col + 1 < n) sum[4 * j + 2 * h + 1] += __ldcg(src + 1);
+        }
+      }
+    }
+  }
+}
+
+// Writes one consumer warpgroup's 64 x kTileN accumulators: the final C (one split) or the
+// split's slice of the workspace, and then, with the sum in the kernel, C from the sum of every
+// split's slice where this warp's slice is the last of its rows to arrive (acc is overwritten with
+// it). Rows are tile-local (local0 = the warpgroup's first) and mapped to C's rows here (patch
+// tiles or plain blocks). The output path is chosen once, before the unrolled loop, so that each
+// path's code is compact: the three paths interleaved in one unrolled loop made the epilogue ~140
+// KB of straight-line code and cost a third of a 4096^3 product's time (the instruction cache;
+// bench/NOTES-tensor-cores.md).
 template <int kTileN, bool kPatch>
-__device__ __forceinline__ void store_tile(const MainloopParams& p, const float* acc, int tile_m,
+__device__ __forceinline__ void store_tile(const MainloopParams& p, float* acc, int tile_m,
                                            int local0, int col0, int split) {
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
@@ -659,7 +718,11 @@ __device__ __forceinline__ void store_tile(const MainloopParams& p, const float*
         if (col + 1 < n) dst[1] = a1;
       }
     });
-    return;
+    if (p.split_counters == nullptr) return;
+    // The slice's unit: its tile, then its 16 rows (local0 / 16 + warp: 0..7).
+    const int unit = ((tile_m * p.tiles_n) + col0 / kTileN) * (kTileM / 16) + local0 / 16 + warp;
+    if (!last_split_slice(p, unit)) return;
+    sum_splits<kTileN>(p, rows, base_col, acc);  // and on to C, as one split's products go
   }
   const EpilogueArgs& e = p.epilogue;
   const bool vec = p.ldc % 2 == 0;
@@ -2094,6 +2157,9 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   p.split_major = shifted || (wgrad_tma && patch->split_major);
   if (conv_patch) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
+  if (plan.splits > 1 && plan.sum_in_kernel) {
+    p.split_counters = splitk_counters(stream, int64_t(p.tiles_m) * p.tiles_n * (kTileM / 16));
+  }
   const auto run = [&](auto kernel, const ConvGather& g, int shared_bytes = Cfg::kSharedBytes) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes);
     // A programmatic launch where the GPU allows (engine/core/launch.h): the kernel's set-up

@@ -1,10 +1,13 @@
-// Host helpers of the sm_90a kernels: tensor-map encoding and the shared-memory opt-in.
+// Host helpers of the sm_90a kernels: tensor-map encoding, the shared-memory opt-in and the
+// in-kernel split-K sum's counters.
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 #include <vector>
 
+#include "engine/core/memory.h"
 #include "kernels/sm90/matmul_sm90.cuh"
 
 namespace cudp::kernels::sm90 {
@@ -74,6 +77,67 @@ void allow_shared_memory(const void* kernel, int bytes) {
   }
   CUDP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   done.emplace_back(kernel, device);
+}
+
+int* splitk_counters(cudaStream_t stream, int64_t units) {
+  struct Set {
+    int device;
+    cudaStream_t stream;
+    bool captured;
+    int* counters;
+    int64_t units;
+  };
+  static std::mutex mutex;
+  static std::vector<Set> sets;  // one per (device, stream) that ran such a product: a handful
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool captured = capture != cudaStreamCaptureStatusNone;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = std::find_if(sets.begin(), sets.end(), [&](const Set& s) {
+    return s.device == device && s.stream == stream && s.captured == captured;
+  });
+  if (it != sets.end() && it->units >= units) return it->counters;
+  // A new or larger set (the old one stays allocated: a captured graph may use it). Allocated and
+  // zeroed outside any capture open on this thread (relaxed mode: a step's first product may be
+  // inside one), on a stream of its own, waited for here.
+  int64_t size = 4096;
+  while (size < units) size *= 2;
+  const size_t bytes = size_t(size) * sizeof(int);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  CUDP_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  int* counters = nullptr;
+  cudaStream_t side = nullptr;
+  const char* call = "cudaMalloc";
+  cudaError_t status = cudaMalloc(&counters, bytes);
+  if (status == cudaSuccess) {
+    call = "cudaStreamCreateWithFlags";
+    status = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+  }
+  if (status == cudaSuccess) {
+    call = "cudaMemsetAsync";
+    status = cudaMemsetAsync(counters, 0, bytes, side);
+  }
+  if (status == cudaSuccess) {
+    call = "cudaStreamSynchronize";
+    status = cudaStreamSynchronize(side);
+  }
+  if (side != nullptr) cudaStreamDestroy(side);
+  const cudaError_t restored = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (status == cudaSuccess && restored != cudaSuccess) {
+    call = "cudaThreadExchangeStreamCaptureMode";
+    status = restored;
+  }
+  if (status != cudaSuccess && counters != nullptr) cudaFree(counters);
+  cuda::check_allocation(status, bytes, "the split-K sum's arrival counters", call);
+  if (it != sets.end()) {
+    it->counters = counters;
+    it->units = size;
+  } else {
+    sets.push_back({device, stream, captured, counters, size});
+  }
+  return counters;
 }
 
 }  // namespace cudp::kernels::sm90

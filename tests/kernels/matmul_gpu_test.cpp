@@ -239,6 +239,32 @@ class Product {
   void launch(const void* a, const void* b, C* cbuf, const float* bias, const void* mask,
               const std::optional<MatmulPlan>& plan) const {
     const MatmulProblem p = problem(a, b, cbuf, bias, mask);
+    if (graph_kernels_ != nullptr) {  // gpu_graphed
+      cudaStream_t stream = nullptr;
+      CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      plan ? matmul_with_plan(p, *plan, stream) : matmul(p, stream);
+      cudaGraph_t graph = nullptr;
+      CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      size_t count = 0;
+      CUDP_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
+      std::vector<cudaGraphNode_t> nodes(count);
+      CUDP_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count));
+      *graph_kernels_ = 0;
+      for (cudaGraphNode_t node : nodes) {
+        cudaGraphNodeType type{};
+        CUDP_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+        *graph_kernels_ += type == cudaGraphNodeTypeKernel ? 1 : 0;
+      }
+      cudaGraphExec_t exec = nullptr;
+      CUDP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      CUDP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      CUDP_CUDA_CHECK(cudaGraphDestroy(graph));
+      CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
+      return;
+    }
     if (plan) {
       matmul_with_plan(p, *plan, nullptr);
     } else {
@@ -246,6 +272,19 @@ class Product {
     }
     CUDP_CUDA_CHECK(cudaDeviceSynchronize());
   }
+
+ public:
+  // As gpu(plan), through a CUDA graph captured on a stream of its own and launched once;
+  // *kernels is the number of kernel launches in it.
+  std::vector<float> gpu_graphed(const MatmulPlan& plan, int* kernels) const {
+    graph_kernels_ = kernels;
+    std::vector<float> out = gpu(plan);
+    graph_kernels_ = nullptr;
+    return out;
+  }
+
+ private:
+  mutable int* graph_kernels_ = nullptr;
 
   Case c_;
   int esize_;
@@ -460,6 +499,78 @@ TEST_P(MatmulGpu, Deterministic) {
     const std::vector<float> first = run.gpu(plan), second = run.gpu(plan);
     ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size() * 4), 0)
         << "two runs differ (splits " << (plan ? plan->splits : 0) << ")";
+  }
+}
+
+// Split-K summed in the kernel (the last split of a tile's rows to arrive adds every split's slice
+// up and applies the epilogue) gives the reduction kernel's bits: the same sums in the same order,
+// the same epilogue. Every tile width, split counts up to kMaxSplitsInKernel, the epilogues (alpha,
+// beta, bias, ReLU, a ReLU mask, a bf16 C, a padded C), an odd n (the last column unpaired), a grid
+// smaller than the work, and each launch twice (its counters are left zero for the next).
+TEST_P(MatmulGpu, SplitKInTheKernelGivesTheReductionKernelsBits) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const bool was = detail::splitk_in_kernel_enabled();
+  struct Restore {
+    bool on;
+    ~Restore() { detail::set_splitk_in_kernel(on); }
+  } restore{was};
+  const Math math = GetParam();
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int sms = detail::multiprocessor_count(device);
+  std::vector<Case> cases;
+  cases.push_back(Case{200, 300, 1500, math});
+  cases.push_back(Case{333, 517, 3000, math, DType::F32, 0.5f, -0.75f, true, true, 1});
+  cases.push_back(Case{259, 515, 1031, math, DType::BF16, 1.f, 0.f, true, false});
+  cases.push_back(Case{130, 257, 900, math, DType::F32, 0.75f, 1.f});
+  // Whole tiles (n a multiple of every tile width, an even ldc): the epilogue's fast paths, with a
+  // bias and a ReLU, with beta (fp32 C), and a bf16 C.
+  cases.push_back(Case{200, 512, 1500, math, DType::F32, 1.f, 0.f, true, true});
+  cases.push_back(Case{200, 512, 1500, math, DType::F32, 1.f, 1.f});
+  cases.push_back(Case{200, 512, 1500, math, DType::BF16, 1.f, 0.f, true, false});
+  for (DType c_type : {DType::F32, DType::BF16}) {
+    for (int n : {256, 300}) {  // whole and partial tiles
+      Case masked{300, n, 2000, math, c_type};
+      masked.mask = true;
+      cases.push_back(masked);
+    }
+  }
+  Case b_kn{190, 512, 1200, math};  // B stored k x n (TF32: B's boxes transposed in shared memory)
+  b_kn.b_transposed = true;
+  cases.push_back(b_kn);
+  uint64_t seed = 1200;
+  for (const Case& c : cases) {
+    const Product run(c, seed += 10);
+    const MatmulProblem shape = run.problem(nullptr, nullptr, nullptr, nullptr);
+    std::vector<MatmulPlan> plans;
+    for (int tile_n : {64, 128, 256}) {
+      for (int splits : {2, 3, 7, detail::kMaxSplitsInKernel}) {
+        plans.push_back(make_matmul_plan(shape, tile_n, splits, sms));
+      }
+    }
+    plans.push_back(make_matmul_plan(shape, 128, 3, 3));  // each block walks several items
+    for (const MatmulPlan& plan : plans) {
+      SCOPED_TRACE(::testing::Message() << describe(c) << " tile_n " << plan.tile_n << " splits "
+                                        << plan.splits << " grid " << plan.grid);
+      detail::set_splitk_in_kernel(false);
+      const std::vector<float> want = run.gpu(plan);
+      detail::set_splitk_in_kernel(true);
+      ASSERT_TRUE(detail::splitk_in_kernel(plan));
+      for (int again = 0; again < 2; ++again) {
+        const std::vector<float> got = run.gpu(plan);
+        ASSERT_EQ(got.size(), want.size());
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+            << "the in-kernel sum differs from the reduction kernel's (launch " << again + 1 << ")";
+      }
+      // In a graph (the counters of a stream being captured, allocated in the capture): one
+      // kernel, the product; the reduction kernel's launch is gone.
+      int kernels = 0;
+      const std::vector<float> graphed = run.gpu_graphed(plan, &kernels);
+      EXPECT_EQ(kernels, 1) << "kernel launches in the product's graph";
+      ASSERT_EQ(std::memcmp(graphed.data(), want.data(), want.size() * sizeof(float)), 0)
+          << "the in-kernel sum in a graph differs from the reduction kernel's";
+    }
+    run.check(run.gpu(plans.back()));  // and both against the CPU reference once
   }
 }
 
