@@ -653,6 +653,8 @@ __device__ __forceinline__ bool last_split_slice(const MainloopParams& p, int un
 
 // The sums over the splits of the lane's elements into sum, in split order from 0.f (the reduction
 // kernel's order, so the same bits), read past L1 (other blocks wrote them during this launch).
+// for_each_pair's loop written out: with the accumulator index passed through a lambda, ptxas put
+// the 256-wide kernels' accumulators in local memory (~1.4 KB of spills a thread).
 template <int kTileN>
 __device__ __forceinline__ void sum_splits(const MainloopParams& p, const int (&rows)[2],
                                            int base_col, float* sum) {
@@ -2216,42 +2218,46 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
       run(&matmul_kernel<Elem, kTileN, kConvTmaBT, kResidentB>, *conv);
     }
     return check_launch();
+  } else {  // (an else: the resident instantiations compile none of the kernels below)
+    if constexpr (kBf16) {
+      if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
+      if (mode == kWgradAlt)
+        return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
+      if (mode == kWgradTma)
+        return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
+      if (mode == kWgradTmaT)
+        return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
+      if (mode == kGemmBT)
+        return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
+      if (mode == kGemmTT)
+        return run(&matmul_kernel<Elem, kTileN, kGemmTT>, ConvGather{}), check_launch();
+      if (mode == kConvTmaBT)
+        return run(&matmul_kernel<Elem, kTileN, kConvTmaBT>, *conv), check_launch();
+    }
+    if constexpr (!kBf16) {
+      CUDP_CHECK(bias_partials == nullptr, "matmul: the TF32 backward-weight takes no bias sums");
+      if (mode == kWgradTma)
+        return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
+      if (mode == kWgradTmaT)
+        return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
+      if (mode == kWgradShift)
+        return run(&matmul_kernel<Elem, kTileN, kWgradShift>, ConvGather{}), check_launch();
+      if (mode == kWgradShiftT)
+        return run(&matmul_kernel<Elem, kTileN, kWgradShiftT>, ConvGather{}), check_launch();
+      if (mode == kGemmBT)
+        return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
+    }
+    CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode,
+               " needs ", kBf16 ? "fp32 (TF32)" : "bf16", " operands");
+    if (mode == kConvTma) {
+      run(&matmul_kernel<Elem, kTileN, kConvTma>, *conv);
+    } else if (conv) {
+      run(&matmul_kernel<Elem, kTileN, kConv_>, *conv);
+    } else {
+      run(&matmul_kernel<Elem, kTileN, kGemm>, ConvGather{});
+    }
+    check_launch();
   }
-  if constexpr (kBf16) {
-    if (mode == kWgrad) return run(&matmul_kernel<Elem, kTileN, kWgrad>, *conv), check_launch();
-    if (mode == kWgradAlt) return run(&matmul_kernel<Elem, kTileN, kWgradAlt>, *conv), check_launch();
-    if (mode == kWgradTma) return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
-    if (mode == kWgradTmaT) return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
-    if (mode == kGemmBT)
-      return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
-    if (mode == kGemmTT)
-      return run(&matmul_kernel<Elem, kTileN, kGemmTT>, ConvGather{}), check_launch();
-    if (mode == kConvTmaBT)
-      return run(&matmul_kernel<Elem, kTileN, kConvTmaBT>, *conv), check_launch();
-  }
-  if constexpr (!kBf16) {
-    CUDP_CHECK(bias_partials == nullptr, "matmul: the TF32 backward-weight takes no bias sums");
-    if (mode == kWgradTma)
-      return run(&matmul_kernel<Elem, kTileN, kWgradTma>, *conv), check_launch();
-    if (mode == kWgradTmaT)
-      return run(&matmul_kernel<Elem, kTileN, kWgradTmaT>, *conv), check_launch();
-    if (mode == kWgradShift)
-      return run(&matmul_kernel<Elem, kTileN, kWgradShift>, ConvGather{}), check_launch();
-    if (mode == kWgradShiftT)
-      return run(&matmul_kernel<Elem, kTileN, kWgradShiftT>, ConvGather{}), check_launch();
-    if (mode == kGemmBT)
-      return run(&matmul_kernel<Elem, kTileN, kGemmBT>, ConvGather{}), check_launch();
-  }
-  CUDP_CHECK(mode == kGemm || mode == kConv_ || mode == kConvTma, "matmul: mode ", mode, " needs ",
-             kBf16 ? "fp32 (TF32)" : "bf16", " operands");
-  if (mode == kConvTma) {
-    run(&matmul_kernel<Elem, kTileN, kConvTma>, *conv);
-  } else if (conv) {
-    run(&matmul_kernel<Elem, kTileN, kConv_>, *conv);
-  } else {
-    run(&matmul_kernel<Elem, kTileN, kGemm>, ConvGather{});
-  }
-  check_launch();
 }
 
 // Enqueues conv_halo_kernel: the forward (or, `unrotated`, backward-data on the forward's own
@@ -2286,5 +2292,31 @@ void launch_conv_halo(const MatmulProblem& prob, const MatmulPlan& plan, const C
          map_a, map_b, p);
   check_launch();
 }
+
+// The instantiations of launch_mainloop and launch_conv_halo, each with its kernels, live in
+// translation units of their own (kernels/sm90/matmul_sm90_{bf16,tf32}_*.cu) so that a parallel
+// build compiles them at once (ptxas on one unit of every kernel took ~4 minutes); the dispatchers
+// (matmul_sm90_bf16.cu, matmul_sm90_tf32.cu) see them as extern. EXTERN is `extern` or empty.
+#define CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, T, N, R)                                               \
+  EXTERN template void launch_mainloop<T, N, R>(const MatmulProblem&, const MatmulPlan&, float*, \
+                                                cudaStream_t, const ConvGather*, int,            \
+                                                const PatchTiles*, float*, float*)
+#define CUDP_SM90_LAUNCH_CONV_HALO(EXTERN, N)                                                  \
+  EXTERN template void launch_conv_halo<N>(const MatmulProblem&, const MatmulPlan&,            \
+                                           const ConvGather&, const PatchTiles&, bool, float*, \
+                                           cudaStream_t)
+// Every instantiation the dispatchers use, by unit.
+#define CUDP_SM90_BF16_64(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, __nv_bfloat16, 64, 0)
+#define CUDP_SM90_BF16_128(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, __nv_bfloat16, 128, 0)
+#define CUDP_SM90_BF16_256(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, __nv_bfloat16, 256, 0)
+#define CUDP_SM90_BF16_SWAPPED(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, __nv_bfloat16, 64, 9)
+#define CUDP_SM90_BF16_RESIDENT(EXTERN)                     \
+  CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, __nv_bfloat16, 64, 18); \
+  CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, __nv_bfloat16, 128, 9)
+#define CUDP_SM90_BF16_HALO128(EXTERN) CUDP_SM90_LAUNCH_CONV_HALO(EXTERN, 128)
+#define CUDP_SM90_BF16_HALO256(EXTERN) CUDP_SM90_LAUNCH_CONV_HALO(EXTERN, 256)
+#define CUDP_SM90_TF32_64(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, float, 64, 0)
+#define CUDP_SM90_TF32_128(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, float, 128, 0)
+#define CUDP_SM90_TF32_256(EXTERN) CUDP_SM90_LAUNCH_MAINLOOP(EXTERN, float, 256, 0)
 
 }  // namespace cudp::kernels::sm90

@@ -1,6 +1,7 @@
 // Host entry points of the sm_90a tensor-core kernels (kernels/sm90/*.cu, built for sm_90a only).
 // kernels/matmul.cu calls them after validating the problem and choosing the plan; nothing else
-// should. Each precision lives in its own translation unit (matmul_sm90_bf16.cu, _tf32.cu).
+// should. Each precision's entry points live in a translation unit of their own
+// (matmul_sm90_bf16.cu, _tf32.cu), the kernels they launch in several more (matmul_sm90.cuh).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,9 +1,18 @@
-// The bf16 instantiations of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh): one per tile width,
-// for products (A by TMA) and for convolutions (A gathered as im2col).
+// The bf16 entry points of the sm_90a mainloop (kernels/sm90/matmul_sm90.cuh): each picks the
+// instantiation for its tile width and feed; those live in matmul_sm90_bf16_*.cu.
 #include "kernels/sm90/matmul_sm90.cuh"
 #include "kernels/sm90/matmul_sm90.h"
 
 namespace cudp::kernels::sm90 {
+
+// Instantiated in their own units (matmul_sm90.cuh).
+CUDP_SM90_BF16_64(extern);
+CUDP_SM90_BF16_128(extern);
+CUDP_SM90_BF16_256(extern);
+CUDP_SM90_BF16_SWAPPED(extern);
+CUDP_SM90_BF16_RESIDENT(extern);
+CUDP_SM90_BF16_HALO128(extern);
+CUDP_SM90_BF16_HALO256(extern);
 
 void matmul_bf16(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
                  cudaStream_t stream) {
