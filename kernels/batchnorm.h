@@ -37,8 +37,9 @@
 // a fixed order, and the element-wise pass follows in the same launch; its grid depends on the
 // shape alone. (It is correct on an H100, tests and compute-sanitizer included, but off by
 // default: it measured slower, 2.9 against 2.3 ms a VGG-16-BN 32² step, its few resident blocks
-// keeping too few loads in flight; bench/NOTES-tensor-cores.md.) Every other layer takes three kernels per call, whose grid
-// fills the GPU, so that its result is bitwise reproducible on a given GPU model:
+// keeping too few loads in flight; bench/NOTES-tensor-cores.md.) Every other layer takes three
+// kernels per call, whose grid fills the GPU, so that its result is bitwise reproducible on a
+// given GPU model:
 //   1. partial reduction: a grid of (channel groups) x (row blocks); each thread walks its rows
 //      with 16-byte loads along C (4 floats or 8 bf16), each block writes one partial per channel
 //      to a workspace;

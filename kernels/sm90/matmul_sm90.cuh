@@ -634,14 +634,15 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
 // Split-K in the kernel: whether this warp's slice of the tile (16 rows, every column) is the last
 // of its p.splits to reach the workspace. Each lane's slice stores are made visible to the GPU
 // before lane 0 counts the slice in, and the last to count sees every other split's stores (the
-// fence after the count) and sets the counter back to zero for the next product.
+// fence after the count). atomicInc wraps: the last count (old == splits - 1) leaves the counter
+// zero for the next product.
 __device__ __forceinline__ bool last_split_slice(const MainloopParams& p, int unit) {
   __threadfence();
   __syncwarp();
   int last = 0;
   if (threadIdx.x % 32 == 0) {
-    last = atomicAdd(p.split_counters + unit, 1) == p.splits - 1;
-    if (last) atomicExch(p.split_counters + unit, 0);
+    const unsigned top = unsigned(p.splits - 1);
+    last = atomicInc(reinterpret_cast<unsigned*>(p.split_counters) + unit, top) == top;
   }
   last = __shfl_sync(0xFFFFFFFFu, last, 0);
   if (last) {
