@@ -559,8 +559,8 @@ int main(int argc, char** argv) {
   std::string splitk = kernels::detail::splitk_in_kernel_enabled() ? "in-kernel" : "kernel";
   app.add_option("--splitk", splitk,
                  "in-kernel: a tensor-core product split along k adds its splits up in its own "
-                 "kernel (the last split of each tile's rows); kernel: in a reduction kernel "
-                 "after it (to compare; the same bits)")
+                 "kernel (the last split of each tile's rows; measured slower); kernel: in a "
+                 "reduction kernel after it (the default; the same bits)")
       ->check(CLI::IsMember({"in-kernel", "kernel"}))
       ->capture_default_str();
   std::string zero_grad = "deferred";
@@ -575,6 +575,20 @@ int main(int argc, char** argv) {
                  "on: kernels launch programmatically (each one's launch and set-up overlap the "
                  "previous kernel's tail; Hopper); off: ordinary launches (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  const int64_t wgrad_default = detail::concurrent_weight_grad_rows();
+  std::string wgrad_stream = wgrad_default < 0 ? "on" : std::to_string(wgrad_default);
+  app.add_option("--wgrad-stream", wgrad_stream,
+                 "on: every convolution's and linear layer's backward-weight runs on a second "
+                 "stream beside its backward-data (the two products share the GPU); N: layers of "
+                 "at most N output rows (batch x height x width) only; off: one after the other "
+                 "on the layer's stream (to compare; the same bits)")
+      ->check([](const std::string& v) -> std::string {
+        if (v == "on" || v == "off") return "";
+        return !v.empty() && v.find_first_not_of("0123456789") == std::string::npos
+                   ? ""
+                   : "expected on, off or a number of rows";
+      })
       ->capture_default_str();
   std::string swap = "on";
   app.add_option("--swap", swap,
@@ -600,6 +614,9 @@ int main(int argc, char** argv) {
   kernels::detail::set_batchnorm_cluster(bn_cluster == "on");
   kernels::detail::set_splitk_in_kernel(splitk == "in-kernel");
   detail::set_programmatic_launch(pdl == "on");
+  detail::set_concurrent_weight_grad(wgrad_stream == "on"    ? -1
+                                     : wgrad_stream == "off" ? 0
+                                                             : std::stoll(wgrad_stream));
   g_zero_grad = zero_grad == "fill" ? ZeroGrad::fill : ZeroGrad::deferred;
   kernels::detail::set_conv_swapped(swap == "on");
   kernels::detail::set_conv_halo(halo != "off");

@@ -154,10 +154,11 @@ void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64
 
 // Split-K's sum: in the mainloop kernel (on: the last of a tile's splits to write its slice of the
 // workspace adds every split's slice up, in split order, and applies the epilogue) or by a
-// reduction kernel after it (off, the default until the in-kernel sum has run on a GPU). The same
-// sums in the same order, so the same bits; in the kernel saves a launch and a pass over the
-// workspace per product (bench/NOTES-tensor-cores.md). For the tests and bench_train --splitk;
-// process-wide.
+// reduction kernel after it (off, the default). The same sums in the same order, so the same bits.
+// In the kernel saves a launch but measured 1.5x slower on VGG-16's 32^2 step: a wave's splits
+// finish together, and one warp per slice then reads every split's slice in turn, where the
+// reduction kernel spreads those reads over the GPU (bench/NOTES-tensor-cores.md, session 28).
+// For the tests and bench_train --splitk; process-wide.
 void set_splitk_in_kernel(bool on);
 bool splitk_in_kernel_enabled();
 // Whether `plan`'s split-K sum is taken in the kernel: the switch on, 2 to kMaxSplitsInKernel

@@ -1,8 +1,10 @@
 #include "layers/linear.h"
 
 #include <limits>
+#include <optional>
 
 #include "engine/core/memory.h"
+#include "engine/core/stream.h"
 #include "kernels/bias.h"
 #include "kernels/elementwise.h"
 #include "kernels/gemm.h"
@@ -224,6 +226,11 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
                                        dym.data<float>(), db, rows, n, db_beta, s);
         }
         const Tensor dy_bf16 = direct_dx || direct_dw ? convert(dym, DType::bf16) : Tensor();
+        // Backward-weight (and the bias gradient) beside backward-data when both run
+        // (detail::concurrent_weight_grad).
+        std::optional<cuda::SideStream> side;
+        if (input_grad_ && detail::concurrent_weight_grad(rows)) side.emplace(device_.index, s);
+        const cudaStream_t ws = side ? side->get() : s;
         if (direct_dx) {
           bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),
                        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
@@ -232,14 +239,15 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
           kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
         }
         if (direct_dw) {  // dW += dy^T x
-          bf16_product(n, k, rows, dy_bf16, input_bf16_, dw, kernels::DType::F32, nullptr, s,
+          bf16_product(n, k, rows, dy_bf16, input_bf16_, dw, kernels::DType::F32, nullptr, ws,
                        Operands::kBothStoredK, dw_beta);
         } else {
-          kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, dw_beta, dw, k, s, math());
+          kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, dw_beta, dw, k, ws, math());
         }
         if (db && !relu) {
-          kernels::bias_grad(dy, db, rows, n, db_beta, s);
+          kernels::bias_grad(dy, db, rows, n, db_beta, ws);
         }
+        if (side) side->join();
       });
   weight_->grad_written();
   if (bias_) bias_->grad_written();

@@ -374,6 +374,16 @@ bool batchnorm_mask_handoff();
 // does. Off, Conv2d and Linear convert their weights at every forward, as before the store.
 void set_parameter_store(bool on);
 bool parameter_store();
+// A convolution's or linear layer's backward-weight on a second stream beside its backward-data,
+// so that the two products, independent of each other, share the GPU where one alone leaves SMs
+// idle; joined before the layer's backward returns. For layers of at most `max_rows` output rows
+// (batch x height x width; a linear layer's batch): 0 never (one after the other on the layer's
+// stream), a negative bound always. The same kernels, so the same bits whatever the bound; the
+// default is in module.cpp with its measurement. For comparisons (bench_train --wgrad-stream).
+void set_concurrent_weight_grad(int64_t max_rows);
+int64_t concurrent_weight_grad_rows();
+// Whether a layer of `rows` output rows takes its backward-weight beside its backward-data.
+bool concurrent_weight_grad(int64_t rows);
 }  // namespace detail
 
 }  // namespace cudp

@@ -1,5 +1,7 @@
 #include "engine/core/stream.h"
 
+#include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -129,6 +131,69 @@ cudaStream_t current_stream(int device) {
   const auto it = t_current.find(device);
   if (it != t_current.end()) return it->second;
   return default_stream(device).get();
+}
+
+struct SideStream::Slot {
+  Stream side;
+  Event forked;  // recorded on the main stream, waited for by the side stream
+  Event done;    // recorded on the side stream, waited for by the main stream
+  std::atomic<bool> open{false};
+};
+
+namespace {
+
+// Kept for the life of the process, as the default streams are (above).
+struct SideStreams {
+  std::mutex mutex;
+  std::map<std::pair<int, cudaStream_t>, SideStream::Slot*> slots;
+};
+
+SideStreams& side_streams() {
+  static auto* s = new SideStreams;
+  return *s;
+}
+
+}  // namespace
+
+SideStream::SideStream(int device, cudaStream_t stream) : stream_(stream) {
+  {
+    SideStreams& s = side_streams();
+    std::lock_guard lock(s.mutex);
+    Slot*& slot = s.slots[{device, stream}];
+    if (slot == nullptr) {
+      slot = new Slot{Stream::create(device), Event::create(device), Event::create(device)};
+    }
+    CUDP_CHECK(!slot->open, "SideStream: cuda:", device,
+               " already has a side stream open beside this stream; join it first");
+    slot->open = true;
+    slot_ = slot;
+  }
+  DeviceGuard guard(device);
+  slot_->forked.record(stream_);
+  slot_->side.wait(slot_->forked);
+}
+
+cudaStream_t SideStream::get() const {
+  return slot_->side.get();
+}
+
+void SideStream::join() {
+  if (joined_) return;
+  joined_ = true;
+  slot_->open = false;
+  DeviceGuard guard(slot_->side.device());
+  slot_->done.record(slot_->side);
+  CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, slot_->done.get(), 0));
+}
+
+SideStream::~SideStream() {
+  if (joined_) return;
+  joined_ = true;
+  slot_->open = false;
+  DeviceGuard guard(slot_->side.device());
+  if (cudaEventRecord(slot_->done.get(), slot_->side.get()) == cudaSuccess) {
+    cudaStreamWaitEvent(stream_, slot_->done.get(), 0);
+  }
 }
 
 StreamGuard::StreamGuard(int device, cudaStream_t stream)

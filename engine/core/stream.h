@@ -61,6 +61,32 @@ class Event {
   int device_ = -1;
 };
 
+// A second stream beside `stream` on the same device, for work independent of what `stream` does
+// next (a layer's backward-weight beside its backward-data): the constructor makes the side stream
+// wait for everything issued on `stream` so far, and join() makes everything issued on `stream`
+// afterwards wait for everything issued on the side stream. Memory the side stream reads may be
+// freed on `stream` once joined. Inside a stream capture the side stream joins the capture through
+// the first wait and leaves it through the second, so a captured graph holds the two branches.
+// One side stream per (device, stream), made on first use and kept for the life of the process,
+// with its two events; a stream has one SideStream open at a time (one thread issues to it).
+class SideStream {
+ public:
+  SideStream(int device, cudaStream_t stream);
+  ~SideStream();  // joins if join() was not called (an error then is not reported)
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  cudaStream_t get() const;
+  void join();
+
+  struct Slot;  // the side stream and its events (stream.cpp)
+
+ private:
+  Slot* slot_;
+  cudaStream_t stream_;
+  bool joined_ = false;
+};
+
 // The device's default compute stream (created on first use).
 const Stream& default_stream(int device);
 

@@ -186,6 +186,51 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, GraphedStepGpu,
                                   (std::get<1>(info.param) ? "_flat" : "_per_parameter");
                          });
 
+// A convolution's and a linear layer's backward-weight on a side stream beside backward-data
+// (detail::concurrent_weight_grad, every layer) against both on the layer's stream: the same
+// kernels on the same data, so the same bits, eager and replayed from a graph (where the side
+// stream is a branch of the captured step), in fp32 (SIMT), TF32 and bf16.
+class SideStreamStepGpu : public ::testing::TestWithParam<Precision> {};
+
+TEST_P(SideStreamStepGpu, BackwardWeightBesideBackwardDataChangesNoBit) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  struct Restore {
+    int64_t rows = detail::concurrent_weight_grad_rows();
+    ~Restore() { detail::set_concurrent_weight_grad(rows); }
+  } restore;
+  auto base = small_vgg()->clone(kGpu);
+  base->set_precision(GetParam());
+  base->train();
+  const auto outcome = [&](bool side, bool graphs) {
+    detail::set_concurrent_weight_grad(side ? -1 : 0);
+    auto model = base->clone(kGpu);
+    model->train();
+    auto opt = make_optimizer("sgd", *model);
+    CrossEntropyLoss loss;
+    if (!graphs) {
+      return run(*model, *opt, kSizes, [&](const Tensor& x, const Tensor& y) {
+        const PendingStep p = train_step_async(*model, loss, *opt, x, y);
+        return TensorList{p.loss, p.correct};
+      });
+    }
+    GraphedStep graphed(*model, loss, *opt);
+    Outcome o = run(*model, *opt, kSizes, [&](const Tensor& x, const Tensor& y) {
+      const PendingStep p = graphed.step(x, y);
+      return TensorList{p.loss, p.correct};
+    });
+    EXPECT_EQ(graphed.replays(), 5);
+    return o;
+  };
+  const Outcome one_stream = outcome(false, false);
+  expect_same(outcome(true, false), one_stream);
+  expect_same(outcome(true, true), one_stream);
+  EXPECT_NE(one_stream.results[2], one_stream.results[3]);  // the steps trained
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, SideStreamStepGpu,
+                         ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
+                         [](const auto& info) { return std::string(precision_name(info.param)); });
+
 // --on-nan skip-step inside the graph: a batch with a NaN image at a replayed step makes the
 // device skip that update; the following replays must correct the optimizer's counts as eager
 // steps do (kernels/optim.h, StepGate).
