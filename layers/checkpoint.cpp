@@ -702,22 +702,30 @@ Metadata load_checkpoint(const std::string& path, Module& model, Optimizer* opti
   if (files.fallback) {
     warning_handler(files.note);
   }
-  return load_checkpoint(files, model, optimizer);
+  return load_checkpoint(read_checkpoint(files), model, optimizer);
 }
 
-Metadata load_checkpoint(const CheckpointFiles& files, Module& model, Optimizer* optimizer) {
-  const std::string& path = files.path;
-  const std::string& train_path = files.train;
-  const SafetensorsFile model_file = load_safetensors(files.model);
-  const SafetensorsFile train_file = load_safetensors(train_path);
-  const auto model_id = model_file.metadata.find(kIdKey);
-  const auto train_id = train_file.metadata.find(kIdKey);
-  if (model_id == model_file.metadata.end() || train_id == train_file.metadata.end() ||
+CheckpointContents read_checkpoint(const CheckpointFiles& files) {
+  CheckpointContents contents{files, load_safetensors(files.model), load_safetensors(files.train)};
+  const Metadata& model_metadata = contents.model.metadata;
+  const Metadata& train_metadata = contents.train.metadata;
+  const auto model_id = model_metadata.find(kIdKey);
+  const auto train_id = train_metadata.find(kIdKey);
+  if (model_id == model_metadata.end() || train_id == train_metadata.end() ||
       model_id->second != train_id->second) {  // replaced since find_checkpoint looked
-    CUDP_THROW(IoError, "checkpoint '", path, "': '", files.model, "' and '", train_path,
+    CUDP_THROW(IoError, "checkpoint '", files.path, "': '", files.model, "' and '", files.train,
                "' changed while being read (is another process saving this checkpoint?)");
   }
-  check_finite(files.model, model_file.tensors);
+  check_finite(files.model, contents.model.tensors);
+  return contents;
+}
+
+Metadata load_checkpoint(const CheckpointContents& contents, Module& model, Optimizer* optimizer) {
+  const CheckpointFiles& files = contents.files;
+  const std::string& path = files.path;
+  const std::string& train_path = files.train;
+  const SafetensorsFile& model_file = contents.model;
+  const SafetensorsFile& train_file = contents.train;
 
   // Check that the training state fits the optimizer before loading anything.
   Metadata hyperparameters;

@@ -186,10 +186,18 @@ struct CheckpointFiles {
   bool fallback = false;     // not the pair at `path`: the last save there did not complete
   std::string note;          // when fallback: what was wrong and which pair is used instead
 };
-// The same from the pair find_checkpoint found, without looking again and without the warning:
-// for a caller that loads one checkpoint more than once (a trainer: the model, then the model and
-// its optimizer) and says itself which save it uses.
-Metadata load_checkpoint(const CheckpointFiles& files, Module& model,
+// The pair find_checkpoint found, read into host memory and checked as load_checkpoint checks it
+// (the two files of one save, the model's values finite; the same errors), nothing loaded yet: for
+// a caller that loads one checkpoint more than once (a trainer: the model, then the model and its
+// optimizer) and says itself which save it uses. Each load from it is load_checkpoint's without
+// looking at the files again, so every load gets the same save and the files are read and scanned
+// once.
+struct CheckpointContents {
+  CheckpointFiles files;
+  SafetensorsFile model, train;
+};
+CheckpointContents read_checkpoint(const CheckpointFiles& files);
+Metadata load_checkpoint(const CheckpointContents& contents, Module& model,
                          Optimizer* optimizer = nullptr);
 // Reads only the headers. Throws IoError when no complete pair exists: "does not exist" where no
 // file is at `path` or the .prev names, "is not a safetensors file" where the model file is not

@@ -986,6 +986,10 @@ int run(Options o) {
               static_cast<long long>(net->num_parameters()), o.precision.c_str(), cpu_note,
               where.c_str());
 
+  // The checkpoint is read, and its model scanned for NaN, once for both of its loads: the model
+  // now, the model and its optimizer once they are on their devices. Its host copies go after the
+  // second.
+  std::optional<CheckpointContents> resumed;
   if (weights_only) {
     try {
       load_weights(resume_file, *net);
@@ -1000,7 +1004,8 @@ int run(Options o) {
         "the command line's)\n",
         resume_file.c_str());
   } else if (!resume_file.empty()) {
-    load_checkpoint(resumed_files, *net, nullptr);
+    resumed = read_checkpoint(resumed_files);
+    load_checkpoint(*resumed, *net, nullptr);
     load_dropout_state(*net, resumed_meta, state_file);
     std::printf(
         "resumed from %s at epoch %lld (step %lld)\n",
@@ -1060,7 +1065,8 @@ int run(Options o) {
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   if (!resume_file.empty() && !weights_only) {
     // Replica 0's optimizer from the checkpoint, then its state into every replica's.
-    load_checkpoint(resumed_files, *net, &opt->primary());
+    load_checkpoint(*resumed, *net, &opt->primary());
+    resumed.reset();
     opt->load_state_dict(opt->primary().state_dict());
     for (size_t r = 1; r < opt->size(); ++r) {
       opt->replica(r).load_hyperparameters(opt->primary().hyperparameters());

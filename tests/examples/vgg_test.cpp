@@ -6,7 +6,7 @@
 //   - a short synthetic VGG-11 run on the CPU trains one epoch and reports a finite loss and a test
 //     accuracy;
 //   - a checkpoint round trip: --eval-only --resume (or -e, --evaluate) prints the checksum the
-//     training run printed;
+//     training run printed, having read each file of the checkpoint once;
 //   - an exact resume on the CPU: 2 epochs straight and 1 + 1 give the same checksum (the GPU test
 //     does the same at a larger scale on 1 and 2 GPUs);
 //   - the torchvision head at --image-size 64 trains a step, with torchvision's parameter count;
@@ -25,6 +25,7 @@
 //   - the run folder (--output): metrics.csv, curves.png, last and best checkpoints, and a resume
 //     that continues in it.
 #include <gtest/gtest.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -32,8 +33,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <optional>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -525,6 +528,65 @@ TEST(VggTrainer, NonFiniteWeightsAreRefusedWhenLoaded) {
                                      "(element 5 is NaN)"))
       << r.output;
   EXPECT_FALSE(contains(r.output, "test accuracy")) << r.output;
+}
+
+// How many times each file in `folder` was opened, by any process, while `run` ran (inotify, so
+// the trainer's opens are seen), or nothing where inotify is unavailable or lost events. Closes
+// are watched too, though not counted: inotify merges an event into an identical one still
+// unread, so two opens in a row with nothing between them would count as one.
+std::optional<std::map<std::string, int>> opens_during(const std::string& folder,
+                                                       const std::function<void()>& run) {
+  const int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  if (inotify_add_watch(fd, folder.c_str(), IN_OPEN | IN_CLOSE) < 0) {
+    ::close(fd);
+    return std::nullopt;
+  }
+  run();
+  std::map<std::string, int> opens;
+  bool overflow = false;
+  alignas(inotify_event) char buffer[4096];
+  for (ssize_t n; (n = ::read(fd, buffer, sizeof buffer)) > 0;) {
+    for (ssize_t at = 0; at < n;) {
+      const auto* event = reinterpret_cast<const inotify_event*>(buffer + at);
+      overflow |= (event->mask & IN_Q_OVERFLOW) != 0;
+      if ((event->mask & IN_OPEN) != 0 && event->len > 0) ++opens[event->name];
+      at += static_cast<ssize_t>(sizeof(inotify_event) + event->len);
+    }
+  }
+  ::close(fd);
+  if (overflow) return std::nullopt;
+  return opens;
+}
+
+// A resume reads each file of the checkpoint once: the model, before it moves to the GPUs, and
+// the model with the optimizer, after, come from the same read (the model file was read, and
+// scanned for NaN, twice). Counted against a resume refused once the settings are read: both runs
+// look at the headers alike (which save, what settings), so the evaluation opens each file exactly
+// once more, to read its tensors.
+TEST(VggTrainer, AResumeReadsTheCheckpointOnce) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string base = kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 ";
+  const std::string ckpt = dir / "c.safetensors";
+  const RunResult trained = run_on_cpu(dir, base + "--epochs 1 --checkpoint '" + ckpt + "'");
+  ASSERT_EQ(trained.code, 0) << trained.output;
+
+  RunResult refused, evaluated;
+  const auto headers = opens_during(
+      dir / ".", [&] { refused = run_on_cpu(dir, "--epochs 2 --seed 7 --resume '" + ckpt + "'"); });
+  const auto loaded =
+      opens_during(dir / ".", [&] { evaluated = run_on_cpu(dir, "-e --resume '" + ckpt + "'"); });
+  if (!headers || !loaded) GTEST_SKIP() << "inotify is not available here";
+  ASSERT_EQ(refused.code, 2) << refused.output;
+  ASSERT_EQ(evaluated.code, 0) << evaluated.output;
+  ASSERT_TRUE(contains(evaluated.output, "resumed from")) << evaluated.output;
+  for (const std::string file : {"c.safetensors", "c.train.safetensors"}) {
+    const int before = headers->count(file) ? headers->at(file) : 0;
+    const int after = loaded->count(file) ? loaded->at(file) : 0;
+    EXPECT_EQ(after, before + 1) << file << " opened " << before << " times by the refused resume, "
+                                 << after << " by the evaluation";
+  }
 }
 
 TEST(VggTrainer, MissingCheckpointIsAnError) {

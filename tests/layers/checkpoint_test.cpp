@@ -126,6 +126,49 @@ TEST_F(Checkpoint, ResumesExactly) {
   expect_same_values(resumed->state_dict(), model_->state_dict());
 }
 
+// A checkpoint read once loads as the trainer loads it, the model alone and then the model with its
+// optimizer, without the files (removed here after the read): the state a load from the path
+// gives, and the same refusals. The read itself refuses what a load refuses, in the same words.
+TEST_F(Checkpoint, ACheckpointReadOnceLoadsTwiceWithoutTheFiles) {
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  const CheckpointContents contents = read_checkpoint(find_checkpoint(path_));
+  std::filesystem::remove(path_);
+  std::filesystem::remove(optimizer_state_path(path_));
+  auto resumed = small_net(99);
+  SGD resumed_sgd(resumed->parameters(), {.lr = 1.0, .momentum = 0.9, .weight_decay = 5e-4});
+  EXPECT_EQ(load_checkpoint(contents, *resumed, nullptr), metadata_);
+  expect_same_values(resumed->state_dict(), model_->state_dict());
+  EXPECT_EQ(load_checkpoint(contents, *resumed, &resumed_sgd), metadata_);
+  expect_same_values(resumed->state_dict(), model_->state_dict());
+  expect_same_values(resumed_sgd.state_dict(), sgd_.state_dict());
+  EXPECT_EQ(resumed_sgd.lr(), 0.05);
+  EXPECT_EQ(resumed_sgd.steps(), 2);
+  AdamW adamw(resumed->parameters(), {});
+  try {
+    load_checkpoint(contents, *resumed, &adamw);
+    ADD_FAILURE() << "expected an IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds SGD state, but the optimizer is AdamW"),
+              std::string::npos)
+        << e.what();
+  }
+
+  save_checkpoint(path_, *model_, &sgd_, metadata_);
+  TensorMap tensors = clone_map(load_safetensors(path_).tensors);
+  tensors.at("0.weight").data<float>()[5] = std::numeric_limits<float>::quiet_NaN();
+  save_safetensors(path_, tensors, load_safetensors_metadata(path_));  // the same id: still a pair
+  try {
+    read_checkpoint(find_checkpoint(path_));
+    ADD_FAILURE() << "expected an IoError";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint file '" + path_ +
+                                         "': tensor '0.weight' holds NaN/Inf values (element 5 "
+                                         "is NaN)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A save in two halves (snapshot now, write later, on another thread): the files hold the state of
 // the snapshot's moment, not what the model and the optimizer became while they were written (on
 // the CPU the tensors are the live storage, so the snapshot must copy them); a second save waits
