@@ -33,8 +33,12 @@ cmake --build build --target "$target" -j "$(nproc)" > "$out/profile-build.log" 
 csv=$out/profile-$size-$precision.csv
 if [[ $trainer == 1 ]]; then
   run_dir=$(mktemp -d)
+  # The repository's copy of the data where the machine lacks the system's (the GPU machine).
+  data=()
+  [[ ! -d /usr/share/datasets/fashion-mnist && -d .data/fashion-mnist ]] &&
+    data=(--data-dir "$PWD/.data/fashion-mnist")
   command=(build/examples/cudp-vgg --precision bf16 --epochs 1 --batch-size 256 --limit-train 512
-           --limit-test 256 --graphs off --output "$run_dir/run" "${extra[@]}")
+           --limit-test 256 --graphs off --output "$run_dir/run" "${data[@]}" "${extra[@]}")
 else
   command=(build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off
            --warmup 1 --steps 1 "${extra[@]}")

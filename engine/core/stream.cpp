@@ -168,9 +168,14 @@ SideStream::SideStream(int device, cudaStream_t stream) : stream_(stream) {
     slot->open = true;
     slot_ = slot;
   }
-  DeviceGuard guard(device);
-  slot_->forked.record(stream_);
-  slot_->side.wait(slot_->forked);
+  try {
+    DeviceGuard guard(device);
+    slot_->forked.record(stream_);
+    slot_->side.wait(slot_->forked);
+  } catch (...) {
+    slot_->open = false;  // no destructor runs: free the slot for the next fork
+    throw;
+  }
 }
 
 cudaStream_t SideStream::get() const {

@@ -82,8 +82,8 @@ class SideStream {
   struct Slot;  // the side stream and its events (stream.cpp)
 
  private:
-  Slot* slot_;
-  cudaStream_t stream_;
+  Slot* slot_ = nullptr;
+  cudaStream_t stream_ = nullptr;
   bool joined_ = false;
 };
 
