@@ -196,7 +196,9 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         }
         // Backward-weight beside backward-data when both run (detail::concurrent_weight_grad).
         std::optional<cuda::SideStream> side;
-        if (out && detail::concurrent_weight_grad(rows)) side.emplace(device_.index, stream);
+        if (out && detail::concurrent_weight_grad(rows)) {
+          side.emplace(device_.index, stream, cuda::SideStream::if_free);
+        }
         if (out && input_grad_masked_) {
           // tf32 (forward_one's tc_dgrad): the ReLU before this layer masked in backward-data's
           // epilogue (its output, this layer's input, is the mask), and the bias hand-off's
@@ -374,7 +376,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
         // Backward-weight beside backward-data when both run (detail::concurrent_weight_grad).
         std::optional<cuda::SideStream> side;
         if (input_grad_ && detail::concurrent_weight_grad(rows)) {
-          side.emplace(device_.index, stream);
+          side.emplace(device_.index, stream, cuda::SideStream::if_free);
         }
         if (!input_grad_) {
           // The model's input needs no gradient: backward-data is skipped.

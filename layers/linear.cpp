@@ -229,7 +229,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         // Backward-weight (and the bias gradient) beside backward-data when both run
         // (detail::concurrent_weight_grad).
         std::optional<cuda::SideStream> side;
-        if (input_grad_ && detail::concurrent_weight_grad(rows)) side.emplace(device_.index, s);
+        if (input_grad_ && detail::concurrent_weight_grad(rows)) {
+          side.emplace(device_.index, s, cuda::SideStream::if_free);
+        }
         const cudaStream_t ws = side ? side->get() : s;
         if (direct_dx) {
           bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),

@@ -153,52 +153,73 @@ SideStreams& side_streams() {
   return *s;
 }
 
+std::atomic<uint64_t> g_forks{0};
+
 }  // namespace
 
 SideStream::SideStream(int device, cudaStream_t stream) : stream_(stream) {
+  fork(device, false);
+}
+
+SideStream::SideStream(int device, cudaStream_t stream, IfFree) : stream_(stream) {
+  fork(device, true);
+}
+
+void SideStream::fork(int device, bool if_free) {
+  Slot* slot = nullptr;
   {
     SideStreams& s = side_streams();
     std::lock_guard lock(s.mutex);
-    Slot*& slot = s.slots[{device, stream}];
-    if (slot == nullptr) {
-      slot = new Slot{Stream::create(device), Event::create(device), Event::create(device)};
+    Slot*& entry = s.slots[{device, stream_}];
+    if (entry == nullptr) {
+      entry = new Slot{Stream::create(device), Event::create(device), Event::create(device)};
     }
-    CUDP_CHECK(!slot->open, "SideStream: cuda:", device,
-               " already has a side stream open beside this stream; join it first");
-    slot->open = true;
-    slot_ = slot;
+    if (entry->open) {
+      if (if_free) return;
+      CUDP_THROW(Error, "SideStream: cuda:", device,
+                 " already has a side stream open beside this stream; join it first");
+    }
+    entry->open = true;
+    slot = entry;
   }
   try {
     DeviceGuard guard(device);
-    slot_->forked.record(stream_);
-    slot_->side.wait(slot_->forked);
+    slot->forked.record(stream_);
+    slot->side.wait(slot->forked);
   } catch (...) {
-    slot_->open = false;  // no destructor runs: free the slot for the next fork
+    slot->open = false;  // no destructor runs: free the slot for the next fork
     throw;
   }
+  slot_ = slot;
+  g_forks.fetch_add(1, std::memory_order_relaxed);
+}
+
+uint64_t SideStream::forks() {
+  return g_forks.load(std::memory_order_relaxed);
 }
 
 cudaStream_t SideStream::get() const {
-  return slot_->side.get();
+  return slot_ ? slot_->side.get() : stream_;
 }
 
 void SideStream::join() {
-  if (joined_) return;
+  if (joined_ || slot_ == nullptr) return;
   joined_ = true;
-  slot_->open = false;
   DeviceGuard guard(slot_->side.device());
   slot_->done.record(slot_->side);
-  CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, slot_->done.get(), 0));
+  const cudaError_t status = cudaStreamWaitEvent(stream_, slot_->done.get(), 0);
+  slot_->open = false;  // after the events' last use: another thread may fork now
+  CUDP_CUDA_CHECK(status);
 }
 
+// No DeviceGuard here (its queries may throw, and this may run while an exception unwinds): the
+// event and the streams name their device themselves.
 SideStream::~SideStream() {
-  if (joined_) return;
-  joined_ = true;
-  slot_->open = false;
-  DeviceGuard guard(slot_->side.device());
+  if (joined_ || slot_ == nullptr) return;
   if (cudaEventRecord(slot_->done.get(), slot_->side.get()) == cudaSuccess) {
     cudaStreamWaitEvent(stream_, slot_->done.get(), 0);
   }
+  slot_->open = false;
 }
 
 StreamGuard::StreamGuard(int device, cudaStream_t stream)

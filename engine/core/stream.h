@@ -9,6 +9,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 namespace cudp::cuda {
 
 class Event;
@@ -67,22 +69,33 @@ class Event {
 // afterwards wait for everything issued on the side stream. Memory the side stream reads may be
 // freed on `stream` once joined. Inside a stream capture the side stream joins the capture through
 // the first wait and leaves it through the second, so a captured graph holds the two branches.
-// One side stream per (device, stream), made on first use and kept for the life of the process,
-// with its two events; a stream has one SideStream open at a time (one thread issues to it).
+// One side stream per (device, stream), made on first use and kept for the life of the process
+// with its two events (a program that makes streams without end keeps one for each).
 class SideStream {
  public:
+  // Throws where `stream` has a side stream open already (join it first).
   SideStream(int device, cudaStream_t stream);
+  // Where `stream` has one open already (two threads issuing to one stream, as threads without a
+  // StreamGuard share the device's default stream): none, get() is `stream` itself and join()
+  // does nothing, so the work runs in order on `stream`, with the same results.
+  struct IfFree {};
+  static constexpr IfFree if_free{};
+  SideStream(int device, cudaStream_t stream, IfFree);
   ~SideStream();  // joins if join() was not called (an error then is not reported)
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
 
   cudaStream_t get() const;
   void join();
+  bool forked() const { return slot_ != nullptr; }
+  // Side streams forked in this process so far (for tests: that a path took one).
+  static uint64_t forks();
 
   struct Slot;  // the side stream and its events (stream.cpp)
 
  private:
-  Slot* slot_ = nullptr;
+  void fork(int device, bool if_free);
+  Slot* slot_ = nullptr;  // null: not forked (if_free found the slot open)
   cudaStream_t stream_ = nullptr;
   bool joined_ = false;
 };

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <thread>
 
@@ -115,8 +116,8 @@ TEST(SideStreamGpu, ACapturedSideStreamIsABranchOfTheGraph) {
   CUDP_CUDA_CHECK(cudaFree(dev));
 }
 
-// One side stream open beside a stream at a time: a second is refused, naming the fix; after the
-// join the slot is free again.
+// One side stream open beside a stream at a time: a second is refused, naming the fix, or with
+// if_free not forked (its work stays on the stream); after the join the slot is free again.
 TEST(SideStreamGpu, OneSideStreamOpenAtATime) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream main = cuda::Stream::create(0);
@@ -127,8 +128,18 @@ TEST(SideStreamGpu, OneSideStreamOpenAtATime) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("join it first"), std::string::npos) << e.what();
   }
+  {
+    // if_free: none, the work stays on `main`.
+    cuda::SideStream none(0, main, cuda::SideStream::if_free);
+    EXPECT_FALSE(none.forked());
+    EXPECT_EQ(none.get(), main.get());
+    none.join();
+  }
   first.join();
-  cuda::SideStream again(0, main);
+  const uint64_t forks = cuda::SideStream::forks();
+  cuda::SideStream again(0, main, cuda::SideStream::if_free);
+  EXPECT_TRUE(again.forked());
+  EXPECT_EQ(cuda::SideStream::forks(), forks + 1);
   EXPECT_EQ(again.get(), first.get()) << "the side stream is kept for its stream";
   again.join();
   main.synchronize();

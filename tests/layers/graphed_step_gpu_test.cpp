@@ -17,6 +17,7 @@
 #include "common/compare.h"
 #include "common/gpu.h"
 #include "common/tensor_bytes.h"
+#include "engine/core/stream.h"
 #include "engine/parallel/data_parallel.h"
 #include "layers/activation.h"
 #include "layers/batchnorm.h"
@@ -221,8 +222,11 @@ TEST_P(SideStreamStepGpu, BackwardWeightBesideBackwardDataChangesNoBit) {
     EXPECT_EQ(graphed.replays(), 5);
     return o;
   };
+  const uint64_t forks = cuda::SideStream::forks();
   const Outcome one_stream = outcome(false, false);
+  EXPECT_EQ(cuda::SideStream::forks(), forks) << "off, yet a side stream was forked";
   expect_same(outcome(true, false), one_stream);
+  EXPECT_GT(cuda::SideStream::forks(), forks) << "on, yet no side stream was forked";
   expect_same(outcome(true, true), one_stream);
   EXPECT_NE(one_stream.results[2], one_stream.results[3]);  // the steps trained
 }
