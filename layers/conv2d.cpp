@@ -195,10 +195,8 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
                            rows, s.k, stream);
         }
         // Backward-weight beside backward-data when both run (detail::concurrent_weight_grad).
-        std::optional<cuda::SideStream> side;
-        if (out && detail::concurrent_weight_grad(rows)) {
-          side.emplace(device_.index, stream, cuda::SideStream::if_free);
-        }
+        cuda::SideStream side(device_.index, stream, cuda::SideStream::if_free,
+                              out && detail::concurrent_weight_grad(rows));
         if (out && input_grad_masked_) {
           // tf32 (forward_one's tc_dgrad): the ReLU before this layer masked in backward-data's
           // epilogue (its output, this layer's input, is the mask), and the bias hand-off's
@@ -213,9 +211,9 @@ Tensor Conv2d::backward_one(const Tensor& grad_output) {
         } else if (out) {
           kernels::conv2d_backward_data(s, dy, w, out, stream, math());
         }
-        kernels::conv2d_backward_weight(s, x, dy, dw, dw_beta, side ? side->get() : stream, math(),
-                                        {}, relu ? nullptr : db);
-        if (side) side->join();
+        kernels::conv2d_backward_weight(s, x, dy, dw, dw_beta, side.get(), math(), {},
+                                        relu ? nullptr : db);
+        side.join();
       });
   weight_->grad_written();
   return dx;
@@ -374,10 +372,8 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
         }
         const kernels::Bf16Operands converted{input_bf16_.data_ptr(), dyp.data_ptr()};
         // Backward-weight beside backward-data when both run (detail::concurrent_weight_grad).
-        std::optional<cuda::SideStream> side;
-        if (input_grad_ && detail::concurrent_weight_grad(rows)) {
-          side.emplace(device_.index, stream, cuda::SideStream::if_free);
-        }
+        cuda::SideStream side(device_.index, stream, cuda::SideStream::if_free,
+                              input_grad_ && detail::concurrent_weight_grad(rows));
         if (!input_grad_) {
           // The model's input needs no gradient: backward-data is skipped.
         } else if (cp == s.c && kp == s.k) {
@@ -412,10 +408,9 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
             kernels::f32_to_bf16(dxf.data<float>(), dx.data<__nv_bfloat16>(), dx.numel(), stream);
           }
         }
-        kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, dw_beta,
-                                        side ? side->get() : stream, kernels::Math::BF16, converted,
-                                        relu ? nullptr : db);
-        if (side) side->join();
+        kernels::conv2d_backward_weight(s, nullptr, nullptr, dw, dw_beta, side.get(),
+                                        kernels::Math::BF16, converted, relu ? nullptr : db);
+        side.join();
       });
   weight_->grad_written();
   return dx;

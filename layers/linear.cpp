@@ -1,7 +1,6 @@
 #include "layers/linear.h"
 
 #include <limits>
-#include <optional>
 
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
@@ -228,11 +227,9 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         const Tensor dy_bf16 = direct_dx || direct_dw ? convert(dym, DType::bf16) : Tensor();
         // Backward-weight (and the bias gradient) beside backward-data when both run
         // (detail::concurrent_weight_grad).
-        std::optional<cuda::SideStream> side;
-        if (input_grad_ && detail::concurrent_weight_grad(rows)) {
-          side.emplace(device_.index, s, cuda::SideStream::if_free);
-        }
-        const cudaStream_t ws = side ? side->get() : s;
+        cuda::SideStream side(device_.index, s, cuda::SideStream::if_free,
+                              input_grad_ && detail::concurrent_weight_grad(rows));
+        const cudaStream_t ws = side.get();
         if (direct_dx) {
           bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),
                        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
@@ -249,7 +246,7 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         if (db && !relu) {
           kernels::bias_grad(dy, db, rows, n, db_beta, ws);
         }
-        if (side) side->join();
+        side.join();
       });
   weight_->grad_written();
   if (bias_) bias_->grad_written();

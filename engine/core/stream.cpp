@@ -161,8 +161,8 @@ SideStream::SideStream(int device, cudaStream_t stream) : stream_(stream) {
   fork(device, false);
 }
 
-SideStream::SideStream(int device, cudaStream_t stream, IfFree) : stream_(stream) {
-  fork(device, true);
+SideStream::SideStream(int device, cudaStream_t stream, IfFree, bool wanted) : stream_(stream) {
+  if (wanted) fork(device, true);
 }
 
 void SideStream::fork(int device, bool if_free) {

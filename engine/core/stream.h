@@ -75,12 +75,13 @@ class SideStream {
  public:
   // Throws where `stream` has a side stream open already (join it first).
   SideStream(int device, cudaStream_t stream);
-  // Where `stream` has one open already (two threads issuing to one stream, as threads without a
-  // StreamGuard share the device's default stream): none, get() is `stream` itself and join()
-  // does nothing, so the work runs in order on `stream`, with the same results.
+  // A side stream only where `wanted` and `stream` has none open already (two threads may issue to
+  // one stream: threads without a StreamGuard share the device's default stream). Otherwise none:
+  // get() is `stream` itself and join() does nothing, so the work runs in order on `stream`, with
+  // the same results, and the caller's code is the same either way.
   struct IfFree {};
   static constexpr IfFree if_free{};
-  SideStream(int device, cudaStream_t stream, IfFree);
+  SideStream(int device, cudaStream_t stream, IfFree, bool wanted = true);
   ~SideStream();  // joins if join() was not called (an error then is not reported)
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
@@ -95,7 +96,7 @@ class SideStream {
 
  private:
   void fork(int device, bool if_free);
-  Slot* slot_ = nullptr;  // null: not forked (if_free found the slot open)
+  Slot* slot_ = nullptr;  // null: not forked (not wanted, or if_free found the slot open)
   cudaStream_t stream_ = nullptr;
   bool joined_ = false;
 };

@@ -137,6 +137,13 @@ TEST(SideStreamGpu, OneSideStreamOpenAtATime) {
   }
   first.join();
   const uint64_t forks = cuda::SideStream::forks();
+  {
+    // Not wanted: none, though the slot is free.
+    cuda::SideStream unwanted(0, main, cuda::SideStream::if_free, false);
+    EXPECT_FALSE(unwanted.forked());
+    EXPECT_EQ(unwanted.get(), main.get());
+  }
+  EXPECT_EQ(cuda::SideStream::forks(), forks);
   cuda::SideStream again(0, main, cuda::SideStream::if_free);
   EXPECT_TRUE(again.forked());
   EXPECT_EQ(cuda::SideStream::forks(), forks + 1);
