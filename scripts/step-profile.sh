@@ -43,15 +43,17 @@ else
   command=(build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off
            --warmup 1 --steps 1 "${extra[@]}")
 fi
-# The trainer on one GPU runs its step on the main thread, inside "training step" (its evaluation's
-# forward is not); the benchmark's replica threads have their own ranges.
-ranges=(--nvtx-include "training step/")
-[[ $trainer == 1 ]] || ranges+=(--nvtx-include "VGG forward/" --nvtx-include "VGG backward/")
+# NVTX ranges are per thread. The model's forward and backward run inside "VGG forward" and "VGG
+# backward" at the top of a replica worker's stack (the benchmark's, and the trainer's: a run on
+# one GPU has one replica); the trainer's loss, gradient norm and optimizer run on its main thread
+# inside "training step". The trainer's evaluation forward is a "VGG forward" too: the listing
+# below keeps its second step alone, by the optimizer's kernels that end each step.
+ranges=(--nvtx-include "training step/" --nvtx-include "VGG forward/" --nvtx-include "VGG backward/")
 ncu --clock-control none --nvtx "${ranges[@]}" \
   --metrics gpu__time_duration.sum --csv --print-units base "${command[@]}" \
   > "$csv" 2> "$out/profile-ncu.log"
 [[ $trainer == 1 ]] && rm -rf "$run_dir"
-python3 - "$csv" <<'PY'
+python3 - "$csv" "$trainer" <<'PY'
 import csv, sys, collections, re, signal
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
@@ -59,9 +61,16 @@ head = rows[0]; data = rows[1:]
 name_i, value_i, id_i = head.index("Kernel Name"), head.index("Metric Value"), head.index("ID")
 launches = [(int(r[id_i]), r[name_i], float(r[value_i].replace(",", ""))) for r in data]
 launches.sort()
-# The warm-up step and the timed one (the "training step" NVTX range of the main thread, and the
-# model's forward and backward ranges of the replica worker threads): keep the second half.
-half = launches[len(launches) // 2:]
+if sys.argv[2] == "1":
+    # The trainer: two steps, then the evaluation's forward. Its second step is what follows the
+    # first step's optimizer launch up to the second's.
+    ends = [i for i, (_, name, _) in enumerate(launches) if re.search(r"sgd_kernel|adamw_kernel", name)]
+    if len(ends) < 2:
+        sys.exit(f"step-profile: found {len(ends)} optimizer launches, need 2 (the trainer's two steps)")
+    half = launches[ends[0] + 1:ends[1] + 1]
+else:
+    # The warm-up step and the timed one: keep the second half.
+    half = launches[len(launches) // 2:]
 total = sum(t for _, _, t in half)
 groups = collections.defaultdict(lambda: [0.0, 0])
 for _, name, t in half:
