@@ -3,7 +3,9 @@
 
 Runs torchvision's VGG (no BatchNorm; --bn: torchvision's vgg*_bn, "bn": true in the JSON) with
 SGD(momentum 0.9, weight decay 5e-4), data already on the GPU, `--warmup` untimed steps then
-`--steps` timed steps between synchronisations, on one GPU, with nn.DataParallel, and with
+`--repeats` windows of `--steps` timed steps, each between synchronisations, the figure being the
+median window's as bench_train's (each window's img/s in the JSON's "window_images_per_s"), on one
+GPU, with nn.DataParallel, and with
 DistributedDataParallel (one process per GPU, NCCL). The 32x32 configuration uses cudp's compact
 head (512 -> 512 -> 512 -> 10), built here from torchvision's features. Prints a Markdown table and
 writes JSON lines with --json.
@@ -51,7 +53,14 @@ def prepare(model, x, args):
     return model, x
 
 
+def median(values):
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
 def timed_steps(model, opt, x, y, warmup, steps, devices, args):
+    """The seconds of each of args.repeats windows of `steps` steps, after `warmup` steps."""
     loss_fn = nn.CrossEntropyLoss()
     forward = torch.compile(model) if args.compile else model
 
@@ -64,14 +73,19 @@ def timed_steps(model, opt, x, y, warmup, steps, devices, args):
 
     for _ in range(warmup):
         step()
-    for d in devices:
-        torch.cuda.synchronize(d)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    for d in devices:
-        torch.cuda.synchronize(d)
-    return time.perf_counter() - t0
+    windows = []
+    for _ in range(args.repeats):
+        for d in devices:
+            torch.cuda.synchronize(d)
+        if dist.is_initialized():
+            dist.barrier()  # the ranks start each window together
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        for d in devices:
+            torch.cuda.synchronize(d)
+        windows.append(time.perf_counter() - t0)
+    return windows
 
 
 def single_or_dp(arch, size, per_gpu, gpus, args):
@@ -88,9 +102,9 @@ def single_or_dp(arch, size, per_gpu, gpus, args):
     x = torch.randn(batch, 3, size, size, device="cuda:0")
     y = torch.arange(batch, device="cuda:0") % classes
     model, x = prepare(model, x, args)
-    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, range(gpus), args)
+    windows = timed_steps(model, opt, x, y, args.warmup, args.steps, range(gpus), args)
     peak = max(torch.cuda.max_memory_allocated(d) for d in range(gpus)) / 2**30
-    return batch * args.steps / seconds, peak
+    return batch * args.steps / median(windows), peak, [batch * args.steps / w for w in windows]
 
 
 def ddp_worker(rank, world, arch, size, per_gpu, args, queue):
@@ -111,9 +125,15 @@ def ddp_worker(rank, world, arch, size, per_gpu, args, queue):
         x = x.contiguous(memory_format=torch.channels_last)
     torch.cuda.reset_peak_memory_stats(rank)
     dist.barrier()
-    seconds = timed_steps(model, opt, x, y, args.warmup, args.steps, [rank], args)
+    windows = timed_steps(model, opt, x, y, args.warmup, args.steps, [rank], args)
+    # The slowest rank's seconds of each window.
+    slowest = torch.tensor(windows, device=rank)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    windows = slowest.tolist()
     if rank == 0:
-        queue.put((per_gpu * world * args.steps / seconds, torch.cuda.max_memory_allocated(rank) / 2**30))
+        images = per_gpu * world * args.steps
+        queue.put((images / median(windows), torch.cuda.max_memory_allocated(rank) / 2**30,
+                   [images / w for w in windows]))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -132,7 +152,9 @@ def main():
     p.add_argument("--size", nargs="+", type=int, default=[224, 32])
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="timed steps of each window")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed windows; img/s is the median window's")
     p.add_argument("--tf32", action="store_true", help="allow TF32 (PyTorch's cuDNN default)")
     p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default=None,
                    help="fp32 (TF32 off), tf32, or bf16 autocast (TF32 for what stays fp32)")
@@ -143,6 +165,8 @@ def main():
     p.add_argument("--modes", nargs="+", default=["single", "dp", "ddp"])
     p.add_argument("--json")
     args = p.parse_args()
+    if args.repeats < 1 or args.steps < 1:
+        p.error("--repeats and --steps take a whole number >= 1")
     if args.precision is None:
         args.precision = "tf32" if args.tf32 else "fp32"
     rows = []
@@ -155,12 +179,15 @@ def main():
             for g in range(2, args.gpus + 1):
                 runs += [(m, g) for m in ("dp", "ddp") if m in args.modes]
             for mode, g in runs:
-                ips, peak = (ddp if mode == "ddp" else single_or_dp)(arch, size, per_gpu, g, args)
+                ips, peak, windows = (ddp if mode == "ddp" else single_or_dp)(arch, size, per_gpu, g,
+                                                                             args)
                 row = {"framework": "pytorch " + torch.__version__, "model": arch, "bn": args.bn,
                        "size": size,
                        "batch_per_gpu": per_gpu, "gpus": g, "mode": mode,
                        "precision": args.precision, "channels_last": args.channels_last,
                        "compile": args.compile, "images_per_s": round(ips, 1),
+                       "repeats": args.repeats,
+                       "window_images_per_s": [round(w, 1) for w in windows],
                        "peak_gib": round(peak, 3)}
                 rows.append(row)
                 setting = args.precision + (" NHWC" if args.channels_last else "") + (

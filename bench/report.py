@@ -571,7 +571,8 @@ def main():
     md += ["## Machine", "", machine_md(machine), "",
            "## Headline", "", headline(train, comm), "",
            "## Training throughput (bench_train vs bench/pytorch_train.py)", "",
-           "Images per second over timed steps (data already on the GPU). Scaling = img/s on g GPUs / "
+           "Images per second of the median of timed windows of steps (data already on the GPU; "
+           "each window's figure is in the raw JSON). Scaling = img/s on g GPUs / "
            "(g × img/s on 1 GPU) of the same framework (PyTorch's DataParallel and DDP against PyTorch "
            "on 1 GPU). cudp/PyTorch compares the same GPU count within one run (the run column). cudp "
            "runs as one process on its GPUs (1 GPU, DataParallel), or as N processes of one GPU each "

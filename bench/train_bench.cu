@@ -7,8 +7,10 @@
 // after the model's name in the table.
 //
 // Per configuration: build the model from a fixed seed, wrap it in DataParallel over the first g
-// GPUs, run `--warmup` steps, then `--steps` timed steps between a device synchronisation and the
-// next (host clock): img/s = global batch * steps / seconds. Also reported: peak memory per GPU and
+// GPUs, run `--warmup` steps, then `--repeats` windows (5) of `--steps` timed steps (10), each
+// between a device synchronisation and the next (host clock): img/s = global batch * steps /
+// seconds of the median window ("window_images_per_s" in the JSON lists every window's, in order,
+// so their spread is on record). Also reported: peak memory per GPU and
 // the time of the gradient all-reduce alone (NCCL on the flat gradient buffer, timed separately).
 // One JSON object per configuration with --json, each with "processes" (1 here).
 //
@@ -127,6 +129,7 @@ struct Options {
   int64_t batch_per_gpu = 0;  // 0: 256 at 32^2, 64 at 224^2
   int processes = 0;          // 0: whatever the launch is
   int warmup = 3, steps = 10;
+  int repeats = 5;  // timed windows of `steps` steps; the figures are the median window's
   std::string json, exposed_comm = "on";
 };
 
@@ -141,7 +144,8 @@ struct Config {
 };
 
 struct Result {
-  double images_per_s = 0, step_ms = 0, allreduce_ms = 0;
+  double images_per_s = 0, step_ms = 0, allreduce_ms = 0;  // the median window's img/s and step
+  std::vector<double> window_images_per_s;                 // every timed window's, in order
   double peak_gib = -1;         // the largest over the GPUs (and ranks); -1 on the CPU
   double step_ms_no_comm = -1;  // the same step with the all-reduce off (multi-GPU rows)
   int64_t parameters = 0;       // the model's (BatchNorm's weight and bias included)
@@ -153,7 +157,7 @@ char arch_config(const std::string& arch) {
 
 // One configuration on `ids`, the GPUs of this process (empty: the CPU): DataParallel over them,
 // or, under a launcher, DistributedDataParallel over the ranks (one GPU or the CPU each).
-Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) {
+Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, int repeats) {
   const bool ranks = g_ranks.distributed();
   const Device device = ids.empty() ? Device::cpu() : Device::cuda(ids[0]);
   const auto synchronize = [&ids] {
@@ -223,14 +227,26 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps) 
   const int untimed = c.graphs ? std::max(warmup, GraphedStepOptions{}.warmup_steps + 1) : warmup;
   for (int i = 0; i < untimed; ++i) step();
   synchronize();
-  g_ranks.barrier();  // the ranks start the timed steps together
-  const auto t0 = Clock::now();
-  for (int i = 0; i < steps; ++i) step();
-  synchronize();
-  // The slowest rank's time (a collective: it also ends the timed section on every rank).
-  const double seconds = g_ranks.max(std::chrono::duration<double>(Clock::now() - t0).count());
+  // `repeats` timed windows of `steps` steps, each between device synchronisations; the figures
+  // are the median window's (the mean of the two middle ones for an even count), so that one
+  // window disturbed by something else on the machine does not move them.
+  const double window_images = static_cast<double>(batch) * g_ranks.world * steps;
+  std::vector<double> windows;
+  for (int w = 0; w < repeats; ++w) {
+    g_ranks.barrier();  // the ranks start each window together
+    const auto t0 = Clock::now();
+    for (int i = 0; i < steps; ++i) step();
+    synchronize();
+    // The slowest rank's time (a collective: it also ends the window on every rank).
+    windows.push_back(g_ranks.max(std::chrono::duration<double>(Clock::now() - t0).count()));
+    r.window_images_per_s.push_back(window_images / windows.back());
+  }
+  std::sort(windows.begin(), windows.end());
+  const size_t mid = windows.size() / 2;
+  const double seconds =
+      windows.size() % 2 == 1 ? windows[mid] : (windows[mid - 1] + windows[mid]) / 2;
   r.step_ms = 1e3 * seconds / steps;
-  r.images_per_s = static_cast<double>(batch) * g_ranks.world * steps / seconds;
+  r.images_per_s = window_images / seconds;
   criterion.check_labels();
   if (!ids.empty()) {
     double peak = 0;
@@ -312,6 +328,12 @@ void print_row(const Row& w, FILE* json) {
   if (!json) return;
   std::string extra;
   if (w.scaling >= 0) extra += ", \"scaling\": " + fixed(true, w.scaling, 3);
+  extra += ", \"repeats\": " + std::to_string(r.window_images_per_s.size()) +
+           ", \"window_images_per_s\": [";
+  for (size_t i = 0; i < r.window_images_per_s.size(); ++i) {
+    extra += (i ? ", " : "") + fixed(true, r.window_images_per_s[i], 1);
+  }
+  extra += "]";
   if (r.peak_gib >= 0) extra += ", \"peak_gib\": " + fixed(true, r.peak_gib, 3);
   if (w.exposed >= 0) {
     extra += detail::str(", \"step_ms_no_comm\": ", r.step_ms_no_comm,
@@ -447,7 +469,7 @@ int bench(Options o) {
           if (o.exposed_comm != "on") return;
           Config quiet = config;
           quiet.comm = false;
-          w.r.step_ms_no_comm = run(quiet, ids, o.warmup, o.steps).step_ms;
+          w.r.step_ms_no_comm = run(quiet, ids, o.warmup, o.steps, o.repeats).step_ms;
           w.exposed = std::max(0.0, (w.r.step_ms - w.r.step_ms_no_comm) / w.r.step_ms);
         };
         if (ranks) {
@@ -460,11 +482,13 @@ int bench(Options o) {
                 per_gpu,
                 g_ranks.world,
                 cpu ? 0 : g_ranks.world,
-                run(config, rank_gpu, o.warmup, o.steps)};
+                run(config, rank_gpu, o.warmup, o.steps, o.repeats)};
           with_exposed(w, rank_gpu);
           print_row(w, out);
         } else if (cpu) {
-          Row w{arch, o.bn, name, mode, size, per_gpu, 1, 0, run(config, {}, o.warmup, o.steps)};
+          Row w{arch, o.bn, name,
+                mode, size, per_gpu,
+                1,    0,    run(config, {}, o.warmup, o.steps, o.repeats)};
           w.scaling = 1;
           print_row(w, out);
         } else {
@@ -472,7 +496,9 @@ int bench(Options o) {
           for (int g = 1; g <= max_gpus; ++g) {
             std::vector<int> ids;
             for (int i = 0; i < g; ++i) ids.push_back(i);
-            Row w{arch, o.bn, name, mode, size, per_gpu, 1, g, run(config, ids, o.warmup, o.steps)};
+            Row w{arch, o.bn, name,
+                  mode, size, per_gpu,
+                  1,    g,    run(config, ids, o.warmup, o.steps, o.repeats)};
             if (g > 1) with_exposed(w, ids);
             if (g == 1) one = w.r.images_per_s;
             w.scaling = w.r.images_per_s / (one * g);
@@ -516,7 +542,12 @@ int main(int argc, char** argv) {
                  "N processes with `mpirun -np N bench_train` (a check; default: the launch's)")
       ->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed steps")->capture_default_str();
-  app.add_option("--steps", o.steps, "timed steps")
+  app.add_option("--steps", o.steps, "timed steps of each window")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--repeats", o.repeats,
+                 "timed windows of --steps steps; img/s and step ms are the median window's (each "
+                 "window's img/s in the JSON's window_images_per_s)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--json", o.json, "write one JSON object per configuration here (rank 0)");

@@ -152,7 +152,8 @@ if [[ $report_only == 0 ]]; then
   rm -f "$raw"/runs.json
   echo "bench-report.sh: $gpus GPU(s), raw results in $raw, budget ${budget}s$([[ $quick == 1 ]] && echo ', quick')"
   if (( quick )); then
-    comm_args=(--max 256M --reps 20); train_args=(--warmup 2 --steps 5); torch_args=(--warmup 2 --steps 5)
+    comm_args=(--max 256M --reps 20); train_args=(--warmup 2 --steps 5 --repeats 3)
+    torch_args=(--warmup 2 --steps 5 --repeats 3)
     gemm_args=(--reps 10); conv_args=(--layers 3,5,8); elem_args=(--quick); norm_args=(--quick)
   else
     comm_args=(); train_args=(--warmup 3 --steps 10); torch_args=(--warmup 3 --steps 10)

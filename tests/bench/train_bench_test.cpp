@@ -2,6 +2,9 @@
 // usage errors a command line without a GPU or a launcher meets. The figures are checked against
 // what they must be whatever the speed: the global batch they imply (run_bench_train.h), one row
 // per configuration, "processes": 1, BatchNorm's parameter count.
+#include <algorithm>
+#include <vector>
+
 #include "bench/run_bench_train.h"
 
 namespace {
@@ -21,6 +24,7 @@ TEST(BenchTrain, OneProcessOnTheCpu) {
   EXPECT_EQ(row.at("batch_per_gpu"), 4);
   EXPECT_EQ(row.at("cudp_graphs"), "off");
   EXPECT_EQ(row.at("cudp_zero_grad"), "deferred");  // the default
+  EXPECT_EQ(row.at("repeats"), 1);                  // kTinyCpu's: one timed window
   EXPECT_EQ(row.at("bn"), false);          // --bn is off by default
   EXPECT_FALSE(row.contains("peak_gib"));  // GPU memory only
   expect_global_batch(row, 4);
@@ -90,6 +94,41 @@ TEST(BenchTrain, Tf32OnTheCpu) {
   EXPECT_EQ(rows[1].at("gpus"), 0);
   expect_global_batch(rows[1], 4);
   EXPECT_EQ(count_of(r.output, "| vgg11 | tf32 | off | 32 | 4 | 1 | 0 (CPU) |"), 1u) << r.output;
+}
+
+// --repeats: that many timed windows, each window's img/s in the JSON in order, and the figures
+// the median window's: for an odd count one of the windows itself; for an even count the mean of
+// the two middle windows' seconds (img/s = batch * steps / seconds). A count below 1 is a usage
+// error naming the option.
+TEST(BenchTrain, TimedWindowsGiveTheMedianWindow) {
+  CUDP_REQUIRE_BENCH_TRAIN();
+  TempDir dir;
+  for (const int repeats : {3, 2}) {
+    const std::string json = dir / (std::to_string(repeats) + "-windows.json");
+    const RunResult r = run_program(
+        dir, kBenchTrain,
+        kTinyCpuOneStep + "--repeats " + std::to_string(repeats) + " --json '" + json + "'");
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto rows = json_lines(json);
+    ASSERT_EQ(rows.size(), 1u) << r.output;
+    const auto& row = rows[0];
+    EXPECT_EQ(row.at("repeats"), repeats) << row.dump();
+    std::vector<double> windows = row.at("window_images_per_s").get<std::vector<double>>();
+    ASSERT_EQ(windows.size(), static_cast<size_t>(repeats)) << row.dump();
+    std::sort(windows.begin(), windows.end());
+    const double ips = row.at("images_per_s").get<double>();
+    if (repeats % 2 == 1) {
+      EXPECT_EQ(ips, windows[windows.size() / 2]) << row.dump();  // the same value, as printed
+    } else {
+      // Seconds of a window: 4 images / its img/s; the values are printed to 0.1 img/s.
+      const double seconds = (4 / windows[0] + 4 / windows[1]) / 2;
+      EXPECT_NEAR(ips, 4 / seconds, 0.1) << row.dump();
+    }
+    expect_global_batch(row, 4);
+  }
+  const RunResult bad = run_program(dir, kBenchTrain, kTinyCpuOneStep + "--repeats 0");
+  EXPECT_NE(bad.code, 0) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "--repeats")) << bad.output;
 }
 
 TEST(BenchTrain, ProcessesWithoutALauncherSaysHowToLaunch) {
