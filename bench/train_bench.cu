@@ -486,9 +486,8 @@ int bench(Options o) {
           with_exposed(w, rank_gpu);
           print_row(w, out);
         } else if (cpu) {
-          Row w{arch, o.bn, name,
-                mode, size, per_gpu,
-                1,    0,    run(config, {}, o.warmup, o.steps, o.repeats)};
+          const Result r = run(config, {}, o.warmup, o.steps, o.repeats);
+          Row w{arch, o.bn, name, mode, size, per_gpu, 1, 0, r};
           w.scaling = 1;
           print_row(w, out);
         } else {
@@ -496,9 +495,8 @@ int bench(Options o) {
           for (int g = 1; g <= max_gpus; ++g) {
             std::vector<int> ids;
             for (int i = 0; i < g; ++i) ids.push_back(i);
-            Row w{arch, o.bn, name,
-                  mode, size, per_gpu,
-                  1,    g,    run(config, ids, o.warmup, o.steps, o.repeats)};
+            const Result r = run(config, ids, o.warmup, o.steps, o.repeats);
+            Row w{arch, o.bn, name, mode, size, per_gpu, 1, g, r};
             if (g > 1) with_exposed(w, ids);
             if (g == 1) one = w.r.images_per_s;
             w.scaling = w.r.images_per_s / (one * g);

@@ -41,7 +41,7 @@ if [[ $trainer == 1 ]]; then
            --limit-test 256 --graphs off --output "$run_dir/run" "${data[@]}" "${extra[@]}")
 else
   command=(build/bench/bench_train --precision "$precision" --size "$size" --gpus 1 --graphs off
-           --warmup 1 --steps 1 "${extra[@]}")
+           --warmup 1 --steps 1 --repeats 1 "${extra[@]}")
 fi
 # NVTX ranges are per thread. The model's forward and backward run inside "VGG forward" and "VGG
 # backward" at the top of a replica worker's stack (the benchmark's, and the trainer's: a run on
