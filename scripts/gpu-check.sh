@@ -10,6 +10,11 @@
 #                                        # VGG-16-BN (bf16, 32², batch 256: the Fashion-MNIST
 #                                        # step), and cudp-vgg on Fashion-MNIST in bf16
 #                                        # (.data/fashion-mnist or the system's)
+#   scripts/gpu-check.sh --sustained     # and a sustained run beside the trainer: bench_train's
+#                                        # VGG-16-BN 32² bf16 step over 3 windows of 500 steps
+#                                        # (~1 s each), then cudp-vgg on Fashion-MNIST, with the
+#                                        # GPU's SM clock, power and clock-event reasons logged
+#                                        # every 200 ms (is a short burst faster than a long run?)
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
 #   CUDP_CTEST_JOBS=6 scripts/gpu-check.sh       # ctest's parallel jobs (4 by default)
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
@@ -20,10 +25,12 @@ mkdir -p "$out"
 bench=0
 train=0
 probes=0
+sustained=0
 for arg in "$@"; do
   [[ $arg == --bench ]] && bench=1
   [[ $arg == --probes ]] && probes=1
   [[ $arg == --train ]] && train=1
+  [[ $arg == --sustained ]] && sustained=1
 done
 export PATH=/usr/local/cuda/bin:$PATH
 
@@ -79,6 +86,35 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
       --data-dir "$data" --output /tmp/cudp-fmnist --json "$out/fmnist.json" > "$out/fmnist.log" 2>&1
     step "cudp-vgg fmnist bf16" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist.log" | tail -2 | tr '\n' ' ')"
   fi
+  if [[ $sustained == 1 ]]; then
+    # The clock-event field's name since driver 535; the older one before.
+    reasons=clocks_event_reasons.active
+    nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 ||
+      reasons=clocks_throttle_reasons.active
+    data=/usr/share/datasets/fashion-mnist
+    [[ -d .data/fashion-mnist ]] && data=$PWD/.data/fashion-mnist
+    for phase in bench trainer; do
+      nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,$reasons \
+        --format=csv,noheader -lms 200 > "$out/clocks-$phase.csv" 2>&1 &
+      logger=$!
+      if [[ $phase == bench ]]; then
+        timeout 120 build/bench/bench_train --precision bf16 --bn --gpus 1 --size 32 --graphs on \
+          --steps 500 --repeats 3 --json "$out/sustained.json" > "$out/sustained.md" 2>&1
+      else
+        rm -rf /tmp/cudp-sustained
+        timeout 120 build/examples/cudp-vgg --precision bf16 --epochs 10 --batch-size 256 --gpus 0 \
+          --data-dir "$data" --output /tmp/cudp-sustained > "$out/sustained-fmnist.log" 2>&1
+      fi
+      rc=$?
+      kill "$logger" 2> /dev/null
+      wait "$logger" 2> /dev/null
+      # The SM clock (MHz) and power (W) over the run: min / median / max of the 200 ms samples.
+      clocks=$(awk -F', ' '{gsub(/ MHz/, "", $2); gsub(/ W/, "", $3); print $2, $3}' \
+        "$out/clocks-$phase.csv" | sort -n | awk '{c[NR] = $1; p += $2} END {
+          if (NR) printf "SM %d / %d / %d MHz, mean %.0f W", c[1], c[int((NR + 1) / 2)], c[NR], p / NR }')
+      step "sustained $phase" "rc=$rc $clocks"
+    done
+  fi
   if [[ $probes == 1 ]]; then
     for p in build/bench/probe_*; do
       [[ -x $p ]] || continue
@@ -107,6 +143,11 @@ if [[ $train == 1 ]]; then
     [[ -f $f ]] && grep '^|' "$f"
   done
   tail -4 "$out/fmnist.log" 2>/dev/null
+fi
+if [[ $sustained == 1 ]]; then
+  grep '^|' "$out/sustained.md" 2>/dev/null
+  grep -o '"window_images_per_s": \[[^]]*\]' "$out/sustained.json" 2>/dev/null
+  grep -E "step 235/235|training time" "$out/sustained-fmnist.log" 2>/dev/null | tail -3
 fi
 if [[ $probes == 1 ]]; then
   for f in "$out"/probe_*.txt; do [[ -f $f ]] && { echo "--- $(basename "$f" .txt)"; cat "$f"; }; done
