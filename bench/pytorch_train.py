@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import time
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,6 @@ def prepare(model, x, args):
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     return model, x
-
-
-def median(values):
-    v = sorted(values)
-    mid = len(v) // 2
-    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
 def timed_steps(model, opt, x, y, warmup, steps, devices, args):

@@ -62,6 +62,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/timing.h"
 #include "engine/core/launch.h"
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
@@ -241,10 +242,7 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
     windows.push_back(g_ranks.max(std::chrono::duration<double>(Clock::now() - t0).count()));
     r.window_images_per_s.push_back(window_images / windows.back());
   }
-  std::sort(windows.begin(), windows.end());
-  const size_t mid = windows.size() / 2;
-  const double seconds =
-      windows.size() % 2 == 1 ? windows[mid] : (windows[mid - 1] + windows[mid]) / 2;
+  const double seconds = cudp::bench::median(windows);
   r.step_ms = 1e3 * seconds / steps;
   r.images_per_s = window_images / seconds;
   criterion.check_labels();
@@ -388,7 +386,7 @@ void join_ranks(const Options& o) {
   }
 }
 
-int bench(Options o) {
+int measure(Options o) {
   join_ranks(o);
   const bool ranks = g_ranks.distributed();
   const bool cpu = o.gpus == "none";
@@ -668,7 +666,7 @@ int main(int argc, char** argv) {
     return code;
   };
   try {
-    const int code = bench(o);
+    const int code = measure(o);
     std::fflush(stdout);
     g_ranks.finish();
     return code;

@@ -8,6 +8,13 @@
 
 namespace cudp::bench {
 
+double median(std::vector<double> values) {
+  CUDP_CHECK(!values.empty(), "median of no values");
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 == 1 ? values[mid] : (values[mid - 1] + values[mid]) / 2;
+}
+
 Timing time_on_stream(cudaStream_t stream, const std::function<void(int)>& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn(i);
   CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -26,12 +33,11 @@ Timing time_on_stream(cudaStream_t stream, const std::function<void(int)>& fn, i
   }
   CUDP_CUDA_CHECK(cudaEventDestroy(start));
   CUDP_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
   Timing t;
   t.repetitions = reps;
-  t.median_ms = times[times.size() / 2];
-  t.min_ms = times.front();
-  t.max_ms = times.back();
+  t.median_ms = median(times);
+  t.min_ms = *std::min_element(times.begin(), times.end());
+  t.max_ms = *std::max_element(times.begin(), times.end());
   return t;
 }
 

@@ -18,6 +18,10 @@ struct Timing {
   int repetitions = 0;
 };
 
+// The median of `values` (not empty): the middle one, or the mean of the two middle ones for an
+// even count.
+double median(std::vector<double> values);
+
 // Runs fn(rep) `warmup` times, then `reps` times each between two events on `stream`; fn receives the
 // repetition index so that it can rotate between input copies. Returns the statistics in ms.
 Timing time_on_stream(cudaStream_t stream, const std::function<void(int)>& fn, int warmup = 5,
