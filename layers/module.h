@@ -66,6 +66,9 @@ struct Parameter {
   Tensor compute{};  // bf16(data) under the bf16 policy when flattened; see the NOTE above
   bool backward_writes_grad = false;  // set by the layer: see NOTE [Deferred zeroing]
   bool grad_zero_pending = false;     // the gradient counts as zero; its contents are stale
+  // An optimizer updates it beside the backward (Optimizer::set_update_overlap): nothing may
+  // scale its gradient between the backward and the step (clip_grad_norm refuses it).
+  bool update_beside_backward = false;
 
   // The beta of a backward's write of this gradient: 0 while it counts as zero (the write replaces
   // whatever the tensor holds and never reads it), else 1 (accumulate).

@@ -128,6 +128,84 @@ Optimizer::Optimizer(std::vector<Parameter*> params, double lr)
   set_lr(lr);
 }
 
+Optimizer::~Optimizer() {
+  // The parameters outlive their optimizer (it holds their addresses); only one that overlapped
+  // touches them here.
+  if (overlap_) {
+    for (Parameter* p : params_) p->update_beside_backward = false;
+  }
+}
+
+void Optimizer::set_update_overlap(GradientSegments segments) {
+  overlap_ = std::move(segments);
+  for (Parameter* p : params_) p->update_beside_backward = static_cast<bool>(overlap_);
+  // The stream and its event are made now where the parameters are on a GPU already, not inside
+  // a captured step.
+  const Device device = params_[0]->data.device();
+  if (overlap_ && device.is_cuda() && overlap_stream_.device() != device.index) {
+    overlap_stream_ = cuda::Stream::create(device.index);
+    overlap_done_ = cuda::Event::create(device.index);
+  }
+}
+
+// NOTE [The update beside the backward]
+// A flat update is per element (kernels/optim.h), so it may run as several launches over pieces of
+// the flat buffers with the same bits. A gradient reducer completes its buckets in reverse
+// parameter order while the backward still runs: the buckets holding the last layers' weights
+// (most of VGG's) are final before the first layers' backward has started. step() is issued on
+// the host after the whole backward, but the device is behind it (and a captured step has only
+// the dependencies it was given), so each bucket's update, on the optimizer's own stream after
+// that bucket's event, runs beside the rest of the backward; the current stream then waits for
+// the last of them, so what follows the step sees every update. Nothing the backward still does
+// reads what the updates write: a layer's backward reads its own weights (and their bf16 copies)
+// only, and has run before its bucket completes; the next forward comes after the wait.
+//
+// Each piece starts where a parameter starts and covers whole parameters (the padding after them
+// included), so `first` and `count` name its parameters, and the per-parameter counts (AdamW's
+// step, SGD's first step) advance piece by piece as they do in one launch. Every piece reads the
+// same scalars; a captured step keeps its pieces, and staging a replay walks them again in the same
+// order, one scalar slot each. Not overlapped, with the same results: a gated step (its flag comes
+// after the whole backward), parameters that are not flat, a gradient still pending (its zeroing
+// goes to the current stream after the backward), and a step with no pieces from the source.
+std::vector<Optimizer::Piece> Optimizer::plan_pieces(const std::vector<int64_t>& offsets, int64_t n,
+                                                     const float* grad) const {
+  const std::vector<GradientSegment> segments = overlap_();
+  std::vector<Piece> pieces;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const GradientSegment& g = segments[s];
+    CUDP_CHECK(g.buffer == grad, type_name(), ": gradient segment ", s,
+               " lies in another buffer than these parameters' gradients; give the optimizer the "
+               "segments of the reducer over its own parameters");
+    const auto it = std::lower_bound(offsets.begin(), offsets.end(), g.begin);
+    CUDP_CHECK(g.end > g.begin && it != offsets.end() && *it == g.begin, type_name(),
+               ": gradient segment ", s, " [", g.begin, ", ", g.end,
+               ") does not start where a parameter starts");
+    Piece piece;
+    piece.begin = g.begin;
+    piece.n = std::min(g.end, n) - g.begin;
+    piece.first = static_cast<size_t>(it - offsets.begin());
+    piece.count =
+        static_cast<size_t>(std::lower_bound(it, offsets.end(), g.end) - offsets.begin()) -
+        piece.first;
+    piece.ready = g.ready;
+    pieces.push_back(piece);
+  }
+  // Together they cover the buffer once.
+  std::vector<Piece> sorted = pieces;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+  int64_t covered = 0;
+  for (const Piece& piece : sorted) {
+    CUDP_CHECK(piece.begin == covered, type_name(), ": the gradient segments ",
+               piece.begin < covered ? "overlap" : "leave a gap", " at element ",
+               std::min(piece.begin, covered), "; they must cover the flat buffer once");
+    covered = piece.begin + piece.n;
+  }
+  CUDP_CHECK(pieces.empty() || covered == n, type_name(), ": the gradient segments cover ", covered,
+             " of the flat buffer's ", n, " elements; they must cover all of it");
+  return pieces;
+}
+
 void Optimizer::set_lr(double lr) {
   CUDP_CHECK(lr >= 0, "Invalid learning rate: ", lr);
   lr_ = lr;
@@ -237,6 +315,8 @@ void Optimizer::fold_skips() const {
 void Optimizer::take_step(const Tensor* skip, Issue issue) {
   const bool stage = issue == Issue::Stage;
   check_gradients();
+  const bool any_pending = std::any_of(params_.begin(), params_.end(),
+                                       [](const Parameter* p) { return p->grad_zero_pending; });
   // A parameter no backward wrote since a deferred zero_grad. Not when staging a replay: the
   // graph holds what its capture issued, and the host's flags describe the captured step's end.
   if (!stage) zero_pending_grads(params_);
@@ -291,9 +371,57 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
       u.stage = slot.host;
       captured_slots_.push_back(slot.host);
     }
-    dispatch(u);
+    if (u.stream != nullptr) {  // a piece beside the backward, on the optimizer's stream
+      const cuda::DeviceGuard guard(u.device.index);
+      update(u);
+    } else {
+      dispatch(u);
+    }
   };
-  if (together) {
+  // NOTE [The update beside the backward]
+  std::vector<Piece> pieces;
+  if (together && stage) {
+    pieces = captured_pieces_;
+  } else if (together && overlap_ && !gated && !any_pending) {
+    pieces = plan_pieces(flat->offsets, flat->n, flat->grad);
+  }
+  if (replay != nullptr) captured_pieces_ = pieces;
+  if (!pieces.empty()) {
+    cudaStream_t stream = nullptr;
+    if (!stage && device.is_cuda()) {
+      const cuda::DeviceGuard guard(device.index);
+      if (overlap_stream_.device() != device.index) {  // the parameters moved since
+        overlap_stream_ = cuda::Stream::create(device.index);
+        overlap_done_ = cuda::Event::create(device.index);
+      }
+      stream = overlap_stream_.get();
+    }
+    for (const Piece& piece : pieces) {
+      if (stream != nullptr && piece.ready != nullptr) {
+        CUDP_CUDA_CHECK(cudaStreamWaitEvent(stream, piece.ready, 0));
+      }
+      std::vector<float*> state;
+      for (Tensor& t : flat_state_) state.push_back(t.data<float>() + piece.begin);
+      Update u{device,
+               stream,
+               flat->data + piece.begin,
+               flat->grad + piece.begin,
+               state,
+               piece.n,
+               piece.first,
+               piece.count,
+               gate};
+      u.compute = flat->compute != nullptr ? flat->compute + piece.begin : nullptr;
+      issue_update(u);
+    }
+    if (stream != nullptr) {
+      // What follows the step on the current stream sees every piece's update.
+      const cuda::DeviceGuard guard(device.index);
+      overlap_done_.record(stream);
+      CUDP_CUDA_CHECK(
+          cudaStreamWaitEvent(cuda::current_stream(device.index), overlap_done_.get(), 0));
+    }
+  } else if (together) {
     std::vector<float*> state;
     for (Tensor& t : flat_state_) {
       state.push_back(t.data<float>());
@@ -336,6 +464,7 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
   }
   if (gated) gated_since_fold_ = true;
   last_step_flat_ = together;
+  last_step_overlapped_ = !pieces.empty();
   ++steps_;
   if (advances) ++advancing_since_fold_;
   if (replay != nullptr) {
@@ -680,6 +809,14 @@ Tensor gradient_norm(const std::vector<Parameter*>& params, std::optional<float>
     check_parameter(*params[i], i, what);
   }
   const Device device = common_device(params, what);
+  if (max_norm) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      CUDP_CHECK(!params[i]->update_beside_backward, what, ": parameter ", i,
+                 "'s optimizer updates it beside the backward (set_update_overlap), where an "
+                 "update may read its gradient before a clip could scale it; turn that overlap "
+                 "off to clip gradients");
+    }
+  }
   zero_pending_grads(params);  // NOTE [Deferred zeroing] (layers/module.h)
   const cuda::AllocationPurpose purpose("the gradients' norm");
   Tensor total = Tensor::empty({}, DType::f32, device);

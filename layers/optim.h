@@ -39,6 +39,13 @@
 // after a gated step, as reading any result of the step would. The CPU path runs the same
 // bookkeeping on host memory.
 //
+// The update beside the backward (set_update_overlap, NOTE [The update beside the backward] in
+// optim.cpp): with flat parameters whose gradients a reducer completes bucket by bucket
+// (engine/parallel/reducer.h), step() updates each bucket on a stream of the optimizer's own as
+// soon as the backward has completed it, while the rest of the backward still runs; the current
+// stream waits for all of them at the end of step(). The same bits as one launch (every element's
+// update depends on that element alone), the same counts.
+//
 // State export (checkpoints): state_dict() returns CPU tensors named "<i>.<name>", with i the index
 // of the parameter in the list the optimizer was built with (as in PyTorch's optimizer state_dict),
 // or "<parameter name>.<name>" when the caller passes the names (layers/checkpoint.h does), and
@@ -54,11 +61,25 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/stream.h"
 #include "kernels/optim.h"
 #include "layers/module.h"
 #include "layers/safetensors.h"
 
 namespace cudp {
+
+// A piece of the flat gradient buffer that a backward completes at once (a gradient reducer's
+// bucket): elements [begin, end) of the buffer at `buffer` (Module::flatten_parameters; the piece
+// starts where a parameter starts), final once the work before `ready` has run (an event recorded
+// on the parameters' device; null on the CPU, where everything has run).
+struct GradientSegment {
+  const float* buffer = nullptr;
+  int64_t begin = 0, end = 0;
+  cudaEvent_t ready = nullptr;
+};
+// What an optimizer asks at each step() for the pieces of the backward before it, in the order
+// they become final; empty: none this step (no backward through the reducer: one update after it).
+using GradientSegments = std::function<std::vector<GradientSegment>()>;
 
 // How Optimizer::zero_grad leaves the gradients (see there).
 enum class ZeroGrad {
@@ -68,7 +89,7 @@ enum class ZeroGrad {
 
 class Optimizer {
  public:
-  virtual ~Optimizer() = default;
+  virtual ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
   Optimizer(Optimizer&&) = delete;  // schedules and checkpoints hold references to it
@@ -104,8 +125,23 @@ class Optimizer {
   // Steps taken so far: step() calls, less those step(skip) skipped (this optimizer's, or restored
   // by load_hyperparameters). Waits for the device after a gated step since the last read.
   int64_t steps() const;
-  // Whether the last step() updated every parameter with one launch (flat parameters).
+  // Whether the last step() updated every parameter with one launch (flat parameters), or with
+  // one launch per piece of the gradient buffer beside the backward (last_step_overlapped()).
   bool last_step_was_flat() const { return last_step_flat_; }
+
+  // The update beside the backward (see above): from now on, step() asks `segments` for the pieces
+  // of the backward before it and updates each after its event, on a stream of this optimizer's
+  // own, when the parameters are flat, the step is not gated (step(skip) decides after the whole
+  // backward) and no gradient was left pending (NOTE [Deferred zeroing]); otherwise, and when
+  // `segments` gives none, it takes the one launch after everything, with the same results. An
+  // empty function turns it off. While it is on, nothing may change the gradients between the
+  // backward and step(): clip_grad_norm refuses these parameters (it would scale gradients that
+  // an update may already have read). Replicated::set_update_overlap (engine/parallel/
+  // data_parallel.h) gives every replica's optimizer its DataParallel's buckets.
+  void set_update_overlap(GradientSegments segments);
+  bool update_overlap() const { return static_cast<bool>(overlap_); }
+  // Whether the last step() updated piece by piece beside the backward.
+  bool last_step_overlapped() const { return last_step_overlapped_; }
 
   // Snapshots (fresh CPU tensors) of the state, named "<i>.<state>" (see above), or
   // "<param_names[i]>.<state>" when the parameters' names are given (one per parameter).
@@ -228,6 +264,22 @@ class Optimizer {
   // was gated (step(skip)).
   std::vector<void*> captured_slots_;
   bool captured_gated_ = false;
+  // The update beside the backward: the source of the pieces; one piece's update (parameters
+  // [first, first + count), elements [begin, begin + n) of the flat buffers); the pieces of the
+  // last captured step, which a replay's staging walks again; the stream the pieces go to and the
+  // event the current stream waits on after them (made on the parameters' device at first use).
+  struct Piece {
+    int64_t begin = 0, n = 0;
+    size_t first = 0, count = 0;
+    cudaEvent_t ready = nullptr;
+  };
+  std::vector<Piece> plan_pieces(const std::vector<int64_t>& offsets, int64_t n,
+                                 const float* grad) const;
+  GradientSegments overlap_;
+  std::vector<Piece> captured_pieces_;
+  cuda::Stream overlap_stream_;
+  cuda::Event overlap_done_;
+  bool last_step_overlapped_ = false;
 };
 
 struct SGDOptions {

@@ -15,6 +15,10 @@
 #                                        # (~1 s each), then cudp-vgg on Fashion-MNIST, with the
 #                                        # GPU's SM clock, power and clock-event reasons logged
 #                                        # every 200 ms (is a short burst faster than a long run?)
+#   scripts/gpu-check.sh --overlap       # and the update beside the backward, A/B in one run:
+#                                        # bench_train bf16 32² (VGG-16 and VGG-16-BN) with
+#                                        # --overlap-update off and on, alternating, two rounds,
+#                                        # then cudp-vgg on Fashion-MNIST with it on
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
 #   CUDP_CTEST_JOBS=6 scripts/gpu-check.sh       # ctest's parallel jobs (4 by default)
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
@@ -26,11 +30,13 @@ bench=0
 train=0
 probes=0
 sustained=0
+overlap=0
 for arg in "$@"; do
   [[ $arg == --bench ]] && bench=1
   [[ $arg == --probes ]] && probes=1
   [[ $arg == --train ]] && train=1
   [[ $arg == --sustained ]] && sustained=1
+  [[ $arg == --overlap ]] && overlap=1
 done
 export PATH=/usr/local/cuda/bin:$PATH
 
@@ -85,6 +91,27 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
     timeout 120 build/examples/cudp-vgg --precision bf16 --epochs 10 --batch-size 256 --gpus 0 \
       --data-dir "$data" --output /tmp/cudp-fmnist --json "$out/fmnist.json" > "$out/fmnist.log" 2>&1
     step "cudp-vgg fmnist bf16" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist.log" | tail -2 | tr '\n' ' ')"
+  fi
+  if [[ $overlap == 1 ]]; then
+    for round in 1 2; do
+      for model in plain bn; do
+        for mode in off on; do
+          timeout 60 build/bench/bench_train --precision bf16 --gpus 1 --size 32 --graphs on \
+            $([[ $model == bn ]] && echo --bn) --overlap-update $mode \
+            --json "$out/overlap-$model-$mode-$round.json" > "$out/overlap-$model-$mode-$round.md" 2>&1
+          rc=$?
+          ips=$(grep -o '"images_per_s": [0-9.]*' "$out/overlap-$model-$mode-$round.json" 2>/dev/null | cut -d' ' -f2)
+          step "overlap $model $mode r$round" "rc=$rc ${ips:-?} img/s"
+        done
+      done
+    done
+    data=/usr/share/datasets/fashion-mnist
+    [[ -d .data/fashion-mnist ]] && data=$PWD/.data/fashion-mnist
+    rm -rf /tmp/cudp-fmnist-overlap
+    timeout 120 build/examples/cudp-vgg --precision bf16 --epochs 10 --batch-size 256 --gpus 0 \
+      --data-dir "$data" --overlap-update on --output /tmp/cudp-fmnist-overlap \
+      --json "$out/fmnist-overlap.json" > "$out/fmnist-overlap.log" 2>&1
+    step "cudp-vgg fmnist overlap" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist-overlap.log" | tail -2 | tr '\n' ' ')"
   fi
   if [[ $sustained == 1 ]]; then
     # The clock-event field's name since driver 535; the older one before.

@@ -163,6 +163,17 @@ class DataParallel : public Module {
   void set_reducer_options(ReducerOptions options);
   ReducerOptions reducer_options() const;
   const Reducer* reducer() const { return set_ ? set_->reducer() : nullptr; }
+  // Replica r's buckets of the last backward, each with the event after which it is summed on its
+  // device (Reducer::gradient_segments): what Replicated::set_update_overlap gives the replicas'
+  // optimizers. Empty when that backward did not go through the reducer. On one device there is
+  // a reducer (with nothing to sum) only after reduce_on_one_device(), which makes one (set it
+  // before a CUDA graph of the step is captured).
+  std::vector<GradientSegment> gradient_segments(size_t r) const {
+    return set_ ? set_->gradient_segments(r) : std::vector<GradientSegment>{};
+  }
+  void reduce_on_one_device() {
+    if (set_) set_->reduce_on_one_device();
+  }
 
   // Whether backward sums the replicas' gradients (true unless set). Off, each replica keeps its
   // own share and accumulates the next backward's onto it; the first backward with it on again
@@ -319,6 +330,25 @@ class Replicated {
     }
     return norm;
   }
+
+  // The update beside the backward (Optimizer::set_update_overlap, NOTE [The update beside the
+  // backward] in layers/optim.cpp): each replica's optimizer updates the buckets of `dp`'s reducer
+  // as the replica's backward completes them (on one GPU `dp` makes a reducer for it), instead of
+  // all parameters after the whole backward; off: that one update. `dp` is the DataParallel whose
+  // replicas these optimizers update (the whole model: one flat buffer each). Same results either
+  // way; clip_grad_norm refuses while it is on. Set it before a CUDA graph of the step is captured.
+  void set_update_overlap(DataParallel& dp, bool on) {
+    CUDP_CHECK(!on || dp.num_replicas() == optimizers_.size(),
+               "Replicated::set_update_overlap: ", optimizers_.size(),
+               " optimizers but the DataParallel has ", dp.num_replicas(),
+               " replicas; give it the DataParallel whose replicas these optimizers update");
+    if (on) dp.reduce_on_one_device();
+    for (size_t r = 0; r < optimizers_.size(); ++r) {
+      optimizers_[r]->set_update_overlap(
+          on ? GradientSegments([&dp, r] { return dp.gradient_segments(r); }) : GradientSegments{});
+    }
+  }
+  bool last_step_overlapped() const { return primary().last_step_overlapped(); }
 
   // The optimizer of the given parameters: what an LR scheduler drives and a checkpoint saves.
   Opt& primary() { return *optimizers_[0]; }

@@ -54,6 +54,19 @@ void CommunicatorGroup::finish() {
   last_ = -1;
 }
 
+// ---- LocalGroup --------------------------------------------------------------------------------
+
+void LocalGroup::begin(size_t buckets) {
+  compute_ = cuda::current_stream(device_);
+  while (ready_.size() < buckets) ready_.push_back(cuda::Event::create(device_));
+}
+
+void LocalGroup::mark_ready(size_t rank, size_t bucket) {
+  CUDP_CHECK(rank == 0, "LocalGroup: rank ", rank, " of one");
+  cuda::DeviceGuard guard(device_);
+  ready_.at(bucket).record(compute_);
+}
+
 // ---- Reducer ------------------------------------------------------------------------------------
 
 Reducer::Reducer(std::vector<std::vector<Parameter*>> params, TensorList flat_grads,
@@ -194,6 +207,7 @@ void Reducer::prepare(size_t active_ranks) {
   for (size_t r = active_ranks; r < ranks; ++r) zero_pending_grads(params_[r]);
   next_ = 0;
   issued_early_ = 0;
+  complete_ = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const int n = static_cast<int>(buckets_[b].params.size());
     for (size_t r = 0; r < ranks; ++r) left_[b][r] = r < active_ranks ? n : 0;
@@ -252,10 +266,24 @@ void Reducer::finish() {
   issue_ready();
   issued_early_ = early;
   group_.finish();
+  complete_ = true;
+}
+
+std::vector<GradientSegment> Reducer::gradient_segments(size_t rank) const {
+  if (!complete_ || rank >= params_.size()) return {};
+  const auto* base = static_cast<const float*>(flat_[rank].data_ptr());
+  std::vector<GradientSegment> segments;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const cudaEvent_t ready = group_.final_event(rank, b);
+    if (ready == nullptr && flat_[rank].is_cuda()) return {};
+    segments.push_back({base, buckets_[b].begin, buckets_[b].end, ready});
+  }
+  return segments;
 }
 
 void Reducer::abandon() {
   armed_ = false;
+  complete_ = false;
   std::lock_guard lock(mutex_);
   next_ = buckets_.size();
   try {

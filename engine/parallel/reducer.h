@@ -47,6 +47,7 @@
 
 #include "engine/parallel/comm.h"
 #include "layers/module.h"
+#include "layers/optim.h"
 
 namespace cudp::parallel {
 
@@ -94,6 +95,10 @@ class ReduceGroup {
   virtual void all_reduce(size_t bucket, const TensorList& views) = 0;
   // From here, what each rank's compute stream does sees every bucket summed.
   virtual void finish() = 0;
+  // The event after which `bucket` is summed on rank `rank`'s device (recorded there in this step,
+  // once its all_reduce was issued), for an optimizer that updates it beside the backward
+  // (Reducer::gradient_segments); null where the group has none.
+  virtual cudaEvent_t final_event(size_t rank, size_t bucket) const { return nullptr; }
 };
 
 // A Communicator's local ranks: events on each rank's compute stream (the current streams of the
@@ -106,6 +111,9 @@ class CommunicatorGroup final : public ReduceGroup {
   void mark_ready(size_t rank, size_t bucket) override;
   void all_reduce(size_t bucket, const TensorList& views) override;
   void finish() override;
+  cudaEvent_t final_event(size_t rank, size_t bucket) const override {
+    return done_.at(bucket).at(rank);
+  }
 
  private:
   Communicator& comm_;
@@ -114,6 +122,27 @@ class CommunicatorGroup final : public ReduceGroup {
   std::vector<std::vector<cuda::Event>> ready_events_, done_events_;
   std::vector<std::vector<cudaEvent_t>> ready_, done_;
   int64_t last_ = -1;  // the last bucket issued this step
+};
+
+// One rank on one GPU, with nothing to sum (a DataParallel on one device): the events that mark
+// each bucket complete on the compute stream (the current stream of the thread that calls
+// begin()), for an optimizer that updates the buckets beside the backward.
+class LocalGroup final : public ReduceGroup {
+ public:
+  explicit LocalGroup(int device) : device_(device) {}
+  size_t local_ranks() const override { return 1; }
+  void begin(size_t buckets) override;
+  void mark_ready(size_t rank, size_t bucket) override;
+  void all_reduce(size_t, const TensorList&) override {}
+  void finish() override {}
+  cudaEvent_t final_event(size_t rank, size_t bucket) const override {
+    return rank == 0 && bucket < ready_.size() ? ready_[bucket].get() : nullptr;
+  }
+
+ private:
+  int device_;
+  cudaStream_t compute_ = nullptr;
+  std::vector<cuda::Event> ready_;  // per bucket, made once and recorded anew each step
 };
 
 // Throws ValueError when a module of `model` already signals its backward to a gradient reducer:
@@ -161,6 +190,11 @@ class Reducer {
   void abandon();
   // Buckets issued before finish() in the last step (the overlap a test can see).
   size_t issued_before_finish() const { return issued_early_; }
+  // Rank `rank`'s buckets of the last step, each with the event after which it is summed there
+  // (ReduceGroup::final_event), in bucket order: what Optimizer::set_update_overlap waits on.
+  // Empty before the first finish(), between prepare() and finish(), after abandon(), and where
+  // the group has no events for a GPU.
+  std::vector<GradientSegment> gradient_segments(size_t rank) const;
 
  private:
   void on_backward(size_t rank, const std::vector<size_t>& params);
@@ -183,6 +217,7 @@ class Reducer {
   size_t next_ = 0;  // the next bucket to issue
   std::atomic<bool> armed_ = false;
   size_t issued_early_ = 0;
+  bool complete_ = false;  // every bucket of the last prepared step was issued
 };
 
 }  // namespace cudp::parallel

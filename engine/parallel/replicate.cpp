@@ -184,13 +184,18 @@ void ReplicaSet::all_reduce_gradients() {
 void ReplicaSet::make_reducer() {
   reducer_.reset();
   group_.reset();
-  if (!comm_) return;
+  reduced_ = false;
+  if (!comm_ && !(one_device_reducer_ && devices_.size() == 1)) return;
   TensorList flat_grads;
   for (const auto& [data, grad] : flat_) {
     if (!grad.defined()) return;  // not flat: the per-parameter all-reduce
     flat_grads.push_back(grad);
   }
-  group_ = std::make_unique<CommunicatorGroup>(*comm_);
+  if (comm_) {
+    group_ = std::make_unique<CommunicatorGroup>(*comm_);
+  } else {
+    group_ = std::make_unique<LocalGroup>(devices_[0]);
+  }
   reducer_ = std::make_unique<Reducer>(params_, std::move(flat_grads), *group_, reducer_options_);
   for (size_t r = 0; r < replicas_.size(); ++r) reducer_->attach(r, *replicas_[r]);
 }
@@ -201,7 +206,20 @@ void ReplicaSet::set_reducer_options(ReducerOptions options) {
   make_reducer();
 }
 
+void ReplicaSet::reduce_on_one_device() {
+  if (one_device_reducer_ || devices_.size() != 1) return;
+  CUDP_CHECK(!reducing_, "ReplicaSet: a reducer cannot be made during a backward");
+  one_device_reducer_ = true;
+  make_reducer();
+}
+
+std::vector<GradientSegment> ReplicaSet::gradient_segments(size_t r) const {
+  if (!reducer_ || !reduced_) return {};
+  return reducer_->gradient_segments(r);
+}
+
 void ReplicaSet::begin_backward(size_t active, bool reduce) {
+  reduced_ = false;
   zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
   const bool reducing = reduce && reducer_ && reducer_->layout_intact();
   if (reducing) reducer_->prepare(active);  // first: if it throws, no backward is marked as running
@@ -215,12 +233,14 @@ void ReplicaSet::end_backward(bool reduce) {
     const nvtx::Range range("gradient all-reduce (last buckets)");
     reducer_->finish();
     mirrors_hold_total_ = true;
+    reduced_ = true;
   } else {
     all_reduce_gradients();
   }
 }
 
 void ReplicaSet::abandon_backward() {
+  reduced_ = false;
   if (reducing_) reducer_->abandon();
   reducing_ = false;
 }

@@ -109,6 +109,13 @@ class ReplicaSet {
   void set_reducer_options(ReducerOptions options);
   const ReducerOptions& reducer_options() const { return reducer_options_; }
   const Reducer* reducer() const { return reducer_.get(); }
+  // Replica r's buckets of the last backward with the events after which each is summed
+  // (Reducer::gradient_segments); empty when that backward did not go through the reducer (no
+  // reducer, gradient sync off, a layout that changed, a backward that failed).
+  std::vector<GradientSegment> gradient_segments(size_t r) const;
+  // A reducer on one device too (a LocalGroup: nothing to sum), so that gradient_segments gives
+  // the buckets an optimizer updates beside the backward. With two or more devices it has one.
+  void reduce_on_one_device();
   // Before a forward: replicas take replica 0's train/eval mode, module by module, and Dropout
   // offsets.
   void prepare_forward();
@@ -150,9 +157,11 @@ class ReplicaSet {
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<DeviceWorkers> workers_;
   ReducerOptions reducer_options_;
-  std::unique_ptr<CommunicatorGroup> group_;  // the reducer's view of comm_
+  std::unique_ptr<ReduceGroup> group_;  // the reducer's view of comm_ (or of the one device)
   std::unique_ptr<Reducer> reducer_;
+  bool one_device_reducer_ = false;  // reduce_on_one_device() was called
   bool reducing_ = false;            // between begin_backward and end_backward, with the reducer
+  bool reduced_ = false;             // the last backward went through the reducer
   bool mirrors_hold_total_ = false;  // replicas 1.. hold the last all-reduce's total
   TensorList held_;                  // keep_until_copied's tensors
   std::vector<cuda::Event> copied_;  // and an event per device recorded after their copies

@@ -308,6 +308,9 @@ class TrainOptimizer {
   virtual void load_state_dict(const TensorMap& state) = 0;
   // The replicas take the primary's rate and momentum (before a graph replay: GraphedStep).
   virtual void follow_primary() = 0;
+  // --overlap-update on: each bucket's update beside the backward (Replicated::set_update_overlap).
+  virtual void set_update_overlap(parallel::DataParallel& dp) = 0;
+  virtual bool last_step_overlapped() const = 0;
 };
 
 template <class Opt>
@@ -325,6 +328,8 @@ class ReplicatedOptimizer final : public TrainOptimizer {
   size_t size() const override { return r_.size(); }
   void load_state_dict(const TensorMap& state) override { r_.load_state_dict(state); }
   void follow_primary() override { r_.follow_primary(); }
+  void set_update_overlap(parallel::DataParallel& dp) override { r_.set_update_overlap(dp, true); }
+  bool last_step_overlapped() const override { return r_.last_step_overlapped(); }
 
  private:
   parallel::Replicated<Opt> r_;
@@ -1062,6 +1067,24 @@ int run(Options o) {
     std::printf("\n");
   }
   std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
+  if (o.overlap_update == "on") {
+    // Refused where it cannot run rather than left off: the user asked for it.
+    const char* why = !dp                       ? "needs the GPUs of one process (DataParallel)"
+                      : o.clip_grad > 0         ? "cannot be used with --clip-grad"
+                      : o.on_nan == "skip-step" ? "cannot be used with --on-nan skip-step"
+                                                : nullptr;
+    if (why != nullptr) {
+      throw UsageError(detail::str(
+          "--overlap-update on ", why,
+          ": each bucket's update starts before the whole backward's gradients exist, which a "
+          "clip or a skip decision needs, and DistributedDataParallel and the CPU have no "
+          "buckets for it yet; drop --overlap-update or that option"));
+    }
+    opt->set_update_overlap(*dp);
+    std::printf(
+        "update beside the backward: on (each gradient bucket's update as soon as the "
+        "backward completes it)\n");
+  }
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   if (!resume_file.empty() && !weights_only) {
     // Replica 0's optimizer from the checkpoint, then its state into every replica's.

@@ -59,6 +59,9 @@ struct Options {
   bool augment = false;
   std::string on_nan = "stop";
   std::string graphs = "on";  // on: replay training steps from a CUDA graph (GPU, full batches)
+  // on: each gradient bucket's update beside the rest of the backward (Replicated::
+  // set_update_overlap; GPUs of one process, without --clip-grad and --on-nan skip-step)
+  std::string overlap_update = "off";
   // Where things go.
   std::string checkpoint, resume, json, output;
   std::string save_test_set;

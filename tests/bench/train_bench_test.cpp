@@ -24,6 +24,7 @@ TEST(BenchTrain, OneProcessOnTheCpu) {
   EXPECT_EQ(row.at("batch_per_gpu"), 4);
   EXPECT_EQ(row.at("cudp_graphs"), "off");
   EXPECT_EQ(row.at("cudp_zero_grad"), "deferred");  // the default
+  EXPECT_EQ(row.at("cudp_overlap_update"), "off");  // the default
   EXPECT_EQ(row.at("repeats"), 1);                  // kTinyCpu's: one timed window
   EXPECT_EQ(row.at("bn"), false);          // --bn is off by default
   EXPECT_FALSE(row.contains("peak_gib"));  // GPU memory only
@@ -45,6 +46,20 @@ TEST(BenchTrain, ZeroGradFillIsRecorded) {
   const RunResult bad = run_program(dir, kBenchTrain, kTinyCpu + "--zero-grad later");
   EXPECT_NE(bad.code, 0) << bad.output;
   EXPECT_NE(bad.output.find("--zero-grad"), std::string::npos) << bad.output;
+}
+
+// --overlap-update on needs DataParallel over GPUs: on the CPU it is an error that says so, not a
+// row timed without it; an unknown value is a usage error.
+TEST(BenchTrain, OverlapUpdateOnTheCpuIsRefused) {
+  CUDP_REQUIRE_BENCH_TRAIN();
+  TempDir dir;
+  const RunResult r = run_program(dir, kBenchTrain, kTinyCpu + "--overlap-update on");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("--overlap-update on needs the GPUs of one process"), std::string::npos)
+      << r.output;
+  const RunResult bad = run_program(dir, kBenchTrain, kTinyCpu + "--overlap-update later");
+  EXPECT_NE(bad.code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("--overlap-update"), std::string::npos) << bad.output;
 }
 
 // --bn: VGG with a BatchNorm2d after every convolution, in each precision the CPU runs (the bf16

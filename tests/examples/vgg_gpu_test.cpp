@@ -120,6 +120,41 @@ TEST(VggTrainerGpu, GraphsMatchEagerStepsOnTwoGpus) {
   expect_graphs_match_eager("0,1");
 }
 
+// --overlap-update on (each gradient bucket's update beside the rest of the backward) against off:
+// the same weights and buffers bit for bit after two epochs, captured steps and the eager partial
+// batch included; with --clip-grad it is a usage error.
+void expect_overlapped_update_matches(const std::string& gpus) {
+  SCOPED_TRACE("--gpus " + gpus);
+  TempDir dir;
+  const std::string common =
+      "--data synthetic --limit-train 1000 --limit-test 256 --arch vgg11 --batch-size 128 "
+      "--epochs 2 --precision bf16 --print-checksum --gpus " +
+      gpus + " ";
+  const RunResult on = run_vgg(dir, common + "--overlap-update on");
+  ASSERT_EQ(on.code, 0) << on.output;
+  EXPECT_TRUE(contains(on.output, "update beside the backward: on")) << on.output;
+  const RunResult off = run_vgg(dir, common + "--overlap-update off");
+  ASSERT_EQ(off.code, 0) << off.output;
+  ASSERT_NE(checksum_of(off), "") << off.output;
+  EXPECT_EQ(checksum_of(on), checksum_of(off)) << "overlap on:\n"
+                                               << on.output << "\noverlap off:\n"
+                                               << off.output;
+  const RunResult clip = run_vgg(dir, common + "--overlap-update on --clip-grad 1");
+  EXPECT_EQ(clip.code, 2) << clip.output;
+  EXPECT_TRUE(contains(clip.output, "cannot be used with --clip-grad")) << clip.output;
+}
+
+TEST(VggTrainerGpu, OverlappedUpdateMatchesOneUpdateOnOneGpu) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  expect_overlapped_update_matches("0");
+}
+
+TEST(VggTrainerGpu, OverlappedUpdateMatchesOneUpdateOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  CUDP_REQUIRE_TENSOR_CORES();
+  expect_overlapped_update_matches("0,1");
+}
+
 TEST(VggTrainerGpu, ResumeIsBitIdenticalOnOneGpu) {
   CUDP_REQUIRE_GPU();
   CUDP_REQUIRE_VGG();

@@ -221,6 +221,10 @@ TEST(VggTrainer, UsageErrors) {
   refused("--no-such-option", "no-such-option");
   refused("--arch vgg99", "--arch: must be one of vgg11, vgg13, vgg16, vgg19");
   refused("--graphs maybe", "--graphs: must be one of on, off");
+  refused("--overlap-update maybe", "--overlap-update: must be one of on, off");
+  // Asked for where it cannot run: refused, not left off.
+  refused("--data synthetic --limit-train 64 --limit-test 32 --overlap-update on",
+          "--overlap-update on needs the GPUs of one process");
   refused("--batch-size 0", "--batch-size");
   refused("--epochs many", "--epochs");
   refused("--gpus x", "\"x\" is not a device id");

@@ -32,6 +32,7 @@
 #include "layers/linear.h"
 #include "layers/loss.h"
 #include "layers/pooling.h"
+#include "layers/precision.h"
 #include "layers/sequential.h"
 #include "layers/train.h"
 
@@ -267,6 +268,135 @@ TEST(ReducerGpu, NoSyncAccumulationMatchesOneBatch) {
                        params[0][k]->grad.to_vector<float>(), 1e-5, 1e-6);
     }
   }
+}
+
+// ---- the update beside the backward (Optimizer::set_update_overlap) -----------------------------
+//
+// The truth is the same training with one update after the whole backward: the updates are per
+// element, so bucket by bucket on the optimizers' own streams they must give the same parameters,
+// bf16 copies and state bit for bit, eager and captured. A piece that ran before its bucket was
+// final, or a forward that read weights before their update, would change them.
+
+struct Trained {
+  std::map<std::string, std::vector<unsigned char>> model, state;
+  bool overlapped = false;
+  size_t buckets = 0;
+};
+
+// `steps` steps of a DataParallel over `devices` (buckets of 4 KiB), the learning rate changing at
+// every step as a schedule's does, eager or through a GraphedStep.
+template <typename Opt>
+Trained train_updates(const typename Replicated<Opt>::Options& options,
+                      const std::vector<int>& devices, bool overlap, bool graphs,
+                      Precision precision = Precision::fp32, int steps = 6) {
+  auto net = small_net()->clone(kGpu);
+  net->set_precision(precision);
+  DataParallel dp(net, devices);
+  dp.set_reducer_options({.bucket_cap_bytes = 4096, .overlap = true});
+  Replicated<Opt> opt(dp, options);
+  if (overlap) opt.set_update_overlap(dp, true);
+  CrossEntropyLoss criterion;
+  const auto body = [&](const Tensor& x, const Tensor& y) {
+    const Tensor out = dp.forward(x);
+    const Tensor loss = criterion.forward(out, y);
+    opt.zero_grad(ZeroGrad::deferred);
+    dp.backward(criterion.backward());
+    opt.step();
+    criterion.release();  // the graph keeps no memory past the step (layers/train.h)
+    return TensorList{loss};
+  };
+  GraphedStep graphed(
+      body, kGpu,
+      {.warmup_steps = 2, .enabled = graphs, .before_replay = [&] { opt.follow_primary(); }},
+      devices);
+  for (int step = 0; step < steps; ++step) {
+    opt.set_lr(options.lr / (1 + step));
+    const auto [x, y] = batch(16, 30 + static_cast<uint64_t>(step));
+    graphed.run(x, y);
+  }
+  EXPECT_EQ(graphed.captured(), graphs);
+  dp.check_replicas_identical();
+  Trained t;
+  t.overlapped = opt.last_step_overlapped();
+  t.buckets = dp.reducer() != nullptr ? dp.reducer()->buckets().size() : 0;
+  t.model = bytes_of(net->state_dict());
+  t.state = bytes_of(opt.state_dict());
+  // The bf16 copies the pieces wrote are bf16(data), as the next forward reads them.
+  for (Parameter* p : net->parameters()) {
+    if (!p->compute.defined()) continue;
+    EXPECT_EQ(bytes_of(TensorMap{{"c", p->compute.to(Device::cpu())}}),
+              bytes_of(TensorMap{{"c", convert(p->data, DType::bf16).to(Device::cpu())}}));
+  }
+  return t;
+}
+
+template <typename Opt>
+void expect_pieces_equal_one_update(const typename Replicated<Opt>::Options& options,
+                                    const std::vector<int>& devices,
+                                    Precision precision = Precision::fp32) {
+  const Trained one = train_updates<Opt>(options, devices, false, false, precision);
+  EXPECT_FALSE(one.overlapped);
+  for (const bool graphs : {false, true}) {
+    SCOPED_TRACE(graphs ? "captured" : "eager");
+    const Trained pieces = train_updates<Opt>(options, devices, true, graphs, precision);
+    EXPECT_TRUE(pieces.overlapped);
+    EXPECT_EQ(pieces.buckets, kBuckets);
+    EXPECT_EQ(pieces.model, one.model);
+    EXPECT_EQ(pieces.state, one.state);
+  }
+}
+
+TEST(UpdateOverlapGpu, OneGpuSgdBucketByBucketEqualsOneUpdateBitForBit) {
+  CUDP_REQUIRE_GPU();
+  // On one device a DataParallel has no reducer until the overlap asks for one.
+  EXPECT_EQ(train_updates<SGD>({.lr = 0.05}, {0}, false, false, Precision::fp32, 1).buckets, 0u);
+  expect_pieces_equal_one_update<SGD>(
+      {.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true}, {0});
+}
+
+TEST(UpdateOverlapGpu, OneGpuAdamWBucketByBucketEqualsOneUpdateBitForBit) {
+  CUDP_REQUIRE_GPU();
+  expect_pieces_equal_one_update<AdamW>({.lr = 1e-3, .weight_decay = 0.01}, {0});
+}
+
+// bf16: the pieces write the bf16 compute copies too (the parameter store).
+TEST(UpdateOverlapGpu, OneGpuBf16BucketByBucketEqualsOneUpdateBitForBit) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  expect_pieces_equal_one_update<SGD>({.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4}, {0},
+                                      Precision::bf16);
+}
+
+// Two GPUs: each piece waits for its bucket's all-reduce on that device.
+TEST(UpdateOverlapGpu, TwoGpusBucketByBucketEqualsOneUpdateBitForBit) {
+  CUDP_REQUIRE_GPUS(2);
+  expect_pieces_equal_one_update<SGD>({.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4},
+                                      two_devices());
+}
+
+// Clipping scales gradients after the backward, where a piece may already have read them: refused
+// while the overlap is on, allowed once it is off.
+TEST(UpdateOverlapGpu, ClippingIsRefusedWhileTheUpdateOverlaps) {
+  CUDP_REQUIRE_GPU();
+  auto net = small_net()->clone(kGpu);
+  DataParallel dp(net, {0});
+  Replicated<SGD> opt(dp, {.lr = 0.05});
+  opt.set_update_overlap(dp, true);
+  CrossEntropyLoss criterion;
+  const auto [x, y] = batch(8, 5);
+  criterion.forward(dp.forward(x), y);
+  opt.zero_grad();
+  dp.backward(criterion.backward());
+  try {
+    opt.clip_grad_norm(1.0);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.message()).find("turn that overlap off"), std::string::npos)
+        << e.message();
+  }
+  opt.set_update_overlap(dp, false);
+  opt.clip_grad_norm(1.0);
+  opt.step();
+  EXPECT_FALSE(opt.last_step_overlapped());
 }
 
 }  // namespace

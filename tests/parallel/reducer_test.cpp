@@ -7,15 +7,18 @@
 // the element-wise sums of the ranks' own gradients (the truth computed here without any reducer).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/compare.h"
+#include "common/tensor_bytes.h"
 #include "engine/parallel/reducer.h"
 #include "layers/activation.h"
 #include "layers/linear.h"
+#include "layers/optim.h"
 #include "layers/sequential.h"
 
 namespace cudp {
@@ -102,6 +105,10 @@ Tensor input(size_t rank) {
 Tensor grad_output(size_t rank) {
   return Tensor::from_vector(random_vector(5 * 4, 200 + rank), {5, 4});
 }
+
+// The tests of the update beside the backward (Optimizer::set_update_overlap) compare
+// optimizers' results: this says what a failure was about.
+using testing::bytes_of;
 
 // Each rank's own flat gradient after one forward and backward, without any reducer.
 std::vector<std::vector<float>> own_gradients(size_t n) {
@@ -348,6 +355,172 @@ TEST(Reducer, RefusesGradientsThatAreNotFlat) {
     EXPECT_NE(std::string(e.message()).find("call flatten_parameters()"), std::string::npos)
         << e.message();
   }
+}
+
+// ---- the update beside the backward (Optimizer::set_update_overlap) -----------------------------
+
+// The buckets of the last completed step, in bucket order, each with its rank's buffer and (on the
+// CPU, where everything has run) no event; none before the first finish, between prepare and
+// finish, after abandon, or for a rank that does not exist.
+TEST(Reducer, GradientSegmentsAreTheLastStepsBucketsInOrder) {
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2);
+  Reducer reducer(ranks.params, ranks.flat, group, {.bucket_cap_bytes = 1024, .overlap = true});
+  for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
+  EXPECT_TRUE(reducer.gradient_segments(0).empty());
+  reduced_step(ranks, reducer, group, 2);
+  for (size_t r = 0; r < 2; ++r) {
+    const std::vector<GradientSegment> segments = reducer.gradient_segments(r);
+    ASSERT_EQ(segments.size(), reducer.buckets().size());
+    for (size_t b = 0; b < segments.size(); ++b) {
+      EXPECT_EQ(segments[b].buffer, ranks.flat[r].data<float>()) << "rank " << r;
+      EXPECT_EQ(segments[b].begin, reducer.buckets()[b].begin);
+      EXPECT_EQ(segments[b].end, reducer.buckets()[b].end);
+      EXPECT_EQ(segments[b].ready, nullptr);
+    }
+  }
+  EXPECT_TRUE(reducer.gradient_segments(2).empty());
+  reducer.prepare(2);
+  EXPECT_TRUE(reducer.gradient_segments(0).empty());
+  reducer.abandon();
+  EXPECT_TRUE(reducer.gradient_segments(0).empty());
+}
+
+// Two ranks' optimizers updating bucket by bucket from the reducer's segments (one bucket per
+// parameter, so every piece is its own update) against the same steps with one update each: the
+// parameters, the state and the counts bit for bit, step after step. AdamW's per-parameter step
+// counts and SGD's first momentum step advance piece by piece.
+template <typename Optim, typename Options>
+void expect_bucketwise_update_is_one_update(const Options& options) {
+  Ranks pieces = make_ranks(2), whole = make_ranks(2);
+  HostGroup pieces_group(2), whole_group(2);
+  Reducer pieces_reducer(pieces.params, pieces.flat, pieces_group,
+                         {.bucket_cap_bytes = 4, .overlap = true});
+  Reducer whole_reducer(whole.params, whole.flat, whole_group,
+                        {.bucket_cap_bytes = 4, .overlap = true});
+  std::vector<std::unique_ptr<Optim>> pieces_opt, whole_opt;
+  for (size_t r = 0; r < 2; ++r) {
+    pieces_reducer.attach(r, *pieces.models[r]);
+    whole_reducer.attach(r, *whole.models[r]);
+    pieces_opt.push_back(std::make_unique<Optim>(pieces.params[r], options));
+    whole_opt.push_back(std::make_unique<Optim>(whole.params[r], options));
+    pieces_opt[r]->set_update_overlap(
+        [&pieces_reducer, r] { return pieces_reducer.gradient_segments(r); });
+  }
+  ASSERT_EQ(pieces_reducer.buckets().size(), 6u);
+  for (int t = 0; t < 4; ++t) {
+    for (size_t r = 0; r < 2; ++r) {
+      pieces_opt[r]->zero_grad();
+      whole_opt[r]->zero_grad();
+    }
+    reduced_step(pieces, pieces_reducer, pieces_group, 2);
+    reduced_step(whole, whole_reducer, whole_group, 2);
+    for (size_t r = 0; r < 2; ++r) {
+      pieces_opt[r]->step();
+      whole_opt[r]->step();
+      EXPECT_TRUE(pieces_opt[r]->last_step_overlapped()) << "step " << t;
+      EXPECT_TRUE(pieces_opt[r]->last_step_was_flat());
+      EXPECT_FALSE(whole_opt[r]->last_step_overlapped());
+      EXPECT_EQ(bytes_of(pieces.models[r]->state_dict()), bytes_of(whole.models[r]->state_dict()))
+          << "rank " << r << ", step " << t;
+      EXPECT_EQ(bytes_of(pieces_opt[r]->state_dict()), bytes_of(whole_opt[r]->state_dict()))
+          << "rank " << r << ", step " << t;
+      EXPECT_EQ(pieces_opt[r]->steps(), t + 1);
+    }
+  }
+  EXPECT_EQ(bytes_of(pieces.models[0]->state_dict()), bytes_of(pieces.models[1]->state_dict()));
+}
+
+TEST(UpdateOverlap, SgdBucketByBucketIsOneUpdateBitForBit) {
+  expect_bucketwise_update_is_one_update<SGD>(
+      SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
+}
+
+TEST(UpdateOverlap, AdamWBucketByBucketIsOneUpdateBitForBit) {
+  expect_bucketwise_update_is_one_update<AdamW>(AdamWOptions{.lr = 1e-2});
+}
+
+// One rank with pieces given by hand: a gated step, a gradient left pending by a deferred
+// zero_grad, and a step with no pieces take the one update (and say so), with the same results as
+// an optimizer without the overlap; clip_grad_norm refuses the parameters while the overlap is
+// on and clips them once it is off; pieces that do not tile the buffer are refused by name.
+TEST(UpdateOverlap, WhatCannotOverlapTakesOneUpdateAndClippingIsRefused) {
+  auto model = small_mlp(), twin = small_mlp();
+  const Tensor flat = model->flatten_parameters().second;
+  twin->flatten_parameters();
+  SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  SGD plain(twin->parameters(), {.lr = 0.1, .momentum = 0.9});
+  std::vector<int64_t> starts;  // each parameter's offset in the flat buffer
+  for (Parameter* p : model->parameters()) {
+    starts.push_back(p->grad.data<float>() - flat.data<float>());
+  }
+  std::vector<GradientSegment> given = {{flat.data<float>(), starts[3], flat.numel(), nullptr},
+                                        {flat.data<float>(), 0, starts[3], nullptr}};
+  opt.set_update_overlap([&given] { return given; });
+  EXPECT_TRUE(opt.update_overlap());
+  const auto same_grads = [&](int t) {
+    for (Module* m : {model.get(), twin.get()}) {
+      int k = 0;
+      for (Parameter* p : m->parameters()) {
+        p->grad.copy_from(
+            Tensor::from_vector(random_vector(p->grad.numel(), 100 * t + k++), p->grad.shape()));
+      }
+    }
+  };
+  const auto expect_same = [&](const char* what) {
+    EXPECT_EQ(bytes_of(model->state_dict()), bytes_of(twin->state_dict())) << what;
+    EXPECT_EQ(bytes_of(opt.state_dict()), bytes_of(plain.state_dict())) << what;
+  };
+  same_grads(0);
+  opt.step();
+  plain.step();
+  EXPECT_TRUE(opt.last_step_overlapped());
+  expect_same("pieces");
+
+  same_grads(1);
+  opt.step(Tensor::from_vector<int32_t>({0}, {1}));
+  plain.step();
+  EXPECT_FALSE(opt.last_step_overlapped()) << "a gated step waits for the whole backward";
+  expect_same("gated");
+
+  same_grads(2);
+  opt.zero_grad(ZeroGrad::deferred);  // the Linears' gradients now count as zero, unwritten
+  plain.zero_grad(ZeroGrad::deferred);
+  opt.step();
+  plain.step();
+  EXPECT_FALSE(opt.last_step_overlapped()) << "pending gradients are zeroed after the backward";
+  expect_same("pending");
+
+  given.clear();
+  same_grads(3);
+  opt.step();
+  plain.step();
+  EXPECT_FALSE(opt.last_step_overlapped());
+  expect_same("no pieces");
+
+  const auto expect_error = [&](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      FAIL() << "no error; expected one with '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.message()).find(needle), std::string::npos) << e.message();
+    }
+  };
+  expect_error([&] { clip_grad_norm(model->parameters(), 1.0); }, "turn that overlap off");
+  grad_norm(model->parameters());  // reads only: allowed
+
+  const Tensor other = Tensor::zeros({flat.numel()});
+  given = {{other.data<float>(), 0, flat.numel(), nullptr}};
+  expect_error([&] { opt.step(); }, "another buffer");
+  given = {{flat.data<float>(), starts[3], flat.numel(), nullptr},
+           {flat.data<float>(), 0, starts[2], nullptr}};
+  expect_error([&] { opt.step(); }, "leave a gap");
+  given = {{flat.data<float>(), 1, flat.numel(), nullptr}};
+  expect_error([&] { opt.step(); }, "does not start where a parameter starts");
+
+  opt.set_update_overlap({});
+  EXPECT_FALSE(opt.update_overlap());
+  clip_grad_norm(model->parameters(), 1.0);
 }
 
 }  // namespace
