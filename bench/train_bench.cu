@@ -251,8 +251,9 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
     windows.push_back(g_ranks.max(std::chrono::duration<double>(Clock::now() - t0).count()));
     r.window_images_per_s.push_back(window_images / windows.back());
   }
-  // What was timed is what was asked for: the update beside the backward did run.
-  CUDP_CHECK(!g_overlap_update || opt.last_step_overlapped(),
+  // What was timed is what was asked for: the update beside the backward did run (not in the
+  // exposed-communication timing, whose backward has no all-reduce: one update after it there).
+  CUDP_CHECK(!g_overlap_update || !c.comm || opt.last_step_overlapped(),
              "--overlap-update on: the timed steps updated the parameters after the backward; "
              "the model's gradients do not go through one reducer");
   const double seconds = cudp::bench::median(windows);
@@ -480,6 +481,12 @@ int measure(Options o) {
         // clamped at 0 (a step without communication can time a little slower by noise).
         const auto with_exposed = [&](Row& w, const std::vector<int>& ids) {
           if (o.exposed_comm != "on") return;
+          // Its steps have no all-reduce, so no buckets either: one update after the backward
+          // against the overlapped step would not be communication alone.
+          CUDP_CHECK(!g_overlap_update,
+                     "--overlap-update on: the exposed-communication timing runs the step without "
+                     "the all-reduce, and so without buckets to update beside the backward; it "
+                     "would compare unlike steps. Pass --exposed-comm off with it");
           Config quiet = config;
           quiet.comm = false;
           w.r.step_ms_no_comm = run(quiet, ids, o.warmup, o.steps, o.repeats).step_ms;

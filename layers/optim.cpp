@@ -166,9 +166,11 @@ void Optimizer::set_update_overlap(GradientSegments segments) {
 // same scalars; a captured step keeps its pieces, and staging a replay walks them again in the same
 // order, one scalar slot each. Not overlapped, with the same results: a gated step (its flag comes
 // after the whole backward), parameters that are not flat, a gradient still pending (its zeroing
-// goes to the current stream after the backward), and a step with no pieces from the source.
+// goes to the current stream after the backward), a step that creates the state (allocated and
+// zeroed on the current stream after the backward: the first step, or SGD's first with momentum),
+// and a step with no pieces from the source (each backward's pieces are given to one step()).
 std::vector<Optimizer::Piece> Optimizer::plan_pieces(const std::vector<int64_t>& offsets, int64_t n,
-                                                     const float* grad) const {
+                                                     const float* grad, Device device) const {
   const std::vector<GradientSegment> segments = overlap_();
   std::vector<Piece> pieces;
   for (size_t s = 0; s < segments.size(); ++s) {
@@ -176,6 +178,8 @@ std::vector<Optimizer::Piece> Optimizer::plan_pieces(const std::vector<int64_t>&
     CUDP_CHECK(g.buffer == grad, type_name(), ": gradient segment ", s,
                " lies in another buffer than these parameters' gradients; give the optimizer the "
                "segments of the reducer over its own parameters");
+    CUDP_CHECK(g.ready != nullptr || !device.is_cuda(), type_name(), ": gradient segment ", s,
+               " has no event on ", device, ", so its update could not wait for its gradients");
     const auto it = std::lower_bound(offsets.begin(), offsets.end(), g.begin);
     CUDP_CHECK(g.end > g.begin && it != offsets.end() && *it == g.begin, type_name(),
                ": gradient segment ", s, " [", g.begin, ", ", g.end,
@@ -334,6 +338,9 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
     CUDP_CHECK(state_names().empty() || !state_.empty(), type_name(),
                ": the optimizer's state was created after the step was captured; capture again");
   }
+  // State made now is allocated and zeroed on the current stream after the whole backward: a step
+  // that makes it does not overlap (NOTE [The update beside the backward]).
+  const bool fresh_state = state_.empty() && !state_names().empty();
   allocate_state();
   kernels::StepGate gate;
   if (skip_counts_.defined()) {
@@ -382,8 +389,8 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
   std::vector<Piece> pieces;
   if (together && stage) {
     pieces = captured_pieces_;
-  } else if (together && overlap_ && !gated && !any_pending) {
-    pieces = plan_pieces(flat->offsets, flat->n, flat->grad);
+  } else if (together && overlap_ && !gated && !any_pending && !fresh_state) {
+    pieces = plan_pieces(flat->offsets, flat->n, flat->grad, flat->device);
   }
   if (replay != nullptr) captured_pieces_ = pieces;
   if (!pieces.empty()) {

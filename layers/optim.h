@@ -78,7 +78,8 @@ struct GradientSegment {
   cudaEvent_t ready = nullptr;
 };
 // What an optimizer asks at each step() for the pieces of the backward before it, in the order
-// they become final; empty: none this step (no backward through the reducer: one update after it).
+// they become final; empty: none this step (no backward through the reducer since the last ask:
+// one update after it). A source gives each backward's pieces once.
 using GradientSegments = std::function<std::vector<GradientSegment>()>;
 
 // How Optimizer::zero_grad leaves the gradients (see there).
@@ -132,12 +133,14 @@ class Optimizer {
   // The update beside the backward (see above): from now on, step() asks `segments` for the pieces
   // of the backward before it and updates each after its event, on a stream of this optimizer's
   // own, when the parameters are flat, the step is not gated (step(skip) decides after the whole
-  // backward) and no gradient was left pending (NOTE [Deferred zeroing]); otherwise, and when
-  // `segments` gives none, it takes the one launch after everything, with the same results. An
-  // empty function turns it off. While it is on, nothing may change the gradients between the
-  // backward and step(): clip_grad_norm refuses these parameters (it would scale gradients that
-  // an update may already have read). Replicated::set_update_overlap (engine/parallel/
-  // data_parallel.h) gives every replica's optimizer its DataParallel's buckets.
+  // backward), no gradient was left pending (NOTE [Deferred zeroing]) and the state exists already
+  // (the first step makes it); otherwise, and when `segments` gives none, it takes the one launch
+  // after everything, with the same results. An empty function turns it off. While it is on,
+  // nothing may change the gradients between the backward and step(): clip_grad_norm refuses
+  // these parameters (it would scale gradients that an update may already have read), and a
+  // caller's own writes to them there (zeroing, scaling) are not seen by the pieces.
+  // Replicated::set_update_overlap (engine/parallel/ data_parallel.h) gives every replica's
+  // optimizer its DataParallel's buckets.
   void set_update_overlap(GradientSegments segments);
   bool update_overlap() const { return static_cast<bool>(overlap_); }
   // Whether the last step() updated piece by piece beside the backward.
@@ -273,8 +276,8 @@ class Optimizer {
     size_t first = 0, count = 0;
     cudaEvent_t ready = nullptr;
   };
-  std::vector<Piece> plan_pieces(const std::vector<int64_t>& offsets, int64_t n,
-                                 const float* grad) const;
+  std::vector<Piece> plan_pieces(const std::vector<int64_t>& offsets, int64_t n, const float* grad,
+                                 Device device) const;
   GradientSegments overlap_;
   std::vector<Piece> captured_pieces_;
   cuda::Stream overlap_stream_;

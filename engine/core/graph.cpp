@@ -251,8 +251,9 @@ ReplayScalars::Slot ReplayScalars::slot(int device, size_t bytes) {
   CUDP_CHECK(b.used + size <= kCapacity, "ReplayScalars: the captured step needs more than ",
              kCapacity, " bytes of per-replay scalars on cuda:", device, " (", b.used, " in use, ",
              size,
-             " more asked for): too many separately updated parameters or "
-             "Dropout layers for one graph; flatten the parameters or run without a graph");
+             " more asked for): too many separately updated parameters, update pieces (a "
+             "gradient bucket each, with the update beside the backward) or Dropout layers for "
+             "one graph; flatten the parameters, use larger buckets, or run without a graph");
   Slot s{static_cast<unsigned char*>(b.memory) + b.used, b.host.data() + b.used};
   std::memset(s.host, 0, size);
   b.used += size;

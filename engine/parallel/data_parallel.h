@@ -164,12 +164,13 @@ class DataParallel : public Module {
   ReducerOptions reducer_options() const;
   const Reducer* reducer() const { return set_ ? set_->reducer() : nullptr; }
   // Replica r's buckets of the last backward, each with the event after which it is summed on its
-  // device (Reducer::gradient_segments): what Replicated::set_update_overlap gives the replicas'
-  // optimizers. Empty when that backward did not go through the reducer. On one device there is
+  // device (Reducer::gradient_segments), once per backward: what Replicated::set_update_overlap
+  // gives the replicas' optimizers. Empty when that backward did not go through the reducer, when
+  // they were taken already, and after a forward. On one device there is
   // a reducer (with nothing to sum) only after reduce_on_one_device(), which makes one (set it
   // before a CUDA graph of the step is captured).
-  std::vector<GradientSegment> gradient_segments(size_t r) const {
-    return set_ ? set_->gradient_segments(r) : std::vector<GradientSegment>{};
+  std::vector<GradientSegment> take_gradient_segments(size_t r) {
+    return set_ ? set_->take_gradient_segments(r) : std::vector<GradientSegment>{};
   }
   void reduce_on_one_device() {
     if (set_) set_->reduce_on_one_device();
@@ -345,7 +346,8 @@ class Replicated {
     if (on) dp.reduce_on_one_device();
     for (size_t r = 0; r < optimizers_.size(); ++r) {
       optimizers_[r]->set_update_overlap(
-          on ? GradientSegments([&dp, r] { return dp.gradient_segments(r); }) : GradientSegments{});
+          on ? GradientSegments([&dp, r] { return dp.take_gradient_segments(r); })
+             : GradientSegments{});
     }
   }
   bool last_step_overlapped() const { return primary().last_step_overlapped(); }

@@ -213,8 +213,9 @@ void ReplicaSet::reduce_on_one_device() {
   make_reducer();
 }
 
-std::vector<GradientSegment> ReplicaSet::gradient_segments(size_t r) const {
-  if (!reducer_ || !reduced_) return {};
+std::vector<GradientSegment> ReplicaSet::take_gradient_segments(size_t r) {
+  if (!reducer_ || !reduced_ || r >= segments_taken_.size() || segments_taken_[r]) return {};
+  segments_taken_[r] = true;
   return reducer_->gradient_segments(r);
 }
 
@@ -234,6 +235,7 @@ void ReplicaSet::end_backward(bool reduce) {
     reducer_->finish();
     mirrors_hold_total_ = true;
     reduced_ = true;
+    segments_taken_.assign(replicas_.size(), false);
   } else {
     all_reduce_gradients();
   }
@@ -254,6 +256,7 @@ void ReplicaSet::sync_replicas(Module::ReplicaSync when) {
 }
 
 void ReplicaSet::prepare_forward() {
+  reduced_ = false;  // a new step: the last backward's buckets are no one's to update any more
   // Parents before children: a parent's train() sets its subtree, then children that differ from it
   // are set again.
   for (size_t r = 1; r < replicas_.size(); ++r) {

@@ -110,11 +110,13 @@ class ReplicaSet {
   const ReducerOptions& reducer_options() const { return reducer_options_; }
   const Reducer* reducer() const { return reducer_.get(); }
   // Replica r's buckets of the last backward with the events after which each is summed
-  // (Reducer::gradient_segments); empty when that backward did not go through the reducer (no
-  // reducer, gradient sync off, a layout that changed, a backward that failed).
-  std::vector<GradientSegment> gradient_segments(size_t r) const;
-  // A reducer on one device too (a LocalGroup: nothing to sum), so that gradient_segments gives
-  // the buckets an optimizer updates beside the backward. With two or more devices it has one.
+  // (Reducer::gradient_segments), once: a second call, a call after a forward, and a call when that
+  // backward did not go through the reducer (no reducer, gradient sync off, a layout that changed,
+  // a backward that failed) give none.
+  std::vector<GradientSegment> take_gradient_segments(size_t r);
+  // A reducer on one device too (a LocalGroup: nothing to sum), so that take_gradient_segments
+  // gives the buckets an optimizer updates beside the backward. With two or more devices it has
+  // one.
   void reduce_on_one_device();
   // Before a forward: replicas take replica 0's train/eval mode, module by module, and Dropout
   // offsets.
@@ -162,6 +164,7 @@ class ReplicaSet {
   bool one_device_reducer_ = false;  // reduce_on_one_device() was called
   bool reducing_ = false;            // between begin_backward and end_backward, with the reducer
   bool reduced_ = false;             // the last backward went through the reducer
+  std::vector<bool> segments_taken_;  // per replica: take_gradient_segments since it
   bool mirrors_hold_total_ = false;  // replicas 1.. hold the last all-reduce's total
   TensorList held_;                  // keep_until_copied's tensors
   std::vector<cuda::Event> copied_;  // and an event per device recorded after their copies

@@ -1322,6 +1322,8 @@ int run(Options o) {
   StepResults results(feed_device, /*training=*/true, o.label_smoothing);
   const auto run_start = Clock::now();
   double train_seconds = 0;
+  const int64_t first_global_step = global_step;  // of this run (a resume starts later)
+  int64_t overlapped_steps = 0;                   // --overlap-update: steps that did
   for (int64_t epoch = start_epoch; epoch < end_epoch; ++epoch) {
     std::optional<cuda::AllocationPurpose> purpose;  // ends before the evaluation
     purpose.emplace(detail::str("training (batches of ", o.batch_size, " images)"), batch_advice);
@@ -1342,6 +1344,7 @@ int run(Options o) {
       const double step_lr = opt->primary().lr();
       const TensorList r = graphed.run(images, labels);  // train_body, eager or replayed
       const Tensor &loss = r[0], &norm = r[1], &out = r[2];
+      if (opt->last_step_overlapped()) ++overlapped_steps;
       ++global_step;
       ++step;
       results.add(global_step, step, loss, norm, out, labels, loss_weight);
@@ -1475,6 +1478,13 @@ int run(Options o) {
   }
   std::printf("done: best test accuracy %.2f%%, training time %.1f s, total %.1f s\n", best_top1,
               train_seconds, seconds_since(run_start));
+  if (o.overlap_update == "on") {
+    // What ran, not what was asked: a step that makes the optimizer's state (the first) and the
+    // steps that cannot overlap take one update after the backward.
+    std::printf("  update beside the backward: %lld of %lld steps\n",
+                static_cast<long long>(overlapped_steps),
+                static_cast<long long>(global_step - first_global_step));
+  }
   for (int g : gpus) {
     std::printf("  cuda:%d peak memory %.2f GiB\n", g,
                 static_cast<double>(cuda::max_memory_allocated(g)) / (1 << 30));

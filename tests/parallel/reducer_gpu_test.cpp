@@ -374,7 +374,7 @@ TEST(UpdateOverlapGpu, TwoGpusBucketByBucketEqualsOneUpdateBitForBit) {
 }
 
 // Clipping scales gradients after the backward, where a piece may already have read them: refused
-// while the overlap is on, allowed once it is off.
+// while the overlap is on, allowed once it is off. The buckets of a backward serve one step.
 TEST(UpdateOverlapGpu, ClippingIsRefusedWhileTheUpdateOverlaps) {
   CUDP_REQUIRE_GPU();
   auto net = small_net()->clone(kGpu);
@@ -395,6 +395,19 @@ TEST(UpdateOverlapGpu, ClippingIsRefusedWhileTheUpdateOverlaps) {
   }
   opt.set_update_overlap(dp, false);
   opt.clip_grad_norm(1.0);
+  opt.step();
+  EXPECT_FALSE(opt.last_step_overlapped());
+  // On again (the state exists now): a step after a backward overlaps; a second step() after the
+  // same backward does not (each backward's buckets go to one step), nor one after a forward alone.
+  opt.set_update_overlap(dp, true);
+  criterion.forward(dp.forward(x), y);
+  opt.zero_grad();
+  dp.backward(criterion.backward());
+  opt.step();
+  EXPECT_TRUE(opt.last_step_overlapped());
+  opt.step();
+  EXPECT_FALSE(opt.last_step_overlapped());
+  criterion.forward(dp.forward(x), y);
   opt.step();
   EXPECT_FALSE(opt.last_step_overlapped());
 }
