@@ -37,7 +37,9 @@
 //
 // Exposed communication (--exposed-comm on, the default): each multi-GPU configuration is timed a
 // second time with the gradient all-reduce switched off (set_gradient_sync(false) of DataParallel
-// or DistributedDataParallel: the same forward, backward and optimizer kernels, no all-reduce), and
+// or DistributedDataParallel: the same forward, backward and optimizer kernels, no all-reduce; with
+// --overlap-update on, DataParallel's reducer marking its buckets without summing them, so that
+// the update still runs beside the backward), and
 // the difference of the two step times, as a fraction of the step with communication, is the
 // communication the step leaves exposed (what the bucketed all-reduce did not hide behind the
 // backward). JSON fields "step_ms_no_comm" and "cudp_exposed_comm_share" on multi-GPU rows.
@@ -192,7 +194,15 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
     ddp->set_gradient_sync(c.comm);
   } else if (!ids.empty()) {
     dp = std::make_unique<parallel::DataParallel>(net, ids);
-    dp->set_gradient_sync(c.comm);  // before any step: a captured graph keeps it
+    if (g_overlap_update && !c.comm) {
+      // The buckets go on, unsummed, so that the update still runs beside the backward: the
+      // step with communication differs from this one by the all-reduce alone.
+      parallel::ReducerOptions quiet = dp->reducer_options();
+      quiet.sum = false;
+      dp->set_reducer_options(quiet);
+    } else {
+      dp->set_gradient_sync(c.comm);  // before any step: a captured graph keeps it
+    }
   }
   // On the CPU in one process: the module as it is (DataParallel given no device list would take
   // every visible GPU).
@@ -251,9 +261,9 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
     windows.push_back(g_ranks.max(std::chrono::duration<double>(Clock::now() - t0).count()));
     r.window_images_per_s.push_back(window_images / windows.back());
   }
-  // What was timed is what was asked for: the update beside the backward did run (not in the
-  // exposed-communication timing, whose backward has no all-reduce: one update after it there).
-  CUDP_CHECK(!g_overlap_update || !c.comm || opt.last_step_overlapped(),
+  // What was timed is what was asked for: the update beside the backward did run (the
+  // exposed-communication timing's too: its buckets go on unsummed).
+  CUDP_CHECK(!g_overlap_update || opt.last_step_overlapped(),
              "--overlap-update on: the timed steps updated the parameters after the backward; "
              "the model's gradients do not go through one reducer");
   const double seconds = cudp::bench::median(windows);
@@ -481,12 +491,8 @@ int measure(Options o) {
         // clamped at 0 (a step without communication can time a little slower by noise).
         const auto with_exposed = [&](Row& w, const std::vector<int>& ids) {
           if (o.exposed_comm != "on") return;
-          // Its steps have no all-reduce, so no buckets either: one update after the backward
-          // against the overlapped step would not be communication alone.
-          CUDP_CHECK(!g_overlap_update,
-                     "--overlap-update on: the exposed-communication timing runs the step without "
-                     "the all-reduce, and so without buckets to update beside the backward; it "
-                     "would compare unlike steps. Pass --exposed-comm off with it");
+          // Under DistributedDataParallel its steps have no reducer to keep the buckets going
+          // (--overlap-update on is refused there anyway, in run()).
           Config quiet = config;
           quiet.comm = false;
           w.r.step_ms_no_comm = run(quiet, ids, o.warmup, o.steps, o.repeats).step_ms;

@@ -239,7 +239,7 @@ void Reducer::on_backward(size_t rank, const std::vector<size_t>& params) {
 
 void Reducer::issue_ready() {
   while (next_ < buckets_.size() && ranks_left_[next_] == 0) {
-    group_.all_reduce(next_, views_[next_]);
+    if (options_.sum) group_.all_reduce(next_, views_[next_]);
     ++next_;
     ++issued_early_;
   }
@@ -274,7 +274,8 @@ std::vector<GradientSegment> Reducer::gradient_segments(size_t rank) const {
   const auto* base = static_cast<const float*>(flat_[rank].data_ptr());
   std::vector<GradientSegment> segments;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    const cudaEvent_t ready = group_.final_event(rank, b);
+    const cudaEvent_t ready =
+        options_.sum ? group_.final_event(rank, b) : group_.ready_event(rank, b);
     if (ready == nullptr && flat_[rank].is_cuda()) return {};
     segments.push_back({base, buckets_[b].begin, buckets_[b].end, ready});
   }

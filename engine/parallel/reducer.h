@@ -56,6 +56,11 @@ struct ReducerOptions {
   // Start a bucket's all-reduce as soon as the backward completes it; false: every bucket after
   // the whole backward (the same calls, later: what overlap is measured against).
   bool overlap = true;
+  // false: the buckets are marked complete as the backward goes, but nothing is summed (each rank
+  // keeps its own gradients): a step with the reducer's events and no communication, what
+  // bench_train times against the real one to see the communication a step exposes when the
+  // update runs beside the backward (gradient_segments then gives the ready events).
+  bool sum = true;
 };
 
 // What a Reducer needs from the ranks it sums over. Calls come in this order per step: begin, then
@@ -99,6 +104,8 @@ class ReduceGroup {
   // once its all_reduce was issued), for an optimizer that updates it beside the backward
   // (Reducer::gradient_segments); null where the group has none.
   virtual cudaEvent_t final_event(size_t rank, size_t bucket) const { return nullptr; }
+  // The event mark_ready recorded for (rank, bucket) in this step; null where the group has none.
+  virtual cudaEvent_t ready_event(size_t rank, size_t bucket) const { return nullptr; }
 };
 
 // A Communicator's local ranks: events on each rank's compute stream (the current streams of the
@@ -113,6 +120,9 @@ class CommunicatorGroup final : public ReduceGroup {
   void finish() override;
   cudaEvent_t final_event(size_t rank, size_t bucket) const override {
     return done_.at(bucket).at(rank);
+  }
+  cudaEvent_t ready_event(size_t rank, size_t bucket) const override {
+    return ready_.at(bucket).at(rank);
   }
 
  private:
@@ -137,6 +147,9 @@ class LocalGroup final : public ReduceGroup {
   void finish() override {}
   cudaEvent_t final_event(size_t rank, size_t bucket) const override {
     return rank == 0 && bucket < ready_.size() ? ready_[bucket].get() : nullptr;
+  }
+  cudaEvent_t ready_event(size_t rank, size_t bucket) const override {
+    return final_event(rank, bucket);
   }
 
  private:
@@ -191,7 +204,8 @@ class Reducer {
   // Buckets issued before finish() in the last step (the overlap a test can see).
   size_t issued_before_finish() const { return issued_early_; }
   // Rank `rank`'s buckets of the last step, each with the event after which it is summed there
-  // (ReduceGroup::final_event), in bucket order: what Optimizer::set_update_overlap waits on.
+  // (ReduceGroup::final_event; with options().sum false, complete: ReduceGroup::ready_event), in
+  // bucket order: what Optimizer::set_update_overlap waits on.
   // Empty before the first finish(), between prepare() and finish(), after abandon(), and where
   // the group has no events for a GPU.
   std::vector<GradientSegment> gradient_segments(size_t rank) const;

@@ -7,6 +7,7 @@
 // the element-wise sums of the ranks' own gradients (the truth computed here without any reducer).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -384,6 +385,28 @@ TEST(Reducer, GradientSegmentsAreTheLastStepsBucketsInOrder) {
   EXPECT_TRUE(reducer.gradient_segments(0).empty());
   reducer.abandon();
   EXPECT_TRUE(reducer.gradient_segments(0).empty());
+}
+
+// sum = false: every bucket is marked as the backward completes it, none is summed (each rank keeps
+// its own gradients), and the buckets are still given to an optimizer that updates beside the
+// backward: bench_train's step without communication.
+TEST(Reducer, WithoutSumsTheBucketsAreMarkedButNotSummed) {
+  const auto own = own_gradients(2);
+  Ranks ranks = make_ranks(2);
+  HostGroup group(2);
+  Reducer reducer(ranks.params, ranks.flat, group,
+                  {.bucket_cap_bytes = 1024, .overlap = true, .sum = false});
+  for (size_t r = 0; r < 2; ++r) reducer.attach(r, *ranks.models[r]);
+  reduced_step(ranks, reducer, group, 2);
+  EXPECT_EQ(group.during_backward, 0);
+  for (const std::string& entry : group.log) {
+    EXPECT_EQ(entry.rfind("reduce", 0), std::string::npos) << entry;
+  }
+  EXPECT_EQ(std::count(group.log.begin(), group.log.end(), "ready 1 0"), 1);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(ranks.flat[r].to_vector<float>(), own[r]) << "rank " << r;
+    EXPECT_EQ(reducer.gradient_segments(r).size(), reducer.buckets().size());
+  }
 }
 
 // Two ranks' optimizers updating bucket by bucket from the reducer's segments (one bucket per
