@@ -38,8 +38,8 @@
 // Exposed communication (--exposed-comm on, the default): each multi-GPU configuration is timed a
 // second time with the gradient all-reduce switched off (set_gradient_sync(false) of DataParallel
 // or DistributedDataParallel: the same forward, backward and optimizer kernels, no all-reduce; with
-// --overlap-update on, DataParallel's reducer marking its buckets without summing them, so that
-// the update still runs beside the backward), and
+// --overlap-update on, the reducer marking its buckets without summing them, so that the update
+// still runs beside the backward), and
 // the difference of the two step times, as a fraction of the step with communication, is the
 // communication the step leaves exposed (what the bucketed all-reduce did not hide behind the
 // backward). JSON fields "step_ms_no_comm" and "cudp_exposed_comm_share" on multi-GPU rows.
@@ -188,15 +188,21 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
   std::unique_ptr<DistributedDataParallel> ddp;
   if (ranks) {
     net->set_input_grad(false);
+    // With --overlap-update on the step without communication keeps its buckets going, unsummed,
+    // so that its update still runs beside the backward: the step with communication differs
+    // from it by the all-reduce alone.
+    const bool quiet = g_overlap_update && !c.comm;
+    parallel::DistributedDataParallelOptions options;
+    options.reducer.sum = !quiet;
     ddp = std::make_unique<DistributedDataParallel>(
-        net, g_ranks.process_group ? parallel::nccl_group(g_ranks.process_group)
-                                   : parallel::mpi_host_group(*g_ranks.session));
-    ddp->set_gradient_sync(c.comm);
+        net,
+        g_ranks.process_group ? parallel::nccl_group(g_ranks.process_group)
+                              : parallel::mpi_host_group(*g_ranks.session),
+        options);
+    ddp->set_gradient_sync(c.comm || quiet);
   } else if (!ids.empty()) {
     dp = std::make_unique<parallel::DataParallel>(net, ids);
-    if (g_overlap_update && !c.comm) {
-      // The buckets go on, unsummed, so that the update still runs beside the backward: the
-      // step with communication differs from this one by the all-reduce alone.
+    if (g_overlap_update && !c.comm) {  // as above
       parallel::ReducerOptions quiet = dp->reducer_options();
       quiet.sum = false;
       dp->set_reducer_options(quiet);
@@ -210,10 +216,14 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
   model.set_input_grad(false);  // as the trainer: the images need no gradient
   parallel::Replicated<SGD> opt(model, {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
   if (g_overlap_update) {
-    CUDP_CHECK(dp != nullptr,
-               "--overlap-update on needs the GPUs of one process (DataParallel); "
-               "it is not there yet with DistributedDataParallel or on the CPU");
-    opt.set_update_overlap(*dp, true);
+    CUDP_CHECK(!ids.empty(),
+               "--overlap-update on needs GPUs: on the CPU there is no backward to "
+               "update beside");
+    if (dp) {
+      opt.set_update_overlap(*dp, true);
+    } else {
+      opt.set_update_overlap(*ddp, true);
+    }
   }
   CrossEntropyLoss criterion;
   const int64_t batch = c.batch_per_gpu * std::max<int64_t>(1, static_cast<int64_t>(ids.size()));
@@ -491,8 +501,6 @@ int measure(Options o) {
         // clamped at 0 (a step without communication can time a little slower by noise).
         const auto with_exposed = [&](Row& w, const std::vector<int>& ids) {
           if (o.exposed_comm != "on") return;
-          // Under DistributedDataParallel its steps have no reducer to keep the buckets going
-          // (--overlap-update on is refused there anyway, in run()).
           Config quiet = config;
           quiet.comm = false;
           w.r.step_ms_no_comm = run(quiet, ids, o.warmup, o.steps, o.repeats).step_ms;

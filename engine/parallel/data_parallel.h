@@ -336,13 +336,17 @@ class Replicated {
   // backward] in layers/optim.cpp): each replica's optimizer updates the buckets of `dp`'s reducer
   // as the replica's backward completes them (on one GPU `dp` makes a reducer for it), instead of
   // all parameters after the whole backward; off: that one update. `dp` is the DataParallel whose
-  // replicas these optimizers update (the whole model: one flat buffer each). Same results either
-  // way; clip_grad_norm refuses while it is on. Set it before a CUDA graph of the step is captured.
-  void set_update_overlap(DataParallel& dp, bool on) {
+  // replicas these optimizers update (the whole model: one flat buffer each), or the
+  // DistributedDataParallel whose module they update (engine/parallel/ddp.h: one replica). Same
+  // results either way; clip_grad_norm refuses while it is on. Set it before a CUDA graph of the
+  // step is captured.
+  template <class Wrapper>
+  void set_update_overlap(Wrapper& dp, bool on) {
     CUDP_CHECK(!on || dp.num_replicas() == optimizers_.size(),
-               "Replicated::set_update_overlap: ", optimizers_.size(),
-               " optimizers but the DataParallel has ", dp.num_replicas(),
-               " replicas; give it the DataParallel whose replicas these optimizers update");
+               "Replicated::set_update_overlap: ", optimizers_.size(), " optimizers but the ",
+               dp.type_name(), " has ", dp.num_replicas(),
+               " replicas; give it the wrapper whose replicas these optimizers "
+               "update");
     if (on) dp.reduce_on_one_device();
     for (size_t r = 0; r < optimizers_.size(); ++r) {
       optimizers_[r]->set_update_overlap(

@@ -235,7 +235,16 @@ TensorList DistributedDataParallel::forward_impl(const TensorList& inputs) {
   if (options_.broadcast_buffers && is_training() && world_size() > 1) broadcast_buffers();
   local_rows_ = inputs[0].size(0);
   global_rows_ = -1;
+  segments_ready_ = false;  // a new step: the last backward's buckets are no one's to update
   return module_->forward_all(inputs);
+}
+
+std::vector<GradientSegment> DistributedDataParallel::take_gradient_segments(size_t replica) {
+  CUDP_CHECK(replica == 0, "DistributedDataParallel: replica ", replica,
+             " of one (this rank's module)");
+  if (!segments_ready_) return {};
+  segments_ready_ = false;
+  return reducer_->gradient_segments(0);
 }
 
 TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs) {
@@ -254,6 +263,7 @@ TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs
     }
   }
   holds_total_ = false;
+  segments_ready_ = false;
   if (!gradient_sync_) return module_->backward_all(grad_outputs);
   CUDP_CHECK(reducer_->layout_intact(),
              "DistributedDataParallel: the module's gradients no longer view the flat buffer made "
@@ -274,6 +284,7 @@ TensorList DistributedDataParallel::backward_impl(const TensorList& grad_outputs
   }
   reducer_->finish();
   holds_total_ = true;
+  segments_ready_ = true;
   return grads;
 }
 

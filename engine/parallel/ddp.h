@@ -140,6 +140,15 @@ class DistributedDataParallel : public Module {
   using NoSync = GradientSyncOff<DistributedDataParallel>;
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
+  // The update beside the backward (Replicated::set_update_overlap, layers/optim.h): this rank's
+  // buckets of the last synced backward with the events after which each is summed
+  // (Reducer::gradient_segments), once per backward; none after a forward, a backward without
+  // sync, or a failed one. One replica: this rank's module. reduce_on_one_device() is for the
+  // interface DataParallel shares: there is a reducer always.
+  std::vector<GradientSegment> take_gradient_segments(size_t replica);
+  size_t num_replicas() const { return 1; }
+  void reduce_on_one_device() {}
+
  protected:
   TensorList forward_impl(const TensorList& inputs) override;
   TensorList backward_impl(const TensorList& grad_outputs) override;
@@ -162,6 +171,7 @@ class DistributedDataParallel : public Module {
   // The SyncBatchNorm2d layers' group over the ranks (null: none, or a world of one).
   std::shared_ptr<StatsGroup> stats_group_;
   bool gradient_sync_ = true;
+  bool segments_ready_ = false;  // the last backward was synced and its buckets not yet taken
   int64_t local_rows_ = 0;
   int64_t global_rows_ = -1;  // -1: not yet summed for the last forward
 };

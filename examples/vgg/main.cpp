@@ -310,6 +310,7 @@ class TrainOptimizer {
   virtual void follow_primary() = 0;
   // --overlap-update on: each bucket's update beside the backward (Replicated::set_update_overlap).
   virtual void set_update_overlap(parallel::DataParallel& dp) = 0;
+  virtual void set_update_overlap(DistributedDataParallel& ddp) = 0;
   virtual bool last_step_overlapped() const = 0;
 };
 
@@ -329,6 +330,9 @@ class ReplicatedOptimizer final : public TrainOptimizer {
   void load_state_dict(const TensorMap& state) override { r_.load_state_dict(state); }
   void follow_primary() override { r_.follow_primary(); }
   void set_update_overlap(parallel::DataParallel& dp) override { r_.set_update_overlap(dp, true); }
+  void set_update_overlap(DistributedDataParallel& ddp) override {
+    r_.set_update_overlap(ddp, true);
+  }
   bool last_step_overlapped() const override { return r_.last_step_overlapped(); }
 
  private:
@@ -1069,7 +1073,7 @@ int run(Options o) {
   std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
   if (o.overlap_update == "on") {
     // Refused where it cannot run rather than left off: the user asked for it.
-    const char* why = !dp                       ? "needs the GPUs of one process (DataParallel)"
+    const char* why = gpus.empty()              ? "needs GPUs (DataParallel or one per process)"
                       : o.clip_grad > 0         ? "cannot be used with --clip-grad"
                       : o.on_nan == "skip-step" ? "cannot be used with --on-nan skip-step"
                                                 : nullptr;
@@ -1077,10 +1081,14 @@ int run(Options o) {
       throw UsageError(detail::str(
           "--overlap-update on ", why,
           ": each bucket's update starts before the whole backward's gradients exist, which a "
-          "clip or a skip decision needs, and DistributedDataParallel and the CPU have no "
-          "buckets for it yet; drop --overlap-update or that option"));
+          "clip or a skip decision needs, and on the CPU there is no backward to update beside; "
+          "drop --overlap-update or that option"));
     }
-    opt->set_update_overlap(*dp);
+    if (dp) {
+      opt->set_update_overlap(*dp);
+    } else {
+      opt->set_update_overlap(*ddp);
+    }
     std::printf(
         "update beside the backward: on (each gradient bucket's update as soon as the "
         "backward completes it)\n");

@@ -227,9 +227,9 @@ const std::vector<Setting>& settings() {
     add("--overlap-update", nullptr, false,
         "on: update each gradient bucket's parameters on a stream of their own as soon as the "
         "backward has completed (and all-reduced) the bucket, beside the rest of the backward, "
-        "with the same results bit for bit; off: one update after the whole backward. The GPUs "
-        "of one process only, and not with --clip-grad or --on-nan skip-step (both need the whole "
-        "backward's gradients before any update)",
+        "with the same results bit for bit; off: one update after the whole backward. GPUs only, "
+        "and not with --clip-grad or --on-nan skip-step (both need the whole backward's gradients "
+        "before any update)",
         &Options::overlap_update, choice(&Options::overlap_update, {"on", "off"}));
     add("--checkpoint", "checkpoint", false,
         "write a checkpoint here after every epoch (kept on --resume)", &Options::checkpoint,

@@ -60,7 +60,7 @@ struct Options {
   std::string on_nan = "stop";
   std::string graphs = "on";  // on: replay training steps from a CUDA graph (GPU, full batches)
   // on: each gradient bucket's update beside the rest of the backward (Replicated::
-  // set_update_overlap; GPUs of one process, without --clip-grad and --on-nan skip-step)
+  // set_update_overlap; GPUs only, without --clip-grad and --on-nan skip-step)
   std::string overlap_update = "off";
   // Where things go.
   std::string checkpoint, resume, json, output;

@@ -224,7 +224,7 @@ TEST(VggTrainer, UsageErrors) {
   refused("--overlap-update maybe", "--overlap-update: must be one of on, off");
   // Asked for where it cannot run: refused, not left off.
   refused("--data synthetic --limit-train 64 --limit-test 32 --overlap-update on",
-          "--overlap-update on needs the GPUs of one process");
+          "--overlap-update on needs GPUs");
   refused("--batch-size 0", "--batch-size");
   refused("--epochs many", "--epochs");
   refused("--gpus x", "\"x\" is not a device id");

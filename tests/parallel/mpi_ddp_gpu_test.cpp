@@ -83,5 +83,55 @@ TEST(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
               info.rank, info.world_size, device, kSteps, largest);
 }
 
+// The update beside the backward (Optimizer::set_update_overlap): each bucket's update on the
+// optimizer's stream after that bucket's all-reduce, against one update after the backward, with
+// the same buckets: every parameter bit for bit after kSteps steps, on every rank.
+TEST(MpiDdpGpu, BucketByBucketUpdatesAreOneUpdateBitForBit) {
+  CUDP_REQUIRE_GPU();
+  ASSERT_NE(mpi_session(), nullptr);
+  const LaunchInfo info = mpi_session()->info();
+  if (cuda::device_count() < info.world_size) {
+    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
+                 << " visible";
+  }
+  ProcessGroupOptions options;
+  options.timeout = std::chrono::seconds(120);
+  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);
+  const int device = group->devices()[0];
+  cuda::set_device(device);
+  const Device gpu = Device::cuda(device);
+  const auto train = [&](bool overlap) {
+    auto model = tiny_net();
+    model->to(gpu);
+    DistributedDataParallel ddp(model, nccl_group(group),
+                                {.reducer = {.bucket_cap_bytes = 1024, .overlap = true}});
+    SGD sgd(ddp.parameters(), kSgd);
+    if (overlap) sgd.set_update_overlap([&ddp] { return ddp.take_gradient_segments(0); });
+    CrossEntropyLoss criterion;
+    for (int step = 0; step < kSteps; ++step) {
+      const Batch s =
+          shard(make_batch(kGlobalBatch, 500 + step, gpu), ddp.rank(), ddp.world_size());
+      sgd.zero_grad(ZeroGrad::deferred);
+      const Tensor out = ddp.forward(s.images);
+      criterion.forward(out, s.labels, ddp.loss_weight());
+      ddp.backward(criterion.backward());
+      sgd.step();
+      EXPECT_EQ(sgd.last_step_overlapped(), overlap && step > 0) << "step " << step;
+    }
+    group->comm().synchronize();
+    std::vector<std::vector<float>> params;
+    for (const auto& [name, p] : model->named_parameters()) {
+      params.push_back(p->data.to_vector<float>());
+    }
+    return params;
+  };
+  const auto whole = train(false);
+  const auto pieces = train(true);
+  ASSERT_EQ(pieces.size(), whole.size());
+  for (size_t k = 0; k < whole.size(); ++k) {
+    EXPECT_EQ(pieces[k], whole[k]) << "rank " << info.rank << ", parameter " << k;
+  }
+}
+
 }  // namespace
 }  // namespace cudp::parallel

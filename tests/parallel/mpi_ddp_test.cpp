@@ -60,17 +60,29 @@ void expect_close_to_truth(const std::vector<float>& got, const std::vector<floa
 struct Trained {
   std::shared_ptr<Sequential> model;
   std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<SGD> sgd;
 };
 
 // kSteps steps of DDP, each rank on its shard, weighting its loss by ddp.loss_weight(). Deferred
 // zeroing (layers/module.h) fills the gradients left to the backward with NaN first, as stale
 // values a step must neither read nor keep.
-Trained ddp_run(ZeroGrad how = ZeroGrad::fill) {
+// With `overlap` the optimizer updates bucket by bucket (Optimizer::set_update_overlap), on the
+// CPU one piece after another; `bucket_cap_bytes`: the reducer's buckets.
+Trained ddp_run(ZeroGrad how = ZeroGrad::fill, bool overlap = false,
+                int64_t bucket_cap_bytes = ReducerOptions{}.bucket_cap_bytes) {
   Trained t;
   t.model = tiny_net();
-  t.ddp = std::make_unique<DistributedDataParallel>(t.model, mpi_host_group(*mpi_session()));
+  DistributedDataParallelOptions options;
+  options.reducer.bucket_cap_bytes = bucket_cap_bytes;
+  t.ddp =
+      std::make_unique<DistributedDataParallel>(t.model, mpi_host_group(*mpi_session()), options);
   DistributedDataParallel& ddp = *t.ddp;
-  SGD sgd(ddp.parameters(), kSgd);
+  t.sgd = std::make_unique<SGD>(ddp.parameters(), kSgd);
+  SGD& sgd = *t.sgd;
+  if (overlap) {
+    EXPECT_GT(ddp.reducer().buckets().size(), 2u);
+    sgd.set_update_overlap([&ddp] { return ddp.take_gradient_segments(0); });
+  }
   CrossEntropyLoss criterion;
   for (int step = 0; step < kSteps; ++step) {
     const Batch s = shard(make_batch(kGlobalBatch, 500 + step), ddp.rank(), ddp.world_size());
@@ -82,6 +94,8 @@ Trained ddp_run(ZeroGrad how = ZeroGrad::fill) {
     criterion.forward(out, s.labels, ddp.loss_weight());
     ddp.backward(criterion.backward());
     sgd.step();
+    // The first step makes the momentum buffers: one update.
+    EXPECT_EQ(sgd.last_step_overlapped(), overlap && step > 0) << "step " << step;
   }
   return t;
 }
@@ -142,6 +156,32 @@ TEST(MpiDdp, DeferredZeroingTrainsAsZeroingFirst) {
     for (size_t i = 0; i < v.size(); ++i) differ += v[i] == filled[k][i] ? 0 : 1;
     EXPECT_EQ(differ, 0u) << "rank " << t.ddp->rank() << "'s " << got[k].first;
   }
+}
+
+// The update beside the backward: the optimizer updates each bucket of the reducer as a piece of
+// its own; the parameters after kSteps steps are one update's, bit for bit, with the same buckets
+// (with 3 ranks MPI's order of an element's additions may depend on the call's size). A second
+// step() after the same backward finds no buckets left, and takes one update.
+TEST(MpiDdp, BucketByBucketUpdatesAreOneUpdate) {
+  ASSERT_NE(mpi_session(), nullptr);
+  std::vector<std::vector<float>> whole;
+  {
+    const Trained t = ddp_run(ZeroGrad::deferred, /*overlap=*/false, /*bucket_cap_bytes=*/256);
+    for (const auto& [name, p] : t.model->named_parameters()) {
+      whole.push_back(p->data.to_vector<float>());
+    }
+  }
+  const Trained t = ddp_run(ZeroGrad::deferred, /*overlap=*/true, /*bucket_cap_bytes=*/256);
+  const auto got = t.model->named_parameters();
+  ASSERT_EQ(got.size(), whole.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    const std::vector<float> v = got[k].second->data.to_vector<float>();
+    size_t differ = 0;
+    for (size_t i = 0; i < v.size(); ++i) differ += v[i] == whole[k][i] ? 0 : 1;
+    EXPECT_EQ(differ, 0u) << "rank " << t.ddp->rank() << "'s " << got[k].first;
+  }
+  t.sgd->step();
+  EXPECT_FALSE(t.sgd->last_step_overlapped());
 }
 
 // The test above can fail: the truth with each shard weighted 1 / W (PyTorch's averaging applied to
