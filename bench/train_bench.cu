@@ -217,8 +217,8 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
   parallel::Replicated<SGD> opt(model, {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
   if (g_overlap_update) {
     CUDP_CHECK(!ids.empty(),
-               "--overlap-update on needs GPUs: on the CPU there is no backward to "
-               "update beside");
+               "--overlap-update on needs GPUs: on the CPU the buckets' updates would run one "
+               "after another once the backward is done, with nothing to overlap");
     if (dp) {
       opt.set_update_overlap(*dp, true);
     } else {

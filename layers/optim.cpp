@@ -138,6 +138,9 @@ Optimizer::~Optimizer() {
 
 void Optimizer::set_update_overlap(GradientSegments segments) {
   overlap_ = std::move(segments);
+  // Buckets of a backward before now may have been updated in one launch already (a step while
+  // the overlap was off): a step() after this must not find them.
+  if (overlap_) (void)overlap_();
   for (Parameter* p : params_) p->update_beside_backward = static_cast<bool>(overlap_);
   // The stream and its event are made now where the parameters are on a GPU already, not inside
   // a captured step.
@@ -391,6 +394,10 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
     pieces = captured_pieces_;
   } else if (together && overlap_ && !gated && !any_pending && !fresh_state) {
     pieces = plan_pieces(flat->offsets, flat->n, flat->grad, flat->device);
+  } else if (overlap_ && !stage) {
+    // This step's one update uses up the backward's buckets: a second step() after it must not
+    // find them, or its pieces would wait on events from before this update.
+    (void)overlap_();
   }
   if (replay != nullptr) captured_pieces_ = pieces;
   if (!pieces.empty()) {

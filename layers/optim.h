@@ -139,8 +139,10 @@ class Optimizer {
   // nothing may change the gradients between the backward and step(): clip_grad_norm refuses
   // these parameters (it would scale gradients that an update may already have read), and a
   // caller's own writes to them there (zeroing, scaling) are not seen by the pieces.
-  // Replicated::set_update_overlap (engine/parallel/ data_parallel.h) gives every replica's
-  // optimizer its DataParallel's buckets.
+  // It asks `segments` once at every step() that is not a replay (a step that cannot overlap uses
+  // the buckets up all the same) and once here, so that no step finds buckets an earlier update
+  // has used. Replicated::set_update_overlap (engine/parallel/data_parallel.h) gives every
+  // replica's optimizer its wrapper's buckets.
   void set_update_overlap(GradientSegments segments);
   bool update_overlap() const { return static_cast<bool>(overlap_); }
   // Whether the last step() updated piece by piece beside the backward.

@@ -56,16 +56,15 @@ struct ReducerOptions {
   // Start a bucket's all-reduce as soon as the backward completes it; false: every bucket after
   // the whole backward (the same calls, later: what overlap is measured against).
   bool overlap = true;
-  // false: the buckets are marked complete as the backward goes, but nothing is summed (each rank
-  // keeps its own gradients): a step with the reducer's events and no communication, what
-  // bench_train times against the real one to see the communication a step exposes when the
-  // update runs beside the backward (gradient_segments then gives the ready events).
+  // false: the buckets are marked complete as the backward goes, but nothing is summed: a step
+  // with the reducer's events and no communication, what bench_train times against the real one
+  // to see the communication a step exposes when the update runs beside the backward
+  // (gradient_segments then gives the ready events). The wrappers still treat the gradients as
+  // summed (replicas 1.., and ranks other than 0, zero theirs before the next backward, as after a
+  // real all-reduce): for timing, not for training.
   bool sum = true;
 };
 
-// What a Reducer needs from the ranks it sums over. Calls come in this order per step: begin, then
-// mark_ready for every (rank, bucket) and all_reduce for every bucket (in bucket order, each after
-// every rank's mark_ready of it), then finish.
 // PyTorch DDP's no_sync() for any owner of a reducer (DataParallel, DistributedDataParallel):
 // gradient sync off while the guard lives, then as it was.
 template <typename Owner>
@@ -85,6 +84,9 @@ class GradientSyncOff {
   bool was_;
 };
 
+// What a Reducer needs from the ranks it sums over. Calls come in this order per step: begin, then
+// mark_ready for every (rank, bucket) and all_reduce for every bucket (in bucket order, each after
+// every rank's mark_ready of it; none with ReducerOptions::sum false), then finish.
 class ReduceGroup {
  public:
   virtual ~ReduceGroup() = default;

@@ -1073,16 +1073,19 @@ int run(Options o) {
   std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
   if (o.overlap_update == "on") {
     // Refused where it cannot run rather than left off: the user asked for it.
-    const char* why = gpus.empty()              ? "needs GPUs (DataParallel or one per process)"
-                      : o.clip_grad > 0         ? "cannot be used with --clip-grad"
-                      : o.on_nan == "skip-step" ? "cannot be used with --on-nan skip-step"
-                                                : nullptr;
-    if (why != nullptr) {
+    if (gpus.empty()) {
+      throw UsageError(
+          "--overlap-update on needs GPUs: on the CPU the buckets' updates would run one after "
+          "another once the backward is done, with nothing to overlap; drop --overlap-update");
+    }
+    const char* other = o.clip_grad > 0           ? "--clip-grad"
+                        : o.on_nan == "skip-step" ? "--on-nan skip-step"
+                                                  : nullptr;
+    if (other != nullptr) {
       throw UsageError(detail::str(
-          "--overlap-update on ", why,
+          "--overlap-update on cannot be used with ", other,
           ": each bucket's update starts before the whole backward's gradients exist, which a "
-          "clip or a skip decision needs, and on the CPU there is no backward to update beside; "
-          "drop --overlap-update or that option"));
+          "clip or a skip decision needs; drop one of the two"));
     }
     if (dp) {
       opt->set_update_overlap(*dp);
@@ -1155,6 +1158,17 @@ int run(Options o) {
   const std::string batch_advice = detail::str(
       "Reduce the batch size (--batch-size, now ", o.batch_size, "): each GPU holds the "
       "activations of its share of a batch.");
+  // --graphs on: the evaluation's full batches replay a CUDA graph of its forward and loss too
+  // (after one eager batch), the last partial batch runs eagerly; the same results bit for bit.
+  const auto eval_body = [&](const Tensor& images, const Tensor& labels) {
+    const Tensor out = model.forward(images);
+    const Tensor loss = criterion.forward(out, labels);
+    criterion.release();  // a captured evaluation keeps no memory past its end
+    return TensorList{loss, out};
+  };
+  GraphedStep eval_graphed(
+      eval_body, main_device,
+      {.warmup_steps = 1, .enabled = o.graphs == "on" && !distributed, .before_replay = {}}, gpus);
   const auto evaluate = [&]() {
     const nvtx::Range range("evaluation");
     const cuda::AllocationPurpose purpose(
@@ -1164,8 +1178,8 @@ int run(Options o) {
     test_feed.start_epoch(0);
     int64_t batch = 0;
     for (Tensor images, labels; test_feed.next(images, labels); ++batch) {
-      const Tensor out = model.forward(images);
-      eval_results.add(batch + 1, batch + 1, criterion.forward(out, labels), Tensor(), out, labels);
+      const TensorList r = eval_graphed.run(images, labels);  // eager, captured or replayed
+      eval_results.add(batch + 1, batch + 1, r[0], Tensor(), r[1], labels);
       if (eval_results.pending() >= 64) eval_results.read();
     }
     eval_results.read();

@@ -22,6 +22,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "common/gpu.h"
 #include "examples/run_binary.h"
@@ -92,22 +93,44 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
 // --graphs on (the default: full batches replay a captured step, layers/train.h NOTE [Graphed
 // training steps]) against --graphs off: the same weights and BatchNorm buffers bit for bit after
 // two epochs of onecycle (a new rate at every step) with Dropout, a partial last batch run without
-// the graph, and the evaluation between the epochs.
+// the graph, and the evaluation between the epochs (graphed too: the same test losses).
+// Every "test_loss" the JSON log holds, as written (full precision), in order.
+std::vector<std::string> test_losses(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string all = text.str();
+  const std::regex number("\"test_loss\":([-0-9.eE+]+)");
+  std::vector<std::string> out;
+  for (auto it = std::sregex_iterator(all.begin(), all.end(), number); it != std::sregex_iterator();
+       ++it) {
+    out.push_back((*it)[1].str());
+  }
+  return out;
+}
+
 void expect_graphs_match_eager(const std::string& gpus) {
   SCOPED_TRACE("--gpus " + gpus);
   TempDir dir;
+  // 320 test images: two full evaluation batches of 128 (the second replays the evaluation's
+  // graph) and a partial one of 64 (eager).
   const std::string common =
-      "--data synthetic --limit-train 1000 --limit-test 256 --arch vgg11 --batch-size 128 "
-      "--epochs 2 --print-checksum --gpus " + gpus + " ";
-  const RunResult on = run_vgg(dir, common + "--graphs on");
+      "--data synthetic --limit-train 1000 --limit-test 320 --arch vgg11 --batch-size 128 "
+      "--epochs 2 --print-checksum --gpus " +
+      gpus + " ";
+  const RunResult on = run_vgg(dir, common + "--graphs on --json '" + (dir / "on.json") + "'");
   ASSERT_EQ(on.code, 0) << on.output;
   EXPECT_TRUE(contains(on.output, "CUDA graphs: on")) << on.output;
-  const RunResult off = run_vgg(dir, common + "--graphs off");
+  const RunResult off = run_vgg(dir, common + "--graphs off --json '" + (dir / "off.json") + "'");
   ASSERT_EQ(off.code, 0) << off.output;
   EXPECT_TRUE(contains(off.output, "CUDA graphs: off")) << off.output;
   ASSERT_NE(checksum_of(off), "") << off.output;
   EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n" << on.output << "\ngraphs off:\n"
                                                << off.output;
+  // The evaluations (captured and replayed from the second epoch's on) give the eager ones' losses.
+  const std::vector<std::string> on_losses = test_losses(dir / "on.json");
+  EXPECT_EQ(on_losses.size(), 2u);
+  EXPECT_EQ(on_losses, test_losses(dir / "off.json"));
 }
 
 TEST(VggTrainerGpu, GraphsMatchEagerStepsOnOneGpu) {

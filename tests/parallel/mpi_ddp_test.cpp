@@ -161,7 +161,8 @@ TEST(MpiDdp, DeferredZeroingTrainsAsZeroingFirst) {
 // The update beside the backward: the optimizer updates each bucket of the reducer as a piece of
 // its own; the parameters after kSteps steps are one update's, bit for bit, with the same buckets
 // (with 3 ranks MPI's order of an element's additions may depend on the call's size). A second
-// step() after the same backward finds no buckets left, and takes one update.
+// step() after the same backward finds no buckets left, and takes one update; so does a step after
+// a backward without sync, or after a forward.
 TEST(MpiDdp, BucketByBucketUpdatesAreOneUpdate) {
   ASSERT_NE(mpi_session(), nullptr);
   std::vector<std::vector<float>> whole;
@@ -182,6 +183,22 @@ TEST(MpiDdp, BucketByBucketUpdatesAreOneUpdate) {
   }
   t.sgd->step();
   EXPECT_FALSE(t.sgd->last_step_overlapped());
+  // A backward without sync, or a forward alone, leaves no buckets to update beside.
+  DistributedDataParallel& ddp = *t.ddp;
+  CrossEntropyLoss criterion;
+  const Batch s = shard(make_batch(kGlobalBatch, 900), ddp.rank(), ddp.world_size());
+  {
+    const auto no_sync = ddp.no_sync();
+    criterion.forward(ddp.forward(s.images), s.labels, ddp.loss_weight());
+    ddp.backward(criterion.backward());
+  }
+  t.sgd->step();
+  EXPECT_FALSE(t.sgd->last_step_overlapped());
+  criterion.forward(ddp.forward(s.images), s.labels, ddp.loss_weight());
+  ddp.backward(criterion.backward());
+  ddp.forward(s.images);
+  t.sgd->step();
+  EXPECT_FALSE(t.sgd->last_step_overlapped()) << "a forward ends the last backward's buckets";
 }
 
 // The test above can fail: the truth with each shard weighted 1 / W (PyTorch's averaging applied to

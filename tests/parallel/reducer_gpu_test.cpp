@@ -412,5 +412,70 @@ TEST(UpdateOverlapGpu, ClippingIsRefusedWhileTheUpdateOverlaps) {
   EXPECT_FALSE(opt.last_step_overlapped());
 }
 
+// A step that cannot overlap uses its backward's buckets up: a second step() after it (the first
+// step, which makes the state; a step taken while the overlap was off) finds none, and takes one
+// update, ordered after the first on the compute stream.
+TEST(UpdateOverlapGpu, AStepThatCannotOverlapUsesTheBucketsUp) {
+  CUDP_REQUIRE_GPU();
+  auto net = small_net()->clone(kGpu);
+  DataParallel dp(net, {0});
+  Replicated<SGD> opt(dp, {.lr = 0.05, .momentum = 0.9});
+  opt.set_update_overlap(dp, true);
+  CrossEntropyLoss criterion;
+  const auto [x, y] = batch(8, 6);
+  const auto backward = [&] {
+    criterion.forward(dp.forward(x), y);
+    opt.zero_grad();
+    dp.backward(criterion.backward());
+  };
+  backward();
+  opt.step();  // makes the momentum buffers: one update
+  EXPECT_FALSE(opt.last_step_overlapped());
+  opt.step();
+  EXPECT_FALSE(opt.last_step_overlapped());
+  opt.set_update_overlap(dp, false);
+  backward();
+  opt.step();
+  opt.set_update_overlap(dp, true);  // the buckets of the backward before are used up
+  opt.step();
+  EXPECT_FALSE(opt.last_step_overlapped());
+  backward();
+  opt.step();
+  EXPECT_TRUE(opt.last_step_overlapped());
+}
+
+// ReducerOptions::sum = false on two GPUs (bench_train's step without communication): the pieces
+// wait on the buckets' ready events (CommunicatorGroup::ready_event; no all-reduce records the done
+// ones), and give one update's bits on each replica, whose gradients are its own.
+TEST(UpdateOverlapGpu, WithoutSumsThePiecesWaitForTheReadyEvents) {
+  CUDP_REQUIRE_GPUS(2);
+  const auto train = [](bool overlap) {
+    auto net = small_net()->clone(kGpu);
+    DataParallel dp(net, two_devices());
+    dp.set_reducer_options({.bucket_cap_bytes = 4096, .overlap = true, .sum = false});
+    Replicated<SGD> opt(dp, {.lr = 0.05, .momentum = 0.9});
+    if (overlap) opt.set_update_overlap(dp, true);
+    CrossEntropyLoss criterion;
+    for (int step = 0; step < 5; ++step) {
+      const auto [x, y] = batch(16, 40 + static_cast<uint64_t>(step));
+      criterion.forward(dp.forward(x), y);
+      opt.zero_grad(ZeroGrad::deferred);
+      dp.backward(criterion.backward());
+      opt.step();
+      EXPECT_EQ(opt.last_step_overlapped(), overlap && step > 0) << "step " << step;
+    }
+    std::vector<std::map<std::string, std::vector<unsigned char>>> replicas;
+    for (size_t r = 0; r < dp.num_replicas(); ++r) {
+      replicas.push_back(bytes_of(dp.replica(r)->state_dict()));
+    }
+    return replicas;
+  };
+  const auto whole = train(false);
+  const auto pieces = train(true);
+  ASSERT_EQ(whole.size(), 2u);
+  EXPECT_NE(whole[0], whole[1]) << "nothing summed: the replicas' own gradients differ";
+  EXPECT_EQ(pieces, whole);
+}
+
 }  // namespace
 }  // namespace cudp

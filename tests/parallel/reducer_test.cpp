@@ -482,8 +482,13 @@ TEST(UpdateOverlap, WhatCannotOverlapTakesOneUpdateAndClippingIsRefused) {
   }
   std::vector<GradientSegment> given = {{flat.data<float>(), starts[3], flat.numel(), nullptr},
                                         {flat.data<float>(), 0, starts[3], nullptr}};
-  opt.set_update_overlap([&given] { return given; });
+  int asked = 0;  // the source is asked at every step, and once when set
+  opt.set_update_overlap([&given, &asked] {
+    ++asked;
+    return given;
+  });
   EXPECT_TRUE(opt.update_overlap());
+  EXPECT_EQ(asked, 1);
   const auto same_grads = [&](int t) {
     for (Module* m : {model.get(), twin.get()}) {
       int k = 0;
@@ -528,6 +533,8 @@ TEST(UpdateOverlap, WhatCannotOverlapTakesOneUpdateAndClippingIsRefused) {
   plain.step();
   EXPECT_FALSE(opt.last_step_overlapped());
   expect_same("no pieces");
+  // Every step used its backward's buckets up, overlapped or not.
+  EXPECT_EQ(asked, 1 + 5);
 
   const auto expect_error = [&](const std::function<void()>& f, const std::string& needle) {
     try {
