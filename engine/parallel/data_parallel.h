@@ -166,9 +166,9 @@ class DataParallel : public Module {
   // Replica r's buckets of the last backward, each with the event after which it is summed on its
   // device (Reducer::gradient_segments), once per backward: what Replicated::set_update_overlap
   // gives the replicas' optimizers. Empty when that backward did not go through the reducer, when
-  // they were taken already, and after a forward. On one device there is
-  // a reducer (with nothing to sum) only after reduce_on_one_device(), which makes one (set it
-  // before a CUDA graph of the step is captured).
+  // they were taken already, and after a forward. On one device there is a reducer (with nothing
+  // to sum) only after reduce_on_one_device(), which makes one (call it before a CUDA graph of the
+  // step is captured).
   std::vector<GradientSegment> take_gradient_segments(size_t r) {
     return set_ ? set_->take_gradient_segments(r) : std::vector<GradientSegment>{};
   }
