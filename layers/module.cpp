@@ -112,6 +112,14 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
   return grads;
 }
 
+void Module::release_forward_state() {
+  for (auto& [path, module] : named_modules()) {
+    module->release_saved();
+    module->fused_relu_output_ = Tensor();
+    module->forward_done_ = false;
+  }
+}
+
 Tensor Module::forward(const Tensor& input) {
   TensorList outputs = forward_all({input});
   CUDP_CHECK(outputs.size() == 1, type_name(),

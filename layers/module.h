@@ -241,6 +241,12 @@ class Module : public std::enable_shared_from_this<Module> {
 
   void train(bool on = true);
   void eval() { train(false); }
+
+  // Drops what the last forward saved for its backward, in this module and every descendant, as
+  // a backward does (release_saved below): for a forward no backward follows (an evaluation), so
+  // that nothing holds its activations afterwards, and a captured evaluation keeps no memory past
+  // its end. A backward then needs a new forward. DataParallel releases its replicas' too.
+  virtual void release_forward_state();
   bool is_training() const { return training_; }
   void zero_grad();
 

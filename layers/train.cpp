@@ -221,8 +221,9 @@ TensorList GraphedStep::capture(const Tensor& images, const Tensor& labels) {
   const cudaStream_t stream = cuda::current_stream(device);
   {
     const cuda::AllocationPurpose purpose(
-        "the static inputs, outputs and replay scalars of a CUDA graph of the training step",
-        "Run the training step without a CUDA graph (--graphs off) to save this memory.");
+        "the static inputs, outputs and replay scalars of a CUDA graph of a step (training or "
+        "evaluation)",
+        "Run the steps without a CUDA graph (--graphs off) to save this memory.");
     images_ = Tensor::empty(images.shape(), images.dtype(), device_);
     labels_ = Tensor::empty(labels.shape(), labels.dtype(), device_);
     outputs_.clear();
@@ -240,8 +241,8 @@ TensorList GraphedStep::capture(const Tensor& images, const Tensor& labels) {
   }
   scalars_->clear();
   copy_in(images, labels);
-  const std::string what = detail::str("the training step (batch ", shape_str(images.shape()),
-                                       ") on ", device_);
+  const std::string what =
+      detail::str("the captured step (batch ", shape_str(images.shape()), ") on ", device_);
   {
     const cuda::ReplayScalars::Activation active(*scalars_);
     graph_.capture_begin(device, stream, what);
@@ -304,7 +305,7 @@ TensorList GraphedStep::launch(bool first) {
       CUDP_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(d), launched_.get(), 0));
     }
   }
-  const cuda::AllocationPurpose purpose("the results of a replayed training step");
+  const cuda::AllocationPurpose purpose("the results of a replayed step");
   TensorList out;
   for (const Tensor& t : outputs_) {
     Tensor copy = Tensor::empty(t.shape(), t.dtype(), device_);

@@ -412,6 +412,12 @@ std::vector<double> DataParallel::chunk_weights() const {
   return weights;
 }
 
+void DataParallel::release_forward_state() {
+  Module::release_forward_state();
+  for (size_t r = 1; r < num_replicas(); ++r) replica(r)->release_forward_state();
+  replicas_ran_ = false;
+}
+
 size_t DataParallel::num_replicas() const {
   return set_ ? set_->size() : 1;
 }

@@ -122,6 +122,8 @@ class DataParallel : public Module {
   std::vector<TensorList> backward_replicas(const std::vector<TensorList>& grad_outputs);
 
   const std::shared_ptr<Module>& module() const { return module_; }
+  // Module's, for every replica (replica 0 is the wrapped module, a child; the others are not).
+  void release_forward_state() override;
   const std::vector<int>& device_ids() const { return device_ids_; }  // empty: pass-through
   int output_device() const { return output_device_; }
   int dim() const { return dim_; }

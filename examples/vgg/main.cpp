@@ -1163,7 +1163,10 @@ int run(Options o) {
   const auto eval_body = [&](const Tensor& images, const Tensor& labels) {
     const Tensor out = model.forward(images);
     const Tensor loss = criterion.forward(out, labels);
-    criterion.release();  // a captured evaluation keeps no memory past its end
+    // What the forward and the loss saved for a backward that never comes: a captured evaluation
+    // keeps no memory past its end (and an eager one frees its activations now).
+    criterion.release();
+    model.release_forward_state();
     return TensorList{loss, out};
   };
   GraphedStep eval_graphed(
@@ -1500,6 +1503,11 @@ int run(Options o) {
   }
   std::printf("done: best test accuracy %.2f%%, training time %.1f s, total %.1f s\n", best_top1,
               train_seconds, seconds_since(run_start));
+  if (graphed.captured() || eval_graphed.captured()) {
+    std::printf("  CUDA graphs: %lld training and %lld evaluation replays\n",
+                static_cast<long long>(graphed.replays()),
+                static_cast<long long>(eval_graphed.replays()));
+  }
   if (o.overlap_update == "on") {
     // What ran, not what was asked: a step that makes the optimizer's state (the first) and the
     // steps that cannot overlap take one update after the backward.

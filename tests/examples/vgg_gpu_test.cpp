@@ -112,8 +112,7 @@ std::vector<std::string> test_losses(const std::string& path) {
 void expect_graphs_match_eager(const std::string& gpus) {
   SCOPED_TRACE("--gpus " + gpus);
   TempDir dir;
-  // 320 test images: two full evaluation batches of 128 (the second replays the evaluation's
-  // graph) and a partial one of 64 (eager).
+  // 320 test images: two full evaluation batches of 128 and a partial one of 64 (eager).
   const std::string common =
       "--data synthetic --limit-train 1000 --limit-test 320 --arch vgg11 --batch-size 128 "
       "--epochs 2 --print-checksum --gpus " +
@@ -127,7 +126,13 @@ void expect_graphs_match_eager(const std::string& gpus) {
   ASSERT_NE(checksum_of(off), "") << off.output;
   EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n" << on.output << "\ngraphs off:\n"
                                                << off.output;
-  // The evaluations (captured and replayed from the second epoch's on) give the eager ones' losses.
+  // 16 training steps: two eager, the capture's launch and 4 replays, an eager partial batch, 7
+  // replays and an eager partial batch. The evaluations: the first's second batch is captured
+  // (one launch), the second's two full batches replay.
+  EXPECT_TRUE(contains(on.output, "CUDA graphs: 12 training and 3 evaluation replays"))
+      << on.output;
+  EXPECT_FALSE(contains(off.output, "evaluation replays")) << off.output;
+  // The evaluations (captured, then replayed) give the eager ones' losses.
   const std::vector<std::string> on_losses = test_losses(dir / "on.json");
   EXPECT_EQ(on_losses.size(), 2u);
   EXPECT_EQ(on_losses, test_losses(dir / "off.json"));
