@@ -29,20 +29,25 @@ using testing::mpi_session;
 // which the ranks' shard gradients are added, a few roundings of each gradient element per step.
 constexpr double kAbsolute = 1e-5, kRelative = 1e-5;
 
+// Every test's start: a GPU per rank (skipped where there are fewer GPUs than ranks: every rank
+// sees the same count, so all skip together), the ranks' process group, this rank's GPU current.
+#define CUDP_RANK_ON_ITS_GPU()                                                              \
+  CUDP_REQUIRE_GPU();                                                                       \
+  ASSERT_NE(mpi_session(), nullptr);                                                        \
+  const LaunchInfo info = mpi_session()->info();                                            \
+  if (cuda::device_count() < info.world_size) {                                             \
+    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count() \
+                 << " visible";                                                             \
+  }                                                                                         \
+  ProcessGroupOptions options;                                                              \
+  options.timeout = std::chrono::seconds(120);                                              \
+  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);                       \
+  const int device = group->devices()[0];                                                   \
+  cuda::set_device(device);                                                                 \
+  const Device gpu = Device::cuda(device)
+
 TEST(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
-  CUDP_REQUIRE_GPU();
-  ASSERT_NE(mpi_session(), nullptr);
-  const LaunchInfo info = mpi_session()->info();
-  if (cuda::device_count() < info.world_size) {
-    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
-                 << " visible";
-  }
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::seconds(120);
-  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);
-  const int device = group->devices()[0];
-  cuda::set_device(device);
-  const Device gpu = Device::cuda(device);
+  CUDP_RANK_ON_ITS_GPU();
 
   auto model = tiny_net();
   model->to(gpu);
@@ -87,19 +92,7 @@ TEST(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
 // optimizer's stream after that bucket's all-reduce, against one update after the backward, with
 // the same buckets: every parameter bit for bit after kSteps steps, on every rank.
 TEST(MpiDdpGpu, BucketByBucketUpdatesAreOneUpdateBitForBit) {
-  CUDP_REQUIRE_GPU();
-  ASSERT_NE(mpi_session(), nullptr);
-  const LaunchInfo info = mpi_session()->info();
-  if (cuda::device_count() < info.world_size) {
-    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
-                 << " visible";
-  }
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::seconds(120);
-  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);
-  const int device = group->devices()[0];
-  cuda::set_device(device);
-  const Device gpu = Device::cuda(device);
+  CUDP_RANK_ON_ITS_GPU();
   const auto train = [&](bool overlap) {
     auto model = tiny_net();
     model->to(gpu);
