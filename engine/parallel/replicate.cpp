@@ -184,7 +184,7 @@ void ReplicaSet::all_reduce_gradients() {
 void ReplicaSet::make_reducer() {
   reducer_.reset();
   group_.reset();
-  reduced_ = false;
+  segments_open_.clear();
   if (!comm_ && !(one_device_reducer_ && devices_.size() == 1)) return;
   TensorList flat_grads;
   for (const auto& [data, grad] : flat_) {
@@ -214,13 +214,13 @@ void ReplicaSet::reduce_on_one_device() {
 }
 
 std::vector<GradientSegment> ReplicaSet::take_gradient_segments(size_t r) {
-  if (!reducer_ || !reduced_ || r >= segments_taken_.size() || segments_taken_[r]) return {};
-  segments_taken_[r] = true;
+  if (!reducer_ || r >= segments_open_.size() || !segments_open_[r]) return {};
+  segments_open_[r] = false;
   return reducer_->gradient_segments(r);
 }
 
 void ReplicaSet::begin_backward(size_t active, bool reduce) {
-  reduced_ = false;
+  segments_open_.clear();
   zero_mirror_gradients();  // NOTE [Replica gradients are scratch]
   const bool reducing = reduce && reducer_ && reducer_->layout_intact();
   if (reducing) reducer_->prepare(active);  // first: if it throws, no backward is marked as running
@@ -234,15 +234,14 @@ void ReplicaSet::end_backward(bool reduce) {
     const nvtx::Range range("gradient all-reduce (last buckets)");
     reducer_->finish();
     mirrors_hold_total_ = true;
-    reduced_ = true;
-    segments_taken_.assign(replicas_.size(), false);
+    segments_open_.assign(replicas_.size(), true);
   } else {
     all_reduce_gradients();
   }
 }
 
 void ReplicaSet::abandon_backward() {
-  reduced_ = false;
+  segments_open_.clear();
   if (reducing_) reducer_->abandon();
   reducing_ = false;
 }
@@ -256,7 +255,7 @@ void ReplicaSet::sync_replicas(Module::ReplicaSync when) {
 }
 
 void ReplicaSet::prepare_forward() {
-  reduced_ = false;  // a new step: the last backward's buckets are no one's to update any more
+  segments_open_.clear();  // a new step: the last backward's buckets are no one's to update
   // Parents before children: a parent's train() sets its subtree, then children that differ from it
   // are set again.
   for (size_t r = 1; r < replicas_.size(); ++r) {

@@ -163,8 +163,9 @@ class ReplicaSet {
   std::unique_ptr<Reducer> reducer_;
   bool one_device_reducer_ = false;  // reduce_on_one_device() was called
   bool reducing_ = false;            // between begin_backward and end_backward, with the reducer
-  bool reduced_ = false;             // the last backward went through the reducer
-  std::vector<bool> segments_taken_;  // per replica: the last backward's buckets were taken
+  // Per replica: the last backward went through the reducer and its buckets were not yet taken
+  // (empty: none are).
+  std::vector<bool> segments_open_;
   bool mirrors_hold_total_ = false;  // replicas 1.. hold the last all-reduce's total
   TensorList held_;                  // keep_until_copied's tensors
   std::vector<cuda::Event> copied_;  // and an event per device recorded after their copies
