@@ -320,47 +320,61 @@ TEST(GraphedStepGpuDataParallel, ReplaysMatchEagerStepsBitForBit) {
 
 // An evaluation through a GraphedStep (the trainer's, examples/vgg/main.cpp): the eval forward
 // saves its inputs for a backward that never comes, which a capture would keep as graph-owned
-// memory; Module::release_forward_state drops them, so the graph owns none (without it, it
-// does: the test can fail), and the replays give the eager evaluation's bits.
+// memory; Module::release_forward_state drops them, so the graph owns none, and the replays give
+// the eager evaluation's bits. The second test shows what the release prevents (so the first can
+// fail). It is a test of its own because it leaves the graph owning memory on purpose, which
+// compute-sanitizer's memcheck misreads (engine/core/memory.h, NOTE [Allocations during stream
+// capture]): scripts/sanitize.sh leaves it out. (When the two were one test, memcheck reported
+// invalid writes in it; which of the two cases made them is not yet known.)
+std::function<TensorList(const Tensor&, const Tensor&)> evaluation_body(Module& model,
+                                                                        CrossEntropyLoss& criterion,
+                                                                        bool release) {
+  return [&model, &criterion, release](const Tensor& x, const Tensor& y) {
+    const Tensor out = model.forward(x);
+    const Tensor loss = criterion.forward(out, y);
+    criterion.release();
+    if (release) model.release_forward_state();
+    return TensorList{loss, out};
+  };
+}
+
 TEST(GraphedStepGpuEvaluation, ReleasedForwardStateLeavesTheGraphNoMemory) {
   CUDP_REQUIRE_GPU();
-  for (const bool release : {true, false}) {
-    SCOPED_TRACE(release ? "released" : "kept");
-    auto model = small_vgg();
-    model->to(kGpu);
-    model->eval();
-    CrossEntropyLoss criterion;
-    const auto body = [&](const Tensor& x, const Tensor& y) {
-      const Tensor out = model->forward(x);
-      const Tensor loss = criterion.forward(out, y);
-      criterion.release();
-      if (release) model->release_forward_state();
-      return TensorList{loss, out};
-    };
-    GraphedStep graphed(body, kGpu, {.warmup_steps = 1, .enabled = true, .before_replay = {}});
-    if (!release) {  // one eager batch, then the capture: what it keeps
-      for (int i = 0; i < 2; ++i) {
-        const auto [x, y] = batch(8, 70 + static_cast<uint64_t>(i));
-        graphed.run(x, y);
-      }
-      EXPECT_TRUE(graphed.captured());
-      EXPECT_GT(graphed.graph_owned_allocations(), 0u) << "the saved inputs were not kept";
-      continue;
-    }
-    std::vector<std::vector<unsigned char>> eager, replayed;
-    for (int i = 0; i < 4; ++i) {
-      const auto [x, y] = batch(8, 70 + static_cast<uint64_t>(i));
-      const TensorList r = graphed.run(x, y);
-      const TensorList e = body(x, y);
-      replayed.push_back(
-          testing::bytes_of(TensorMap{{"loss", r[0].cpu()}, {"out", r[1].cpu()}}).at("out"));
-      eager.push_back(
-          testing::bytes_of(TensorMap{{"loss", e[0].cpu()}, {"out", e[1].cpu()}}).at("out"));
-    }
-    EXPECT_EQ(graphed.replays(), 3);
-    EXPECT_EQ(replayed, eager);
-    EXPECT_EQ(graphed.graph_owned_allocations(), 0u);
+  auto model = small_vgg();
+  model->to(kGpu);
+  model->eval();
+  CrossEntropyLoss criterion;
+  const auto body = evaluation_body(*model, criterion, /*release=*/true);
+  GraphedStep graphed(body, kGpu, {.warmup_steps = 1, .enabled = true, .before_replay = {}});
+  std::vector<std::vector<unsigned char>> eager, replayed;
+  for (int i = 0; i < 4; ++i) {
+    const auto [x, y] = batch(8, 70 + static_cast<uint64_t>(i));
+    const TensorList r = graphed.run(x, y);
+    const TensorList e = body(x, y);
+    replayed.push_back(
+        testing::bytes_of(TensorMap{{"loss", r[0].cpu()}, {"out", r[1].cpu()}}).at("out"));
+    eager.push_back(
+        testing::bytes_of(TensorMap{{"loss", e[0].cpu()}, {"out", e[1].cpu()}}).at("out"));
   }
+  EXPECT_EQ(graphed.replays(), 3);
+  EXPECT_EQ(replayed, eager);
+  EXPECT_EQ(graphed.graph_owned_allocations(), 0u);
+}
+
+TEST(GraphedStepGpuEvaluation, WithoutTheReleaseTheGraphKeepsTheSavedInputs) {
+  CUDP_REQUIRE_GPU();
+  auto model = small_vgg();
+  model->to(kGpu);
+  model->eval();
+  CrossEntropyLoss criterion;
+  GraphedStep graphed(evaluation_body(*model, criterion, /*release=*/false), kGpu,
+                      {.warmup_steps = 1, .enabled = true, .before_replay = {}});
+  for (int i = 0; i < 2; ++i) {  // one eager batch, then the capture: what it keeps
+    const auto [x, y] = batch(8, 70 + static_cast<uint64_t>(i));
+    graphed.run(x, y);
+  }
+  EXPECT_TRUE(graphed.captured());
+  EXPECT_GT(graphed.graph_owned_allocations(), 0u) << "the saved inputs were not kept";
 }
 
 }  // namespace
