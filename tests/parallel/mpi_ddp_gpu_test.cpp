@@ -31,24 +31,31 @@ constexpr double kAbsolute = 1e-5, kRelative = 1e-5;
 
 // Every test's start: a GPU per rank (skipped where there are fewer GPUs than ranks: every rank
 // sees the same count, so all skip together), the ranks' process group, this rank's GPU current.
-#define CUDP_RANK_ON_ITS_GPU()                                                              \
-  CUDP_REQUIRE_GPU();                                                                       \
-  ASSERT_NE(mpi_session(), nullptr);                                                        \
-  const LaunchInfo info = mpi_session()->info();                                            \
-  if (cuda::device_count() < info.world_size) {                                             \
-    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count() \
-                 << " visible";                                                             \
-  }                                                                                         \
-  ProcessGroupOptions options;                                                              \
-  options.timeout = std::chrono::seconds(120);                                              \
-  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);                       \
-  const int device = group->devices()[0];                                                   \
-  cuda::set_device(device);                                                                 \
-  const Device gpu = Device::cuda(device)
+class MpiDdpGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CUDP_REQUIRE_GPU();
+    ASSERT_NE(mpi_session(), nullptr);
+    info = mpi_session()->info();
+    if (cuda::device_count() < info.world_size) {
+      GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
+                   << " visible";
+    }
+    ProcessGroupOptions options;
+    options.timeout = std::chrono::seconds(120);
+    group = ProcessGroup::from_mpi(*mpi_session(), options);
+    device = group->devices()[0];
+    cuda::set_device(device);
+    gpu = Device::cuda(device);
+  }
 
-TEST(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
-  CUDP_RANK_ON_ITS_GPU();
+  LaunchInfo info;
+  std::shared_ptr<ProcessGroup> group;
+  int device = -1;
+  Device gpu = Device::cpu();
+};
 
+TEST_F(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
   auto model = tiny_net();
   model->to(gpu);
   // Small buckets: several all-reduces per backward, overlapped with it.
@@ -91,8 +98,7 @@ TEST(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
 // The update beside the backward (Optimizer::set_update_overlap): each bucket's update on the
 // optimizer's stream after that bucket's all-reduce, against one update after the backward, with
 // the same buckets: every parameter bit for bit after kSteps steps, on every rank.
-TEST(MpiDdpGpu, BucketByBucketUpdatesAreOneUpdateBitForBit) {
-  CUDP_RANK_ON_ITS_GPU();
+TEST_F(MpiDdpGpu, BucketByBucketUpdatesAreOneUpdateBitForBit) {
   const auto train = [&](bool overlap) {
     auto model = tiny_net();
     model->to(gpu);
