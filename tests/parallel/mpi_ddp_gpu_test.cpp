@@ -7,53 +7,27 @@
 // (every rank sees the same count, so all skip together). Run directly, it is a world of one.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <vector>
 
 #include "common/gpu.h"
-#include "common/mpi_environment.h"
 #include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
 #include "parallel/ddp_truth.h"
+#include "parallel/mpi_gpu_testing.h"
 
 namespace cudp::parallel {
 namespace {
 
 using namespace testing::ddp;  // NOLINT: the shared model, batches and truth
-using testing::mpi_session;
 
 // The host test's tolerance (mpi_ddp_test.cpp derives it): the runs differ only in the order in
 // which the ranks' shard gradients are added, a few roundings of each gradient element per step.
 constexpr double kAbsolute = 1e-5, kRelative = 1e-5;
 
-// Every test's start: a GPU per rank (skipped where there are fewer GPUs than ranks: every rank
-// sees the same count, so all skip together), the ranks' process group, this rank's GPU current.
-class MpiDdpGpu : public ::testing::Test {
- protected:
-  void SetUp() override {
-    CUDP_REQUIRE_GPU();
-    ASSERT_NE(mpi_session(), nullptr);
-    info = mpi_session()->info();
-    if (cuda::device_count() < info.world_size) {
-      GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
-                   << " visible";
-    }
-    ProcessGroupOptions options;
-    options.timeout = std::chrono::seconds(120);
-    group = ProcessGroup::from_mpi(*mpi_session(), options);
-    device = group->devices()[0];
-    cuda::set_device(device);
-    gpu = Device::cuda(device);
-  }
-
-  LaunchInfo info;
-  std::shared_ptr<ProcessGroup> group;
-  int device = -1;
-  Device gpu = Device::cpu();
-};
+class MpiDdpGpu : public testing::MpiRankOnGpu {};
 
 TEST_F(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
   auto model = tiny_net();
@@ -92,7 +66,7 @@ TEST_F(MpiDdpGpu, KStepsOnTwoGpusInTwoProcessesAreOneProcessOnTheWholeBatch) {
         << "rank " << info.rank << "'s " << got[k].first << " differs from rank 0's";
   }
   std::printf("rank %d of %d on cuda:%d: largest |DDP - one process| after %d steps: %.3g\n",
-              info.rank, info.world_size, device, kSteps, largest);
+              info.rank, info.world_size, gpu.index, kSteps, largest);
 }
 
 // The update beside the backward (Optimizer::set_update_overlap): each bucket's update on the

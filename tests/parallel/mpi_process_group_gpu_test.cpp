@@ -6,43 +6,30 @@
 // together). Run directly, it is a world of one.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <memory>
 
 #include "common/compare.h"
 #include "common/gpu.h"
-#include "common/mpi_environment.h"
 #include "engine/parallel/mpi_bootstrap.h"
+#include "parallel/mpi_gpu_testing.h"
 
 namespace cudp::parallel {
 namespace {
 
 using cudp::testing::random_vector;
 
-using testing::mpi_session;
-
 constexpr size_t kN = (1 << 20) + 37;
 
-TEST(MpiProcessGroupGpu, CollectivesAcrossProcessesMatchHostArithmetic) {
-  CUDP_REQUIRE_GPU();
-  ASSERT_NE(mpi_session(), nullptr);
-  const LaunchInfo info = mpi_session()->info();
-  if (cuda::device_count() < info.world_size) {
-    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
-                 << " visible";
-  }
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::seconds(120);
-  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);
+class MpiProcessGroupGpu : public testing::MpiRankOnGpu {};
+
+TEST_F(MpiProcessGroupGpu, CollectivesAcrossProcessesMatchHostArithmetic) {
   EXPECT_EQ(group->rank(), info.rank);
   EXPECT_EQ(group->world_size(), info.world_size);
   EXPECT_EQ(group->local_rank(), info.local_rank);
   ASSERT_EQ(group->devices().size(), 1u);
   EXPECT_EQ(group->devices()[0], info.local_rank) << "the local rank picks the GPU";
   EXPECT_EQ(group->multi_process(), info.world_size > 1);
-  EXPECT_EQ(group->comm().timeout(), std::chrono::seconds(120));
-  const int device = group->devices()[0];
-  cuda::set_device(device);
+  EXPECT_EQ(group->comm().timeout(), kTimeout);
 
   std::vector<double> sum(kN, 0.0);
   for (int r = 0; r < info.world_size; ++r) {
@@ -50,7 +37,7 @@ TEST(MpiProcessGroupGpu, CollectivesAcrossProcessesMatchHostArithmetic) {
     for (size_t i = 0; i < kN; ++i) sum[i] += x[i];
   }
   Tensor t = Tensor::from_vector(random_vector(kN, 1000 + static_cast<uint64_t>(info.rank)),
-                                 {static_cast<int64_t>(kN)}, Device::cuda(device));
+                                 {static_cast<int64_t>(kN)}, gpu);
   group->comm().all_reduce({t});
   group->comm().synchronize();
   EXPECT_ALL_CLOSE(t.to_vector<float>(), sum, 1e-6, 1e-6);
@@ -58,7 +45,7 @@ TEST(MpiProcessGroupGpu, CollectivesAcrossProcessesMatchHostArithmetic) {
   const int root = info.world_size - 1;
   const std::vector<float> root_data = random_vector(kN, 77);
   Tensor b = Tensor::from_vector(info.rank == root ? root_data : std::vector<float>(kN, -1.f),
-                                 {static_cast<int64_t>(kN)}, Device::cuda(device));
+                                 {static_cast<int64_t>(kN)}, gpu);
   group->comm().broadcast({b}, root);
   group->comm().synchronize();
   EXPECT_EQ(b.to_vector<float>(), root_data) << "rank " << info.rank;

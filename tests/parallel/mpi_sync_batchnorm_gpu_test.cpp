@@ -12,17 +12,16 @@
 // same GPU count, so all skip together). Run directly, it is a world of one: BatchNorm2d.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cmath>
 #include <memory>
 #include <vector>
 
 #include "common/gpu.h"
-#include "common/mpi_environment.h"
 #include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
 #include "layers/sync_batchnorm.h"
 #include "parallel/ddp_truth.h"
+#include "parallel/mpi_gpu_testing.h"
 #include "tests/layers/layer_testing.h"
 #include "tests/layers/sync_batchnorm_testing.h"
 
@@ -30,7 +29,6 @@ namespace cudp::parallel {
 namespace {
 
 using testing::BnStep;
-using testing::mpi_session;
 using testing::random_tensor;
 using testing::values;
 using testing::ddp::differs_from_rank0;
@@ -53,20 +51,9 @@ std::vector<float> shard_values(const std::vector<float>& whole, int r, int w) {
           whole.begin() + static_cast<long>(per_row * shard_begin(r + 1, w, kRows))};
 }
 
-TEST(MpiSyncBatchNormGpu, GpusInSeveralProcessesEqualBatchNormOverTheWholeBatch) {
-  CUDP_REQUIRE_GPU();
-  ASSERT_NE(mpi_session(), nullptr);
-  const LaunchInfo info = mpi_session()->info();
-  if (cuda::device_count() < info.world_size) {
-    GTEST_SKIP() << info.world_size << " ranks need as many GPUs, " << cuda::device_count()
-                 << " visible";
-  }
-  ProcessGroupOptions options;
-  options.timeout = std::chrono::seconds(120);
-  const auto group = ProcessGroup::from_mpi(*mpi_session(), options);
-  const int device = group->devices()[0];
-  cuda::set_device(device);
-  const Device gpu = Device::cuda(device);
+class MpiSyncBatchNormGpu : public testing::MpiRankOnGpu {};
+
+TEST_F(MpiSyncBatchNormGpu, GpusInSeveralProcessesEqualBatchNormOverTheWholeBatch) {
   const int rank = info.rank, world = info.world_size;
 
   BatchNorm2d truth_bn(kC, kEps, kMomentum);
