@@ -79,7 +79,15 @@ void allow_shared_memory(const void* kernel, int bytes) {
   done.emplace_back(kernel, device);
 }
 
-int* splitk_counters(cudaStream_t stream, int64_t units) {
+namespace {
+
+// The split-K counter sets of the process. They live as long as it does (a captured graph may use
+// a set at any later replay), and are freed when it exits, so that a leak check sees every
+// allocation returned. The destructor runs before the CUDA runtime's own teardown, which was
+// registered when the runtime started, before the first product. Errors there are ignored: a
+// program that reset its devices has freed the memory already.
+class SplitKCounterSets {
+ public:
   struct Set {
     int device;
     cudaStream_t stream;
@@ -87,21 +95,38 @@ int* splitk_counters(cudaStream_t stream, int64_t units) {
     int* counters;
     int64_t units;
   };
-  static std::mutex mutex;
-  static std::vector<Set> sets;  // one per (device, stream) that ran such a product: a handful
+
+  SplitKCounterSets() = default;
+  SplitKCounterSets(const SplitKCounterSets&) = delete;
+  SplitKCounterSets& operator=(const SplitKCounterSets&) = delete;
+  ~SplitKCounterSets() {
+    for (const Set& s : sets) static_cast<void>(cudaFree(s.counters));
+    for (int* counters : retired) static_cast<void>(cudaFree(counters));
+  }
+
+  std::mutex mutex;
+  std::vector<Set> sets;      // one per (device, stream) that ran such a product: a handful
+  std::vector<int*> retired;  // sets outgrown by a larger product, kept for graphs that use them
+};
+
+}  // namespace
+
+int* splitk_counters(cudaStream_t stream, int64_t units) {
+  static SplitKCounterSets registry;
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool captured = capture != cudaStreamCaptureStatusNone;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = std::find_if(sets.begin(), sets.end(), [&](const Set& s) {
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& sets = registry.sets;
+  auto it = std::find_if(sets.begin(), sets.end(), [&](const SplitKCounterSets::Set& s) {
     return s.device == device && s.stream == stream && s.captured == captured;
   });
   if (it != sets.end() && it->units >= units) return it->counters;
-  // A new or larger set (the old one stays allocated: a captured graph may use it). Allocated and
-  // zeroed outside any capture open on this thread (relaxed mode: a step's first product may be
-  // inside one), on a stream of its own, waited for here.
+  // A new or larger set (the old one is retired, not freed: a captured graph may use it).
+  // Allocated and zeroed outside any capture open on this thread (relaxed mode: a step's first
+  // product may be inside one), on a stream of its own, waited for here.
   int64_t size = 4096;
   while (size < units) size *= 2;
   const size_t bytes = size_t(size) * sizeof(int);
@@ -132,6 +157,7 @@ int* splitk_counters(cudaStream_t stream, int64_t units) {
   if (status != cudaSuccess && counters != nullptr) cudaFree(counters);
   cuda::check_allocation(status, bytes, "the split-K sum's arrival counters", call);
   if (it != sets.end()) {
+    registry.retired.push_back(it->counters);
     it->counters = counters;
     it->units = size;
   } else {
