@@ -2,12 +2,22 @@
 // inside a library, an abort) would otherwise leave ctest's "SegFault" and no clue; this prints the
 // test that was running and the stack (function names: the tests link with -rdynamic), then dies of
 // the same signal, so ctest still sees the crash.
+//
+// One option of its own, after GoogleTest's: --cudp_conv_swapped=off runs the 64-channel bf16
+// convolutions on the unswapped tiles, whose outputs are written by ordinary stores.
+// compute-sanitizer's initcheck does not count the swapped tiles' TMA stores as writes, so it
+// reports every later read of their outputs as uninitialised; scripts/sanitize.sh passes the
+// option to initcheck. (The tests that compare the two kinds of tiles set the switch themselves.)
 #include <execinfo.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstring>
+#include <string_view>
+
+#include "kernels/conv2d.h"
 
 namespace {
 
@@ -35,7 +45,19 @@ void write_text(const char* text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  testing::InitGoogleTest(&argc, argv);
+  testing::InitGoogleTest(&argc, argv);  // leaves the arguments it does not know
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--cudp_conv_swapped=off") {
+      cudp::kernels::detail::set_conv_swapped(false);
+    } else if (arg != "--cudp_conv_swapped=on") {
+      std::fprintf(stderr,
+                   "unknown argument '%s': the tests take GoogleTest's options (--help) and "
+                   "--cudp_conv_swapped=on|off\n",
+                   argv[i]);
+      return 2;
+    }
+  }
   // AddressSanitizer reports a crash better itself: it keeps its own handlers.
 #if !defined(__SANITIZE_ADDRESS__)
   // backtrace() loads libgcc (and allocates) on its first call: done here, not in a handler that a
