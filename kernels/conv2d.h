@@ -192,6 +192,7 @@ int conv2d_resident_filter_blocks(const Conv2dShape& shape, bool backward_data);
 // shared-memory traffic), the tile transposed on its way out through shared memory. On by default
 // (bench/NOTES-tensor-cores.md); off for the tests that compare the two and bench_conv2d --swap.
 void set_conv_swapped(bool on);
+bool conv_swapped();  // the switch's setting
 // Whether the typed bf16 call of `shape` (or its backward-data, whose output has shape.c
 // channels) with a dense bf16 output takes the swapped tiles under the current settings.
 bool conv2d_swapped_tiles(const Conv2dShape& shape, bool backward_data);

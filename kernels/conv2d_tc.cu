@@ -988,6 +988,9 @@ void set_conv_feed(ConvFeed feed) {
 void set_conv_swapped(bool on) {
   g_swapped.store(on);
 }
+bool conv_swapped() {
+  return g_swapped.load();
+}
 
 void set_conv_halo(bool on) {
   g_halo.store(on);

@@ -320,6 +320,12 @@ bool splitk_in_kernel(const MatmulPlan& plan) {
   return plan.splits > 1 && plan.splits <= kMaxSplitsInKernel && g_splitk_in_kernel.load();
 }
 
+void release_splitk_counters() noexcept {
+#ifdef CUDP_HAVE_SM90
+  sm90::release_splitk_counters();
+#endif
+}
+
 void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
                      cudaStream_t stream) {
   if (type == DType::BF16) {

@@ -74,8 +74,10 @@ void matmul_tf32(const MatmulProblem& problem, const MatmulPlan& plan, float* wo
 // waits for the kernel before it) and products on different streams may run at once; a captured
 // graph has a set apart from the eager work on its stream, so that it may be replayed beside that
 // work (not beside another graph captured on the same stream); a set that grows keeps its old
-// memory (a captured graph may still use it). Every set is freed when the process exits.
+// memory (a captured graph may still use it). The sets last until release_splitk_counters.
 int* splitk_counters(cudaStream_t stream, int64_t units);
+// Frees every set (kernels::detail::release_splitk_counters).
+void release_splitk_counters() noexcept;
 
 // The convolution on the same mainloop: `problem` is the GEMM view (m = n*P*Q, n = K, k = R*S*C,
 // B = the weights, C = y as an (n*P*Q) x K matrix); A comes from `conv` instead of problem.a.

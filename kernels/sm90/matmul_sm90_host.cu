@@ -82,12 +82,10 @@ void allow_shared_memory(const void* kernel, int bytes) {
 namespace {
 
 // The split-K counter sets of the process. They live as long as it does (a captured graph may use
-// a set at any later replay), and are freed when it exits, so that a leak check sees every
-// allocation returned. The destructor runs before the CUDA runtime's own teardown, which was
-// registered when the runtime started, before the first product. Errors there are ignored: a
-// program that reset its devices has freed the memory already.
-class SplitKCounterSets {
- public:
+// a set at any later replay), never destroyed, as the default streams are (engine/core/stream.cpp:
+// no CUDA call may run from a static destructor); release_splitk_counters frees them when a
+// program says that nothing will use them again.
+struct SplitKCounterSets {
   struct Set {
     int device;
     cudaStream_t stream;
@@ -95,24 +93,20 @@ class SplitKCounterSets {
     int* counters;
     int64_t units;
   };
-
-  SplitKCounterSets() = default;
-  SplitKCounterSets(const SplitKCounterSets&) = delete;
-  SplitKCounterSets& operator=(const SplitKCounterSets&) = delete;
-  ~SplitKCounterSets() {
-    for (const Set& s : sets) static_cast<void>(cudaFree(s.counters));
-    for (int* counters : retired) static_cast<void>(cudaFree(counters));
-  }
-
   std::mutex mutex;
   std::vector<Set> sets;      // one per (device, stream) that ran such a product: a handful
   std::vector<int*> retired;  // sets outgrown by a larger product, kept for graphs that use them
 };
 
+SplitKCounterSets& splitk_counter_sets() {
+  static auto* sets = new SplitKCounterSets;
+  return *sets;
+}
+
 }  // namespace
 
 int* splitk_counters(cudaStream_t stream, int64_t units) {
-  static SplitKCounterSets registry;
+  SplitKCounterSets& registry = splitk_counter_sets();
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -164,6 +158,15 @@ int* splitk_counters(cudaStream_t stream, int64_t units) {
     sets.push_back({device, stream, captured, counters, size});
   }
   return counters;
+}
+
+void release_splitk_counters() noexcept {
+  SplitKCounterSets& registry = splitk_counter_sets();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  for (const SplitKCounterSets::Set& s : registry.sets) static_cast<void>(cudaFree(s.counters));
+  for (int* counters : registry.retired) static_cast<void>(cudaFree(counters));
+  registry.sets.clear();
+  registry.retired.clear();
 }
 
 }  // namespace cudp::kernels::sm90

@@ -7,7 +7,11 @@
 // convolutions on the unswapped tiles, whose outputs are written by ordinary stores.
 // compute-sanitizer's initcheck does not count the swapped tiles' TMA stores as writes, so it
 // reports every later read of their outputs as uninitialised; scripts/sanitize.sh passes the
-// option to initcheck. (The tests that compare the two kinds of tiles set the switch themselves.)
+// option to initcheck. (The tests that compare the two kinds of tiles set the switch for their own
+// runs and put back what they found.)
+//
+// After the tests, the in-kernel split-K's counter sets are freed (kernels/matmul.h), so that
+// compute-sanitizer's leak check sees every allocation of the tests returned.
 #include <execinfo.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -18,6 +22,7 @@
 #include <string_view>
 
 #include "kernels/conv2d.h"
+#include "kernels/matmul.h"
 
 namespace {
 
@@ -45,12 +50,16 @@ void write_text(const char* text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  testing::InitGoogleTest(&argc, argv);  // leaves the arguments it does not know
+  // GoogleTest takes its own options out of argv; it leaves --help and the --gtest_ options it
+  // does not know, having printed its help for them.
+  testing::InitGoogleTest(&argc, argv);
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
-    if (arg == "--cudp_conv_swapped=off") {
-      cudp::kernels::detail::set_conv_swapped(false);
-    } else if (arg != "--cudp_conv_swapped=on") {
+    if (arg == "--cudp_conv_swapped=off" || arg == "--cudp_conv_swapped=on") {
+      cudp::kernels::detail::set_conv_swapped(arg.ends_with("=on"));
+    } else if (!(arg == "--help" || arg == "-h" || arg == "-?" || arg == "/?" ||
+                 arg.starts_with("--gtest_") || arg.starts_with("-gtest_") ||
+                 arg.starts_with("/gtest_"))) {
       std::fprintf(stderr,
                    "unknown argument '%s': the tests take GoogleTest's options (--help) and "
                    "--cudp_conv_swapped=on|off\n",
@@ -72,5 +81,7 @@ int main(int argc, char** argv) {
     sigaction(signal, &action, nullptr);
   }
 #endif
-  return RUN_ALL_TESTS();
+  const int status = RUN_ALL_TESTS();
+  cudp::kernels::detail::release_splitk_counters();
+  return status;
 }

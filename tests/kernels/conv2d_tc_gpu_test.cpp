@@ -104,6 +104,19 @@ void expect_within_bound(const std::vector<float>& got, const std::vector<float>
       << what << ": relative L2 error";
 }
 
+// The swapped-tiles switch set for a test's duration and put back as the test found it (the tests'
+// main may have turned it off for initcheck: tests/common/test_main.cpp).
+class SwappedTiles {
+ public:
+  explicit SwappedTiles(bool on) : before_(detail::conv_swapped()) { detail::set_conv_swapped(on); }
+  SwappedTiles(const SwappedTiles&) = delete;
+  SwappedTiles& operator=(const SwappedTiles&) = delete;
+  ~SwappedTiles() { detail::set_conv_swapped(before_); }
+
+ private:
+  bool before_;
+};
+
 struct Case {
   const char* name;
   Conv2dShape shape;
@@ -430,12 +443,9 @@ TEST(Conv2dTcTyped, Tf32BackwardDataMasksAndAddsTheColumnSums) {
 TEST(Conv2dTcTyped, ResidentFiltersMatchStreamedBitForBit) {
   CUDP_REQUIRE_TENSOR_CORES();
   struct Defaults {  // however the test ends
-    ~Defaults() {
-      detail::set_conv_swapped(true);
-      detail::set_conv_halo(true);
-    }
+    ~Defaults() { detail::set_conv_halo(true); }
   } defaults;
-  detail::set_conv_swapped(false);
+  const SwappedTiles unswapped(false);
   detail::set_conv_halo(false);  // the nine-box kernels (halo tiles have tests of their own)
   int resident_runs[2][3] = {};  // [forward, backward-data][streamed, 9 k-blocks, 18 k-blocks]
   for (const Conv2dShape s : {Conv2dShape{3, 10, 12, 64, 64, 3, 3, 1, 1, 1, 1},
@@ -593,11 +603,11 @@ TEST(Conv2dTcTyped, SwappedTilesAgainstTheReference) {
   // The switches back to their defaults however the test ends.
   struct Defaults {
     ~Defaults() {
-      detail::set_conv_swapped(true);
       detail::set_conv_feed(detail::ConvFeed::patch);
       detail::set_conv_halo(true);
     }
   } defaults;
+  const SwappedTiles swapped(true);
   // The nine-box swapped kernels (halo tiles, their own test below, tile the pixels differently,
   // so their column sums are added in another order).
   detail::set_conv_halo(false);
@@ -667,6 +677,7 @@ TEST(Conv2dTcTyped, HaloTilesAgainstTheReference) {
       detail::set_conv_halo_wide(detail::HaloWide::exact);
     }
   } defaults;
+  const SwappedTiles swapped(true);  // halo tiles go with the swapped ones
   // The swapped kernels' halo tiles alone (should the planner give a shape a wider tile, the wide
   // halo tiles have their own test).
   detail::set_conv_halo_wide(detail::HaloWide::off);
