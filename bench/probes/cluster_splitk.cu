@@ -21,11 +21,15 @@
 //   today:   the same partials written to a global workspace [split][m][n] by one kernel, then a
 //            reduction kernel like splitk_reduce_kernel (the sum in split order from 0.f, one
 //            element a thread), in two launches on one stream;
-// and checks that both give the same bf16 output, bit for bit. It prints the medians (CUDA events,
-// 50 launches per window, 11 windows) and their ratio. The partial tile of a real product lives in
-// registers; writing it to shared memory is part of the cluster's cost here, as writing it to the
-// workspace is part of today's. Not measured: a CUDA graph's launch gaps (programmatic launches
-// shorten today's second launch there) and the product's mainloop beside the sum.
+// and checks that both give the same bf16 output, bit for bit, with values whose sums round (a
+// third output, summed in reverse order, must differ somewhere from 3 splits on, or the check would
+// not show the order). Each path is captured 50 times into one CUDA graph, as a training step's
+// graph holds it, and the two graphs' windows alternate (11 each): it prints the median
+// microseconds per sum, their ratio, and how many of the clusters the GPU holds at once
+// (cudaOccupancyMaxActiveClusters). The partial tile of a real product lives in registers: writing
+// it to shared memory is part of the cluster's cost here, as writing it to the workspace is part of
+// today's (whose writing kernel, unlike a persistent product, may run several CTAs an SM: slightly
+// in today's favour). Not measured: the product's mainloop beside the sum.
 //
 //   build/bench/probe_cluster_splitk
 #include <cuda_bf16.h>
@@ -52,15 +56,18 @@ constexpr int kThreads = 256;  // the product's two consumer warpgroups
     }                                                                                          \
   } while (0)
 
-// The stand-in for split `split`'s accumulator of element (row, col) of tile `tile`: small values
-// of both signs, so that the sums round.
+// The stand-in for split `split`'s accumulator of element (row, col) of tile `tile`: full
+// mantissas of both signs over 16 binades, so that the fp32 sums round and their order shows in
+// the bits (the probe checks that it does).
 __device__ __forceinline__ float partial_value(int tile, int split, int row, int col) {
   uint32_t h = uint32_t(tile) * 0x9E3779B1u ^ uint32_t(split) * 0x85EBCA77u ^
                uint32_t(row) * 0xC2B2AE3Du ^ uint32_t(col) * 0x27D4EB2Fu;
   h ^= h >> 15;
   h *= 0x2C1B3C6Du;
   h ^= h >> 13;
-  return (float(h & 0xFFFF) - 32768.f) * (1.f / 4096.f);
+  h *= 0x297A2D39u;
+  h ^= h >> 16;
+  return (float(h) - 2147483648.f) * 0x1p-31f * exp2f(float(int(h >> 28)) - 8.f);
 }
 
 __device__ __forceinline__ void cluster_barrier() {  // release our writes, acquire the others'
@@ -129,46 +136,69 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Today's second half, as splitk_reduce_kernel (kernels/matmul.cu) does it without an epilogue.
-__global__ void reduce(const float* __restrict__ ws, int splits, int64_t total,
-                       __nv_bfloat16* out) {
+// `reversed` sums the splits last to first: only for the check that the order shows in the bits.
+__global__ void reduce(const float* __restrict__ ws, int splits, int64_t total, __nv_bfloat16* out,
+                       bool reversed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     float sum = 0.f;
-    for (int s = 0; s < splits; ++s) sum += ws[int64_t(s) * total + i];
+    for (int s = 0; s < splits; ++s) sum += ws[int64_t(reversed ? splits - 1 - s : s) * total + i];
     out[i] = __float2bfloat16_rn(sum);
   }
 }
 
+// `launch` (work on `stream`) 50 times as one CUDA graph: what a training step's graph holds.
 template <typename Launch>
-float median_us(Launch launch, int per_window = 50, int windows = 11) {
+cudaGraphExec_t capture(cudaStream_t stream, Launch launch) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  PROBE_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < 50; ++i) launch();
+  PROBE_CHECK(cudaStreamEndCapture(stream, &graph));
+  PROBE_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  PROBE_CHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
+// The median microseconds of one iteration of each graph, their windows alternating (11 each,
+// after 3 launches of each to warm up).
+void median_us(cudaStream_t stream, cudaGraphExec_t a, cudaGraphExec_t b, float& us_a,
+               float& us_b) {
   cudaEvent_t start, stop;
   PROBE_CHECK(cudaEventCreate(&start));
   PROBE_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 5; ++i) launch();  // warm-up
-  std::vector<float> us;
-  for (int w = 0; w < windows; ++w) {
-    PROBE_CHECK(cudaEventRecord(start));
-    for (int i = 0; i < per_window; ++i) launch();
-    PROBE_CHECK(cudaEventRecord(stop));
-    PROBE_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.f;
-    PROBE_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    us.push_back(ms * 1000.f / per_window);
+  for (int i = 0; i < 3; ++i) {
+    PROBE_CHECK(cudaGraphLaunch(a, stream));
+    PROBE_CHECK(cudaGraphLaunch(b, stream));
+  }
+  std::vector<float> times[2];
+  for (int w = 0; w < 11; ++w) {
+    for (int which = 0; which < 2; ++which) {
+      PROBE_CHECK(cudaEventRecord(start, stream));
+      PROBE_CHECK(cudaGraphLaunch(which == 0 ? a : b, stream));
+      PROBE_CHECK(cudaEventRecord(stop, stream));
+      PROBE_CHECK(cudaEventSynchronize(stop));
+      float ms = 0.f;
+      PROBE_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      times[which].push_back(ms * 1000.f / 50);
+    }
   }
   PROBE_CHECK(cudaEventDestroy(start));
   PROBE_CHECK(cudaEventDestroy(stop));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  for (auto& t : times) std::sort(t.begin(), t.end());
+  us_a = times[0][5];
+  us_b = times[1][5];
 }
 
 template <int kSplits>
 bool run(int tiles, int n) {
   const int64_t total = int64_t(tiles) * kTileM * n;
   const size_t smem = size_t(kTileM) * n * sizeof(float);
-  __nv_bfloat16 *out_cluster = nullptr, *out_today = nullptr;
+  __nv_bfloat16 *out_cluster = nullptr, *out_today = nullptr, *out_reversed = nullptr;
   float* ws = nullptr;
   PROBE_CHECK(cudaMalloc(&out_cluster, total * sizeof(__nv_bfloat16)));
   PROBE_CHECK(cudaMalloc(&out_today, total * sizeof(__nv_bfloat16)));
+  PROBE_CHECK(cudaMalloc(&out_reversed, total * sizeof(__nv_bfloat16)));
   PROBE_CHECK(cudaMalloc(&ws, total * kSplits * sizeof(float)));
   PROBE_CHECK(cudaFuncSetAttribute(cluster_sum<kSplits>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -184,34 +214,53 @@ bool run(int tiles, int n) {
   config.dynamicSmemBytes = smem;
   config.attrs = &attr;
   config.numAttrs = 1;
+  cudaStream_t stream = nullptr;
+  PROBE_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto cluster = [&] {
     PROBE_CHECK(cudaLaunchKernelEx(&config, cluster_sum<kSplits>, n, out_cluster));
   };
+  config.stream = stream;
+  int clusters = 0;  // how many such clusters the GPU holds at once
+  PROBE_CHECK(cudaOccupancyMaxActiveClusters(&clusters, cluster_sum<kSplits>, &config));
   const unsigned reduce_blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65536));
-  const auto today = [&] {
-    write_partials<<<tiles * kSplits, kThreads>>>(kSplits, tiles, n, ws);
-    reduce<<<reduce_blocks, 256>>>(ws, kSplits, total, out_today);
+  const auto today = [&](__nv_bfloat16* out, bool reversed) {
+    write_partials<<<tiles * kSplits, kThreads, 0, stream>>>(kSplits, tiles, n, ws);
+    reduce<<<reduce_blocks, 256, 0, stream>>>(ws, kSplits, total, out, reversed);
     PROBE_CHECK(cudaGetLastError());
   };
 
-  PROBE_CHECK(cudaMemset(out_cluster, 0xFF, total * sizeof(__nv_bfloat16)));
-  PROBE_CHECK(cudaMemset(out_today, 0x7F, total * sizeof(__nv_bfloat16)));
+  // Every output poisoned differently, so that an element a path leaves unwritten differs.
+  PROBE_CHECK(cudaMemsetAsync(out_cluster, 0xFF, total * sizeof(__nv_bfloat16), stream));
+  PROBE_CHECK(cudaMemsetAsync(out_today, 0x7F, total * sizeof(__nv_bfloat16), stream));
+  PROBE_CHECK(cudaMemsetAsync(out_reversed, 0x3F, total * sizeof(__nv_bfloat16), stream));
   cluster();
-  today();
-  PROBE_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> a(total), b(total);
+  today(out_today, false);
+  today(out_reversed, true);
+  PROBE_CHECK(cudaStreamSynchronize(stream));
+  std::vector<uint16_t> a(total), b(total), r(total);
   PROBE_CHECK(cudaMemcpy(a.data(), out_cluster, total * 2, cudaMemcpyDeviceToHost));
   PROBE_CHECK(cudaMemcpy(b.data(), out_today, total * 2, cudaMemcpyDeviceToHost));
+  PROBE_CHECK(cudaMemcpy(r.data(), out_reversed, total * 2, cudaMemcpyDeviceToHost));
   const bool same = a == b;
+  // With 2 splits both orders add the same two numbers to 0.f; from 3 on, some sums must differ,
+  // or the values are too tame for the check above to mean "in split order".
+  const bool order_shows = kSplits < 3 || b != r;
 
-  const float t_cluster = median_us(cluster);
-  const float t_today = median_us(today);
-  std::printf("%6d | %5d | %3d | %10.2f | %10.2f | %6.2f | %s\n", kSplits, tiles, n, t_cluster,
-              t_today, t_today / t_cluster, same ? "same bits" : "DIFFERENT");
+  cudaGraphExec_t graph_cluster = capture(stream, cluster);
+  cudaGraphExec_t graph_today = capture(stream, [&] { today(out_today, false); });
+  float t_cluster = 0.f, t_today = 0.f;
+  median_us(stream, graph_cluster, graph_today, t_cluster, t_today);
+  std::printf("%6d | %5d | %3d | %8d | %10.2f | %10.2f | %6.2f | %s%s\n", kSplits, tiles, n,
+              clusters, t_cluster, t_today, t_today / t_cluster, same ? "same bits" : "DIFFERENT",
+              order_shows ? "" : " (but the order does not show: the check is void)");
+  PROBE_CHECK(cudaGraphExecDestroy(graph_cluster));
+  PROBE_CHECK(cudaGraphExecDestroy(graph_today));
+  PROBE_CHECK(cudaStreamDestroy(stream));
+  cudaFree(out_reversed);
   cudaFree(out_cluster);
   cudaFree(out_today);
   cudaFree(ws);
-  return same;
+  return same && order_shows;
 }
 
 }  // namespace
@@ -230,8 +279,8 @@ int main() {
   }
   std::printf("%s, %d SMs: microseconds per product's sum (median)\n", prop.name,
               prop.multiProcessorCount);
-  std::printf("%6s | %5s | %3s | %10s | %10s | %6s | %s\n", "splits", "tiles", "n", "cluster",
-              "today", "ratio", "check");
+  std::printf("%6s | %5s | %3s | %8s | %10s | %10s | %6s | %s\n", "splits", "tiles", "n",
+              "clusters", "cluster", "today", "ratio", "check");
   bool ok = true;
   for (const int tiles : {16, 32}) {
     for (const int n : {128, 256}) {
