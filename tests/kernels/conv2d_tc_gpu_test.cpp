@@ -738,6 +738,7 @@ TEST(Conv2dTcTyped, WideHaloTilesAgainstTheReference) {
       detail::set_conv_tile_n(0);
     }
   } defaults;
+  const SwappedTiles swapped(true);  // the library's default, whatever the tests' main was told
   // What the library runs: halo tiles where the patches tile the output exactly, not at 56 x 56.
   detail::set_conv_tile_n(256);
   EXPECT_TRUE(detail::conv2d_halo_tiles(Conv2dShape{1, 32, 16, 256, 256, 3, 3, 1, 1, 1, 1}, false));
