@@ -619,12 +619,16 @@ int main(int argc, char** argv) {
                  "one-launch path measured slower)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
-  std::string splitk = kernels::detail::splitk_in_kernel_enabled() ? "in-kernel" : "kernel";
+  std::string splitk = kernels::detail::splitk_in_kernel_enabled()   ? "in-kernel"
+                       : kernels::detail::splitk_reduce_vectorized() ? "kernel4"
+                                                                     : "kernel";
   app.add_option("--splitk", splitk,
                  "in-kernel: a tensor-core product split along k adds its splits up in its own "
                  "kernel (the last split of each tile's rows; measured slower); kernel: in a "
-                 "reduction kernel after it (the default; the same bits)")
-      ->check(CLI::IsMember({"in-kernel", "kernel"}))
+                 "reduction kernel after it, an element a thread (the default); kernel4: that "
+                 "kernel four columns a thread where the shapes allow (not yet measured); the "
+                 "same bits in all three")
+      ->check(CLI::IsMember({"in-kernel", "kernel", "kernel4"}))
       ->capture_default_str();
   std::string zero_grad = "deferred";
   app.add_option("--zero-grad", zero_grad,
@@ -684,6 +688,7 @@ int main(int argc, char** argv) {
   detail::set_batchnorm_mask_handoff(bn_mask_handoff == "on");
   kernels::detail::set_batchnorm_cluster(bn_cluster == "on");
   kernels::detail::set_splitk_in_kernel(splitk == "in-kernel");
+  kernels::detail::set_splitk_reduce_vectorized(splitk == "kernel4");
   detail::set_programmatic_launch(pdl == "on");
   detail::set_concurrent_weight_grad(wgrad_stream == "on"    ? -1
                                      : wgrad_stream == "off" ? 0

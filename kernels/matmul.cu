@@ -106,12 +106,103 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int splits, i
   }
 }
 
+// The same reduction four columns at a time (n and ldc multiples of 4, C, the workspace and the
+// mask aligned for it: splitk_reduce checks): 16-byte loads of the workspace and one store
+// of the four results, and every element's arithmetic exactly splitk_reduce_kernel's (the splits
+// in order from 0.f, then apply_epilogue and apply_mask), so the same bits. The splits' loads are
+// issued kBatch at a time ahead of their adds.
+template <bool kBf16>
+__global__ void splitk_reduce4_kernel(const float4* __restrict__ ws, int splits, int m, int n,
+                                      void* c, int64_t ldc, EpilogueArgs e) {
+  kernel_entry();
+  constexpr int kBatch = 8;
+  const int quads = n / 4;
+  const int64_t total4 = int64_t(m) * quads;  // the workspace's float4s per split
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / quads);
+    const int col = 4 * static_cast<int>(i - int64_t(row) * quads);
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      float4 part[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (s0 + b < splits) part[b] = ws[int64_t(s0 + b) * total4 + i];
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {  // fixed order: split s0 + b after s0 + b - 1
+        if (s0 + b < splits) {
+          sum[0] += part[b].x;
+          sum[1] += part[b].y;
+          sum[2] += part[b].z;
+          sum[3] += part[b].w;
+        }
+      }
+    }
+    const int64_t at = int64_t(row) * ldc + col;
+    float v[4];
+    if constexpr (kBf16) {
+      auto* dst = reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(c) + at);  // 8 bytes
+      uint2 old_bits = make_uint2(0u, 0u);
+      if (e.beta != 0.f) old_bits = *dst;
+      __nv_bfloat162 old[2];
+      memcpy(old, &old_bits, sizeof(old));
+      const float olds[4] = {__low2float(old[0]), __high2float(old[0]), __low2float(old[1]),
+                             __high2float(old[1])};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[k] = apply_epilogue(e, sum[k], e.beta != 0.f ? olds[k] : 0.f, col + k);
+        if (e.mask != nullptr) v[k] = apply_mask(e, v[k], at + k, true);
+      }
+      const __nv_bfloat162 out[2] = {__floats2bfloat162_rn(v[0], v[1]),
+                                     __floats2bfloat162_rn(v[2], v[3])};
+      uint2 out_bits;
+      memcpy(&out_bits, out, sizeof(out_bits));
+      *dst = out_bits;
+    } else {
+      float* dst = static_cast<float*>(c) + at;
+      float4 old = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e.beta != 0.f) old = *reinterpret_cast<const float4*>(dst);
+      const float olds[4] = {old.x, old.y, old.z, old.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[k] = apply_epilogue(e, sum[k], olds[k], col + k);
+        if (e.mask != nullptr) v[k] = apply_mask(e, v[k], at + k, false);
+      }
+      *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+}
+
+bool aligned_to(const void* ptr, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+std::atomic<bool> g_splitk_reduce4{false};  // not yet measured (kernels/matmul.h)
+
 void splitk_reduce(const MatmulProblem& p, const float* ws, int splits, cudaStream_t stream) {
   const int64_t total = int64_t(p.m) * p.n;
+  const bool bf16 = p.c_type == DType::BF16;
+  const EpilogueArgs e{p.alpha, p.beta, p.bias, int(p.relu), p.mask};
+  // Four columns a thread where every access of the four stays aligned.
+  const uintptr_t c_bytes = bf16 ? 8 : 16;
+  if (g_splitk_reduce4.load() && p.n % 4 == 0 && p.ldc % 4 == 0 && aligned_to(ws, 16) &&
+      aligned_to(p.c, c_bytes) && (p.mask == nullptr || aligned_to(p.mask, c_bytes))) {
+    const int64_t total4 = total / 4;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total4 + 255) / 256, 65536));
+    const auto* ws4 = reinterpret_cast<const float4*>(ws);
+    if (bf16) {
+      launch("splitk_reduce4_kernel", splitk_reduce4_kernel<true>, dim3(blocks), dim3(256), 0,
+             stream, ws4, splits, p.m, p.n, p.c, p.ldc, e);
+    } else {
+      launch("splitk_reduce4_kernel", splitk_reduce4_kernel<false>, dim3(blocks), dim3(256), 0,
+             stream, ws4, splits, p.m, p.n, p.c, p.ldc, e);
+    }
+    return;
+  }
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65536));
   launch("splitk_reduce_kernel", splitk_reduce_kernel, dim3(blocks), dim3(256), 0, stream, ws,
-         splits, p.m, p.n, p.c, p.ldc, int(p.c_type == DType::BF16),
-         EpilogueArgs{p.alpha, p.beta, p.bias, int(p.relu), p.mask});
+         splits, p.m, p.n, p.c, p.ldc, int(bf16), e);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -318,6 +409,13 @@ bool splitk_in_kernel_enabled() {
 }
 bool splitk_in_kernel(const MatmulPlan& plan) {
   return plan.splits > 1 && plan.splits <= kMaxSplitsInKernel && g_splitk_in_kernel.load();
+}
+
+void set_splitk_reduce_vectorized(bool on) {
+  g_splitk_reduce4.store(on);
+}
+bool splitk_reduce_vectorized() {
+  return g_splitk_reduce4.load();
 }
 
 void release_splitk_counters() noexcept {

@@ -161,6 +161,12 @@ void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64
 // For the tests and bench_train --splitk; process-wide.
 void set_splitk_in_kernel(bool on);
 bool splitk_in_kernel_enabled();
+// The reduction kernel four columns a thread (16-byte loads of the workspace, its splits' loads
+// issued eight at a time, one store of the four results) where n, ldc and the pointers allow, or
+// one element a thread (off, the default until measured: bench_train --splitk kernel4). Every
+// element's arithmetic is the same, so the same bits. For the tests and bench_train; process-wide.
+void set_splitk_reduce_vectorized(bool on);
+bool splitk_reduce_vectorized();
 // Whether `plan`'s split-K sum is taken in the kernel: the switch on, 2 to kMaxSplitsInKernel
 // splits (more would make the last split's block add up a long column alone).
 inline constexpr int kMaxSplitsInKernel = 16;

@@ -574,6 +574,62 @@ TEST_P(MatmulGpu, SplitKInTheKernelGivesTheReductionKernelsBits) {
   }
 }
 
+// The split-K reduction four columns a thread (detail::set_splitk_reduce_vectorized) against one
+// element a thread: every element's arithmetic is the same, so the same bits, bit for bit, with
+// every epilogue (bias and ReLU, beta on fp32 C and on bf16 C, a mask), 2 to 26 splits (past the
+// kernel's batches of eight loads), whole and partial tiles; and the shapes it cannot take four at
+// a time (n or ldc not a multiple of 4) fall back to the other kernel. Both against the CPU
+// reference once.
+TEST_P(MatmulGpu, SplitKReductionFourColumnsAtATimeGivesTheSameBits) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const bool was = detail::splitk_reduce_vectorized();
+  struct Restore {
+    bool on;
+    ~Restore() { detail::set_splitk_reduce_vectorized(on); }
+  } restore{was};
+  const Math math = GetParam();
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const int sms = detail::multiprocessor_count(device);
+  std::vector<Case> cases;
+  cases.push_back(Case{200, 512, 3400, math, DType::F32, 1.f, 0.f, true, true});
+  cases.push_back(Case{200, 512, 3400, math, DType::F32, 0.5f, 1.f});
+  cases.push_back(Case{130, 300, 3400, math, DType::BF16, 1.f, 0.f, true, false});
+  cases.push_back(Case{130, 300, 3400, math, DType::BF16, 0.75f, -0.5f});
+  for (DType c_type : {DType::F32, DType::BF16}) {
+    Case masked{300, 256, 2000, math, c_type};
+    masked.mask = true;
+    cases.push_back(masked);
+  }
+  cases.push_back(Case{259, 515, 1031, math, DType::BF16, 1.f, 0.f, true, false});  // n % 4 != 0
+  Case padded{200, 512, 1500, math, DType::F32, 1.f, 1.f};  // ldc = n + 2: not 16-byte rows
+  padded.pad = 2;
+  cases.push_back(padded);
+  uint64_t seed = 1700;
+  for (const Case& c : cases) {
+    const Product run(c, seed += 10);
+    const MatmulProblem shape = run.problem(nullptr, nullptr, nullptr, nullptr);
+    std::vector<MatmulPlan> plans;
+    for (int tile_n : {128, 256}) {
+      for (int splits : {2, 7, 9, 26})
+        plans.push_back(make_matmul_plan(shape, tile_n, splits, sms));
+    }
+    for (const MatmulPlan& plan : plans) {
+      SCOPED_TRACE(::testing::Message()
+                   << describe(c) << " tile_n " << plan.tile_n << " splits " << plan.splits);
+      ASSERT_GT(plan.splits, 1);
+      detail::set_splitk_reduce_vectorized(false);
+      const std::vector<float> want = run.gpu(plan);
+      detail::set_splitk_reduce_vectorized(true);
+      const std::vector<float> got = run.gpu(plan);
+      ASSERT_EQ(got.size(), want.size());
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+          << "four columns a thread differ from one element a thread";
+    }
+    run.check(run.gpu(plans.back()));
+  }
+}
+
 // gemm() in every transpose combination with tensor-core math, packed or direct operands,
 // misaligned pointers and padded leading dimensions: the BLAS contract on top of matmul().
 TEST_P(MatmulGpu, GemmAllTransposes) {
