@@ -123,6 +123,8 @@ ZeroGrad g_zero_grad = ZeroGrad::deferred;
 // --overlap-update: each bucket's SGD update beside the rest of the backward
 // (Replicated::set_update_overlap).
 bool g_overlap_update = false;
+// --splitk: where a tensor-core product split along k adds its splits up; JSON field "cudp_splitk".
+std::string g_splitk = "kernel";
 
 struct Options {
   std::vector<std::string> archs = {"vgg16"};
@@ -377,12 +379,12 @@ void print_row(const Row& w, FILE* json) {
       "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
       "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
-      "\"cudp_overlap_update\": \"%s\"%s}\n",
+      "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\"%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
       g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", g_overlap_update ? "on" : "off",
-      extra.c_str());
+      g_splitk.c_str(), extra.c_str());
   std::fflush(json);
 }
 
@@ -689,6 +691,7 @@ int main(int argc, char** argv) {
   kernels::detail::set_batchnorm_cluster(bn_cluster == "on");
   kernels::detail::set_splitk_in_kernel(splitk == "in-kernel");
   kernels::detail::set_splitk_reduce_vectorized(splitk == "kernel4");
+  g_splitk = splitk;
   detail::set_programmatic_launch(pdl == "on");
   detail::set_concurrent_weight_grad(wgrad_stream == "on"    ? -1
                                      : wgrad_stream == "off" ? 0

@@ -106,11 +106,11 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int splits, i
   }
 }
 
-// The same reduction four columns at a time (n and ldc multiples of 4, C, the workspace and the
-// mask aligned for it: splitk_reduce checks): 16-byte loads of the workspace and one store
-// of the four results, and every element's arithmetic exactly splitk_reduce_kernel's (the splits
-// in order from 0.f, then apply_epilogue and apply_mask), so the same bits. The splits' loads are
-// issued kBatch at a time ahead of their adds.
+// The same reduction four columns at a time (n and ldc multiples of 4, C and the workspace aligned
+// for it: detail::splitk_reduce4_applies and splitk_reduce check): 16-byte loads of the workspace
+// and one store of the four results, and every element's arithmetic exactly splitk_reduce_kernel's
+// (the splits in order from 0.f, then apply_epilogue and apply_mask), so the same bits. The splits'
+// loads are issued kBatch at a time ahead of their adds.
 template <bool kBf16>
 __global__ void splitk_reduce4_kernel(const float4* __restrict__ ws, int splits, int m, int n,
                                       void* c, int64_t ldc, EpilogueArgs e) {
@@ -174,20 +174,15 @@ __global__ void splitk_reduce4_kernel(const float4* __restrict__ ws, int splits,
   }
 }
 
-bool aligned_to(const void* ptr, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
-}
-
 std::atomic<bool> g_splitk_reduce4{false};  // not yet measured (kernels/matmul.h)
 
 void splitk_reduce(const MatmulProblem& p, const float* ws, int splits, cudaStream_t stream) {
   const int64_t total = int64_t(p.m) * p.n;
   const bool bf16 = p.c_type == DType::BF16;
   const EpilogueArgs e{p.alpha, p.beta, p.bias, int(p.relu), p.mask};
-  // Four columns a thread where every access of the four stays aligned.
-  const uintptr_t c_bytes = bf16 ? 8 : 16;
-  if (g_splitk_reduce4.load() && p.n % 4 == 0 && p.ldc % 4 == 0 && aligned_to(ws, 16) &&
-      aligned_to(p.c, c_bytes) && (p.mask == nullptr || aligned_to(p.mask, c_bytes))) {
+  // The workspace comes from the stream-ordered allocator (256-byte aligned); null when k == 0.
+  if (g_splitk_reduce4.load() && detail::splitk_reduce4_applies(p) &&
+      reinterpret_cast<uintptr_t>(ws) % 16 == 0) {
     const int64_t total4 = total / 4;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total4 + 255) / 256, 65536));
     const auto* ws4 = reinterpret_cast<const float4*>(ws);
@@ -416,6 +411,10 @@ void set_splitk_reduce_vectorized(bool on) {
 }
 bool splitk_reduce_vectorized() {
   return g_splitk_reduce4.load();
+}
+bool splitk_reduce4_applies(const MatmulProblem& p) {
+  const uintptr_t c_bytes = p.c_type == DType::BF16 ? 8 : 16;
+  return p.n % 4 == 0 && p.ldc % 4 == 0 && reinterpret_cast<uintptr_t>(p.c) % c_bytes == 0;
 }
 
 void release_splitk_counters() noexcept {

@@ -167,6 +167,9 @@ bool splitk_in_kernel_enabled();
 // element's arithmetic is the same, so the same bits. For the tests and bench_train; process-wide.
 void set_splitk_reduce_vectorized(bool on);
 bool splitk_reduce_vectorized();
+// Whether the four-column kernel can take `problem`'s reduction (the switch aside): n and ldc
+// multiples of 4, C aligned to four of its elements (the workspace always is).
+bool splitk_reduce4_applies(const MatmulProblem& problem);
 // Whether `plan`'s split-K sum is taken in the kernel: the switch on, 2 to kMaxSplitsInKernel
 // splits (more would make the last split's block add up a long column alone).
 inline constexpr int kMaxSplitsInKernel = 16;

@@ -575,48 +575,63 @@ TEST_P(MatmulGpu, SplitKInTheKernelGivesTheReductionKernelsBits) {
 }
 
 // The split-K reduction four columns a thread (detail::set_splitk_reduce_vectorized) against one
-// element a thread: every element's arithmetic is the same, so the same bits, bit for bit, with
-// every epilogue (bias and ReLU, beta on fp32 C and on bf16 C, a mask), 2 to 26 splits (past the
-// kernel's batches of eight loads), whole and partial tiles; and the shapes it cannot take four at
-// a time (n or ldc not a multiple of 4) fall back to the other kernel. Both against the CPU
-// reference once.
+// element a thread: every element's arithmetic is the same, so the same bits, bit for bit (C's
+// padding columns included), with every epilogue (bias and ReLU, beta on fp32 C and on bf16 C, a
+// mask), C rows wider than n, and 2 to 22 splits (past the kernel's batches of eight loads); the
+// shapes it cannot take four at a time (n or ldc not a multiple of 4) fall back to the other
+// kernel. Both against the CPU reference once.
 TEST_P(MatmulGpu, SplitKReductionFourColumnsAtATimeGivesTheSameBits) {
   CUDP_REQUIRE_TENSOR_CORES();
-  const bool was = detail::splitk_reduce_vectorized();
   struct Restore {
-    bool on;
-    ~Restore() { detail::set_splitk_reduce_vectorized(on); }
-  } restore{was};
+    bool vectorized = detail::splitk_reduce_vectorized();
+    bool in_kernel = detail::splitk_in_kernel_enabled();
+    ~Restore() {
+      detail::set_splitk_reduce_vectorized(vectorized);
+      detail::set_splitk_in_kernel(in_kernel);
+    }
+  } restore;
+  detail::set_splitk_in_kernel(false);  // the reduction kernel, in both of its forms
   const Math math = GetParam();
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = detail::multiprocessor_count(device);
-  std::vector<Case> cases;
-  cases.push_back(Case{200, 512, 3400, math, DType::F32, 1.f, 0.f, true, true});
-  cases.push_back(Case{200, 512, 3400, math, DType::F32, 0.5f, 1.f});
-  cases.push_back(Case{130, 300, 3400, math, DType::BF16, 1.f, 0.f, true, false});
-  cases.push_back(Case{130, 300, 3400, math, DType::BF16, 0.75f, -0.5f});
+  struct Reduction {
+    Case c;
+    bool four;  // whether the four-column kernel takes it
+  };
+  std::vector<Reduction> cases;
+  cases.push_back({Case{200, 512, 3400, math, DType::F32, 1.f, 0.f, true, true}, true});
+  cases.push_back({Case{200, 512, 3400, math, DType::F32, 0.5f, 1.f}, true});
+  cases.push_back({Case{130, 300, 3400, math, DType::BF16, 1.f, 0.f, true, false}, true});
+  cases.push_back({Case{130, 300, 3400, math, DType::BF16, 0.75f, -0.5f}, true});
   for (DType c_type : {DType::F32, DType::BF16}) {
     Case masked{300, 256, 2000, math, c_type};
     masked.mask = true;
-    cases.push_back(masked);
+    cases.push_back({masked, true});
   }
-  cases.push_back(Case{259, 515, 1031, math, DType::BF16, 1.f, 0.f, true, false});  // n % 4 != 0
-  Case padded{200, 512, 1500, math, DType::F32, 1.f, 1.f};  // ldc = n + 2: not 16-byte rows
-  padded.pad = 2;
-  cases.push_back(padded);
+  Case wide_rows{200, 512, 1500, math, DType::F32, 1.f, 1.f};  // ldc = n + 4: rows apart
+  wide_rows.pad = 4;
+  cases.push_back({wide_rows, true});
+  Case wide_masked{260, 256, 2000, math, DType::BF16};
+  wide_masked.pad = 4;
+  wide_masked.mask = true;
+  cases.push_back({wide_masked, true});
+  cases.push_back({Case{259, 515, 1031, math, DType::BF16, 1.f, 0.f, true, false}, false});
+  Case odd_ldc{200, 512, 1500, math, DType::F32, 1.f, 1.f};  // ldc = n + 2
+  odd_ldc.pad = 2;
+  cases.push_back({odd_ldc, false});
   uint64_t seed = 1700;
-  for (const Case& c : cases) {
+  for (const Reduction& r : cases) {
+    const Case& c = r.c;
     const Product run(c, seed += 10);
     const MatmulProblem shape = run.problem(nullptr, nullptr, nullptr, nullptr);
+    SCOPED_TRACE(describe(c));
+    // Device buffers are 256-byte aligned, so the shape decides (C's pointer is null here).
+    ASSERT_EQ(detail::splitk_reduce4_applies(shape), r.four);
     std::vector<MatmulPlan> plans;
-    for (int tile_n : {128, 256}) {
-      for (int splits : {2, 7, 9, 26})
-        plans.push_back(make_matmul_plan(shape, tile_n, splits, sms));
-    }
+    for (int splits : {2, 7, 9, 26}) plans.push_back(make_matmul_plan(shape, 128, splits, sms));
     for (const MatmulPlan& plan : plans) {
-      SCOPED_TRACE(::testing::Message()
-                   << describe(c) << " tile_n " << plan.tile_n << " splits " << plan.splits);
+      SCOPED_TRACE(::testing::Message() << "splits " << plan.splits);
       ASSERT_GT(plan.splits, 1);
       detail::set_splitk_reduce_vectorized(false);
       const std::vector<float> want = run.gpu(plan);
