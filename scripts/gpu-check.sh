@@ -19,6 +19,9 @@
 #                                        # bench_train bf16 32² (VGG-16 and VGG-16-BN) with
 #                                        # --overlap-update off and on, alternating, two rounds,
 #                                        # then cudp-vgg on Fashion-MNIST with it on
+#   scripts/gpu-check.sh --splitk        # and the split-K reduction four columns a thread, A/B in
+#                                        # one run: bench_train bf16 32² (VGG-16 and VGG-16-BN)
+#                                        # with --splitk kernel and kernel4, alternating, two rounds
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
 #   CUDP_CTEST_JOBS=6 scripts/gpu-check.sh       # ctest's parallel jobs (4 by default)
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
@@ -31,12 +34,14 @@ train=0
 probes=0
 sustained=0
 overlap=0
+splitk=0
 for arg in "$@"; do
   [[ $arg == --bench ]] && bench=1
   [[ $arg == --probes ]] && probes=1
   [[ $arg == --train ]] && train=1
   [[ $arg == --sustained ]] && sustained=1
   [[ $arg == --overlap ]] && overlap=1
+  [[ $arg == --splitk ]] && splitk=1
 done
 export PATH=/usr/local/cuda/bin:$PATH
 
@@ -112,6 +117,20 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
       --data-dir "$data" --overlap-update on --output /tmp/cudp-fmnist-overlap \
       --json "$out/fmnist-overlap.json" > "$out/fmnist-overlap.log" 2>&1
     step "cudp-vgg fmnist overlap" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist-overlap.log" | tail -2 | tr '\n' ' ')"
+  fi
+  if [[ $splitk == 1 ]]; then
+    for round in 1 2; do
+      for model in plain bn; do
+        for mode in kernel kernel4; do
+          timeout 60 build/bench/bench_train --precision bf16 --gpus 1 --size 32 --graphs on \
+            $([[ $model == bn ]] && echo --bn) --splitk $mode \
+            --json "$out/splitk-$model-$mode-$round.json" > "$out/splitk-$model-$mode-$round.md" 2>&1
+          rc=$?
+          ips=$(grep -o '"images_per_s": [0-9.]*' "$out/splitk-$model-$mode-$round.json" 2>/dev/null | cut -d' ' -f2)
+          step "splitk $model $mode r$round" "rc=$rc ${ips:-?} img/s"
+        done
+      done
+    done
   fi
   if [[ $sustained == 1 ]]; then
     # The clock-event field's name since driver 535; the older one before.
