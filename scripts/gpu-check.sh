@@ -48,6 +48,25 @@ export PATH=/usr/local/cuda/bin:$PATH
 summary=()
 step() { summary+=("$(printf '%-28s %s' "$1" "$2")"); }
 
+# An A/B of one bench_train option: VGG-16 and VGG-16-BN, bf16, 32², graphs on, the option's two
+# values alternating, two rounds; one summary line per run.  ab_32 TAG OPTION VALUE_A VALUE_B
+ab_32() {
+  local tag=$1 option=$2 round model mode rc ips name
+  for round in 1 2; do
+    for model in plain bn; do
+      for mode in "$3" "$4"; do
+        name=$tag-$model-$mode-$round
+        timeout 60 build/bench/bench_train --precision bf16 --gpus 1 --size 32 --graphs on \
+          $([[ $model == bn ]] && echo --bn) "$option" "$mode" \
+          --json "$out/$name.json" > "$out/$name.md" 2>&1
+        rc=$?
+        ips=$(grep -o '"images_per_s": [0-9.]*' "$out/$name.json" 2>/dev/null | cut -d' ' -f2)
+        step "$tag $model $mode r$round" "rc=$rc ${ips:-?} img/s"
+      done
+    done
+  done
+}
+
 start=$(date +%s)
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$out/gpus.txt" 2>&1
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCUDP_WERROR=ON > "$out/configure.log" 2>&1 \
@@ -98,18 +117,7 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
     step "cudp-vgg fmnist bf16" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist.log" | tail -2 | tr '\n' ' ')"
   fi
   if [[ $overlap == 1 ]]; then
-    for round in 1 2; do
-      for model in plain bn; do
-        for mode in off on; do
-          timeout 60 build/bench/bench_train --precision bf16 --gpus 1 --size 32 --graphs on \
-            $([[ $model == bn ]] && echo --bn) --overlap-update $mode \
-            --json "$out/overlap-$model-$mode-$round.json" > "$out/overlap-$model-$mode-$round.md" 2>&1
-          rc=$?
-          ips=$(grep -o '"images_per_s": [0-9.]*' "$out/overlap-$model-$mode-$round.json" 2>/dev/null | cut -d' ' -f2)
-          step "overlap $model $mode r$round" "rc=$rc ${ips:-?} img/s"
-        done
-      done
-    done
+    ab_32 overlap --overlap-update off on
     data=/usr/share/datasets/fashion-mnist
     [[ -d .data/fashion-mnist ]] && data=$PWD/.data/fashion-mnist
     rm -rf /tmp/cudp-fmnist-overlap
@@ -119,18 +127,7 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
     step "cudp-vgg fmnist overlap" "rc=$? $(grep -iE 'best|test acc|wall' "$out/fmnist-overlap.log" | tail -2 | tr '\n' ' ')"
   fi
   if [[ $splitk == 1 ]]; then
-    for round in 1 2; do
-      for model in plain bn; do
-        for mode in kernel kernel4; do
-          timeout 60 build/bench/bench_train --precision bf16 --gpus 1 --size 32 --graphs on \
-            $([[ $model == bn ]] && echo --bn) --splitk $mode \
-            --json "$out/splitk-$model-$mode-$round.json" > "$out/splitk-$model-$mode-$round.md" 2>&1
-          rc=$?
-          ips=$(grep -o '"images_per_s": [0-9.]*' "$out/splitk-$model-$mode-$round.json" 2>/dev/null | cut -d' ' -f2)
-          step "splitk $model $mode r$round" "rc=$rc ${ips:-?} img/s"
-        done
-      done
-    done
+    ab_32 splitk --splitk kernel kernel4
   fi
   if [[ $sustained == 1 ]]; then
     # The clock-event field's name since driver 535; the older one before.
