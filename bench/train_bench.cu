@@ -627,9 +627,9 @@ int main(int argc, char** argv) {
   app.add_option("--splitk", splitk,
                  "in-kernel: a tensor-core product split along k adds its splits up in its own "
                  "kernel (the last split of each tile's rows; measured slower); kernel: in a "
-                 "reduction kernel after it, an element a thread (the default); kernel4: that "
-                 "kernel four columns a thread where the shapes allow (not yet measured); the "
-                 "same bits in all three")
+                 "reduction kernel after it, an element a thread; kernel4: that kernel four "
+                 "columns a thread where the shapes allow, else an element a thread (the "
+                 "default: measured 0.6-1.4% faster at 32²); the same bits in all three")
       ->check(CLI::IsMember({"in-kernel", "kernel", "kernel4"}))
       ->capture_default_str();
   std::string zero_grad = "deferred";
