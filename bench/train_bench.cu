@@ -73,6 +73,7 @@
 #include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
 #include "kernels/batchnorm.h"
+#include "kernels/bias.h"
 #include "kernels/conv2d.h"
 #include "kernels/matmul.h"
 #include "layers/loss.h"
@@ -124,7 +125,10 @@ ZeroGrad g_zero_grad = ZeroGrad::deferred;
 // (Replicated::set_update_overlap).
 bool g_overlap_update = false;
 // --splitk: where a tensor-core product split along k adds its splits up; JSON field "cudp_splitk".
-std::string g_splitk = "kernel";
+std::string g_splitk = "kernel4";
+// --bias-final: the bias gradients' last launches queued through a backward and run as one, or
+// one each; JSON field "cudp_bias_final".
+std::string g_bias_final = "batched";
 
 struct Options {
   std::vector<std::string> archs = {"vgg16"};
@@ -379,12 +383,12 @@ void print_row(const Row& w, FILE* json) {
       "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
       "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
-      "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\"%s}\n",
+      "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\"%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
       g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", g_overlap_update ? "on" : "off",
-      g_splitk.c_str(), extra.c_str());
+      g_splitk.c_str(), g_bias_final.c_str(), extra.c_str());
   std::fflush(json);
 }
 
@@ -632,6 +636,15 @@ int main(int argc, char** argv) {
                  "default: measured 0.6-1.4% faster at 32²); the same bits in all three")
       ->check(CLI::IsMember({"in-kernel", "kernel", "kernel4"}))
       ->capture_default_str();
+  std::string bias_final = kernels::detail::deferred_bias_grads() ? "batched" : "each";
+  app.add_option("--bias-final", bias_final,
+                 "batched: the last launch of each bias gradient taken as partial column sums "
+                 "(pooling's and backward-data's hand-off, BatchNorm's dx pass, backward-weight's "
+                 "fused sums) is queued through the backward and the queue runs as one launch at "
+                 "its end or before a backward hook (the default); each: one launch each, as soon "
+                 "as its partial sums are written; the same bits")
+      ->check(CLI::IsMember({"batched", "each"}))
+      ->capture_default_str();
   std::string zero_grad = "deferred";
   app.add_option("--zero-grad", zero_grad,
                  "deferred: zero_grad leaves the convolutions' and linear layers' weight "
@@ -692,6 +705,8 @@ int main(int argc, char** argv) {
   kernels::detail::set_splitk_in_kernel(splitk == "in-kernel");
   kernels::detail::set_splitk_reduce_vectorized(splitk == "kernel4");
   g_splitk = splitk;
+  kernels::detail::set_deferred_bias_grads(bias_final == "batched");
+  g_bias_final = bias_final;
   detail::set_programmatic_launch(pdl == "on");
   detail::set_concurrent_weight_grad(wgrad_stream == "on"    ? -1
                                      : wgrad_stream == "off" ? 0

@@ -1082,6 +1082,8 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
              mean, save_invstd, dx, dgamma, dbeta, beta_accumulate, rows, c, input_grad_sums);
     };
     if (input_grad_sums) {
+      // The kernel adds to them itself: after any queued sum into them.
+      detail::flush_deferred_bias_grads_into(input_grad_sums, stream);
       run.template operator()<true>();
     } else {
       run.template operator()<false>();
@@ -1110,7 +1112,7 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
                          "batch norm's partial column sums of dx");
       launch("bn_backward_dx_kernel", kernel, apply.grid, apply.block, apply.shared_bytes, stream,
              x, dy, mask, mean, coef, dx, rows, c, partials.get());
-      bias_grad_from_partials(partials.get(), input_grad_sums, parts, c, 1.f, stream);
+      bias_grad_from_partials(std::move(partials), input_grad_sums, parts, c, 1.f, stream);
     } else {
       launch("bn_backward_dx_kernel", kernel, apply.grid, apply.block, 0, stream, x, dy, mask, mean,
              coef, dx, rows, c, nullptr);

@@ -108,7 +108,8 @@ void batchnorm_forward_eval_cpu(const T* x, std::type_identity_t<T>* y, const Bn
 // Backward of a training forward: save_mean and save_invstd are its. relu_output: see above.
 // input_grad_sums (c floats, nullable): += the column sums of dx as stored (bf16: the rounded
 // values), in fp32 and a fixed order (per thread in row order, a fixed tree over the block, then
-// the row blocks in order: kernels/bias.h's bias_grad_from_partials). That is the bias gradient of
+// the row blocks in order: kernels/bias.h's bias_grad_from_partials, whose launch inside a Module's
+// backward may be queued to its end: NOTE [Deferred bias gradients]). That is the bias gradient of
 // the layer whose output x is (a convolution's before BatchNorm), taken in the pass that writes dx
 // instead of a second read of it; dx is the same bits with or without. The sums are bias_grad's
 // over dx in another order (its CPU reference, bias_grad_cpu, is theirs).

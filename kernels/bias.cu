@@ -4,10 +4,15 @@
 //
 // bias_grad: the two-stage deterministic column reduction described in bias.h.
 #include <algorithm>
+#include <atomic>
 #include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include <cuda_bf16.h>
 
+#include "engine/core/device.h"
 #include "engine/core/launch.cuh"
 #include "kernels/bias.h"
 #include "kernels/elementwise.h"
@@ -197,13 +202,12 @@ __global__ void bias_grad_chunk_kernel(const T* dy, const T* y, T* masked, float
   }
 }
 
-// Stage 2. Column c = blockIdx.x * 32 + threadIdx.x; lane threadIdx.y sums chunks y, y + 32, ...;
-// the 32 lanes are added in order.
-__global__ void bias_grad_final_kernel(const float* partial, float* dbias, int64_t chunks,
-                                       int64_t cols, float beta) {
-  kernel_entry();
-  __shared__ float sums[kTile][kTile + 1];
-  const int64_t c = int64_t(blockIdx.x) * kTile + threadIdx.x;
+// Stage 2 for tile `tile` of 32 columns: column c = tile * 32 + threadIdx.x; lane threadIdx.y
+// sums chunks y, y + 32, ...; the 32 lanes are added in order.
+__device__ __forceinline__ void final_columns(float (&sums)[kTile][kTile + 1], const float* partial,
+                                              float* dbias, int64_t chunks, int64_t cols,
+                                              float beta, int64_t tile) {
+  const int64_t c = tile * kTile + threadIdx.x;
   float s = 0.0f;
   if (c < cols) {
     for (int64_t g = threadIdx.y; g < chunks; g += kTile) {
@@ -221,6 +225,39 @@ __global__ void bias_grad_final_kernel(const float* partial, float* dbias, int64
   }
 }
 
+__global__ void bias_grad_final_kernel(const float* partial, float* dbias, int64_t chunks,
+                                       int64_t cols, float beta) {
+  kernel_entry();
+  __shared__ float sums[kTile][kTile + 1];
+  final_columns(sums, partial, dbias, chunks, cols, beta, blockIdx.x);
+}
+
+// Queued stage-2 launches (NOTE [Deferred bias gradients]): job j takes blocks first_block up to
+// the next job's, each a tile of its columns, with bias_grad_final_kernel's arithmetic.
+struct FinalJob {
+  const float* partial;
+  float* dbias;
+  int64_t chunks;
+  int64_t cols;
+  float beta;
+  unsigned first_block;
+};
+constexpr int kMaxFinalJobs = 48;  // 1.9 KB of kernel parameters
+struct FinalJobs {
+  int count;
+  FinalJob job[kMaxFinalJobs];
+};
+
+__global__ void bias_grad_final_batch_kernel(const __grid_constant__ FinalJobs jobs) {
+  kernel_entry();
+  __shared__ float sums[kTile][kTile + 1];
+  int j = 0;
+  while (j + 1 < jobs.count && jobs.job[j + 1].first_block <= blockIdx.x) ++j;
+  const FinalJob& job = jobs.job[j];
+  final_columns(sums, job.partial, job.dbias, job.chunks, job.cols, job.beta,
+                blockIdx.x - job.first_block);
+}
+
 template <int V>
 void bias_add_impl(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
   const int64_t cols_v = cols / V;
@@ -233,7 +270,7 @@ void bias_add_impl(float* y, const float* bias, int64_t rows, int64_t cols, cuda
 
 template <int V, typename T>
 void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t rows, int64_t cols,
-                    float beta, cudaStream_t stream) {
+                    float beta, cudaStream_t stream, bool deferrable) {
   const int64_t cols_v = cols / V;
   const int width = static_cast<int>(std::min<int64_t>(cols_v, kThreads));
   const int lanes = kThreads / width;
@@ -246,6 +283,10 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
   const int64_t chunk_rows = std::max<int64_t>(1, ceil_div(rows, chunks));
   chunks = std::max<int64_t>(1, ceil_div(rows, chunk_rows));  // no empty chunk
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
+  // A launch that writes dbias itself comes after any queued sum into it.
+  if (dbias != nullptr && (chunks == 1 || !deferrable)) {
+    detail::flush_deferred_bias_grads_into(dbias, stream);
+  }
   if (chunks == 1 || dbias == nullptr) {
     launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
            masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
@@ -253,18 +294,19 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
   }
   Workspace ws(static_cast<size_t>(chunks * cols) * sizeof(float), stream,
                "the bias gradient's partial column sums");
-  float* partial = ws.get();
   launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
-         masked, partial, rows, cols, chunk_rows, width, lanes, beta, false);
-  launch("bias_grad_final_kernel", bias_grad_final_kernel,
-         static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
-         dbias, chunks, cols, beta);
+         masked, ws.get(), rows, cols, chunk_rows, width, lanes, beta, false);
+  if (deferrable) {
+    bias_grad_from_partials(std::move(ws), dbias, chunks, cols, beta, stream);  // or queued
+    return;
+  }
+  bias_grad_from_partials(ws.get(), dbias, chunks, cols, beta, stream);
   ws.release();
 }
 
 template <typename T>
 void bias_grad_dispatch(const T* dy, const T* y, T* masked, float* dbias, int64_t rows,
-                        int64_t cols, float beta, cudaStream_t stream) {
+                        int64_t cols, float beta, cudaStream_t stream, bool deferrable = false) {
   if (cols == 0) {
     return;
   }
@@ -277,32 +319,163 @@ void bias_grad_dispatch(const T* dy, const T* y, T* masked, float* dbias, int64_
   const bool vec = vec_ok.template operator()<4>();
   if constexpr (sizeof(T) == 2) {
     if (vec_ok.template operator()<8>()) {
-      bias_grad_impl<8, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+      bias_grad_impl<8, T>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
       return;
     }
   }
   if (vec) {
-    bias_grad_impl<4, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+    bias_grad_impl<4, T>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
   } else {
-    bias_grad_impl<1, T>(dy, y, masked, dbias, rows, cols, beta, stream);
+    bias_grad_impl<1, T>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
   }
+}
+
+}  // namespace
+
+namespace {
+
+// A grid's x dimension: the most blocks one launch (and one batch of queued sums) may have.
+constexpr int64_t kMaxGridX = (int64_t(1) << 31) - 1;
+
+void check_partials(const float* partial, const float* dbias, int64_t chunks, int64_t cols) {
+  CUDP_CHECK(chunks >= 1 && cols >= 0, "bias_grad_from_partials: invalid size ", chunks, " x ",
+             cols);
+  CUDP_CHECK(cols == 0 || (partial && dbias),
+             "bias_grad_from_partials: partial and dbias must not be null");
+  CUDP_CHECK(ceil_div(cols, kTile) <= kMaxGridX, "bias_grad_from_partials: cols = ", cols,
+             " is too many");
+}
+
+std::atomic<bool> g_deferred{true};
+
+// The calling thread's queue: the outermost active scope's device and stream, its sums, their
+// partials and the blocks their launch will take.
+struct DeferredQueue {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::vector<FinalJob> jobs;
+  std::vector<Workspace> partials;
+  int64_t blocks = 0;
+};
+thread_local DeferredQueue* t_queue = nullptr;
+
+void flush_queue(DeferredQueue& q) {
+  if (q.jobs.empty()) return;
+  FinalJobs batch{};
+  unsigned blocks = 0;
+  for (const FinalJob& job : q.jobs) {
+    batch.job[batch.count] = job;
+    batch.job[batch.count++].first_block = blocks;
+    blocks += static_cast<unsigned>(ceil_div(job.cols, kTile));
+  }
+  q.jobs.clear();
+  q.blocks = 0;
+  // The workspaces are freed after the launch whether or not it is accepted.
+  std::vector<Workspace> partials = std::move(q.partials);
+  q.partials.clear();
+  q.partials.reserve(kMaxFinalJobs);
+  const cuda::DeviceGuard guard(q.device);
+  launch("bias_grad_final_batch_kernel", bias_grad_final_batch_kernel, blocks, dim3(kTile, kTile),
+         0, q.stream, batch);
+  for (Workspace& ws : partials) ws.release();
+}
+
+bool queued_into(const DeferredQueue& q, const float* dbias) {
+  return std::any_of(q.jobs.begin(), q.jobs.end(),
+                     [&](const FinalJob& job) { return job.dbias == dbias; });
+}
+
+// Whether the calling thread's queue takes a launch on `stream`: the same stream of the same
+// device (a null or per-thread stream handle names a different stream on each device).
+bool queue_takes(const DeferredQueue* q, cudaStream_t stream) {
+  if (q == nullptr || q->stream != stream) return false;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  return device == q->device;
 }
 
 }  // namespace
 
 void bias_grad_from_partials(const float* partial, float* dbias, int64_t chunks, int64_t cols,
                              float beta, cudaStream_t stream) {
-  CUDP_CHECK(chunks >= 1 && cols >= 0, "bias_grad_from_partials: invalid size ", chunks, " x ",
-             cols);
-  CUDP_CHECK(cols == 0 || (partial && dbias),
-             "bias_grad_from_partials: partial and dbias must not be null");
+  check_partials(partial, dbias, chunks, cols);
   if (cols == 0) return;
-  CUDP_CHECK(ceil_div(cols, kTile) <= std::numeric_limits<unsigned>::max(),
-             "bias_grad_from_partials: cols = ", cols, " is too many");
+  detail::flush_deferred_bias_grads_into(dbias, stream);  // after any queued sum into dbias
   launch("bias_grad_final_kernel", bias_grad_final_kernel,
          static_cast<unsigned>(ceil_div(cols, kTile)), dim3(kTile, kTile), 0, stream, partial,
          dbias, chunks, cols, beta);
 }
+
+void bias_grad_from_partials(Workspace partials, float* dbias, int64_t chunks, int64_t cols,
+                             float beta, cudaStream_t stream) {
+  const float* partial = partials.get();
+  check_partials(partial, dbias, chunks, cols);
+  if (cols == 0) return;
+  DeferredQueue* q = t_queue;
+  if (!queue_takes(q, stream)) {
+    bias_grad_from_partials(partial, dbias, chunks, cols, beta, stream);
+    partials.release();
+    return;
+  }
+  const int64_t blocks = ceil_div(cols, kTile);
+  if (queued_into(*q, dbias) || q->jobs.size() == size_t(kMaxFinalJobs) ||
+      q->blocks + blocks > kMaxGridX) {
+    flush_queue(*q);
+  }
+  // Both vectors hold kMaxFinalJobs already: neither push_back reallocates, so neither throws.
+  q->jobs.push_back(FinalJob{partial, dbias, chunks, cols, beta, 0});
+  q->partials.push_back(std::move(partials));
+  q->blocks += blocks;
+}
+
+DeferredBiasGrads::DeferredBiasGrads(int device, cudaStream_t stream) {
+  if (t_queue != nullptr || !detail::deferred_bias_grads()) return;
+  auto queue = std::make_unique<DeferredQueue>();
+  queue->device = device;
+  queue->stream = stream;
+  queue->jobs.reserve(kMaxFinalJobs);
+  queue->partials.reserve(kMaxFinalJobs);
+  t_queue = queue.release();  // published only once complete
+  active_ = true;
+}
+
+DeferredBiasGrads::~DeferredBiasGrads() {
+  if (!active_) return;
+  // Unflushed sums are dropped (only an exception leaves a backward without its flush), their
+  // workspaces freed on the stream after the kernels that wrote them.
+  delete std::exchange(t_queue, nullptr);
+}
+
+void flush_deferred_bias_grads() {
+  if (t_queue != nullptr) flush_queue(*t_queue);
+}
+
+namespace detail {
+void set_deferred_bias_grads(bool on) {
+  g_deferred.store(on);
+}
+bool deferred_bias_grads() {
+  return g_deferred.load();
+}
+void flush_deferred_bias_grads_into(const float* dbias, cudaStream_t stream) {
+  DeferredQueue* q = t_queue;
+  if (q == nullptr || !queued_into(*q, dbias)) return;
+  flush_queue(*q);
+  if (queue_takes(q, stream)) return;
+  // A writer on another stream waits for the flush.
+  const cuda::DeviceGuard guard(q->device);
+  cudaEvent_t flushed = nullptr;
+  CUDP_CUDA_CHECK(cudaEventCreateWithFlags(&flushed, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(flushed, q->stream);
+  const cudaError_t waited =
+      recorded == cudaSuccess ? cudaStreamWaitEvent(stream, flushed, 0) : recorded;
+  cudaEventDestroy(flushed);  // released once the wait is resolved
+  CUDP_CUDA_CHECK(waited);
+}
+int deferred_bias_grads_queued() {
+  return t_queue ? static_cast<int>(t_queue->jobs.size()) : 0;
+}
+}  // namespace detail
 
 void bias_add(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
   detail::check_bias_args("bias_add", y, bias, rows, cols);
@@ -327,6 +500,19 @@ void bias_grad(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols
   detail::check_bias_args("bias_grad", dy, dbias, rows, cols);
   bias_grad_dispatch<__nv_bfloat16>(dy, nullptr, nullptr, dbias, rows, cols, beta, stream);
 }
+
+namespace detail {
+void bias_grad_deferrable(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+                          cudaStream_t stream) {
+  check_bias_args("bias_grad", dy, dbias, rows, cols);
+  bias_grad_dispatch<float>(dy, nullptr, nullptr, dbias, rows, cols, beta, stream, true);
+}
+void bias_grad_deferrable(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols,
+                          float beta, cudaStream_t stream) {
+  check_bias_args("bias_grad", dy, dbias, rows, cols);
+  bias_grad_dispatch<__nv_bfloat16>(dy, nullptr, nullptr, dbias, rows, cols, beta, stream, true);
+}
+}  // namespace detail
 
 template <typename T>
 void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,

@@ -24,6 +24,8 @@
 
 #include <cstdint>
 
+#include "kernels/workspace.h"
+
 namespace cudp::kernels {
 
 // y[r * cols + c] += bias[c].
@@ -59,8 +61,72 @@ void relu_mask_bias_grad_cpu(const T* y, const T* dy, T* dy_masked, float* dbias
 // backward-weight, kernels/conv2d.h). partial is chunks x cols fp32, chunks >= 1.
 void bias_grad_from_partials(const float* partial, float* dbias, int64_t chunks, int64_t cols,
                              float beta, cudaStream_t stream);
+// The same, taking the partials' workspace over, for a parameter's gradient that nothing reads
+// before the backward ends: inside a DeferredBiasGrads scope of this thread on `stream` the
+// launch is queued (below), else it runs now and the workspace is freed after it.
+void bias_grad_from_partials(Workspace partials, float* dbias, int64_t chunks, int64_t cols,
+                             float beta, cudaStream_t stream);
+
+// NOTE [Deferred bias gradients]
+// A bias gradient that a kernel leaves as partial column sums on its way (max pooling's backward,
+// backward-data's column sums, BatchNorm's dx pass, backward-weight's fused bias sums) needs one
+// more launch to add the partial rows up: a few blocks and a few microseconds on the backward's
+// critical path, although nothing in the backward reads its result (2.5-4.5 us of a 32 x 32
+// training step's wall time each on an H100, bench/NOTES-tensor-cores.md, session 34). Inside a
+// DeferredBiasGrads scope, those last launches on the scope's stream and device are queued, each
+// with its partials' workspace, and flush_deferred_bias_grads() runs the whole queue as one launch
+// whose blocks do each of them exactly as its own launch would: the same bits.
+// - Which sums: the Workspace overload of bias_grad_from_partials and bias_grad_deferrable, that
+//   is, the bias arguments of max_pool2d_2x2_backward (dbias), batchnorm_backward
+//   (input_grad_sums), conv2d_backward_weight (dbias) and ConvOperands::column_sums: parameters'
+//   gradients. Inside a scope they are complete at its flush, not when the call returns.
+//   bias_grad, relu_mask_bias_grad and the pointer overload never queue.
+// - Who opens it: Module::backward_all, at a thread's outermost backward (an inner scope is
+//   inactive and its sums go to the outer queue); it flushes before any module's backward hook
+//   (the Reducer's bucket all-reduce reads the gradients; with a Reducer on every module, each
+//   flush carries a module's sums or two) and at the outermost backward's end, so nothing outside
+//   the backward sees a gradient before its sum.
+// - Order: a second sum into a gradient already queued flushes the queue first, and so does a
+//   launch that writes a queued gradient itself (a stream other than the queue's waits for that
+//   flush); launches on other streams (backward-weight's side stream) are not queued.
+// - Memory: the partials stay allocated until the flush (up to a few MB a layer at VGG's sizes).
+class DeferredBiasGrads {
+ public:
+  // Active only as the thread's outermost scope and while detail::deferred_bias_grads() holds;
+  // `stream` belongs to `device`.
+  DeferredBiasGrads(int device, cudaStream_t stream);
+  // Drops what was not flushed, freeing the workspaces on the stream: whoever opens a scope
+  // flushes it before it ends (Module::backward_all does), so only an exception leaving the
+  // backward, whose gradients are incomplete anyway, leaves sums behind.
+  ~DeferredBiasGrads();
+  DeferredBiasGrads(const DeferredBiasGrads&) = delete;
+  DeferredBiasGrads& operator=(const DeferredBiasGrads&) = delete;
+  bool active() const { return active_; }
+
+ private:
+  bool active_ = false;
+};
+// Runs the calling thread's queued sums, if any (one launch on the scope's stream).
+void flush_deferred_bias_grads();
 
 namespace detail {
+// Whether DeferredBiasGrads scopes queue (on by default; bench_train --bias-final each turns it
+// off to compare). Process-wide; read when a scope opens.
+void set_deferred_bias_grads(bool on);
+bool deferred_bias_grads();
+// bias_grad for a parameter's gradient that nothing reads before the backward ends (Module's bias
+// hand-off): its stage 2 may be queued (NOTE [Deferred bias gradients]). bias_grad itself never
+// queues: its callers may read dbias in the next launch.
+void bias_grad_deferrable(const float* dy, float* dbias, int64_t rows, int64_t cols, float beta,
+                          cudaStream_t stream);
+void bias_grad_deferrable(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols,
+                          float beta, cudaStream_t stream);
+// Flushes this thread's queue if it holds a sum into `dbias`, for a launch on `stream` about to
+// write dbias itself, which must come after it (NOTE [Deferred bias gradients]); `stream` waits
+// for the flush when it is not the queue's.
+void flush_deferred_bias_grads_into(const float* dbias, cudaStream_t stream);
+// The sums queued on this thread now (for the tests).
+int deferred_bias_grads_queued();
 // The checks of both ops and their references: rows, cols >= 0, no null pointer with data to touch.
 void check_bias_args(const char* op, const void* matrix, const void* bias, int64_t rows,
                      int64_t cols);

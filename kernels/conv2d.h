@@ -78,7 +78,9 @@ void conv2d_backward_data_cpu(const Conv2dShape& shape, const float* dy, const f
 // dbias (K floats) or null: the bias gradient, accumulated: dbias[k] += the sum of dy's channel k
 // over the n*P*Q pixels, dy as the product reads it (bf16 under Math::BF16), in fp32 and in a fixed
 // order: kernels::bias_grad's reduction (under bf16 with stride 1 and C a multiple of 64 it can be
-// taken from the dy tiles the product loads instead: detail::set_wgrad_bias_fusion).
+// taken from the dy tiles the product loads instead: detail::set_wgrad_bias_fusion). Inside a
+// Module's backward it is complete when the backward ends (kernels/bias.h, NOTE [Deferred bias
+// gradients]).
 void conv2d_backward_weight(const Conv2dShape& shape, const float* x, const float* dy, float* dw,
                             float beta, cudaStream_t stream, Math math = Math::FP32,
                             const Bf16Operands& converted = {}, float* dbias = nullptr);
@@ -112,7 +114,8 @@ struct ConvOperands {
   const void* mask = nullptr;
   // Backward-data only, or null: dx's C floats; column_sums[c] += the sum of the stored dx's
   // channel c over n, h and w (fp32, deterministic; in the epilogue where it can be, with a mask:
-  // MatmulProblem::column_sums): the bias gradient of the layer before, Module's bias hand-off.
+  // MatmulProblem::column_sums): the bias gradient of the layer before, Module's bias hand-off;
+  // complete when a Module's backward ends (NOTE [Deferred bias gradients]).
   float* column_sums = nullptr;
   // Forward only: where x and w carry channels past this many as zeros (a layer's padding of its
   // C to 16-byte rows), their count, which lets VGG's first layer (3 of 8) skip more of the zeros'

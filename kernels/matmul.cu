@@ -426,9 +426,10 @@ void release_splitk_counters() noexcept {
 void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
                      cudaStream_t stream) {
   if (type == DType::BF16) {
-    bias_grad(static_cast<const __nv_bfloat16*>(c), sums, rows, cols, 1.f, stream);
+    detail::bias_grad_deferrable(static_cast<const __nv_bfloat16*>(c), sums, rows, cols, 1.f,
+                                 stream);
   } else {
-    bias_grad(static_cast<const float*>(c), sums, rows, cols, 1.f, stream);
+    detail::bias_grad_deferrable(static_cast<const float*>(c), sums, rows, cols, 1.f, stream);
   }
 }
 
@@ -489,8 +490,8 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
       sm90::conv_wgrad_bf16(p, *conv, run, ws, stream, feed == Feed::WgradAlt,
                             tma ? patch : nullptr, feed == Feed::WgradTmaT, bias_partials.get());
       if (p.bias_grad) {
-        bias_grad_from_partials(bias_partials.get(), p.bias_grad, plan.splits, channels, 1.f,
-                                stream);
+        bias_grad_from_partials(std::move(bias_partials), p.bias_grad, plan.splits, channels, 1.f,
+                                stream);  // or queued (NOTE [Deferred bias gradients])
       }
     }
   } else if (feed == Feed::WgradShift || feed == Feed::WgradShiftT) {
@@ -505,7 +506,7 @@ void run_mainloop(const MatmulProblem& p, const MatmulPlan& plan, const sm90::Co
   }
   if (ws != nullptr && !run.sum_in_kernel) splitk_reduce(p, ws, plan.splits, stream);
   if (column_rows > 0) {
-    bias_grad(column_ws.get(), p.column_sums, column_rows, p.n, 1.f, stream);
+    detail::bias_grad_deferrable(column_ws.get(), p.column_sums, column_rows, p.n, 1.f, stream);
   } else if (p.column_sums != nullptr) {
     add_column_sums(p.c, p.c_type, p.column_sums, p.m, p.n, stream);
   }

@@ -58,13 +58,15 @@ struct MatmulProblem {
   // bf16 backward-weight on the patch feed only (detail::Feed::WgradTma / WgradTmaT; not matmul()):
   // K floats, or null. bias_grad[c] += the sum of dy's channel c over the pixels (the convolution's
   // bias gradient), taken from the dy tiles the product loads anyway (kernels/sm90/matmul_sm90.cuh,
-  // wgrad_bias_sums) and the splits summed in a fixed order: deterministic.
+  // wgrad_bias_sums) and the splits summed in a fixed order: deterministic. A parameter's gradient:
+  // its last launch may be queued (kernels/bias.h, NOTE [Deferred bias gradients]).
   float* bias_grad = nullptr;
   // A convolution's backward-data on the TMA patch feed (detail::run_mainloop; not matmul()): n
   // floats, or null. column_sums[c] += the sum of the stored C's column c (C's values as stored,
   // after the mask), fp32, in a fixed order: the bias gradient of the layer before (Module's bias
   // hand-off). Taken in the epilogue where it can be (a ReLU mask, whole tiles, no split-K: one
-  // row of partial sums per 16 rows of C, then bias_grad over them), else in a pass over C.
+  // row of partial sums per 16 rows of C, then bias_grad over them), else in a pass over C. Its
+  // last launch may be queued, as bias_grad's above.
   float* column_sums = nullptr;
 };
 
@@ -148,7 +150,9 @@ enum class Feed {
 };
 
 // sums[c] += the sum of column c of the rows x cols matrix c (no gaps between rows) of `type`:
-// MatmulProblem::column_sums' pass where the epilogue does not take them.
+// MatmulProblem::column_sums' pass where the epilogue does not take them. sums is a parameter's
+// gradient (the bias hand-off): its last launch may be queued (kernels/bias.h, NOTE [Deferred bias
+// gradients]).
 void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
                      cudaStream_t stream);
 

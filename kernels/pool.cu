@@ -535,8 +535,7 @@ void max_pool2d_2x2_backward_impl(const T* dy, const uint8_t* codes, T* dx, int 
                  "max pooling's partial column sums of its input gradient");
     launch("max_pool_2x2_backward_codes_kernel", max_pool_2x2_backward_codes_kernel<T, V, I, true>,
            blocks, kThreads, 0, stream, dy, codes, dx, g, items, relu_mask, ws.get());
-    bias_grad_from_partials(ws.get(), dbias, blocks, c, 1.0f, stream);
-    ws.release();
+    bias_grad_from_partials(std::move(ws), dbias, blocks, c, 1.0f, stream);  // or queued
   });
   if (dbias != nullptr && !sums && windows > 0) {
     // Channel vectors that do not divide the block: a pass of its own, the same sums.

@@ -94,7 +94,8 @@ void max_pool2d_2x2_forward_cpu(const T* x, std::type_identity_t<T>* y, uint8_t*
 // elementwise.h's relu_grad), bit for bit, without a pass of its own. With `dbias` (C floats, or
 // null) dbias[c] += the sum of dx's channel c over n, h and w, fp32, taken from the values the pass
 // stores (the bias gradient of the layer whose output x is, Module's bias hand-off; bias_grad's sum
-// in another order, deterministic).
+// in another order, deterministic); inside a Module's backward it is complete when the backward
+// ends (kernels/bias.h, NOTE [Deferred bias gradients]).
 void max_pool2d_2x2_backward(const float* dy, const uint8_t* codes, float* dx, int n, int h, int w,
                              int c, cudaStream_t stream, bool relu_mask = false,
                              float* dbias = nullptr);

@@ -14,11 +14,13 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/nvtx.h"
+#include "kernels/bias.h"
 #include "kernels/elementwise.h"
 #include "kernels/layout.h"
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -87,6 +89,11 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
              ": backward() called without a forward() since the last backward (or after the module "
              "was moved); run forward() first: backward uses what the forward saved, and frees it");
   check_inputs(grad_outputs, "grad_output", /*allow_undefined=*/true);
+  // The bias gradients' last launches queued and run as one at the end (kernels/bias.h, NOTE
+  // [Deferred bias gradients]): by the thread's outermost backward only; inner ones flush before
+  // their hooks.
+  std::optional<kernels::DeferredBiasGrads> deferred;
+  if (!device_.is_cpu()) deferred.emplace(device_.index, stream_for(device_));
   input_grad_summed_ = false;
   // The bias hand-off asks for the column sums of the gradient this module hands back; one that
   // came in bf16 and was widened goes back rounded to bf16 (below), and the layer before must sum
@@ -108,7 +115,12 @@ TensorList Module::backward_all(const TensorList& grad_outputs) {
   for (size_t i = 0; i < grads.size() && i < widened_.size(); ++i) {
     if (widened_[i]) grads[i] = convert(grads[i], DType::bf16);
   }
+  // A hook (the Reducer's all-reduce of this module's bucket) reads the gradients: they are
+  // complete before it, as they are when the outermost backward returns.
+  if (backward_hook_ || (deferred && deferred->active())) kernels::flush_deferred_bias_grads();
   if (backward_hook_) backward_hook_();
+  // Sums the hook itself queued (cudp's hooks queue none), before the outermost scope closes.
+  if (backward_hook_ && deferred && deferred->active()) kernels::flush_deferred_bias_grads();
   return grads;
 }
 

@@ -25,7 +25,8 @@ TEST(BenchTrain, OneProcessOnTheCpu) {
   EXPECT_EQ(row.at("cudp_graphs"), "off");
   EXPECT_EQ(row.at("cudp_zero_grad"), "deferred");  // the default
   EXPECT_EQ(row.at("cudp_overlap_update"), "off");  // the default
-  EXPECT_EQ(row.at("cudp_splitk"), "kernel");       // the default
+  EXPECT_EQ(row.at("cudp_splitk"), "kernel4");      // the default
+  EXPECT_EQ(row.at("cudp_bias_final"), "batched");  // the default
   EXPECT_EQ(row.at("repeats"), 1);                  // kTinyCpu's: one timed window
   EXPECT_EQ(row.at("bn"), false);          // --bn is off by default
   EXPECT_FALSE(row.contains("peak_gib"));  // GPU memory only

@@ -394,6 +394,117 @@ TEST(BiasGpu, BiasGradFollowsItsExactOrderBitForBit) {
   }
 }
 
+// NOTE [Deferred bias gradients] (kernels/bias.h): inside a scope, the sums handed over with their
+// workspace are queued, nothing of them lands before the flush, and the flush's one launch gives
+// each gradient the bits of its own launch (partials whose order shows: values of mixed
+// magnitudes and signs, so another order would round differently somewhere). A second sum into a
+// queued gradient flushes the queue first (the two in order); a scope that is not the outermost
+// is inactive (its sums go to the outer queue); a sum on another stream and any sum under a scope
+// with the switch off run at once.
+TEST(BiasGpu, DeferredSumsRunAsOneLaunchWithTheBitsOfOneLaunchEach) {
+  CUDP_REQUIRE_GPU();
+  struct Restore {
+    bool on = detail::deferred_bias_grads();
+    ~Restore() { detail::set_deferred_bias_grads(on); }
+  } restore;
+  detail::set_deferred_bias_grads(true);
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const cuda::Stream other = cuda::Stream::create(0);
+  struct Sum {
+    int64_t chunks, cols;
+    float beta;
+    int target;  // which gradient it adds to
+  };
+  // Gradients 0-4 once each (one tile, several, a partial tile, beta 0 over NaN, beta 0.5); then
+  // gradient 1 again (flushes the queue before it is queued).
+  const std::vector<Sum> sums = {{1, 10, 0.f, 0},     {37, 64, 1.f, 1}, {660, 512, 1.f, 2},
+                                 {1024, 100, 0.f, 3}, {5, 33, 0.5f, 4}, {300, 64, 1.f, 1}};
+  const int64_t sizes[] = {10, 64, 512, 100, 33};
+  std::vector<Slice> want, got;
+  std::vector<std::vector<float>> initial;
+  uint64_t seed = 900;
+  for (int64_t n : sizes) {
+    std::vector<float> v = testing::random_vector(n, seed++, -4.f, 4.f);
+    if (n == 100) std::fill(v.begin(), v.end(), std::numeric_limits<float>::quiet_NaN());
+    initial.push_back(v);
+    want.emplace_back(n, 0);
+    got.emplace_back(n, 0);
+    want.back().upload(v);
+    got.back().upload(v);
+  }
+  std::vector<std::vector<float>> partials;
+  for (const Sum& sum : sums) {
+    std::vector<float> p = testing::random_vector(sum.chunks * sum.cols, seed++, -1.f, 1.f);
+    for (size_t i = 0; i < p.size(); i += 7) p[i] *= 4096.f;  // magnitudes whose order shows
+    partials.push_back(std::move(p));
+  }
+  // One launch each, in order, outside any scope.
+  for (size_t i = 0; i < sums.size(); ++i) {
+    Slice in(int64_t(partials[i].size()), 0);
+    in.upload(partials[i]);
+    bias_grad_from_partials(in.get(), want[sums[i].target].get(), sums[i].chunks, sums[i].cols,
+                            sums[i].beta, stream);
+    stream.synchronize();
+  }
+  auto queue = [&](size_t i, cudaStream_t on) {
+    Workspace ws(partials[i].size() * sizeof(float), on);
+    CUDP_CUDA_CHECK(cudaMemcpyAsync(ws.get(), partials[i].data(),
+                                    partials[i].size() * sizeof(float), cudaMemcpyHostToDevice,
+                                    on));
+    bias_grad_from_partials(std::move(ws), got[sums[i].target].get(), sums[i].chunks, sums[i].cols,
+                            sums[i].beta, on);
+  };
+  {
+    DeferredBiasGrads scope(0, stream);
+    ASSERT_TRUE(scope.active());
+    {
+      DeferredBiasGrads inner(0, stream);  // not the outermost: its sums go to the outer queue
+      EXPECT_FALSE(inner.active());
+      queue(0, stream);
+      EXPECT_EQ(detail::deferred_bias_grads_queued(), 1);
+    }
+    EXPECT_EQ(detail::deferred_bias_grads_queued(), 1);
+    for (size_t i = 1; i < 5; ++i) queue(i, stream);
+    EXPECT_EQ(detail::deferred_bias_grads_queued(), 5);
+    stream.synchronize();
+    for (int t = 0; t < 5; ++t) {
+      const std::vector<float> now = got[t].download();
+      EXPECT_EQ(std::memcmp(now.data(), initial[t].data(), now.size() * sizeof(float)), 0)
+          << "gradient " << t << " changed before the flush";
+    }
+    queue(5, stream);  // gradient 1 again: the five before it run first
+    EXPECT_EQ(detail::deferred_bias_grads_queued(), 1);
+    flush_deferred_bias_grads();
+    EXPECT_EQ(detail::deferred_bias_grads_queued(), 0);
+    stream.synchronize();
+  }
+  for (int t = 0; t < 5; ++t) {
+    const std::vector<float> a = want[t].download(), b = got[t].download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+        << "gradient " << t << ": the queued sums differ from one launch each";
+    EXPECT_TRUE(got[t].guards_intact()) << "gradient " << t;
+  }
+  // Gradient 3's sum (beta 0 over NaN) against the reference: the queue is no stand-in for it.
+  std::vector<float> ref(initial[3]);
+  bias_grad_cpu(partials[3].data(), ref.data(), sums[3].chunks, sums[3].cols, 0.f);
+  EXPECT_ALL_CLOSE(got[3].download(), ref, 1e-5, 1e-5);
+  // Another stream, or the switch off: at once.
+  {
+    DeferredBiasGrads scope(0, stream);
+    queue(1, other);
+    EXPECT_EQ(detail::deferred_bias_grads_queued(), 0);
+  }
+  detail::set_deferred_bias_grads(false);
+  {
+    DeferredBiasGrads scope(0, stream);
+    EXPECT_FALSE(scope.active());
+    queue(1, stream);
+    EXPECT_EQ(detail::deferred_bias_grads_queued(), 0);
+  }
+  other.synchronize();
+  stream.synchronize();
+}
+
 TEST(BiasGpu, EmptyShapes) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream stream = cuda::Stream::create(0);

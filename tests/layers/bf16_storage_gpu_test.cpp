@@ -438,6 +438,71 @@ TEST(Bf16StorageGpu, Tf32ConvLeavesABf16LayersBiasSum) {
   }
 }
 
+// The bias gradients' last launches queued through a backward and run as one at its end
+// (kernels/bias.h, NOTE [Deferred bias gradients]): the same bits as one launch each, for every
+// gradient of a model with the poolings' and backward-data's hand-off (small_net) and one with
+// BatchNorm's (batchnorm_net). And a backward hook sees its module's gradients complete: the hook
+// on the second convolution copies its bias gradient (parameter 3, added up by the pooling after
+// it, whose sum is queued) as the hook runs, and the copy is the final gradient, not the zeros
+// the gradient held before the flush. The BatchNorm model's queued run goes inside a scope of the
+// test's own, so the model's is not the outermost and leaves its sums queued: some are (the model
+// queues), and they land at the test's flush.
+TEST_P(FusedReluGpu, QueuedBiasSumsGiveTheBitsOfOneLaunchEach) {
+  if (GetParam() == Precision::fp32) {
+    CUDP_REQUIRE_GPU();
+  } else {
+    CUDP_REQUIRE_TENSOR_CORES();
+  }
+  struct Restore {
+    bool on = kernels::detail::deferred_bias_grads();
+    ~Restore() { kernels::detail::set_deferred_bias_grads(on); }
+  } restore;
+  const Device gpu = Device::cuda(0);
+  const auto run = [&](const std::shared_ptr<Sequential>& net, const Shape& input, bool queued,
+                       Tensor* hooked, bool outer_scope = false) {
+    kernels::detail::set_deferred_bias_grads(queued);
+    net->set_precision(GetParam());
+    net->to(gpu);
+    if (hooked != nullptr) {
+      Module& conv = *(*net)[2];
+      conv.set_backward_hook(
+          [&conv, hooked] { *hooked = conv.parameters()[1]->grad.clone_async(); });
+    }
+    const Tensor x = random_tensor(input, 80, -1.f, 1.f, gpu);
+    const Tensor y = net->forward(x);
+    net->zero_grad();
+    const Tensor g = random_tensor(y.shape(), 81, -1.f, 1.f, gpu);
+    Tensor dx;
+    if (outer_scope) {
+      kernels::DeferredBiasGrads scope(0, stream_for(gpu));
+      EXPECT_TRUE(scope.active());
+      dx = net->backward(g);
+      EXPECT_GT(kernels::detail::deferred_bias_grads_queued(), 0) << "the model queued nothing";
+      kernels::flush_deferred_bias_grads();
+    } else {
+      dx = net->backward(g);
+    }
+    std::vector<std::vector<float>> grads{values(dx)};
+    for (const auto& p : net->parameters()) grads.push_back(values(p->grad));
+    return grads;
+  };
+  Tensor hooked;
+  const auto queued = run(small_net(30), {4, 16, 16, 3}, true, &hooked);
+  const auto each = run(small_net(30), {4, 16, 16, 3}, false, nullptr);
+  ASSERT_EQ(queued.size(), each.size());
+  for (size_t i = 0; i < queued.size(); ++i) {
+    EXPECT_EQ(queued[i], each[i]) << (i == 0 ? "the input gradient" : "a parameter gradient")
+                                  << " (" << i << ")";
+  }
+  ASSERT_TRUE(hooked.defined());
+  EXPECT_EQ(values(hooked), queued[4]) << "the hook ran before its bias gradient was complete";
+  EXPECT_NE(values(hooked), std::vector<float>(queued[4].size(), 0.f));
+  const auto bn_queued = run(batchnorm_net(), {4, 16, 16, 3}, true, nullptr, true);
+  const auto bn_each = run(batchnorm_net(), {4, 16, 16, 3}, false, nullptr);
+  ASSERT_EQ(bn_queued.size(), bn_each.size());
+  for (size_t i = 0; i < bn_queued.size(); ++i) EXPECT_EQ(bn_queued[i], bn_each[i]) << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(Bf16StorageGpu, FusedReluGpu,
                          ::testing::Values(Precision::fp32, Precision::tf32, Precision::bf16),
                          [](const auto& info) { return std::string(precision_name(info.param)); });
