@@ -507,6 +507,83 @@ TEST(BiasGpu, DeferredSumsRunAsOneLaunchWithTheBitsOfOneLaunchEach) {
   stream.synchronize();
 }
 
+// NOTE [Deferred bias gradients]: a launch that writes a queued gradient itself (bias_grad, which
+// never queues) comes after the queued sum, on the queue's stream and on another (which waits for
+// the flush); a queue of kMaxFinalJobs (48) sums flushes before the 49th. Each against the same
+// launches one at a time on one stream, bit for bit.
+TEST(BiasGpu, DeferredSumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity) {
+  CUDP_REQUIRE_GPU();
+  struct Restore {
+    bool on = detail::deferred_bias_grads();
+    ~Restore() { detail::set_deferred_bias_grads(on); }
+  } restore;
+  detail::set_deferred_bias_grads(true);
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const cuda::Stream other = cuda::Stream::create(0);
+  const int64_t cols = 96, chunks = 40, rows = 3000;
+  Slice dy(rows * cols, 0);
+  dy.upload(testing::random_vector(size_t(rows * cols), 950, -1.f, 1.f));
+  std::vector<std::vector<float>> partials;
+  for (uint64_t i = 0; i < 50; ++i) {
+    partials.push_back(testing::random_vector(size_t(chunks * cols), 960 + i, -8.f, 8.f));
+  }
+  const auto workspace = [&](const std::vector<float>& values, cudaStream_t on) {
+    Workspace ws(values.size() * sizeof(float), on);
+    CUDP_CUDA_CHECK(cudaMemcpyAsync(ws.get(), values.data(), values.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, on));
+    return ws;
+  };
+  const std::vector<float> initial = testing::random_vector(size_t(cols), 955, -2.f, 2.f);
+  for (const bool same_stream : {true, false}) {
+    SCOPED_TRACE(same_stream ? "the direct write on the queue's stream" : "on another stream");
+    const cudaStream_t writer = same_stream ? stream.get() : other.get();
+    Slice in(chunks * cols, 0), want(cols, 0), got(cols, 0);
+    in.upload(partials[0]);
+    want.upload(initial);
+    got.upload(initial);
+    bias_grad_from_partials(in.get(), want.get(), chunks, cols, 1.f, stream);
+    bias_grad(dy.get(), want.get(), rows, cols, 1.f, stream);
+    stream.synchronize();
+    {
+      DeferredBiasGrads scope(0, stream);
+      bias_grad_from_partials(workspace(partials[0], stream), got.get(), chunks, cols, 1.f, stream);
+      EXPECT_EQ(detail::deferred_bias_grads_queued(), 1);
+      bias_grad(dy.get(), got.get(), rows, cols, 1.f, writer);
+      EXPECT_EQ(detail::deferred_bias_grads_queued(), 0) << "the direct write did not flush";
+      other.synchronize();
+      stream.synchronize();
+    }
+    const std::vector<float> a = want.download(), b = got.download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  }
+  // 50 gradients, one sum each: the 49th finds the queue full and flushes the first 48.
+  std::vector<Slice> want, got;
+  for (size_t i = 0; i < partials.size(); ++i) {
+    want.emplace_back(cols, 0);
+    got.emplace_back(cols, 0);
+    want.back().upload(initial);
+    got.back().upload(initial);
+    Slice in(chunks * cols, 0);
+    in.upload(partials[i]);
+    bias_grad_from_partials(in.get(), want.back().get(), chunks, cols, 0.5f, stream);
+    stream.synchronize();
+  }
+  {
+    DeferredBiasGrads scope(0, stream);
+    for (size_t i = 0; i < partials.size(); ++i) {
+      bias_grad_from_partials(workspace(partials[i], stream), got[i].get(), chunks, cols, 0.5f,
+                              stream);
+      EXPECT_EQ(detail::deferred_bias_grads_queued(), i < 48 ? int(i) + 1 : int(i) - 47) << i;
+    }
+    flush_deferred_bias_grads();
+    stream.synchronize();
+  }
+  for (size_t i = 0; i < partials.size(); ++i) {
+    const std::vector<float> a = want[i].download(), b = got[i].download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "gradient " << i;
+  }
+}
+
 TEST(BiasGpu, EmptyShapes) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream stream = cuda::Stream::create(0);
