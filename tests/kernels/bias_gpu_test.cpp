@@ -490,27 +490,39 @@ TEST(BiasGpu, DeferredSumsRunAsOneLaunchWithTheBitsOfOneLaunchEach) {
   bias_grad_cpu(partials[3].data(), ref.data(), sums[3].chunks, sums[3].cols, 0.f);
   EXPECT_ALL_CLOSE(got[3].download(), ref, 0.0,
                    summation_atol(partials[3], initial[3], sums[3].chunks, sums[3].cols, 0.f));
-  // Another stream, or the switch off: at once.
-  {
-    DeferredBiasGrads scope(0, stream);
-    queue(1, other);
-    EXPECT_EQ(detail::deferred_bias_grads_queued(), 0);
+  // Another stream, or the switch off: at once, and the sum lands (sum 1 once more on gradient
+  // 1, against the same launch outside any scope).
+  std::vector<float> gradient1 = want[1].download();
+  Slice in1(int64_t(partials[1].size()), 0);
+  in1.upload(partials[1]);
+  for (const bool switch_off : {false, true}) {
+    SCOPED_TRACE(switch_off ? "the switch off" : "another stream");
+    want[1].upload(gradient1);
+    got[1].upload(gradient1);
+    bias_grad_from_partials(in1.get(), want[1].get(), sums[1].chunks, sums[1].cols, sums[1].beta,
+                            stream);
+    stream.synchronize();
+    detail::set_deferred_bias_grads(!switch_off);
+    {
+      DeferredBiasGrads scope(0, stream);
+      EXPECT_EQ(scope.active(), !switch_off);
+      queue(1, switch_off ? stream.get() : other.get());
+      EXPECT_EQ(detail::deferred_bias_grads_queued(), 0);
+    }
+    other.synchronize();
+    stream.synchronize();
+    const std::vector<float> a = want[1].download(), b = got[1].download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
   }
-  detail::set_deferred_bias_grads(false);
-  {
-    DeferredBiasGrads scope(0, stream);
-    EXPECT_FALSE(scope.active());
-    queue(1, stream);
-    EXPECT_EQ(detail::deferred_bias_grads_queued(), 0);
-  }
-  other.synchronize();
-  stream.synchronize();
 }
 
 // NOTE [Deferred bias gradients]: a launch that writes a queued gradient itself (bias_grad, which
 // never queues) comes after the queued sum, on the queue's stream and on another (which waits for
 // the flush); a queue of kMaxFinalJobs (48) sums flushes before the 49th. Each against the same
-// launches one at a time on one stream, bit for bit.
+// launches one at a time on one stream, bit for bit. The direct write overwrites (beta 0), so in
+// order it leaves exactly its own sum, and out of order the queued sum on top of it; and the
+// queue's stream is kept busy (a 1 GiB memset) before the flush, so that a writer on another
+// stream that did not wait for the flush would run first.
 TEST(BiasGpu, DeferredSumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity) {
   CUDP_REQUIRE_GPU();
   struct Restore {
@@ -542,19 +554,23 @@ TEST(BiasGpu, DeferredSumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity) {
     want.upload(initial);
     got.upload(initial);
     bias_grad_from_partials(in.get(), want.get(), chunks, cols, 1.f, stream);
-    bias_grad(dy.get(), want.get(), rows, cols, 1.f, stream);
+    bias_grad(dy.get(), want.get(), rows, cols, 0.f, stream);
     stream.synchronize();
     {
       DeferredBiasGrads scope(0, stream);
       bias_grad_from_partials(workspace(partials[0], stream), got.get(), chunks, cols, 1.f, stream);
       EXPECT_EQ(detail::deferred_bias_grads_queued(), 1);
-      bias_grad(dy.get(), got.get(), rows, cols, 1.f, writer);
+      Workspace busy(size_t(1) << 30, stream);
+      CUDP_CUDA_CHECK(cudaMemsetAsync(busy.get(), 0, size_t(1) << 30, stream));
+      bias_grad(dy.get(), got.get(), rows, cols, 0.f, writer);
       EXPECT_EQ(detail::deferred_bias_grads_queued(), 0) << "the direct write did not flush";
       other.synchronize();
       stream.synchronize();
     }
     const std::vector<float> a = want.download(), b = got.download();
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+        << "the direct write and the queued sum out of order";
+    EXPECT_TRUE(got.guards_intact());
   }
   // 50 gradients, one sum each: the 49th finds the queue full and flushes the first 48.
   std::vector<Slice> want, got;
@@ -581,6 +597,7 @@ TEST(BiasGpu, DeferredSumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity) {
   for (size_t i = 0; i < partials.size(); ++i) {
     const std::vector<float> a = want[i].download(), b = got[i].download();
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "gradient " << i;
+    EXPECT_TRUE(got[i].guards_intact()) << "gradient " << i;
   }
 }
 

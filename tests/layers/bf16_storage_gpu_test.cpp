@@ -444,9 +444,9 @@ TEST(Bf16StorageGpu, Tf32ConvLeavesABf16LayersBiasSum) {
 // BatchNorm's (batchnorm_net). And a backward hook sees its module's gradients complete: the hook
 // on the second convolution copies its bias gradient (parameter 3, added up by the pooling after
 // it, whose sum is queued) as the hook runs, and the copy is the final gradient, not the zeros
-// the gradient held before the flush. The BatchNorm model's queued run goes inside a scope of the
-// test's own, so the model's is not the outermost and leaves its sums queued: some are (the model
-// queues), and they land at the test's flush.
+// the gradient held before the flush. A second queued run of each model goes inside a scope of
+// the test's own, so the model's is not the outermost and leaves its sums queued: some are (the
+// model queues), and they land at the test's flush.
 TEST_P(FusedReluGpu, QueuedBiasSumsGiveTheBitsOfOneLaunchEach) {
   if (GetParam() == Precision::fp32) {
     CUDP_REQUIRE_GPU();
@@ -497,6 +497,10 @@ TEST_P(FusedReluGpu, QueuedBiasSumsGiveTheBitsOfOneLaunchEach) {
   ASSERT_TRUE(hooked.defined());
   EXPECT_EQ(values(hooked), queued[4]) << "the hook ran before its bias gradient was complete";
   EXPECT_NE(values(hooked), std::vector<float>(queued[4].size(), 0.f));
+  // And without the hook, inside a scope of the test's: the pooling's and backward-data's sums
+  // were queued, and land with the same bits at the test's flush.
+  const auto outer = run(small_net(30), {4, 16, 16, 3}, true, nullptr, true);
+  for (size_t i = 0; i < outer.size(); ++i) EXPECT_EQ(outer[i], each[i]) << i;
   const auto bn_queued = run(batchnorm_net(), {4, 16, 16, 3}, true, nullptr, true);
   const auto bn_each = run(batchnorm_net(), {4, 16, 16, 3}, false, nullptr);
   ASSERT_EQ(bn_queued.size(), bn_each.size());
