@@ -22,6 +22,10 @@
 #   scripts/gpu-check.sh --splitk        # and the split-K reduction four columns a thread, A/B in
 #                                        # one run: bench_train bf16 32² (VGG-16 and VGG-16-BN)
 #                                        # with --splitk kernel and kernel4, alternating, two rounds
+#   scripts/gpu-check.sh --bias-final    # and the bias gradients' last launches queued and run as
+#                                        # one, A/B in one run: bench_train bf16 32² (VGG-16 and
+#                                        # VGG-16-BN) with --bias-final batched and each,
+#                                        # alternating, two rounds
 #   CUDP_TESTS='kernels_' scripts/gpu-check.sh   # a ctest -R filter
 #   CUDP_CTEST_JOBS=6 scripts/gpu-check.sh       # ctest's parallel jobs (4 by default)
 # Logs go to $OUT (the device tool's output folder) when set, else ./out.
@@ -35,6 +39,7 @@ probes=0
 sustained=0
 overlap=0
 splitk=0
+bias_final=0
 for arg in "$@"; do
   [[ $arg == --bench ]] && bench=1
   [[ $arg == --probes ]] && probes=1
@@ -42,6 +47,7 @@ for arg in "$@"; do
   [[ $arg == --sustained ]] && sustained=1
   [[ $arg == --overlap ]] && overlap=1
   [[ $arg == --splitk ]] && splitk=1
+  [[ $arg == --bias-final ]] && bias_final=1
 done
 export PATH=/usr/local/cuda/bin:$PATH
 
@@ -128,6 +134,9 @@ if [[ $build_rc == 0 || $partial == 1 ]]; then
   fi
   if [[ $splitk == 1 ]]; then
     ab_32 splitk --splitk kernel kernel4
+  fi
+  if [[ $bias_final == 1 ]]; then
+    ab_32 bias-final --bias-final batched each
   fi
   if [[ $sustained == 1 ]]; then
     # The clock-event field's name since driver 535; the older one before.
