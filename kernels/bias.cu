@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
-#include <memory>
 #include <utility>
 #include <vector>
 
@@ -283,11 +282,10 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
   const int64_t chunk_rows = std::max<int64_t>(1, ceil_div(rows, chunks));
   chunks = std::max<int64_t>(1, ceil_div(rows, chunk_rows));  // no empty chunk
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(tiles));
-  // A launch that writes dbias itself comes after any queued sum into it.
-  if (dbias != nullptr && (chunks == 1 || !deferrable)) {
-    detail::flush_deferred_bias_grads_into(dbias, stream);
-  }
   if (chunks == 1 || dbias == nullptr) {
+    // This launch writes dbias itself: after any queued sum into it. (With chunks, the second
+    // stage's bias_grad_from_partials orders itself.)
+    if (dbias != nullptr) detail::flush_deferred_bias_grads_into(dbias, stream);
     launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
            masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
     return;
@@ -348,14 +346,27 @@ void check_partials(const float* partial, const float* dbias, int64_t chunks, in
 
 std::atomic<bool> g_deferred{true};
 
-// The calling thread's queue: the outermost active scope's device and stream, its sums, their
-// partials and the blocks their launch will take.
+// A thread's queue: the outermost active scope's device and stream, its sums, their partials and
+// the blocks their launch will take. One per thread for the thread's life, its capacity reserved
+// once (no allocation per backward); t_queue points to it while a scope is active. Empty whenever
+// no scope is, so its destruction at the thread's exit makes no CUDA call.
 struct DeferredQueue {
+  DeferredQueue() {
+    jobs.reserve(kMaxFinalJobs);
+    partials.reserve(kMaxFinalJobs);
+  }
   int device = 0;
   cudaStream_t stream = nullptr;
   std::vector<FinalJob> jobs;
   std::vector<Workspace> partials;
   int64_t blocks = 0;
+
+  // Empties the queue, freeing the partials on their stream after what was enqueued on it.
+  void drop() {
+    jobs.clear();
+    partials.clear();
+    blocks = 0;
+  }
 };
 thread_local DeferredQueue* t_queue = nullptr;
 
@@ -368,16 +379,18 @@ void flush_queue(DeferredQueue& q) {
     batch.job[batch.count++].first_block = blocks;
     blocks += static_cast<unsigned>(ceil_div(job.cols, kTile));
   }
+  try {
+    const cuda::DeviceGuard guard(q.device);
+    launch("bias_grad_final_batch_kernel", bias_grad_final_batch_kernel, blocks, dim3(kTile, kTile),
+           0, q.stream, batch);
+  } catch (...) {
+    q.drop();  // the workspaces freed whether or not the launch was accepted
+    throw;
+  }
   q.jobs.clear();
   q.blocks = 0;
-  // The workspaces are freed after the launch whether or not it is accepted.
-  std::vector<Workspace> partials = std::move(q.partials);
+  for (Workspace& ws : q.partials) ws.release();  // reporting an error, as the single launch does
   q.partials.clear();
-  q.partials.reserve(kMaxFinalJobs);
-  const cuda::DeviceGuard guard(q.device);
-  launch("bias_grad_final_batch_kernel", bias_grad_final_batch_kernel, blocks, dim3(kTile, kTile),
-         0, q.stream, batch);
-  for (Workspace& ws : partials) ws.release();
 }
 
 bool queued_into(const DeferredQueue& q, const float* dbias) {
@@ -430,12 +443,10 @@ void bias_grad_from_partials(Workspace partials, float* dbias, int64_t chunks, i
 
 DeferredBiasGrads::DeferredBiasGrads(int device, cudaStream_t stream) {
   if (t_queue != nullptr || !detail::deferred_bias_grads()) return;
-  auto queue = std::make_unique<DeferredQueue>();
-  queue->device = device;
-  queue->stream = stream;
-  queue->jobs.reserve(kMaxFinalJobs);
-  queue->partials.reserve(kMaxFinalJobs);
-  t_queue = queue.release();  // published only once complete
+  thread_local DeferredQueue queue;
+  queue.device = device;
+  queue.stream = stream;
+  t_queue = &queue;
   active_ = true;
 }
 
@@ -443,7 +454,7 @@ DeferredBiasGrads::~DeferredBiasGrads() {
   if (!active_) return;
   // Unflushed sums are dropped (only an exception leaves a backward without its flush), their
   // workspaces freed on the stream after the kernels that wrote them.
-  delete std::exchange(t_queue, nullptr);
+  std::exchange(t_queue, nullptr)->drop();
 }
 
 void flush_deferred_bias_grads() {

@@ -42,19 +42,14 @@
 #include <cstring>
 #include <vector>
 
+#include "bench/probes/probe.h"
+
 namespace {
 
 constexpr int kTileM = 128;
 constexpr int kThreads = 256;  // the product's two consumer warpgroups
 
-#define PROBE_CHECK(call)                                                                      \
-  do {                                                                                         \
-    const cudaError_t err_ = (call);                                                           \
-    if (err_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "probe_cluster_splitk: %s: %s\n", #call, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
+constexpr char kProbe[] = "probe_cluster_splitk";  // for PROBE_CHECK
 
 // The stand-in for split `split`'s accumulator of element (row, col) of tile `tile`: full
 // mantissas of both signs over 16 binades, so that the fp32 sums round and their order shows in
@@ -266,17 +261,8 @@ bool run(int tiles, int n) {
 }  // namespace
 
 int main() {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    std::printf("probe_cluster_splitk: no CUDA device; nothing to probe\n");
-    return 0;
-  }
   cudaDeviceProp prop{};
-  PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    std::printf("probe_cluster_splitk: %s is not sm_90 (clusters); nothing to probe\n", prop.name);
-    return 0;
-  }
+  if (!probe_sm90_device(kProbe, "clusters", &prop)) return 0;
   std::printf("%s, %d SMs: microseconds per product's sum (median)\n", prop.name,
               prop.multiProcessorCount);
   std::printf("%6s | %5s | %3s | %8s | %10s | %10s | %6s | %s\n", "splits", "tiles", "n",

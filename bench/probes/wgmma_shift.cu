@@ -29,6 +29,8 @@
 #include <string>
 #include <vector>
 
+#include "bench/probes/probe.h"
+
 #include "kernels/sm90/wgmma.cuh"
 
 namespace {
@@ -38,14 +40,7 @@ constexpr int kK = 64;      // bf16 per row: 128 bytes
 constexpr int kN = 64;      // B: 64 rows (n) of 64 k
 constexpr int kM = 64;      // one warpgroup's product
 
-#define PROBE_CHECK(call)                                                                   \
-  do {                                                                                      \
-    const cudaError_t err_ = (call);                                                        \
-    if (err_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "probe_wgmma_shift: %s: %s\n", #call, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
+constexpr char kProbe[] = "probe_wgmma_shift";  // for PROBE_CHECK
 
 __device__ uint64_t descriptor(uint32_t addr, uint32_t stride, uint32_t base_offset) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) |
@@ -102,17 +97,8 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* x, const __nv_
 }  // namespace
 
 int main() {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    std::printf("probe_wgmma_shift: no CUDA device; nothing to probe\n");
-    return 0;
-  }
   cudaDeviceProp prop{};
-  PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    std::printf("probe_wgmma_shift: %s is not sm_90 (wgmma); nothing to probe\n", prop.name);
-    return 0;
-  }
+  if (!probe_sm90_device(kProbe, "wgmma", &prop)) return 0;
 
   std::vector<float> xf(kRows * kK), bf(kN * kK);
   uint32_t state = 12345;

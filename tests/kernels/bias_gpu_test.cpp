@@ -27,6 +27,7 @@
 #include "common/compare.h"
 #include "common/gpu.h"
 #include "common/guarded_buffer.h"
+#include "common/scoped_switch.h"
 #include "engine/core/stream.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/bias.h"
@@ -394,6 +395,20 @@ TEST(BiasGpu, BiasGradFollowsItsExactOrderBitForBit) {
   }
 }
 
+// The queued sums' tests (NOTE [Deferred bias gradients]): on a GPU, the switch on for the test
+// and put back after it, the queue's stream and another.
+class DeferredBiasGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CUDP_REQUIRE_GPU();
+    stream = cuda::Stream::create(0);
+    other = cuda::Stream::create(0);
+  }
+  const testing::ScopedSwitch<bool> queued_{detail::deferred_bias_grads,
+                                            detail::set_deferred_bias_grads, true};
+  cuda::Stream stream, other;  // made once a GPU is known to be there
+};
+
 // NOTE [Deferred bias gradients] (kernels/bias.h): inside a scope, the sums handed over with their
 // workspace are queued, nothing of them lands before the flush, and the flush's one launch gives
 // each gradient the bits of its own launch (partials whose order shows: values of mixed
@@ -401,15 +416,7 @@ TEST(BiasGpu, BiasGradFollowsItsExactOrderBitForBit) {
 // queued gradient flushes the queue first (the two in order); a scope that is not the outermost
 // is inactive (its sums go to the outer queue); a sum on another stream and any sum under a scope
 // with the switch off run at once.
-TEST(BiasGpu, DeferredSumsRunAsOneLaunchWithTheBitsOfOneLaunchEach) {
-  CUDP_REQUIRE_GPU();
-  struct Restore {
-    bool on = detail::deferred_bias_grads();
-    ~Restore() { detail::set_deferred_bias_grads(on); }
-  } restore;
-  detail::set_deferred_bias_grads(true);
-  const cuda::Stream stream = cuda::Stream::create(0);
-  const cuda::Stream other = cuda::Stream::create(0);
+TEST_F(DeferredBiasGpu, SumsRunAsOneLaunchWithTheBitsOfOneLaunchEach) {
   struct Sum {
     int64_t chunks, cols;
     float beta;
@@ -523,15 +530,7 @@ TEST(BiasGpu, DeferredSumsRunAsOneLaunchWithTheBitsOfOneLaunchEach) {
 // order it leaves exactly its own sum, and out of order the queued sum on top of it; and the
 // queue's stream is kept busy (a 1 GiB memset) before the flush, so that a writer on another
 // stream that did not wait for the flush would run first.
-TEST(BiasGpu, DeferredSumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity) {
-  CUDP_REQUIRE_GPU();
-  struct Restore {
-    bool on = detail::deferred_bias_grads();
-    ~Restore() { detail::set_deferred_bias_grads(on); }
-  } restore;
-  detail::set_deferred_bias_grads(true);
-  const cuda::Stream stream = cuda::Stream::create(0);
-  const cuda::Stream other = cuda::Stream::create(0);
+TEST_F(DeferredBiasGpu, SumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity) {
   const int64_t cols = 96, chunks = 40, rows = 3000;
   Slice dy(rows * cols, 0);
   dy.upload(testing::random_vector(size_t(rows * cols), 950, -1.f, 1.f));

@@ -26,6 +26,7 @@
 #include "common/compare.h"
 #include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/scoped_switch.h"
 #include "kernels/conv2d.h"
 #include "kernels/conv2d_narrow.h"
 #include "kernels/layout.h"
@@ -106,15 +107,9 @@ void expect_within_bound(const std::vector<float>& got, const std::vector<float>
 
 // The swapped-tiles switch set for a test's duration and put back as the test found it (the tests'
 // main may have turned it off for initcheck: tests/common/test_main.cpp).
-class SwappedTiles {
- public:
-  explicit SwappedTiles(bool on) : before_(detail::conv_swapped()) { detail::set_conv_swapped(on); }
-  SwappedTiles(const SwappedTiles&) = delete;
-  SwappedTiles& operator=(const SwappedTiles&) = delete;
-  ~SwappedTiles() { detail::set_conv_swapped(before_); }
-
- private:
-  bool before_;
+struct SwappedTiles : testing::ScopedSwitch<bool> {
+  explicit SwappedTiles(bool on)
+      : ScopedSwitch(detail::conv_swapped, detail::set_conv_swapped, on) {}
 };
 
 struct Case {

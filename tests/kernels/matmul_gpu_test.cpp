@@ -29,6 +29,7 @@
 #include "common/compare.h"
 #include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/scoped_switch.h"
 #include "kernels/gemm.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
@@ -582,15 +583,12 @@ TEST_P(MatmulGpu, SplitKInTheKernelGivesTheReductionKernelsBits) {
 // kernel. Both against the CPU reference once.
 TEST_P(MatmulGpu, SplitKReductionFourColumnsAtATimeGivesTheSameBits) {
   CUDP_REQUIRE_TENSOR_CORES();
-  struct Restore {
-    bool vectorized = detail::splitk_reduce_vectorized();
-    bool in_kernel = detail::splitk_in_kernel_enabled();
-    ~Restore() {
-      detail::set_splitk_reduce_vectorized(vectorized);
-      detail::set_splitk_in_kernel(in_kernel);
-    }
-  } restore;
-  detail::set_splitk_in_kernel(false);  // the reduction kernel, in both of its forms
+  const testing::ScopedSwitch<bool> vectorized(detail::splitk_reduce_vectorized,
+                                               detail::set_splitk_reduce_vectorized,
+                                               detail::splitk_reduce_vectorized());
+  // The reduction kernel, in both of its forms.
+  const testing::ScopedSwitch<bool> in_kernel(detail::splitk_in_kernel_enabled,
+                                              detail::set_splitk_in_kernel, false);
   const Math math = GetParam();
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "common/gpu.h"
+#include "common/scoped_switch.h"
 #include "engine/core/error.h"
 #include "kernels/bias.h"
 #include "layers/activation.h"
@@ -453,10 +454,9 @@ TEST_P(FusedReluGpu, QueuedBiasSumsGiveTheBitsOfOneLaunchEach) {
   } else {
     CUDP_REQUIRE_TENSOR_CORES();
   }
-  struct Restore {
-    bool on = kernels::detail::deferred_bias_grads();
-    ~Restore() { kernels::detail::set_deferred_bias_grads(on); }
-  } restore;
+  const testing::ScopedSwitch<bool> restore(kernels::detail::deferred_bias_grads,
+                                            kernels::detail::set_deferred_bias_grads,
+                                            kernels::detail::deferred_bias_grads());
   const Device gpu = Device::cuda(0);
   const auto run = [&](const std::shared_ptr<Sequential>& net, const Shape& input, bool queued,
                        Tensor* hooked, bool outer_scope = false) {
