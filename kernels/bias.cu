@@ -372,6 +372,8 @@ thread_local DeferredQueue* t_queue = nullptr;
 
 void flush_queue(DeferredQueue& q) {
   if (q.jobs.empty()) return;
+  // The launch and the partials' release on the queue's device, whichever is current.
+  const cuda::DeviceGuard guard(q.device);
   FinalJobs batch{};
   unsigned blocks = 0;
   for (const FinalJob& job : q.jobs) {
@@ -380,7 +382,6 @@ void flush_queue(DeferredQueue& q) {
     blocks += static_cast<unsigned>(ceil_div(job.cols, kTile));
   }
   try {
-    const cuda::DeviceGuard guard(q.device);
     launch("bias_grad_final_batch_kernel", bias_grad_final_batch_kernel, blocks, dim3(kTile, kTile),
            0, q.stream, batch);
   } catch (...) {

@@ -80,13 +80,18 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
 // Gated: momentum_steps is the number of updates of this momentum buffer issued before this one
 // (a buffer restored from a checkpoint counts as one); the step is the buffer's first when that
 // count, less the skipped ones, is 0.
+// grad_norm (a device float, or null): *grad_norm = the 2-norm of grad, the bits global_norm(grad,
+// n) gives, from the update's own reads of the gradient (the update runs on the norm's partition
+// and sums the squares as it goes), so a step that wants both reads the gradients once. Written
+// whether or not the step is skipped. The CPU reference computes global_norm_cpu.
 void sgd_step(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov,
               int64_t momentum_steps, const StepGate& gate, cudaStream_t stream,
-              __nv_bfloat16* compute = nullptr);
+              __nv_bfloat16* compute = nullptr, float* grad_norm = nullptr);
 void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
-                  int64_t momentum_steps, const StepGate& gate, __nv_bfloat16* compute = nullptr);
+                  int64_t momentum_steps, const StepGate& gate, __nv_bfloat16* compute = nullptr,
+                  float* grad_norm = nullptr);
 
 // m, v: first and second moments (zero before the first step). step: 1 on the first call.
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
@@ -96,13 +101,15 @@ void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t
                     double beta1, double beta2, double eps, double weight_decay, int64_t step);
 
 // Gated: `step` is the step number issued (1 on the first call); the step taken is that less the
-// skipped ones.
+// skipped ones. grad_norm: as sgd_step's.
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                const StepGate& gate, cudaStream_t stream, __nv_bfloat16* compute = nullptr);
+                const StepGate& gate, cudaStream_t stream, __nv_bfloat16* compute = nullptr,
+                float* grad_norm = nullptr);
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    const StepGate& gate, __nv_bfloat16* compute = nullptr);
+                    const StepGate& gate, __nv_bfloat16* compute = nullptr,
+                    float* grad_norm = nullptr);
 
 // After the updates of one gated step: when *skip is nonzero, counts[0] += 1 (steps skipped) and,
 // when the step would have advanced the optimizer's state, counts[1] += 1 (what StepGate::skipped
@@ -236,11 +243,12 @@ SgdScalars sgd_scalars(int64_t n, double lr, double momentum, double dampening,
                        int64_t folded);
 void sgd_step_captured(float* param, const float* grad, float* momentum_buf, int64_t n,
                        const SgdScalars& host, const SgdScalars* scalars, const StepGate& gate,
-                       cudaStream_t stream, __nv_bfloat16* compute = nullptr);
+                       cudaStream_t stream, __nv_bfloat16* compute = nullptr,
+                       float* grad_norm = nullptr);
 AdamWScalars adamw_scalars(int64_t n, double lr, double beta1, double beta2, double eps,
                            double weight_decay, int64_t step, int64_t folded);
 void adamw_step_captured(float* param, const float* grad, float* m, float* v, int64_t n,
                          const AdamWScalars* scalars, const StepGate& gate, cudaStream_t stream,
-                         __nv_bfloat16* compute = nullptr);
+                         __nv_bfloat16* compute = nullptr, float* grad_norm = nullptr);
 
 }  // namespace cudp::kernels

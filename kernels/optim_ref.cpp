@@ -56,12 +56,14 @@ void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t 
 
 void sgd_step_cpu(float* param, const float* grad, float* momentum_buf, int64_t n, double lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
-                  int64_t momentum_steps, const StepGate& gate, __nv_bfloat16* compute) {
+                  int64_t momentum_steps, const StepGate& gate, __nv_bfloat16* compute,
+                  float* grad_norm) {
   detail::SgdCoefficients k =
       detail::sgd_coefficients(n, lr, momentum, dampening, weight_decay, nesterov, false);
   CUDP_CHECK(momentum == 0 || momentum_buf || n == 0, "sgd_step: momentum ", momentum,
              " needs a momentum buffer");
   CUDP_CHECK(momentum_steps >= 0, "sgd_step: momentum_steps must be >= 0, got ", momentum_steps);
+  if (grad_norm != nullptr) global_norm_cpu(grad, n, grad_norm);  // skipped or not
   if (detail::skipped(gate)) return;
   k.first_step = detail::steps_taken(momentum_steps, gate) == 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -77,9 +79,10 @@ void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t
 
 void adamw_step_cpu(float* param, const float* grad, float* m, float* v, int64_t n, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                    const StepGate& gate, __nv_bfloat16* compute) {
+                    const StepGate& gate, __nv_bfloat16* compute, float* grad_norm) {
   detail::AdamWCoefficients k =
       detail::adamw_coefficients(n, lr, beta1, beta2, eps, weight_decay, step);
+  if (grad_norm != nullptr) global_norm_cpu(grad, n, grad_norm);  // skipped or not
   if (detail::skipped(gate)) return;
   const int64_t taken = detail::steps_taken(step, gate);
   CUDP_CHECK(taken >= 1, "adamw_step: step ", step, " less the skipped steps is ", taken,

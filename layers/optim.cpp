@@ -319,7 +319,22 @@ void Optimizer::fold_skips() const {
   self.advancing_since_fold_ = 0;
 }
 
-void Optimizer::take_step(const Tensor* skip, Issue issue) {
+Tensor Optimizer::step_and_grad_norm() {
+  if (params_.empty()) {
+    step();
+    return grad_norm(params_);
+  }
+  const Device device = params_[0]->data.device();
+  Tensor norm;
+  {
+    const cuda::AllocationPurpose purpose("the gradients' norm");
+    norm = Tensor::empty({}, DType::f32, device);
+  }
+  take_step(nullptr, Issue::Launch, norm.data<float>());
+  return last_norm_fused_ ? norm : grad_norm(params_);
+}
+
+void Optimizer::take_step(const Tensor* skip, Issue issue, float* grad_norm) {
   const bool stage = issue == Issue::Stage;
   check_gradients();
   const bool any_pending = std::any_of(params_.begin(), params_.end(),
@@ -443,6 +458,7 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
     Update u{flat->device, nullptr, flat->data,     flat->grad, state,
              flat->n,      0,       params_.size(), gate};
     u.compute = flat->compute;
+    u.grad_norm = grad_norm;
     issue_update(u);
   } else {
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -479,6 +495,7 @@ void Optimizer::take_step(const Tensor* skip, Issue issue) {
   if (gated) gated_since_fold_ = true;
   last_step_flat_ = together;
   last_step_overlapped_ = !pieces.empty();
+  last_norm_fused_ = grad_norm != nullptr && together && pieces.empty();
   ++steps_;
   if (advances) ++advancing_since_fold_;
   if (replay != nullptr) {
@@ -671,13 +688,14 @@ void SGD::update(const Update& u) {
   const int64_t issued = advancing_steps_unfolded() + (started_[u.first] ? 1 : 0);
   if (u.device.is_cpu()) {
     kernels::sgd_step_cpu(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
-                          options_.weight_decay, options_.nesterov, issued, u.gate, u.compute);
+                          options_.weight_decay, options_.nesterov, issued, u.gate, u.compute,
+                          u.grad_norm);
     return;
   }
   if (u.stage == nullptr) {
     kernels::sgd_step(u.param, u.grad, buffer, u.n, lr_, options_.momentum, options_.dampening,
-                      options_.weight_decay, options_.nesterov, issued, u.gate, u.stream,
-                      u.compute);
+                      options_.weight_decay, options_.nesterov, issued, u.gate, u.stream, u.compute,
+                      u.grad_norm);
     return;
   }
   const kernels::SgdScalars scalars =
@@ -690,7 +708,7 @@ void SGD::update(const Update& u) {
   if (u.device_scalars != nullptr) {
     kernels::sgd_step_captured(u.param, u.grad, buffer, u.n, scalars,
                                static_cast<const kernels::SgdScalars*>(u.device_scalars), u.gate,
-                               u.stream, u.compute);
+                               u.stream, u.compute, u.grad_norm);
   }
 }
 
@@ -734,11 +752,11 @@ void AdamW::update(const Update& u) {
   if (u.device.is_cpu()) {
     kernels::adamw_step_cpu(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
                             options_.beta2, options_.eps, options_.weight_decay, step, u.gate,
-                            u.compute);
+                            u.compute, u.grad_norm);
   } else if (u.stage == nullptr) {
     kernels::adamw_step(u.param, u.grad, u.state[0], u.state[1], u.n, lr_, options_.beta1,
                         options_.beta2, options_.eps, options_.weight_decay, step, u.gate, u.stream,
-                        u.compute);
+                        u.compute, u.grad_norm);
   } else {
     const kernels::AdamWScalars scalars =
         kernels::adamw_scalars(u.n, lr_, options_.beta1, options_.beta2, options_.eps,
@@ -747,7 +765,7 @@ void AdamW::update(const Update& u) {
     if (u.device_scalars != nullptr) {
       kernels::adamw_step_captured(u.param, u.grad, u.state[0], u.state[1], u.n,
                                    static_cast<const kernels::AdamWScalars*>(u.device_scalars),
-                                   u.gate, u.stream, u.compute);
+                                   u.gate, u.stream, u.compute, u.grad_norm);
     }
   }
   for (size_t i = u.first; i < u.first + u.count; ++i) {

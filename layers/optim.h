@@ -112,6 +112,16 @@ class Optimizer {
   // nonfinite_flag makes it) is nonzero there: then nothing changes, step counts included. The
   // host does not wait (see above). All parameters must be on the flag's device.
   void step(const Tensor& skip);
+  // The same update as step(), and grad_norm(params()) of the gradients it read, the same bits: on
+  // the GPU computed by the update's own launch as it reads the gradients (kernels/optim.h,
+  // sgd_step's grad_norm) where the step is one launch over flat parameters, so that a training
+  // step that logs the norm (or checks it for divergence after the step) does not read every
+  // gradient a second time; otherwise by grad_norm() after the update. A 0-d f32 tensor on the
+  // parameters' device; nothing waits for the device. A step that needs the norm before it updates
+  // (clipping, step(skip) on a flag made from it) takes grad_norm or clip_grad_norm first instead.
+  Tensor step_and_grad_norm();
+  // Whether the last step_and_grad_norm() had its update compute the norm (one launch did both).
+  bool last_norm_was_fused() const { return last_norm_fused_; }
   // The steps skipped so far by step(skip). Waits for the device after a gated step since the last
   // read.
   int64_t skipped_steps() const;
@@ -196,6 +206,9 @@ class Optimizer {
     // The bf16 compute copy of the same range, written in the same launch (layers/module.h, NOTE
     // [The parameter store]), or null.
     __nv_bfloat16* compute = nullptr;
+    // Where the launch also writes the 2-norm of the range's gradient (step_and_grad_norm: one
+    // launch over the whole flat buffer), or null.
+    float* grad_norm = nullptr;
   };
   virtual void update(const Update& u) = 0;
   // The bytes of the scalars a captured update reads (sizeof SgdScalars or AdamWScalars).
@@ -238,7 +251,9 @@ class Optimizer {
   // device), or, before a replay of a captured step, its host side alone (Issue::Stage): the same
   // checks and counts, and the new scalars written into the slots the capture took.
   enum class Issue { Launch, Stage };
-  void take_step(const Tensor* skip, Issue issue = Issue::Launch);
+  // grad_norm: step_and_grad_norm's output, written by the update where it is one launch over flat
+  // parameters (then last_norm_fused_), else left to the caller.
+  void take_step(const Tensor* skip, Issue issue = Issue::Launch, float* grad_norm = nullptr);
   // Brings the host's counts to the steps taken: reads the device's skip counts when a gated step
   // ran since the last fold (waiting for it) and takes the new skips out. Logically const: the
   // accessors report the counts it corrects.
@@ -258,6 +273,7 @@ class Optimizer {
   std::vector<int64_t> flat_offsets_;  // the parameters' offsets flat_state_ mirrors
   int64_t steps_ = 0;  // issued; fold_skips takes the skipped ones out
   bool last_step_flat_ = false;
+  bool last_norm_fused_ = false;
   // Gated steps: skip_counts_ (two int64 on the parameters' device, undefined before the first
   // gated step) holds [0] the steps skipped, [1] those of them that advanced the state; folded_
   // the values already taken out of the host's counts; gated_since_fold_ whether they may differ.

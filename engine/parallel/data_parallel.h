@@ -321,6 +321,17 @@ class Replicated {
       optimizers_[r]->step(flags[r]);
     }
   }
+  // step(), and the norm of primary()'s gradients (every replica holds the same all-reduced ones)
+  // as grad_norm(primary().params()) gives it, computed by primary()'s update as it reads them
+  // where it can (Optimizer::step_and_grad_norm).
+  Tensor step_and_grad_norm() {
+    follow_primary();
+    Tensor norm = optimizers_[0]->step_and_grad_norm();
+    for (size_t r = 1; r < optimizers_.size(); ++r) {
+      optimizers_[r]->step();
+    }
+    return norm;
+  }
   // The steps step(skip) skipped (every replica skips the same ones); waits for the device.
   int64_t skipped_steps() const { return primary().skipped_steps(); }
 

@@ -158,6 +158,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<Module> module,
   CUDP_CHECK(module_ != nullptr, "DistributedDataParallel: the module is null");
   CUDP_CHECK(group_ != nullptr, "DistributedDataParallel: the group is null");
   check_not_reduced(*module_, "DistributedDataParallel");  // before anything is flattened
+  CUDP_CHECK(!module_->parameters().empty(),
+             "DistributedDataParallel: the module has no parameters, so there is no gradient to "
+             "synchronise; run it without the wrapper (PyTorch refuses it too)");
   register_module("module", module_);
   training_ = module_->is_training();
   device_ = module_->device();

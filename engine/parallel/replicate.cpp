@@ -186,6 +186,9 @@ void ReplicaSet::make_reducer() {
   group_.reset();
   segments_open_.clear();
   if (!comm_ && !(one_device_reducer_ && devices_.size() == 1)) return;
+  // A model without parameters has no gradient to reduce (all_reduce_gradients has nothing to do
+  // either); its flat buffers are empty, not undefined.
+  if (params_.empty() || params_[0].empty()) return;
   TensorList flat_grads;
   for (const auto& [data, grad] : flat_) {
     if (!grad.defined()) return;  // not flat: the per-parameter all-reduce

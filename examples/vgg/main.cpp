@@ -300,6 +300,7 @@ class TrainOptimizer {
   virtual void zero_grad() = 0;
   virtual void step() = 0;
   virtual void step(const Tensor& skip) = 0;  // skipped on the device when *skip != 0
+  virtual Tensor step_and_grad_norm() = 0;    // step(), and the primary's gradient norm
   virtual int64_t skipped_steps() = 0;        // by step(skip) so far; waits for the device
   virtual Tensor clip_grad_norm(double max_norm) = 0;
   virtual Optimizer& primary() = 0;
@@ -322,6 +323,7 @@ class ReplicatedOptimizer final : public TrainOptimizer {
   void zero_grad() override { r_.zero_grad(ZeroGrad::deferred); }  // layers/module.h
   void step() override { r_.step(); }
   void step(const Tensor& skip) override { r_.step(skip); }
+  Tensor step_and_grad_norm() override { return r_.step_and_grad_norm(); }
   int64_t skipped_steps() override { return r_.skipped_steps(); }
   Tensor clip_grad_norm(double max_norm) override { return r_.clip_grad_norm(max_norm); }
   Optimizer& primary() override { return r_.primary(); }
@@ -1314,13 +1316,20 @@ int run(Options o) {
     }
     // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
     // only replica 0's is needed (all hold the same all-reduced gradients), and nothing is
-    // scaled, so the replicas stay bit-identical.
-    const Tensor norm = o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad)
-                                        : grad_norm(opt->primary().params());
-    if (skip_bad_steps) {
-      opt->step(nonfinite_flag(loss, norm));  // decided on the device, no host read
+    // scaled, so the replicas stay bit-identical. When nothing before the update needs it (no
+    // clipping, no skip flag made from it), the update computes it as it reads the gradients
+    // (--fused-grad-norm, the same bits).
+    Tensor norm;
+    if (o.clip_grad > 0 || skip_bad_steps || o.fused_grad_norm == "off") {
+      norm =
+          o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad) : grad_norm(opt->primary().params());
+      if (skip_bad_steps) {
+        opt->step(nonfinite_flag(loss, norm));  // decided on the device, no host read
+      } else {
+        opt->step();
+      }
     } else {
-      opt->step();
+      norm = opt->step_and_grad_norm();
     }
     criterion.release();  // nothing the step made outlives it (a captured step's graph owns none)
     return TensorList{loss, norm, out};

@@ -231,6 +231,13 @@ const std::vector<Setting>& settings() {
         "and not with --clip-grad or --on-nan skip-step (both need the whole backward's gradients "
         "before any update)",
         &Options::overlap_update, choice(&Options::overlap_update, {"on", "off"}));
+    add("--fused-grad-norm", nullptr, false,
+        "on: the gradient norm the run logs and checks for divergence is computed by the "
+        "optimizer's update as it reads the gradients, one pass over them instead of two; off: by "
+        "a pass of its own before the update. The same norm and weights bit for bit; with "
+        "--clip-grad or --on-nan skip-step the norm is needed before the update and always takes "
+        "its own pass",
+        &Options::fused_grad_norm, choice(&Options::fused_grad_norm, {"on", "off"}));
     add("--checkpoint", "checkpoint", false,
         "write a checkpoint here after every epoch (kept on --resume)", &Options::checkpoint,
         any_text(&Options::checkpoint));

@@ -62,6 +62,9 @@ struct Options {
   // on: each gradient bucket's update beside the rest of the backward (Replicated::
   // set_update_overlap; GPUs only, without --clip-grad and --on-nan skip-step)
   std::string overlap_update = "off";
+  // on: the optimizer's update computes the gradient norm as it reads the gradients (when nothing
+  // needs the norm before the update); off: a pass of its own before it. The same bits.
+  std::string fused_grad_norm = "on";
   // Where things go.
   std::string checkpoint, resume, json, output;
   std::string save_test_set;

@@ -14,6 +14,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #ifdef CUDP_VGG_BINARY
 #define CUDP_REQUIRE_VGG() (void)0
@@ -103,6 +104,22 @@ inline std::string checksum_of(const RunResult& r) {
 
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
+}
+
+// Every number a JSON log (--json) holds under `key`, as written (full precision), in order.
+inline std::vector<std::string> json_log_numbers(const std::filesystem::path& path,
+                                                 const std::string& key) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string all = text.str();
+  const std::regex number("\"" + key + "\":([-0-9.eE+naif]+)");
+  std::vector<std::string> out;
+  for (auto it = std::sregex_iterator(all.begin(), all.end(), number); it != std::sregex_iterator();
+       ++it) {
+    out.push_back((*it)[1].str());
+  }
+  return out;
 }
 
 }  // namespace cudp::testing

@@ -94,21 +94,6 @@ void expect_exact_resume(const std::string& gpus, const std::string& schedule, s
 // training steps]) against --graphs off: the same weights and BatchNorm buffers bit for bit after
 // two epochs of onecycle (a new rate at every step) with Dropout, a partial last batch run without
 // the graph, and the evaluation between the epochs (graphed too: the same test losses).
-// Every "test_loss" the JSON log holds, as written (full precision), in order.
-std::vector<std::string> test_losses(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string all = text.str();
-  const std::regex number("\"test_loss\":([-0-9.eE+]+)");
-  std::vector<std::string> out;
-  for (auto it = std::sregex_iterator(all.begin(), all.end(), number); it != std::sregex_iterator();
-       ++it) {
-    out.push_back((*it)[1].str());
-  }
-  return out;
-}
-
 void expect_graphs_match_eager(const std::string& gpus) {
   SCOPED_TRACE("--gpus " + gpus);
   TempDir dir;
@@ -133,9 +118,9 @@ void expect_graphs_match_eager(const std::string& gpus) {
       << on.output;
   EXPECT_FALSE(contains(off.output, "evaluation replays")) << off.output;
   // The evaluations (captured, then replayed) give the eager ones' losses.
-  const std::vector<std::string> on_losses = test_losses(dir / "on.json");
+  const std::vector<std::string> on_losses = json_log_numbers(dir / "on.json", "test_loss");
   EXPECT_EQ(on_losses.size(), 2u);
-  EXPECT_EQ(on_losses, test_losses(dir / "off.json"));
+  EXPECT_EQ(on_losses, json_log_numbers(dir / "off.json", "test_loss"));
 }
 
 TEST(VggTrainerGpu, GraphsMatchEagerStepsOnOneGpu) {
@@ -146,6 +131,38 @@ TEST(VggTrainerGpu, GraphsMatchEagerStepsOnOneGpu) {
 TEST(VggTrainerGpu, GraphsMatchEagerStepsOnTwoGpus) {
   CUDP_REQUIRE_GPUS(2);
   expect_graphs_match_eager("0,1");
+}
+
+// --fused-grad-norm on (the default: the update sums the gradient norm as it reads the gradients)
+// against off (a pass of its own before the update): the same weights and the same logged norms,
+// bit for bit, through captured and replayed steps and an eager partial batch.
+void expect_fused_grad_norm_matches_its_own_pass(const std::string& gpus) {
+  SCOPED_TRACE("--gpus " + gpus);
+  TempDir dir;
+  const std::string common =
+      "--data synthetic --limit-train 1000 --limit-test 128 --arch vgg11 --batch-size 128 "
+      "--epochs 2 --print-freq 1 --print-checksum --gpus " +
+      gpus + " ";
+  const RunResult on = run_vgg(dir, common + "--json '" + (dir / "on.json") + "'");
+  ASSERT_EQ(on.code, 0) << on.output;
+  const RunResult off =
+      run_vgg(dir, common + "--fused-grad-norm off --json '" + (dir / "off.json") + "'");
+  ASSERT_EQ(off.code, 0) << off.output;
+  ASSERT_NE(checksum_of(on), "") << on.output;
+  EXPECT_EQ(checksum_of(on), checksum_of(off)) << on.output << "\n" << off.output;
+  const std::vector<std::string> norms = json_log_numbers(dir / "on.json", "grad_norm");
+  EXPECT_GE(norms.size(), 10u) << on.output;
+  EXPECT_EQ(norms, json_log_numbers(dir / "off.json", "grad_norm"));
+}
+
+TEST(VggTrainerGpu, FusedGradNormMatchesItsOwnPassOnOneGpu) {
+  CUDP_REQUIRE_GPU();
+  expect_fused_grad_norm_matches_its_own_pass("0");
+}
+
+TEST(VggTrainerGpu, FusedGradNormMatchesItsOwnPassOnTwoGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  expect_fused_grad_norm_matches_its_own_pass("0,1");
 }
 
 // --overlap-update on (each gradient bucket's update beside the rest of the backward) against off:

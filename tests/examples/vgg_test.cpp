@@ -221,6 +221,7 @@ TEST(VggTrainer, UsageErrors) {
   refused("--no-such-option", "no-such-option");
   refused("--arch vgg99", "--arch: must be one of vgg11, vgg13, vgg16, vgg19");
   refused("--graphs maybe", "--graphs: must be one of on, off");
+  refused("--fused-grad-norm maybe", "--fused-grad-norm: must be one of on, off");
   refused("--overlap-update maybe", "--overlap-update: must be one of on, off");
   // Asked for where it cannot run: refused, not left off.
   refused("--data synthetic --limit-train 64 --limit-test 32 --overlap-update on",
@@ -268,6 +269,26 @@ TEST(VggTrainer, SyncBatchNormOnOneDeviceIsBatchNorm) {
                        "--sync-bn synchronises the BatchNorm layers and --no-bn "
                        "leaves none"))
       << both.output;
+}
+
+// --fused-grad-norm on (the default) against off on the CPU: the same weights and logged norms bit
+// for bit (the CPU's flat update computes global_norm_cpu as grad_norm does).
+TEST(VggTrainer, FusedGradNormMatchesItsOwnPassOnTheCpu) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  const std::string run = kSmall +
+                          "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 1 "
+                          "--print-freq 1 --print-checksum ";
+  const RunResult on = run_on_cpu(dir, run + "--json '" + (dir / "on.json") + "'");
+  ASSERT_EQ(on.code, 0) << on.output;
+  const RunResult off =
+      run_on_cpu(dir, run + "--fused-grad-norm off --json '" + (dir / "off.json") + "'");
+  ASSERT_EQ(off.code, 0) << off.output;
+  EXPECT_NE(checksum_of(on), "") << on.output;
+  EXPECT_EQ(checksum_of(on), checksum_of(off));
+  const std::vector<std::string> norms = json_log_numbers(dir / "on.json", "grad_norm");
+  EXPECT_EQ(norms.size(), 2u) << on.output;
+  EXPECT_EQ(norms, json_log_numbers(dir / "off.json", "grad_norm"));
 }
 
 // Validators say what is wrong in words: "--lr 0" once printed the smallest double in 300 digits.

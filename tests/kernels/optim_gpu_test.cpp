@@ -256,5 +256,97 @@ TEST(ClipGradNormGpu, ScalesBitwiseLikeCpu) {
   }
 }
 
+// The update that also writes the gradients' norm (grad_norm, the trainer's step): the norm has
+// global_norm's bits and the update its own launch's (parameters, state, bf16 copy), for SGD and
+// AdamW, eager and captured scalars, a skipped step (nothing written, the norm still), aligned and
+// unaligned buffers, sizes with a scalar tail, below one block and past the norm's 1,024 blocks
+// (several chunks a thread).
+TEST(UpdateWithNormGpu, NormHasGlobalNormsBitsAndTheUpdateItsOwn) {
+  CUDP_REQUIRE_GPU();
+  const int64_t past_blocks = 4 * 256 * 1024 * 3 + 7;
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(6), int64_t(1023), kOdd, past_blocks}) {
+    const std::vector<float> grad = testing::random_vector(size_t(n), 601);
+    const std::vector<float> p0 = testing::random_vector(size_t(n), 602);
+    const std::vector<float> b0 = testing::random_vector(size_t(n), 603);
+    const std::vector<float> v0(size_t(n), 0.25f);
+    float ref = 0;
+    global_norm_cpu(grad.data(), n, &ref);
+    for (const size_t offset : {size_t(0), size_t(1)}) {
+      for (const int32_t skip : {0, 1}) {
+        for (const bool captured : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "n " << n << " offset " << offset << " skip " << skip
+                                            << " captured " << captured);
+          const auto gg = upload_at(grad, offset);
+          const float* g = gg.get() + offset;
+          const DeviceBuffer<int32_t> flag(std::vector<int32_t>{skip});
+          const StepGate gate{flag.get(), nullptr, 0};
+          const SgdScalars sgd = sgd_scalars(n, 0.05, 0.9, 0.1, 5e-4, true, 1, 0);
+          const AdamWScalars adamw = adamw_scalars(n, 1e-2, 0.8, 0.95, 1e-8, 0.1, 2, 0);
+          const DeviceBuffer<SgdScalars> sgd_slot(std::vector<SgdScalars>{sgd});
+          const DeviceBuffer<AdamWScalars> adamw_slot(std::vector<AdamWScalars>{adamw});
+          // Run 0: each update alone, then global_norm twice; run 1: the updates with the norm.
+          struct Run {
+            DeviceBuffer<float> sgd_p, sgd_buf, adamw_p, adamw_m, adamw_v, norms;
+            DeviceBuffer<__nv_bfloat16> copy;
+          };
+          std::vector<Run> runs;
+          for (int r = 0; r < 2; ++r) {
+            runs.push_back(Run{upload_at(p0, offset), upload_at(b0, offset), upload_at(p0, offset),
+                               upload_at(b0, offset), upload_at(v0, offset),
+                               DeviceBuffer<float>(std::vector<float>(2, testing::kPoison)),
+                               DeviceBuffer<__nv_bfloat16>(std::vector<__nv_bfloat16>(
+                                   size_t(n) + offset, __float2bfloat16(-7.f)))});
+          }
+          for (int r = 0; r < 2; ++r) {
+            Run& run = runs[size_t(r)];
+            const auto at = [&](DeviceBuffer<float>& b) { return b.get() + offset; };
+            __nv_bfloat16* copy = run.copy.get() + offset;
+            float* sgd_norm = r == 1 ? run.norms.get() : nullptr;
+            float* adamw_norm = r == 1 ? run.norms.get() + 1 : nullptr;
+            if (captured) {
+              sgd_step_captured(at(run.sgd_p), g, at(run.sgd_buf), n, sgd, sgd_slot.get(), gate,
+                                nullptr, copy, sgd_norm);
+              adamw_step_captured(at(run.adamw_p), g, at(run.adamw_m), at(run.adamw_v), n,
+                                  adamw_slot.get(), gate, nullptr, nullptr, adamw_norm);
+            } else {
+              sgd_step(at(run.sgd_p), g, at(run.sgd_buf), n, 0.05, 0.9, 0.1, 5e-4, true, 1, gate,
+                       nullptr, copy, sgd_norm);
+              adamw_step(at(run.adamw_p), g, at(run.adamw_m), at(run.adamw_v), n, 1e-2, 0.8, 0.95,
+                         1e-8, 0.1, 2, gate, nullptr, nullptr, adamw_norm);
+            }
+            if (r == 0) {
+              global_norm(g, n, run.norms.get(), nullptr);
+              global_norm(g, n, run.norms.get() + 1, nullptr);
+            }
+          }
+          Run &alone = runs[0], &with = runs[1];
+          EXPECT_TRUE(
+              bitwise_equal(download_at(with.sgd_p, offset), download_at(alone.sgd_p, offset)));
+          EXPECT_TRUE(
+              bitwise_equal(download_at(with.sgd_buf, offset), download_at(alone.sgd_buf, offset)));
+          EXPECT_TRUE(
+              bitwise_equal(download_at(with.adamw_p, offset), download_at(alone.adamw_p, offset)));
+          EXPECT_TRUE(
+              bitwise_equal(download_at(with.adamw_m, offset), download_at(alone.adamw_m, offset)));
+          EXPECT_TRUE(
+              bitwise_equal(download_at(with.adamw_v, offset), download_at(alone.adamw_v, offset)));
+          const std::vector<__nv_bfloat16> c0 = alone.copy.download(), c1 = with.copy.download();
+          EXPECT_EQ(std::memcmp(c0.data(), c1.data(), c0.size() * sizeof(__nv_bfloat16)), 0);
+          const std::vector<float> norms = with.norms.download();
+          EXPECT_TRUE(bitwise_equal(norms, alone.norms.download()));
+          EXPECT_ALL_CLOSE(std::vector<float>{norms[0]}, std::vector<float>{ref}, 1e-5, 0);
+          if (skip != 0) {  // nothing written, the norm all the same
+            EXPECT_TRUE(bitwise_equal(download_at(with.sgd_p, offset), p0));
+            EXPECT_TRUE(bitwise_equal(download_at(with.adamw_p, offset), p0));
+          } else if (n > 0) {
+            EXPECT_FALSE(bitwise_equal(download_at(with.sgd_p, offset), p0)) << "no update ran";
+            EXPECT_FALSE(bitwise_equal(download_at(with.adamw_p, offset), p0)) << "no update ran";
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cudp::kernels

@@ -67,6 +67,43 @@ void expect_gpu_matches_cpu(const Options& options, bool flat) {
   expect_close(on_gpu.state_dict(), on_cpu.state_dict(), 1e-6, 1e-7);
 }
 
+// step_and_grad_norm on the device: the same bits as grad_norm() then step() (one launch doing
+// both where the parameters are flat), the norm against the CPU's double sum.
+template <typename Optim, typename Options>
+void expect_step_and_grad_norm_on_gpu(const Options& options, bool flat) {
+  SCOPED_TRACE(flat ? "flat" : "per parameter");
+  auto with = model_on(kGpu), alone = model_on(kGpu), cpu = model_on(Device::cpu());
+  if (flat) {
+    with->flatten_parameters();
+    alone->flatten_parameters();
+  }
+  Optim a(with->parameters(), options), b(alone->parameters(), options);
+  for (int t = 0; t < 4; ++t) {
+    set_grads(*with, t);
+    set_grads(*alone, t);
+    set_grads(*cpu, t);
+    const Tensor norm = a.step_and_grad_norm();
+    const Tensor expected = grad_norm(alone->parameters());
+    b.step();
+    EXPECT_EQ(a.last_norm_was_fused(), flat);
+    EXPECT_TRUE(norm.is_cuda());
+    EXPECT_EQ(norm.to_vector<float>(), expected.to_vector<float>()) << "step " << t;
+    EXPECT_TRUE(all_close(norm.to_vector<float>(), grad_norm(cpu->parameters()).to_vector<float>(),
+                          1e-6, 0));
+  }
+  EXPECT_EQ(bytes_of(with->state_dict()), bytes_of(alone->state_dict()));
+  EXPECT_EQ(bytes_of(a.state_dict()), bytes_of(b.state_dict()));
+}
+
+TEST(OptimGpu, StepAndGradNormIsGradNormThenStepBitForBit) {
+  CUDP_REQUIRE_GPU();
+  for (const bool flat : {true, false}) {
+    expect_step_and_grad_norm_on_gpu<SGD>(
+        SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true}, flat);
+    expect_step_and_grad_norm_on_gpu<AdamW>(AdamWOptions{.lr = 1e-2, .weight_decay = 0.1}, flat);
+  }
+}
+
 TEST(OptimGpu, SgdNesterovWeightDecayMatchesCpu) {
   CUDP_REQUIRE_GPU();
   const SGDOptions o{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true};

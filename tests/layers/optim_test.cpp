@@ -189,6 +189,39 @@ void expect_flat_equals_per_parameter(const Options& options) {
   }
 }
 
+// step_and_grad_norm: grad_norm() then step(), bit for bit (the norm from the update's own launch
+// where the parameters are flat, from grad_norm otherwise).
+template <typename Optim, typename Options>
+void expect_step_and_grad_norm_is_norm_then_step(const Options& options, bool flat) {
+  SCOPED_TRACE(flat ? "flat" : "per parameter");
+  auto with = small_model(), alone = small_model();
+  if (flat) {
+    with->flatten_parameters();
+    alone->flatten_parameters();
+  }
+  Optim a(with->parameters(), options), b(alone->parameters(), options);
+  for (int t = 0; t < 3; ++t) {
+    set_grads(*with, t);
+    set_grads(*alone, t);
+    const Tensor norm = a.step_and_grad_norm();
+    const Tensor expected = grad_norm(alone->parameters());
+    b.step();
+    EXPECT_EQ(a.last_norm_was_fused(), flat);
+    EXPECT_EQ(norm.to_vector<float>(), expected.to_vector<float>());
+    EXPECT_GT(norm.to_vector<float>()[0], 0.f);
+  }
+  expect_identical(with->state_dict(), alone->state_dict());
+  expect_identical(a.state_dict(), b.state_dict());
+}
+
+TEST(Optimizer, StepAndGradNormIsGradNormThenStep) {
+  for (const bool flat : {true, false}) {
+    expect_step_and_grad_norm_is_norm_then_step<SGD>(
+        SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true}, flat);
+    expect_step_and_grad_norm_is_norm_then_step<AdamW>(AdamWOptions{.lr = 1e-2}, flat);
+  }
+}
+
 TEST(Optimizer, FlatSgdEqualsPerParameterSgd) {
   expect_flat_equals_per_parameter<SGD>(
       SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});

@@ -85,6 +85,22 @@ TEST(DdpGpu, AWorldOfOneGivesThePlainModulesGradientsBitForBit) {
   EXPECT_EQ(bytes_of(plain->state_dict()), bytes_of(wrapped->state_dict()));
 }
 
+// A module without parameters has no gradient to synchronise: refused with a message that says
+// so (PyTorch refuses it too), not the reducer's.
+TEST(DdpGpu, AModuleWithoutParametersIsRefused) {
+  CUDP_REQUIRE_GPU();
+  auto no_params = std::make_shared<Sequential>(
+      std::vector<std::shared_ptr<Module>>{std::make_shared<ReLU>(), std::make_shared<Flatten>()});
+  no_params->cuda(0);
+  try {
+    DistributedDataParallel ddp(no_params, nccl_group(ProcessGroup::local({0})));
+    FAIL() << "a module without parameters was wrapped";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("the module has no parameters"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(DdpGpu, AWorldOfOneIsRankZeroAndSumsToItself) {
   CUDP_REQUIRE_GPU();
   auto group = nccl_group(ProcessGroup::local({0}));
