@@ -280,7 +280,7 @@ TEST(UpdateWithNormGpu, NormHasGlobalNormsBitsAndTheUpdateItsOwn) {
           const float* g = gg.get() + offset;
           const DeviceBuffer<int32_t> flag(std::vector<int32_t>{skip});
           const StepGate gate{flag.get(), nullptr, 0};
-          const SgdScalars sgd = sgd_scalars(n, 0.05, 0.9, 0.1, 5e-4, true, 1, 0);
+          const SgdScalars sgd = sgd_scalars(n, 0.05, 0.9, 0.1, 5e-4, false, 1, 0);
           const AdamWScalars adamw = adamw_scalars(n, 1e-2, 0.8, 0.95, 1e-8, 0.1, 2, 0);
           const DeviceBuffer<SgdScalars> sgd_slot(std::vector<SgdScalars>{sgd});
           const DeviceBuffer<AdamWScalars> adamw_slot(std::vector<AdamWScalars>{adamw});
@@ -309,7 +309,7 @@ TEST(UpdateWithNormGpu, NormHasGlobalNormsBitsAndTheUpdateItsOwn) {
               adamw_step_captured(at(run.adamw_p), g, at(run.adamw_m), at(run.adamw_v), n,
                                   adamw_slot.get(), gate, nullptr, nullptr, adamw_norm);
             } else {
-              sgd_step(at(run.sgd_p), g, at(run.sgd_buf), n, 0.05, 0.9, 0.1, 5e-4, true, 1, gate,
+              sgd_step(at(run.sgd_p), g, at(run.sgd_buf), n, 0.05, 0.9, 0.1, 5e-4, false, 1, gate,
                        nullptr, copy, sgd_norm);
               adamw_step(at(run.adamw_p), g, at(run.adamw_m), at(run.adamw_v), n, 1e-2, 0.8, 0.95,
                          1e-8, 0.1, 2, gate, nullptr, nullptr, adamw_norm);
