@@ -242,7 +242,8 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Enough blocks for one chunk of 4 elements per thread, capped: the loops stride over the rest.
+// Enough blocks for one chunk of 4 elements per thread, capped: the loops stride over the rest
+// (clip_scale_kernel's scalar loop strides by element over as many threads).
 unsigned elementwise_blocks(int64_t n) {
   const int64_t chunks = (n + 3) / 4;
   return unsigned(std::clamp<int64_t>((chunks + kThreads - 1) / kThreads, 1, kMaxBlocks));

@@ -324,7 +324,8 @@ Tensor Optimizer::step_and_grad_norm() {
     step();
     return grad_norm(params_);
   }
-  const Device device = params_[0]->data.device();
+  // grad_norm's requirement, checked before anything changes (the fallback takes it after).
+  const Device device = common_device(params_, "step_and_grad_norm");
   Tensor norm;
   {
     const cuda::AllocationPurpose purpose("the gradients' norm");
@@ -495,7 +496,8 @@ void Optimizer::take_step(const Tensor* skip, Issue issue, float* grad_norm) {
   if (gated) gated_since_fold_ = true;
   last_step_flat_ = together;
   last_step_overlapped_ = !pieces.empty();
-  last_norm_fused_ = grad_norm != nullptr && together && pieces.empty();
+  // A replay's staging leaves it as the capture set it: the graph holds the captured step's launch.
+  if (!stage) last_norm_fused_ = grad_norm != nullptr && together && pieces.empty();
   ++steps_;
   if (advances) ++advancing_since_fold_;
   if (replay != nullptr) {

@@ -112,15 +112,19 @@ class Optimizer {
   // nonfinite_flag makes it) is nonzero there: then nothing changes, step counts included. The
   // host does not wait (see above). All parameters must be on the flag's device.
   void step(const Tensor& skip);
-  // The same update as step(), and grad_norm(params()) of the gradients it read, the same bits: on
-  // the GPU computed by the update's own launch as it reads the gradients (kernels/optim.h,
-  // sgd_step's grad_norm) where the step is one launch over flat parameters, so that a training
-  // step that logs the norm (or checks it for divergence after the step) does not read every
-  // gradient a second time; otherwise by grad_norm() after the update. A 0-d f32 tensor on the
-  // parameters' device; nothing waits for the device. A step that needs the norm before it updates
-  // (clipping, step(skip) on a flag made from it) takes grad_norm or clip_grad_norm first instead.
+  // The same update as step(), and grad_norm(params()) of the gradients it read, the same bits:
+  // computed by the update's own launch as it reads the gradients (kernels/optim.h, sgd_step's
+  // grad_norm) where the step is one launch over flat parameters (Module::flatten_parameters;
+  // not while the update runs beside the backward), so that a training step that logs the norm
+  // (or checks it for divergence after the step) does not read every gradient a second time;
+  // otherwise by grad_norm() after the update. A 0-d f32 tensor on the parameters' device (a CPU
+  // zero for no parameters, as grad_norm); nothing waits for the device. The parameters must be on
+  // one device, as for grad_norm (checked before the update). A step that needs the norm before
+  // it updates (clipping, step(skip) on a flag made from it) takes grad_norm or clip_grad_norm
+  // first instead.
   Tensor step_and_grad_norm();
-  // Whether the last step_and_grad_norm() had its update compute the norm (one launch did both).
+  // Whether the last step_and_grad_norm() had its update compute the norm (one launch did both);
+  // false after a step() or step(skip). A replay of a captured step keeps the capture's answer.
   bool last_norm_was_fused() const { return last_norm_fused_; }
   // The steps skipped so far by step(skip). Waits for the device after a gated step since the last
   // read.

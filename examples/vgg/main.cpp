@@ -1524,6 +1524,14 @@ int run(Options o) {
                 static_cast<long long>(overlapped_steps),
                 static_cast<long long>(global_step - first_global_step));
   }
+  if (o.clip_grad <= 0 && !skip_bad_steps && o.fused_grad_norm == "on") {
+    // What ran in the last step (a replay keeps its capture's), not what was asked.
+    std::printf("  gradient norm: %s\n",
+                opt->primary().last_norm_was_fused()
+                    ? "summed by the optimizer's update"
+                    : "a pass of its own after the update (the parameters are not one flat "
+                      "buffer, or the update ran beside the backward)");
+  }
   for (int g : gpus) {
     std::printf("  cuda:%d peak memory %.2f GiB\n", g,
                 static_cast<double>(cuda::max_memory_allocated(g)) / (1 << 30));

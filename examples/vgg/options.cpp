@@ -233,7 +233,9 @@ const std::vector<Setting>& settings() {
         &Options::overlap_update, choice(&Options::overlap_update, {"on", "off"}));
     add("--fused-grad-norm", nullptr, false,
         "on: the gradient norm the run logs and checks for divergence is computed by the "
-        "optimizer's update as it reads the gradients, one pass over them instead of two; off: by "
+        "optimizer's update as it reads the gradients, one pass over them instead of two, where "
+        "the update is one launch over the flat parameters (GPUs, without --overlap-update on; "
+        "elsewhere a pass of its own after the update; the run's last lines say which ran); off: "
         "a pass of its own before the update. The same norm and weights bit for bit; with "
         "--clip-grad or --on-nan skip-step the norm is needed before the update and always takes "
         "its own pass",

@@ -153,6 +153,9 @@ void expect_fused_grad_norm_matches_its_own_pass(const std::string& gpus) {
   const std::vector<std::string> norms = json_log_numbers(dir / "on.json", "grad_norm");
   EXPECT_GE(norms.size(), 10u) << on.output;
   EXPECT_EQ(norms, json_log_numbers(dir / "off.json", "grad_norm"));
+  // On GPUs the replicas' parameters are flat: the update summed the norm.
+  EXPECT_TRUE(contains(on.output, "gradient norm: summed by the optimizer's update")) << on.output;
+  EXPECT_FALSE(contains(off.output, "gradient norm:")) << off.output;
 }
 
 TEST(VggTrainerGpu, FusedGradNormMatchesItsOwnPassOnOneGpu) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>  // before device_buffer.h: cudaMalloc(T**) for DeviceBuffer<T>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -334,10 +335,15 @@ TEST(UpdateWithNormGpu, NormHasGlobalNormsBitsAndTheUpdateItsOwn) {
           EXPECT_EQ(std::memcmp(c0.data(), c1.data(), c0.size() * sizeof(__nv_bfloat16)), 0);
           const std::vector<float> norms = with.norms.download();
           EXPECT_TRUE(bitwise_equal(norms, alone.norms.download()));
-          EXPECT_ALL_CLOSE(std::vector<float>{norms[0]}, std::vector<float>{ref}, 1e-5, 0);
+          EXPECT_ALL_CLOSE(norms, (std::vector<float>{ref, ref}), 1e-5, 0);
           if (skip != 0) {  // nothing written, the norm all the same
             EXPECT_TRUE(bitwise_equal(download_at(with.sgd_p, offset), p0));
+            EXPECT_TRUE(bitwise_equal(download_at(with.sgd_buf, offset), b0));
             EXPECT_TRUE(bitwise_equal(download_at(with.adamw_p, offset), p0));
+            EXPECT_TRUE(bitwise_equal(download_at(with.adamw_m, offset), b0));
+            EXPECT_TRUE(bitwise_equal(download_at(with.adamw_v, offset), v0));
+            EXPECT_TRUE(std::all_of(c1.begin(), c1.end(),
+                                    [](__nv_bfloat16 c) { return __bfloat162float(c) == -7.f; }));
           } else if (n > 0) {
             EXPECT_FALSE(bitwise_equal(download_at(with.sgd_p, offset), p0)) << "no update ran";
             EXPECT_FALSE(bitwise_equal(download_at(with.adamw_p, offset), p0)) << "no update ran";
