@@ -287,6 +287,10 @@ bool aligned8(const void* p) {
 template <class Pick, class... Args>
 void launch_update(const char* name, bool vec, int64_t n, float* grad_norm, cudaStream_t stream,
                    Pick pick, Args... args) {
+  if (n == 0) {
+    if (grad_norm != nullptr) global_norm(nullptr, 0, grad_norm, stream);  // 0
+    return;
+  }
   const auto run = [&](auto norm, unsigned blocks, float* partials) {
     if (vec) {
       launch(name, pick(std::true_type{}, norm), blocks, kThreads, 0, stream, args..., partials);
@@ -311,10 +315,6 @@ void launch_sgd(float* param, const float* grad, float* momentum_buf, int64_t n,
   const bool momentum = host.k.momentum != 0.f;
   CUDP_CHECK(!momentum || momentum_buf || n == 0, "sgd_step: momentum ", host.k.momentum,
              " needs a momentum buffer");
-  if (n == 0) {
-    if (grad_norm != nullptr) global_norm(grad, 0, grad_norm, stream);  // 0
-    return;
-  }
   const bool vec = aligned16(param) && aligned16(grad) && (!momentum || aligned16(momentum_buf)) &&
                    aligned8(compute);
   launch_update(
@@ -327,10 +327,6 @@ void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n
                   const detail::AdamWCoefficients& k, int64_t step, const AdamWScalars* scalars,
                   const StepGate& gate, cudaStream_t stream, __nv_bfloat16* compute,
                   float* grad_norm) {
-  if (n == 0) {
-    if (grad_norm != nullptr) global_norm(grad, 0, grad_norm, stream);  // 0
-    return;
-  }
   const bool vec =
       aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && aligned8(compute);
   launch_update(

@@ -1239,6 +1239,9 @@ int run(Options o) {
     return last_good;
   };
   const bool skip_bad_steps = o.on_nan == "skip-step";
+  // --fused-grad-norm: the update computes the norm where nothing before it needs the norm (no
+  // clipping, no skip flag made from it).
+  const bool norm_by_update = o.clip_grad <= 0 && !skip_bad_steps && o.fused_grad_norm == "on";
   // The non-finite steps a read found: the end of the run, or, with skip-step, steps the device
   // skipped (named here; counted at the end of the epoch).
   int64_t skipped_seen = 0;
@@ -1320,7 +1323,7 @@ int run(Options o) {
     // clipping, no skip flag made from it), the update computes it as it reads the gradients
     // (--fused-grad-norm, the same bits).
     Tensor norm;
-    if (o.clip_grad > 0 || skip_bad_steps || o.fused_grad_norm == "off") {
+    if (!norm_by_update) {
       norm =
           o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad) : grad_norm(opt->primary().params());
       if (skip_bad_steps) {
@@ -1524,7 +1527,7 @@ int run(Options o) {
                 static_cast<long long>(overlapped_steps),
                 static_cast<long long>(global_step - first_global_step));
   }
-  if (o.clip_grad <= 0 && !skip_bad_steps && o.fused_grad_norm == "on") {
+  if (norm_by_update) {
     // What ran in the last step (a replay keeps its capture's), not what was asked.
     std::printf("  gradient norm: %s\n",
                 opt->primary().last_norm_was_fused()

@@ -122,4 +122,26 @@ inline std::vector<std::string> json_log_numbers(const std::filesystem::path& pa
   return out;
 }
 
+// cudp-vgg's --fused-grad-norm on (the default) against off, `args` and `env` as run_vgg's: both
+// runs succeed with the same weights (--print-checksum in `args`) and the same logged norms (each
+// with its --json log, so --print-freq decides how many), the run with it on says `says` and the
+// run with it off says nothing of it. Returns the norms the run with it on logged (none after a
+// failed run).
+inline std::vector<std::string> expect_fused_grad_norm_matches_its_own_pass(
+    const TempDir& dir, const std::string& args, const std::string& env, const std::string& says) {
+  const RunResult on = run_vgg(dir, args + "--json '" + (dir / "on.json") + "'", env);
+  const RunResult off =
+      run_vgg(dir, args + "--fused-grad-norm off --json '" + (dir / "off.json") + "'", env);
+  EXPECT_EQ(on.code, 0) << on.output;
+  EXPECT_EQ(off.code, 0) << off.output;
+  if (on.code != 0 || off.code != 0) return {};
+  EXPECT_NE(checksum_of(on), "") << on.output;
+  EXPECT_EQ(checksum_of(on), checksum_of(off)) << on.output << "\n" << off.output;
+  const std::vector<std::string> norms = json_log_numbers(dir / "on.json", "grad_norm");
+  EXPECT_EQ(norms, json_log_numbers(dir / "off.json", "grad_norm"));
+  EXPECT_TRUE(contains(on.output, says)) << on.output;
+  EXPECT_FALSE(contains(off.output, "gradient norm:")) << off.output;
+  return norms;
+}
+
 }  // namespace cudp::testing
