@@ -469,14 +469,27 @@ def machine_md(m):
 
 def headline(train, comm):
     lines = []
+    # One GPU: each comparison (model, size, cudp's precision and graphs, PyTorch's setting) from
+    # the last run that has it, runs being in the order given (--raw, then each --training: oldest
+    # first); the earlier runs' rows stay in the training table.
+    latest, runs_of = {}, {}
     for r in train:
         if r["gpus"] == 1 and r.get("pytorch_mode") == "single" and r.get("cudp_over_pytorch"):
-            graphs = ", graphs" if r.get("cudp_graphs") == "on" else ""
-            lines.append(f"- {r['model']} {r['size']}², 1 GPU, run {r.get('run', '?')}: cudp "
-                         f"({r.get('cudp_precision') or 'fp32'}{graphs}) "
-                         f"{fmt(r['cudp_images_per_s'], 0)} img/s, "
-                         f"PyTorch ({r['pytorch_precision']}) {fmt(r['pytorch_images_per_s'], 0)}: "
-                         f"**{fmt(r['cudp_over_pytorch'], 2, '×')}**")
+            key = (r["model"], r["size"], r.get("cudp_precision") or "fp32", r.get("cudp_graphs"),
+                   r["pytorch_precision"])
+            latest.pop(key, None)  # re-inserted: the order is that of the last runs
+            latest[key] = r
+            runs_of[key] = runs_of.get(key, 0) + 1
+    for key, r in latest.items():
+        graphs = ", graphs" if r.get("cudp_graphs") == "on" else ""
+        earlier = runs_of[key] - 1
+        lines.append(f"- {r['model']} {r['size']}², 1 GPU, run {r.get('run', '?')}: cudp "
+                     f"({r.get('cudp_precision') or 'fp32'}{graphs}) "
+                     f"{fmt(r['cudp_images_per_s'], 0)} img/s, "
+                     f"PyTorch ({r['pytorch_precision']}) {fmt(r['pytorch_images_per_s'], 0)}: "
+                     f"**{fmt(r['cudp_over_pytorch'], 2, '×')}**"
+                     + (f" ({earlier} earlier run{'s' if earlier > 1 else ''} in the table below)"
+                        if earlier else ""))
     seen = set()
     for r in train:
         key = (r["model"], r["size"], r["gpus"], r.get("processes") or 1)
