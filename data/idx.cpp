@@ -42,9 +42,9 @@ constexpr int64_t kMaxDeflateRatio = 1032;
 constexpr int64_t kReserveRatio = 8;
 
 // Reads an IDX file of `dims` dimensions, checking its magic and that it holds exactly the header
-// plus the bytes its dimensions promise. `what` ("images", "labels") names it in errors. A gzip file
-// is decompressed header first and then only as far as the header promises (plus one byte, to tell
-// a file that is too long), so a gzip bomb costs no more than its header admits to.
+// plus the bytes its dimensions promise. `what` ("images", "labels") names it in errors. A gzip
+// file is decompressed header first and then only as far as the header promises (plus one byte, to
+// tell a file that is too long), so a gzip bomb costs no more than its header admits to.
 IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* what) {
   std::vector<uint8_t> raw = read_compressed(path);
   const bool gz = is_gzip(raw);
@@ -79,7 +79,8 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
     f.sizes.push_back(read_be32(head.data() + 4 + 4 * d));
     overflow = overflow || __builtin_mul_overflow(data_bytes, f.sizes.back(), &data_bytes);
   }
-  overflow = overflow || __builtin_add_overflow(static_cast<int64_t>(header), data_bytes, &expected);
+  overflow =
+      overflow || __builtin_add_overflow(static_cast<int64_t>(header), data_bytes, &expected);
   const std::string shape = dims == 3 ? detail::str(" of ", f.sizes[1], "x", f.sizes[2]) : "";
   if (overflow) {
     CUDP_THROW(IoError, path, " is truncated: its header promises ", f.sizes[0], " ", what, shape,
@@ -90,8 +91,9 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
     const int64_t possible = static_cast<int64_t>(raw.size()) * kMaxDeflateRatio;
     if (data_bytes > possible) {
       CUDP_THROW(IoError, path, " cannot be an IDX ", what, " file: its header promises ",
-                 f.sizes[0], " ", what, shape, " (", expected, " bytes with the header), more than ",
-                 raw.size(), " bytes of gzip can hold (truncated or corrupt?)");
+                 f.sizes[0], " ", what, shape, " (", expected,
+                 " bytes with the header), more than ", raw.size(),
+                 " bytes of gzip can hold (truncated or corrupt?)");
     }
     f.data.reserve(static_cast<size_t>(
         std::min(data_bytes + 1, static_cast<int64_t>(raw.size()) * kReserveRatio)));
@@ -102,19 +104,20 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
   }
   const int64_t actual = static_cast<int64_t>(header + f.data.size());
   if (actual != expected) {
-    CUDP_THROW(IoError, path, (actual < expected ? " is truncated" : " is too long"),
-               ": its header promises ", f.sizes[0], " ", what, shape, " (", expected,
-               " bytes with the header), the file has ",
-               gz && actual > expected ? "more than " + std::to_string(expected)
-                                       : std::to_string(actual),
-               gz ? " bytes after decompression" : " bytes");
+    CUDP_THROW(
+        IoError, path, (actual < expected ? " is truncated" : " is too long"),
+        ": its header promises ", f.sizes[0], " ", what, shape, " (", expected,
+        " bytes with the header), the file has ",
+        gz && actual > expected ? "more than " + std::to_string(expected) : std::to_string(actual),
+        gz ? " bytes after decompression" : " bytes");
   }
   return f;
 }
 
 // The file `stem` in `dir` under the names it is distributed with: gzipped or not, and with the
 // '.' that some MNIST mirrors use before "idx" ("train-images.idx3-ubyte").
-std::string find_idx_file(const std::string& dir, const std::string& stem, const std::string& name) {
+std::string find_idx_file(const std::string& dir, const std::string& stem,
+                          const std::string& name) {
   std::string dotted = stem;
   dotted[dotted.rfind("-idx")] = '.';
   const std::string base = dir + "/";
@@ -137,8 +140,7 @@ IdxImages read_idx_images(const std::string& path) {
   // The loader multiplies these by the batch size: keep them to what an image can sensibly be.
   if (f.sizes[1] < 1 || f.sizes[2] < 1 || f.sizes[1] > kMaxIdxSide || f.sizes[2] > kMaxIdxSide) {
     CUDP_THROW(IoError, path, ": images of ", f.sizes[1], "x", f.sizes[2],
-               " pixels; an IDX image must have between 1 and ", kMaxIdxSide,
-               " rows and columns");
+               " pixels; an IDX image must have between 1 and ", kMaxIdxSide, " rows and columns");
   }
   IdxImages images{f.sizes[0], f.sizes[1], f.sizes[2], {}};
   images.pixels = std::move(f.data);
@@ -152,8 +154,9 @@ std::vector<uint8_t> read_idx_labels(const std::string& path) {
 
 std::vector<uint8_t> encode_idx_images(std::span<const uint8_t> pixels, int64_t count, int64_t rows,
                                        int64_t cols) {
-  CUDP_CHECK(static_cast<int64_t>(pixels.size()) == count * rows * cols, "encode_idx_images: ",
-             pixels.size(), " pixels for ", count, " images of ", rows, "x", cols);
+  CUDP_CHECK(static_cast<int64_t>(pixels.size()) == count * rows * cols,
+             "encode_idx_images: ", pixels.size(), " pixels for ", count, " images of ", rows, "x",
+             cols);
   std::vector<uint8_t> out;
   out.reserve(16 + pixels.size());
   for (int64_t v : {int64_t{kIdxImagesMagic}, count, rows, cols}) append_be32(out, v);
@@ -164,7 +167,8 @@ std::vector<uint8_t> encode_idx_images(std::span<const uint8_t> pixels, int64_t 
 std::vector<uint8_t> encode_idx_labels(std::span<const uint8_t> labels) {
   std::vector<uint8_t> out;
   out.reserve(8 + labels.size());
-  for (int64_t v : {int64_t{kIdxLabelsMagic}, static_cast<int64_t>(labels.size())}) append_be32(out, v);
+  for (int64_t v : {int64_t{kIdxLabelsMagic}, static_cast<int64_t>(labels.size())})
+    append_be32(out, v);
   out.insert(out.end(), labels.begin(), labels.end());
   return out;
 }
@@ -175,6 +179,16 @@ Dataset load_mnist_like(const std::string& dir, bool train, const std::string& n
   const std::string images_path = find_idx_file(dir, prefix + "-images-idx3-ubyte", name);
   const std::string labels_path = find_idx_file(dir, prefix + "-labels-idx1-ubyte", name);
   IdxImages images = read_idx_images(images_path);
+  // read_idx_images takes any size, as IDX allows. A data set of another size (or splits of two
+  // sizes) would otherwise fail only in the model, after a whole epoch of training, in an error
+  // naming neither the file nor the size expected: it is refused as it is opened.
+  if (images.rows != kMnistSide || images.cols != kMnistSide) {
+    const std::string known = name.find("fashion") != std::string::npos ? "Fashion-MNIST"
+                              : name == "mnist"                         ? "MNIST"
+                                                                        : name;
+    CUDP_THROW(IoError, images_path, " holds ", images.rows, "x", images.cols, " images; ", known,
+               "'s images are ", kMnistSide, "x", kMnistSide, ": is this the right file?");
+  }
   const std::vector<uint8_t> labels = read_idx_labels(labels_path);
   if (images.count != static_cast<int64_t>(labels.size())) {
     CUDP_THROW(IoError, name, ": ", images_path, " holds ", images.count, " images but ",

@@ -35,10 +35,14 @@ std::vector<uint8_t> encode_idx_images(std::span<const uint8_t> pixels, int64_t 
                                        int64_t cols);
 std::vector<uint8_t> encode_idx_labels(std::span<const uint8_t> labels);
 
+// MNIST's and Fashion-MNIST's images are 28x28, in both splits.
+inline constexpr int64_t kMnistSide = 28;
+
 // The train ("train-images-idx3-ubyte", "train-labels-idx1-ubyte") or test ("t10k-...") split of an
 // MNIST-like data set in `dir`, each file gzipped (".gz") or raw, as 28x28x1 images of 10 classes.
 // `name` ("fashion-mnist", "mnist") names the Dataset and the errors. A missing file is an IoError
-// that says how to get it (Debian/Ubuntu: package dataset-fashion-mnist, or --data-dir).
+// that says how to get it (Debian/Ubuntu: package dataset-fashion-mnist, or --data-dir); so is an
+// images file of any other size than kMnistSide x kMnistSide, which keeps the splits alike too.
 Dataset load_mnist_like(const std::string& dir, bool train, const std::string& name = "fashion-mnist");
 
 // Where Debian/Ubuntu's dataset-fashion-mnist package installs the files.

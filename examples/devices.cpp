@@ -31,14 +31,16 @@ void print_visible_mapping(int count) {
     std::printf("CUDA_VISIBLE_DEVICES is unset: every GPU is visible under its own number.\n");
     return;
   }
-  std::printf("CUDA_VISIBLE_DEVICES=\"%s\": the program sees %d device(s)", visible.raw.c_str(), count);
+  std::printf("CUDA_VISIBLE_DEVICES=\"%s\": the program sees %d device(s)", visible.raw.c_str(),
+              count);
   for (int i = 0; i < count; ++i) {
     std::printf("%s id %d is physical GPU %s", i ? "," : ":", i, cuda::physical_id(i).c_str());
   }
   std::printf(".\n");
   const char* order = std::getenv("CUDA_DEVICE_ORDER");
   if (!order || std::string(order) != "PCI_BUS_ID") {
-    std::printf("Set CUDA_DEVICE_ORDER=PCI_BUS_ID for these physical numbers to match nvidia-smi.\n");
+    std::printf(
+        "Set CUDA_DEVICE_ORDER=PCI_BUS_ID for these physical numbers to match nvidia-smi.\n");
   }
 }
 
@@ -57,7 +59,8 @@ void print_peer_matrix(int count) {
 const char* const kUsage =
     "Usage: cudp-devices [-h|--help]\n"
     "Lists the CUDA devices this process sees (id, physical GPU, name, memory, SMs, compute\n"
-    "capability, PCI bus id), the CUDA_VISIBLE_DEVICES mapping and the peer-access matrix, switches\n"
+    "capability, PCI bus id), the CUDA_VISIBLE_DEVICES mapping and the peer-access matrix, "
+    "switches\n"
     "the current device once to show set_device, and warns when the GPUs are imbalanced.\n"
     "  CUDA_VISIBLE_DEVICES=1 cudp-devices    # one device: id 0 is physical GPU 1\n"
     "Exit status: 0 success; 1 a CUDA error; 2 the command line is wrong.\n";
@@ -79,7 +82,13 @@ int main(int argc, char** argv) {
     std::printf("cudp sees %d CUDA device(s); CUDA available: %s\n", count,
                 cuda::is_available() ? "yes" : "no");
     print_visible_mapping(count);
-    if (count == 0) return 0;
+    if (count == 0) {
+      // A machine without GPUs is not an error; an old driver or a mask that hides every GPU is.
+      const std::string reason = cuda::unavailable_reason();
+      if (reason.empty()) return 0;
+      std::fprintf(stderr, "cudp-devices: %s\n", reason.c_str());
+      return 1;
+    }
 
     std::vector<cuda::DeviceProperties> devices;
     for (int i = 0; i < count; ++i) devices.push_back(cuda::get_device_properties(i));
@@ -93,7 +102,8 @@ int main(int argc, char** argv) {
     cuda::set_device(0);
 
     print_peer_matrix(count);
-    if (auto warning = cuda::imbalance_warning(devices)) std::printf("warning: %s\n", warning->c_str());
+    if (auto warning = cuda::imbalance_warning(devices))
+      std::printf("warning: %s\n", warning->c_str());
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "cudp-devices: %s\n", e.message().c_str());

@@ -10,9 +10,45 @@
 
 namespace cudp {
 
-std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
+std::string Device::str() const {
+  return is_cpu() ? "cpu" : "cuda:" + std::to_string(index);
+}
 
-std::ostream& operator<<(std::ostream& out, const Device& device) { return out << device.str(); }
+std::ostream& operator<<(std::ostream& out, const Device& device) {
+  return out << device.str();
+}
+
+namespace detail {
+
+std::string cuda_unavailable_reason(int count_status, int count, int driver_version,
+                                    int runtime_version, const cuda::VisibleDevices& visible) {
+  const auto status = static_cast<cudaError_t>(count_status);
+  if (status == cudaSuccess && count > 0) return "";
+  if (driver_version == 0) return "";  // no NVIDIA driver: a machine without GPUs
+  // CUDA_VISIBLE_DEVICES="" or "-1" (CUDA stops at the first entry it cannot read): no GPU
+  // is what was asked.
+  const auto first = visible.raw.find_first_not_of(" \t");
+  if (visible.set && (first == std::string::npos || visible.raw[first] == '-')) return "";
+  const auto version = [](int v) {
+    return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+  };
+  if (status == cudaErrorInsufficientDriver) {
+    return "the NVIDIA driver supports CUDA " + version(driver_version) + " and cudp needs " +
+           version(runtime_version) + ": update the driver";
+  }
+  if (status == cudaSuccess || status == cudaErrorNoDevice) {
+    if (visible.set) {
+      return "CUDA_VISIBLE_DEVICES=\"" + visible.raw +
+             "\" leaves no GPU visible: check it against nvidia-smi -L (ids or GPU-... UUIDs), or "
+             "unset it";
+    }
+    return "the NVIDIA driver is installed but CUDA finds no GPU: check nvidia-smi";
+  }
+  return std::string("CUDA cannot start: ") + cudaGetErrorName(status) + " (" +
+         cudaGetErrorString(status) + "): check the driver with nvidia-smi";
+}
+
+}  // namespace detail
 
 namespace cuda {
 namespace {
@@ -31,9 +67,8 @@ std::string trim(const std::string& s) {
 }
 
 bool is_index(const std::string& s) {
-  return !s.empty() && s.size() < 10 && std::all_of(s.begin(), s.end(), [](char c) {
-    return c >= '0' && c <= '9';
-  });
+  return !s.empty() && s.size() < 10 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
 }  // namespace
@@ -47,13 +82,26 @@ int device_count() {
   return count;
 }
 
-bool is_available() { return device_count() > 0; }
+bool is_available() {
+  return device_count() > 0;
+}
+
+std::string unavailable_reason() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) cudaGetLastError();
+  int driver = 0, runtime = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = CUDART_VERSION;
+  return cudp::detail::cuda_unavailable_reason(status, count, driver, runtime, visible_devices());
+}
 
 void check_device(int device) {
   const int count = device_count();
   if (count == 0) {
+    const std::string reason = unavailable_reason();
     CUDP_THROW(ValueError, "invalid device id ", device, ": no CUDA device is visible (",
-               visible_description(), ")");
+               reason.empty() ? visible_description() : reason, ")");
   }
   if (device < 0 || device >= count) {
     CUDP_THROW(ValueError, "invalid device id ", device, ": valid ids are 0..", count - 1, " (",
@@ -101,7 +149,9 @@ DeviceProperties get_device_properties(int device) {
   return p;
 }
 
-std::string device_name(int device) { return get_device_properties(device).name; }
+std::string device_name(int device) {
+  return get_device_properties(device).name;
+}
 
 std::vector<std::vector<bool>> peer_access_matrix() {
   const int count = device_count();
@@ -147,7 +197,7 @@ VisibleDevices parse_visible_devices(const char* value) {
     const bool uuid = entry.rfind("GPU-", 0) == 0 || entry.rfind("MIG-", 0) == 0;
     std::string key = entry;
     if (is_index(entry)) key = std::to_string(std::stoi(entry));  // "04" and "4" are one GPU
-    if (!(is_index(entry) || uuid) || seen.count(key)) break;    // CUDA stops at the first bad entry
+    if (!(is_index(entry) || uuid) || seen.count(key)) break;  // CUDA stops at the first bad entry
     seen.insert(key);
     v.entries.push_back(key);
     start = comma + 1;
@@ -155,23 +205,27 @@ VisibleDevices parse_visible_devices(const char* value) {
   return v;
 }
 
-VisibleDevices visible_devices() { return parse_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES")); }
+VisibleDevices visible_devices() {
+  return parse_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES"));
+}
 
 std::string physical_id(int device, const VisibleDevices& visible) {
   if (!visible.set) return std::to_string(device);
-  if (device >= 0 && device < static_cast<int>(visible.entries.size())) return visible.entries[device];
+  if (device >= 0 && device < static_cast<int>(visible.entries.size()))
+    return visible.entries[device];
   return "?";
 }
 
-std::string physical_id(int device) { return physical_id(device, visible_devices()); }
+std::string physical_id(int device) {
+  return physical_id(device, visible_devices());
+}
 
 std::optional<std::string> imbalance_warning(const std::vector<DeviceProperties>& devices) {
   if (devices.size() < 2) return std::nullopt;
   auto check = [&](auto value) -> std::optional<std::string> {
-    const auto [lo, hi] = std::minmax_element(devices.begin(), devices.end(),
-                                              [&](const auto& a, const auto& b) {
-                                                return value(a) < value(b);
-                                              });
+    const auto [lo, hi] =
+        std::minmax_element(devices.begin(), devices.end(),
+                            [&](const auto& a, const auto& b) { return value(a) < value(b); });
     if (static_cast<double>(value(*lo)) < 0.75 * static_cast<double>(value(*hi))) {
       return detail::str(
           "There is an imbalance between your GPUs. You may want to exclude GPU ", lo->index,

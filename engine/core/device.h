@@ -1,9 +1,10 @@
-// Devices: which GPUs the program sees, which one is current, and what they are (docs/architecture.md §4).
+// Devices: which GPUs the program sees, which one is current, and what they are
+// (docs/architecture.md §4).
 //
 // cudp follows CUDA's numbering. With CUDA_VISIBLE_DEVICES=0,4 the program sees two devices, ids 0
 // and 1, and id 1 is physical GPU 4; `physical_id(1)` says so. Set CUDA_DEVICE_ORDER=PCI_BUS_ID for
-// those physical numbers to match nvidia-smi's. An id outside [0, device_count()) is an error naming
-// the valid range and the visible set.
+// those physical numbers to match nvidia-smi's. An id outside [0, device_count()) is an error
+// naming the valid range and the visible set.
 #pragma once
 
 #include <cstddef>
@@ -33,9 +34,17 @@ std::ostream& operator<<(std::ostream& out, const Device& device);
 
 namespace cuda {
 
-// Number of visible CUDA devices; 0 (never an exception) where there is no driver or no GPU.
+// Number of visible CUDA devices; 0 (never an exception) where there is no driver or no GPU, or
+// where CUDA cannot start (unavailable_reason() then says why), as torch.cuda.device_count().
 int device_count();
 bool is_available();
+
+// Why device_count() is 0 when that is not simply a machine without GPUs: "" when CUDA sees a
+// device, when no NVIDIA driver is installed, or when CUDA_VISIBLE_DEVICES is "" or "-1" (no GPU
+// is what was asked); otherwise what CUDA said and what to do (a driver older than this CUDA
+// runtime, a CUDA_VISIBLE_DEVICES that names no GPU, ...). A program that would fall back to the
+// CPU by default reports this instead, so that a broken driver is never a silent CPU run.
+std::string unavailable_reason();
 
 // The calling thread's current device, and switching it (validated: see check_device).
 int current_device();
@@ -48,10 +57,10 @@ void check_device(int device);
 void synchronize(int device = -1);
 
 struct DeviceProperties {
-  int index = 0;             // visible id
-  std::string physical;      // physical GPU as named by CUDA_VISIBLE_DEVICES ("4", "GPU-<uuid>")
+  int index = 0;         // visible id
+  std::string physical;  // physical GPU as named by CUDA_VISIBLE_DEVICES ("4", "GPU-<uuid>")
   std::string name;
-  size_t total_memory = 0;   // bytes
+  size_t total_memory = 0;  // bytes
   int multiprocessors = 0;
   int major = 0, minor = 0;  // compute capability
   std::string pci_bus_id;    // "0000:1B:00.0"
@@ -100,4 +109,12 @@ class DeviceGuard {
 };
 
 }  // namespace cuda
+
+namespace detail {
+// cuda::unavailable_reason()'s decision from what CUDA reported: cudaGetDeviceCount's status (a
+// cudaError_t) and count, cudaDriverGetVersion's version (0: no driver installed) and the
+// runtime's version.
+std::string cuda_unavailable_reason(int count_status, int count, int driver_version,
+                                    int runtime_version, const cuda::VisibleDevices& visible);
+}  // namespace detail
 }  // namespace cudp

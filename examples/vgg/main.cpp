@@ -144,17 +144,18 @@ struct Data {
                     : o.data == "mnist" ? "pass --data-dir DIR (a folder with MNIST's IDX files)"
                                         : "pass --data-dir DIR (the folder cifar-10-batches-bin of "
                                           "CIFAR-10's binary version)";
-  CUDP_THROW(IoError, "--data ", o.data, (o.was_given("--data") ? "" : " (the default)"), ": ",
-             dir, " does not exist; ", how, ", or train on generated images with --data synthetic");
+  CUDP_THROW(IoError, "--data ", o.data, (o.was_given("--data") ? "" : " (the default)"), ": ", dir,
+             " does not exist; ", how, ", or train on generated images with --data synthetic");
 }
 
 // --data folder: DIR/train and DIR/val (or DIR/test), decoded on the loader's workers.
 void load_folder(const Options& o, Data& d) {
   const fs::path root(o.data_dir);
-  const fs::path train = root / "train", test = fs::is_directory(root / "val") ? root / "val"
-                                                                              : root / "test";
+  const fs::path train = root / "train",
+                 test = fs::is_directory(root / "val") ? root / "val" : root / "test";
   if (!fs::is_directory(train) || !fs::is_directory(test)) {
-    CUDP_THROW(IoError, "--data folder: ", o.data_dir, " needs the sub-folders train/ and val/ "
+    CUDP_THROW(IoError, "--data folder: ", o.data_dir,
+               " needs the sub-folders train/ and val/ "
                "(or test/), each with one folder of images per class");
   }
   data::ImageFolderOptions f;
@@ -163,10 +164,10 @@ void load_folder(const Options& o, Data& d) {
   auto train_set = std::make_unique<data::ImageFolder>(train.string(), f, "folder/train");
   f.transform = data::ImageTransform::Eval;
   f.classes = train_set->classes();  // the test labels follow train's
-  auto test_set = std::make_unique<data::ImageFolder>(test.string(), f,
-                                                      "folder/" + test.filename().string());
-  const std::string eval = detail::str("Resize(", data::eval_resize(o.image_size), ") + CenterCrop(",
-                                       o.image_size, ")");
+  auto test_set =
+      std::make_unique<data::ImageFolder>(test.string(), f, "folder/" + test.filename().string());
+  const std::string eval =
+      detail::str("Resize(", data::eval_resize(o.image_size), ") + CenterCrop(", o.image_size, ")");
   d.description = detail::str(
       "images from ", o.data_dir, " (", train_set->num_classes(),
       " classes, decoded every epoch on ", o.workers, " worker(s); train: ",
@@ -174,11 +175,13 @@ void load_folder(const Options& o, Data& d) {
                 : eval + " (no --augment)",
       ", test: ", eval, ", ImageNet mean and std)");
   if (o.limit_train > 0 && o.limit_train < train_set->size()) {
-    d.description += detail::str(", first ", o.limit_train, " of ", train_set->size(), " train images");
+    d.description +=
+        detail::str(", first ", o.limit_train, " of ", train_set->size(), " train images");
     train_set->keep_first(o.limit_train);
   }
   if (o.limit_test > 0 && o.limit_test < test_set->size()) {
-    d.description += detail::str(", first ", o.limit_test, " of ", test_set->size(), " test images");
+    d.description +=
+        detail::str(", first ", o.limit_test, " of ", test_set->size(), " test images");
     test_set->keep_first(o.limit_test);
   }
   d.normalization = data::imagenet_normalization();  // torchvision's recipe for photographs
@@ -204,6 +207,14 @@ Data load_data(const Options& o) {
   }
   data::Dataset train, test;
   if (o.data == "synthetic") {
+    if (o.was_given("--data-dir")) {
+      throw UsageError(
+          detail::str("--data synthetic generates its images and reads no files, so "
+                      "--data-dir ",
+                      o.data_dir,
+                      " would be ignored; drop one of the "
+                      "two"));
+    }
     data::SyntheticOptions s;
     s.seed = o.seed;
     if (o.image_size != 32) {  // photographs' shape: 3 channels at the size asked for
@@ -271,7 +282,8 @@ void save_test_set(const std::string& path, const Data& d, const data::Normaliza
   check_output_file(path, "--save-test-set");
   const data::Dataset t = data::materialize(*d.test, 0, 0, workers);
   TensorMap tensors;
-  tensors["images"] = Tensor::from_vector<uint8_t>(t.images, {t.size(), t.height, t.width, t.channels});
+  tensors["images"] =
+      Tensor::from_vector<uint8_t>(t.images, {t.size(), t.height, t.width, t.channels});
   tensors["labels"] = Tensor::from_vector<int32_t>(t.labels, {t.size()});
   Metadata meta;
   const auto join = [](const std::vector<float>& v) {
@@ -808,13 +820,24 @@ int run(Options o) {
           "or give --gpus none to train on the CPU");
     }
     if (visible == 0) {
-      throw UsageError(detail::str("rank ", rank,
-                                   " sees no GPU; give --gpus none to train on the "
+      const std::string reason = cuda::unavailable_reason();
+      throw UsageError(detail::str("rank ", rank, " sees no GPU",
+                                   reason.empty() ? "" : " (" + reason + ")",
+                                   "; give --gpus none to train on the "
                                    "CPU with MPI moving the gradients"));
     }
     gpus.push_back(parallel::device_for_local_rank(g_ranks.local_rank, visible));
   }
   if (gpus.empty() && !o.no_gpus) {
+    // By default every visible GPU, or the CPU on a machine without one; but not the CPU instead
+    // of GPUs that CUDA cannot use (an old driver, a CUDA_VISIBLE_DEVICES naming none): hours of
+    // training on the CPU are not what such a run asked for.
+    if (visible == 0) {
+      if (const std::string reason = cuda::unavailable_reason(); !reason.empty()) {
+        throw Error("no GPU can be used: " + reason + "; or give --gpus none to train on the CPU",
+                    __FILE__, __LINE__);
+      }
+    }
     for (int i = 0; i < visible; ++i) gpus.push_back(i);
   }
   for (int g : gpus) {
@@ -859,15 +882,17 @@ int run(Options o) {
   int64_t start_epoch = 0, global_step = 0;
   if (!resume_file.empty() && !weights_only) {
     start_epoch = metadata_int(resumed_meta, "epoch", 0, 1000000, state_file);
-    global_step = metadata_int(resumed_meta, "step", 0, std::numeric_limits<int64_t>::max(),
-                               state_file);
+    global_step =
+        metadata_int(resumed_meta, "step", 0, std::numeric_limits<int64_t>::max(), state_file);
     if (!o.eval_only && o.epochs < start_epoch) {
       throw UsageError(detail::str("--epochs ", o.epochs, " is less than the checkpoint's epoch ",
                                    start_epoch, ": nothing to train (--eval-only evaluates it)"));
     }
     if (!o.eval_only && o.stop_after > 0 && o.stop_after <= start_epoch) {
-      throw UsageError(detail::str("--stop-after ", o.stop_after, ": the checkpoint is already at "
-                                   "epoch ", start_epoch, "; give a later epoch or leave it out"));
+      throw UsageError(detail::str("--stop-after ", o.stop_after,
+                                   ": the checkpoint is already at "
+                                   "epoch ",
+                                   start_epoch, "; give a later epoch or leave it out"));
     }
     // Each rank's shard of an epoch, and so the training, depends on the number of ranks.
     const int64_t saved_world =
@@ -910,6 +935,12 @@ int run(Options o) {
   const Data d = load_data(o);
   std::printf("data: %s: %lld train, %lld test images\n", d.description.c_str(),
               static_cast<long long>(d.train->size()), static_cast<long long>(d.test->size()));
+  if (d.test->size() == 0) {
+    // Every epoch reports a test accuracy, and the best checkpoint is chosen by it: from no images
+    // it would be a number that means nothing.
+    CUDP_THROW(IoError, "--data ", o.data, ": the test split holds no images (", d.description,
+               "); give a data set with a test split");
+  }
 
   data::LoaderOptions lo;
   lo.batch_size = o.batch_size;
@@ -973,8 +1004,11 @@ int run(Options o) {
   net->set_precision(precision);
   for (int g : gpus) {
     if (precision != Precision::fp32 && !kernels::tensor_cores_available(g)) {
-      throw UsageError(detail::str("--precision ", o.precision, " needs the tensor-core kernels of "
-                                   "an sm_90 GPU (H100, H200); GPU ", g, " is not one: use "
+      throw UsageError(detail::str("--precision ", o.precision,
+                                   " needs the tensor-core kernels of "
+                                   "an sm_90 GPU (H100, H200); GPU ",
+                                   g,
+                                   " is not one: use "
                                    "--precision fp32 there"));
     }
   }
@@ -1034,8 +1068,8 @@ int run(Options o) {
   }
 
   // For the communicator DataParallel makes (at least a millisecond: the watchdog's resolution).
-  parallel::Communicator::set_default_timeout(std::chrono::milliseconds(
-      std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
+  parallel::Communicator::set_default_timeout(
+      std::chrono::milliseconds(std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
   // One process: DataParallel over its GPUs; on the CPU (--gpus none, or no GPU visible) the
   // module as it is, with no wrapper: DataParallel given no device list would take every visible
   // GPU. Several: DistributedDataParallel, rank 0's model broadcast to every rank.
@@ -1073,6 +1107,12 @@ int run(Options o) {
     std::printf("\n");
   }
   std::unique_ptr<TrainOptimizer> opt = make_optimizer(o, model);
+  if (gpus.empty() && o.was_given("--graphs") && o.graphs == "on") {
+    // Refused where it cannot run rather than left off (as --overlap-update on): the user asked.
+    throw UsageError(
+        "--graphs on needs GPUs: CUDA graphs replay GPU work; drop --graphs on to "
+        "train on the CPU");
+  }
   if (o.overlap_update == "on") {
     // Refused where it cannot run rather than left off: the user asked for it.
     if (gpus.empty()) {
@@ -1115,7 +1155,8 @@ int run(Options o) {
     if (global_step != start_epoch * steps_per_epoch) {
       throw UsageError(detail::str("--resume ", o.resume, ": the checkpoint is at step ",
                                    global_step, " after epoch ", start_epoch, ", but this run has ",
-                                   steps_per_epoch, " steps per epoch; resume with the data, "
+                                   steps_per_epoch,
+                                   " steps per epoch; resume with the data, "
                                    "--limit-train and --batch-size it was written with"));
     }
   }
@@ -1157,9 +1198,10 @@ int run(Options o) {
     double loss, top1, top5;
   };
   StepResults eval_results(feed_device, /*training=*/false);
-  const std::string batch_advice = detail::str(
-      "Reduce the batch size (--batch-size, now ", o.batch_size, "): each GPU holds the "
-      "activations of its share of a batch.");
+  const std::string batch_advice =
+      detail::str("Reduce the batch size (--batch-size, now ", o.batch_size,
+                  "): each GPU holds the "
+                  "activations of its share of a batch.");
   // --graphs on: the evaluation's full batches replay a CUDA graph of its forward and loss too
   // (after one eager batch), the last partial batch runs eagerly; the same results bit for bit.
   const auto eval_body = [&](const Tensor& images, const Tensor& labels) {
@@ -1197,7 +1239,9 @@ int run(Options o) {
     const Eval e = evaluate();
     std::printf("test loss %.4f, test accuracy %.2f%% (top-5 %.2f%%)\n", shown(e.loss), e.top1,
                 e.top5);
-    json.write({{"event", "eval"}, {"test_loss", e.loss}, {"test_accuracy", e.top1 / 100},
+    json.write({{"event", "eval"},
+                {"test_loss", e.loss},
+                {"test_accuracy", e.top1 / 100},
                 {"test_top5", e.top5 / 100}});
     print_checksum();
     return 0;
@@ -1216,25 +1260,29 @@ int run(Options o) {
   // that a message naming the last good checkpoint names one that is complete.
   CheckpointWriter checkpoint_writer;
   std::string pending_good;
+  bool have_good = !resume_file.empty();  // whether last_good names a checkpoint
   const auto settle = [&] {
     if (pending_good.empty()) return;
     const std::string pending = std::exchange(pending_good, std::string());
     try {
       checkpoint_writer.wait();  // a failed save throws its error here
     } catch (const Error& e) {
-      CUDP_THROW(IoError, "the checkpoint save ", pending, " did not complete: ", e.what(),
+      CUDP_THROW(IoError, "the checkpoint save ", pending, " did not complete: ", e.message(),
                  ". The last complete checkpoint is ", last_good,
-                 ". Make room on the disk (or fix the path), then continue from it with --resume");
+                 ". Make room on the disk (or fix "
+                 "the path), then ",
+                 have_good ? "continue from it with --resume" : "run again");
     }
     last_good = pending;
+    have_good = true;
   };
   // The last good checkpoint for a divergence error: the save in flight completes first; if it
   // failed, the one before it, and the failure is said.
   const auto settled_last_good = [&]() -> std::string {
     try {
       settle();
-    } catch (const std::exception& e) {
-      return detail::str(last_good, "; the save after it did not complete: ", e.what());
+    } catch (const Error& e) {
+      return detail::str(last_good, "; the save after it did not complete: ", e.message());
     }
     return last_good;
   };
@@ -1374,8 +1422,9 @@ int run(Options o) {
     const int64_t skipped_before = opt->skipped_steps();  // read at the last epoch's end: no wait
     skipped_seen = 0;
     double lr = opt->primary().lr();  // the rate of the epoch's last step
-    const int64_t print_every =
-        o.print_freq > 0 ? o.print_freq : tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
+    const int64_t print_every = o.print_freq > 0 ? o.print_freq
+                                : tty            ? 10
+                                                 : std::max<int64_t>(steps_per_epoch / 5, 1);
     for (Tensor images, labels; train_feed.next(images, labels);) {
       const nvtx::Range range("training step");
       const double step_lr = opt->primary().lr();
@@ -1417,8 +1466,8 @@ int run(Options o) {
     check_steps(epoch, results.read());
     const int64_t skipped = opt->skipped_steps() - skipped_before;
     if (skipped != skipped_seen) {
-      throw Error(detail::str("internal error: the optimizer skipped ", skipped,
-                              " steps of epoch ", epoch + 1, " but ", skipped_seen,
+      throw Error(detail::str("internal error: the optimizer skipped ", skipped, " steps of epoch ",
+                              epoch + 1, " but ", skipped_seen,
                               " had a non-finite loss or gradient norm; please report this"),
                   __FILE__, __LINE__);
     }
@@ -1436,7 +1485,7 @@ int run(Options o) {
     const Figures train = global_figures(results);  // collective under mpirun
     const double train_loss = train.mean_loss, train_top1 = train.top1, train_top5 = train.top5;
     images_seen *= g_ranks.world;  // every rank's (the shards are equal: the sampler pads them)
-    purpose.reset();  // the epoch's training allocations end here
+    purpose.reset();               // the epoch's training allocations end here
     // Rank 0 evaluates the whole test set alone (the others go on to the next epoch and wait for
     // it at its first collective, a wait the collective timeout bounds on GPUs); other ranks
     // report zeros they never print.
@@ -1507,7 +1556,7 @@ int run(Options o) {
                    lr, images_seen / epoch_seconds, epoch_seconds});
     }
   }
-  settle();  // the last save is complete before the run says it is done
+  settle();                    // the last save is complete before the run says it is done
   if (folder) folder->wait();  // and the last metrics.csv and curves.png (their error, if any)
   if (start_epoch >= end_epoch) {
     print_checksum();
@@ -1539,10 +1588,13 @@ int run(Options o) {
     std::printf("  cuda:%d peak memory %.2f GiB\n", g,
                 static_cast<double>(cuda::max_memory_allocated(g)) / (1 << 30));
   }
-  if (folder) std::printf("run folder: %s (metrics.csv, curves.png, last and best checkpoints)\n",
-                          folder->dir().c_str());
-  json.write({{"event", "done"}, {"best_test_accuracy", best_top1 / 100},
-              {"train_seconds", train_seconds}, {"total_seconds", seconds_since(run_start)}});
+  if (folder)
+    std::printf("run folder: %s (metrics.csv, curves.png, last and best checkpoints)\n",
+                folder->dir().c_str());
+  json.write({{"event", "done"},
+              {"best_test_accuracy", best_top1 / 100},
+              {"train_seconds", train_seconds},
+              {"total_seconds", seconds_since(run_start)}});
   print_checksum();
   return 0;
 }

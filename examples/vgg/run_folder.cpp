@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "engine/core/error.h"
+#include "engine/core/file.h"
 
 namespace cudp::trainer {
 namespace fs = std::filesystem;
@@ -52,23 +53,11 @@ bool parse_row(const std::string& line, EpochMetrics& m) {
 }  // namespace
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out) {
-      std::error_code ignored;
-      fs::remove(tmp, ignored);
-      CUDP_THROW(IoError, "cannot write ", path, " (through ", tmp,
-                 "): check the folder's permissions and free space");
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    CUDP_THROW(IoError, "cannot replace ", path, ": ", ec.message());
-  }
+  // StagedFile checks every write, the flush and the fsync (where a full disk shows), and renames
+  // only a complete file over the old one: a failed write keeps the previous file.
+  StagedFile file(path, "run folder file");
+  file.write(bytes.data(), bytes.size());
+  file.publish();
 }
 
 void check_output_file(const std::string& path, const std::string& what) {
@@ -98,9 +87,8 @@ void check_output_file(const std::string& path, const std::string& what) {
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
   if (fd < 0) {
     const int err = errno;
-    CUDP_THROW(IoError, what, " ", path, " cannot be written: creating a file in ",
-               folder.string(), " failed (", std::strerror(err),
-               "); choose a writable folder");
+    CUDP_THROW(IoError, what, " ", path, " cannot be written: creating a file in ", folder.string(),
+               " failed (", std::strerror(err), "); choose a writable folder");
   }
   ::close(fd);
   ::unlink(probe.c_str());
@@ -120,9 +108,10 @@ RunFolder::RunFolder(const std::string& dir, int64_t start_epoch, const std::str
   }
   check_output_file(dir + "/metrics.csv", "--output");
   if (start_epoch == 0 && fs::exists(dir + "/metrics.csv")) {
-    std::printf("note: %s already holds a run; this new run replaces its metrics and checkpoints "
-                "(resume it with --resume %s instead)\n",
-                dir.c_str(), dir.c_str());
+    std::printf(
+        "note: %s already holds a run; this new run replaces its metrics and checkpoints "
+        "(resume it with --resume %s instead)\n",
+        dir.c_str(), dir.c_str());
   }
   if (start_epoch > 0) {
     std::ifstream in(dir + "/metrics.csv");
@@ -148,6 +137,8 @@ RunFolder::RunFolder(const std::string& dir, int64_t start_epoch, const std::str
 RunFolder::~RunFolder() {
   try {
     wait();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "cudp-vgg: %s\n", e.message().c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cudp-vgg: %s\n", e.what());
   } catch (...) {

@@ -70,7 +70,8 @@ class RunFolder {
 // or a special file (a FIFO would block). Nothing is left behind.
 void check_output_file(const std::string& path, const std::string& what);
 
-// Writes `bytes` to `path` through a temporary file and a rename.
+// Writes `bytes` to `path` through a temporary file made durable and renamed over it (StagedFile):
+// a failed write (a full disk) throws IoError and leaves the previous file as it was.
 void write_file_atomically(const std::string& path, const std::string& bytes);
 
 }  // namespace cudp::trainer

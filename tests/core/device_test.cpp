@@ -1,5 +1,6 @@
 // Host tests of the device layer: the CUDA_VISIBLE_DEVICES mapping, the imbalance warning and the
 // error texts. Pure functions, so they run without a GPU.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include "engine/core/device.h"
@@ -77,13 +78,47 @@ TEST(DeviceIds, InvalidIdNamesTheRangeAndTheVisibleSet) {
     EXPECT_NE(msg.find("invalid device id " + std::to_string(count + 3)), std::string::npos) << msg;
     EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << msg;
     if (count > 0) {
-      EXPECT_NE(msg.find("valid ids are 0.." + std::to_string(count - 1)), std::string::npos) << msg;
+      EXPECT_NE(msg.find("valid ids are 0.." + std::to_string(count - 1)), std::string::npos)
+          << msg;
     } else {
       EXPECT_NE(msg.find("no CUDA device is visible"), std::string::npos) << msg;
     }
   }
   EXPECT_THROW(check_device(-1), ValueError);
   EXPECT_THROW(set_device(count), ValueError);
+}
+
+// Why a machine shows no GPU, from what CUDA reported (cudaGetDeviceCount's status and count, the
+// driver's and the runtime's versions): only a broken set-up gets a reason, so that a program that
+// would quietly fall back to the CPU reports it instead.
+TEST(UnavailableReason, NothingWhereThereAreGpusNoDriverOrGpusHiddenOnPurpose) {
+  const auto reason = [](int status, int count, int driver, const char* visible) {
+    return cudp::detail::cuda_unavailable_reason(status, count, driver, 13000,
+                                                 parse_visible_devices(visible));
+  };
+  EXPECT_EQ(reason(cudaSuccess, 2, 13000, nullptr), "");
+  // No NVIDIA driver at all (a machine without GPUs): CUDA says its driver is insufficient.
+  EXPECT_EQ(reason(cudaErrorInsufficientDriver, 0, 0, nullptr), "");
+  EXPECT_EQ(reason(cudaErrorNoDevice, 0, 13000, ""), "");
+  EXPECT_EQ(reason(cudaErrorNoDevice, 0, 13000, " -1"), "");
+}
+
+TEST(UnavailableReason, AnOldDriverAMaskThatNamesNoGpuAndOtherErrorsSayWhatToDo) {
+  const auto reason = [](int status, int count, int driver, const char* visible) {
+    return cudp::detail::cuda_unavailable_reason(status, count, driver, 13000,
+                                                 parse_visible_devices(visible));
+  };
+  EXPECT_EQ(reason(cudaErrorInsufficientDriver, 0, 12040, nullptr),
+            "the NVIDIA driver supports CUDA 12.4 and cudp needs 13.0: update the driver");
+  const std::string mask = reason(cudaErrorNoDevice, 0, 13000, "GPU-xyz");
+  EXPECT_NE(mask.find("CUDA_VISIBLE_DEVICES=\"GPU-xyz\" leaves no GPU visible"), std::string::npos)
+      << mask;
+  EXPECT_NE(mask.find("nvidia-smi -L"), std::string::npos) << mask;
+  EXPECT_NE(reason(cudaErrorNoDevice, 0, 13000, nullptr).find("CUDA finds no GPU"),
+            std::string::npos);
+  const std::string other = reason(cudaErrorSystemDriverMismatch, 0, 13000, nullptr);
+  EXPECT_NE(other.find("cudaErrorSystemDriverMismatch"), std::string::npos) << other;
+  EXPECT_NE(other.find("nvidia-smi"), std::string::npos) << other;
 }
 
 TEST(DeviceType, PrintsLikePyTorch) {

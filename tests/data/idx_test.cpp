@@ -22,11 +22,12 @@ void append_be32(std::vector<uint8_t>& out, uint32_t v) {
 }
 
 // IDX bytes written out by hand (not with the library's encoder) from the format's description.
-std::vector<uint8_t> images_file(uint32_t count, const std::vector<uint8_t>& pixels) {
+std::vector<uint8_t> images_file(uint32_t count, const std::vector<uint8_t>& pixels,
+                                 uint32_t rows = kRows, uint32_t cols = kCols) {
   std::vector<uint8_t> out = {0x00, 0x00, 0x08, 0x03};
   append_be32(out, count);
-  append_be32(out, kRows);
-  append_be32(out, kCols);
+  append_be32(out, rows);
+  append_be32(out, cols);
   out.insert(out.end(), pixels.begin(), pixels.end());
   return out;
 }
@@ -153,6 +154,29 @@ TEST(Idx, LabelOutOfRangeNamesIndexAndValue) {
   EXPECT_TRUE(throws_with<IoError>([&] { load_mnist_like(dir.path(), true); },
                                    {dir / "train-labels-idx1-ubyte", "label 10 at index 1",
                                     "out of range [0, 10)"}));
+}
+
+// A well-formed IDX pair of 14x56 images (as many pixels as 28x28 ones, the byte count consistent)
+// in place of Fashion-MNIST's test split: IDX allows it, but it is not Fashion-MNIST, and it must
+// be refused when the data set is opened, not after an epoch of training when the model finds its
+// input the wrong size. The same for MNIST, and for images with one side right.
+TEST(Idx, ImagesOtherThan28x28AreRefusedNamingTheFile) {
+  ScratchDir dir;
+  write_split(dir, 4, true);
+  write_split(dir, 3, true, "t10k");
+  const std::string path = dir / "t10k-images-idx3-ubyte.gz";
+  write_file(path, images_file(3, some_pixels(3), 14, 56), /*gzip=*/true);
+  ASSERT_EQ(read_idx_images(path).rows, 14);  // the file itself is a valid IDX file
+  EXPECT_EQ(load_mnist_like(dir.path(), true, "fashion-mnist").size(), 4);
+  EXPECT_TRUE(throws_with<IoError>(
+      [&] { load_mnist_like(dir.path(), false, "fashion-mnist"); },
+      {path, "14x56 images", "Fashion-MNIST's images are 28x28", "is this the right file?"}));
+  EXPECT_TRUE(throws_with<IoError>([&] { load_mnist_like(dir.path(), false, "mnist"); },
+                                   {path, "14x56 images", "MNIST's images are 28x28"}));
+  std::vector<uint8_t> pixels(3 * 28 * 27, 1);
+  write_file(path, images_file(3, pixels, 28, 27), /*gzip=*/true);
+  EXPECT_TRUE(throws_with<IoError>([&] { load_mnist_like(dir.path(), false); },
+                                   {path, "28x27 images", "28x28"}));
 }
 
 TEST(Idx, CorruptGzipIsAnErrorNotGarbage) {

@@ -109,7 +109,8 @@ void expect_graphs_match_eager(const std::string& gpus) {
   ASSERT_EQ(off.code, 0) << off.output;
   EXPECT_TRUE(contains(off.output, "CUDA graphs: off")) << off.output;
   ASSERT_NE(checksum_of(off), "") << off.output;
-  EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n" << on.output << "\ngraphs off:\n"
+  EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n"
+                                               << on.output << "\ngraphs off:\n"
                                                << off.output;
   // 16 training steps: two eager, the capture's launch and 4 replays, an eager partial batch, 7
   // replays and an eager partial batch. The evaluations: the first's second batch is captured
@@ -147,6 +148,25 @@ void expect_fused_grad_norm_on_gpus(const std::string& gpus) {
           gpus + " ",
       "", "gradient norm: summed by the optimizer's update");
   EXPECT_GE(norms.size(), 10u);
+}
+
+// On a machine with a driver, a CUDA_VISIBLE_DEVICES that names no GPU (a mistyped UUID) ends the
+// run with the reason instead of training on the CPU, which nobody asked for; --gpus none still
+// trains there.
+TEST(VggTrainerGpu, AMaskThatHidesEveryGpuIsAnErrorNotACpuRun) {
+  CUDP_REQUIRE_GPU();
+  TempDir dir;
+  const std::string mask = "CUDA_VISIBLE_DEVICES=GPU-00000000-0000-0000-0000-000000000000 ";
+  const std::string args =
+      "--data synthetic --arch vgg11 --epochs 1 --limit-train 16 "
+      "--limit-test 16 --batch-size 8 ";
+  const RunResult r = run_vgg(dir, args, mask);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "no GPU can be used: CUDA_VISIBLE_DEVICES=")) << r.output;
+  EXPECT_TRUE(contains(r.output, "leaves no GPU visible")) << r.output;
+  EXPECT_FALSE(contains(r.output, "train loss")) << r.output;
+  const RunResult cpu = run_vgg(dir, args + "--gpus none", mask);
+  EXPECT_EQ(cpu.code, 0) << cpu.output;
 }
 
 TEST(VggTrainerGpu, FusedGradNormMatchesItsOwnPassOnOneGpu) {
@@ -301,8 +321,9 @@ TEST(VggTrainerGpu, DivergenceStopsAndKeepsTheCheckpoint) {
   const std::string model = read_bytes(ckpt), state = read_bytes(dir / "c.train.safetensors");
   r = run_vgg(dir, "--resume '" + ckpt + "' --epochs 3 --lr 1e30 --gpus 0");
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(training diverged at step \d+ \(epoch 2, )"
-                                                     R"(batch \d+ of 8\): the (loss|gradient norm))")))
+  EXPECT_TRUE(
+      std::regex_search(r.output, std::regex(R"(training diverged at step \d+ \(epoch 2, )"
+                                             R"(batch \d+ of 8\): the (loss|gradient norm))")))
       << r.output;
   EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt)) << r.output;
   EXPECT_TRUE(read_bytes(ckpt) == model) << "the model file changed";
@@ -314,10 +335,12 @@ TEST(VggTrainerGpu, RunFolderWithAdamWOnTwoGpus) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
   const std::string out = dir / "run";
-  const RunResult r = run_vgg(
-      dir, "--data synthetic --arch vgg11 --limit-train 1024 --limit-test 256 --batch-size 128 "
-           "--gpus 0,1 --epochs 3 --opt adamw --lr 0.001 --warmup-epochs 1 --schedule cosine "
-           "--clip-grad 1 --label-smoothing 0.1 --print-checksum --output '" + out + "'");
+  const RunResult r =
+      run_vgg(dir,
+              "--data synthetic --arch vgg11 --limit-train 1024 --limit-test 256 --batch-size 128 "
+              "--gpus 0,1 --epochs 3 --opt adamw --lr 0.001 --warmup-epochs 1 --schedule cosine "
+              "--clip-grad 1 --label-smoothing 0.1 --print-checksum --output '" +
+                  out + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "replicas: 2, bit-identical")) << r.output;
   std::ifstream csv(out + "/metrics.csv");
@@ -340,6 +363,5 @@ TEST(VggTrainerGpu, RunFolderWithAdamWOnTwoGpus) {
   EXPECT_TRUE(std::filesystem::exists(out + "/best.safetensors"));
   EXPECT_TRUE(std::filesystem::exists(out + "/curves.png"));
 }
-
 
 }  // namespace

@@ -43,8 +43,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/core/device.h"
 #include "data/image_folder.h"
+#include "engine/core/device.h"
 #include "examples/image_files.h"
 #include "examples/run_binary.h"
 #include "layers/checkpoint.h"
@@ -170,20 +170,21 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
 TEST(VggTrainer, PrecisionPolicies) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const std::string run = kSmall + "--limit-train 32 --limit-test 16 --batch-size 16 --epochs 1 "
-                                   "--print-checksum ";
+  const std::string run = kSmall +
+                          "--limit-train 32 --limit-test 16 --batch-size 16 --epochs 1 "
+                          "--print-checksum ";
   const RunResult fp32 = run_on_cpu(dir, run);
   ASSERT_EQ(fp32.code, 0) << fp32.output;
   EXPECT_TRUE(contains(fp32.output, "fp32 products")) << fp32.output;
-  const RunResult bf16 = run_on_cpu(
-      dir, run + "--precision bf16 --checkpoint '" + (dir / "bf16.safetensors") + "'");
+  const RunResult bf16 =
+      run_on_cpu(dir, run + "--precision bf16 --checkpoint '" + (dir / "bf16.safetensors") + "'");
   ASSERT_EQ(bf16.code, 0) << bf16.output;
   EXPECT_TRUE(contains(bf16.output, "bf16 products (emulated on the CPU)")) << bf16.output;
   EXPECT_NE(checksum_of(bf16), "");
   EXPECT_NE(checksum_of(bf16), checksum_of(fp32)) << "bf16 trained the same weights as fp32";
   EXPECT_EQ(cudp::load_checkpoint_metadata(dir / "bf16.safetensors").at("precision"), "bf16");
-  const RunResult eval = run_on_cpu(
-      dir, "--eval-only --print-checksum --resume '" + (dir / "bf16.safetensors") + "'");
+  const RunResult eval =
+      run_on_cpu(dir, "--eval-only --print-checksum --resume '" + (dir / "bf16.safetensors") + "'");
   ASSERT_EQ(eval.code, 0) << eval.output;
   EXPECT_TRUE(contains(eval.output, "bf16 products")) << eval.output;
 
@@ -243,6 +244,16 @@ TEST(VggTrainer, UsageErrors) {
   refused("--data synthetic --batch-size 0 --batch-size 4 --accumulate 8",
           "--accumulate 8 splits each batch of --batch-size 4");
   refused("--gpus ''", "--gpus is empty");
+  // An empty path is an unset shell variable, not "no output": refused, not taken as left out.
+  for (const char* option : {"--output", "--checkpoint", "--data-dir", "--json", "--resume"}) {
+    refused(std::string("--data synthetic ") + option + " ''",
+            std::string(option) + ": is empty; give a path, or leave " + option + " out");
+  }
+  // Options that would be ignored are refused, as --overlap-update on above.
+  refused("--data synthetic --limit-train 64 --limit-test 32 --graphs on",
+          "--graphs on needs GPUs");
+  refused("--data synthetic --data-dir '" + (dir / "data") + "'",
+          "--data synthetic generates its images and reads no files");
 }
 
 // --sync-bn converts the model's BatchNorm layers; without a group of several devices they are
@@ -323,6 +334,31 @@ TEST(VggTrainer, CommandLineRangesAreChecked) {
   EXPECT_TRUE(contains(r.output, "onecycle warms up by itself")) << r.output;
 }
 
+// A test split of no images gave "test accuracy 0.00%" every epoch and chose the best checkpoint
+// by it: refused, naming the data set.
+TEST(VggTrainer, EmptyTestSplitIsAnError) {
+  CUDP_REQUIRE_VGG();
+  TempDir dir;
+  // Raw IDX files (big-endian header words): 2 train images of 28x28, and a test split of none.
+  const auto write = [&](const std::string& name, std::vector<uint32_t> header, size_t bytes) {
+    std::ofstream out(dir / name, std::ios::binary);
+    for (uint32_t w : header) {
+      const char be[4] = {static_cast<char>(w >> 24), static_cast<char>(w >> 16),
+                          static_cast<char>(w >> 8), static_cast<char>(w)};
+      out.write(be, 4);
+    }
+    out << std::string(bytes, '\x01');
+  };
+  write("train-images-idx3-ubyte", {2051, 2, 28, 28}, 2 * 28 * 28);
+  write("train-labels-idx1-ubyte", {2049, 2}, 2);
+  write("t10k-images-idx3-ubyte", {2051, 0, 28, 28}, 0);
+  write("t10k-labels-idx1-ubyte", {2049, 0}, 0);
+  const RunResult r = run_on_cpu(dir, "--data fashion-mnist --data-dir '" + (dir / "") + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "the test split holds no images")) << r.output;
+  EXPECT_FALSE(contains(r.output, "test accuracy")) << r.output;
+}
+
 // Issue 17: "--data mnist" with the files absent trained on synthetic data and exited 0.
 TEST(VggTrainer, AbsentDataSetIsAnError) {
   CUDP_REQUIRE_VGG();
@@ -353,8 +389,8 @@ TEST(VggTrainer, OutputPathsAreCheckedBeforeTraining) {
   const std::string missing = dir / "no-such-folder";
   RunResult r = run_on_cpu(dir, run + "--json '" + missing + "/log.json'");
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_TRUE(contains(r.output, "--json " + missing + "/log.json: the folder " + missing +
-                                     " does not exist"))
+  EXPECT_TRUE(contains(
+      r.output, "--json " + missing + "/log.json: the folder " + missing + " does not exist"))
       << r.output;
   EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
   r = run_on_cpu(dir, run + "--checkpoint '" + missing + "/c.safetensors'");
@@ -795,9 +831,12 @@ TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
   TempDir dir;
   const std::string json = dir / "log.json", ckpt = dir / "c.safetensors";
   const RunResult r = run_on_cpu(
-      dir, kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 2 --opt adamw "
-                    "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 --label-smoothing 0.1 "
-                    "--print-freq 1 --json '" + json + "' --checkpoint '" + ckpt + "'");
+      dir,
+      kSmall +
+          "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 2 --opt adamw "
+          "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 --label-smoothing 0.1 "
+          "--print-freq 1 --json '" +
+          json + "' --checkpoint '" + ckpt + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   std::vector<double> rates, norms;
   for (const std::string& line : lines_of(read_text(json))) {
@@ -813,15 +852,13 @@ TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
                               0.001 * (1 + std::cos(pi / 2)) / 2};
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(rates[i], expected[i], 1e-12) << "step " << i + 1;
   for (double n : norms) EXPECT_TRUE(std::isfinite(n) && n > 0) << n;
-  const cudp::Metadata state =
-      cudp::load_safetensors(cudp::find_checkpoint(ckpt).train).metadata;
+  const cudp::Metadata state = cudp::load_safetensors(cudp::find_checkpoint(ckpt).train).metadata;
   EXPECT_EQ(state.at("optimizer.type"), "AdamW");
   EXPECT_EQ(state.at("opt"), "adamw");
   EXPECT_EQ(state.at("weight_decay"), "0.05");  // AdamW's default
   EXPECT_EQ(state.at("clip_grad"), "0.5");
   EXPECT_EQ(state.at("label_smoothing"), "0.1");
 }
-
 
 // --label-smoothing's loss, (1 - e) (lse - x_label) + e (lse - mean x) per sample, computed on the
 // host, against the library's cross-entropy kernel: on the same first step (same weights, same
@@ -833,8 +870,9 @@ TEST(VggTrainer, LabelSmoothingLoss) {
   std::vector<double> first;
   for (const std::string e : {"0", "1", "0.5"}) {
     const std::string json = dir / ("log" + e + ".json");
-    const RunResult r = run_on_cpu(dir, kSmall + "--limit-train 8 --limit-test 8 --batch-size 8 "
-                                                 "--epochs 1 --print-freq 1 --label-smoothing " +
+    const RunResult r = run_on_cpu(dir, kSmall +
+                                            "--limit-train 8 --limit-test 8 --batch-size 8 "
+                                            "--epochs 1 --print-freq 1 --label-smoothing " +
                                             e + " --json '" + json + "'");
     ASSERT_EQ(r.code, 0) << r.output;
     first.push_back(nlohmann::json::parse(lines_of(read_text(json)).at(0))["loss"].get<double>());
@@ -844,15 +882,14 @@ TEST(VggTrainer, LabelSmoothingLoss) {
   EXPECT_NE(first[0], first[1]);
 }
 
-
 // Issue 16: a diverged run went on and saved NaN weights over the last good checkpoint. Now the
 // first non-finite loss stops it with the step, the epoch and the last good checkpoint, and the
 // checkpoint stays byte for byte as it was.
 TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const std::string small = kSmall +
-                            "--limit-train 16 --limit-test 8 --batch-size 8 --schedule constant ";
+  const std::string small =
+      kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 --schedule constant ";
   const std::string ckpt = dir / "c.safetensors";
   RunResult r = run_on_cpu(dir, small + "--epochs 1 --lr 0.01 --checkpoint '" + ckpt + "'");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -865,7 +902,8 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
       r.output, std::regex(R"(training diverged at step [34] \(epoch 2, batch [12] of 2\): the )"
                            R"((loss|gradient norm) is (NaN|[+-]inf))")))
       << r.output;
-  EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt + " (after epoch 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt + " (after epoch 1"))
+      << r.output;
   EXPECT_FALSE(contains(r.output, "epoch 2/3:")) << r.output;
   EXPECT_TRUE(read_text(ckpt) == model) << "the model file changed";
   EXPECT_TRUE(read_text(dir / "c.train.safetensors") == state) << "the training state changed";
@@ -923,11 +961,10 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
   damaged("best_test_top1", "inf");
 }
 
-
 // --data folder: an ImageFolder of generated PNGs (and JPEGs where libjpeg-turbo is installed) with
-// train/ and val/, trained for an epoch on the CPU with --augment (RandomResizedCrop and flip on the
-// loader's workers); --save-test-set writes the test images as the model sees them: the evaluation
-// transform of each file, which the test computes itself.
+// train/ and val/, trained for an epoch on the CPU with --augment (RandomResizedCrop and flip on
+// the loader's workers); --save-test-set writes the test images as the model sees them: the
+// evaluation transform of each file, which the test computes itself.
 TEST(VggTrainer, TrainsOnAnImageFolder) {
   CUDP_REQUIRE_VGG();
   std::string why;
@@ -941,7 +978,8 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
       for (int i = 0; i < (split == "train" ? 4 : 2); ++i) {
         std::vector<uint8_t> rgb;
         for (int p = 0; p < 40 * 36; ++p) {
-          rgb.insert(rgb.end(), {uint8_t(80 * c + 3 * i), uint8_t(p % 40 * 6), uint8_t(p / 40 * 7)});
+          rgb.insert(rgb.end(),
+                     {uint8_t(80 * c + 3 * i), uint8_t(p % 40 * 6), uint8_t(p / 40 * 7)});
         }
         const std::string name = folder + "/" + std::to_string(i);
         if (i % 2 == 1 && write_jpeg(name + ".jpg", 40, 36, rgb)) continue;
@@ -954,8 +992,10 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
                "--augment --save-test-set '" + (dir / "test.safetensors") + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "images from " + root + " (3 classes")) << r.output;
-  EXPECT_TRUE(contains(r.output, "train: RandomResizedCrop(32) + RandomHorizontalFlip, test: "
-                                 "Resize(37) + CenterCrop(32)")) << r.output;
+  EXPECT_TRUE(contains(r.output,
+                       "train: RandomResizedCrop(32) + RandomHorizontalFlip, test: "
+                       "Resize(37) + CenterCrop(32)"))
+      << r.output;
   EXPECT_TRUE(contains(r.output, ": 12 train, 6 test images")) << r.output;
   EXPECT_TRUE(contains(r.output, "epoch 1/1:")) << r.output;
   const cudp::SafetensorsFile test = cudp::load_safetensors(dir / "test.safetensors");
