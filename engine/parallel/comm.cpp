@@ -360,15 +360,10 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
     for (const int device : devices_) compute.push_back(cuda::current_stream(device));
   }
   std::vector<std::shared_ptr<Completion>> completions;
-  for (size_t i = 0, watched = capturing(compute) ? 0 : ranks; i < watched; ++i) {
-    int64_t bytes = 0;
-    for (const Tensor& t : tensors[i]) bytes += static_cast<int64_t>(t.nbytes());
-    auto completion = std::make_shared<Completion>();
-    completion->event = cuda::Event::create(devices_[i]);
-    watchdog_->watch(static_cast<int>(i), what, bytes, [completion] { return completion->done(); });
-    completions.push_back(std::move(completion));
-  }
-  // A collective that fails to start is not in flight: the watchdog forgets it.
+  // A collective that fails to start is not in flight: the watchdog forgets it. Armed before the
+  // first watch(), and each completion listed before it is watched, so that a throw part-way
+  // (an event that cannot be made for the next rank) cancels every entry already watched, which
+  // would otherwise stay pending and end a healthy communicator at its timeout.
   struct CancelUnrecorded {
     std::vector<std::shared_ptr<Completion>>& list;
     ~CancelUnrecorded() {
@@ -378,6 +373,14 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
       }
     }
   } cancel_unrecorded{completions};
+  for (size_t i = 0, watched = capturing(compute) ? 0 : ranks; i < watched; ++i) {
+    int64_t bytes = 0;
+    for (const Tensor& t : tensors[i]) bytes += static_cast<int64_t>(t.nbytes());
+    auto completion = std::make_shared<Completion>();
+    completion->event = cuda::Event::create(devices_[i]);
+    completions.push_back(completion);
+    watchdog_->watch(static_cast<int>(i), what, bytes, [completion] { return completion->done(); });
+  }
   // 1. The comm stream waits for the compute work queued so far (or up to the caller's event).
   for (size_t i = 0; i < ranks; ++i) {
     cuda::DeviceGuard guard(devices_[i]);

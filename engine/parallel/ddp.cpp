@@ -42,6 +42,9 @@ class NcclGroup final : public DistributedGroup {
     Tensor t = Tensor::from_vector(std::vector<float>{static_cast<float>(value)}, {1})
                    .to(Device::cuda(group_->devices()[0]));
     group_->comm().all_reduce({t});
+    // The host waits for the sum anyway; through synchronize() a collective the watchdog ended
+    // throws its error here, instead of t.cpu() reading this rank's own count.
+    group_->comm().synchronize();
     return static_cast<int64_t>(t.cpu().to_vector<float>()[0]);
   }
   // On the caller's stream, as CommStatsGroup does for DataParallel's replicas (comm.h's NOTE

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <climits>
+#include <cstdlib>
 
 namespace cudp::parallel::mpi {
 namespace {
@@ -91,6 +92,11 @@ void Session::all_gather(const void* data, size_t bytes, void* out) const {
 
 void Session::barrier() const {
   check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+}
+
+void Session::abort(int code) const {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; should an implementation's do, end anyway
 }
 
 }  // namespace cudp::parallel::mpi

@@ -42,6 +42,10 @@ class Session {
   // at offset r * bytes. What a sum in a fixed order is made of (the MPI host group's
   // all_reduce_sum, engine/parallel/ddp.h), since MPI_Allreduce promises no order.
   void all_gather(const void* data, size_t bytes, void* out) const;
+  // Ends every rank of the job (MPI_Abort on MPI_COMM_WORLD) with `code`: for a rank that fails,
+  // so that ranks waiting for it in an MPI call (which no collective timeout covers) end too,
+  // whatever the launcher (srun without --kill-on-bad-exit would leave them waiting).
+  [[noreturn]] void abort(int code) const;
 
  private:
   bool owns_ = false;  // MPI_Init was ours

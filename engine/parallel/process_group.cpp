@@ -160,6 +160,9 @@ int64_t Session::all_reduce_sum(int64_t) const {
 void Session::all_gather(const void*, size_t, void*) const {
   unavailable("Session::all_gather");
 }
+void Session::abort(int) const {
+  unavailable("Session::abort");
+}
 }  // namespace mpi
 #endif
 

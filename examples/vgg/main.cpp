@@ -715,6 +715,9 @@ struct Ranks {
       const Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())})
                            .to(Device::cuda(process_group->devices()[0]));
       process_group->comm().all_reduce({t});
+      // The host waits for the sum anyway; through synchronize() a collective the watchdog ended
+      // throws its error here, instead of t.cpu() reading this rank's unreduced values.
+      process_group->comm().synchronize();
       values = t.cpu().to_vector<float>();
     } else {
       session->all_reduce_sum(values.data(), values.size());
@@ -849,6 +852,10 @@ int run(Options o) {
           (visible == 0 ? "; train on the CPU with --gpus none (or leave --gpus out)" : ""));
     }
   }
+  // The main thread's current device is the run's first GPU: every DeviceGuard restores it, and
+  // restoring device 0 would make a CUDA context there (~0.5 GB) on a GPU the run does not use
+  // (each rank but one under mpirun, or --gpus 1).
+  if (!gpus.empty()) cuda::set_device(gpus[0]);
 
   // A resumed run takes the checkpoint's settings before anything depends on them. Evaluating a
   // file of weights alone needs no training state, and takes the command line's settings.
@@ -860,7 +867,9 @@ int run(Options o) {
   if (!resume_file.empty() && !weights_only) {
     // The last complete save (a torn pair falls back to the previous one, layers/checkpoint.h).
     resumed_files = find_checkpoint(resume_file);
-    if (resumed_files.fallback) std::fprintf(stderr, "warning: %s\n", resumed_files.note.c_str());
+    if (resumed_files.fallback && rank == 0) {  // once, not once per rank (stderr is not muted)
+      std::fprintf(stderr, "warning: %s\n", resumed_files.note.c_str());
+    }
     state_file = resumed_files.train;
     resumed_meta = load_checkpoint_metadata(resume_file);
     adopt_settings(o, resumed_meta, state_file);
@@ -990,6 +999,19 @@ int run(Options o) {
       throw UsageError(
           "--sync-bn synchronises the BatchNorm layers, but the model has none "
           "(--no-bn, or the --resume checkpoint's setting): drop --sync-bn");
+    }
+    // Every GPU's SyncBatchNorm takes part in each training forward (DataParallel refuses a batch
+    // that reaches fewer replicas): an epoch's last, smaller batch must still reach them all, and
+    // is checked here rather than after a whole epoch.
+    const auto n_gpus = static_cast<int64_t>(gpus.size());
+    const int64_t last = d.train->size() % o.batch_size;
+    if (!distributed && n_gpus > 1 && last > 0 && last < n_gpus) {
+      throw UsageError(detail::str(
+          "--sync-bn on ", n_gpus, " GPUs: each epoch's last batch holds ", last, " of the ",
+          d.train->size(), " training images (batches of ", o.batch_size,
+          "), fewer than the GPUs, and every GPU's batch norm takes part in each step; choose a "
+          "--batch-size (or --limit-train) that leaves at least ",
+          n_gpus, " images in the last batch, or none"));
     }
     // PyTorch's convert_sync_batchnorm; DataParallel (the GPUs of this process) or
     // DistributedDataParallel (the processes) gives the layers their group. The state_dict keys do
@@ -1375,7 +1397,16 @@ int run(Options o) {
       norm =
           o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad) : grad_norm(opt->primary().params());
       if (skip_bad_steps) {
-        opt->step(nonfinite_flag(loss, norm));  // decided on the device, no host read
+        // Under DistributedDataParallel the loss is this rank's own (the norm is global): the flag
+        // is made from the ranks' sum, non-finite when any rank's is, so that every rank skips the
+        // same steps and the replicas stay alike.
+        Tensor decided_by = loss;
+        if (distributed) {
+          decided_by = loss.clone_async();
+          g_ranks.group->all_reduce_sum(
+              decided_by, loss.is_cuda() ? cuda::current_stream(loss.device().index) : nullptr);
+        }
+        opt->step(nonfinite_flag(decided_by, norm));  // decided on the device, no host read
       } else {
         opt->step();
       }
@@ -1608,14 +1639,20 @@ int main(int argc, char** argv) {
   if (const int code = parse_command_line(argc, argv, o); code >= 0) return code;
   const char* env = std::getenv("CUDP_VERBOSE");
   const bool verbose = o.verbose || (env && std::string(env) == "1");
-  // Under mpirun an error names its rank, and the rank ends without MPI_Finalize (which would wait
-  // for the other ranks, themselves waiting in a collective for this one): mpirun then ends the
-  // job. A run that succeeds finalizes MPI here.
+  // Under mpirun an error names its rank, and the rank ends the job with MPI_Abort, not
+  // MPI_Finalize (which would wait for the other ranks, themselves waiting for this one in a
+  // collective or in an MPI call that no timeout covers). A run that succeeds finalizes MPI here.
   const auto fail = [](int code, const char* message) {
     if (g_ranks.distributed()) {
       std::fprintf(stderr, "cudp-vgg: rank %d of %d: %s\n", g_ranks.rank, g_ranks.world, message);
       std::fflush(stdout);
       std::fflush(stderr);
+      if (g_ranks.session) {
+        // The others' own errors first: ranks failing at the same point (a bad option) each say
+        // theirs within this grace period; a rank still waiting after it is ended by the abort.
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        g_ranks.session->abort(code);
+      }
       std::_Exit(code);
     }
     std::fprintf(stderr, "cudp-vgg: %s\n", message);

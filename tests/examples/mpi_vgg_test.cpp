@@ -139,6 +139,12 @@ TEST(VggMpi, TwoRanksAreOneProcessOnTheGlobalBatch) {
   EXPECT_EQ(meta.at("world_size"), "2");
   EXPECT_EQ(meta.at("sampler_epoch"), "1");
 
+  // --on-nan skip-step makes its skip flag from the ranks' summed loss (a collective of its own
+  // each step, so that every rank skips the same steps): with nothing to skip, the same weights.
+  const RunResult skipping = run_ranks(dir, 2, model + "--batch-size 4 --on-nan skip-step");
+  ASSERT_EQ(skipping.code, 0) << skipping.output;
+  EXPECT_EQ(checksum_of(skipping), checksum_of(ddp)) << skipping.output;
+
   const std::string one = dir / "one.safetensors";
   const RunResult single = run_one(dir, model + "--batch-size 8 --checkpoint '" + one + "'");
   ASSERT_EQ(single.code, 0) << single.output;

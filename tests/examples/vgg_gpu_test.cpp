@@ -169,6 +169,20 @@ TEST(VggTrainerGpu, AMaskThatHidesEveryGpuIsAnErrorNotACpuRun) {
   EXPECT_EQ(cpu.code, 0) << cpu.output;
 }
 
+// With --sync-bn every GPU takes part in each training step, so an epoch whose last batch is
+// smaller than the GPUs is refused before training, not at the end of the first epoch.
+TEST(VggTrainerGpu, SyncBatchNormRefusesALastBatchSmallerThanTheGpus) {
+  CUDP_REQUIRE_GPUS(2);
+  TempDir dir;
+  const RunResult r = run_vgg(dir,
+                              "--data synthetic --arch vgg11 --gpus 0,1 --sync-bn --epochs 1 "
+                              "--limit-train 17 --limit-test 8 --batch-size 8");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "each epoch's last batch holds 1 of the 17 training images"))
+      << r.output;
+  EXPECT_FALSE(contains(r.output, "train loss")) << r.output;
+}
+
 TEST(VggTrainerGpu, FusedGradNormMatchesItsOwnPassOnOneGpu) {
   CUDP_REQUIRE_GPU();
   expect_fused_grad_norm_on_gpus("0");
