@@ -20,8 +20,11 @@
 // Before timing, each size is validated once for both paths: rank r holds (r+1) x p(j) at element j
 // (p a short positional pattern), so the sum is n(n+1)/2 x p(j), exact in fp32; the first and last
 // 4096 elements and 256 spread elements of every rank are checked on the host. A mismatch marks the
-// row INVALID and the exit status 1. With fewer than 2 GPUs there is nothing to measure: it says so
-// and exits 0.
+// row INVALID and the exit status 1. The options are checked first (a usage error, exit 2, as in
+// the other bench programs), --json opened before anything is measured. --gpus N asks for N GPUs:
+// with fewer visible it is an error (exit 2). Fewer than 2 GPUs, all that are visible or --gpus 1
+// (scripts/bench-report.sh passes the machine's count), leave nothing to measure: it says so and
+// exits 0, the --json file empty.
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <CLI/CLI.hpp>
@@ -33,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "engine/core/device.h"
 #include "engine/core/error.h"
 #include "engine/core/stream.h"
@@ -186,7 +190,10 @@ int main(int argc, char** argv) {
   app.add_option("--max", max_bytes, "largest size; sizes are --min x 2^k up to this")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
-  app.add_option("--gpus", gpus, "GPUs to use, devices 0..N-1 (default: all visible)");
+  app.add_option("--gpus", gpus,
+                 "GPUs to use, devices 0..N-1; an all-reduce needs at least 2 (default: all "
+                 "visible)")
+      ->check(bench::whole_number(1));
   app.add_option("--warmup", warmup, "untimed calls per size and path")
       ->check(CLI::Range(0, 1000))
       ->capture_default_str();
@@ -195,20 +202,37 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--no-vgg16", no_vgg, "leave out the 553,430,176-byte size (VGG-16's gradients)");
   app.add_option("--json", json, "write one JSON object per size (JSON lines) to this file");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto status = bench::parse_command_line(app, "bench_comm", argc, argv)) return *status;
 
   try {
+    if (min_bytes < 4) {
+      throw bench::UsageError("--min " + size_text(min_bytes) +
+                              ": give at least 4 bytes (one float)");
+    }
+    if (min_bytes > max_bytes) {
+      throw bench::UsageError("--min " + size_text(min_bytes) + " is larger than --max " +
+                              size_text(max_bytes) + "; give --min <= --max");
+    }
+    std::FILE* out = json.empty() ? nullptr : bench::open_json(json);
     const int visible = cuda::device_count();
-    if (gpus <= 0 || gpus > visible) gpus = visible;
+    // CUDA's reason when it finds no device at all (a driver missing or too old, say).
+    const std::string why =
+        visible == 0 ? detail::str(" (CUDA says: ", bench::cuda_device_problem(), ")") : "";
+    if (gpus > visible) {
+      throw bench::UsageError(detail::str(
+          "--gpus ", gpus, ": ", visible, visible == 1 ? " GPU is" : " GPUs are", " visible", why,
+          "; give at most as many as are visible, or leave --gpus out"));
+    }
+    const bool one_asked = gpus == 1;
+    if (gpus == 0) gpus = visible;
     if (gpus < 2) {
-      std::printf(
-          "bench_comm: an all-reduce needs at least 2 GPUs; %d %s (visible: %d), nothing "
-          "to measure\n",
-          gpus, gpus == 1 ? "is used" : "are used", visible);
+      const std::string used =
+          one_asked ? std::string("--gpus 1 asks for 1") : detail::str(visible, " visible", why);
+      std::printf("bench_comm: nothing to measure: an all-reduce needs at least 2 GPUs; %s\n",
+                  used.c_str());
+      if (out) std::fclose(out);
       return 0;
     }
-    CUDP_CHECK(min_bytes >= 4 && min_bytes <= max_bytes,
-               "bench_comm: need 4 <= --min <= --max, got ", min_bytes, " and ", max_bytes);
 
     // The sizes: powers of 2 times --min (rounded to whole floats), and VGG-16's gradients.
     std::vector<uint64_t> sizes;
@@ -340,11 +364,9 @@ int main(int argc, char** argv) {
                   static_cast<unsigned long long>(r.bytes), r.cudp_ms, r.nccl_ms, r.cudp_busbw,
                   r.nccl_busbw, r.nccl_busbw > 0 ? r.cudp_busbw / r.nccl_busbw : 0.0);
     }
-    if (!json.empty()) {
-      std::FILE* f = std::fopen(json.c_str(), "w");
-      if (!f) CUDP_THROW(IoError, "cannot write ", json);
+    if (out) {
       for (const Row& r : rows) {
-        std::fprintf(f,
+        std::fprintf(out,
                      "{\"op\": \"allreduce\", \"bytes\": %llu, \"gpus\": %d, \"dtype\": \"f32\", "
                      "\"cudp_busbw_gbs\": %.3f, \"nccl_busbw_gbs\": %.3f, \"cudp_ms\": %.6f, "
                      "\"nccl_ms\": %.6f, \"vgg16_grads\": %s, \"valid\": %s}\n",
@@ -352,11 +374,13 @@ int main(int argc, char** argv) {
                      r.cudp_ms, r.nccl_ms, r.bytes == kVgg16GradBytes ? "true" : "false",
                      r.valid ? "true" : "false");
       }
-      std::fclose(f);
+      std::fclose(out);
     }
     return all_valid ? 0 : 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_comm: %s\n", e.what());
-    return 2;
+    // A usage error (bench::UsageError) and a failed run alike: 2, as bench::kExitUsage; 1 means
+    // a wrong sum.
+    bench::print_error("bench_comm", e);
+    return bench::kExitUsage;
   }
 }

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "common/device_buffer.h"
 #include "common/timing.h"
 #include "engine/core/error.h"
@@ -626,7 +627,10 @@ int main(int argc, char** argv) {
                  "apply), boxes (TMA boxes transposed in shared memory) or copies (K-major copies "
                  "of x and dy first)")
       ->check(CLI::IsMember({"auto", "boxes", "copies"}));
-  CLI11_PARSE(app, argc, argv);
+  if (const auto status = cudp::bench::parse_command_line(app, "bench_conv2d", argc, argv)) {
+    return *status;
+  }
+  if (!cudp::bench::usable_cuda_device("bench_conv2d")) return cudp::bench::kExitUsage;
   using cudp::kernels::detail::Tf32WgradFeed;
   cudp::kernels::detail::set_tf32_wgrad_feed(tf32_wgrad == "boxes"    ? Tf32WgradFeed::boxes
                                              : tf32_wgrad == "copies" ? Tf32WgradFeed::copies
@@ -692,7 +696,7 @@ int main(int argc, char** argv) {
         std::all_of(results.begin(), results.end(), [](const Result& r) { return r.valid; });
     return all_valid ? 0 : 1;  // the stream goes with the process
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_conv2d: %s\n", e.what());
+    cudp::bench::print_error("bench_conv2d", e);
     return 2;
   }
 }

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli.h"
 #include "common/timing.h"
 #include "engine/core/device.h"
 #include "engine/core/error.h"
@@ -461,7 +462,10 @@ int main(int argc, char** argv) {
   bool quick = false;
   app.add_option("--json", json, "write the results to this JSON file");
   app.add_flag("--quick", quick, "the medium size only (256x64x32x32)");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto status = cudp::bench::parse_command_line(app, "bench_elementwise", argc, argv)) {
+    return *status;
+  }
+  if (!cudp::bench::usable_cuda_device("bench_elementwise")) return cudp::bench::kExitUsage;
   cudaStream_t stream = nullptr;
   try {
     CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -513,7 +517,7 @@ int main(int argc, char** argv) {
     cudaStreamDestroy(stream);
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_elementwise: %s\n", e.what());
-    return 1;
+    cudp::bench::print_error("bench_elementwise", e);
+    return 2;
   }
 }

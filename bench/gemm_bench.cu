@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cli.h"
 #include "common/device_buffer.h"
 #include "common/timing.h"
 #include "engine/core/error.h"
@@ -401,7 +402,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "tf32", "bf16"}));
   app.add_option("--reps", reps, "timed repetitions per measurement (median reported)")
       ->check(CLI::Range(1, 10000));
-  CLI11_PARSE(app, argc, argv);
+  if (const auto status = cudp::bench::parse_command_line(app, "bench_gemm", argc, argv)) {
+    return *status;
+  }
+  if (!cudp::bench::usable_cuda_device("bench_gemm")) return cudp::bench::kExitUsage;
   cudaStream_t stream = nullptr;
   try {
     CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -445,7 +449,7 @@ int main(int argc, char** argv) {
     if (!json.empty()) write_json(json, d, results);
     return all_valid ? 0 : 1;  // the stream goes with the process
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_gemm: %s\n", e.what());
+    cudp::bench::print_error("bench_gemm", e);
     return 2;
   }
 }

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cli.h"
 #include "common/device_buffer.h"
 #include "common/timing.h"
 #include "engine/core/error.h"
@@ -507,7 +508,10 @@ int main(int argc, char** argv) {
   bool quick = false;
   app.add_option("--json", json, "write the results to this JSON file");
   app.add_flag("--quick", quick, "small shapes only (a smoke test)");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto status = cudp::bench::parse_command_line(app, "bench_norm_pool", argc, argv)) {
+    return *status;
+  }
+  if (!cudp::bench::usable_cuda_device("bench_norm_pool")) return cudp::bench::kExitUsage;
   cudaStream_t stream = nullptr;
   try {
     CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -557,7 +561,7 @@ int main(int argc, char** argv) {
     if (!json.empty()) write_json(json, copy_gbs, results);
     return all_valid ? 0 : 1;  // the stream goes with the process
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_norm_pool: %s\n", e.what());
+    cudp::bench::print_error("bench_norm_pool", e);
     return 2;
   }
 }

@@ -54,16 +54,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/cli.h"
 #include "common/timing.h"
 #include "engine/core/launch.h"
 #include "engine/core/memory.h"
@@ -84,15 +85,11 @@
 namespace {
 
 using namespace cudp;
+using bench::kExitUsage;
+using bench::UsageError;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kExitFailure = 1, kExitUsage = 2;
-
-// The command line or the launch is wrong: main prints the message and exits with kExitUsage.
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+constexpr int kExitFailure = 1;
 
 // This process's place in a multi-process launch (mpirun -np N bench_train ...): rank 0 of 1
 // without one.
@@ -163,8 +160,14 @@ struct Result {
   int64_t parameters = 0;       // the model's (BatchNorm's weight and bias included)
 };
 
+// VGG's configuration letter of an --arch name; a name it does not know is refused, never measured
+// as another model.
 char arch_config(const std::string& arch) {
-  return arch == "vgg11" ? 'A' : arch == "vgg13" ? 'B' : arch == "vgg16" ? 'D' : 'E';
+  if (arch == "vgg11") return 'A';
+  if (arch == "vgg13") return 'B';
+  if (arch == "vgg16") return 'D';
+  if (arch == "vgg19") return 'E';
+  throw UsageError("--arch " + arch + ": give vgg11, vgg13, vgg16 or vgg19");
 }
 
 // One configuration on `ids`, the GPUs of this process (empty: the CPU): DataParallel over them,
@@ -461,7 +464,10 @@ int measure(Options o) {
   }
   if (!ranks && !cpu) {
     if (visible == 0) {
-      throw UsageError("no CUDA device is visible; give --gpus none to measure on the CPU");
+      throw UsageError(
+          detail::str("no CUDA device is visible; give --gpus none to measure on the CPU (CUDA "
+                      "says: ",
+                      bench::cuda_device_problem(), ")"));
     }
     if (max_gpus == 0 || max_gpus > visible) max_gpus = visible;
   }
@@ -488,8 +494,7 @@ int measure(Options o) {
   }
   FILE* out = nullptr;
   if (!o.json.empty() && g_ranks.rank == 0) {
-    out = std::fopen(o.json.c_str(), "w");
-    if (!out) CUDP_THROW(IoError, "--json ", o.json, " cannot be opened for writing");
+    out = bench::open_json(o.json);
   }
   print_header();
   std::vector<std::pair<std::string, std::string>> runs;  // (precision, arch)
@@ -555,8 +560,11 @@ int measure(Options o) {
 int main(int argc, char** argv) {
   CLI::App app{"bench_train: VGG training throughput on 1..N GPUs, or N processes of one GPU"};
   Options o;
-  app.add_option("--arch", o.archs, "vgg11 vgg13 vgg16 vgg19")->capture_default_str();
+  app.add_option("--arch", o.archs, "vgg11 vgg13 vgg16 vgg19")
+      ->check(CLI::IsMember({"vgg11", "vgg13", "vgg16", "vgg19"}))
+      ->capture_default_str();
   app.add_option("--size", o.sizes, "image sizes: 224 (batch 64/GPU) and/or 32 (batch 256/GPU)")
+      ->check(CLI::IsMember({224, 32}))
       ->capture_default_str();
   app.add_option("--precision", o.precisions,
                  "fp32, tf32 and/or bf16 (tf32 and bf16: products on tensor cores, sm_90; on the "
@@ -574,19 +582,21 @@ int main(int argc, char** argv) {
                  "(under mpirun each process drives one GPU: leave it out)");
   app.add_option("--batch-per-gpu", o.batch_per_gpu,
                  "images per GPU (per process on the CPU); default 256 at 32, 64 at 224")
-      ->check(CLI::PositiveNumber);
+      ->check(bench::whole_number(1));
   app.add_option("--processes", o.processes,
                  "the number of processes, one GPU each, that the launcher started: measure "
                  "N processes with `mpirun -np N bench_train` (a check; default: the launch's)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--warmup", o.warmup, "untimed steps")->capture_default_str();
+      ->check(bench::whole_number(1));
+  app.add_option("--warmup", o.warmup, "untimed steps")
+      ->check(bench::whole_number(0))
+      ->capture_default_str();
   app.add_option("--steps", o.steps, "timed steps of each window")
-      ->check(CLI::PositiveNumber)
+      ->check(bench::whole_number(1))
       ->capture_default_str();
   app.add_option("--repeats", o.repeats,
                  "timed windows of --steps steps; img/s and step ms are the median window's (each "
                  "window's img/s in the JSON's window_images_per_s)")
-      ->check(CLI::PositiveNumber)
+      ->check(bench::whole_number(1))
       ->capture_default_str();
   app.add_option("--json", o.json, "write one JSON object per configuration here (rank 0)");
   app.add_option("--exposed-comm", o.exposed_comm,
@@ -675,7 +685,8 @@ int main(int argc, char** argv) {
                  "on the layer's stream (to compare; the same bits)")
       ->check([](const std::string& v) -> std::string {
         if (v == "on" || v == "off") return "";
-        return !v.empty() && v.find_first_not_of("0123456789") == std::string::npos
+        // A count std::stoll below can hold (a longer one would throw out of main).
+        return bench::whole_number(0, LLONG_MAX)(v).empty()
                    ? ""
                    : "expected on, off or a number of rows";
       })
@@ -696,7 +707,7 @@ int main(int argc, char** argv) {
                  "off: nine shifted boxes a tile (to compare)")
       ->check(CLI::IsMember({"on", "exact", "covering", "swapped", "off"}))
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  if (const auto status = bench::parse_command_line(app, "bench_train", argc, argv)) return *status;
   o.graphs_given = graphs->count() > 0;
   detail::set_bias_handoff(bias_handoff == "on");
   detail::set_parameter_store(param_store == "on");

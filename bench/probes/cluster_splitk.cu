@@ -260,9 +260,14 @@ bool run(int tiles, int n) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  probe_command_line(kProbe,
+                     "what summing a split-K product's partial tiles through a cluster's "
+                     "distributed shared memory costs, against the workspace and reduction launch "
+                     "used today, and whether both give the same bf16 bits",
+                     argc, argv);
   cudaDeviceProp prop{};
-  if (!probe_sm90_device(kProbe, "clusters", &prop)) return 0;
+  if (!probe_sm90_device(kProbe, "clusters", &prop)) return cudp::bench::kExitUsage;
   std::printf("%s, %d SMs: microseconds per product's sum (median)\n", prop.name,
               prop.multiProcessorCount);
   std::printf("%6s | %5s | %3s | %8s | %10s | %10s | %6s | %s\n", "splits", "tiles", "n",

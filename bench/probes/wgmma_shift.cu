@@ -96,9 +96,14 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* x, const __nv_
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  probe_command_line(
+      kProbe,
+      "which shared-memory descriptor base offsets let wgmma read a 128-byte-swizzled operand from "
+      "a view shifted by whole 128-byte rows (what halo tiles rely on)",
+      argc, argv);
   cudaDeviceProp prop{};
-  if (!probe_sm90_device(kProbe, "wgmma", &prop)) return 0;
+  if (!probe_sm90_device(kProbe, "wgmma", &prop)) return cudp::bench::kExitUsage;
 
   std::vector<float> xf(kRows * kK), bf(kN * kK);
   uint32_t state = 12345;

@@ -3,6 +3,8 @@
 // what they must be whatever the speed: the global batch they imply (run_bench_train.h), one row
 // per configuration, "processes": 1, BatchNorm's parameter count.
 #include <algorithm>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/run_bench_train.h"
@@ -170,6 +172,41 @@ TEST(BenchTrain, NoGpuVisibleSaysGpusNone) {
       run_program(dir, kBenchTrain, "--size 32 --steps 1", "CUDA_VISIBLE_DEVICES= ");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "no CUDA device is visible; give --gpus none")) << r.output;
+}
+
+// An option out of its range is a usage error (exit 2) that names the option and what it takes,
+// never a run of something else: --arch vgg7 used to time VGG-19, --warmup -1 no warm-up, and
+// --size 33 failed only at the model's build.
+TEST(BenchTrain, OptionsOutOfRangeAreUsageErrors) {
+  CUDP_REQUIRE_BENCH_TRAIN();
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--arch vgg7", "--arch: vgg7 not in {vgg11,vgg13,vgg16,vgg19}"},
+      {"--size 33", "--size: 33 not in {224,32}"},
+      {"--steps 0", "--steps: takes a whole number >= 1, not 0"},
+      {"--batch-per-gpu 0", "--batch-per-gpu: takes a whole number >= 1, not 0"},
+      {"--warmup -1", "--warmup: takes a whole number >= 0, not -1"},
+      {"--repeats 1.5", "--repeats: takes a whole number >= 1, not 1.5"},
+      {"--wgrad-stream 99999999999999999999", "--wgrad-stream: expected on, off or a number"},
+      {"--no-such-option", "The following argument was not expected: --no-such-option"},
+  };
+  for (const auto& [args, message] : cases) {
+    const RunResult r = run_program(dir, kBenchTrain, kTinyCpu + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "bench_train: " + message)) << args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "| vgg")) << args << "\n" << r.output;  // nothing measured
+  }
+}
+
+// A --json file that cannot be written stops the run before it measures anything.
+TEST(BenchTrain, UnwritableJsonIsRefusedFirst) {
+  CUDP_REQUIRE_BENCH_TRAIN();
+  TempDir dir;
+  const RunResult r =
+      run_program(dir, kBenchTrain, kTinyCpu + "--json '" + (dir / "no-such-folder/t.json") + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "cannot be written")) << r.output;
+  EXPECT_FALSE(contains(r.output, "| vgg")) << r.output;
 }
 
 TEST(BenchTrain, GpusMustBeACountOrNone) {
