@@ -213,7 +213,6 @@ int main(int argc, char** argv) {
       throw bench::UsageError("--min " + size_text(min_bytes) + " is larger than --max " +
                               size_text(max_bytes) + "; give --min <= --max");
     }
-    std::FILE* out = json.empty() ? nullptr : bench::open_json(json);
     const int visible = cuda::device_count();
     // CUDA's reason when it finds no device at all (a driver missing or too old, say).
     const std::string why =
@@ -223,6 +222,8 @@ int main(int argc, char** argv) {
           "--gpus ", gpus, ": ", visible, visible == 1 ? " GPU is" : " GPUs are", " visible", why,
           "; give at most as many as are visible, or leave --gpus out"));
     }
+    // After the checks above, so that a refused command line leaves an earlier result in place.
+    std::FILE* out = json.empty() ? nullptr : bench::open_json(json);
     const bool one_asked = gpus == 1;
     if (gpus == 0) gpus = visible;
     if (gpus < 2) {

@@ -450,6 +450,9 @@ CheckpointSnapshot StagedCheckpoint::to_host() const {
     return snapshot;
   }
   // On a stream of this thread's own: the device's default stream is the caller's, which runs on.
+  // The device current first: a runtime call from this (writer) thread on its default device 0
+  // would make a CUDA context there, on a GPU the run may not use.
+  const cuda::DeviceGuard on_device(device);
   copies_done.synchronize();
   const cuda::Stream stream = cuda::Stream::create(device);
   const cuda::StreamGuard guard(device, stream.get());

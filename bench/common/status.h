@@ -26,6 +26,10 @@ inline const char* cuda_device_problem() {
   if (status == cudaSuccess) status = cudaFree(nullptr);
   if (status == cudaSuccess) return nullptr;
   cudaGetLastError();  // the error is reported here, not left to the next call
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+    return "no NVIDIA driver is installed";  // CUDA calls that "driver version is insufficient"
+  }
   return cudaGetErrorString(status);
 }
 

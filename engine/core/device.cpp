@@ -25,10 +25,6 @@ std::string cuda_unavailable_reason(int count_status, int count, int driver_vers
   const auto status = static_cast<cudaError_t>(count_status);
   if (status == cudaSuccess && count > 0) return "";
   if (driver_version == 0) return "";  // no NVIDIA driver: a machine without GPUs
-  // CUDA_VISIBLE_DEVICES="" or "-1" (CUDA stops at the first entry it cannot read): no GPU
-  // is what was asked.
-  const auto first = visible.raw.find_first_not_of(" \t");
-  if (visible.set && (first == std::string::npos || visible.raw[first] == '-')) return "";
   const auto version = [](int v) {
     return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
   };
@@ -36,14 +32,15 @@ std::string cuda_unavailable_reason(int count_status, int count, int driver_vers
     return "the NVIDIA driver supports CUDA " + version(driver_version) + " and cudp needs " +
            version(runtime_version) + ": update the driver";
   }
-  if (status == cudaSuccess || status == cudaErrorNoDevice) {
-    if (visible.set) {
-      return "CUDA_VISIBLE_DEVICES=\"" + visible.raw +
-             "\" leaves no GPU visible: check it against nvidia-smi -L (ids or GPU-... UUIDs), or "
-             "unset it";
-    }
-    return "the NVIDIA driver is installed but CUDA finds no GPU: check nvidia-smi";
+  // A mask that names GPUs (ids or UUIDs) and leaves none is a mistake; one that names none ("",
+  // "-1", a launcher's "NoDevFiles": CUDA stops at the first entry it cannot read) hides them on
+  // purpose, as a driver without GPUs (a CPU host with the driver's libraries) simply has none.
+  if (visible.set && !visible.entries.empty()) {
+    return "CUDA_VISIBLE_DEVICES=\"" + visible.raw +
+           "\" leaves no GPU visible: check it against nvidia-smi -L (ids or GPU-... UUIDs), or "
+           "unset it";
   }
+  if (status == cudaSuccess || status == cudaErrorNoDevice) return "";
   return std::string("CUDA cannot start: ") + cudaGetErrorName(status) + " (" +
          cudaGetErrorString(status) + "): check the driver with nvidia-smi";
 }
@@ -101,7 +98,7 @@ void check_device(int device) {
   if (count == 0) {
     const std::string reason = unavailable_reason();
     CUDP_THROW(ValueError, "invalid device id ", device, ": no CUDA device is visible (",
-               reason.empty() ? visible_description() : reason, ")");
+               visible_description(), reason.empty() ? "" : "; " + reason, ")");
   }
   if (device < 0 || device >= count) {
     CUDP_THROW(ValueError, "invalid device id ", device, ": valid ids are 0..", count - 1, " (",

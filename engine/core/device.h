@@ -40,10 +40,11 @@ int device_count();
 bool is_available();
 
 // Why device_count() is 0 when that is not simply a machine without GPUs: "" when CUDA sees a
-// device, when no NVIDIA driver is installed, or when CUDA_VISIBLE_DEVICES is "" or "-1" (no GPU
-// is what was asked); otherwise what CUDA said and what to do (a driver older than this CUDA
-// runtime, a CUDA_VISIBLE_DEVICES that names no GPU, ...). A program that would fall back to the
-// CPU by default reports this instead, so that a broken driver is never a silent CPU run.
+// device, when there are none to see (no NVIDIA driver, or a driver and no GPU), or when
+// CUDA_VISIBLE_DEVICES names no device ("", "-1": no GPU is what was asked); otherwise what CUDA
+// said and what to do (a driver older than this CUDA runtime, a CUDA_VISIBLE_DEVICES whose ids or
+// UUIDs match no GPU, another error). A program that would fall back to the CPU by default
+// reports this instead, so that a broken set-up is never a silent CPU run.
 std::string unavailable_reason();
 
 // The calling thread's current device, and switching it (validated: see check_device).

@@ -1,5 +1,7 @@
 #include "engine/parallel/watchdog.h"
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -42,6 +44,10 @@ Watchdog::~Watchdog() {
 }
 
 void Watchdog::run() {
+  // The polls' runtime calls (event queries) on a device this process uses: on the thread's
+  // default device 0 they would make a CUDA context there, on a GPU another rank may own. (With no
+  // GPU, as in the host tests, this fails and is ignored.)
+  if (!ranks_.empty() && cudaSetDevice(ranks_.front().device) != cudaSuccess) cudaGetLastError();
   std::unique_lock lock(mutex_);
   while (!stop_) {
     cv_.wait_for(lock, options_.poll_interval, [this] { return stop_; });

@@ -80,6 +80,7 @@
 #include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
 #include "engine/parallel/process_group.h"
+#include "engine/parallel/scatter_gather.h"
 #include "examples/vgg/options.h"
 #include "examples/vgg/run_folder.h"
 #include "kernels/elementwise.h"
@@ -847,9 +848,14 @@ int run(Options o) {
     try {
       cuda::check_device(g);
     } catch (const ValueError& e) {
-      throw UsageError(
-          "--gpus: " + e.message() +
-          (visible == 0 ? "; train on the CPU with --gpus none (or leave --gpus out)" : ""));
+      // Left out, --gpus takes the CPU only where no GPU is to be had (not where CUDA failed).
+      const bool cpu_by_default = visible == 0 && cuda::unavailable_reason().empty();
+      throw UsageError("--gpus: " + e.message() +
+                       (visible == 0
+                            ? cpu_by_default
+                                  ? "; train on the CPU with --gpus none (or leave --gpus out)"
+                                  : "; train on the CPU with --gpus none"
+                            : ""));
     }
   }
   // The main thread's current device is the run's first GPU: every DeviceGuard restores it, and
@@ -1000,18 +1006,31 @@ int run(Options o) {
           "--sync-bn synchronises the BatchNorm layers, but the model has none "
           "(--no-bn, or the --resume checkpoint's setting): drop --sync-bn");
     }
-    // Every GPU's SyncBatchNorm takes part in each training forward (DataParallel refuses a batch
-    // that reaches fewer replicas): an epoch's last, smaller batch must still reach them all, and
-    // is checked here rather than after a whole epoch.
-    const auto n_gpus = static_cast<int64_t>(gpus.size());
+    // Every GPU's SyncBatchNorm takes part in each training forward, and DataParallel refuses a
+    // batch that reaches fewer replicas; it scatters in torch.chunk's sizes (ceil(rows / GPUs)
+    // each), so 5 rows on 4 GPUs fill only 3. Each epoch's last, smaller batch and the
+    // micro-batches of --accumulate are checked here rather than after a whole epoch.
+    const auto n_gpus = static_cast<int>(gpus.size());
     const int64_t last = d.train->size() % o.batch_size;
-    if (!distributed && n_gpus > 1 && last > 0 && last < n_gpus) {
-      throw UsageError(detail::str(
-          "--sync-bn on ", n_gpus, " GPUs: each epoch's last batch holds ", last, " of the ",
-          d.train->size(), " training images (batches of ", o.batch_size,
-          "), fewer than the GPUs, and every GPU's batch norm takes part in each step; choose a "
-          "--batch-size (or --limit-train) that leaves at least ",
-          n_gpus, " images in the last batch, or none"));
+    for (const int64_t batch : {o.batch_size, last}) {
+      if (distributed || n_gpus < 2 || batch == 0) break;
+      for (const int64_t rows : parallel::chunk_sizes(batch, static_cast<int>(o.accumulate))) {
+        const size_t reached = parallel::chunk_sizes(rows, n_gpus).size();
+        if (reached == gpus.size()) continue;
+        throw UsageError(detail::str(
+            "--sync-bn on ", n_gpus, " GPUs: ",
+            batch == o.batch_size ? detail::str("a batch of ", batch, " images")
+                                  : detail::str("each epoch's last batch, of ", last, " of the ",
+                                                d.train->size(), " training images,"),
+            o.accumulate > 1 ? detail::str(" split into --accumulate ", o.accumulate,
+                                           " micro-batches, has one of ", rows, " images that")
+                             : std::string(),
+            " reaches only ", reached, " of them (DataParallel gives each GPU ceil(", rows, " / ",
+            n_gpus,
+            ") images), and every GPU's batch norm takes part in each step; choose a "
+            "--batch-size (or --limit-train, --accumulate) that gives every GPU images in every "
+            "step"));
+      }
     }
     // PyTorch's convert_sync_batchnorm; DataParallel (the GPUs of this process) or
     // DistributedDataParallel (the processes) gives the layers their group. The state_dict keys do
@@ -1303,8 +1322,10 @@ int run(Options o) {
   const auto settled_last_good = [&]() -> std::string {
     try {
       settle();
-    } catch (const Error& e) {
-      return detail::str(last_good, "; the save after it did not complete: ", e.message());
+    } catch (const std::exception& e) {
+      const auto* error = dynamic_cast<const Error*>(&e);
+      return detail::str(last_good, "; the save after it did not complete: ",
+                         error ? error->message() : std::string(e.what()));
     }
     return last_good;
   };
@@ -1650,7 +1671,7 @@ int main(int argc, char** argv) {
       if (g_ranks.session) {
         // The others' own errors first: ranks failing at the same point (a bad option) each say
         // theirs within this grace period; a rank still waiting after it is ended by the abort.
-        std::this_thread::sleep_for(std::chrono::seconds(2));
+        std::this_thread::sleep_for(std::chrono::seconds(3));
         g_ranks.session->abort(code);
       }
       std::_Exit(code);

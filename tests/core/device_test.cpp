@@ -101,6 +101,9 @@ TEST(UnavailableReason, NothingWhereThereAreGpusNoDriverOrGpusHiddenOnPurpose) {
   EXPECT_EQ(reason(cudaErrorInsufficientDriver, 0, 0, nullptr), "");
   EXPECT_EQ(reason(cudaErrorNoDevice, 0, 13000, ""), "");
   EXPECT_EQ(reason(cudaErrorNoDevice, 0, 13000, " -1"), "");
+  EXPECT_EQ(reason(cudaErrorNoDevice, 0, 13000, "NoDevFiles"), "");
+  // A driver and no GPU (a CPU host with the driver's libraries installed).
+  EXPECT_EQ(reason(cudaErrorNoDevice, 0, 13000, nullptr), "");
 }
 
 TEST(UnavailableReason, AnOldDriverAMaskThatNamesNoGpuAndOtherErrorsSayWhatToDo) {
@@ -114,7 +117,8 @@ TEST(UnavailableReason, AnOldDriverAMaskThatNamesNoGpuAndOtherErrorsSayWhatToDo)
   EXPECT_NE(mask.find("CUDA_VISIBLE_DEVICES=\"GPU-xyz\" leaves no GPU visible"), std::string::npos)
       << mask;
   EXPECT_NE(mask.find("nvidia-smi -L"), std::string::npos) << mask;
-  EXPECT_NE(reason(cudaErrorNoDevice, 0, 13000, nullptr).find("CUDA finds no GPU"),
+  // Whatever CUDA answers for a mask of ids that match nothing, the mask is what is named.
+  EXPECT_NE(reason(cudaErrorInvalidDevice, 0, 13000, "7").find("CUDA_VISIBLE_DEVICES=\"7\""),
             std::string::npos);
   const std::string other = reason(cudaErrorSystemDriverMismatch, 0, 13000, nullptr);
   EXPECT_NE(other.find("cudaErrorSystemDriverMismatch"), std::string::npos) << other;

@@ -178,8 +178,19 @@ TEST(VggTrainerGpu, SyncBatchNormRefusesALastBatchSmallerThanTheGpus) {
                               "--data synthetic --arch vgg11 --gpus 0,1 --sync-bn --epochs 1 "
                               "--limit-train 17 --limit-test 8 --batch-size 8");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "each epoch's last batch holds 1 of the 17 training images"))
+  EXPECT_TRUE(contains(r.output,
+                       "each epoch's last batch, of 1 of the 17 training images, "
+                       "reaches only 1 of them"))
       << r.output;
+  // The micro-batches of --accumulate too: 8 of one image each reach one of the two GPUs.
+  const RunResult micro = run_vgg(dir,
+                                  "--data synthetic --arch vgg11 --gpus 0,1 --sync-bn "
+                                  "--epochs 1 --limit-train 16 --limit-test 8 --batch-size 8 "
+                                  "--accumulate 8");
+  EXPECT_EQ(micro.code, 2) << micro.output;
+  EXPECT_TRUE(
+      contains(micro.output, "split into --accumulate 8 micro-batches, has one of 1 images"))
+      << micro.output;
   EXPECT_FALSE(contains(r.output, "train loss")) << r.output;
 }
 
