@@ -79,8 +79,7 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
     f.sizes.push_back(read_be32(head.data() + 4 + 4 * d));
     overflow = overflow || __builtin_mul_overflow(data_bytes, f.sizes.back(), &data_bytes);
   }
-  overflow =
-      overflow || __builtin_add_overflow(static_cast<int64_t>(header), data_bytes, &expected);
+  overflow = overflow || __builtin_add_overflow(static_cast<int64_t>(header), data_bytes, &expected);
   const std::string shape = dims == 3 ? detail::str(" of ", f.sizes[1], "x", f.sizes[2]) : "";
   if (overflow) {
     CUDP_THROW(IoError, path, " is truncated: its header promises ", f.sizes[0], " ", what, shape,
@@ -91,9 +90,8 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
     const int64_t possible = static_cast<int64_t>(raw.size()) * kMaxDeflateRatio;
     if (data_bytes > possible) {
       CUDP_THROW(IoError, path, " cannot be an IDX ", what, " file: its header promises ",
-                 f.sizes[0], " ", what, shape, " (", expected,
-                 " bytes with the header), more than ", raw.size(),
-                 " bytes of gzip can hold (truncated or corrupt?)");
+                 f.sizes[0], " ", what, shape, " (", expected, " bytes with the header), more than ",
+                 raw.size(), " bytes of gzip can hold (truncated or corrupt?)");
     }
     f.data.reserve(static_cast<size_t>(
         std::min(data_bytes + 1, static_cast<int64_t>(raw.size()) * kReserveRatio)));
@@ -104,20 +102,19 @@ IdxFile read_idx(const std::string& path, uint32_t magic, int dims, const char* 
   }
   const int64_t actual = static_cast<int64_t>(header + f.data.size());
   if (actual != expected) {
-    CUDP_THROW(
-        IoError, path, (actual < expected ? " is truncated" : " is too long"),
-        ": its header promises ", f.sizes[0], " ", what, shape, " (", expected,
-        " bytes with the header), the file has ",
-        gz && actual > expected ? "more than " + std::to_string(expected) : std::to_string(actual),
-        gz ? " bytes after decompression" : " bytes");
+    CUDP_THROW(IoError, path, (actual < expected ? " is truncated" : " is too long"),
+               ": its header promises ", f.sizes[0], " ", what, shape, " (", expected,
+               " bytes with the header), the file has ",
+               gz && actual > expected ? "more than " + std::to_string(expected)
+                                       : std::to_string(actual),
+               gz ? " bytes after decompression" : " bytes");
   }
   return f;
 }
 
 // The file `stem` in `dir` under the names it is distributed with: gzipped or not, and with the
 // '.' that some MNIST mirrors use before "idx" ("train-images.idx3-ubyte").
-std::string find_idx_file(const std::string& dir, const std::string& stem,
-                          const std::string& name) {
+std::string find_idx_file(const std::string& dir, const std::string& stem, const std::string& name) {
   std::string dotted = stem;
   dotted[dotted.rfind("-idx")] = '.';
   const std::string base = dir + "/";
@@ -140,7 +137,8 @@ IdxImages read_idx_images(const std::string& path) {
   // The loader multiplies these by the batch size: keep them to what an image can sensibly be.
   if (f.sizes[1] < 1 || f.sizes[2] < 1 || f.sizes[1] > kMaxIdxSide || f.sizes[2] > kMaxIdxSide) {
     CUDP_THROW(IoError, path, ": images of ", f.sizes[1], "x", f.sizes[2],
-               " pixels; an IDX image must have between 1 and ", kMaxIdxSide, " rows and columns");
+               " pixels; an IDX image must have between 1 and ", kMaxIdxSide,
+               " rows and columns");
   }
   IdxImages images{f.sizes[0], f.sizes[1], f.sizes[2], {}};
   images.pixels = std::move(f.data);
@@ -154,9 +152,8 @@ std::vector<uint8_t> read_idx_labels(const std::string& path) {
 
 std::vector<uint8_t> encode_idx_images(std::span<const uint8_t> pixels, int64_t count, int64_t rows,
                                        int64_t cols) {
-  CUDP_CHECK(static_cast<int64_t>(pixels.size()) == count * rows * cols,
-             "encode_idx_images: ", pixels.size(), " pixels for ", count, " images of ", rows, "x",
-             cols);
+  CUDP_CHECK(static_cast<int64_t>(pixels.size()) == count * rows * cols, "encode_idx_images: ",
+             pixels.size(), " pixels for ", count, " images of ", rows, "x", cols);
   std::vector<uint8_t> out;
   out.reserve(16 + pixels.size());
   for (int64_t v : {int64_t{kIdxImagesMagic}, count, rows, cols}) append_be32(out, v);
@@ -167,8 +164,7 @@ std::vector<uint8_t> encode_idx_images(std::span<const uint8_t> pixels, int64_t 
 std::vector<uint8_t> encode_idx_labels(std::span<const uint8_t> labels) {
   std::vector<uint8_t> out;
   out.reserve(8 + labels.size());
-  for (int64_t v : {int64_t{kIdxLabelsMagic}, static_cast<int64_t>(labels.size())})
-    append_be32(out, v);
+  for (int64_t v : {int64_t{kIdxLabelsMagic}, static_cast<int64_t>(labels.size())}) append_be32(out, v);
   out.insert(out.end(), labels.begin(), labels.end());
   return out;
 }

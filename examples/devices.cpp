@@ -31,16 +31,14 @@ void print_visible_mapping(int count) {
     std::printf("CUDA_VISIBLE_DEVICES is unset: every GPU is visible under its own number.\n");
     return;
   }
-  std::printf("CUDA_VISIBLE_DEVICES=\"%s\": the program sees %d device(s)", visible.raw.c_str(),
-              count);
+  std::printf("CUDA_VISIBLE_DEVICES=\"%s\": the program sees %d device(s)", visible.raw.c_str(), count);
   for (int i = 0; i < count; ++i) {
     std::printf("%s id %d is physical GPU %s", i ? "," : ":", i, cuda::physical_id(i).c_str());
   }
   std::printf(".\n");
   const char* order = std::getenv("CUDA_DEVICE_ORDER");
   if (!order || std::string(order) != "PCI_BUS_ID") {
-    std::printf(
-        "Set CUDA_DEVICE_ORDER=PCI_BUS_ID for these physical numbers to match nvidia-smi.\n");
+    std::printf("Set CUDA_DEVICE_ORDER=PCI_BUS_ID for these physical numbers to match nvidia-smi.\n");
   }
 }
 
@@ -59,8 +57,7 @@ void print_peer_matrix(int count) {
 const char* const kUsage =
     "Usage: cudp-devices [-h|--help]\n"
     "Lists the CUDA devices this process sees (id, physical GPU, name, memory, SMs, compute\n"
-    "capability, PCI bus id), the CUDA_VISIBLE_DEVICES mapping and the peer-access matrix, "
-    "switches\n"
+    "capability, PCI bus id), the CUDA_VISIBLE_DEVICES mapping and the peer-access matrix, switches\n"
     "the current device once to show set_device, and warns when the GPUs are imbalanced.\n"
     "  CUDA_VISIBLE_DEVICES=1 cudp-devices    # one device: id 0 is physical GPU 1\n"
     "Exit status: 0 success; 1 a CUDA error; 2 the command line is wrong.\n";
@@ -102,8 +99,7 @@ int main(int argc, char** argv) {
     cuda::set_device(0);
 
     print_peer_matrix(count);
-    if (auto warning = cuda::imbalance_warning(devices))
-      std::printf("warning: %s\n", warning->c_str());
+    if (auto warning = cuda::imbalance_warning(devices)) std::printf("warning: %s\n", warning->c_str());
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "cudp-devices: %s\n", e.message().c_str());

@@ -10,13 +10,9 @@
 
 namespace cudp {
 
-std::string Device::str() const {
-  return is_cpu() ? "cpu" : "cuda:" + std::to_string(index);
-}
+std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
 
-std::ostream& operator<<(std::ostream& out, const Device& device) {
-  return out << device.str();
-}
+std::ostream& operator<<(std::ostream& out, const Device& device) { return out << device.str(); }
 
 namespace detail {
 
@@ -64,8 +60,9 @@ std::string trim(const std::string& s) {
 }
 
 bool is_index(const std::string& s) {
-  return !s.empty() && s.size() < 10 &&
-         std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  return !s.empty() && s.size() < 10 && std::all_of(s.begin(), s.end(), [](char c) {
+    return c >= '0' && c <= '9';
+  });
 }
 
 }  // namespace
@@ -79,9 +76,7 @@ int device_count() {
   return count;
 }
 
-bool is_available() {
-  return device_count() > 0;
-}
+bool is_available() { return device_count() > 0; }
 
 std::string unavailable_reason() {
   int count = 0;
@@ -146,9 +141,7 @@ DeviceProperties get_device_properties(int device) {
   return p;
 }
 
-std::string device_name(int device) {
-  return get_device_properties(device).name;
-}
+std::string device_name(int device) { return get_device_properties(device).name; }
 
 std::vector<std::vector<bool>> peer_access_matrix() {
   const int count = device_count();
@@ -194,7 +187,7 @@ VisibleDevices parse_visible_devices(const char* value) {
     const bool uuid = entry.rfind("GPU-", 0) == 0 || entry.rfind("MIG-", 0) == 0;
     std::string key = entry;
     if (is_index(entry)) key = std::to_string(std::stoi(entry));  // "04" and "4" are one GPU
-    if (!(is_index(entry) || uuid) || seen.count(key)) break;  // CUDA stops at the first bad entry
+    if (!(is_index(entry) || uuid) || seen.count(key)) break;    // CUDA stops at the first bad entry
     seen.insert(key);
     v.entries.push_back(key);
     start = comma + 1;
@@ -202,27 +195,23 @@ VisibleDevices parse_visible_devices(const char* value) {
   return v;
 }
 
-VisibleDevices visible_devices() {
-  return parse_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES"));
-}
+VisibleDevices visible_devices() { return parse_visible_devices(std::getenv("CUDA_VISIBLE_DEVICES")); }
 
 std::string physical_id(int device, const VisibleDevices& visible) {
   if (!visible.set) return std::to_string(device);
-  if (device >= 0 && device < static_cast<int>(visible.entries.size()))
-    return visible.entries[device];
+  if (device >= 0 && device < static_cast<int>(visible.entries.size())) return visible.entries[device];
   return "?";
 }
 
-std::string physical_id(int device) {
-  return physical_id(device, visible_devices());
-}
+std::string physical_id(int device) { return physical_id(device, visible_devices()); }
 
 std::optional<std::string> imbalance_warning(const std::vector<DeviceProperties>& devices) {
   if (devices.size() < 2) return std::nullopt;
   auto check = [&](auto value) -> std::optional<std::string> {
-    const auto [lo, hi] =
-        std::minmax_element(devices.begin(), devices.end(),
-                            [&](const auto& a, const auto& b) { return value(a) < value(b); });
+    const auto [lo, hi] = std::minmax_element(devices.begin(), devices.end(),
+                                              [&](const auto& a, const auto& b) {
+                                                return value(a) < value(b);
+                                              });
     if (static_cast<double>(value(*lo)) < 0.75 * static_cast<double>(value(*hi))) {
       return detail::str(
           "There is an imbalance between your GPUs. You may want to exclude GPU ", lo->index,

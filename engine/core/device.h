@@ -58,10 +58,10 @@ void check_device(int device);
 void synchronize(int device = -1);
 
 struct DeviceProperties {
-  int index = 0;         // visible id
-  std::string physical;  // physical GPU as named by CUDA_VISIBLE_DEVICES ("4", "GPU-<uuid>")
+  int index = 0;             // visible id
+  std::string physical;      // physical GPU as named by CUDA_VISIBLE_DEVICES ("4", "GPU-<uuid>")
   std::string name;
-  size_t total_memory = 0;  // bytes
+  size_t total_memory = 0;   // bytes
   int multiprocessors = 0;
   int major = 0, minor = 0;  // compute capability
   std::string pci_bus_id;    // "0000:1B:00.0"

@@ -145,18 +145,17 @@ struct Data {
                     : o.data == "mnist" ? "pass --data-dir DIR (a folder with MNIST's IDX files)"
                                         : "pass --data-dir DIR (the folder cifar-10-batches-bin of "
                                           "CIFAR-10's binary version)";
-  CUDP_THROW(IoError, "--data ", o.data, (o.was_given("--data") ? "" : " (the default)"), ": ", dir,
-             " does not exist; ", how, ", or train on generated images with --data synthetic");
+  CUDP_THROW(IoError, "--data ", o.data, (o.was_given("--data") ? "" : " (the default)"), ": ",
+             dir, " does not exist; ", how, ", or train on generated images with --data synthetic");
 }
 
 // --data folder: DIR/train and DIR/val (or DIR/test), decoded on the loader's workers.
 void load_folder(const Options& o, Data& d) {
   const fs::path root(o.data_dir);
-  const fs::path train = root / "train",
-                 test = fs::is_directory(root / "val") ? root / "val" : root / "test";
+  const fs::path train = root / "train", test = fs::is_directory(root / "val") ? root / "val"
+                                                                              : root / "test";
   if (!fs::is_directory(train) || !fs::is_directory(test)) {
-    CUDP_THROW(IoError, "--data folder: ", o.data_dir,
-               " needs the sub-folders train/ and val/ "
+    CUDP_THROW(IoError, "--data folder: ", o.data_dir, " needs the sub-folders train/ and val/ "
                "(or test/), each with one folder of images per class");
   }
   data::ImageFolderOptions f;
@@ -165,10 +164,10 @@ void load_folder(const Options& o, Data& d) {
   auto train_set = std::make_unique<data::ImageFolder>(train.string(), f, "folder/train");
   f.transform = data::ImageTransform::Eval;
   f.classes = train_set->classes();  // the test labels follow train's
-  auto test_set =
-      std::make_unique<data::ImageFolder>(test.string(), f, "folder/" + test.filename().string());
-  const std::string eval =
-      detail::str("Resize(", data::eval_resize(o.image_size), ") + CenterCrop(", o.image_size, ")");
+  auto test_set = std::make_unique<data::ImageFolder>(test.string(), f,
+                                                      "folder/" + test.filename().string());
+  const std::string eval = detail::str("Resize(", data::eval_resize(o.image_size), ") + CenterCrop(",
+                                       o.image_size, ")");
   d.description = detail::str(
       "images from ", o.data_dir, " (", train_set->num_classes(),
       " classes, decoded every epoch on ", o.workers, " worker(s); train: ",
@@ -176,13 +175,11 @@ void load_folder(const Options& o, Data& d) {
                 : eval + " (no --augment)",
       ", test: ", eval, ", ImageNet mean and std)");
   if (o.limit_train > 0 && o.limit_train < train_set->size()) {
-    d.description +=
-        detail::str(", first ", o.limit_train, " of ", train_set->size(), " train images");
+    d.description += detail::str(", first ", o.limit_train, " of ", train_set->size(), " train images");
     train_set->keep_first(o.limit_train);
   }
   if (o.limit_test > 0 && o.limit_test < test_set->size()) {
-    d.description +=
-        detail::str(", first ", o.limit_test, " of ", test_set->size(), " test images");
+    d.description += detail::str(", first ", o.limit_test, " of ", test_set->size(), " test images");
     test_set->keep_first(o.limit_test);
   }
   d.normalization = data::imagenet_normalization();  // torchvision's recipe for photographs
@@ -209,12 +206,9 @@ Data load_data(const Options& o) {
   data::Dataset train, test;
   if (o.data == "synthetic") {
     if (o.was_given("--data-dir")) {
-      throw UsageError(
-          detail::str("--data synthetic generates its images and reads no files, so "
-                      "--data-dir ",
-                      o.data_dir,
-                      " would be ignored; drop one of the "
-                      "two"));
+      throw UsageError(detail::str("--data synthetic generates its images and reads no files, "
+                                   "so --data-dir ", o.data_dir, " would be ignored; drop one "
+                                   "of the two"));
     }
     data::SyntheticOptions s;
     s.seed = o.seed;
@@ -283,8 +277,7 @@ void save_test_set(const std::string& path, const Data& d, const data::Normaliza
   check_output_file(path, "--save-test-set");
   const data::Dataset t = data::materialize(*d.test, 0, 0, workers);
   TensorMap tensors;
-  tensors["images"] =
-      Tensor::from_vector<uint8_t>(t.images, {t.size(), t.height, t.width, t.channels});
+  tensors["images"] = Tensor::from_vector<uint8_t>(t.images, {t.size(), t.height, t.width, t.channels});
   tensors["labels"] = Tensor::from_vector<int32_t>(t.labels, {t.size()});
   Metadata meta;
   const auto join = [](const std::vector<float>& v) {
@@ -897,17 +890,15 @@ int run(Options o) {
   int64_t start_epoch = 0, global_step = 0;
   if (!resume_file.empty() && !weights_only) {
     start_epoch = metadata_int(resumed_meta, "epoch", 0, 1000000, state_file);
-    global_step =
-        metadata_int(resumed_meta, "step", 0, std::numeric_limits<int64_t>::max(), state_file);
+    global_step = metadata_int(resumed_meta, "step", 0, std::numeric_limits<int64_t>::max(),
+                               state_file);
     if (!o.eval_only && o.epochs < start_epoch) {
       throw UsageError(detail::str("--epochs ", o.epochs, " is less than the checkpoint's epoch ",
                                    start_epoch, ": nothing to train (--eval-only evaluates it)"));
     }
     if (!o.eval_only && o.stop_after > 0 && o.stop_after <= start_epoch) {
-      throw UsageError(detail::str("--stop-after ", o.stop_after,
-                                   ": the checkpoint is already at "
-                                   "epoch ",
-                                   start_epoch, "; give a later epoch or leave it out"));
+      throw UsageError(detail::str("--stop-after ", o.stop_after, ": the checkpoint is already at "
+                                   "epoch ", start_epoch, "; give a later epoch or leave it out"));
     }
     // Each rank's shard of an epoch, and so the training, depends on the number of ranks.
     const int64_t saved_world =
@@ -1045,11 +1036,8 @@ int run(Options o) {
   net->set_precision(precision);
   for (int g : gpus) {
     if (precision != Precision::fp32 && !kernels::tensor_cores_available(g)) {
-      throw UsageError(detail::str("--precision ", o.precision,
-                                   " needs the tensor-core kernels of "
-                                   "an sm_90 GPU (H100, H200); GPU ",
-                                   g,
-                                   " is not one: use "
+      throw UsageError(detail::str("--precision ", o.precision, " needs the tensor-core kernels of "
+                                   "an sm_90 GPU (H100, H200); GPU ", g, " is not one: use "
                                    "--precision fp32 there"));
     }
   }
@@ -1109,8 +1097,8 @@ int run(Options o) {
   }
 
   // For the communicator DataParallel makes (at least a millisecond: the watchdog's resolution).
-  parallel::Communicator::set_default_timeout(
-      std::chrono::milliseconds(std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
+  parallel::Communicator::set_default_timeout(std::chrono::milliseconds(
+      std::max<long long>(1, std::llround(o.collective_timeout * 1000))));
   // One process: DataParallel over its GPUs; on the CPU (--gpus none, or no GPU visible) the
   // module as it is, with no wrapper: DataParallel given no device list would take every visible
   // GPU. Several: DistributedDataParallel, rank 0's model broadcast to every rank.
@@ -1196,8 +1184,7 @@ int run(Options o) {
     if (global_step != start_epoch * steps_per_epoch) {
       throw UsageError(detail::str("--resume ", o.resume, ": the checkpoint is at step ",
                                    global_step, " after epoch ", start_epoch, ", but this run has ",
-                                   steps_per_epoch,
-                                   " steps per epoch; resume with the data, "
+                                   steps_per_epoch, " steps per epoch; resume with the data, "
                                    "--limit-train and --batch-size it was written with"));
     }
   }
@@ -1239,10 +1226,9 @@ int run(Options o) {
     double loss, top1, top5;
   };
   StepResults eval_results(feed_device, /*training=*/false);
-  const std::string batch_advice =
-      detail::str("Reduce the batch size (--batch-size, now ", o.batch_size,
-                  "): each GPU holds the "
-                  "activations of its share of a batch.");
+  const std::string batch_advice = detail::str(
+      "Reduce the batch size (--batch-size, now ", o.batch_size, "): each GPU holds the "
+      "activations of its share of a batch.");
   // --graphs on: the evaluation's full batches replay a CUDA graph of its forward and loss too
   // (after one eager batch), the last partial batch runs eagerly; the same results bit for bit.
   const auto eval_body = [&](const Tensor& images, const Tensor& labels) {
@@ -1280,9 +1266,7 @@ int run(Options o) {
     const Eval e = evaluate();
     std::printf("test loss %.4f, test accuracy %.2f%% (top-5 %.2f%%)\n", shown(e.loss), e.top1,
                 e.top5);
-    json.write({{"event", "eval"},
-                {"test_loss", e.loss},
-                {"test_accuracy", e.top1 / 100},
+    json.write({{"event", "eval"}, {"test_loss", e.loss}, {"test_accuracy", e.top1 / 100},
                 {"test_top5", e.top5 / 100}});
     print_checksum();
     return 0;
@@ -1474,9 +1458,8 @@ int run(Options o) {
     const int64_t skipped_before = opt->skipped_steps();  // read at the last epoch's end: no wait
     skipped_seen = 0;
     double lr = opt->primary().lr();  // the rate of the epoch's last step
-    const int64_t print_every = o.print_freq > 0 ? o.print_freq
-                                : tty            ? 10
-                                                 : std::max<int64_t>(steps_per_epoch / 5, 1);
+    const int64_t print_every =
+        o.print_freq > 0 ? o.print_freq : tty ? 10 : std::max<int64_t>(steps_per_epoch / 5, 1);
     for (Tensor images, labels; train_feed.next(images, labels);) {
       const nvtx::Range range("training step");
       const double step_lr = opt->primary().lr();
@@ -1518,8 +1501,8 @@ int run(Options o) {
     check_steps(epoch, results.read());
     const int64_t skipped = opt->skipped_steps() - skipped_before;
     if (skipped != skipped_seen) {
-      throw Error(detail::str("internal error: the optimizer skipped ", skipped, " steps of epoch ",
-                              epoch + 1, " but ", skipped_seen,
+      throw Error(detail::str("internal error: the optimizer skipped ", skipped,
+                              " steps of epoch ", epoch + 1, " but ", skipped_seen,
                               " had a non-finite loss or gradient norm; please report this"),
                   __FILE__, __LINE__);
     }
@@ -1537,7 +1520,7 @@ int run(Options o) {
     const Figures train = global_figures(results);  // collective under mpirun
     const double train_loss = train.mean_loss, train_top1 = train.top1, train_top5 = train.top5;
     images_seen *= g_ranks.world;  // every rank's (the shards are equal: the sampler pads them)
-    purpose.reset();               // the epoch's training allocations end here
+    purpose.reset();  // the epoch's training allocations end here
     // Rank 0 evaluates the whole test set alone (the others go on to the next epoch and wait for
     // it at its first collective, a wait the collective timeout bounds on GPUs); other ranks
     // report zeros they never print.
@@ -1608,7 +1591,7 @@ int run(Options o) {
                    lr, images_seen / epoch_seconds, epoch_seconds});
     }
   }
-  settle();                    // the last save is complete before the run says it is done
+  settle();  // the last save is complete before the run says it is done
   if (folder) folder->wait();  // and the last metrics.csv and curves.png (their error, if any)
   if (start_epoch >= end_epoch) {
     print_checksum();
@@ -1640,13 +1623,10 @@ int run(Options o) {
     std::printf("  cuda:%d peak memory %.2f GiB\n", g,
                 static_cast<double>(cuda::max_memory_allocated(g)) / (1 << 30));
   }
-  if (folder)
-    std::printf("run folder: %s (metrics.csv, curves.png, last and best checkpoints)\n",
-                folder->dir().c_str());
-  json.write({{"event", "done"},
-              {"best_test_accuracy", best_top1 / 100},
-              {"train_seconds", train_seconds},
-              {"total_seconds", seconds_since(run_start)}});
+  if (folder) std::printf("run folder: %s (metrics.csv, curves.png, last and best checkpoints)\n",
+                          folder->dir().c_str());
+  json.write({{"event", "done"}, {"best_test_accuracy", best_top1 / 100},
+              {"train_seconds", train_seconds}, {"total_seconds", seconds_since(run_start)}});
   print_checksum();
   return 0;
 }

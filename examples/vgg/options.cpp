@@ -131,8 +131,8 @@ const std::vector<Setting>& settings() {
     const auto add = [&t](std::string names, const char* key, bool strict, std::string help,
                           auto member, Parse parse, bool flag = false) {
       std::string option = names.substr(names.rfind(',') + 1);
-      t.push_back(
-          {names, option, key, strict, flag, std::move(help), show(member), std::move(parse)});
+      t.push_back({names, option, key, strict, flag, std::move(help), show(member),
+                   std::move(parse)});
     };
     add("--data", "data", true,
         "data set: fashion-mnist, mnist, cifar10, folder (your images: --data-dir DIR with "
@@ -170,15 +170,12 @@ const std::vector<Setting>& settings() {
         &Options::lr, real(&Options::lr, 0, true));
     add("--momentum", "momentum", false, "SGD momentum, or AdamW's beta1", &Options::momentum,
         real(&Options::momentum, 0, false, 0.999));
-    add("--weight-decay", "weight_decay", false,
-        "weight decay; default 5e-4 for sgd, 0.05 for adamw", &Options::weight_decay,
-        real(&Options::weight_decay, 0, false));
-    add("--schedule", "schedule", false,
-        "learning-rate schedule: onecycle, cosine, step or constant", &Options::schedule,
-        choice(&Options::schedule, {"onecycle", "cosine", "step", "constant"}));
+    add("--weight-decay", "weight_decay", false, "weight decay; default 5e-4 for sgd, 0.05 for adamw",
+        &Options::weight_decay, real(&Options::weight_decay, 0, false));
+    add("--schedule", "schedule", false, "learning-rate schedule: onecycle, cosine, step or constant",
+        &Options::schedule, choice(&Options::schedule, {"onecycle", "cosine", "step", "constant"}));
     add("--warmup-epochs", "warmup_epochs", false,
-        "epochs of linear warm-up before the schedule (cosine, step, constant; onecycle has its "
-        "own)",
+        "epochs of linear warm-up before the schedule (cosine, step, constant; onecycle has its own)",
         &Options::warmup_epochs, integer(&Options::warmup_epochs, 0));
     add("--clip-grad", "clip_grad", false, "clip the gradients' global 2-norm to this (0: off)",
         &Options::clip_grad, real(&Options::clip_grad, 0, false));
@@ -214,7 +211,8 @@ const std::vector<Setting>& settings() {
     add("--augment", "augment", false,
         "training augmentation: random crop (and flip for CIFAR-10); for --data folder, "
         "torchvision's RandomResizedCrop and horizontal flip",
-        &Options::augment, boolean(&Options::augment), true);
+        &Options::augment,
+        boolean(&Options::augment), true);
     add("--on-nan", "on_nan", false,
         "when the loss or gradient norm is not finite: stop (the default; names the step and the "
         "last good checkpoint) or skip-step (the update is skipped on the device, with no host "
@@ -246,12 +244,10 @@ const std::vector<Setting>& settings() {
         "write a checkpoint here after every epoch (kept on --resume)", &Options::checkpoint,
         any_text(&Options::checkpoint));
     add("--output", "output", false,
-        "run folder: settings, metrics.csv, curves.png, last and best checkpoints (kept on "
-        "--resume)",
+        "run folder: settings, metrics.csv, curves.png, last and best checkpoints (kept on --resume)",
         &Options::output, any_text(&Options::output));
-    add("--json", "json", false,
-        "append one JSON object per progress line and epoch (kept on --resume)", &Options::json,
-        any_text(&Options::json));
+    add("--json", "json", false, "append one JSON object per progress line and epoch (kept on --resume)",
+        &Options::json, any_text(&Options::json));
     add("--save-test-set", nullptr, false,
         "write the test images as the model sees them (uint8 NHWC, labels, normalisation) to this "
         "safetensors file, to check a checkpoint elsewhere (scripts/imagefolder-check.sh)",
@@ -269,11 +265,9 @@ const std::vector<Setting>& settings() {
         "steps between progress lines (default: 10 on a terminal, a fifth of an epoch otherwise)",
         &Options::print_freq, integer(&Options::print_freq, 1));
     add("--limit-train", "limit_train", true, "use only the first N training images (0: all)",
-        &Options::limit_train,
-        integer(&Options::limit_train, 0, std::numeric_limits<int64_t>::max()));
+        &Options::limit_train, integer(&Options::limit_train, 0, std::numeric_limits<int64_t>::max()));
     add("--limit-test", "limit_test", false, "use only the first N test images (0: all)",
-        &Options::limit_test,
-        integer(&Options::limit_test, 0, std::numeric_limits<int64_t>::max()));
+        &Options::limit_test, integer(&Options::limit_test, 0, std::numeric_limits<int64_t>::max()));
     add("--stop-after", nullptr, false,
         "stop after this epoch, as if interrupted (at most --epochs; the schedule still spans "
         "--epochs; --resume continues)",
@@ -321,15 +315,13 @@ int parse_command_line(int argc, char** argv, Options& o) {
   const Options defaults;
   for (const Setting& s : settings()) {
     if (s.option == "--bn") {
-      app.add_flag_callback(
-          "--bn", [&o] { o.bn = true; }, "BatchNorm after every convolution (the default)");
-      app.add_flag_callback(
-          "--no-bn", [&o] { o.bn = false; }, "no BatchNorm");
+      app.add_flag_callback("--bn", [&o] { o.bn = true; },
+                            "BatchNorm after every convolution (the default)");
+      app.add_flag_callback("--no-bn", [&o] { o.bn = false; }, "no BatchNorm");
       continue;
     }
     if (s.flag) {
-      app.add_flag_callback(
-          s.names, [&o, &s] { s.parse(o, "1"); }, s.help);
+      app.add_flag_callback(s.names, [&o, &s] { s.parse(o, "1"); }, s.help);
       continue;
     }
     const bool path = s.option == "--data-dir" || s.option == "--checkpoint" ||
@@ -425,9 +417,8 @@ void resolve_and_check(Options& o) {
                                  " is not a multiple of 32 (VGG halves it five times)"));
   }
   if (o.data == "folder" && o.data_dir.empty()) {
-    throw UsageError(
-        "--data folder needs --data-dir DIR, with DIR/train/<class>/<image> and "
-        "DIR/val/<class>/<image> (JPEG or PNG)");
+    throw UsageError("--data folder needs --data-dir DIR, with DIR/train/<class>/<image> and "
+                     "DIR/val/<class>/<image> (JPEG or PNG)");
   }
   if (o.data != "synthetic" && o.data != "folder" && o.image_size != 32) {
     throw UsageError(detail::str("--image-size ", o.image_size, ": --data ", o.data,
@@ -440,13 +431,12 @@ void resolve_and_check(Options& o) {
                                  o.image_size, "; use --head torchvision"));
   }
   if (o.warmup_epochs > 0 && o.schedule == "onecycle") {
-    throw UsageError(
-        "--warmup-epochs with --schedule onecycle: onecycle warms up by itself (its "
-        "first 30%); use --schedule cosine, step or constant with --warmup-epochs");
+    throw UsageError("--warmup-epochs with --schedule onecycle: onecycle warms up by itself (its "
+                     "first 30%); use --schedule cosine, step or constant with --warmup-epochs");
   }
   if (o.warmup_epochs >= o.epochs && o.warmup_epochs > 0) {
-    throw UsageError(
-        detail::str("--warmup-epochs ", o.warmup_epochs, " must be less than --epochs ", o.epochs));
+    throw UsageError(detail::str("--warmup-epochs ", o.warmup_epochs, " must be less than --epochs ",
+                                 o.epochs));
   }
   if (o.accumulate > o.batch_size) {
     throw UsageError(detail::str("--accumulate ", o.accumulate,

@@ -87,8 +87,9 @@ void check_output_file(const std::string& path, const std::string& what) {
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
   if (fd < 0) {
     const int err = errno;
-    CUDP_THROW(IoError, what, " ", path, " cannot be written: creating a file in ", folder.string(),
-               " failed (", std::strerror(err), "); choose a writable folder");
+    CUDP_THROW(IoError, what, " ", path, " cannot be written: creating a file in ",
+               folder.string(), " failed (", std::strerror(err),
+               "); choose a writable folder");
   }
   ::close(fd);
   ::unlink(probe.c_str());
@@ -108,10 +109,9 @@ RunFolder::RunFolder(const std::string& dir, int64_t start_epoch, const std::str
   }
   check_output_file(dir + "/metrics.csv", "--output");
   if (start_epoch == 0 && fs::exists(dir + "/metrics.csv")) {
-    std::printf(
-        "note: %s already holds a run; this new run replaces its metrics and checkpoints "
-        "(resume it with --resume %s instead)\n",
-        dir.c_str(), dir.c_str());
+    std::printf("note: %s already holds a run; this new run replaces its metrics and checkpoints "
+                "(resume it with --resume %s instead)\n",
+                dir.c_str(), dir.c_str());
   }
   if (start_epoch > 0) {
     std::ifstream in(dir + "/metrics.csv");

@@ -78,8 +78,7 @@ TEST(DeviceIds, InvalidIdNamesTheRangeAndTheVisibleSet) {
     EXPECT_NE(msg.find("invalid device id " + std::to_string(count + 3)), std::string::npos) << msg;
     EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << msg;
     if (count > 0) {
-      EXPECT_NE(msg.find("valid ids are 0.." + std::to_string(count - 1)), std::string::npos)
-          << msg;
+      EXPECT_NE(msg.find("valid ids are 0.." + std::to_string(count - 1)), std::string::npos) << msg;
     } else {
       EXPECT_NE(msg.find("no CUDA device is visible"), std::string::npos) << msg;
     }

@@ -109,8 +109,7 @@ void expect_graphs_match_eager(const std::string& gpus) {
   ASSERT_EQ(off.code, 0) << off.output;
   EXPECT_TRUE(contains(off.output, "CUDA graphs: off")) << off.output;
   ASSERT_NE(checksum_of(off), "") << off.output;
-  EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n"
-                                               << on.output << "\ngraphs off:\n"
+  EXPECT_EQ(checksum_of(on), checksum_of(off)) << "graphs on:\n" << on.output << "\ngraphs off:\n"
                                                << off.output;
   // 16 training steps: two eager, the capture's launch and 4 replays, an eager partial batch, 7
   // replays and an eager partial batch. The evaluations: the first's second batch is captured
@@ -346,9 +345,8 @@ TEST(VggTrainerGpu, DivergenceStopsAndKeepsTheCheckpoint) {
   const std::string model = read_bytes(ckpt), state = read_bytes(dir / "c.train.safetensors");
   r = run_vgg(dir, "--resume '" + ckpt + "' --epochs 3 --lr 1e30 --gpus 0");
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_TRUE(
-      std::regex_search(r.output, std::regex(R"(training diverged at step \d+ \(epoch 2, )"
-                                             R"(batch \d+ of 8\): the (loss|gradient norm))")))
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(training diverged at step \d+ \(epoch 2, )"
+                                                     R"(batch \d+ of 8\): the (loss|gradient norm))")))
       << r.output;
   EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt)) << r.output;
   EXPECT_TRUE(read_bytes(ckpt) == model) << "the model file changed";
@@ -360,12 +358,10 @@ TEST(VggTrainerGpu, RunFolderWithAdamWOnTwoGpus) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
   const std::string out = dir / "run";
-  const RunResult r =
-      run_vgg(dir,
-              "--data synthetic --arch vgg11 --limit-train 1024 --limit-test 256 --batch-size 128 "
-              "--gpus 0,1 --epochs 3 --opt adamw --lr 0.001 --warmup-epochs 1 --schedule cosine "
-              "--clip-grad 1 --label-smoothing 0.1 --print-checksum --output '" +
-                  out + "'");
+  const RunResult r = run_vgg(
+      dir, "--data synthetic --arch vgg11 --limit-train 1024 --limit-test 256 --batch-size 128 "
+           "--gpus 0,1 --epochs 3 --opt adamw --lr 0.001 --warmup-epochs 1 --schedule cosine "
+           "--clip-grad 1 --label-smoothing 0.1 --print-checksum --output '" + out + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "replicas: 2, bit-identical")) << r.output;
   std::ifstream csv(out + "/metrics.csv");

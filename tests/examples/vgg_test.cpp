@@ -170,21 +170,20 @@ TEST(VggTrainer, CheckpointRoundTripAndExactResumeOnTheCpu) {
 TEST(VggTrainer, PrecisionPolicies) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const std::string run = kSmall +
-                          "--limit-train 32 --limit-test 16 --batch-size 16 --epochs 1 "
-                          "--print-checksum ";
+  const std::string run = kSmall + "--limit-train 32 --limit-test 16 --batch-size 16 --epochs 1 "
+                                   "--print-checksum ";
   const RunResult fp32 = run_on_cpu(dir, run);
   ASSERT_EQ(fp32.code, 0) << fp32.output;
   EXPECT_TRUE(contains(fp32.output, "fp32 products")) << fp32.output;
-  const RunResult bf16 =
-      run_on_cpu(dir, run + "--precision bf16 --checkpoint '" + (dir / "bf16.safetensors") + "'");
+  const RunResult bf16 = run_on_cpu(
+      dir, run + "--precision bf16 --checkpoint '" + (dir / "bf16.safetensors") + "'");
   ASSERT_EQ(bf16.code, 0) << bf16.output;
   EXPECT_TRUE(contains(bf16.output, "bf16 products (emulated on the CPU)")) << bf16.output;
   EXPECT_NE(checksum_of(bf16), "");
   EXPECT_NE(checksum_of(bf16), checksum_of(fp32)) << "bf16 trained the same weights as fp32";
   EXPECT_EQ(cudp::load_checkpoint_metadata(dir / "bf16.safetensors").at("precision"), "bf16");
-  const RunResult eval =
-      run_on_cpu(dir, "--eval-only --print-checksum --resume '" + (dir / "bf16.safetensors") + "'");
+  const RunResult eval = run_on_cpu(
+      dir, "--eval-only --print-checksum --resume '" + (dir / "bf16.safetensors") + "'");
   ASSERT_EQ(eval.code, 0) << eval.output;
   EXPECT_TRUE(contains(eval.output, "bf16 products")) << eval.output;
 
@@ -389,8 +388,8 @@ TEST(VggTrainer, OutputPathsAreCheckedBeforeTraining) {
   const std::string missing = dir / "no-such-folder";
   RunResult r = run_on_cpu(dir, run + "--json '" + missing + "/log.json'");
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_TRUE(contains(
-      r.output, "--json " + missing + "/log.json: the folder " + missing + " does not exist"))
+  EXPECT_TRUE(contains(r.output, "--json " + missing + "/log.json: the folder " + missing +
+                                     " does not exist"))
       << r.output;
   EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
   r = run_on_cpu(dir, run + "--checkpoint '" + missing + "/c.safetensors'");
@@ -831,12 +830,9 @@ TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
   TempDir dir;
   const std::string json = dir / "log.json", ckpt = dir / "c.safetensors";
   const RunResult r = run_on_cpu(
-      dir,
-      kSmall +
-          "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 2 --opt adamw "
-          "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 --label-smoothing 0.1 "
-          "--print-freq 1 --json '" +
-          json + "' --checkpoint '" + ckpt + "'");
+      dir, kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 --epochs 2 --opt adamw "
+                    "--lr 0.001 --warmup-epochs 1 --schedule cosine --clip-grad 0.5 --label-smoothing 0.1 "
+                    "--print-freq 1 --json '" + json + "' --checkpoint '" + ckpt + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   std::vector<double> rates, norms;
   for (const std::string& line : lines_of(read_text(json))) {
@@ -852,7 +848,8 @@ TEST(VggTrainer, OptimizerWarmupAndClippingFlags) {
                               0.001 * (1 + std::cos(pi / 2)) / 2};
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(rates[i], expected[i], 1e-12) << "step " << i + 1;
   for (double n : norms) EXPECT_TRUE(std::isfinite(n) && n > 0) << n;
-  const cudp::Metadata state = cudp::load_safetensors(cudp::find_checkpoint(ckpt).train).metadata;
+  const cudp::Metadata state =
+      cudp::load_safetensors(cudp::find_checkpoint(ckpt).train).metadata;
   EXPECT_EQ(state.at("optimizer.type"), "AdamW");
   EXPECT_EQ(state.at("opt"), "adamw");
   EXPECT_EQ(state.at("weight_decay"), "0.05");  // AdamW's default
@@ -870,9 +867,8 @@ TEST(VggTrainer, LabelSmoothingLoss) {
   std::vector<double> first;
   for (const std::string e : {"0", "1", "0.5"}) {
     const std::string json = dir / ("log" + e + ".json");
-    const RunResult r = run_on_cpu(dir, kSmall +
-                                            "--limit-train 8 --limit-test 8 --batch-size 8 "
-                                            "--epochs 1 --print-freq 1 --label-smoothing " +
+    const RunResult r = run_on_cpu(dir, kSmall + "--limit-train 8 --limit-test 8 --batch-size 8 "
+                                                 "--epochs 1 --print-freq 1 --label-smoothing " +
                                             e + " --json '" + json + "'");
     ASSERT_EQ(r.code, 0) << r.output;
     first.push_back(nlohmann::json::parse(lines_of(read_text(json)).at(0))["loss"].get<double>());
@@ -888,8 +884,8 @@ TEST(VggTrainer, LabelSmoothingLoss) {
 TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
-  const std::string small =
-      kSmall + "--limit-train 16 --limit-test 8 --batch-size 8 --schedule constant ";
+  const std::string small = kSmall +
+                            "--limit-train 16 --limit-test 8 --batch-size 8 --schedule constant ";
   const std::string ckpt = dir / "c.safetensors";
   RunResult r = run_on_cpu(dir, small + "--epochs 1 --lr 0.01 --checkpoint '" + ckpt + "'");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -902,8 +898,7 @@ TEST(VggTrainer, DivergenceStopsAndKeepsTheCheckpoint) {
       r.output, std::regex(R"(training diverged at step [34] \(epoch 2, batch [12] of 2\): the )"
                            R"((loss|gradient norm) is (NaN|[+-]inf))")))
       << r.output;
-  EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt + " (after epoch 1"))
-      << r.output;
+  EXPECT_TRUE(contains(r.output, "the last good checkpoint is " + ckpt + " (after epoch 1")) << r.output;
   EXPECT_FALSE(contains(r.output, "epoch 2/3:")) << r.output;
   EXPECT_TRUE(read_text(ckpt) == model) << "the model file changed";
   EXPECT_TRUE(read_text(dir / "c.train.safetensors") == state) << "the training state changed";
@@ -978,8 +973,7 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
       for (int i = 0; i < (split == "train" ? 4 : 2); ++i) {
         std::vector<uint8_t> rgb;
         for (int p = 0; p < 40 * 36; ++p) {
-          rgb.insert(rgb.end(),
-                     {uint8_t(80 * c + 3 * i), uint8_t(p % 40 * 6), uint8_t(p / 40 * 7)});
+          rgb.insert(rgb.end(), {uint8_t(80 * c + 3 * i), uint8_t(p % 40 * 6), uint8_t(p / 40 * 7)});
         }
         const std::string name = folder + "/" + std::to_string(i);
         if (i % 2 == 1 && write_jpeg(name + ".jpg", 40, 36, rgb)) continue;
@@ -992,10 +986,8 @@ TEST(VggTrainer, TrainsOnAnImageFolder) {
                "--augment --save-test-set '" + (dir / "test.safetensors") + "'");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "images from " + root + " (3 classes")) << r.output;
-  EXPECT_TRUE(contains(r.output,
-                       "train: RandomResizedCrop(32) + RandomHorizontalFlip, test: "
-                       "Resize(37) + CenterCrop(32)"))
-      << r.output;
+  EXPECT_TRUE(contains(r.output, "train: RandomResizedCrop(32) + RandomHorizontalFlip, test: "
+                                 "Resize(37) + CenterCrop(32)")) << r.output;
   EXPECT_TRUE(contains(r.output, ": 12 train, 6 test images")) << r.output;
   EXPECT_TRUE(contains(r.output, "epoch 1/1:")) << r.output;
   const cudp::SafetensorsFile test = cudp::load_safetensors(dir / "test.safetensors");
