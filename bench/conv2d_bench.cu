@@ -697,6 +697,6 @@ int main(int argc, char** argv) {
     return all_valid ? 0 : 1;  // the stream goes with the process
   } catch (const std::exception& e) {
     cudp::bench::print_error("bench_conv2d", e);
-    return 2;
+    return cudp::bench::kExitUsage;
   }
 }

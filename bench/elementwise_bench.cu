@@ -518,6 +518,6 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     cudp::bench::print_error("bench_elementwise", e);
-    return 2;
+    return cudp::bench::kExitUsage;
   }
 }

@@ -450,6 +450,6 @@ int main(int argc, char** argv) {
     return all_valid ? 0 : 1;  // the stream goes with the process
   } catch (const std::exception& e) {
     cudp::bench::print_error("bench_gemm", e);
-    return 2;
+    return cudp::bench::kExitUsage;
   }
 }
