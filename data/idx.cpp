@@ -124,10 +124,10 @@ std::string find_idx_file(const std::string& dir, const std::string& stem, const
   const bool fashion = name.find("fashion") != std::string::npos;
   CUDP_THROW(IoError, name, " file not found: ", base, stem, "(.gz). ",
              fashion ? "On Debian/Ubuntu, apt-get install dataset-fashion-mnist puts the files in "
-                       "/usr/share/datasets/fashion-mnist/; or download them and pass --data-dir "
-                       "<the directory with train-images-idx3-ubyte.gz, ...>"
-                     : "Download the four IDX files (train-images-idx3-ubyte.gz, ...) and pass "
-                       "--data-dir <their directory>");
+                       "/usr/share/datasets/fashion-mnist/; or download them (train-images-"
+                       "idx3-ubyte.gz, ...) and give their directory (cudp-vgg's --data-dir)"
+                     : "Download the four IDX files (train-images-idx3-ubyte.gz, ...) and give "
+                       "their directory (cudp-vgg's --data-dir)");
 }
 
 }  // namespace

@@ -151,9 +151,11 @@ struct SgdCoefficients {
   bool nesterov;
   bool first_step;
 };
-// Validates like torch.optim.SGD (ValueError naming the value) and rounds the scalars.
+// Validates like torch.optim.SGD (ValueError naming the value; `who` begins the message) and rounds
+// the scalars.
 SgdCoefficients sgd_coefficients(int64_t n, double lr, double momentum, double dampening,
-                                 double weight_decay, bool nesterov, bool first_step);
+                                 double weight_decay, bool nesterov, bool first_step,
+                                 const char* who = "sgd_step");
 
 CUDP_HD inline float sgd_update(float p, float g, float* buf, const SgdCoefficients& k) {
   if (k.weight_decay != 0.f) g = fmaf(k.weight_decay, p, g);  // _foreach_add(g, p, alpha=wd)
@@ -197,9 +199,11 @@ CUDP_HD inline void set_bias_corrections(AdamWCoefficients& k, int64_t step) {
   k.bc2_sqrt = float(pow(bc2, 0.5));
   k.step_size = float((k.lr_given / bc1) * -1);
 }
-// Validates like torch.optim.AdamW (ValueError naming the value) and rounds the scalars.
+// Validates like torch.optim.AdamW (ValueError naming the value; `who` begins the message) and
+// rounds the scalars.
 AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double beta2, double eps,
-                                     double weight_decay, int64_t step);
+                                     double weight_decay, int64_t step,
+                                     const char* who = "adamw_step");
 
 CUDP_HD inline void adamw_update(float& p, float g, float& m, float& v,
                                  const AdamWCoefficients& k) {

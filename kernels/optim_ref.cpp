@@ -9,27 +9,28 @@ namespace cudp::kernels {
 namespace detail {
 
 SgdCoefficients sgd_coefficients(int64_t n, double lr, double momentum, double dampening,
-                                 double weight_decay, bool nesterov, bool first_step) {
-  CUDP_CHECK(n >= 0, "sgd_step: n must be >= 0, got ", n);
-  CUDP_CHECK(lr >= 0, "sgd_step: Invalid learning rate: ", lr);
-  CUDP_CHECK(momentum >= 0, "sgd_step: Invalid momentum value: ", momentum);
-  CUDP_CHECK(weight_decay >= 0, "sgd_step: Invalid weight_decay value: ", weight_decay);
-  CUDP_CHECK(!nesterov || (momentum > 0 && dampening == 0),
-             "sgd_step: Nesterov momentum requires a momentum and zero dampening (momentum ",
-             momentum, ", dampening ", dampening, ")");
+                                 double weight_decay, bool nesterov, bool first_step,
+                                 const char* who) {
+  CUDP_CHECK(n >= 0, who, ": n must be >= 0, got ", n);
+  CUDP_CHECK(lr >= 0, who, ": Invalid learning rate: ", lr);
+  CUDP_CHECK(momentum >= 0, who, ": Invalid momentum value: ", momentum);
+  CUDP_CHECK(weight_decay >= 0, who, ": Invalid weight_decay value: ", weight_decay);
+  CUDP_CHECK(!nesterov || (momentum > 0 && dampening == 0), who,
+             ": Nesterov momentum requires a momentum and zero dampening (momentum ", momentum,
+             ", dampening ", dampening, ")");
   return {float(weight_decay), float(momentum), float(1.0 - dampening),
           float(-lr),          nesterov,        first_step};
 }
 
 AdamWCoefficients adamw_coefficients(int64_t n, double lr, double beta1, double beta2, double eps,
-                                     double weight_decay, int64_t step) {
-  CUDP_CHECK(n >= 0, "adamw_step: n must be >= 0, got ", n);
-  CUDP_CHECK(lr >= 0, "adamw_step: Invalid learning rate: ", lr);
-  CUDP_CHECK(eps >= 0, "adamw_step: Invalid epsilon value: ", eps);
-  CUDP_CHECK(beta1 >= 0 && beta1 < 1, "adamw_step: Invalid beta parameter at index 0: ", beta1);
-  CUDP_CHECK(beta2 >= 0 && beta2 < 1, "adamw_step: Invalid beta parameter at index 1: ", beta2);
-  CUDP_CHECK(weight_decay >= 0, "adamw_step: Invalid weight_decay value: ", weight_decay);
-  CUDP_CHECK(step >= 1, "adamw_step: step counts from 1, got ", step);
+                                     double weight_decay, int64_t step, const char* who) {
+  CUDP_CHECK(n >= 0, who, ": n must be >= 0, got ", n);
+  CUDP_CHECK(lr >= 0, who, ": Invalid learning rate: ", lr);
+  CUDP_CHECK(eps >= 0, who, ": Invalid epsilon value: ", eps);
+  CUDP_CHECK(beta1 >= 0 && beta1 < 1, who, ": Invalid beta parameter at index 0: ", beta1);
+  CUDP_CHECK(beta2 >= 0 && beta2 < 1, who, ": Invalid beta parameter at index 1: ", beta2);
+  CUDP_CHECK(weight_decay >= 0, who, ": Invalid weight_decay value: ", weight_decay);
+  CUDP_CHECK(step >= 1, who, ": step counts from 1, got ", step);
   AdamWCoefficients k;
   k.decays = weight_decay != 0;
   k.decay = float(1 - lr * weight_decay);

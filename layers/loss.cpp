@@ -25,7 +25,10 @@ void check_range(const int32_t* labels, int64_t n, int64_t classes) {
 
 void check_labels_tensor(const Tensor& labels, const Tensor& like, int64_t n, const char* op) {
   check_device(labels, like.device(), op);
-  CUDP_CHECK(labels.dtype() == DType::i32, op, " must be i32, got ", labels.str());
+  CUDP_CHECK(labels.dtype() == DType::i32, op,
+             " must be i32 (class indices as int32_t, where PyTorch uses int64: "
+             "Tensor::from_vector<int32_t>), got ",
+             labels.str());
   check_shape(labels, {n}, op);
 }
 

@@ -663,12 +663,12 @@ std::string Optimizer::exact(double value) {
 SGD::SGD(std::vector<Parameter*> params, const SGDOptions& options)
     : Optimizer(std::move(params), options.lr), options_(options), started_(this->params().size()) {
   kernels::detail::sgd_coefficients(0, options.lr, options.momentum, options.dampening,
-                                    options.weight_decay, options.nesterov, false);
+                                    options.weight_decay, options.nesterov, false, "SGD");
 }
 
 void SGD::set_momentum(double momentum) {
   kernels::detail::sgd_coefficients(0, lr_, momentum, options_.dampening, options_.weight_decay,
-                                    options_.nesterov, false);
+                                    options_.nesterov, false, "SGD::set_momentum");
   options_.momentum = momentum;
 }
 
@@ -736,12 +736,12 @@ Metadata SGD::hyperparameters() const {
 AdamW::AdamW(std::vector<Parameter*> params, const AdamWOptions& options)
     : Optimizer(std::move(params), options.lr), options_(options), step_(this->params().size(), 0) {
   kernels::detail::adamw_coefficients(0, options.lr, options.beta1, options.beta2, options.eps,
-                                      options.weight_decay, 1);
+                                      options.weight_decay, 1, "AdamW");
 }
 
 void AdamW::set_momentum(double beta1) {
   kernels::detail::adamw_coefficients(0, lr_, beta1, options_.beta2, options_.eps,
-                                      options_.weight_decay, 1);
+                                      options_.weight_decay, 1, "AdamW::set_momentum");
   options_.beta1 = beta1;
 }
 

@@ -255,13 +255,14 @@ Header read_header(InputFile& file) {
   const uint64_t file_bytes = file.size();
   using enum SafetensorsDamage;
   if (file_bytes < 8) {
-    fail_as(not_safetensors, path, "the file is ", file_bytes,
+    fail_as(not_safetensors, path, "not a safetensors file: it is ", file_bytes,
             " bytes, shorter than the 8-byte header length");
   }
   uint64_t header_bytes = 0;
   file.read_exact(&header_bytes, 8, "the header length");
   if (header_bytes > kMaxHeaderBytes) {
-    fail_as(not_safetensors, path, "its first 8 bytes, read as the header length, give ",
+    fail_as(not_safetensors, path,
+            "not a safetensors file: its first 8 bytes, read as the header length, give ",
             header_bytes, ", above the limit of ", kMaxHeaderBytes, " bytes");
   }
   // What there is of the header: a JSON object, '{' first (JSON allows whitespace before it).
@@ -271,13 +272,15 @@ Header read_header(InputFile& file) {
   const bool begins_as_json_object = first != std::string::npos && text[first] == '{';
   if (header_bytes > file_bytes - 8) {
     if (!begins_as_json_object) {
-      fail_as(not_safetensors, path, "its first 8 bytes, read as the header length, give ",
+      fail_as(not_safetensors, path,
+              "not a safetensors file: its first 8 bytes, read as the header length, give ",
               header_bytes, ", more than the file's ", file_bytes, " bytes");
     }
     fail_as(cut_short, path, "header length ", header_bytes, " runs past the end of the file (",
             file_bytes, " bytes)");
   }
-  if (!begins_as_json_object) fail_as(not_safetensors, path, "the header is not a JSON object");
+  if (!begins_as_json_object)
+    fail_as(not_safetensors, path, "not a safetensors file: the header is not a JSON object");
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
 
   // JSON allows a name twice in one object; a tensor table or an entry must not have it (which one
@@ -303,10 +306,10 @@ Header read_header(InputFile& file) {
   try {
     header = nlohmann::json::parse(text, find_duplicates);
   } catch (const nlohmann::json::exception& e) {
-    fail_as(not_safetensors, path, "invalid JSON header: ", e.what());
+    fail_as(not_safetensors, path, "not a safetensors file: invalid JSON header: ", e.what());
   }
   if (!header.is_object()) {
-    fail_as(not_safetensors, path, "the header is not a JSON object");
+    fail_as(not_safetensors, path, "not a safetensors file: the header is not a JSON object");
   }
   if (duplicate) {
     if (duplicate->second == 1) {

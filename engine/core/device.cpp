@@ -88,22 +88,34 @@ std::string unavailable_reason() {
   return cudp::detail::cuda_unavailable_reason(status, count, driver, runtime, visible_devices());
 }
 
+// "no CUDA device is visible (CUDA_VISIBLE_DEVICES ...; why)", for device_count() == 0.
+std::string no_device_text() {
+  const std::string reason = unavailable_reason();
+  return "no CUDA device is visible (" + visible_description() +
+         (reason.empty() ? "" : "; " + reason) + ")";
+}
+
 void check_device(int device) {
   const int count = device_count();
-  if (count == 0) {
-    const std::string reason = unavailable_reason();
-    CUDP_THROW(ValueError, "invalid device id ", device, ": no CUDA device is visible (",
-               visible_description(), reason.empty() ? "" : "; " + reason, ")");
-  }
+  if (count == 0) CUDP_THROW(ValueError, "invalid device id ", device, ": ", no_device_text());
   if (device < 0 || device >= count) {
     CUDP_THROW(ValueError, "invalid device id ", device, ": valid ids are 0..", count - 1, " (",
                count, " visible; ", visible_description(), ")");
   }
 }
 
+void require_available(const char* what) {
+  if (device_count() == 0) CUDP_THROW(ValueError, what, ": ", no_device_text());
+}
+
 int current_device() {
   int device = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    require_available("cuda::current_device");
+    CUDP_CUDA_CHECK(status);
+  }
   return device;
 }
 

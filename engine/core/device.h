@@ -47,12 +47,18 @@ bool is_available();
 // reports this instead, so that a broken set-up is never a silent CPU run.
 std::string unavailable_reason();
 
-// The calling thread's current device, and switching it (validated: see check_device).
+// The calling thread's current device (require_available's error without a usable GPU), and
+// switching it (validated: see check_device).
 int current_device();
 void set_device(int device);
 
 // Throws ValueError unless 0 <= device < device_count(), naming the range and CUDA_VISIBLE_DEVICES.
 void check_device(int device);
+
+// Throws ValueError "<what>: no CUDA device is visible (CUDA_VISIBLE_DEVICES ...; why)" when
+// device_count() is 0: what a call that needs CUDA says on a machine without a usable GPU, instead
+// of the CUDA runtime's own error (which, without a driver, reads as if the driver were too old).
+void require_available(const char* what);
 
 // Waits for all work on `device` (the current device when -1).
 void synchronize(int device = -1);

@@ -15,7 +15,8 @@ std::string Error::format(const std::string& message, const char* file, int line
     const char* p = std::strstr(file, root);
     if (p && (shown == file || p + 1 < shown)) shown = p + 1;
   }
-  return detail::str(shown, ":", line, ": ", message);
+  // The message first: it is what a user reads; the location follows for a bug report.
+  return detail::str(message, " (at ", shown, ":", line, ")");
 }
 
 namespace detail {

@@ -1,9 +1,10 @@
 // cudp's error model.
 //
 // Every failure is a C++ exception derived from cudp::Error. A library never calls exit() or uses
-// assert() for run-time conditions: the caller (a test, a trainer, a user's program) decides what to
-// do. The message carries where it happened (file:line), what was called, and the library's own
-// status text, so "cudaMallocAsync(...) failed: out of memory" is readable without a debugger.
+// assert() for run-time conditions: the caller (a test, a trainer, a user's program) decides what
+// to do. The message carries what was called and the library's own status text, so
+// "cudaMallocAsync(...) failed: out of memory" is readable without a debugger; what() adds where it
+// happened (" (at engine/core/memory.cpp:313)") after it.
 //
 // Check macros:
 //   CUDP_CUDA_CHECK(call)        cudaError_t
@@ -20,7 +21,7 @@
 
 namespace cudp {
 
-// The base of every cudp exception. what() is the full message with the location prefixed.
+// The base of every cudp exception. what() is the message with the location after it.
 class Error : public std::runtime_error {
  public:
   Error(const std::string& message, const char* file, int line)

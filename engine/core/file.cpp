@@ -126,6 +126,21 @@ StagedFile::StagedFile(const std::string& path, std::string_view what) : path_(p
       const int error = errno;
       const std::string tmp = tmp_;
       tmp_.clear();
+      // The usual causes say so in the user's own terms: the name they gave, not the temporary.
+      const std::string parent = std::filesystem::path(path_).parent_path().string();
+      const std::string dir = parent.empty() ? std::string(".") : parent;
+      if (error == ENOENT) {
+        CUDP_THROW(IoError, kind_, " '", path_, "': cannot write it: the directory '", dir,
+                   "' does not exist; create it first");
+      }
+      if (error == ENOTDIR) {
+        CUDP_THROW(IoError, kind_, " '", path_, "': cannot write it: a part of '", dir,
+                   "' is a file, not a directory");
+      }
+      if (error == EACCES || error == EROFS) {
+        CUDP_THROW(IoError, kind_, " '", path_, "': cannot write it: ", std::strerror(error),
+                   " in the directory '", dir, "'");
+      }
       CUDP_THROW(IoError, kind_, " '", path_, "': cannot create the temporary file '", tmp,
                  "': ", std::strerror(error));
     }

@@ -310,7 +310,11 @@ void* host_allocate(size_t bytes, bool pinned, std::string_view what) {
       cudaGetLastError();
       fail(cudaErrorMemoryAllocation, detail::str("cudaHostAlloc reports ", cudaGetErrorName(status)));
     }
-    CUDP_CUDA_CHECK(status);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      cuda::require_available("pinned host memory (pin_memory)");
+      detail::throw_cuda(status, "cudaHostAlloc", __FILE__, __LINE__);
+    }
     return ptr;
   }
   if (bytes > SIZE_MAX - 63) fail(cudaErrorMemoryAllocation, "more than the address space");

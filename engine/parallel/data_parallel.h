@@ -406,5 +406,6 @@ class Replicated {
 
 namespace cudp {
 using parallel::data_parallel;
+using parallel::data_parallel_all;
 using parallel::DataParallel;
 }  // namespace cudp

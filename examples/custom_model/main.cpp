@@ -449,7 +449,7 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // cudp's exceptions are cudp::Error: what() starts with the library's file and line, message()
+  // cudp's exceptions are cudp::Error: what() ends with the library's file and line, message()
   // is what went wrong, which is what a user needs. CUDP_VERBOSE=1 prints the location too.
   const char* env = std::getenv("CUDP_VERBOSE");
   const bool verbose = env != nullptr && std::string(env) == "1";

@@ -2,11 +2,12 @@
 //
 // Devices, streams, memory and tensors; the Module base class and every layer; the loss, the
 // optimizers, learning-rate schedules and checkpoints; VGG; the data sets, the samplers, the loader
-// and the device prefetcher; DataParallel and data_parallel(); the process group, the MPI bootstrap
-// and the collective watchdog (one process per GPU, docs/distributed.md). All of it compiles with a
-// plain C++20 compiler (the CUDA toolkit's headers come with CUDA::cudart): a program that links
-// cudp::cudp needs no CUDA language of its own. The kernels (kernels/*.h) are an internal layer and are not
-// included; a program that calls them includes them by name.
+// and the device prefetcher; DataParallel and data_parallel(); the process group, the MPI
+// bootstrap, DistributedDataParallel, SyncBatchNorm and the collective watchdog (one process per
+// GPU, docs/distributed.md). All of it compiles with a plain C++20 compiler (the CUDA toolkit's
+// headers come with CUDA::cudart): a program that links cudp::cudp needs no CUDA language of its
+// own. The kernels (kernels/*.h) are an internal layer and are not included; a program that calls
+// them includes them by name.
 #pragma once
 
 // Devices, streams, memory, tensors, errors.
@@ -50,7 +51,11 @@
 #include "data/synthetic.h"
 
 // Data parallelism: DataParallel, data_parallel(), parallel::Replicated<Opt>; one process per GPU:
-// parallel::ProcessGroup, parallel::mpi::Session, the collective watchdog.
+// parallel::ProcessGroup, parallel::mpi::Session, DistributedDataParallel, the collective watchdog;
+// SyncBatchNorm2d and convert_sync_batchnorm, with the statistics groups of both paths.
 #include "engine/parallel/data_parallel.h"
+#include "engine/parallel/ddp.h"
 #include "engine/parallel/mpi_bootstrap.h"
 #include "engine/parallel/process_group.h"
+#include "engine/parallel/stats_group.h"
+#include "layers/sync_batchnorm.h"

@@ -5,6 +5,7 @@
 
 #include "engine/core/device.h"
 #include "engine/core/error.h"
+#include "engine/core/tensor.h"
 
 namespace cudp::cuda {
 namespace {
@@ -85,6 +86,35 @@ TEST(DeviceIds, InvalidIdNamesTheRangeAndTheVisibleSet) {
   }
   EXPECT_THROW(check_device(-1), ValueError);
   EXPECT_THROW(set_device(count), ValueError);
+}
+
+// Without a usable GPU, every call that needs one says so in the same words (the CUDA runtime's
+// own error, without a driver, reads as if the driver were too old); with one, the calls work.
+TEST(DeviceIds, CallsThatNeedAGpuSayThereIsNoneInTheSameWords) {
+  const auto expect_no_device = [](const auto& call, const std::string& who) {
+    try {
+      call();
+      ADD_FAILURE() << who << ": no exception";
+    } catch (const ValueError& e) {
+      EXPECT_NE(e.message().find(who + ": no CUDA device is visible (CUDA_VISIBLE_DEVICES"),
+                std::string::npos)
+          << e.message();
+    }
+  };
+  const Tensor host = Tensor::zeros({4});
+  if (device_count() > 0) {
+    EXPECT_GE(current_device(), 0);
+    EXPECT_LT(current_device(), device_count());
+    EXPECT_NO_THROW(require_available("a test"));
+    EXPECT_TRUE(host.pin_memory().is_pinned());
+    EXPECT_TRUE(host.cuda().is_cuda());
+    return;
+  }
+  expect_no_device([] { current_device(); }, "cuda::current_device");
+  expect_no_device([] { require_available("a test"); }, "a test");
+  expect_no_device([&] { host.pin_memory(); }, "pinned host memory (pin_memory)");
+  expect_no_device([&] { host.cuda(); }, "cuda::current_device");
+  expect_no_device([&] { host.cuda(0); }, "cuda::current_device");
 }
 
 // Why a machine shows no GPU, from what CUDA reported (cudaGetDeviceCount's status and count, the

@@ -22,10 +22,10 @@ TEST(Error, CudaCheckCarriesLocationCallAndStatusText) {
 }
 
 TEST(Error, TheLocationStartsAtTheProjectsFolderWithoutTheBuildMachinesPath) {
-  EXPECT_STREQ(Error("m", "/home/ci/src/data/idx.cpp", 3).what(), "data/idx.cpp:3: m");
+  EXPECT_STREQ(Error("m", "/home/ci/src/data/idx.cpp", 3).what(), "m (at data/idx.cpp:3)");
   EXPECT_STREQ(Error("m", "/home/ci/src/tests/data/idx_test.cpp", 4).what(),
-               "tests/data/idx_test.cpp:4: m");
-  EXPECT_STREQ(Error("m", "/srv/metadata/layers/x.cpp", 5).what(), "layers/x.cpp:5: m");
+               "m (at tests/data/idx_test.cpp:4)");
+  EXPECT_STREQ(Error("m", "/srv/metadata/layers/x.cpp", 5).what(), "m (at layers/x.cpp:5)");
 }
 
 TEST(Error, OutOfMemoryIsItsOwnType) {

@@ -282,9 +282,11 @@ TEST(VggTrainer, SyncBatchNormOnOneDeviceIsBatchNorm) {
 }
 
 // --fused-grad-norm on (the default) against off on the CPU: the same weights and logged norms bit
-// for bit. One process on the CPU keeps its parameters unflattened, so the norm takes its own pass
-// after the update there, and the run says so.
-TEST(VggTrainer, FusedGradNormMatchesItsOwnPassOnTheCpu) {
+// for bit. One process on the CPU keeps its parameters unflattened, so the fused sum does not run
+// there: "on" takes the norm in a pass of its own after the update (what this compares with "off",
+// a pass before it), and the run says so. The fused sum itself is compared on GPUs
+// (vgg_gpu_test's FusedGradNormMatchesItsOwnPass*).
+TEST(VggTrainer, GradNormAfterTheUpdateMatchesTheOneBeforeOnTheCpu) {
   CUDP_REQUIRE_VGG();
   TempDir dir;
   const std::string run = kSmall +
