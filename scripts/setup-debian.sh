@@ -22,12 +22,12 @@ for arg in "$@"; do
   esac
 done
 
-# From Debian/Ubuntu: build tools, then the libraries (tests: GoogleTest; programs: CLI11;
-# benchmarks: Google Benchmark; library: zlib and nlohmann-json; JPEG and PNG decoding, opened at
+# From Debian/Ubuntu: build tools, then the libraries (tests: GoogleTest; programs and benchmarks:
+# CLI11; library: zlib and nlohmann-json; JPEG and PNG decoding, opened at
 # run time by data/image_folder.cpp: libjpeg-turbo and libpng; launching one process per GPU,
 # optional at configure time: Open MPI).
 packages=(cmake ninja-build g++ zlib1g-dev nlohmann-json3-dev libgtest-dev libcli11-dev
-          libbenchmark-dev libturbojpeg0 libpng16-16 libopenmpi-dev openmpi-bin)
+          libturbojpeg0 libpng16-16 libopenmpi-dev openmpi-bin)
 ((with_data)) && packages+=(dataset-fashion-mnist)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep "install ok installed" >/dev/null; }
