@@ -164,6 +164,20 @@ inline void expect_staged_checkpoint_holds_its_moment(Device device, Precision p
   expect_bitwise_same(loaded.model->state_dict(), then.model, "the model written");
   expect_bitwise_same(loaded.sgd->state_dict(parameter_names(*loaded.model)), then.train,
                       "the optimizer state written");
+  // A second save through the same writer (on a GPU, through the page-locked buffer the first
+  // one left it): the second moment's values.
+  train_step(run, k + 1, device);
+  const CheckpointSnapshot second = snapshot_checkpoint(*run.model, run.sgd.get(), meta);
+  EXPECT_FALSE(
+      bitwise_equal(as_floats(second.model.at("0.weight")), as_floats(then.model.at("0.weight"))))
+      << "the step changed nothing: a buffer holding the first save would go unseen";
+  writer.save({path}, stage_checkpoint(*run.model, run.sgd.get(), meta));
+  writer.wait();
+  ResumeRun reloaded = make_resume_run(98, device, precision);
+  load_checkpoint(path, *reloaded.model, reloaded.sgd.get());
+  expect_bitwise_same(reloaded.model->state_dict(), second.model, "the second save's model");
+  expect_bitwise_same(reloaded.sgd->state_dict(parameter_names(*reloaded.model)), second.train,
+                      "the second save's optimizer state");
 
   // first_non_finite: "" for this model; with an infinity planted in Linear's weight and a NaN in
   // BatchNorm's running variance, the first of them in state_dict order.
