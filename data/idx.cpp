@@ -125,9 +125,9 @@ std::string find_idx_file(const std::string& dir, const std::string& stem, const
   CUDP_THROW(IoError, name, " file not found: ", base, stem, "(.gz). ",
              fashion ? "On Debian/Ubuntu, apt-get install dataset-fashion-mnist puts the files in "
                        "/usr/share/datasets/fashion-mnist/; or download them (train-images-"
-                       "idx3-ubyte.gz, ...) and give their directory (cudp-vgg's --data-dir)"
+                       "idx3-ubyte.gz, ...) and give their directory (the programs' --data-dir)"
                      : "Download the four IDX files (train-images-idx3-ubyte.gz, ...) and give "
-                       "their directory (cudp-vgg's --data-dir)");
+                       "their directory (the programs' --data-dir)");
 }
 
 }  // namespace

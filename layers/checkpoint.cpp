@@ -113,7 +113,10 @@ std::pair<Problem, std::string> classify(const std::string& path, const IoError&
   // The reader's reason, without its "safetensors file '<path>': ".
   const std::string prefix = detail::str("safetensors file '", path, "': ");
   const std::string& message = error.message();
-  const std::string reason = starts_with(message, prefix) ? message.substr(prefix.size()) : message;
+  std::string reason = starts_with(message, prefix) ? message.substr(prefix.size()) : message;
+  // "'<path>' is not a safetensors file (<reason>)" below says it once.
+  const std::string not_safetensors = "not a safetensors file: ";
+  if (starts_with(reason, not_safetensors)) reason.erase(0, not_safetensors.size());
   switch (damaged->damage()) {
     case SafetensorsDamage::not_safetensors:
       return {Problem::not_safetensors,
@@ -447,8 +450,8 @@ void* PinnedStaging::reserve(size_t bytes) {
   if (bytes > bytes_) {
     cuda::host_free(std::exchange(data_, nullptr), /*pinned=*/true);
     bytes_ = 0;
-    data_ = cuda::host_allocate(bytes, /*pinned=*/true,
-                                "a checkpoint's page-locked staging buffer (device to host)");
+    const cuda::AllocationPurpose purpose(kPinnedStagingPurpose);
+    data_ = cuda::host_allocate(bytes, /*pinned=*/true, kPinnedStagingPurpose);
     bytes_ = bytes;
   }
   return data_;
@@ -490,6 +493,25 @@ std::vector<Tensor> to_host_through(const std::vector<const Tensor*>& tensors,
   return host;
 }
 
+// The same without page-locked memory to spare: a pageable copy a tensor (the driver stages each
+// through its own buffers), the same bits.
+std::vector<Tensor> to_host_pageable(const std::vector<const Tensor*>& tensors,
+                                     cudaStream_t stream) {
+  std::vector<Tensor> host;
+  host.reserve(tensors.size());
+  for (const Tensor* t : tensors) {
+    if (!t->is_cuda()) {
+      host.push_back(*t);
+      continue;
+    }
+    Tensor h = Tensor::empty(t->shape(), t->dtype());
+    h.copy_from(*t, stream);
+    host.push_back(std::move(h));
+  }
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host;
+}
+
 }  // namespace
 
 CheckpointSnapshot StagedCheckpoint::to_host(PinnedStaging* staging) const {
@@ -510,7 +532,12 @@ CheckpointSnapshot StagedCheckpoint::to_host(PinnedStaging* staging) const {
   for (const Module::StateCopy::Item& item : model.items) tensors.push_back(&item.copy);
   for (const auto& [key, t] : train) tensors.push_back(&t);
   PinnedStaging own;
-  std::vector<Tensor> host = to_host_through(tensors, staging ? *staging : own, stream.get());
+  std::vector<Tensor> host;
+  try {
+    host = to_host_through(tensors, staging ? *staging : own, stream.get());
+  } catch (const OutOfMemoryError&) {
+    host = to_host_pageable(tensors, stream.get());  // the buffer could not be had
+  }
   // The model's entries through their owners' export hooks, now on host copies.
   Module::StateCopy on_host;
   on_host.items = model.items;

@@ -74,7 +74,7 @@ inline std::FILE* open_json(const std::string& path) {
 }
 
 // Prints the exception that ends `program`: a cudp::Error's message without the source location
-// its what() starts with, any other exception's what().
+// its what() ends with, any other exception's what().
 inline void print_error(const char* program, const std::exception& e) {
   const auto* error = dynamic_cast<const Error*>(&e);
   std::fprintf(stderr, "%s: %s\n", program, error ? error->message().c_str() : e.what());

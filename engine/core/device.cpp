@@ -114,7 +114,7 @@ int current_device() {
   if (status != cudaSuccess) {
     cudaGetLastError();
     require_available("cuda::current_device");
-    CUDP_CUDA_CHECK(status);
+    detail::throw_cuda(status, "cudaGetDevice", __FILE__, __LINE__);
   }
   return device;
 }
@@ -237,7 +237,24 @@ std::optional<std::string> imbalance_warning(const std::vector<DeviceProperties>
   return check([](const DeviceProperties& p) { return static_cast<size_t>(p.multiprocessors); });
 }
 
-DeviceGuard::DeviceGuard(int device) : previous_(current_device()) {
+namespace {
+
+// The current device, for a guard switching to `device`: without a usable GPU, the error names
+// the device asked for (check_device's), not the query.
+int current_for(int device) {
+  int current = 0;
+  const cudaError_t status = cudaGetDevice(&current);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    check_device(device);
+    detail::throw_cuda(status, "cudaGetDevice", __FILE__, __LINE__);
+  }
+  return current;
+}
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int device) : previous_(current_for(device)) {
   if (device != previous_) set_device(device);
 }
 

@@ -7,8 +7,9 @@
 #include "engine/core/error.h"
 #include "kernels/matmul.h"
 
-// Skips the test unless at least n CUDA devices are visible. The first message is what ctest's
-// SKIP_REGULAR_EXPRESSION matches, so a GPU-less machine reports these tests as skipped.
+// Skips the test unless at least n CUDA devices are visible. ctest reports a GPU test executable
+// in which every test skipped as skipped (common/test_main.cpp's exit status; the MPI GPU tests,
+// run under mpirun, by this first message).
 #define CUDP_REQUIRE_GPUS(n)                                                                  \
   do {                                                                                        \
     const int cudp_count_ = ::cudp::cuda::device_count();                                     \

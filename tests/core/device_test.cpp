@@ -114,7 +114,7 @@ TEST(DeviceIds, CallsThatNeedAGpuSayThereIsNoneInTheSameWords) {
   expect_no_device([] { require_available("a test"); }, "a test");
   expect_no_device([&] { host.pin_memory(); }, "pinned host memory (pin_memory)");
   expect_no_device([&] { host.cuda(); }, "cuda::current_device");
-  expect_no_device([&] { host.cuda(0); }, "cuda::current_device");
+  expect_no_device([&] { host.cuda(0); }, "invalid device id 0");
 }
 
 // Why a machine shows no GPU, from what CUDA reported (cudaGetDeviceCount's status and count, the

@@ -415,7 +415,7 @@ TEST(VggTrainer, OutputPathsAreCheckedBeforeTraining) {
   EXPECT_FALSE(contains(r.output, "epoch 1/")) << r.output;
 }
 
-// Errors print what went wrong without our source paths ("/.../layers/safetensors.cpp:76: ...");
+// Errors print what went wrong without our source paths ("... (at layers/safetensors.cpp:76)");
 // --verbose adds them.
 TEST(VggTrainer, MessagesCarryNoSourcePaths) {
   CUDP_REQUIRE_VGG();

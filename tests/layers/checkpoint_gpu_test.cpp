@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "common/gpu.h"
+#include "engine/core/memory.h"
 #include "tests/layers/resume_testing.h"
 
 namespace cudp {
@@ -36,6 +37,44 @@ TEST(CheckpointStagedGpu, AStagedCheckpointHoldsItsMoment) {
 TEST(CheckpointStagedGpu, AStagedBf16CheckpointHoldsItsMoment) {
   CUDP_REQUIRE_TENSOR_CORES();
   testing::expect_staged_checkpoint_holds_its_moment(Device::cuda(0), Precision::bf16, 2);
+}
+
+// Without page-locked memory to spare (the allocation hook refuses the staging buffer), a staged
+// checkpoint still reaches the host, through pageable copies, with the same bits; and a writer
+// whose buffer could not be had saves all the same.
+bool refuse_the_staging_buffer(size_t, int device) {
+  return device == -1 &&
+         cuda::AllocationPurpose::current_what().find(kPinnedStagingPurpose) != std::string::npos;
+}
+
+TEST(CheckpointStagedGpu, WithoutPageLockedMemoryTheCopiesArePageable) {
+  CUDP_REQUIRE_GPU();
+  const Device gpu = Device::cuda(0);
+  testing::ResumeRun run = testing::make_resume_run(7, gpu, Precision::fp32);
+  testing::train_step(run, 0, gpu);
+  const CheckpointSnapshot then = snapshot_checkpoint(*run.model, run.sgd.get());
+  StagedCheckpoint staged = stage_checkpoint(*run.model, run.sgd.get());
+  StagedCheckpoint written = stage_checkpoint(*run.model, run.sgd.get());
+  testing::TempDir dir;
+  const std::string path = dir.file("pageable.safetensors");
+  CheckpointSnapshot later;
+  {
+    struct Refusing {
+      Refusing() { detail::set_allocation_fault_hook(refuse_the_staging_buffer); }
+      ~Refusing() { detail::set_allocation_fault_hook(nullptr); }
+    } refusing;
+    PinnedStaging staging;
+    later = staged.to_host(&staging);
+    EXPECT_THROW(staging.reserve(1 << 20), OutOfMemoryError) << "the hook refused nothing";
+    CheckpointWriter writer;
+    writer.save({path}, std::move(written));
+    writer.wait();
+  }
+  testing::expect_bitwise_same(later.model, then.model, "the model, through pageable copies");
+  testing::expect_bitwise_same(later.train, then.train, "the optimizer state, likewise");
+  testing::ResumeRun loaded = testing::make_resume_run(99, gpu, Precision::fp32);
+  load_checkpoint(path, *loaded.model, loaded.sgd.get());
+  testing::expect_bitwise_same(loaded.model->state_dict(), then.model, "the model written");
 }
 
 }  // namespace
