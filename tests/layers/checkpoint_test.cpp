@@ -682,6 +682,7 @@ TEST_F(Checkpoint, AFileThatIsNotSafetensorsSaysSo) {
   const auto expect_not_safetensors = [&](const std::string& bad_file, const std::string& detail) {
     const std::string e = find_error(path_);
     EXPECT_TRUE(has(e, "'" + bad_file + "' is not a safetensors file")) << e;
+    EXPECT_FALSE(has(e, "(not a safetensors file")) << "said twice: " << e;
     EXPECT_TRUE(has(e, detail)) << e;
     EXPECT_FALSE(has(e, "interrupted")) << e;
     EXPECT_FALSE(has(e, "runs past the end")) << e;
