@@ -521,9 +521,13 @@ class StepResults {
 
   // `weight`: the one the loss was computed with (DistributedDataParallel's loss_weight(), n_r /
   // B); the loss read back is divided by it, so the sums hold this rank's own mean losses.
+  // `decides`, when defined: the ranks' summed loss, which decided whether the step was skipped
+  // (--on-nan skip-step under DistributedDataParallel); a step is bad when it or the norm is not
+  // finite, so that every rank leaves the same steps out.
   void add(int64_t step, int64_t batch, const Tensor& loss, const Tensor& norm,
-           const Tensor& logits, const Tensor& labels, double weight = 1.0) {
-    Pending p{step, batch, loss, norm, {}, {}, labels.numel(), {}, weight};
+           const Tensor& logits, const Tensor& labels, double weight = 1.0,
+           const Tensor& decides = Tensor()) {
+    Pending p{step, batch, loss, norm, decides, {}, {}, labels.numel(), {}, weight};
     if (device_ < 0) {
       p.logits = logits.clone();
       p.labels = labels.clone();
@@ -536,6 +540,7 @@ class StepResults {
       p.labels.copy_from(labels, stream);
       p.loss = to_host(loss, b.scalars.slice(0, 1), stream);
       p.norm = to_host(norm, b.scalars.slice(1, 2), stream);
+      p.decides = to_host(decides, b.scalars.slice(2, 3), stream);
       p.buffers = b;
     }
     pending_.push_back(std::move(p));
@@ -549,10 +554,14 @@ class StepResults {
       if (p.buffers.logits.defined()) free_.push_back(p.buffers);
       const float loss = p.loss.to_vector<float>()[0];
       const float norm = p.norm.defined() ? p.norm.to_vector<float>()[0] : 0.f;
-      if (!std::isfinite(loss) || !std::isfinite(norm)) {
+      const float decides = p.decides.defined() ? p.decides.to_vector<float>()[0] : loss;
+      if (!std::isfinite(loss) || !std::isfinite(decides) || !std::isfinite(norm)) {
         bad.push_back(Bad{p.step, p.batch,
-                          !std::isfinite(loss) ? "the loss is " + number_text(loss)
-                                               : "the gradient norm is " + number_text(norm)});
+                          !std::isfinite(loss)      ? "the loss is " + number_text(loss)
+                          : !std::isfinite(decides) ? "another rank's loss is not finite (the "
+                                                      "ranks' sum is " +
+                                                          number_text(decides) + ")"
+                                                    : "the gradient norm is " + number_text(norm)});
         if (training_) continue;
       }
       const double smoothed_sum = count_top_k(p);
@@ -586,11 +595,11 @@ class StepResults {
 
  private:
   struct Buffers {
-    Tensor logits, labels, scalars;  // pinned, [capacity, classes], [capacity] and [2]
+    Tensor logits, labels, scalars;  // pinned, [capacity, classes], [capacity] and [3]
   };
   struct Pending {
     int64_t step, batch;
-    Tensor loss, norm, logits, labels;
+    Tensor loss, norm, decides, logits, labels;
     int64_t n;
     Buffers buffers;
     double weight;
@@ -606,7 +615,7 @@ class StepResults {
     }
     return {Tensor::empty(logits_shape, DType::f32, Device::cpu(), true),
             Tensor::empty({n}, DType::i32, Device::cpu(), true),
-            Tensor::empty({2}, DType::f32, Device::cpu(), true)};
+            Tensor::empty({3}, DType::f32, Device::cpu(), true)};
   }
 
   // A one-element result of the step (undefined: none), as read() will find it: copied into the
@@ -719,6 +728,24 @@ struct Ranks {
   }
 };
 Ranks g_ranks;
+
+// A test hook (tests/examples/mpi_vgg_test.cpp): CUDP_TEST_NAN_LOSS="<rank>:<step>" makes that
+// rank's loss NaN at that global step (from 1), as a bad batch on one rank would, with the
+// gradients left finite; under mpirun only (whose steps run eagerly: a replayed graph would keep
+// what it captured). Whether every rank then skips the step under --on-nan skip-step is what the
+// test checks.
+struct NanLossAt {
+  int rank = -1;
+  int64_t step = -1;
+};
+NanLossAt nan_loss_at() {
+  NanLossAt at;
+  const char* env = std::getenv("CUDP_TEST_NAN_LOSS");
+  long long step = -1;
+  if (env == nullptr || std::sscanf(env, "%d:%lld", &at.rank, &step) != 2) return {};
+  at.step = step;
+  return at;
+}
 
 // What a StepResults holds, summed over the ranks (collective), so that rank 0 prints the figures
 // of the global batch and epoch; a single process's own.
@@ -1351,6 +1378,7 @@ int run(Options o) {
   // is 1 / world: known without the collective that DistributedDataParallel::loss_weight() makes
   // (through NCCL, with a wait for the device, every step).
   const double loss_weight = ddp ? 1.0 / static_cast<double>(g_ranks.world) : 1.0;
+  const NanLossAt nan_loss = nan_loss_at();
   const auto train_body = [&](const Tensor& images, const Tensor& labels) {
     Tensor out, loss;
     if (o.accumulate > 1) {
@@ -1392,12 +1420,16 @@ int run(Options o) {
                          ? smoothed_gradient(criterion, out, labels, o.label_smoothing, loss_weight)
                          : criterion.backward());
     }
+    if (distributed && nan_loss.rank == g_ranks.rank && nan_loss.step == global_step + 1) {
+      loss = loss.clone_async();
+      loss.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
     // The gradients' global norm, reduced on the device with no host read. Without --clip-grad
     // only replica 0's is needed (all hold the same all-reduced gradients), and nothing is
     // scaled, so the replicas stay bit-identical. When nothing before the update needs it (no
     // clipping, no skip flag made from it), the update computes it as it reads the gradients
     // (--fused-grad-norm, the same bits).
-    Tensor norm;
+    Tensor norm, decided_by;  // decided_by: the ranks' summed loss, when it decides a skip
     if (!norm_by_update) {
       norm =
           o.clip_grad > 0 ? opt->clip_grad_norm(o.clip_grad) : grad_norm(opt->primary().params());
@@ -1405,13 +1437,13 @@ int run(Options o) {
         // Under DistributedDataParallel the loss is this rank's own (the norm is global): the flag
         // is made from the ranks' sum, non-finite when any rank's is, so that every rank skips the
         // same steps and the replicas stay alike.
-        Tensor decided_by = loss;
         if (distributed) {
           decided_by = loss.clone_async();
           g_ranks.group->all_reduce_sum(
               decided_by, loss.is_cuda() ? cuda::current_stream(loss.device().index) : nullptr);
         }
-        opt->step(nonfinite_flag(decided_by, norm));  // decided on the device, no host read
+        // Decided on the device, no host read.
+        opt->step(nonfinite_flag(decided_by.defined() ? decided_by : loss, norm));
       } else {
         opt->step();
       }
@@ -1419,6 +1451,9 @@ int run(Options o) {
       norm = opt->step_and_grad_norm();
     }
     criterion.release();  // nothing the step made outlives it (a captured step's graph owns none)
+    // Under DDP the summed loss goes back too: the host's count of skipped steps must see the
+    // steps another rank's loss made every rank skip (eager steps only there, no graph).
+    if (decided_by.defined()) return TensorList{loss, norm, out, decided_by};
     return TensorList{loss, norm, out};
   };
   // --graphs on: full batches replay a CUDA graph of train_body (layers/train.h NOTE [Graphed
@@ -1468,7 +1503,8 @@ int run(Options o) {
       if (opt->last_step_overlapped()) ++overlapped_steps;
       ++global_step;
       ++step;
-      results.add(global_step, step, loss, norm, out, labels, loss_weight);
+      results.add(global_step, step, loss, norm, out, labels, loss_weight,
+                  r.size() > 3 ? r[3] : Tensor());
       images_seen += labels.numel();
       lr = step_lr;
       if (schedule) schedule->step();

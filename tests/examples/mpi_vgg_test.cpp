@@ -144,6 +144,24 @@ TEST(VggMpi, TwoRanksAreOneProcessOnTheGlobalBatch) {
   const RunResult skipping = run_ranks(dir, 2, model + "--batch-size 4 --on-nan skip-step");
   ASSERT_EQ(skipping.code, 0) << skipping.output;
   EXPECT_EQ(checksum_of(skipping), checksum_of(ddp)) << skipping.output;
+  // A NaN loss on one rank alone (the trainer's test hook CUDP_TEST_NAN_LOSS, at the epoch's last
+  // step; the gradients stay finite, so the global gradient norm cannot tell): every rank skips
+  // that step, so rank 0's weights (the checksum it prints) are the same whichever rank's loss it
+  // was, and not those of the run that skipped nothing.
+  const std::string with_skips = model + "--batch-size 4 --on-nan skip-step";
+  const RunResult nan_on_0 = run_vgg(dir, with_skips, mpirun_prefix(2, "CUDP_TEST_NAN_LOSS=0:2 "));
+  const RunResult nan_on_1 = run_vgg(dir, with_skips, mpirun_prefix(2, "CUDP_TEST_NAN_LOSS=1:2 "));
+  ASSERT_EQ(nan_on_0.code, 0) << nan_on_0.output;
+  ASSERT_EQ(nan_on_1.code, 0) << nan_on_1.output;
+  EXPECT_TRUE(contains(nan_on_0.output, "the loss is NaN; update skipped")) << nan_on_0.output;
+  EXPECT_TRUE(contains(nan_on_1.output,
+                       "another rank's loss is not finite (the ranks' sum is NaN); "
+                       "update skipped"))
+      << nan_on_1.output;
+  EXPECT_NE(checksum_of(nan_on_0), checksum_of(skipping)) << "the step was not skipped";
+  EXPECT_EQ(checksum_of(nan_on_1), checksum_of(nan_on_0))
+      << "rank 0 did not skip the step of rank 1's NaN loss:\n"
+      << nan_on_1.output;
 
   const std::string one = dir / "one.safetensors";
   const RunResult single = run_one(dir, model + "--batch-size 8 --checkpoint '" + one + "'");
