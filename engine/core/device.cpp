@@ -108,15 +108,26 @@ void require_available(const char* what) {
   if (device_count() == 0) CUDP_THROW(ValueError, what, ": ", no_device_text());
 }
 
-int current_device() {
+namespace {
+
+// cudaGetDevice. Where it fails, `no_gpu()` throws its error when there is no usable GPU (the
+// usual cause: CUDA's own error then reads as if the driver were too old); else CUDA's error.
+template <typename NoGpu>
+int query_current_device(NoGpu no_gpu) {
   int device = 0;
   const cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) {
     cudaGetLastError();
-    require_available("cuda::current_device");
+    no_gpu();
     detail::throw_cuda(status, "cudaGetDevice", __FILE__, __LINE__);
   }
   return device;
+}
+
+}  // namespace
+
+int current_device() {
+  return query_current_device([] { require_available("cuda::current_device"); });
 }
 
 void set_device(int device) {
@@ -237,24 +248,9 @@ std::optional<std::string> imbalance_warning(const std::vector<DeviceProperties>
   return check([](const DeviceProperties& p) { return static_cast<size_t>(p.multiprocessors); });
 }
 
-namespace {
-
-// The current device, for a guard switching to `device`: without a usable GPU, the error names
-// the device asked for (check_device's), not the query.
-int current_for(int device) {
-  int current = 0;
-  const cudaError_t status = cudaGetDevice(&current);
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    check_device(device);
-    detail::throw_cuda(status, "cudaGetDevice", __FILE__, __LINE__);
-  }
-  return current;
-}
-
-}  // namespace
-
-DeviceGuard::DeviceGuard(int device) : previous_(current_for(device)) {
+// Without a usable GPU, the error names the device asked for (check_device's), not the query.
+DeviceGuard::DeviceGuard(int device)
+    : previous_(query_current_device([device] { check_device(device); })) {
   if (device != previous_) set_device(device);
 }
 

@@ -46,8 +46,10 @@ namespace {
 using namespace cudp::testing;
 
 // cudp-vgg `args` as `ranks` processes under mpirun.
-RunResult run_ranks(const TempDir& dir, int ranks, const std::string& args) {
-  return run_vgg(dir, args, mpirun_prefix(ranks));
+// `env`: "NAME=value " assignments for mpirun, whose ranks inherit them.
+RunResult run_ranks(const TempDir& dir, int ranks, const std::string& args,
+                    const std::string& env = "") {
+  return run_vgg(dir, args, mpirun_prefix(ranks, env));
 }
 
 RunResult run_one(const TempDir& dir, const std::string& args) {
@@ -141,16 +143,16 @@ TEST(VggMpi, TwoRanksAreOneProcessOnTheGlobalBatch) {
 
   // --on-nan skip-step makes its skip flag from the ranks' summed loss (a collective of its own
   // each step, so that every rank skips the same steps): with nothing to skip, the same weights.
-  const RunResult skipping = run_ranks(dir, 2, model + "--batch-size 4 --on-nan skip-step");
+  const std::string with_skips = model + "--batch-size 4 --on-nan skip-step";
+  const RunResult skipping = run_ranks(dir, 2, with_skips);
   ASSERT_EQ(skipping.code, 0) << skipping.output;
   EXPECT_EQ(checksum_of(skipping), checksum_of(ddp)) << skipping.output;
   // A NaN loss on one rank alone (the trainer's test hook CUDP_TEST_NAN_LOSS, at the epoch's last
   // step; the gradients stay finite, so the global gradient norm cannot tell): every rank skips
   // that step, so rank 0's weights (the checksum it prints) are the same whichever rank's loss it
   // was, and not those of the run that skipped nothing.
-  const std::string with_skips = model + "--batch-size 4 --on-nan skip-step";
-  const RunResult nan_on_0 = run_vgg(dir, with_skips, mpirun_prefix(2, "CUDP_TEST_NAN_LOSS=0:2 "));
-  const RunResult nan_on_1 = run_vgg(dir, with_skips, mpirun_prefix(2, "CUDP_TEST_NAN_LOSS=1:2 "));
+  const RunResult nan_on_0 = run_ranks(dir, 2, with_skips, "CUDP_TEST_NAN_LOSS=0:2 ");
+  const RunResult nan_on_1 = run_ranks(dir, 2, with_skips, "CUDP_TEST_NAN_LOSS=1:2 ");
   ASSERT_EQ(nan_on_0.code, 0) << nan_on_0.output;
   ASSERT_EQ(nan_on_1.code, 0) << nan_on_1.output;
   EXPECT_TRUE(contains(nan_on_0.output, "the loss is NaN; update skipped")) << nan_on_0.output;
