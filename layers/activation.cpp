@@ -43,6 +43,10 @@ Tensor ReLU::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+std::string ReLU::extra_repr() const {
+  return inplace_ ? "inplace=True" : "";
+}
+
 std::shared_ptr<Module> ReLU::make_empty_copy() const {
   return std::make_shared<ReLU>(inplace_);
 }

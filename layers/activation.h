@@ -15,6 +15,7 @@ class ReLU : public Module {
  public:
   explicit ReLU(bool inplace = false) : inplace_(inplace) {}
   std::string type_name() const override { return "ReLU"; }
+  std::string extra_repr() const override;  // "inplace=True", or nothing: "ReLU()"
   bool takes_bf16() const override { return true; }
   bool inplace() const { return inplace_; }
 

@@ -188,6 +188,11 @@ void BatchNorm2d::sync_replica(const Module& primary, size_t replica, ReplicaSyn
   batches_tracked_ = first->batches_tracked_;
 }
 
+std::string BatchNorm2d::extra_repr() const {
+  return detail::str(c_, ", eps=", py_float(eps_), ", momentum=", py_float(momentum_),
+                     ", affine=True, track_running_stats=True");
+}
+
 std::shared_ptr<Module> BatchNorm2d::make_empty_copy() const {
   auto copy = std::make_shared<BatchNorm2d>(init::skip_init, c_, eps_, momentum_);
   copy->batches_tracked_ = batches_tracked_;

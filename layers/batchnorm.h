@@ -47,6 +47,10 @@ class BatchNorm2d : public Module {
   BatchNorm2d(init::SkipInit, int num_features, float eps = 1e-5f, float momentum = 0.1f);
 
   std::string type_name() const override { return "BatchNorm2d"; }
+  // PyTorch's "64, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True" (SyncBatchNorm2d
+  // too). cudp's BatchNorm is always affine and always tracks running statistics: those two are
+  // always True.
+  std::string extra_repr() const override;
   bool takes_bf16() const override { return true; }  // its output keeps the input's dtype
   bool can_fuse_relu() const override { return true; }
   bool can_take_masked_grad() const override { return detail::batchnorm_mask_handoff(); }

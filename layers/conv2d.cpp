@@ -416,6 +416,14 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   return dx;
 }
 
+std::string Conv2d::extra_repr() const {
+  std::string text = detail::str(in_, ", ", out_, ", kernel_size=(", kernel_, ", ", kernel_,
+                                 "), stride=(", stride_, ", ", stride_, ")");
+  if (padding_ != 0) text += detail::str(", padding=(", padding_, ", ", padding_, ")");
+  if (bias_ == nullptr) text += ", bias=False";
+  return text;
+}
+
 std::shared_ptr<Module> Conv2d::make_empty_copy() const {
   auto copy = std::make_shared<Conv2d>(init::skip_init, in_, out_, kernel_, stride_, padding_,
                                        bias_ != nullptr);

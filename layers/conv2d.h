@@ -40,6 +40,10 @@ class Conv2d : public Module {
          int padding = 0, bool bias = true);
 
   std::string type_name() const override { return "Conv2d"; }
+  // PyTorch's "3, 64, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1)" (", bias=False" without
+  // one). cudp has no dilation, groups or padding_mode: they are always PyTorch's defaults, which
+  // PyTorch leaves out of the text.
+  std::string extra_repr() const override;
   // Under the bf16 policy: bf16 in and out. Under every policy a following ReLU is applied in the
   // epilogue and its backward's mask in the bias gradient's pass (Module::can_fuse_relu).
   bool takes_bf16() const override { return precision_ == Precision::bf16; }

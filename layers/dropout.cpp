@@ -104,6 +104,10 @@ void Dropout::sync_replica(const Module& primary, size_t replica, ReplicaSync wh
   }
 }
 
+std::string Dropout::extra_repr() const {
+  return detail::str("p=", py_float(p_), ", inplace=False");
+}
+
 std::shared_ptr<Module> Dropout::make_empty_copy() const {
   auto copy = std::make_shared<Dropout>(p_, seed_);
   copy->offset_ = offset_;

@@ -34,6 +34,8 @@ class Dropout : public Module {
  public:
   explicit Dropout(float p = 0.5f, uint64_t seed = 0);
   std::string type_name() const override { return "Dropout"; }
+  // PyTorch's "p=0.5, inplace=False". cudp's Dropout always writes a new tensor: inplace=False.
+  std::string extra_repr() const override;
 
   float p() const { return p_; }
   uint64_t seed() const { return seed_; }

@@ -51,6 +51,10 @@ Tensor Flatten::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+std::string Flatten::extra_repr() const {
+  return "start_dim=1, end_dim=-1";
+}
+
 std::shared_ptr<Module> Flatten::make_empty_copy() const {
   return std::make_shared<Flatten>();
 }

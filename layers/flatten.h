@@ -15,6 +15,9 @@ class Flatten : public Module {
  public:
   Flatten() = default;
   std::string type_name() const override { return "Flatten"; }
+  // PyTorch's nn.Flatten() text, "start_dim=1, end_dim=-1": cudp's always flattens every dimension
+  // after the batch's (into PyTorch's (c, h, w) order, above).
+  std::string extra_repr() const override;
 
  protected:
   Tensor forward_one(const Tensor& input) override;

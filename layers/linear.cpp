@@ -255,6 +255,11 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+std::string Linear::extra_repr() const {
+  return detail::str("in_features=", in_, ", out_features=", out_,
+                     ", bias=", py_bool(bias_ != nullptr));
+}
+
 std::shared_ptr<Module> Linear::make_empty_copy() const {
   auto copy = std::make_shared<Linear>(init::skip_init, in_, out_, bias_ != nullptr);
   return copy;

@@ -24,6 +24,8 @@ class Linear : public Module {
   Linear(init::SkipInit, int64_t in_features, int64_t out_features, bool bias = true);
 
   std::string type_name() const override { return "Linear"; }
+  // PyTorch's "in_features=4096, out_features=1000, bias=True".
+  std::string extra_repr() const override;
   // Under bf16: f32 or bf16 input, f32 output (the logits stay fp32 for the loss).
   bool takes_bf16() const override { return precision_ == Precision::bf16; }
   // A ReLU right after it in a Sequential runs inside it (Module::can_fuse_relu): max(y, 0) in the

@@ -20,9 +20,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 namespace cudp {
 
@@ -166,6 +170,110 @@ Tensor Module::forward_one(const Tensor&) {
 
 Tensor Module::backward_one(const Tensor&) {
   CUDP_THROW(ValueError, type_name(), " implements neither backward_one nor backward_impl");
+}
+
+// ---- errors located in children (NOTE [Locating errors in children], module.h) ------------------
+
+void Module::rethrow_in_child(const ValueError& error, const Module& child) const {
+  const auto named = std::find_if(children_.begin(), children_.end(),
+                                  [&](const auto& entry) { return entry.second.get() == &child; });
+  if (named == children_.end()) throw;  // not our child: no name to give
+  constexpr std::string_view kHead = "in layer ";
+  std::string path = named->first;
+  std::string type = child.type_name();
+  std::string_view message = error.message();
+  // A container child located the error already: "in layer <path> (<type>) of a <child's type>:
+  // <original>". Its path goes under the child's name, and the original text follows once.
+  const std::string tail = detail::str(") of a ", child.type_name(), ": ");
+  if (message.starts_with(kHead)) {
+    const size_t open = message.find(" (", kHead.size());
+    const size_t close = message.find(tail, kHead.size());
+    if (open != std::string_view::npos && close != std::string_view::npos && open < close) {
+      path += detail::str(".", message.substr(kHead.size(), open - kHead.size()));
+      type = message.substr(open + 2, close - open - 2);
+      message.remove_prefix(close + tail.size());
+    }
+  }
+  throw ValueError(detail::str(kHead, path, " (", type, ") of a ", type_name(), ": ", message),
+                   error.file(), error.line());
+}
+
+// ---- printing (PyTorch's Module.__repr__) -------------------------------------------------------
+
+std::string Module::repr() const {
+  // PyTorch's text: the extra_repr lines, then "(name): <child's text>" for each child with the
+  // child's lines after its first indented by two spaces (_addindent); a single extra line and no
+  // children stay on the module's own line.
+  std::vector<std::string> lines;
+  const std::string extra = extra_repr();
+  if (!extra.empty()) {
+    std::string_view rest = extra;
+    for (size_t end; (end = rest.find('\n')) != std::string_view::npos;
+         rest.remove_prefix(end + 1)) {
+      lines.emplace_back(rest.substr(0, end));
+    }
+    lines.emplace_back(rest);
+  }
+  const size_t extra_lines = lines.size();
+  for (const auto& [name, child] : children_) {
+    std::string line = detail::str("(", name, "): ");
+    for (const char c : child->repr()) {
+      line += c;
+      if (c == '\n') line += "  ";
+    }
+    lines.push_back(std::move(line));
+  }
+  std::string out = type_name() + "(";
+  if (extra_lines == 1 && children_.empty()) {
+    out += lines[0];
+  } else if (!lines.empty()) {
+    for (const std::string& line : lines) out += "\n  " + line;
+    out += "\n";
+  }
+  return out + ")";
+}
+
+std::ostream& operator<<(std::ostream& out, const Module& module) {
+  return out << module.repr();
+}
+
+std::string Module::py_float(float value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value < 0 ? "-inf" : "inf";
+  // The shortest digits that read back as this float, "d[.ddd]e±xx", then Python's repr layout of
+  // them: positional for exponents -4 to 15 (always with a fractional part, "2.0"), else
+  // scientific with at least two exponent digits ("1e-05").
+  char buffer[32];
+  const auto [end, ec] =
+      std::to_chars(buffer, buffer + sizeof buffer, value, std::chars_format::scientific);
+  CUDP_CHECK(ec == std::errc(), "py_float: cannot format ", value);
+  std::string_view text(buffer, static_cast<size_t>(end - buffer));
+  std::string out;
+  if (text.front() == '-') {
+    out = "-";
+    text.remove_prefix(1);
+  }
+  const size_t e = text.find('e');
+  std::string digits;
+  for (const char c : text.substr(0, e)) {
+    if (c != '.') digits += c;
+  }
+  const int exponent = std::stoi(std::string(text.substr(e + 1)));
+  const int n = static_cast<int>(digits.size());
+  if (exponent < -4 || exponent >= 16) {
+    out += digits.substr(0, 1);
+    if (n > 1) out += "." + digits.substr(1);
+    const int magnitude = std::abs(exponent);
+    out += detail::str(exponent < 0 ? "e-" : "e+", magnitude < 10 ? "0" : "", magnitude);
+  } else if (exponent < 0) {
+    out += "0." + std::string(static_cast<size_t>(-exponent - 1), '0') + digits;
+  } else if (n > exponent + 1) {
+    out += digits.substr(0, static_cast<size_t>(exponent + 1)) + "." +
+           digits.substr(static_cast<size_t>(exponent + 1));
+  } else {
+    out += digits + std::string(static_cast<size_t>(exponent + 1 - n), '0') + ".0";
+  }
+  return out;
 }
 
 // ---- registration and walks ---------------------------------------------------------------------

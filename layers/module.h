@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,6 +96,20 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // The layer's type, as PyTorch prints it ("Conv2d", "Sequential").
   virtual std::string type_name() const = 0;
+
+  // PyTorch's print(model): this module and its descendants in PyTorch's text, one module a line,
+  // each child as "(name): " and its own text, indented by two spaces a level:
+  //   Sequential(
+  //     (0): Conv2d(1, 16, kernel_size=(5, 5), stride=(1, 1), padding=(2, 2))
+  //     (1): ReLU()
+  //   )
+  // operator<< (below) writes the same text.
+  std::string repr() const;
+  // The configuration a module's line shows between its parentheses, PyTorch's extra_repr(): the
+  // layers' constructor options in PyTorch's words and defaults ("64, eps=1e-05, momentum=0.1,
+  // affine=True, track_running_stats=True"). Empty by default (a container shows its children).
+  // Several lines may be separated by '\n'.
+  virtual std::string extra_repr() const { return {}; }
 
   Tensor forward(const Tensor& input);
   Tensor backward(const Tensor& grad_output);
@@ -314,6 +329,46 @@ class Module : public std::enable_shared_from_this<Module> {
     return module.make_empty_copy();
   }
 
+  // NOTE [Locating errors in children]
+  // A ValueError raised by a child's forward or backward (a shape, a device or a dtype the child
+  // refuses) says what is wrong but not where in the model. A container calls its children through
+  // forward_child / backward_child, which rethrow it as a ValueError (the original's file and
+  // line kept) that names the child by its path and type:
+  //   in layer 3 (Conv2d) of a Sequential: Conv2d: expected an NHWC f32 input [N, H, W, 16], got
+  //   Tensor[2, 4, 4, 8] f32 cpu
+  // Containers nest without a stack of prefixes: the message of a child that is itself a container
+  // already starts with its own "in layer <path> (<type>) of a <its type_name()>: ", and the parent
+  // extends that path with the child's name, so the outermost container names the whole path with
+  // PyTorch's dotted names ("in layer features.3 (Conv2d) of a VGG: ..."; "in layer 0.3 ..." for a
+  // Sequential in a Sequential). Where a child's error comes in another text (DataParallel's
+  // "Caught ValueError in replica 0 ..."), the path stops at that child. Only ValueError, the
+  // caller's mistake: CudaError, OutOfMemoryError and the others pass unchanged. Until something
+  // throws, the only cost is the try block, which costs nothing (zero-cost exceptions).
+  Tensor forward_child(Module& child, const Tensor& input) {
+    try {
+      return child.forward(input);
+    } catch (const ValueError& error) {
+      rethrow_in_child(error, child);
+    }
+  }
+  Tensor backward_child(Module& child, const Tensor& grad_output) {
+    try {
+      return child.backward(grad_output);
+    } catch (const ValueError& error) {
+      rethrow_in_child(error, child);
+    }
+  }
+  // Rethrows `error`, raised by the forward or backward of `child`, located as above. Call it only
+  // inside a catch block: when `child` is not one of this module's children (no name to give), it
+  // rethrows the exception being handled unchanged.
+  [[noreturn]] void rethrow_in_child(const ValueError& error, const Module& child) const;
+
+  // Python's text of a value, for extra_repr: Python's repr(float) of the shortest decimal that
+  // reads back as this float, which is the value written in the source ("1e-05" for 1e-5f, as
+  // PyTorch prints eps=1e-5; "0.1", "2.0"), not the float's exact binary value; True / False.
+  static std::string py_float(float value);
+  static const char* py_bool(bool value) { return value ? "True" : "False"; }
+
   // Hooks for layers whose internal layout differs from PyTorch's (Conv2d stores KRSC).
   virtual Tensor export_tensor(const std::string& local_name, const Tensor& internal) const;
   virtual Tensor import_tensor(const std::string& local_name, const Tensor& pytorch) const;
@@ -366,6 +421,9 @@ class Module : public std::enable_shared_from_this<Module> {
   std::deque<std::pair<std::string, Tensor>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
+
+// Writes module.repr(): std::cout << *model prints the model as PyTorch's print(model) does.
+std::ostream& operator<<(std::ostream& out, const Module& module);
 
 namespace detail {
 // The bias hand-off (Module::request_input_grad_sums) on (the default) or off for every Sequential

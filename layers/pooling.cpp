@@ -119,6 +119,11 @@ Tensor MaxPool2d::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+std::string MaxPool2d::extra_repr() const {
+  return detail::str("kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_,
+                     ", dilation=1, ceil_mode=False");
+}
+
 std::shared_ptr<Module> MaxPool2d::make_empty_copy() const {
   return std::make_shared<MaxPool2d>(kernel_, stride_, padding_);
 }
@@ -165,8 +170,15 @@ Tensor AdaptiveAvgPool2d::backward_one(const Tensor& grad_output) {
   return dx;
 }
 
+std::string AdaptiveAvgPool2d::extra_repr() const {
+  if (one_size_) return detail::str("output_size=", out_h_);
+  return detail::str("output_size=(", out_h_, ", ", out_w_, ")");
+}
+
 std::shared_ptr<Module> AdaptiveAvgPool2d::make_empty_copy() const {
-  return std::make_shared<AdaptiveAvgPool2d>(out_h_, out_w_);
+  auto copy = std::make_shared<AdaptiveAvgPool2d>(out_h_, out_w_);
+  copy->one_size_ = one_size_;
+  return copy;
 }
 
 }  // namespace cudp

@@ -19,6 +19,9 @@ class MaxPool2d : public Module {
   explicit MaxPool2d(int kernel) : MaxPool2d(kernel, kernel) {}
   MaxPool2d(int kernel, int stride, int padding = 0);
   std::string type_name() const override { return "MaxPool2d"; }
+  // PyTorch's "kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False". cudp pools
+  // without dilation and in floor mode only: dilation=1 and ceil_mode=False always.
+  std::string extra_repr() const override;
   bool takes_bf16() const override { return true; }  // pools bf16 as it comes
   int kernel() const { return kernel_; }
   int stride() const { return stride_; }
@@ -46,8 +49,13 @@ class MaxPool2d : public Module {
 class AdaptiveAvgPool2d : public Module {
  public:
   AdaptiveAvgPool2d(int out_h, int out_w);
-  explicit AdaptiveAvgPool2d(int out_size) : AdaptiveAvgPool2d(out_size, out_size) {}
+  explicit AdaptiveAvgPool2d(int out_size) : AdaptiveAvgPool2d(out_size, out_size) {
+    one_size_ = true;
+  }
   std::string type_name() const override { return "AdaptiveAvgPool2d"; }
+  // PyTorch's "output_size=(7, 7)", or "output_size=7" when built from one size (as PyTorch keeps
+  // the int or the tuple it was given).
+  std::string extra_repr() const override;
   int out_h() const { return out_h_; }
   int out_w() const { return out_w_; }
 
@@ -58,6 +66,7 @@ class AdaptiveAvgPool2d : public Module {
 
  private:
   int out_h_, out_w_;
+  bool one_size_ = false;  // built from one size (extra_repr)
   Shape input_shape_;  // saved for backward
 };
 

@@ -42,7 +42,7 @@ Tensor Sequential::forward_one(const Tensor& input) {
     // The layer after a fused ReLU is asked to do the ReLU's backward mask (Module's hand-off).
     Module* fused = i >= 2 && skipped_[i - 1] ? modules[i - 2].second.get() : nullptr;
     child.request_input_grad_mask(fused != nullptr && fused->can_take_masked_grad());
-    x = child.forward(x);
+    x = forward_child(child, x);  // a ValueError names the child (module.h)
     if (fused != nullptr) {
       fused->set_output_grad_masked(child.input_grad_masked());
       fused_before_[i] = static_cast<int>(i - 2);
@@ -72,7 +72,7 @@ Tensor Sequential::backward_one(const Tensor& grad_output) {
                       ? producer->output_grad_sums_target()
                       : nullptr;
     child.request_input_grad_sums(sums);
-    g = child.backward(g);
+    g = backward_child(child, g);
     if (producer != nullptr)
       producer->set_output_grad_summed(sums != nullptr && child.input_grad_summed());
   }

@@ -4,6 +4,10 @@
 //
 // A ReLU that directly follows a child able to apply it (Module::can_fuse_relu: Conv2d,
 // BatchNorm2d) runs inside that child: one pass over the data instead of two in each direction.
+//
+// A ValueError raised by a child names it: "in layer 3 (Conv2d) of a Sequential: Conv2d: ...", and
+// through nested containers the whole dotted path ("in layer 0.3 ..."): NOTE [Locating errors in
+// children] (layers/module.h).
 #pragma once
 
 #include <memory>

@@ -130,24 +130,26 @@ void Vgg::check_input(const Tensor& input) const {
              "; use VggHead::Torchvision for larger images");
 }
 
+// Through forward_child / backward_child: a ValueError names the layer with torchvision's path
+// ("in layer features.3 (Conv2d) of a VGG: ...", NOTE [Locating errors in children], module.h).
 Tensor Vgg::forward_one(const Tensor& input) {
   check_input(input);
   features_->set_input_grad(input_grad_);
-  Tensor x = features_->forward(input);
+  Tensor x = forward_child(*features_, input);
   if (avgpool_) {
-    x = avgpool_->forward(x);
+    x = forward_child(*avgpool_, x);
   }
-  x = flatten_->forward(x);
-  return classifier_->forward(x);
+  x = forward_child(*flatten_, x);
+  return forward_child(*classifier_, x);
 }
 
 Tensor Vgg::backward_one(const Tensor& grad_output) {
-  Tensor g = classifier_->backward(grad_output);
-  g = flatten_->backward(g);
+  Tensor g = backward_child(*classifier_, grad_output);
+  g = backward_child(*flatten_, g);
   if (avgpool_) {
-    g = avgpool_->backward(g);
+    g = backward_child(*avgpool_, g);
   }
-  return features_->backward(g);
+  return backward_child(*features_, g);
 }
 
 std::shared_ptr<Module> Vgg::make_empty_copy() const {

@@ -17,6 +17,11 @@
 // features() and classifier() are exposed so that a program can run them separately (the seed
 // program wraps each in DataParallel) with avgpool() and flatten() in between; forward() is exactly
 // that composition.
+//
+// repr() (print(model)) is torchvision's text but for one line: "(flatten): Flatten(start_dim=1,
+// end_dim=-1)" between avgpool and classifier, a module here and torch.flatten in torchvision's
+// forward. A ValueError in a child names it with torchvision's path ("in layer features.3
+// (Conv2d) of a VGG: ...", NOTE [Locating errors in children], layers/module.h).
 #pragma once
 
 #include <cstdint>
