@@ -54,12 +54,14 @@ struct BatchBuffer {
 
   // A worker takes the buffer to refill it: batches handed out before can no longer announce
   // readers, and those they announced are waited for. True when one of them had not completed.
-  bool take() {
+  // `hook` (a test's, Loader::set_wait_hook_for_testing; empty otherwise) hears of that wait.
+  bool take(const Loader::WaitHook& hook, int64_t batch) {
     std::lock_guard lock(mutex);
     ++lease;
     bool waited = false;
     for (size_t d = 0; d < readers.size(); ++d) {
       if (pending[d] && !readers[d].query()) {
+        if (!waited && hook) hook(Loader::WaitPoint::Device, batch);
         waited = true;
         readers[d].synchronize();
       }
@@ -150,6 +152,7 @@ class Loader::Impl {
   double device_wait_seconds() const;
   LoaderPosition position() const;
   std::vector<int64_t> epoch_order(int epoch) const;
+  void set_wait_hook(WaitHook hook);
 
   const std::unique_ptr<SampleSource> owned;  // the DatasetSource of Loader(const Dataset&, ...)
   const SampleSource& source;
@@ -206,6 +209,7 @@ class Loader::Impl {
   std::exception_ptr error_;
   double waited_ = 0;  // NOTE [What the consumer waited for]
   double device_waited_ = 0;
+  WaitHook wait_hook_;  // test-only; set before the first epoch, read-only after
   std::vector<std::thread> threads_;
 };
 
@@ -421,7 +425,7 @@ void Loader::Impl::work() {
       lock.unlock();
       bool device_held = false;
       try {
-        device_held = job->buffer->take();
+        device_held = job->buffer->take(wait_hook_, index);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -469,6 +473,7 @@ bool Loader::Impl::next(Batch& batch) {
     // every 0.64 s epoch, about one 256-image fill per step, from a loader that fills batches
     // several times faster than the GPU takes them.
     const auto start = std::chrono::steady_clock::now();
+    if (wait_hook_) wait_hook_(WaitPoint::Batch, next_deliver_);
     ready_cv_.wait(lock, [this] { return error_ || ready_.contains(next_deliver_); });
     const auto end = std::chrono::steady_clock::now();
     const auto seconds = [](auto d) { return std::chrono::duration<double>(d).count(); };
@@ -505,6 +510,15 @@ double Loader::Impl::wait_seconds() const {
 double Loader::Impl::device_wait_seconds() const {
   std::lock_guard lock(mutex_);
   return device_waited_;
+}
+
+void Loader::Impl::set_wait_hook(WaitHook hook) {
+  std::lock_guard lock(mutex_);
+  // The workers read it without the lock; they start reading only after start_epoch() (whose lock
+  // orders this write before them).
+  CUDP_CHECK(epoch_ < 0,
+             "Loader::set_wait_hook_for_testing: set it before the first start_epoch()");
+  wait_hook_ = std::move(hook);
 }
 
 LoaderPosition Loader::Impl::position() const {
@@ -595,6 +609,9 @@ double Loader::device_wait_seconds() const {
   return impl_->device_wait_seconds();
 }
 std::vector<int64_t> Loader::epoch_order(int epoch) const { return impl_->epoch_order(epoch); }
+void Loader::set_wait_hook_for_testing(WaitHook hook) {
+  impl_->set_wait_hook(std::move(hook));
+}
 Shape Loader::image_shape() const { return {impl_->out_h, impl_->out_w, impl_->channels}; }
 const SampleSource& Loader::source() const { return impl_->source; }
 const LoaderOptions& Loader::options() const { return impl_->options; }

@@ -38,6 +38,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -145,6 +146,20 @@ class Loader {
   Shape image_shape() const;
   const SampleSource& source() const;
   const LoaderOptions& options() const;
+
+  // Test-only (tests/data/loader_test.cpp, loader_gpu_test.cpp): where the loader's threads begin
+  // to wait, so that a test of the wait accounting acts after that point (releases what is waited
+  // for, after a delay it knows) instead of guessing it from timing, which a loaded machine upsets.
+  enum class WaitPoint {
+    Batch,   // next() found batch `batch` not ready and waits for it (the consumer's thread)
+    Device,  // a worker taking the buffer for batch `batch` found a reader (Batch::record_reader)
+             // not yet run and waits for the device
+  };
+  using WaitHook = std::function<void(WaitPoint, int64_t batch)>;
+  // The hook runs on the waiting thread just before it waits, with a lock of the loader's held: it
+  // must not call the loader or touch its batches. Set it before the first start_epoch(). Unset
+  // (every real run) it costs a test of an empty std::function where a thread is about to block.
+  void set_wait_hook_for_testing(WaitHook hook);
 
  private:
   class Impl;

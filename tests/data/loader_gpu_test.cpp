@@ -12,7 +12,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <set>
 #include <thread>
+#include <vector>
 
 #include "common/gpu.h"
 #include "data/data_test_util.h"
@@ -137,74 +142,230 @@ TEST(DevicePrefetcher, RestartsAnEpochWithACopyInFlight) {
   EXPECT_FALSE(prefetcher.next(b));
 }
 
-void CUDART_CB sleep_20_ms(void*) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-}
-
-// A device-bound epoch: each step holds the compute stream for 20 ms while the loader prepares a
-// small batch in well under a millisecond. The host runs ahead until the loader's buffers wait for
-// the copies queued behind those steps, so next() spends most of the epoch waiting, and that wait
-// is the device's (device_wait_seconds()), not the input pipeline's (wait_seconds()): a trainer
-// that printed it as input wait would send its user adding workers to a GPU-bound run.
-TEST(DevicePrefetcher, AWaitForTheDeviceIsNotInputWait) {
-  CUDP_REQUIRE_GPU();
-  const Dataset d = synthetic_set(320);
-  Loader loader(d, pipeline_options(d, 32));  // 10 batches, 2 buffers
-  DevicePrefetcher prefetcher(loader, {0});
-  prefetcher.start_epoch(0);
-  DeviceBatch b;
-  const auto start = std::chrono::steady_clock::now();
-  int batches = 0;
-  while (prefetcher.next(b)) {
-    CUDP_CUDA_CHECK(cudaLaunchHostFunc(cuda::current_stream(0), sleep_20_ms, nullptr));
-    ++batches;
-  }
-  CUDP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(0)));
-  const double wall =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ASSERT_EQ(batches, 10);
-  // 10 steps of 20 ms, of which the last 2 or 3 run after the last next() returned: the consumer
-  // waited for the device during at least 5 of them.
-  EXPECT_GT(loader.device_wait_seconds(), 0.1) << "wall " << wall << " s";
-  EXPECT_LT(loader.device_wait_seconds(), wall);
-  EXPECT_LT(loader.wait_seconds(), 0.25 * loader.device_wait_seconds())
-      << "the device's wait counted as input wait";
-}
-
-// A Dataset served through read(), at `delay` per sample: a source that takes a while to decode.
-class SlowSource final : public testing::DatasetSource {
+// A gate for threads: pass() lets the first `open`ed arrivals through, in the order they come, and
+// holds the others until open() lets more through, or open_for_good() all.
+class Gate {
  public:
-  SlowSource(const Dataset& d, std::chrono::microseconds delay) : DatasetSource(d), delay_(delay) {}
+  void pass() {
+    std::unique_lock lock(mutex_);
+    const int64_t ticket = arrivals_++;
+    cv_.wait_until(lock, deadline_, [&] { return for_good_ || ticket < opened_; });
+  }
+  void open(int64_t count) {
+    {
+      std::lock_guard lock(mutex_);
+      opened_ += count;
+    }
+    cv_.notify_all();
+  }
+  void open_for_good() {
+    {
+      std::lock_guard lock(mutex_);
+      for_good_ = true;
+    }
+    cv_.notify_all();
+  }
 
  private:
-  void before_read(int64_t) const override { std::this_thread::sleep_for(delay_); }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t arrivals_ = 0, opened_ = 0;
+  bool for_good_ = false;
+  // Open for good after a minute whatever happens: a test whose hook never opens it fails, and
+  // does not hang.
+  const std::chrono::steady_clock::time_point deadline_ =
+      std::chrono::steady_clock::now() + std::chrono::minutes(1);
+};
+
+// A compute step that lasts until the test lets it through `gate` (a Gate*): the steps of a stream
+// pass it in the order they were queued.
+void CUDART_CB pass_gate(void* gate) {
+  static_cast<Gate*>(gate)->pass();
+}
+
+// Runs actions on threads of their own after a delay (the test releasing what the loader waits for,
+// from another thread, after a delay it knows); joins them when it goes.
+class Later {
+ public:
+  void run(std::chrono::milliseconds delay, std::function<void()> action) {
+    std::lock_guard lock(mutex_);
+    threads_.emplace_back([delay, action = std::move(action)] {
+      std::this_thread::sleep_for(delay);
+      action();
+    });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::jthread> threads_;
+};
+
+// A Dataset served through read(): each read is held at `gate`, then takes `delay` (a source that
+// takes a while to decode; 0: none).
+class GatedSource final : public testing::DatasetSource {
+ public:
+  GatedSource(const Dataset& d, std::chrono::microseconds delay)
+      : DatasetSource(d), delay_(delay) {}
+  mutable Gate gate;
+
+ private:
+  void before_read(int64_t) const override {
+    gate.pass();
+    std::this_thread::sleep_for(delay_);
+  }
   std::chrono::microseconds delay_;
 };
 
-// The same device-bound epoch with batches that take 8 ms to fill (32 samples of 0.5 ms on 2
-// workers) against steps of 20 ms. Once the host is ahead, a buffer comes free only when the device
-// has run the copy that read it, and the batch then filled in it is waited for too: that filling is
-// the device's wait as well (NOTE [What the consumer waited for]); counted as input wait, it was
-// ~40% of the wait, and a trainer printed a device-bound run as waiting for its input. The first
-// batches, in buffers no copy has read yet, are the input pipeline's.
+// The loader's counters after the call that prepared batch k, and how long that call took.
+struct Counted {
+  double input, device, wall;
+};
+
+// Runs epoch 0 of a loader of `source` (options `o`, prefetch 1: two buffers, used in turn) through
+// a DevicePrefetcher on device 0, device-bound by construction, and counts after each batch. The
+// step on each batch holds the compute stream at a gate (`steps`), and the copy of batch k waits
+// for the steps queued before it (Tensor::copy_from), so the buffer of batch k, refilled for batch
+// k + 2, stays the device's until the test lets step k through. The test asks for batch k + 2 only
+// once the worker taking that buffer has found the copy still to run (the loader's
+// WaitPoint::Device), and lets step k through `delay` after next() began to wait
+// (WaitPoint::Batch). So from batch 2 on next() waits, for at least `delay` and then the batch's
+// filling, all of it after the worker began to take the buffer: all of it the device's wait.
+// Batches 0 and 1 are filled in buffers no copy has read: the input pipeline's (the source's reads
+// are held until `delay` after next() began to wait for batch 0).
+void run_device_bound_epoch(const GatedSource& source, const LoaderOptions& o,
+                            std::chrono::milliseconds delay, std::vector<Counted>& counted) {
+  ASSERT_EQ(o.prefetch, 1);
+  // Declared before the loader: everything its hook uses outlives it.
+  Gate steps;
+  std::mutex mutex;
+  std::condition_variable device_waits;
+  std::set<int64_t> device_waited;  // batches whose buffer a worker waited for the device to free
+  Later later;
+  const cudaStream_t compute = cuda::current_stream(0);
+  Loader loader(source, o);
+  loader.set_wait_hook_for_testing([&](Loader::WaitPoint point, int64_t batch) {
+    std::lock_guard lock(mutex);
+    if (point == Loader::WaitPoint::Device) {
+      device_waited.insert(batch);
+      device_waits.notify_all();
+    } else if (batch == 0) {
+      later.run(delay, [&] { source.gate.open_for_good(); });
+    } else if (device_waited.contains(batch)) {
+      later.run(delay, [&] { steps.open(1); });
+    }
+  });
+  DevicePrefetcher prefetcher(loader, {0});
+  // Whatever happens (a failed ASSERT included): no step or read stays held, and no step runs after
+  // `steps` is gone; the loader's workers then finish before its destructor waits for them.
+  struct Release {
+    Gate& steps;
+    Gate& reads;
+    cudaStream_t compute;
+    ~Release() {
+      steps.open_for_good();
+      reads.open_for_good();
+      cudaStreamSynchronize(compute);
+    }
+  } release{steps, source.gate, compute};
+  const auto step = [&] { CUDP_CUDA_CHECK(cudaLaunchHostFunc(compute, pass_gate, &steps)); };
+  // Runs `call` (which calls the loader's next() once) and counts.
+  const auto count = [&](auto call) {
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    counted.push_back({loader.wait_seconds(), loader.device_wait_seconds(), wall});
+  };
+
+  const int64_t batches = loader.batches_per_epoch();
+  step();                                     // step 0: the copy of batch 0 waits for it
+  count([&] { prefetcher.start_epoch(0); });  // prepares batch 0
+  step();                                     // step 1: the copy of batch 1 waits for it
+  DeviceBatch b;
+  for (int64_t k = 0; k < batches; ++k) {
+    if (k + 1 >= 2 && k + 1 < batches) {
+      // The worker preparing batch k + 1 has found the copy of batch k - 1 (behind step k - 1,
+      // still held) yet to read its buffer.
+      std::unique_lock lock(mutex);
+      ASSERT_TRUE(device_waits.wait_for(lock, std::chrono::seconds(60),
+                                        [&] { return device_waited.contains(k + 1); }))
+          << "the worker preparing batch " << k + 1 << " never waited for the device";
+    }
+    bool more = false;
+    count([&] { more = prefetcher.next(b); });  // returns batch k, prepares batch k + 1
+    ASSERT_TRUE(more);
+    EXPECT_EQ(b.index, k);
+    step();  // step k + 2, the step on batch k: the copy of batch k + 2 waits for it
+  }
+  EXPECT_FALSE(prefetcher.next(b));
+  const size_t n = static_cast<size_t>(batches);
+  ASSERT_EQ(counted.size(), n + 1);
+  // The last count is of a next() that found the end of the epoch: nothing to wait for.
+  EXPECT_EQ(counted[n].input, counted[n - 1].input);
+  EXPECT_EQ(counted[n].device, counted[n - 1].device);
+  counted.pop_back();
+}
+
+// Checks what run_device_bound_epoch counted: at least `input` of input wait for batch 0, none of
+// the device's for batches 0 and 1, and from batch 2 on at least `device` of the device's wait per
+// batch and no input wait at all.
+void expect_device_bound(const std::vector<Counted>& counted, std::chrono::microseconds input,
+                         std::chrono::microseconds device) {
+  const auto seconds = [](auto d) { return std::chrono::duration<double>(d).count(); };
+  double least = 0;  // summed as the loader sums, so that rounding keeps it below its sums
+  double wall = 0;
+  for (size_t k = 0; k < counted.size(); ++k) {
+    SCOPED_TRACE(::testing::Message() << "batch " << k);
+    const Counted& c = counted[k];
+    wall += c.wall;
+    if (k == 0) {
+      EXPECT_GE(c.input, seconds(input)) << "next() waited for the reads held";
+    }
+    if (k < 2) {
+      EXPECT_EQ(c.device, 0.0) << "a buffer no copy read is the input pipeline's";
+      continue;
+    }
+    least += seconds(device);
+    EXPECT_GE(c.device, least);
+    EXPECT_EQ(c.input, counted[k - 1].input) << "the device's wait counted as input wait";
+    EXPECT_LE(c.device, wall);
+  }
+  EXPECT_LE(counted.back().input, wall);
+}
+
+// A device-bound epoch: the host runs ahead until the loader's buffers wait for the copies queued
+// behind the device's steps, so next() spends most of the epoch waiting, and that wait is the
+// device's (device_wait_seconds()), not the input pipeline's (wait_seconds()): a trainer that
+// printed it as input wait would send its user adding workers to a GPU-bound run. The loader fills
+// these small batches in well under a millisecond.
+TEST(DevicePrefetcher, AWaitForTheDeviceIsNotInputWait) {
+  CUDP_REQUIRE_GPU();
+  constexpr auto delay = std::chrono::milliseconds(20);
+  const Dataset d = synthetic_set(320);
+  const GatedSource source(d, std::chrono::microseconds(0));
+  std::vector<Counted> counted;
+  ASSERT_NO_FATAL_FAILURE(run_device_bound_epoch(source, pipeline_options(d, 32), delay, counted));
+  ASSERT_EQ(counted.size(), 10u);
+  expect_device_bound(counted, delay, delay);
+}
+
+// The same device-bound epoch with batches that take a while to fill: 32 samples of at least 0.5
+// ms on 2 workers, 16 each, after the buffer came free. Once the host is ahead, a buffer comes free
+// only when the device has run the copy that read it, and the batch then filled in it is waited for
+// too: that filling is the device's wait as well (NOTE [What the consumer waited for]); counted as
+// input wait, it was ~40% of the wait, and a trainer printed a device-bound run as waiting for its
+// input. The first batches, in buffers no copy has read yet, are the input pipeline's.
 TEST(DevicePrefetcher, FillingABufferTheDeviceLetGoIsTheDevicesWait) {
   CUDP_REQUIRE_GPU();
+  constexpr auto delay = std::chrono::milliseconds(20);
+  constexpr auto read = std::chrono::microseconds(500);
   const Dataset d = synthetic_set(960);
-  const SlowSource source(d, std::chrono::microseconds(500));
-  Loader loader(source, pipeline_options(d, 32));  // 30 batches, 2 buffers
-  DevicePrefetcher prefetcher(loader, {0});
-  prefetcher.start_epoch(0);
-  DeviceBatch b;
-  int batches = 0;
-  while (prefetcher.next(b)) {
-    CUDP_CUDA_CHECK(cudaLaunchHostFunc(cuda::current_stream(0), sleep_20_ms, nullptr));
-    ++batches;
-  }
-  CUDP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream(0)));
-  ASSERT_EQ(batches, 30);
-  EXPECT_GT(loader.device_wait_seconds(), 0.2);
-  EXPECT_LT(loader.wait_seconds(), 0.25 * loader.device_wait_seconds())
-      << "the filling after the device let a buffer go counted as input wait";
+  const GatedSource source(d, read);
+  std::vector<Counted> counted;
+  ASSERT_NO_FATAL_FAILURE(run_device_bound_epoch(source, pipeline_options(d, 32), delay, counted));
+  ASSERT_EQ(counted.size(), 30u);
+  // Each of the 2 workers reads its 16 rows one after the other once the buffer is free.
+  expect_device_bound(counted, delay, delay + 16 * read);
 }
 
 TEST(DevicePrefetcher, HostBuffersArePinned) {

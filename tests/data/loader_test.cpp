@@ -14,12 +14,16 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
+#include <vector>
 
 #include "common/compare.h"
 #include "data/data_test_util.h"
@@ -444,30 +448,114 @@ TEST(Loader, AugmentationIsACropAndFlipFixedBySeedEpochAndSample) {
   EXPECT_LT(same, 20);
 }
 
+// A gate for threads: pass() lets the first `open`ed arrivals through and holds the others until
+// open() lets more through, or open_for_good() all.
+class Gate {
+ public:
+  void pass() {
+    std::unique_lock lock(mutex_);
+    const int64_t ticket = arrivals_++;
+    cv_.wait_until(lock, deadline_, [&] { return for_good_ || ticket < opened_; });
+  }
+  void open(int64_t count) {
+    {
+      std::lock_guard lock(mutex_);
+      opened_ += count;
+    }
+    cv_.notify_all();
+  }
+  void open_for_good() {
+    {
+      std::lock_guard lock(mutex_);
+      for_good_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t arrivals_ = 0, opened_ = 0;
+  bool for_good_ = false;
+  // Open for good after a minute whatever happens: a test whose hook never opens it fails, and
+  // does not hang.
+  const std::chrono::steady_clock::time_point deadline_ =
+      std::chrono::steady_clock::now() + std::chrono::minutes(1);
+};
+
+// Opens a gate for good when it goes: declared after a loader, it lets a worker held at the gate
+// finish before the loader's destructor waits for it (a failed ASSERT included).
+struct OpenAtExit {
+  Gate& gate;
+  ~OpenAtExit() { gate.open_for_good(); }
+};
+
+// Runs actions on threads of their own after a delay (a test's "released from another thread after
+// a known delay"); joins them when it goes.
+class Later {
+ public:
+  void run(std::chrono::milliseconds delay, std::function<void()> action) {
+    std::lock_guard lock(mutex_);
+    threads_.emplace_back([delay, action = std::move(action)] {
+      std::this_thread::sleep_for(delay);
+      action();
+    });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::jthread> threads_;
+};
+
+// A Dataset served through read(), each read held at `gate` until the test lets it through.
+class GatedSource final : public testing::DatasetSource {
+ public:
+  using DatasetSource::DatasetSource;
+  mutable Gate gate;
+
+ private:
+  void before_read(int64_t) const override { gate.pass(); }
+};
+
 TEST(Loader, ReportsTheTimeItWaited) {
-  // Batches large enough that the first one cannot be ready when next() is called at once.
-  const Dataset d = indexed_dataset(64, 128, 128, 3);
+  // No batch can be ready before the test lets its reads through, and it does so `delay` after
+  // next() began to wait for it (the wait hook): next() waits at least that long by construction,
+  // however loaded the machine is.
+  constexpr auto delay = std::chrono::milliseconds(20);
+  const double delay_s = std::chrono::duration<double>(delay).count();
+  const Dataset d = indexed_dataset(64);
+  GatedSource source(d);
+  Later later;  // declared before the loader, as everything its hook uses: it outlives the loader
+  int hooked = 0;
   LoaderOptions o = options(32);
   o.workers = 1;
   o.prefetch = 1;
-  o.random_crop = 4;
-  Loader loader(d, o);
+  Loader loader(source, o);
+  const OpenAtExit open_at_exit{source.gate};
+  loader.set_wait_hook_for_testing([&](Loader::WaitPoint point, int64_t batch) {
+    EXPECT_EQ(point, Loader::WaitPoint::Batch) << "no device reads these buffers";
+    EXPECT_EQ(batch, hooked++);
+    later.run(delay, [&] { source.gate.open(32); });  // the batch's 32 reads
+  });
   loader.start_epoch(0);
   EXPECT_EQ(loader.wait_seconds(), 0.0);
   Batch b;
-  double wall = 0;  // what next() took, an upper bound of what it can have waited
+  double wall = 0;   // what next() took, an upper bound of what it can have waited
+  double least = 0;  // summed as the loader sums its waits, so that rounding keeps it below them
   for (int i = 0; i < 2; ++i) {
     const auto start = std::chrono::steady_clock::now();
     ASSERT_TRUE(loader.next(b));
     wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (i == 0) {
-      EXPECT_GT(loader.wait_seconds(), 0.0);
-    }
+    least += delay_s;
+    EXPECT_EQ(hooked, i + 1) << "next() waited for batch " << i;
+    EXPECT_GE(loader.wait_seconds(), least);
     EXPECT_LE(loader.wait_seconds(), wall);
-    // No device reads these buffers: a take() is a lock and a counter, so next() cannot have
-    // spent more than microseconds of its wait on one (loader_gpu_test has the device's case).
-    EXPECT_LT(loader.device_wait_seconds(), 1e-3);
+    // No device reads these buffers (no Batch::record_reader): none of the wait is the device's.
+    EXPECT_EQ(loader.device_wait_seconds(), 0.0);
   }
+  const double waited = loader.wait_seconds();
+  EXPECT_FALSE(loader.next(b));
+  EXPECT_EQ(loader.wait_seconds(), waited) << "the end of the epoch is not waited for";
   loader.start_epoch(1);
   EXPECT_EQ(loader.wait_seconds(), 0.0) << "counted per epoch";
   EXPECT_EQ(loader.device_wait_seconds(), 0.0) << "counted per epoch";
