@@ -442,54 +442,82 @@ StagedCheckpoint stage_checkpoint(Module& model, const Optimizer* optimizer,
   return staged;
 }
 
+PinnedStaging::PinnedStaging(size_t half_bytes) : half_bytes_(half_bytes) {
+  CUDP_CHECK(half_bytes >= 256 && half_bytes % 256 == 0,
+             "PinnedStaging: a half must be a positive multiple of 256 bytes, got ", half_bytes);
+}
+
 PinnedStaging::~PinnedStaging() {
   cuda::host_free(data_, /*pinned=*/true);
 }
 
-void* PinnedStaging::reserve(size_t bytes) {
-  if (bytes > bytes_) {
-    cuda::host_free(std::exchange(data_, nullptr), /*pinned=*/true);
-    bytes_ = 0;
+char* PinnedStaging::get() {
+  if (data_ == nullptr) {
     const cuda::AllocationPurpose purpose(kPinnedStagingPurpose);
-    data_ = cuda::host_allocate(bytes, /*pinned=*/true, kPinnedStagingPurpose);
-    bytes_ = bytes;
+    data_ = static_cast<char*>(
+        cuda::host_allocate(2 * half_bytes_, /*pinned=*/true, kPinnedStagingPurpose));
   }
   return data_;
 }
 
 namespace {
 
-// `tensors` on the host: the device ones copied through `staging` (each at a 256-byte aligned
-// offset) on `stream`, with one wait; host tensors as they are.
+// `tensors` on the host: the device ones copied through `staging`'s two halves on `stream`. The
+// tensors' bytes are cut into pieces that fill one half (a piece at a 256-byte aligned offset; a
+// tensor larger than a half takes several); a full half's copies are followed by an event, and
+// before the copies into a half start again its last pieces are waited for and copied out to their
+// host tensors, so the DMA into one half runs while the host copies out of the other. Host
+// tensors are taken as they are.
 std::vector<Tensor> to_host_through(const std::vector<const Tensor*>& tensors,
-                                    PinnedStaging& staging, cudaStream_t stream) {
-  std::vector<size_t> offsets;
-  size_t total = 0;
-  for (const Tensor* t : tensors) {
-    offsets.push_back(total);
-    if (t->is_cuda()) total += (t->nbytes() + 255) / 256 * 256;
-  }
-  char* base = static_cast<char*>(staging.reserve(total));
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const Tensor& t = *tensors[i];
-    if (t.is_cuda() && t.nbytes() > 0) {
-      CUDP_CUDA_CHECK(cudaMemcpyAsync(base + offsets[i], t.data_ptr(), t.nbytes(),
-                                      cudaMemcpyDeviceToHost, stream));
-    }
-  }
-  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+                                    PinnedStaging& staging, cudaStream_t stream, int device) {
+  const size_t half_bytes = staging.half_bytes();
+  char* const base = staging.get();
+  char* const halves[2] = {base, base + half_bytes};
+  const cuda::Event filled[2] = {cuda::Event::create(device), cuda::Event::create(device)};
+  struct Piece {
+    char* to;     // in the host tensor
+    size_t from;  // offset in the half
+    size_t bytes;
+  };
+  std::vector<Piece> pieces[2];
+  size_t used[2] = {0, 0};
+  // Waits for half k's copies and moves its pieces to their host tensors.
+  const auto drain = [&](int k) {
+    if (pieces[k].empty()) return;
+    filled[k].synchronize();
+    for (const Piece& p : pieces[k]) std::memcpy(p.to, halves[k] + p.from, p.bytes);
+    pieces[k].clear();
+    used[k] = 0;
+  };
+  int h = 0;  // the half being filled
   std::vector<Tensor> host;
   host.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const Tensor& t = *tensors[i];
-    if (!t.is_cuda()) {
-      host.push_back(t);
+  for (const Tensor* t : tensors) {
+    if (!t->is_cuda()) {
+      host.push_back(*t);
       continue;
     }
-    Tensor h = Tensor::empty(t.shape(), t.dtype());
-    if (t.nbytes() > 0) std::memcpy(h.data_ptr(), base + offsets[i], t.nbytes());
-    host.push_back(std::move(h));
+    Tensor h_t = Tensor::empty(t->shape(), t->dtype());
+    const char* from = static_cast<const char*>(t->data_ptr());
+    char* to = static_cast<char*>(h_t.data_ptr());
+    for (size_t done = 0, bytes = t->nbytes(); done < bytes;) {
+      if (used[h] == half_bytes) {  // full: on to the other half once its copies are out
+        filled[h].record(stream);
+        h ^= 1;
+        drain(h);
+      }
+      const size_t n = std::min(bytes - done, half_bytes - used[h]);
+      CUDP_CUDA_CHECK(
+          cudaMemcpyAsync(halves[h] + used[h], from + done, n, cudaMemcpyDeviceToHost, stream));
+      pieces[h].push_back({to + done, used[h], n});
+      used[h] = std::min(half_bytes, (used[h] + n + 255) / 256 * 256);
+      done += n;
+    }
+    host.push_back(std::move(h_t));
   }
+  filled[h].record(stream);
+  drain(h ^ 1);  // recorded when the copies moved on to half h
+  drain(h);
   return host;
 }
 
@@ -534,7 +562,7 @@ CheckpointSnapshot StagedCheckpoint::to_host(PinnedStaging* staging) const {
   PinnedStaging own;
   std::vector<Tensor> host;
   try {
-    host = to_host_through(tensors, staging ? *staging : own, stream.get());
+    host = to_host_through(tensors, staging ? *staging : own, stream.get(), device);
   } catch (const OutOfMemoryError&) {
     host = to_host_pageable(tensors, stream.get());  // the buffer could not be had
   }

@@ -104,22 +104,30 @@ void write_checkpoint(const std::string& path, const CheckpointSnapshot& snapsho
 void write_checkpoints(const std::vector<std::string>& paths, const CheckpointSnapshot& snapshot);
 
 // Page-locked host memory that a staged checkpoint is copied through on its way to the host
-// (StagedCheckpoint::to_host, below), kept from one save to the next. Its allocation runs under
-// the cuda::AllocationPurpose kPinnedStagingPurpose.
+// (StagedCheckpoint::to_host, below): two halves, the copies from the device into one while the
+// host copies out of the other, allocated at the first get() and kept from one save to the next.
+// Its allocation runs under the cuda::AllocationPurpose kPinnedStagingPurpose.
 inline constexpr const char* kPinnedStagingPurpose =
     "a checkpoint's page-locked staging buffer (device to host)";
 class PinnedStaging {
  public:
-  PinnedStaging() = default;
+  // 8 MB a half: page-locked memory is slow to allocate (the driver pins and maps every page while
+  // the training's launches wait on the same driver), so the buffer stays small whatever the
+  // state's size; at this size the copies still move ~20 GB/s.
+  static constexpr size_t kDefaultHalfBytes = size_t(8) << 20;
+  // `half_bytes`: a multiple of 256 (smaller in tests, to cut tensors into several pieces).
+  explicit PinnedStaging(size_t half_bytes = kDefaultHalfBytes);
   ~PinnedStaging();
   PinnedStaging(const PinnedStaging&) = delete;
   PinnedStaging& operator=(const PinnedStaging&) = delete;
-  // At least `bytes` of page-locked memory (grown when smaller; what it held is not kept).
-  void* reserve(size_t bytes);
+  // The two halves, one after the other (allocated at the first call; OutOfMemoryError where the
+  // page-locked memory cannot be had).
+  char* get();
+  size_t half_bytes() const { return half_bytes_; }
 
  private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
+  size_t half_bytes_;
+  char* data_ = nullptr;
 };
 
 // The snapshot itself in two halves, so that the caller's thread does not wait for the copies to
@@ -136,15 +144,16 @@ class PinnedStaging {
 // and a read of one flag per tensor on the current stream, which waits for the copies and the
 // check: ~0.1 ms for VGG-16-BN's 61 MB) and names the first such entry, or returns "".
 //
-// to_host() brings the copies over through one page-locked buffer: a DMA a tensor on its own
-// stream, one wait, then host copies out of it. With pageable copies (an allocation and a wait a
-// tensor) the epochs that trained beside a save ran 2-4% slower than without checkpoints
-// (Fashion-MNIST on an H100: 111,500-114,000 img/s against 115,500-116,100); through the buffer
-// they run at 115,300-116,300. The buffer is `staging` when given (a CheckpointWriter keeps one, so
-// that page-locked memory, slow to allocate, is allocated at the first save only: that epoch still
-// runs ~10% slower), else its own. It holds the state's size (VGG-16-BN's 122 MB, VGG-16's 1.1 GB
-// with momentum) for the writer's life. Where that much page-locked memory cannot be had, the
-// copies go through pageable memory as before, with the same bits.
+// to_host() brings the copies over through a page-locked PinnedStaging on its own stream (the
+// tensors cut into pieces of at most a half, the DMA into one half beside the host copies out of
+// the other). With pageable copies (an allocation and a wait a tensor) the epochs that trained
+// beside a save ran 2-4% slower than without checkpoints (Fashion-MNIST on an H100:
+// 111,500-114,000 img/s against 115,500-116,100); through a buffer of the state's size they ran
+// at 115,300-116,300, but the epoch of the first save, which allocated its 122 MB, ran ~10%
+// slower; the two 8 MB halves cost a fraction of that and hold 16 MB for the writer's life,
+// whatever the state's size (VGG-16's is 1.1 GB with momentum). The buffer is `staging` when given
+// (a CheckpointWriter keeps one), else its own. Where no page-locked memory can be had, the copies
+// go through pageable memory, with the same bits.
 struct StagedCheckpoint {
   Module::StateCopy model;
   TensorMap train;  // Optimizer::state_copy

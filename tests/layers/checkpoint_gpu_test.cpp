@@ -3,6 +3,8 @@
 // tf32 on the tensor cores. The host twin (checkpoint_test) runs the same check on the CPU path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/gpu.h"
 #include "engine/core/memory.h"
 #include "tests/layers/resume_testing.h"
@@ -39,6 +41,31 @@ TEST(CheckpointStagedGpu, AStagedBf16CheckpointHoldsItsMoment) {
   testing::expect_staged_checkpoint_holds_its_moment(Device::cuda(0), Precision::bf16, 2);
 }
 
+// The staging buffer's two halves cut the tensors into pieces of at most a half and take turns;
+// whatever the half's size (one piece a half at 256 bytes, several tensors a half at 1 MB), and
+// through one buffer used again, the host copies have the bits of snapshot_checkpoint's.
+TEST(CheckpointStagedGpu, AnyStagingHalfGivesTheSameBits) {
+  CUDP_REQUIRE_GPU();
+  const Device gpu = Device::cuda(0);
+  testing::ResumeRun run = testing::make_resume_run(7, gpu, Precision::fp32);
+  testing::train_step(run, 0, gpu);
+  const CheckpointSnapshot then = snapshot_checkpoint(*run.model, run.sgd.get());
+  const StagedCheckpoint staged = stage_checkpoint(*run.model, run.sgd.get());
+  size_t largest = 0;
+  for (const auto& [name, t] : then.model) largest = std::max(largest, t.nbytes());
+  ASSERT_GT(largest, 4 * size_t(256)) << "no tensor spans several 256-byte halves";
+  for (const size_t half : {size_t(256), size_t(1024), size_t(1) << 20}) {
+    SCOPED_TRACE(::testing::Message() << "halves of " << half << " bytes");
+    PinnedStaging staging(half);
+    for (int round = 0; round < 2; ++round) {
+      const CheckpointSnapshot later = staged.to_host(&staging);
+      testing::expect_bitwise_same(later.model, then.model, "the model");
+      testing::expect_bitwise_same(later.train, then.train, "the optimizer state");
+    }
+  }
+  EXPECT_THROW(PinnedStaging(100), ValueError) << "a half not a multiple of 256 bytes";
+}
+
 // Without page-locked memory to spare (the allocation hook refuses the staging buffer), a staged
 // checkpoint still reaches the host, through pageable copies, with the same bits; and a writer
 // whose buffer could not be had saves all the same.
@@ -65,7 +92,7 @@ TEST(CheckpointStagedGpu, WithoutPageLockedMemoryTheCopiesArePageable) {
     } refusing;
     PinnedStaging staging;
     later = staged.to_host(&staging);
-    EXPECT_THROW(staging.reserve(1 << 20), OutOfMemoryError) << "the hook refused nothing";
+    EXPECT_THROW(staging.get(), OutOfMemoryError) << "the hook refused nothing";
     CheckpointWriter writer;
     writer.save({path}, std::move(written));
     writer.wait();
