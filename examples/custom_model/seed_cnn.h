@@ -75,10 +75,12 @@ class SeedCnn : public cudp::Module {
   // {x [N, 28, 28, C]} -> {logits [N, n_classes], features [N, 1568]} (28x28 images).
   cudp::TensorList forward_impl(const cudp::TensorList& inputs) override {
     CUDP_CHECK(inputs.size() == 1, "SeedCnn takes one input (images), got ", inputs.size());
-    cudp::Tensor x = conv1_->forward(inputs[0]);    // [N, 14, 14, 16]
-    x = conv2_->forward(x);                         // [N, 7, 7, 32]
-    cudp::Tensor features = flatten_->forward(x);   // [N, 1568], PyTorch's feature order
-    cudp::Tensor logits = out_->forward(features);  // [N, n_classes]
+    // Through forward_child: a child's ValueError names it ("in layer conv1.0 (Conv2d) of a
+    // SeedCnn: ...").
+    cudp::Tensor x = forward_child(*conv1_, inputs[0]);    // [N, 14, 14, 16]
+    x = forward_child(*conv2_, x);                         // [N, 7, 7, 32]
+    cudp::Tensor features = forward_child(*flatten_, x);   // [N, 1568], PyTorch's feature order
+    cudp::Tensor logits = forward_child(*out_, features);  // [N, n_classes]
     return {logits, features};
   }
 
@@ -92,16 +94,16 @@ class SeedCnn : public cudp::Module {
     const cudp::Tensor& dfeatures_outside = grads[1];
     cudp::Tensor dfeatures;
     if (dlogits.defined()) {
-      dfeatures = out_->backward(dlogits);  // a fresh tensor: safe to add into
+      dfeatures = backward_child(*out_, dlogits);  // a fresh tensor: safe to add into
       if (dfeatures_outside.defined()) add_into(dfeatures, dfeatures_outside);
     } else if (dfeatures_outside.defined()) {
       dfeatures = dfeatures_outside;
     } else {
       return {cudp::Tensor()};  // neither output used: every gradient is zero, nothing to do
     }
-    cudp::Tensor dx = flatten_->backward(dfeatures);
-    dx = conv2_->backward(dx);
-    return {conv1_->backward(dx)};
+    cudp::Tensor dx = backward_child(*flatten_, dfeatures);
+    dx = backward_child(*conv2_, dx);
+    return {backward_child(*conv1_, dx)};
   }
 
   std::shared_ptr<cudp::Module> make_empty_copy() const override {

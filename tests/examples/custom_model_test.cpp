@@ -181,6 +181,14 @@ TEST(CustomModelTest, ReturnsLogitsAndFeatures) {
   EXPECT_THROW_WITH(m.backward_all({out[0]}), "SeedCnn has two outputs");
 }
 
+// The model calls its children through forward_child: a wrong input's error names the layer by
+// its state_dict path (3 channels given to a model of grey images).
+TEST(CustomModelTest, AWrongInputNamesTheLayer) {
+  SeedCnn m;
+  EXPECT_VALUE_ERROR(m.forward_all({random_tensor({2, 28, 28, 3}, 3)}),
+                     "in layer conv1.0 (Conv2d) of a SeedCnn: Conv2d: expected");
+}
+
 TEST(CustomModelTest, CloneCopiesStructureAndValues) {
   auto m = tiny_model();
   std::shared_ptr<Module> copy = m->clone(Device::cpu());
