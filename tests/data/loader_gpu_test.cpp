@@ -142,63 +142,14 @@ TEST(DevicePrefetcher, RestartsAnEpochWithACopyInFlight) {
   EXPECT_FALSE(prefetcher.next(b));
 }
 
-// A gate for threads: pass() lets the first `open`ed arrivals through, in the order they come, and
-// holds the others until open() lets more through, or open_for_good() all.
-class Gate {
- public:
-  void pass() {
-    std::unique_lock lock(mutex_);
-    const int64_t ticket = arrivals_++;
-    cv_.wait_until(lock, deadline_, [&] { return for_good_ || ticket < opened_; });
-  }
-  void open(int64_t count) {
-    {
-      std::lock_guard lock(mutex_);
-      opened_ += count;
-    }
-    cv_.notify_all();
-  }
-  void open_for_good() {
-    {
-      std::lock_guard lock(mutex_);
-      for_good_ = true;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  int64_t arrivals_ = 0, opened_ = 0;
-  bool for_good_ = false;
-  // Open for good after a minute whatever happens: a test whose hook never opens it fails, and
-  // does not hang.
-  const std::chrono::steady_clock::time_point deadline_ =
-      std::chrono::steady_clock::now() + std::chrono::minutes(1);
-};
+using testing::Gate;
+using testing::Later;
 
 // A compute step that lasts until the test lets it through `gate` (a Gate*): the steps of a stream
 // pass it in the order they were queued.
 void CUDART_CB pass_gate(void* gate) {
   static_cast<Gate*>(gate)->pass();
 }
-
-// Runs actions on threads of their own after a delay (the test releasing what the loader waits for,
-// from another thread, after a delay it knows); joins them when it goes.
-class Later {
- public:
-  void run(std::chrono::milliseconds delay, std::function<void()> action) {
-    std::lock_guard lock(mutex_);
-    threads_.emplace_back([delay, action = std::move(action)] {
-      std::this_thread::sleep_for(delay);
-      action();
-    });
-  }
-
- private:
-  std::mutex mutex_;
-  std::vector<std::jthread> threads_;
-};
 
 // A Dataset served through read(): each read is held at `gate`, then takes `delay` (a source that
 // takes a while to decode; 0: none).
