@@ -156,9 +156,12 @@ class Loader {
              // not yet run and waits for the device
   };
   using WaitHook = std::function<void(WaitPoint, int64_t batch)>;
-  // The hook runs on the waiting thread just before it waits, with a lock of the loader's held: it
-  // must not call the loader or touch its batches. Set it before the first start_epoch(). Unset
-  // (every real run) it costs a test of an empty std::function where a thread is about to block.
+  // The hook runs on the waiting thread just before it waits, with a lock held: the loader's own
+  // (Batch) or the buffer's (Device). So it must not call the loader, touch its batches, or wait
+  // for anything the loader's threads do (they need those locks to go on): it hands what it wants
+  // done to another thread (tests/data/data_test_util.h's Later) and returns. Set it before the
+  // first start_epoch(). Unset (every real run) it costs a test of an empty std::function where a
+  // thread is about to block.
   void set_wait_hook_for_testing(WaitHook hook);
 
  private:

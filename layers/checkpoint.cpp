@@ -451,8 +451,10 @@ PinnedStaging::~PinnedStaging() {
   cuda::host_free(data_, /*pinned=*/true);
 }
 
-char* PinnedStaging::get() {
+char* PinnedStaging::get(size_t bytes) {
   if (data_ == nullptr) {
+    // Halves of at most half the bytes to stage, so that a small state pins little.
+    half_bytes_ = std::min(half_bytes_, std::max<size_t>(256, (bytes / 2 + 255) / 256 * 256));
     const cuda::AllocationPurpose purpose(kPinnedStagingPurpose);
     data_ = static_cast<char*>(
         cuda::host_allocate(2 * half_bytes_, /*pinned=*/true, kPinnedStagingPurpose));
@@ -462,16 +464,15 @@ char* PinnedStaging::get() {
 
 namespace {
 
-// `tensors` on the host: the device ones copied through `staging`'s two halves on `stream`. The
+// `tensors` on the host: the device ones copied through `base`, `staging`'s two halves (got), on
+// `stream`. The
 // tensors' bytes are cut into pieces that fill one half (a piece at a 256-byte aligned offset; a
 // tensor larger than a half takes several); a full half's copies are followed by an event, and
 // before the copies into a half start again its last pieces are waited for and copied out to their
 // host tensors, so the DMA into one half runs while the host copies out of the other. Host
 // tensors are taken as they are.
-std::vector<Tensor> to_host_through(const std::vector<const Tensor*>& tensors,
-                                    PinnedStaging& staging, cudaStream_t stream, int device) {
-  const size_t half_bytes = staging.half_bytes();
-  char* const base = staging.get();
+std::vector<Tensor> to_host_through(const std::vector<const Tensor*>& tensors, char* base,
+                                    size_t half_bytes, cudaStream_t stream, int device) {
   char* const halves[2] = {base, base + half_bytes};
   const cuda::Event filled[2] = {cuda::Event::create(device), cuda::Event::create(device)};
   struct Piece {
@@ -533,7 +534,11 @@ std::vector<Tensor> to_host_pageable(const std::vector<const Tensor*>& tensors,
       continue;
     }
     Tensor h = Tensor::empty(t->shape(), t->dtype());
-    h.copy_from(*t, stream);
+    // On `stream` alone (not Tensor::copy_from, which would order it after the caller's stream).
+    if (h.nbytes() > 0) {
+      CUDP_CUDA_CHECK(
+          cudaMemcpyAsync(h.data_ptr(), t->data_ptr(), h.nbytes(), cudaMemcpyDeviceToHost, stream));
+    }
     host.push_back(std::move(h));
   }
   CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -555,17 +560,24 @@ CheckpointSnapshot StagedCheckpoint::to_host(PinnedStaging* staging) const {
   // would make a CUDA context there, on a GPU the run may not use.
   const cuda::DeviceGuard on_device(device);
   copies_done.synchronize();
+  // Before the stream: on an error the stream's destructor waits for the copies into it, and only
+  // then is the buffer freed.
+  PinnedStaging own;
+  PinnedStaging& buffer = staging ? *staging : own;
   const cuda::Stream stream = cuda::Stream::create(device);
   std::vector<const Tensor*> tensors;
+  size_t bytes = 0;
   for (const Module::StateCopy::Item& item : model.items) tensors.push_back(&item.copy);
   for (const auto& [key, t] : train) tensors.push_back(&t);
-  PinnedStaging own;
-  std::vector<Tensor> host;
+  for (const Tensor* t : tensors) bytes += t->is_cuda() ? t->nbytes() : 0;
+  char* base = nullptr;
   try {
-    host = to_host_through(tensors, staging ? *staging : own, stream.get(), device);
-  } catch (const OutOfMemoryError&) {
-    host = to_host_pageable(tensors, stream.get());  // the buffer could not be had
+    base = buffer.get(bytes);
+  } catch (const OutOfMemoryError&) {  // no page-locked memory to spare
   }
+  std::vector<Tensor> host =
+      base ? to_host_through(tensors, base, buffer.half_bytes(), stream.get(), device)
+           : to_host_pageable(tensors, stream.get());
   // The model's entries through their owners' export hooks, now on host copies.
   Module::StateCopy on_host;
   on_host.items = model.items;

@@ -111,18 +111,19 @@ inline constexpr const char* kPinnedStagingPurpose =
     "a checkpoint's page-locked staging buffer (device to host)";
 class PinnedStaging {
  public:
-  // 8 MB a half: page-locked memory is slow to allocate (the driver pins and maps every page while
-  // the training's launches wait on the same driver), so the buffer stays small whatever the
-  // state's size; at this size the copies still move ~20 GB/s.
+  // 8 MiB a half, whatever the state's size: page-locked memory is slow to allocate, and a buffer
+  // of the state's size (VGG-16-BN's 122 MB) allocated at the first save slowed the training
+  // beside it (bench/NOTES-tensor-cores.md, session 37).
   static constexpr size_t kDefaultHalfBytes = size_t(8) << 20;
   // `half_bytes`: a multiple of 256 (smaller in tests, to cut tensors into several pieces).
   explicit PinnedStaging(size_t half_bytes = kDefaultHalfBytes);
   ~PinnedStaging();
   PinnedStaging(const PinnedStaging&) = delete;
   PinnedStaging& operator=(const PinnedStaging&) = delete;
-  // The two halves, one after the other (allocated at the first call; OutOfMemoryError where the
-  // page-locked memory cannot be had).
-  char* get();
+  // The two halves, one after the other. The first call allocates them, each of half_bytes() or,
+  // for a state of fewer `bytes`, of about half of them (a multiple of 256); OutOfMemoryError
+  // where the page-locked memory cannot be had.
+  char* get(size_t bytes);
   size_t half_bytes() const { return half_bytes_; }
 
  private:
@@ -144,16 +145,16 @@ class PinnedStaging {
 // and a read of one flag per tensor on the current stream, which waits for the copies and the
 // check: ~0.1 ms for VGG-16-BN's 61 MB) and names the first such entry, or returns "".
 //
-// to_host() brings the copies over through a page-locked PinnedStaging on its own stream (the
+// to_host() brings the copies over through a page-locked PinnedStaging on its own stream: the
 // tensors cut into pieces of at most a half, the DMA into one half beside the host copies out of
-// the other). With pageable copies (an allocation and a wait a tensor) the epochs that trained
-// beside a save ran 2-4% slower than without checkpoints (Fashion-MNIST on an H100:
-// 111,500-114,000 img/s against 115,500-116,100); through a buffer of the state's size they ran
-// at 115,300-116,300, but the epoch of the first save, which allocated its 122 MB, ran ~10%
-// slower; the two 8 MB halves cost a fraction of that and hold 16 MB for the writer's life,
-// whatever the state's size (VGG-16's is 1.1 GB with momentum). The buffer is `staging` when given
-// (a CheckpointWriter keeps one), else its own. Where no page-locked memory can be had, the copies
-// go through pageable memory, with the same bits.
+// the other. With pageable copies (an allocation and a wait a tensor) the epochs that trained
+// beside a save ran 2-4% slower than without checkpoints (Fashion-MNIST on an H100: 111,500-114,000
+// img/s against 115,500-116,100); through a page-locked buffer of the state's size they ran at
+// 115,300-116,300, but the epoch of the first save, which allocated that buffer, ran ~10% slower.
+// The two halves are meant to keep the first gain without that loss, and hold 16 MiB for the
+// writer's life whatever the state's size (VGG-16's is 1.1 GB with momentum). The buffer is
+// `staging` when given (a CheckpointWriter keeps one), else its own. Where no page-locked memory
+// can be had, the copies go through pageable memory, with the same bits.
 struct StagedCheckpoint {
   Module::StateCopy model;
   TensorMap train;  // Optimizer::state_copy

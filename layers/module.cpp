@@ -26,7 +26,9 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string>
 #include <string_view>
+#include <typeinfo>
 
 namespace cudp {
 
@@ -174,28 +176,37 @@ Tensor Module::backward_one(const Tensor&) {
 
 // ---- errors located in children (NOTE [Locating errors in children], module.h) ------------------
 
+namespace {
+
+// The last error rethrow_in_child located on this thread: which module threw it, its whole message
+// and its parts. A parent extends the path only when the error it caught is that one and came from
+// the child it called: no text that merely looks like a located error is taken apart.
+struct LocatedError {
+  const Module* by = nullptr;
+  std::string message, path, type, original;
+};
+thread_local LocatedError t_located;
+
+}  // namespace
+
 void Module::rethrow_in_child(const ValueError& error, const Module& child) const {
   const auto named = std::find_if(children_.begin(), children_.end(),
                                   [&](const auto& entry) { return entry.second.get() == &child; });
-  if (named == children_.end()) throw;  // not our child: no name to give
-  constexpr std::string_view kHead = "in layer ";
-  std::string path = named->first;
-  std::string type = child.type_name();
-  std::string_view message = error.message();
-  // A container child located the error already: "in layer <path> (<type>) of a <child's type>:
-  // <original>". Its path goes under the child's name, and the original text follows once.
-  const std::string tail = detail::str(") of a ", child.type_name(), ": ");
-  if (message.starts_with(kHead)) {
-    const size_t open = message.find(" (", kHead.size());
-    const size_t close = message.find(tail, kHead.size());
-    if (open != std::string_view::npos && close != std::string_view::npos && open < close) {
-      path += detail::str(".", message.substr(kHead.size(), open - kHead.size()));
-      type = message.substr(open + 2, close - open - 2);
-      message.remove_prefix(close + tail.size());
-    }
+  // Not our child (no name to give), or a subclass of ValueError (whose type a new ValueError
+  // would lose): unchanged.
+  if (named == children_.end() || typeid(error) != typeid(ValueError)) throw;
+  LocatedError located{this, "", named->first, child.type_name(), error.message()};
+  // A container child located it already: its path goes under the child's name, and the original
+  // text follows once.
+  if (t_located.by == &child && t_located.message == error.message()) {
+    located.path += "." + t_located.path;
+    located.type = t_located.type;
+    located.original = t_located.original;
   }
-  throw ValueError(detail::str(kHead, path, " (", type, ") of a ", type_name(), ": ", message),
-                   error.file(), error.line());
+  located.message = detail::str("in layer ", located.path, " (", located.type, ") of a ",
+                                type_name(), ": ", located.original);
+  t_located = std::move(located);
+  throw ValueError(t_located.message, error.file(), error.line());
 }
 
 // ---- printing (PyTorch's Module.__repr__) -------------------------------------------------------

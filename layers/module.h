@@ -336,14 +336,15 @@ class Module : public std::enable_shared_from_this<Module> {
   // line kept) that names the child by its path and type:
   //   in layer 3 (Conv2d) of a Sequential: Conv2d: expected an NHWC f32 input [N, H, W, 16], got
   //   Tensor[2, 4, 4, 8] f32 cpu
-  // Containers nest without a stack of prefixes: the message of a child that is itself a container
-  // already starts with its own "in layer <path> (<type>) of a <its type_name()>: ", and the parent
-  // extends that path with the child's name, so the outermost container names the whole path with
-  // PyTorch's dotted names ("in layer features.3 (Conv2d) of a VGG: ..."; "in layer 0.3 ..." for a
-  // Sequential in a Sequential). Where a child's error comes in another text (DataParallel's
-  // "Caught ValueError in replica 0 ..."), the path stops at that child. Only ValueError, the
-  // caller's mistake: CudaError, OutOfMemoryError and the others pass unchanged. Until something
-  // throws, the only cost is the try block, which costs nothing (zero-cost exceptions).
+  // Containers nest without a stack of prefixes: when the error a container caught is the one its
+  // child located (the thread remembers the last one, with its parts), the container extends that
+  // path with the child's name, so the outermost container names the whole path with PyTorch's
+  // dotted names ("in layer features.3 (Conv2d) of a VGG: ..."; "in layer 0.3 ..." for a
+  // Sequential in a Sequential); no message is parsed. Where a child's error comes in another text
+  // (DataParallel's "Caught ValueError in replica 0 ..."), the path stops at that child. Only
+  // ValueError itself, the caller's mistake: CudaError, OutOfMemoryError, the others and
+  // subclasses of ValueError pass unchanged. Until something throws, the only cost is the try
+  // block, which costs nothing (zero-cost exceptions).
   Tensor forward_child(Module& child, const Tensor& input) {
     try {
       return child.forward(input);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/gpu.h"
 #include "engine/core/memory.h"
@@ -42,8 +43,10 @@ TEST(CheckpointStagedGpu, AStagedBf16CheckpointHoldsItsMoment) {
 }
 
 // The staging buffer's two halves cut the tensors into pieces of at most a half and take turns;
-// whatever the half's size (one piece a half at 256 bytes, several tensors a half at 1 MB), and
-// through one buffer used again, the host copies have the bits of snapshot_checkpoint's.
+// whatever the half's size (one piece a half at 256 bytes; several tensors a half at 1 MiB, which
+// the first get() cuts to about half the state), and through one buffer used again, the host
+// copies have the bits of snapshot_checkpoint's. The halves are filled with another pattern before
+// each round, so that a copy out of a half before its DMA completed would be seen.
 TEST(CheckpointStagedGpu, AnyStagingHalfGivesTheSameBits) {
   CUDP_REQUIRE_GPU();
   const Device gpu = Device::cuda(0);
@@ -51,13 +54,22 @@ TEST(CheckpointStagedGpu, AnyStagingHalfGivesTheSameBits) {
   testing::train_step(run, 0, gpu);
   const CheckpointSnapshot then = snapshot_checkpoint(*run.model, run.sgd.get());
   const StagedCheckpoint staged = stage_checkpoint(*run.model, run.sgd.get());
-  size_t largest = 0;
+  size_t largest = 0, state = 0;
   for (const auto& [name, t] : then.model) largest = std::max(largest, t.nbytes());
+  for (const auto& item : staged.model.items) state += item.copy.nbytes();
+  for (const auto& [key, t] : staged.train) state += t.nbytes();
   ASSERT_GT(largest, 4 * size_t(256)) << "no tensor spans several 256-byte halves";
   for (const size_t half : {size_t(256), size_t(1024), size_t(1) << 20}) {
     SCOPED_TRACE(::testing::Message() << "halves of " << half << " bytes");
     PinnedStaging staging(half);
+    char* base = nullptr;
+    ASSERT_NO_THROW(base = staging.get(state)) << "no page-locked memory: the test would check "
+                                                  "the pageable copies instead";
+    EXPECT_LE(staging.half_bytes(), half);
+    EXPECT_GE(2 * staging.half_bytes(), std::min(2 * half, state))
+        << "halves cut below half the state";
     for (int round = 0; round < 2; ++round) {
+      std::memset(base, 0xA5 + round, 2 * staging.half_bytes());
       const CheckpointSnapshot later = staged.to_host(&staging);
       testing::expect_bitwise_same(later.model, then.model, "the model");
       testing::expect_bitwise_same(later.train, then.train, "the optimizer state");
@@ -92,7 +104,7 @@ TEST(CheckpointStagedGpu, WithoutPageLockedMemoryTheCopiesArePageable) {
     } refusing;
     PinnedStaging staging;
     later = staged.to_host(&staging);
-    EXPECT_THROW(staging.get(), OutOfMemoryError) << "the hook refused nothing";
+    EXPECT_THROW(staging.get(1 << 20), OutOfMemoryError) << "the hook refused nothing";
     CheckpointWriter writer;
     writer.save({path}, std::move(written));
     writer.wait();

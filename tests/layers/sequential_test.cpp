@@ -236,6 +236,44 @@ TEST(SequentialTest, AModuleThatIsNoChildIsNotNamed) {
   EXPECT_EQ(thrown.line, 9);
 }
 
+// A message that only looks like a located one is not taken apart: here a child of the outer
+// Sequential's type calls its own inner Sequential directly (not through forward_child), so the
+// inner error's path says nothing of where the inner Sequential sits; the outer one names its
+// child and keeps the inner text whole. And a subclass of ValueError passes unchanged.
+class SequentialCallingDirectly : public Module {
+ public:
+  SequentialCallingDirectly() { register_module("inner", wrong_at_layer_3()); }
+  std::string type_name() const override { return "Sequential"; }
+
+ protected:
+  Tensor forward_one(const Tensor& x) override { return children()[0].second->forward(x); }
+  std::shared_ptr<Module> make_empty_copy() const override {
+    return std::make_shared<SequentialCallingDirectly>();
+  }
+};
+
+class SpecificError : public ValueError {
+ public:
+  using ValueError::ValueError;
+};
+
+TEST(SequentialTest, OnlyTheErrorAChildLocatedIsExtended) {
+  Sequential outer({std::make_shared<SequentialCallingDirectly>()});
+  expect_located(value_error_of([&] {
+                   outer.forward(random_tensor({2, 8, 8, 3}, 2));
+                 }),
+                 conv16_on_8_channels(),
+                 "in layer 0 (Sequential) of a Sequential: in layer 3 (Conv2d) of a Sequential: ");
+  Sequential specific(
+      {std::make_shared<Throws>([] { throw SpecificError("specific", "f.cpp", 11); })});
+  try {
+    specific.forward(random_tensor({2}, 8));
+    ADD_FAILURE() << "expected a SpecificError";
+  } catch (const SpecificError& e) {
+    EXPECT_EQ(e.message(), "specific");
+  }
+}
+
 // A correct model runs as before: the located calls change nothing but errors.
 TEST(SequentialTest, ACorrectNestedModelIsUnaffected) {
   auto inner = std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
