@@ -464,13 +464,12 @@ char* PinnedStaging::get(size_t bytes) {
 
 namespace {
 
-// `tensors` on the host: the device ones copied through `base`, `staging`'s two halves (got), on
-// `stream`. The
-// tensors' bytes are cut into pieces that fill one half (a piece at a 256-byte aligned offset; a
-// tensor larger than a half takes several); a full half's copies are followed by an event, and
-// before the copies into a half start again its last pieces are waited for and copied out to their
-// host tensors, so the DMA into one half runs while the host copies out of the other. Host
-// tensors are taken as they are.
+// `tensors` on the host: the device ones copied on `stream` through the two halves of
+// `half_bytes` at `base` (PinnedStaging::get). The tensors' bytes are cut into pieces that fill one
+// half (a piece at a 256-byte aligned offset; a tensor larger than a half takes several); a full
+// half's copies are followed by an event, and before the copies into a half start again its last
+// pieces are waited for and copied out to their host tensors, so the DMA into one half runs while
+// the host copies out of the other. Host tensors are taken as they are.
 std::vector<Tensor> to_host_through(const std::vector<const Tensor*>& tensors, char* base,
                                     size_t half_bytes, cudaStream_t stream, int device) {
   char* const halves[2] = {base, base + half_bytes};
@@ -566,9 +565,9 @@ CheckpointSnapshot StagedCheckpoint::to_host(PinnedStaging* staging) const {
   PinnedStaging& buffer = staging ? *staging : own;
   const cuda::Stream stream = cuda::Stream::create(device);
   std::vector<const Tensor*> tensors;
-  size_t bytes = 0;
   for (const Module::StateCopy::Item& item : model.items) tensors.push_back(&item.copy);
   for (const auto& [key, t] : train) tensors.push_back(&t);
+  size_t bytes = 0;  // to stage: the first get() sizes the halves from it
   for (const Tensor* t : tensors) bytes += t->is_cuda() ? t->nbytes() : 0;
   char* base = nullptr;
   try {

@@ -175,4 +175,21 @@ class Later {
   std::vector<std::jthread> threads_;
 };
 
+// A Dataset served through read(): each read is held at `gate` until the test lets it through,
+// then takes `delay` (a source that takes a while to decode; 0: none).
+class GatedSource final : public DatasetSource {
+ public:
+  explicit GatedSource(const data::Dataset& d,
+                       std::chrono::microseconds delay = std::chrono::microseconds(0))
+      : DatasetSource(d), delay_(delay) {}
+  mutable Gate gate;
+
+ private:
+  void before_read(int64_t) const override {
+    gate.pass();
+    std::this_thread::sleep_for(delay_);
+  }
+  std::chrono::microseconds delay_;
+};
+
 }  // namespace cudp::testing

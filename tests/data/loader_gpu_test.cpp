@@ -143,6 +143,7 @@ TEST(DevicePrefetcher, RestartsAnEpochWithACopyInFlight) {
 }
 
 using testing::Gate;
+using testing::GatedSource;
 using testing::Later;
 
 // A compute step that lasts until the test lets it through `gate` (a Gate*): the steps of a stream
@@ -150,22 +151,6 @@ using testing::Later;
 void CUDART_CB pass_gate(void* gate) {
   static_cast<Gate*>(gate)->pass();
 }
-
-// A Dataset served through read(): each read is held at `gate`, then takes `delay` (a source that
-// takes a while to decode; 0: none).
-class GatedSource final : public testing::DatasetSource {
- public:
-  GatedSource(const Dataset& d, std::chrono::microseconds delay)
-      : DatasetSource(d), delay_(delay) {}
-  mutable Gate gate;
-
- private:
-  void before_read(int64_t) const override {
-    gate.pass();
-    std::this_thread::sleep_for(delay_);
-  }
-  std::chrono::microseconds delay_;
-};
 
 // The loader's counters after the call that prepared batch k, and how long that call took.
 struct Counted {
@@ -293,7 +278,7 @@ TEST(DevicePrefetcher, AWaitForTheDeviceIsNotInputWait) {
   CUDP_REQUIRE_GPU();
   constexpr auto delay = std::chrono::milliseconds(20);
   const Dataset d = synthetic_set(320);
-  const GatedSource source(d, std::chrono::microseconds(0));
+  const GatedSource source(d);
   std::vector<Counted> counted;
   ASSERT_NO_FATAL_FAILURE(run_device_bound_epoch(source, pipeline_options(d, 32), delay, counted));
   ASSERT_EQ(counted.size(), 10u);

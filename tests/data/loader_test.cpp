@@ -449,18 +449,9 @@ TEST(Loader, AugmentationIsACropAndFlipFixedBySeedEpochAndSample) {
 }
 
 using testing::Gate;
+using testing::GatedSource;
 using testing::Later;
 using testing::OpenAtExit;
-
-// A Dataset served through read(), each read held at `gate` until the test lets it through.
-class GatedSource final : public testing::DatasetSource {
- public:
-  using DatasetSource::DatasetSource;
-  mutable Gate gate;
-
- private:
-  void before_read(int64_t) const override { gate.pass(); }
-};
 
 TEST(Loader, ReportsTheTimeItWaited) {
   // No batch can be ready before the test lets its reads through, and it does so `delay` after
