@@ -417,12 +417,6 @@ bool splitk_reduce4_applies(const MatmulProblem& p) {
   return p.n % 4 == 0 && p.ldc % 4 == 0 && reinterpret_cast<uintptr_t>(p.c) % c_bytes == 0;
 }
 
-void release_splitk_counters() noexcept {
-#ifdef CUDP_HAVE_SM90
-  sm90::release_splitk_counters();
-#endif
-}
-
 void add_column_sums(const void* c, DType type, float* sums, int64_t rows, int64_t cols,
                      cudaStream_t stream) {
   if (type == DType::BF16) {

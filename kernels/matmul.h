@@ -179,12 +179,6 @@ bool splitk_reduce4_applies(const MatmulProblem& problem);
 // splits (more would make the last split's block add up a long column alone).
 inline constexpr int kMaxSplitsInKernel = 16;
 bool splitk_in_kernel(const MatmulPlan& plan);
-// The in-kernel sum's arrival counters (one zeroed set per device and stream that ran such a
-// product, kept for the process's life: a captured graph may use its set at any replay) freed. For
-// the end of a program, after its last product and graph, so that a leak check finds everything
-// returned (the tests' main calls it); a product after it makes a new set. Without those products
-// it makes no CUDA call.
-void release_splitk_counters() noexcept;
 
 // Runs a validated problem with `plan`: split-K workspace, the sm_90a mainloop, the split-K
 // reduction (in the kernel or after it: splitk_in_kernel).

@@ -33,6 +33,7 @@
 
 #include "engine/core/error.h"
 #include "engine/core/launch.cuh"
+#include "kernels/counters.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
 #include "kernels/sm90/matmul_sm90.h"
@@ -76,7 +77,7 @@ struct MainloopParams {
   float* column_partials;
   // Split-K with the sum in the kernel (MatmulPlan::sum_in_kernel), or null (kernels/matmul.cu's
   // reduction kernel runs after): one arrival counter per warp slice (16 rows) of every tile, zero
-  // before the launch and left zero after it (splitk_counters).
+  // before the launch and left zero after it (kernels/counters.h).
   int* split_counters;
 };
 
@@ -2161,7 +2162,8 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
   if (conv_patch) p.tiles_m = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (wgrad_tma) p.k_blocks = patch->tiles_q * patch->tiles_p * patch->tiles_n;
   if (plan.splits > 1 && plan.sum_in_kernel) {
-    p.split_counters = splitk_counters(stream, int64_t(p.tiles_m) * p.tiles_n * (kTileM / 16));
+    p.split_counters = arrival_counters(stream, int64_t(p.tiles_m) * p.tiles_n * (kTileM / 16),
+                                        "the split-K sum's arrival counters");
   }
   const auto run = [&](auto kernel, const ConvGather& g, int shared_bytes = Cfg::kSharedBytes) {
     allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes);

@@ -67,18 +67,6 @@ void matmul_bf16(const MatmulProblem& problem, const MatmulPlan& plan, float* wo
 void matmul_tf32(const MatmulProblem& problem, const MatmulPlan& plan, float* workspace,
                  cudaStream_t stream);
 
-// `units` arrival counters of the in-kernel split-K sum (MainloopParams::split_counters) for the
-// products enqueued on `stream` of the current device: zero, and left zero by every product that
-// uses them. One set per (device, stream, whether the stream is being captured), because products
-// on one stream run one after another (a programmatic launch's epilogue, where they are used,
-// waits for the kernel before it) and products on different streams may run at once; a captured
-// graph has a set apart from the eager work on its stream, so that it may be replayed beside that
-// work (not beside another graph captured on the same stream); a set that grows keeps its old
-// memory (a captured graph may still use it). The sets last until release_splitk_counters.
-int* splitk_counters(cudaStream_t stream, int64_t units);
-// Frees every set (kernels::detail::release_splitk_counters).
-void release_splitk_counters() noexcept;
-
 // The convolution on the same mainloop: `problem` is the GEMM view (m = n*P*Q, n = K, k = R*S*C,
 // B = the weights, C = y as an (n*P*Q) x K matrix); A comes from `conv` instead of problem.a.
 void conv_bf16(const MatmulProblem& problem, const ConvGather& conv, const MatmulPlan& plan,

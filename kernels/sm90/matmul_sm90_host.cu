@@ -1,5 +1,4 @@
-// Host helpers of the sm_90a kernels: tensor-map encoding, the shared-memory opt-in and the
-// in-kernel split-K sum's counters.
+// Host helpers of the sm_90a kernels: tensor-map encoding and the shared-memory opt-in.
 #include <cudaTypedefs.h>
 
 #include <algorithm>
@@ -77,96 +76,6 @@ void allow_shared_memory(const void* kernel, int bytes) {
   }
   CUDP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   done.emplace_back(kernel, device);
-}
-
-namespace {
-
-// The split-K counter sets of the process. They live as long as it does (a captured graph may use
-// a set at any later replay), never destroyed, as the default streams are (engine/core/stream.cpp:
-// no CUDA call may run from a static destructor); release_splitk_counters frees them when a
-// program says that nothing will use them again.
-struct SplitKCounterSets {
-  struct Set {
-    int device;
-    cudaStream_t stream;
-    bool captured;
-    int* counters;
-    int64_t units;
-  };
-  std::mutex mutex;
-  std::vector<Set> sets;      // one per (device, stream) that ran such a product: a handful
-  std::vector<int*> retired;  // sets outgrown by a larger product, kept for graphs that use them
-};
-
-SplitKCounterSets& splitk_counter_sets() {
-  static auto* sets = new SplitKCounterSets;
-  return *sets;
-}
-
-}  // namespace
-
-int* splitk_counters(cudaStream_t stream, int64_t units) {
-  SplitKCounterSets& registry = splitk_counter_sets();
-  int device = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  CUDP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool captured = capture != cudaStreamCaptureStatusNone;
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  auto& sets = registry.sets;
-  auto it = std::find_if(sets.begin(), sets.end(), [&](const SplitKCounterSets::Set& s) {
-    return s.device == device && s.stream == stream && s.captured == captured;
-  });
-  if (it != sets.end() && it->units >= units) return it->counters;
-  // A new or larger set (the old one is retired, not freed: a captured graph may use it).
-  // Allocated and zeroed outside any capture open on this thread (relaxed mode: a step's first
-  // product may be inside one), on a stream of its own, waited for here.
-  int64_t size = 4096;
-  while (size < units) size *= 2;
-  const size_t bytes = size_t(size) * sizeof(int);
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  CUDP_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-  int* counters = nullptr;
-  cudaStream_t side = nullptr;
-  const char* call = "cudaMalloc";
-  cudaError_t status = cudaMalloc(&counters, bytes);
-  if (status == cudaSuccess) {
-    call = "cudaStreamCreateWithFlags";
-    status = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
-  }
-  if (status == cudaSuccess) {
-    call = "cudaMemsetAsync";
-    status = cudaMemsetAsync(counters, 0, bytes, side);
-  }
-  if (status == cudaSuccess) {
-    call = "cudaStreamSynchronize";
-    status = cudaStreamSynchronize(side);
-  }
-  if (side != nullptr) cudaStreamDestroy(side);
-  const cudaError_t restored = cudaThreadExchangeStreamCaptureMode(&mode);
-  if (status == cudaSuccess && restored != cudaSuccess) {
-    call = "cudaThreadExchangeStreamCaptureMode";
-    status = restored;
-  }
-  if (status != cudaSuccess && counters != nullptr) cudaFree(counters);
-  cuda::check_allocation(status, bytes, "the split-K sum's arrival counters", call);
-  if (it != sets.end()) {
-    registry.retired.push_back(it->counters);
-    it->counters = counters;
-    it->units = size;
-  } else {
-    sets.push_back({device, stream, captured, counters, size});
-  }
-  return counters;
-}
-
-void release_splitk_counters() noexcept {
-  SplitKCounterSets& registry = splitk_counter_sets();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  for (const SplitKCounterSets::Set& s : registry.sets) static_cast<void>(cudaFree(s.counters));
-  for (int* counters : registry.retired) static_cast<void>(cudaFree(counters));
-  registry.sets.clear();
-  registry.retired.clear();
 }
 
 }  // namespace cudp::kernels::sm90

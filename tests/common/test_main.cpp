@@ -10,7 +10,7 @@
 // option to initcheck. (The tests that compare the two kinds of tiles set the switch for their own
 // runs and put back what they found.)
 //
-// After the tests, the in-kernel split-K's counter sets are freed (kernels/matmul.h), so that
+// After the tests, the arrival counters' sets are freed (kernels/counters.h), so that
 // compute-sanitizer's leak check sees every allocation of the tests returned.
 //
 // With CUDP_ALL_SKIPPED_EXIT=N in the environment (ctest sets it for the GPU tests, with
@@ -29,6 +29,7 @@
 #include <string_view>
 
 #include "kernels/conv2d.h"
+#include "kernels/counters.h"
 #include "kernels/matmul.h"
 
 namespace {
@@ -89,7 +90,7 @@ int main(int argc, char** argv) {
   }
 #endif
   const int status = RUN_ALL_TESTS();
-  cudp::kernels::detail::release_splitk_counters();
+  cudp::kernels::release_arrival_counters();
   const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
   if (const char* code = std::getenv("CUDP_ALL_SKIPPED_EXIT");
       code != nullptr && status == 0 && unit.test_to_run_count() > 0 &&

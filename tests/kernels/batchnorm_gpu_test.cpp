@@ -87,22 +87,41 @@ double dx_term_scale(const std::vector<float>& x, const std::vector<float>& dy,
   return scale;
 }
 
-// The tests of training forwards and backwards run on both paths (kernels/batchnorm.h): OneLaunch,
-// where the layers of at most kBatchnormClusterElements values take the cluster kernels and larger
-// ones the multi-pass kernels; MultiPass (the default for now), the multi-pass kernels at every
-// size.
-class BatchNormPathGpu : public ::testing::TestWithParam<bool> {
+// The tests of training forwards and backwards run on every path (kernels/batchnorm.h):
+// MultiPass (the default for now), the multi-pass kernels at every size; OneLaunch, where the
+// layers of at most kBatchnormClusterElements values take the cluster kernels and larger ones the
+// multi-pass kernels; WholeGpu, the training forward in one launch over the whole GPU (the
+// multi-pass kernels' blocks as its items) where the block shape allows, else multi-pass.
+enum class BnPath { MultiPass, OneLaunch, WholeGpu };
+
+class BatchNormPathGpu : public ::testing::TestWithParam<BnPath> {
  protected:
-  void SetUp() override { detail::set_batchnorm_cluster(GetParam()); }
-  void TearDown() override { detail::set_batchnorm_cluster(was_on_); }
+  void SetUp() override {
+    detail::set_batchnorm_cluster(GetParam() == BnPath::OneLaunch);
+    detail::set_batchnorm_fused(GetParam() == BnPath::WholeGpu);
+  }
+  void TearDown() override {
+    detail::set_batchnorm_cluster(cluster_was_on_);
+    detail::set_batchnorm_fused(fused_was_on_);
+  }
 
  private:
-  const bool was_on_ = detail::batchnorm_cluster();
+  const bool cluster_was_on_ = detail::batchnorm_cluster();
+  const bool fused_was_on_ = detail::batchnorm_fused();
 };
 
-INSTANTIATE_TEST_SUITE_P(Paths, BatchNormPathGpu, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "OneLaunch" : "MultiPass";
+INSTANTIATE_TEST_SUITE_P(Paths, BatchNormPathGpu,
+                         ::testing::Values(BnPath::MultiPass, BnPath::OneLaunch, BnPath::WholeGpu),
+                         [](const ::testing::TestParamInfo<BnPath>& info) {
+                           switch (info.param) {
+                             case BnPath::MultiPass:
+                               return "MultiPass";
+                             case BnPath::OneLaunch:
+                               return "OneLaunch";
+                             case BnPath::WholeGpu:
+                               break;
+                           }
+                           return "WholeGpu";
                          });
 
 bool gpu_has_clusters() {
@@ -924,6 +943,281 @@ TEST_P(BatchNormPathGpu, DxColumnSumsAreTheBiasGradientBefore) {
       SCOPED_TRACE("bf16");
       expect_dx_column_sums<__nv_bfloat16>(k, 231);
     }
+  }
+}
+
+// ---- the whole-GPU forward against the multi-pass kernels
+// -----------------------------------------
+
+// The cluster kernels off and the whole-GPU forward on or off while it lives, then as they were.
+struct WholeGpu {
+  explicit WholeGpu(bool on) {
+    detail::set_batchnorm_cluster(false);
+    detail::set_batchnorm_fused(on);
+  }
+  ~WholeGpu() {
+    detail::set_batchnorm_cluster(cluster_was_on);
+    detail::set_batchnorm_fused(fused_was_on);
+  }
+  const bool cluster_was_on = detail::batchnorm_cluster();
+  const bool fused_was_on = detail::batchnorm_fused();
+};
+
+// What `steps` training forwards of one input leave: the last y, the running and saved statistics,
+// num_batches_tracked. With `graph`, the forwards are captured once on a stream of the test's and
+// the graph is replayed `steps` times; in place, y is x's buffer (the input copied in before each
+// forward, so every forward sees the same input).
+struct ForwardRun {
+  std::vector<float> y, running_mean, running_var, save_mean, save_invstd;
+  int64_t tracked = 0;
+};
+
+template <typename T>
+ForwardRun run_forwards(const BnCase& k, const std::vector<T>& x, const std::vector<float>& gamma,
+                        const std::vector<float>& beta, BnActivation act, bool in_place, int steps,
+                        bool graph) {
+  const DeviceBuffer<T> xg(x);
+  DeviceBuffer<T> y(k.size());
+  DeviceBuffer<float> gg(gamma), bg(beta), rm(std::vector<float>(k.c, 0.f)),
+      rv(std::vector<float>(k.c, 1.f)), m(k.c), i(k.c);
+  DeviceBuffer<int64_t> tracked(std::vector<int64_t>{0});
+  cudaStream_t stream = nullptr;
+  CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto forward = [&] {
+    if (in_place) {
+      CUDP_CUDA_CHECK(cudaMemcpyAsync(y.get(), xg.get(), k.size() * sizeof(T),
+                                      cudaMemcpyDeviceToDevice, stream));
+    }
+    batchnorm_forward_train(in_place ? y.get() : xg.get(), y.get(), gg.get(), bg.get(), rm.get(),
+                            rv.get(), m.get(), i.get(), k.rows(), k.c, kMomentum, kEps, act, stream,
+                            tracked.get());
+  };
+  if (graph) {
+    cudaGraph_t captured = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    forward();
+    CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &captured));
+    CUDP_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
+    for (int s = 0; s < steps; ++s) CUDP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDP_CUDA_CHECK(cudaGraphDestroy(captured));
+  } else {
+    for (int s = 0; s < steps; ++s) forward();
+  }
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
+  return {floats(y.download()), rm.download(), rv.download(),
+          m.download(),         i.download(),  tracked.download()[0]};
+}
+
+void expect_same_bits(const ForwardRun& got, const ForwardRun& want) {
+  EXPECT_TRUE(bitwise_equal(got.y, want.y)) << "y";
+  EXPECT_TRUE(bitwise_equal(got.running_mean, want.running_mean)) << "running_mean";
+  EXPECT_TRUE(bitwise_equal(got.running_var, want.running_var)) << "running_var";
+  EXPECT_TRUE(bitwise_equal(got.save_mean, want.save_mean)) << "save_mean";
+  EXPECT_TRUE(bitwise_equal(got.save_invstd, want.save_invstd)) << "save_invstd";
+  EXPECT_EQ(got.tracked, want.tracked) << "num_batches_tracked";
+}
+
+template <typename T>
+void expect_whole_gpu_forward_bits(const BnCase& k, uint64_t seed) {
+  const std::vector<T> x = stored<T>(bn_input(k, seed, 3.f));
+  const std::vector<float> gamma = testing::random_vector(k.c, seed + 1, 0.5f, 1.5f);
+  const std::vector<float> beta = testing::random_vector(k.c, seed + 2);
+  for (const BnActivation act : {BnActivation::none, BnActivation::relu}) {
+    for (const bool in_place : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (act == BnActivation::relu ? "relu" : "no relu")
+                                        << (in_place ? ", in place" : ""));
+      ForwardRun want;
+      {
+        const WholeGpu off(false);
+        want = run_forwards<T>(k, x, gamma, beta, act, in_place, 3, false);
+      }
+      const WholeGpu on(true);
+      expect_same_bits(run_forwards<T>(k, x, gamma, beta, act, in_place, 3, false), want);
+    }
+  }
+}
+
+// Which layers the whole-GPU forward takes: those whose row-walking block is full.
+TEST(BatchNormGpu, WholeGpuForwardTakesTheLayersWithAFullBlock) {
+  CUDP_REQUIRE_GPU();
+  const WholeGpu on(true);
+  for (const int c : {64, 128, 256, 512}) {
+    EXPECT_TRUE(detail::batchnorm_whole_gpu(c, 8)) << c << " bf16 channels";
+    EXPECT_TRUE(detail::batchnorm_whole_gpu(c, 4)) << c << " f32 channels";
+  }
+  EXPECT_TRUE(detail::batchnorm_whole_gpu(1, 1));
+  EXPECT_TRUE(detail::batchnorm_whole_gpu(4, 1));
+  EXPECT_FALSE(detail::batchnorm_whole_gpu(264, 8));  // 17 lanes of 15 rows
+  EXPECT_FALSE(detail::batchnorm_whole_gpu(5, 1));
+  detail::set_batchnorm_fused(false);
+  EXPECT_FALSE(detail::batchnorm_whole_gpu(64, 8));
+}
+
+// The whole-GPU forward gives the multi-pass kernels' bits (its statistics items are their row
+// blocks, its finalize merges in their order): y, the running and saved statistics and
+// num_batches_tracked after three forwards (so the counters it leaves zero are used again), with
+// and without the fused ReLU, in place and not, fp32 and bf16; VGG-16-BN's layer shapes at 32 x 32
+// (batch 64), many rows of one, two and four channels (the one-value lanes), and shapes whose
+// block is not full (the multi-pass kernels then, the same bits trivially).
+TEST(BatchNormGpu, WholeGpuForwardHasTheMultiPassBits) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k :
+       {BnCase{64, 32, 32, 64}, BnCase{64, 16, 16, 128}, BnCase{64, 8, 8, 256},
+        BnCase{64, 4, 4, 512}, BnCase{64, 2, 2, 512}, BnCase{7, 33, 35, 1}, BnCase{5, 20, 21, 2},
+        BnCase{3, 17, 19, 4}, BnCase{2, 9, 9, 264}, BnCase{3, 7, 7, 5}}) {
+    SCOPED_TRACE(describe(k));
+    {
+      SCOPED_TRACE("f32");
+      expect_whole_gpu_forward_bits<float>(k, 301);
+    }
+    {
+      SCOPED_TRACE("bf16");
+      expect_whole_gpu_forward_bits<__nv_bfloat16>(k, 311);
+    }
+  }
+}
+
+// Replays of a captured whole-GPU forward give what as many eager multi-pass forwards give: the
+// counters are back at zero after every launch, and a graph keeps its own set.
+TEST(BatchNormGpu, WholeGpuForwardReplaysGiveTheEagerBits) {
+  CUDP_REQUIRE_GPU();
+  using bf16 = __nv_bfloat16;
+  for (const BnCase& k : {BnCase{64, 8, 8, 256}, BnCase{64, 32, 32, 64}}) {
+    SCOPED_TRACE(describe(k));
+    const std::vector<bf16> x = stored<bf16>(bn_input(k, 321, 3.f));
+    const std::vector<float> gamma = testing::random_vector(k.c, 322, 0.5f, 1.5f);
+    const std::vector<float> beta = testing::random_vector(k.c, 323);
+    ForwardRun want;
+    {
+      const WholeGpu off(false);
+      want = run_forwards<bf16>(k, x, gamma, beta, BnActivation::relu, false, 200, false);
+    }
+    const WholeGpu on(true);
+    expect_same_bits(run_forwards<bf16>(k, x, gamma, beta, BnActivation::relu, false, 200, true),
+                     want);
+  }
+}
+
+// What a training backward leaves (after a multi-pass forward of the same input): dx, dgamma and
+// dbeta (accumulated into: beta_accumulate 1, from the same initial values), and with `sums` the
+// column sums of dx added to initial values (input_grad_sums). `steps` backwards, eagerly or as
+// replays of one captured backward.
+struct BackwardRun {
+  std::vector<float> dx, dgamma, dbeta, sums;
+};
+
+template <typename T>
+BackwardRun run_backwards(const BnCase& k, const std::vector<T>& x, const std::vector<T>& dy,
+                          const std::vector<float>& gamma, bool relu, bool sums, int steps,
+                          bool graph) {
+  const DeviceBuffer<T> xg(x), dyg(dy);
+  DeviceBuffer<T> y(k.size()), dx(k.size());
+  const std::vector<float> init = testing::random_vector(k.c, 331);
+  DeviceBuffer<float> gg(gamma), bg(std::vector<float>(k.c, 0.1f)),
+      rm(std::vector<float>(k.c, 0.f)), rv(std::vector<float>(k.c, 1.f)), m(k.c), i(k.c), dg(init),
+      db(init), sg(init);
+  {
+    const WholeGpu off(false);
+    batchnorm_forward_train(xg.get(), y.get(), gg.get(), bg.get(), rm.get(), rv.get(), m.get(),
+                            i.get(), k.rows(), k.c, kMomentum, kEps,
+                            relu ? BnActivation::relu : BnActivation::none, nullptr);
+    CUDP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  cudaStream_t stream = nullptr;
+  CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto backward = [&] {
+    batchnorm_backward(xg.get(), dyg.get(), relu ? y.get() : nullptr, gg.get(), m.get(), i.get(),
+                       dx.get(), dg.get(), db.get(), k.rows(), k.c, 1.f, stream,
+                       sums ? sg.get() : nullptr);
+  };
+  if (graph) {
+    cudaGraph_t captured = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    backward();
+    CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &captured));
+    CUDP_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
+    for (int s = 0; s < steps; ++s) CUDP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDP_CUDA_CHECK(cudaGraphDestroy(captured));
+  } else {
+    for (int s = 0; s < steps; ++s) backward();
+  }
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
+  return {floats(dx.download()), dg.download(), db.download(), sg.download()};
+}
+
+void expect_same_bits(const BackwardRun& got, const BackwardRun& want) {
+  EXPECT_TRUE(bitwise_equal(got.dx, want.dx)) << "dx";
+  EXPECT_TRUE(bitwise_equal(got.dgamma, want.dgamma)) << "dgamma";
+  EXPECT_TRUE(bitwise_equal(got.dbeta, want.dbeta)) << "dbeta";
+  EXPECT_TRUE(bitwise_equal(got.sums, want.sums)) << "input_grad_sums";
+}
+
+template <typename T>
+void expect_whole_gpu_backward_bits(const BnCase& k, uint64_t seed) {
+  const std::vector<T> x = stored<T>(bn_input(k, seed, 3.f));
+  const std::vector<T> dy = stored<T>(testing::random_vector(k.size(), seed + 1));
+  const std::vector<float> gamma = testing::random_vector(k.c, seed + 2, 0.5f, 1.5f);
+  for (const bool relu : {false, true}) {
+    for (const bool sums : {false, true}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (relu ? "relu mask" : "no mask") << (sums ? ", column sums" : ""));
+      BackwardRun want;
+      {
+        const WholeGpu off(false);
+        want = run_backwards<T>(k, x, dy, gamma, relu, sums, 2, false);
+      }
+      const WholeGpu on(true);
+      expect_same_bits(run_backwards<T>(k, x, dy, gamma, relu, sums, 2, false), want);
+    }
+  }
+}
+
+// The whole-GPU backward gives the multi-pass kernels' bits: dx, dgamma and dbeta accumulated over
+// two backwards, and the column sums of dx (the dx pass's row blocks are then the dx kernel's),
+// with and without the ReLU mask; the shapes of WholeGpuForwardHasTheMultiPassBits.
+TEST(BatchNormGpu, WholeGpuBackwardHasTheMultiPassBits) {
+  CUDP_REQUIRE_GPU();
+  for (const BnCase& k :
+       {BnCase{64, 32, 32, 64}, BnCase{64, 16, 16, 128}, BnCase{64, 8, 8, 256},
+        BnCase{64, 4, 4, 512}, BnCase{64, 2, 2, 512}, BnCase{7, 33, 35, 1}, BnCase{5, 20, 21, 2},
+        BnCase{3, 17, 19, 4}, BnCase{2, 9, 9, 264}, BnCase{3, 7, 7, 5}}) {
+    SCOPED_TRACE(describe(k));
+    {
+      SCOPED_TRACE("f32");
+      expect_whole_gpu_backward_bits<float>(k, 341);
+    }
+    {
+      SCOPED_TRACE("bf16");
+      expect_whole_gpu_backward_bits<__nv_bfloat16>(k, 351);
+    }
+  }
+}
+
+// Replays of a captured whole-GPU backward (with the column sums) give what as many eager
+// multi-pass backwards give.
+TEST(BatchNormGpu, WholeGpuBackwardReplaysGiveTheEagerBits) {
+  CUDP_REQUIRE_GPU();
+  using bf16 = __nv_bfloat16;
+  for (const BnCase& k : {BnCase{64, 8, 8, 256}, BnCase{64, 32, 32, 64}}) {
+    SCOPED_TRACE(describe(k));
+    const std::vector<bf16> x = stored<bf16>(bn_input(k, 361, 3.f));
+    const std::vector<bf16> dy = stored<bf16>(testing::random_vector(k.size(), 362));
+    const std::vector<float> gamma = testing::random_vector(k.c, 363, 0.5f, 1.5f);
+    BackwardRun want;
+    {
+      const WholeGpu off(false);
+      want = run_backwards<bf16>(k, x, dy, gamma, true, true, 100, false);
+    }
+    const WholeGpu on(true);
+    expect_same_bits(run_backwards<bf16>(k, x, dy, gamma, true, true, 100, true), want);
   }
 }
 
