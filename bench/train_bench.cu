@@ -637,9 +637,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   std::string bn_whole_gpu = kernels::detail::batchnorm_fused() ? "on" : "off";
   app.add_option("--bn-whole-gpu", bn_whole_gpu,
-                 "on: with --bn, each BatchNorm's training forward is one launch over the whole "
-                 "GPU (the multi-pass kernels' blocks as its items, the same bits; --bn-cluster "
-                 "on comes first where it applies); off: three kernels")
+                 "on: with --bn, each BatchNorm's training forward and backward are one launch "
+                 "each over the whole GPU (the multi-pass kernels' blocks as its items, the same "
+                 "bits; --bn-cluster on comes first where it applies); off: three kernels each")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   std::string splitk = kernels::detail::splitk_in_kernel_enabled()   ? "in-kernel"

@@ -83,11 +83,18 @@ __device__ __forceinline__ T from_f32(float v) {
   }
 }
 
-// The gradient reaching the normalisation: dy, masked by the fused ReLU's output when there is
-// one (ReLU's own rule, so that fused and unfused gradients agree bit for bit).
-template <typename T>
-__device__ __forceinline__ float masked_grad(T dy, const T* mask_row, int k) {
-  return mask_row ? detail::relu_grad(to_f32(mask_row[k]), to_f32(dy)) : to_f32(dy);
+// The gradient reaching the normalisation: dy, masked by the fused ReLU's output (value k of the
+// mask's pack) when there is one (ReLU's own rule, so that fused and unfused gradients agree bit
+// for bit). The walks below take the mask's presence as a template argument, dispatched once per
+// walk: a pointer into a pack in registers (null without a mask) put the packs in local memory in
+// the one-launch kernels.
+template <bool Masked, typename T, int V>
+__device__ __forceinline__ float masked_grad(T dy, const Pack<T, V>& mask, int k) {
+  if constexpr (Masked) {
+    return detail::relu_grad(to_f32(mask.v[k]), to_f32(dy));
+  } else {
+    return to_f32(dy);
+  }
 }
 
 // Rows r0, r0 + step, ... below `rows`.
@@ -264,15 +271,16 @@ __device__ __forceinline__ void apply_walk(const T* __restrict__ x, T* __restric
 
 // The thread's sums of g and g * (x - mean) over its rows, g = dy masked by the fused ReLU's
 // output (mask, nullable), added to a and b.
-template <typename T, int V>
-__device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T* __restrict__ dy,
-                                               const T* __restrict__ mask, const float (&mean)[V],
-                                               int64_t r0, int64_t step, int64_t rows, int c,
-                                               int channel, float (&a)[V], float (&b)[V]) {
-  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
+template <typename T, int V, bool Masked>
+__device__ __forceinline__ void grad_sums_walk_as(const T* __restrict__ x, const T* __restrict__ dy,
+                                                  const T* __restrict__ mask,
+                                                  const float (&mean)[V], int64_t r0, int64_t step,
+                                                  int64_t rows, int c, int channel, float (&a)[V],
+                                                  float (&b)[V]) {
+  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const Pack<T, V>& mv) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float g = masked_grad(gv.v[k], mask_row, k);
+      const float g = masked_grad<Masked>(gv.v[k], mv, k);
       a[k] += g;
       b[k] = fmaf(g, to_f32(xv.v[k]) - mean[k], b[k]);
     }
@@ -285,33 +293,45 @@ __device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T*
       const int64_t at = (r + u * step) * c + channel;
       xv[u] = load<T, V>(x + at);
       gv[u] = load<T, V>(dy + at);
-      if (mask) mv[u] = load<T, V>(mask + at);
+      if constexpr (Masked) mv[u] = load<T, V>(mask + at);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mask ? mv[u].v : nullptr);
+    for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mv[u]);
   }
   for (; r < rows; r += step) {
     const int64_t at = r * c + channel;
     Pack<T, V> mv;
-    if (mask) mv = load<T, V>(mask + at);
-    accumulate(load<T, V>(x + at), load<T, V>(dy + at), mask ? mv.v : nullptr);
+    if constexpr (Masked) mv = load<T, V>(mask + at);
+    accumulate(load<T, V>(x + at), load<T, V>(dy + at), mv);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T* __restrict__ dy,
+                                               const T* __restrict__ mask, const float (&mean)[V],
+                                               int64_t r0, int64_t step, int64_t rows, int c,
+                                               int channel, float (&a)[V], float (&b)[V]) {
+  if (mask) {
+    grad_sums_walk_as<T, V, true>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
+  } else {
+    grad_sums_walk_as<T, V, false>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
   }
 }
 
 // dx = k * (g - a - (x - mean) * b) over the thread's rows; with frozen statistics (b == 0) x is
 // not read. With Sums, adds the stored dx (bf16: the rounded values) to sum, in row order.
-template <typename T, int V, bool Frozen, bool Sums>
-__device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __restrict__ dy,
-                                        const T* __restrict__ mask, const float (&mean)[V],
-                                        const float (&k_)[V], const float (&a)[V],
-                                        const float (&b)[V], T* __restrict__ dx, int64_t r0,
-                                        int64_t step, int64_t rows, int c, int channel,
-                                        float (&sum)[V]) {
-  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
+template <typename T, int V, bool Frozen, bool Sums, bool Masked>
+__device__ __forceinline__ void dx_walk_as(const T* __restrict__ x, const T* __restrict__ dy,
+                                           const T* __restrict__ mask, const float (&mean)[V],
+                                           const float (&k_)[V], const float (&a)[V],
+                                           const float (&b)[V], T* __restrict__ dx, int64_t r0,
+                                           int64_t step, int64_t rows, int c, int channel,
+                                           float (&sum)[V]) {
+  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const Pack<T, V>& mv) {
     Pack<T, V> out;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float g = masked_grad(gv.v[k], mask_row, k);
+      const float g = masked_grad<Masked>(gv.v[k], mv, k);
       if constexpr (Frozen) {
         out.v[k] = from_f32<T>(k_[k] * g);
       } else {
@@ -329,20 +349,35 @@ __device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __rest
       const int64_t at = (r + u * step) * c + channel;
       if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
       gv[u] = load<T, V>(dy + at);
-      if (mask) mv[u] = load<T, V>(mask + at);
+      if constexpr (Masked) mv[u] = load<T, V>(mask + at);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll<V>; ++u) {
-      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
-          grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
+      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) = grad(xv[u], gv[u], mv[u]);
     }
   }
   for (; r < rows; r += step) {
     const int64_t at = r * c + channel;
     Pack<T, V> xv, mv;
     if constexpr (!Frozen) xv = load<T, V>(x + at);
-    if (mask) mv = load<T, V>(mask + at);
-    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
+    if constexpr (Masked) mv = load<T, V>(mask + at);
+    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mv);
+  }
+}
+
+template <typename T, int V, bool Frozen, bool Sums>
+__device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __restrict__ dy,
+                                        const T* __restrict__ mask, const float (&mean)[V],
+                                        const float (&k_)[V], const float (&a)[V],
+                                        const float (&b)[V], T* __restrict__ dx, int64_t r0,
+                                        int64_t step, int64_t rows, int c, int channel,
+                                        float (&sum)[V]) {
+  if (mask) {
+    dx_walk_as<T, V, Frozen, Sums, true>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c,
+                                         channel, sum);
+  } else {
+    dx_walk_as<T, V, Frozen, Sums, false>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c,
+                                          channel, sum);
   }
 }
 
@@ -607,15 +642,17 @@ __device__ __forceinline__ void item_done(int* counter) {
 }
 
 // Holds the block until `target` items of a phase are done; their stores are then visible to the
-// block's threads (read them with __ldcg: not through L1).
+// block's threads (read them with __ldcg: not through L1). Polls with relaxed loads and acquires
+// once, at the end (an acquiring load at every poll would be a fence each time).
 __device__ __forceinline__ void wait_for_items(const int* counter, int target) {
   if (first_thread()) {
     int done = 0;
     for (;;) {
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(done) : "l"(counter) : "memory");
+      asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(done) : "l"(counter) : "memory");
       if (done >= target) break;
       __nanosleep(32);
     }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
   }
   __syncthreads();
 }
@@ -626,6 +663,7 @@ __device__ __forceinline__ void fused_exit(int* counters) {
   if (first_thread()) {
     __threadfence();
     if (atomicAdd(counters + kBlocksDone, 1) == int(gridDim.x) - 1) {
+      __threadfence();  // the resets after every other block's last use of the counters
       atomicExch(counters + kNextItem, 0);
       atomicExch(counters + kPhase1Done, 0);
       atomicExch(counters + kPhase2Done, 0);
@@ -1318,6 +1356,7 @@ std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
 }
 
 std::atomic<bool> g_fused{false};  // off until measured (kernels/batchnorm.h)
+std::atomic<int> g_fused_max_blocks{0};  // tests: at most this many blocks (0: no cap)
 
 // The one-launch kernels' grid (bn_forward_fused_kernel): as many blocks as the GPU holds at once,
 // of the multi-pass plan's block (whose row blocks the statistics items keep, for their bits); the
@@ -1351,6 +1390,9 @@ std::optional<FusedGrid> fused_grid(Kernel kernel, const Plan& plan, int64_t row
   const int64_t items = groups * (int64_t(plan.grid.y) + grid.apply_parts) +
                         (c + kFusedFinalLanes - 1) / kFusedFinalLanes;
   grid.blocks = int(std::min(capacity, items));
+  if (const int cap = g_fused_max_blocks.load(std::memory_order_relaxed); cap > 0) {
+    grid.blocks = std::min(grid.blocks, cap);
+  }
   grid.counters = arrival_counters(stream, kFusedCounters, "batch norm's arrival counters");
   return grid;
 }
@@ -1663,6 +1705,10 @@ void set_batchnorm_fused(bool on) {
 
 bool batchnorm_fused() {
   return g_fused.load();
+}
+
+void set_batchnorm_fused_max_blocks_for_testing(int blocks) {
+  g_fused_max_blocks.store(std::max(blocks, 0));
 }
 
 bool batchnorm_whole_gpu(int c, int v) {

@@ -258,6 +258,9 @@ bool batchnorm_fused();
 // not: the switch on and the row-walking block of c / v lanes full (256 threads; not, e.g., 264
 // bf16 channels: 17 lanes of 15 rows).
 bool batchnorm_whole_gpu(int c, int v);
+// Tests: the whole-GPU launches take at most `blocks` blocks (0: as many as the GPU holds at
+// once), so that a few blocks work through every item in order.
+void set_batchnorm_fused_max_blocks_for_testing(int blocks);
 // Whether a training forward or backward of rows x c on the current device takes one launch.
 bool batchnorm_one_launch(int64_t rows, int c);
 // The one-launch kernels' threads along the rows of a block, for rows x c values of `bytes` bytes

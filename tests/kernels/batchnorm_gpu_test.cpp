@@ -90,8 +90,9 @@ double dx_term_scale(const std::vector<float>& x, const std::vector<float>& dy,
 // The tests of training forwards and backwards run on every path (kernels/batchnorm.h):
 // MultiPass (the default for now), the multi-pass kernels at every size; OneLaunch, where the
 // layers of at most kBatchnormClusterElements values take the cluster kernels and larger ones the
-// multi-pass kernels; WholeGpu, the training forward in one launch over the whole GPU (the
-// multi-pass kernels' blocks as its items) where the block shape allows, else multi-pass.
+// multi-pass kernels; WholeGpu, the training forward and backward in one launch each over the
+// whole GPU (the multi-pass kernels' blocks as its items) where the block shape allows, else
+// multi-pass.
 enum class BnPath { MultiPass, OneLaunch, WholeGpu };
 
 class BatchNormPathGpu : public ::testing::TestWithParam<BnPath> {
@@ -1021,8 +1022,74 @@ void expect_same_bits(const ForwardRun& got, const ForwardRun& want) {
   EXPECT_EQ(got.tracked, want.tracked) << "num_batches_tracked";
 }
 
+// The kernel nodes of what `enqueue` launches on a stream, captured into a graph.
+template <typename F>
+size_t kernel_nodes(F&& enqueue) {
+  cudaStream_t stream = nullptr;
+  CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue(stream);
+  CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  size_t count = 0;
+  CUDP_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  CUDP_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count));
+  size_t kernels = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    CUDP_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    kernels += type == cudaGraphNodeTypeKernel;
+  }
+  CUDP_CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
+  return kernels;
+}
+
+// Values a lane of the row-walking kernels takes for c channels of T (the buffers are aligned).
+template <typename T>
+int lane_values(int c) {
+  const int v = 16 / int(sizeof(T));
+  return c % v == 0 ? v : 1;
+}
+
+// At most `blocks` blocks for the whole-GPU launches while it lives.
+struct FusedBlocks {
+  explicit FusedBlocks(int blocks) { detail::set_batchnorm_fused_max_blocks_for_testing(blocks); }
+  ~FusedBlocks() { detail::set_batchnorm_fused_max_blocks_for_testing(0); }
+};
+
+// The whole-GPU path is taken exactly where batchnorm_whole_gpu says: two kernels fewer than the
+// multi-pass path (one launch instead of three) in a captured forward and backward.
+template <typename T>
+void expect_whole_gpu_taken(const BnCase& k) {
+  const DeviceBuffer<T> x(k.size()), dy(k.size());
+  DeviceBuffer<T> y(k.size()), dx(k.size());
+  DeviceBuffer<float> g(std::vector<float>(k.c, 1.f)), b(k.c), rm(k.c), rv(k.c), m(k.c), i(k.c),
+      dg(k.c), db(k.c), sums(k.c);
+  auto forward = [&](cudaStream_t s) {
+    batchnorm_forward_train(x.get(), y.get(), g.get(), b.get(), rm.get(), rv.get(), m.get(),
+                            i.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::relu, s);
+  };
+  auto backward = [&](cudaStream_t s) {
+    batchnorm_backward(x.get(), dy.get(), y.get(), g.get(), m.get(), i.get(), dx.get(), dg.get(),
+                       db.get(), k.rows(), k.c, 0.f, s, sums.get());
+  };
+  size_t multi_forward = 0, multi_backward = 0;
+  {
+    const WholeGpu off(false);
+    multi_forward = kernel_nodes(forward);
+    multi_backward = kernel_nodes(backward);
+  }
+  const WholeGpu on(true);
+  const size_t saved = detail::batchnorm_whole_gpu(k.c, lane_values<T>(k.c)) ? 2 : 0;
+  EXPECT_EQ(kernel_nodes(forward), multi_forward - saved) << "forward";
+  EXPECT_EQ(kernel_nodes(backward), multi_backward - saved) << "backward";
+}
+
 template <typename T>
 void expect_whole_gpu_forward_bits(const BnCase& k, uint64_t seed) {
+  expect_whole_gpu_taken<T>(k);
   const std::vector<T> x = stored<T>(bn_input(k, seed, 3.f));
   const std::vector<float> gamma = testing::random_vector(k.c, seed + 1, 0.5f, 1.5f);
   const std::vector<float> beta = testing::random_vector(k.c, seed + 2);
@@ -1037,6 +1104,11 @@ void expect_whole_gpu_forward_bits(const BnCase& k, uint64_t seed) {
       }
       const WholeGpu on(true);
       expect_same_bits(run_forwards<T>(k, x, gamma, beta, act, in_place, 3, false), want);
+      for (const int blocks : {1, 3}) {  // a few blocks work through every item in order
+        SCOPED_TRACE(::testing::Message() << "at most " << blocks << " block(s)");
+        const FusedBlocks few(blocks);
+        expect_same_bits(run_forwards<T>(k, x, gamma, beta, act, in_place, 3, false), want);
+      }
     }
   }
 }
@@ -1061,8 +1133,9 @@ TEST(BatchNormGpu, WholeGpuForwardTakesTheLayersWithAFullBlock) {
 // blocks, its finalize merges in their order): y, the running and saved statistics and
 // num_batches_tracked after three forwards (so the counters it leaves zero are used again), with
 // and without the fused ReLU, in place and not, fp32 and bf16; VGG-16-BN's layer shapes at 32 x 32
-// (batch 64), many rows of one, two and four channels (the one-value lanes), and shapes whose
-// block is not full (the multi-pass kernels then, the same bits trivially).
+// (batch 64), many rows of one, two and four channels (one-value lanes, but fp32's four channels:
+// one lane of 4), and shapes whose block is not full (the multi-pass kernels then, the same bits
+// trivially).
 TEST(BatchNormGpu, WholeGpuForwardHasTheMultiPassBits) {
   CUDP_REQUIRE_GPU();
   for (const BnCase& k :
@@ -1162,6 +1235,7 @@ void expect_same_bits(const BackwardRun& got, const BackwardRun& want) {
 
 template <typename T>
 void expect_whole_gpu_backward_bits(const BnCase& k, uint64_t seed) {
+  expect_whole_gpu_taken<T>(k);
   const std::vector<T> x = stored<T>(bn_input(k, seed, 3.f));
   const std::vector<T> dy = stored<T>(testing::random_vector(k.size(), seed + 1));
   const std::vector<float> gamma = testing::random_vector(k.c, seed + 2, 0.5f, 1.5f);
@@ -1176,6 +1250,11 @@ void expect_whole_gpu_backward_bits(const BnCase& k, uint64_t seed) {
       }
       const WholeGpu on(true);
       expect_same_bits(run_backwards<T>(k, x, dy, gamma, relu, sums, 2, false), want);
+      for (const int blocks : {1, 3}) {
+        SCOPED_TRACE(::testing::Message() << "at most " << blocks << " block(s)");
+        const FusedBlocks few(blocks);
+        expect_same_bits(run_backwards<T>(k, x, dy, gamma, relu, sums, 2, false), want);
+      }
     }
   }
 }
