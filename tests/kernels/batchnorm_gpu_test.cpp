@@ -16,8 +16,10 @@
 #include "common/compare.h"
 #include "common/device_buffer.h"
 #include "common/gpu.h"
+#include "common/scoped_switch.h"
 #include "engine/core/vendor_check.h"
 #include "kernels/batchnorm.h"
+#include "kernels/matmul.h"
 #include "tests/kernels/batchnorm_testing.h"
 
 namespace cudp::kernels {
@@ -1297,6 +1299,68 @@ TEST(BatchNormGpu, WholeGpuBackwardReplaysGiveTheEagerBits) {
     }
     const WholeGpu on(true);
     expect_same_bits(run_backwards<bf16>(k, x, dy, gamma, true, true, 100, true), want);
+  }
+}
+
+// The whole-GPU BatchNorm and the tensor-core products that sum their split-K in the kernel use
+// the same counter set on one stream (kernels/counters.h): each leaves it zero for the next. A
+// forward, a product (seven splits, the in-kernel sum) and a backward, five times over on one
+// stream, give what each gives alone.
+TEST(BatchNormGpu, WholeGpuAndSplitKShareTheCountersOfAStream) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  using bf16 = __nv_bfloat16;
+  const testing::ScopedSwitch<bool> in_kernel(detail::splitk_in_kernel_enabled,
+                                              detail::set_splitk_in_kernel, true);
+  const BnCase k{64, 8, 8, 256};
+  const DeviceBuffer<bf16> x(stored<bf16>(bn_input(k, 371, 3.f))),
+      dy(stored<bf16>(testing::random_vector(k.size(), 372)));
+  DeviceBuffer<bf16> y(k.size()), dx(k.size());
+  DeviceBuffer<float> g(testing::random_vector(k.c, 373, 0.5f, 1.5f)), b(k.c),
+      rm(std::vector<float>(k.c, 0.f)), rv(std::vector<float>(k.c, 1.f)), m(k.c), i(k.c), dg(k.c),
+      db(k.c);
+  const int pm = 200, pn = 300, pk = 1500;
+  const DeviceBuffer<bf16> a(stored<bf16>(testing::random_vector(size_t(pm) * pk, 374))),
+      w(stored<bf16>(testing::random_vector(size_t(pn) * pk, 375)));
+  DeviceBuffer<float> c(size_t(pm) * pn);
+  MatmulProblem product;
+  product.m = pm, product.n = pn, product.k = pk, product.math = Math::BF16;
+  product.a = a.get(), product.lda = pk, product.b = w.get(), product.ldb = pk;
+  product.c = c.get(), product.ldc = pn, product.c_type = DType::F32;
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const MatmulPlan plan = make_matmul_plan(product, 128, 7, detail::multiprocessor_count(device));
+  ASSERT_TRUE(detail::splitk_in_kernel(plan));
+  cudaStream_t stream = nullptr;
+  CUDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto forward = [&] {
+    batchnorm_forward_train(x.get(), y.get(), g.get(), b.get(), rm.get(), rv.get(), m.get(),
+                            i.get(), k.rows(), k.c, kMomentum, kEps, BnActivation::relu, stream);
+  };
+  auto backward = [&] {
+    batchnorm_backward(x.get(), dy.get(), y.get(), g.get(), m.get(), i.get(), dx.get(), dg.get(),
+                       db.get(), k.rows(), k.c, 0.f, stream);
+  };
+  auto outputs = [&] {
+    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return std::vector<std::vector<float>>{
+        floats(y.download()), floats(dx.download()), dg.download(), db.download(),
+        m.download(),         i.download(),          c.download()};
+  };
+  const WholeGpu on(true);
+  forward();
+  backward();
+  matmul_with_plan(product, plan, stream);
+  const std::vector<std::vector<float>> alone = outputs();
+  for (int round = 0; round < 5; ++round) {
+    forward();
+    matmul_with_plan(product, plan, stream);
+    backward();
+  }
+  const std::vector<std::vector<float>> interleaved = outputs();
+  CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
+  const char* names[] = {"y", "dx", "dgamma", "dbeta", "save_mean", "save_invstd", "product"};
+  for (size_t j = 0; j < alone.size(); ++j) {
+    EXPECT_TRUE(bitwise_equal(interleaved[j], alone[j])) << names[j];
   }
 }
 
