@@ -966,6 +966,25 @@ struct WholeGpu {
   const bool fused_was_on = detail::batchnorm_fused();
 };
 
+// `steps` calls of `enqueue` on `stream`, eagerly or as replays of one captured call.
+template <typename F>
+void run_steps(cudaStream_t stream, int steps, bool graph, F&& enqueue) {
+  if (!graph) {
+    for (int s = 0; s < steps; ++s) enqueue();
+    return;
+  }
+  cudaGraph_t captured = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &captured));
+  CUDP_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
+  for (int s = 0; s < steps; ++s) CUDP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDP_CUDA_CHECK(cudaGraphDestroy(captured));
+}
+
 // What `steps` training forwards of one input leave: the last y, the running and saved statistics,
 // num_batches_tracked. With `graph`, the forwards are captured once on a stream of the test's and
 // the graph is replayed `steps` times; in place, y is x's buffer (the input copied in before each
@@ -995,20 +1014,7 @@ ForwardRun run_forwards(const BnCase& k, const std::vector<T>& x, const std::vec
                             rv.get(), m.get(), i.get(), k.rows(), k.c, kMomentum, kEps, act, stream,
                             tracked.get());
   };
-  if (graph) {
-    cudaGraph_t captured = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    forward();
-    CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &captured));
-    CUDP_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
-    for (int s = 0; s < steps; ++s) CUDP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    CUDP_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDP_CUDA_CHECK(cudaGraphDestroy(captured));
-  } else {
-    for (int s = 0; s < steps; ++s) forward();
-  }
+  run_steps(stream, steps, graph, forward);
   CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
   CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
   return {floats(y.download()), rm.download(), rv.download(),
@@ -1131,19 +1137,22 @@ TEST(BatchNormGpu, WholeGpuForwardTakesTheLayersWithAFullBlock) {
   EXPECT_FALSE(detail::batchnorm_whole_gpu(64, 8));
 }
 
+// VGG-16-BN's layer shapes at 32 x 32 (batch 64), many rows of one, two and four channels
+// (one-value lanes, but fp32's four channels: one lane of 4), and shapes whose block is not full
+// (the multi-pass kernels then, the same bits trivially).
+const BnCase kWholeGpuCases[] = {
+    BnCase{64, 32, 32, 64}, BnCase{64, 16, 16, 128}, BnCase{64, 8, 8, 256}, BnCase{64, 4, 4, 512},
+    BnCase{64, 2, 2, 512},  BnCase{7, 33, 35, 1},    BnCase{5, 20, 21, 2},  BnCase{3, 17, 19, 4},
+    BnCase{2, 9, 9, 264},   BnCase{3, 7, 7, 5}};
+
 // The whole-GPU forward gives the multi-pass kernels' bits (its statistics items are their row
 // blocks, its finalize merges in their order): y, the running and saved statistics and
 // num_batches_tracked after three forwards (so the counters it leaves zero are used again), with
-// and without the fused ReLU, in place and not, fp32 and bf16; VGG-16-BN's layer shapes at 32 x 32
-// (batch 64), many rows of one, two and four channels (one-value lanes, but fp32's four channels:
-// one lane of 4), and shapes whose block is not full (the multi-pass kernels then, the same bits
-// trivially).
+// and without the fused ReLU, in place and not, fp32 and bf16, on kWholeGpuCases; and with one or
+// three blocks.
 TEST(BatchNormGpu, WholeGpuForwardHasTheMultiPassBits) {
   CUDP_REQUIRE_GPU();
-  for (const BnCase& k :
-       {BnCase{64, 32, 32, 64}, BnCase{64, 16, 16, 128}, BnCase{64, 8, 8, 256},
-        BnCase{64, 4, 4, 512}, BnCase{64, 2, 2, 512}, BnCase{7, 33, 35, 1}, BnCase{5, 20, 21, 2},
-        BnCase{3, 17, 19, 4}, BnCase{2, 9, 9, 264}, BnCase{3, 7, 7, 5}}) {
+  for (const BnCase& k : kWholeGpuCases) {
     SCOPED_TRACE(describe(k));
     {
       SCOPED_TRACE("f32");
@@ -1209,20 +1218,7 @@ BackwardRun run_backwards(const BnCase& k, const std::vector<T>& x, const std::v
                        dx.get(), dg.get(), db.get(), k.rows(), k.c, 1.f, stream,
                        sums ? sg.get() : nullptr);
   };
-  if (graph) {
-    cudaGraph_t captured = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    backward();
-    CUDP_CUDA_CHECK(cudaStreamEndCapture(stream, &captured));
-    CUDP_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
-    for (int s = 0; s < steps; ++s) CUDP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    CUDP_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDP_CUDA_CHECK(cudaGraphDestroy(captured));
-  } else {
-    for (int s = 0; s < steps; ++s) backward();
-  }
+  run_steps(stream, steps, graph, backward);
   CUDP_CUDA_CHECK(cudaStreamSynchronize(stream));
   CUDP_CUDA_CHECK(cudaStreamDestroy(stream));
   return {floats(dx.download()), dg.download(), db.download(), sg.download()};
@@ -1263,13 +1259,10 @@ void expect_whole_gpu_backward_bits(const BnCase& k, uint64_t seed) {
 
 // The whole-GPU backward gives the multi-pass kernels' bits: dx, dgamma and dbeta accumulated over
 // two backwards, and the column sums of dx (the dx pass's row blocks are then the dx kernel's),
-// with and without the ReLU mask; the shapes of WholeGpuForwardHasTheMultiPassBits.
+// with and without the ReLU mask, on kWholeGpuCases; and with one or three blocks.
 TEST(BatchNormGpu, WholeGpuBackwardHasTheMultiPassBits) {
   CUDP_REQUIRE_GPU();
-  for (const BnCase& k :
-       {BnCase{64, 32, 32, 64}, BnCase{64, 16, 16, 128}, BnCase{64, 8, 8, 256},
-        BnCase{64, 4, 4, 512}, BnCase{64, 2, 2, 512}, BnCase{7, 33, 35, 1}, BnCase{5, 20, 21, 2},
-        BnCase{3, 17, 19, 4}, BnCase{2, 9, 9, 264}, BnCase{3, 7, 7, 5}}) {
+  for (const BnCase& k : kWholeGpuCases) {
     SCOPED_TRACE(describe(k));
     {
       SCOPED_TRACE("f32");
