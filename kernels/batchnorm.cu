@@ -1358,11 +1358,12 @@ std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
 std::atomic<bool> g_fused{false};  // off until measured (kernels/batchnorm.h)
 std::atomic<int> g_fused_max_blocks{0};  // tests: at most this many blocks (0: no cap)
 
-// The one-launch kernels' grid (bn_forward_fused_kernel): as many blocks as the GPU holds at once,
-// of the multi-pass plan's block (whose row blocks the statistics items keep, for their bits); the
-// apply pass's rows shared out over as many row blocks. None where the switch is off or the block
-// has fewer than kThreads threads (a channel count whose lanes do not divide kThreads: the finalize
-// items need 2 x kFinalRows threads).
+// The whole-GPU kernels' grid (bn_forward_fused_kernel, bn_backward_fused_kernel): as many blocks
+// as the GPU holds at once, of the multi-pass plan's block (whose row blocks the first pass's items
+// keep, for their bits); the element-wise pass's rows shared out over as many row blocks
+// (apply_parts). None where the switch is off or the block has fewer than kThreads threads (a
+// channel count whose lanes do not divide kThreads: the finalize items need 2 x kFinalRows
+// threads).
 struct FusedGrid {
   int blocks;
   int apply_parts;
