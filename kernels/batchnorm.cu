@@ -88,6 +88,16 @@ __device__ __forceinline__ T from_f32(float v) {
 // for bit). The walks below take the mask's presence as a template argument, dispatched once per
 // walk: a pointer into a pack in registers (null without a mask) put the packs in local memory in
 // the one-launch kernels.
+// Runs f.template operator()<Masked>() with Masked = (mask != nullptr): the walks' dispatch.
+template <typename F>
+__device__ __forceinline__ void with_mask(const void* mask, F&& f) {
+  if (mask) {
+    f.template operator()<true>();
+  } else {
+    f.template operator()<false>();
+  }
+}
+
 template <bool Masked, typename T, int V>
 __device__ __forceinline__ float masked_grad(T dy, const Pack<T, V>& mask, int k) {
   if constexpr (Masked) {
@@ -311,11 +321,9 @@ __device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T*
                                                const T* __restrict__ mask, const float (&mean)[V],
                                                int64_t r0, int64_t step, int64_t rows, int c,
                                                int channel, float (&a)[V], float (&b)[V]) {
-  if (mask) {
-    grad_sums_walk_as<T, V, true>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
-  } else {
-    grad_sums_walk_as<T, V, false>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
-  }
+  with_mask(mask, [&]<bool Masked>() {
+    grad_sums_walk_as<T, V, Masked>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
+  });
 }
 
 // dx = k * (g - a - (x - mean) * b) over the thread's rows; with frozen statistics (b == 0) x is
@@ -372,13 +380,10 @@ __device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __rest
                                         const float (&b)[V], T* __restrict__ dx, int64_t r0,
                                         int64_t step, int64_t rows, int c, int channel,
                                         float (&sum)[V]) {
-  if (mask) {
-    dx_walk_as<T, V, Frozen, Sums, true>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c,
-                                         channel, sum);
-  } else {
-    dx_walk_as<T, V, Frozen, Sums, false>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c,
-                                          channel, sum);
-  }
+  with_mask(mask, [&]<bool Masked>() {
+    dx_walk_as<T, V, Frozen, Sums, Masked>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c,
+                                           channel, sum);
+  });
 }
 
 // ---- a channel's outputs from its merged sums (the finalize, merge and cluster kernels)
@@ -1358,6 +1363,12 @@ std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
 std::atomic<bool> g_fused{false};  // off until measured (kernels/batchnorm.h)
 std::atomic<int> g_fused_max_blocks{0};  // tests: at most this many blocks (0: no cap)
 
+// Whether the whole-GPU kernels take a layer whose row-walking block is `block`: the switch on and
+// the block full (detail::batchnorm_whole_gpu).
+bool whole_gpu_block(dim3 block) {
+  return g_fused.load(std::memory_order_relaxed) && block.x * block.y == unsigned(kThreads);
+}
+
 // The whole-GPU kernels' grid (bn_forward_fused_kernel, bn_backward_fused_kernel): as many blocks
 // as the GPU holds at once, of the multi-pass plan's block (whose row blocks the first pass's items
 // keep, for their bits); the element-wise pass's rows shared out over as many row blocks
@@ -1374,9 +1385,7 @@ struct FusedGrid {
 template <typename Kernel>
 std::optional<FusedGrid> fused_grid(Kernel kernel, const Plan& plan, int64_t rows, int c,
                                     size_t walk_shared_bytes, cudaStream_t stream) {
-  if (!g_fused.load(std::memory_order_relaxed) || plan.block.x * plan.block.y != kThreads) {
-    return std::nullopt;  // the condition detail::batchnorm_whole_gpu tells
-  }
+  if (!whole_gpu_block(plan.block)) return std::nullopt;
   FusedGrid grid;
   grid.shared_bytes =
       std::max(walk_shared_bytes, 3 * size_t(kFinalRows) * kFusedFinalLanes * sizeof(float));
@@ -1713,8 +1722,7 @@ void set_batchnorm_fused_max_blocks_for_testing(int blocks) {
 }
 
 bool batchnorm_whole_gpu(int c, int v) {
-  const dim3 block = walk_block(c, v);
-  return g_fused.load() && block.x * block.y == unsigned(kThreads);
+  return whole_gpu_block(walk_block(c, v));
 }
 
 bool batchnorm_cluster() {
