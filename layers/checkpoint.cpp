@@ -280,47 +280,43 @@ void check_finite(const std::string& file, const TensorMap& tensors) {
 
 }  // namespace
 
-int64_t metadata_int(const Metadata& metadata, const std::string& key, int64_t min, int64_t max,
-                     const std::string& file) {
+namespace {
+
+// The value of `key` as a whole number of type T (std::from_chars: no sign for an unsigned, no
+// spaces, nothing after it) that `accept` takes; otherwise bad_metadata with `expected`.
+template <typename T, typename Accept>
+T metadata_number(const Metadata& metadata, const std::string& key, const std::string& file,
+                  const std::string& expected, Accept accept) {
   const auto it = metadata.find(key);
-  const std::string expected = detail::str("an integer in [", min, ", ", max, "]");
   if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
   const std::string& text = it->second;
-  int64_t value = 0;
+  T value{};
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < min ||
-      value > max) {
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() || !accept(value)) {
     bad_metadata(metadata, key, file, expected);
   }
   return value;
 }
 
+}  // namespace
+
+int64_t metadata_int(const Metadata& metadata, const std::string& key, int64_t min, int64_t max,
+                     const std::string& file) {
+  return metadata_number<int64_t>(metadata, key, file,
+                                  detail::str("an integer in [", min, ", ", max, "]"),
+                                  [&](int64_t v) { return v >= min && v <= max; });
+}
+
 uint64_t metadata_uint(const Metadata& metadata, const std::string& key, const std::string& file) {
-  const auto it = metadata.find(key);
-  const char* expected = "an integer in [0, 2^64 - 1]";
-  if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
-  const std::string& text = it->second;
-  uint64_t value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
-    bad_metadata(metadata, key, file, expected);
-  }
-  return value;
+  return metadata_number<uint64_t>(metadata, key, file, "an integer in [0, 2^64 - 1]",
+                                   [](uint64_t) { return true; });
 }
 
 double metadata_double(const Metadata& metadata, const std::string& key, double min, double max,
                        const std::string& file) {
-  const auto it = metadata.find(key);
-  const std::string expected = detail::str("a finite number in [", min, ", ", max, "]");
-  if (it == metadata.end()) bad_metadata(metadata, key, file, expected);
-  const std::string& text = it->second;
-  double value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size() ||
-      !std::isfinite(value) || value < min || value > max) {
-    bad_metadata(metadata, key, file, expected);
-  }
-  return value;
+  return metadata_number<double>(
+      metadata, key, file, detail::str("a finite number in [", min, ", ", max, "]"),
+      [&](double v) { return std::isfinite(v) && v >= min && v <= max; });
 }
 
 const std::string& metadata_choice(const Metadata& metadata, const std::string& key,
