@@ -122,15 +122,7 @@ Tensor BatchNorm2d::forward_one(const Tensor& input) {
 
 template <typename T>
 void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
-  const int64_t rows = rows_of(input_);
-  const T* x = input_.data<T>();
-  const T* dy = grad_output.data<T>();
-  const T* mask = relu_mask<T>();
-  T* out = dx.data<T>();
-  const float* gamma = weight_->data.data<float>();
-  float* dgamma = weight_->grad.data<float>();
-  float* dbeta = bias_->grad.data<float>();
-  const int c = c_;
+  const Operands<T> o = operands<T>(grad_output, dx);
   if (saved_training_) {
     const float* mean = save_mean_.data<float>();
     const float* invstd = save_invstd_.data<float>();
@@ -140,12 +132,12 @@ void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
     float* sums = device_.is_cuda() ? grad_sums_into_ : nullptr;
     run(
         [&] {
-          kernels::batchnorm_backward_cpu(x, dy, mask, gamma, mean, invstd, out, dgamma, dbeta,
-                                          rows, c, 1.0f);
+          kernels::batchnorm_backward_cpu(o.x, o.dy, o.mask, o.gamma, mean, invstd, o.dx, o.dgamma,
+                                          o.dbeta, o.rows, o.c, 1.0f);
         },
         [&](cudaStream_t s) {
-          kernels::batchnorm_backward(x, dy, mask, gamma, mean, invstd, out, dgamma, dbeta, rows, c,
-                                      1.0f, s, sums);
+          kernels::batchnorm_backward(o.x, o.dy, o.mask, o.gamma, mean, invstd, o.dx, o.dgamma,
+                                      o.dbeta, o.rows, o.c, 1.0f, s, sums);
         });
     input_grad_summed_ = sums != nullptr;
     return;
@@ -155,23 +147,26 @@ void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
   const float eps = eps_;
   run(
       [&] {
-        kernels::batchnorm_backward_eval_cpu(x, dy, mask, gamma, mean, var, out, dgamma, dbeta,
-                                             rows, c, eps, 1.0f);
+        kernels::batchnorm_backward_eval_cpu(o.x, o.dy, o.mask, o.gamma, mean, var, o.dx, o.dgamma,
+                                             o.dbeta, o.rows, o.c, eps, 1.0f);
       },
       [&](cudaStream_t s) {
-        kernels::batchnorm_backward_eval(x, dy, mask, gamma, mean, var, out, dgamma, dbeta, rows, c,
-                                         eps, 1.0f, s);
+        kernels::batchnorm_backward_eval(o.x, o.dy, o.mask, o.gamma, mean, var, o.dx, o.dgamma,
+                                         o.dbeta, o.rows, o.c, eps, 1.0f, s);
       });
 }
 
-Tensor BatchNorm2d::backward_one(const Tensor& grad_output) {
-  check_shape(grad_output, input_.shape(), "BatchNorm2d: grad_output");
-  CUDP_CHECK(grad_output.dtype() == input_.dtype(),
-             "BatchNorm2d: grad_output must have the "
-             "output's dtype ",
-             dtype_name(input_.dtype()), " (the input's), got ", grad_output.str(),
+Tensor BatchNorm2d::new_grad_input(const Tensor& grad_output, const char* layer) const {
+  check_shape(grad_output, input_.shape(), detail::str(layer, ": grad_output").c_str());
+  CUDP_CHECK(grad_output.dtype() == input_.dtype(), layer,
+             ": grad_output must have the output's dtype ", dtype_name(input_.dtype()),
+             " (the input's), got ", grad_output.str(),
              "; convert the gradient where the dtypes change");
-  Tensor dx = Tensor::empty(input_.shape(), input_.dtype(), device_);
+  return Tensor::empty(input_.shape(), input_.dtype(), device_);
+}
+
+Tensor BatchNorm2d::backward_one(const Tensor& grad_output) {
+  Tensor dx = new_grad_input(grad_output, "BatchNorm2d");
   if (input_.dtype() == DType::bf16) {
     backward_typed<__nv_bfloat16>(grad_output, dx);
   } else {

@@ -96,6 +96,35 @@ class BatchNorm2d : public Module {
     const Tensor* y = fused_relu_mask();
     return y != nullptr ? y->data<T>() : nullptr;
   }
+  // A backward's operands: x (the saved input), dy and the fused ReLU's mask (null without one)
+  // read, dx written; gamma read and the affine parameters' gradients written, in fp32.
+  template <typename T>
+  struct Operands {
+    const T* x;
+    const T* dy;
+    const T* mask;
+    T* dx;
+    const float* gamma;
+    float* dgamma;
+    float* dbeta;
+    int64_t rows;
+    int c;
+  };
+  template <typename T>
+  Operands<T> operands(const Tensor& grad_output, Tensor& dx) const {
+    return {input_.data<T>(),
+            grad_output.data<T>(),
+            relu_mask<T>(),
+            dx.data<T>(),
+            weight_->data.data<float>(),
+            weight_->grad.data<float>(),
+            bias_->grad.data<float>(),
+            rows_of(input_),
+            c_};
+  }
+  // A new dx for `grad_output`, once that is checked against the saved input (its shape and
+  // dtype; an error names `layer`).
+  Tensor new_grad_input(const Tensor& grad_output, const char* layer) const;
 
   int c_;
   float eps_, momentum_;

@@ -182,52 +182,41 @@ Tensor SyncBatchNorm2d::forward_one(const Tensor& input) {
 
 template <typename T>
 void SyncBatchNorm2d::backward_synced(const Tensor& grad_output, Tensor& dx) {
-  const int64_t rows = rows_of(input_);
-  const T* x = input_.data<T>();
-  const T* dy = grad_output.data<T>();
-  const T* mask = relu_mask<T>();
-  T* out = dx.data<T>();
-  const float* gamma = weight_->data.data<float>();
-  float* dgamma = weight_->grad.data<float>();
-  float* dbeta = bias_->grad.data<float>();
+  const Operands<T> o = operands<T>(grad_output, dx);
   const float* mean = save_mean_.data<float>();
   const float* invstd = save_invstd_.data<float>();
-  const int c = c_;
   Tensor sums;
   {
     const cuda::AllocationPurpose purpose(detail::str("SyncBatchNorm2d(", c_, ")'s gradient sums"),
                                           "Reduce the batch size (--batch-size).");
-    sums = Tensor::empty({2 * int64_t(c) + 1}, DType::f32, device_);
+    sums = Tensor::empty({2 * int64_t(o.c) + 1}, DType::f32, device_);
   }
   float* sum = sums.data<float>();
   run(
       [&] {
-        kernels::batchnorm_backward_local_cpu(x, dy, mask, mean, invstd, rows, c, sum, dgamma,
-                                              dbeta, 1.0f);
+        kernels::batchnorm_backward_local_cpu(o.x, o.dy, o.mask, mean, invstd, o.rows, o.c, sum,
+                                              o.dgamma, o.dbeta, 1.0f);
       },
       [&](cudaStream_t s) {
-        kernels::batchnorm_backward_local(x, dy, mask, mean, invstd, rows, c, sum, dgamma, dbeta,
-                                          1.0f, s);
+        kernels::batchnorm_backward_local(o.x, o.dy, o.mask, mean, invstd, o.rows, o.c, sum,
+                                          o.dgamma, o.dbeta, 1.0f, s);
       });
   run([&] { group_->all_reduce_sum(participant_, sums, nullptr); },
       [&](cudaStream_t s) { group_->all_reduce_sum(participant_, sums, s); });
   run(
       [&] {
-        kernels::batchnorm_backward_global_cpu(x, dy, mask, gamma, mean, invstd, sum, out, rows, c);
+        kernels::batchnorm_backward_global_cpu(o.x, o.dy, o.mask, o.gamma, mean, invstd, sum, o.dx,
+                                               o.rows, o.c);
       },
       [&](cudaStream_t s) {
-        kernels::batchnorm_backward_global(x, dy, mask, gamma, mean, invstd, sum, out, rows, c, s);
+        kernels::batchnorm_backward_global(o.x, o.dy, o.mask, o.gamma, mean, invstd, sum, o.dx,
+                                           o.rows, o.c, s);
       });
 }
 
 Tensor SyncBatchNorm2d::backward_one(const Tensor& grad_output) {
   if (!(saved_training_ && synced_)) return BatchNorm2d::backward_one(grad_output);
-  check_shape(grad_output, input_.shape(), "SyncBatchNorm2d: grad_output");
-  CUDP_CHECK(grad_output.dtype() == input_.dtype(),
-             "SyncBatchNorm2d: grad_output must have the output's dtype ",
-             dtype_name(input_.dtype()), " (the input's), got ", grad_output.str(),
-             "; convert the gradient where the dtypes change");
-  Tensor dx = Tensor::empty(input_.shape(), input_.dtype(), device_);
+  Tensor dx = new_grad_input(grad_output, "SyncBatchNorm2d");
   if (input_.dtype() == DType::bf16) {
     backward_synced<__nv_bfloat16>(grad_output, dx);
   } else {
