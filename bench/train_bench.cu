@@ -635,13 +635,6 @@ int main(int argc, char** argv) {
                  "one-launch path measured slower)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
-  std::string bn_whole_gpu = kernels::detail::batchnorm_fused() ? "on" : "off";
-  app.add_option("--bn-whole-gpu", bn_whole_gpu,
-                 "on: with --bn, each BatchNorm's training forward and backward are one launch "
-                 "each over the whole GPU (the multi-pass kernels' blocks as its items, the same "
-                 "bits; --bn-cluster on comes first where it applies); off: three kernels each")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
   std::string splitk = kernels::detail::splitk_in_kernel_enabled()   ? "in-kernel"
                        : kernels::detail::splitk_reduce_vectorized() ? "kernel4"
                                                                      : "kernel";
@@ -720,7 +713,6 @@ int main(int argc, char** argv) {
   detail::set_parameter_store(param_store == "on");
   detail::set_batchnorm_mask_handoff(bn_mask_handoff == "on");
   kernels::detail::set_batchnorm_cluster(bn_cluster == "on");
-  kernels::detail::set_batchnorm_fused(bn_whole_gpu == "on");
   kernels::detail::set_splitk_in_kernel(splitk == "in-kernel");
   kernels::detail::set_splitk_reduce_vectorized(splitk == "kernel4");
   g_splitk = splitk;

@@ -24,7 +24,6 @@
 #include "engine/core/launch.cuh"
 #include "kernels/batchnorm.h"
 #include "kernels/bias.h"
-#include "kernels/counters.h"
 #include "kernels/elementwise.h"
 #include "kernels/workspace.h"
 
@@ -83,28 +82,11 @@ __device__ __forceinline__ T from_f32(float v) {
   }
 }
 
-// The gradient reaching the normalisation: dy, masked by the fused ReLU's output (value k of the
-// mask's pack) when there is one (ReLU's own rule, so that fused and unfused gradients agree bit
-// for bit). The walks below take the mask's presence as a template argument, dispatched once per
-// walk: a pointer into a pack in registers (null without a mask) put the packs in local memory in
-// the one-launch kernels.
-// Runs f.template operator()<Masked>() with Masked = (mask != nullptr): the walks' dispatch.
-template <typename F>
-__device__ __forceinline__ void with_mask(const void* mask, F&& f) {
-  if (mask) {
-    f.template operator()<true>();
-  } else {
-    f.template operator()<false>();
-  }
-}
-
-template <bool Masked, typename T, int V>
-__device__ __forceinline__ float masked_grad(T dy, const Pack<T, V>& mask, int k) {
-  if constexpr (Masked) {
-    return detail::relu_grad(to_f32(mask.v[k]), to_f32(dy));
-  } else {
-    return to_f32(dy);
-  }
+// The gradient reaching the normalisation: dy, masked by the fused ReLU's output when there is
+// one (ReLU's own rule, so that fused and unfused gradients agree bit for bit).
+template <typename T>
+__device__ __forceinline__ float masked_grad(T dy, const T* mask_row, int k) {
+  return mask_row ? detail::relu_grad(to_f32(mask_row[k]), to_f32(dy)) : to_f32(dy);
 }
 
 // Rows r0, r0 + step, ... below `rows`.
@@ -281,16 +263,15 @@ __device__ __forceinline__ void apply_walk(const T* __restrict__ x, T* __restric
 
 // The thread's sums of g and g * (x - mean) over its rows, g = dy masked by the fused ReLU's
 // output (mask, nullable), added to a and b.
-template <typename T, int V, bool Masked>
-__device__ __forceinline__ void grad_sums_walk_as(const T* __restrict__ x, const T* __restrict__ dy,
-                                                  const T* __restrict__ mask,
-                                                  const float (&mean)[V], int64_t r0, int64_t step,
-                                                  int64_t rows, int c, int channel, float (&a)[V],
-                                                  float (&b)[V]) {
-  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const Pack<T, V>& mv) {
+template <typename T, int V>
+__device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T* __restrict__ dy,
+                                               const T* __restrict__ mask, const float (&mean)[V],
+                                               int64_t r0, int64_t step, int64_t rows, int c,
+                                               int channel, float (&a)[V], float (&b)[V]) {
+  auto accumulate = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float g = masked_grad<Masked>(gv.v[k], mv, k);
+      const float g = masked_grad(gv.v[k], mask_row, k);
       a[k] += g;
       b[k] = fmaf(g, to_f32(xv.v[k]) - mean[k], b[k]);
     }
@@ -303,43 +284,33 @@ __device__ __forceinline__ void grad_sums_walk_as(const T* __restrict__ x, const
       const int64_t at = (r + u * step) * c + channel;
       xv[u] = load<T, V>(x + at);
       gv[u] = load<T, V>(dy + at);
-      if constexpr (Masked) mv[u] = load<T, V>(mask + at);
+      if (mask) mv[u] = load<T, V>(mask + at);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mv[u]);
+    for (int u = 0; u < kUnroll<V>; ++u) accumulate(xv[u], gv[u], mask ? mv[u].v : nullptr);
   }
   for (; r < rows; r += step) {
     const int64_t at = r * c + channel;
     Pack<T, V> mv;
-    if constexpr (Masked) mv = load<T, V>(mask + at);
-    accumulate(load<T, V>(x + at), load<T, V>(dy + at), mv);
+    if (mask) mv = load<T, V>(mask + at);
+    accumulate(load<T, V>(x + at), load<T, V>(dy + at), mask ? mv.v : nullptr);
   }
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void grad_sums_walk(const T* __restrict__ x, const T* __restrict__ dy,
-                                               const T* __restrict__ mask, const float (&mean)[V],
-                                               int64_t r0, int64_t step, int64_t rows, int c,
-                                               int channel, float (&a)[V], float (&b)[V]) {
-  with_mask(mask, [&]<bool Masked>() {
-    grad_sums_walk_as<T, V, Masked>(x, dy, mask, mean, r0, step, rows, c, channel, a, b);
-  });
 }
 
 // dx = k * (g - a - (x - mean) * b) over the thread's rows; with frozen statistics (b == 0) x is
 // not read. With Sums, adds the stored dx (bf16: the rounded values) to sum, in row order.
-template <typename T, int V, bool Frozen, bool Sums, bool Masked>
-__device__ __forceinline__ void dx_walk_as(const T* __restrict__ x, const T* __restrict__ dy,
-                                           const T* __restrict__ mask, const float (&mean)[V],
-                                           const float (&k_)[V], const float (&a)[V],
-                                           const float (&b)[V], T* __restrict__ dx, int64_t r0,
-                                           int64_t step, int64_t rows, int c, int channel,
-                                           float (&sum)[V]) {
-  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const Pack<T, V>& mv) {
+template <typename T, int V, bool Frozen, bool Sums>
+__device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __restrict__ dy,
+                                        const T* __restrict__ mask, const float (&mean)[V],
+                                        const float (&k_)[V], const float (&a)[V],
+                                        const float (&b)[V], T* __restrict__ dx, int64_t r0,
+                                        int64_t step, int64_t rows, int c, int channel,
+                                        float (&sum)[V]) {
+  auto grad = [&](const Pack<T, V>& xv, const Pack<T, V>& gv, const T* mask_row) {
     Pack<T, V> out;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float g = masked_grad<Masked>(gv.v[k], mv, k);
+      const float g = masked_grad(gv.v[k], mask_row, k);
       if constexpr (Frozen) {
         out.v[k] = from_f32<T>(k_[k] * g);
       } else {
@@ -357,33 +328,21 @@ __device__ __forceinline__ void dx_walk_as(const T* __restrict__ x, const T* __r
       const int64_t at = (r + u * step) * c + channel;
       if constexpr (!Frozen) xv[u] = load<T, V>(x + at);
       gv[u] = load<T, V>(dy + at);
-      if constexpr (Masked) mv[u] = load<T, V>(mask + at);
+      if (mask) mv[u] = load<T, V>(mask + at);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll<V>; ++u) {
-      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) = grad(xv[u], gv[u], mv[u]);
+      *reinterpret_cast<Pack<T, V>*>(dx + (r + u * step) * c + channel) =
+          grad(xv[u], gv[u], mask ? mv[u].v : nullptr);
     }
   }
   for (; r < rows; r += step) {
     const int64_t at = r * c + channel;
     Pack<T, V> xv, mv;
     if constexpr (!Frozen) xv = load<T, V>(x + at);
-    if constexpr (Masked) mv = load<T, V>(mask + at);
-    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mv);
+    if (mask) mv = load<T, V>(mask + at);
+    *reinterpret_cast<Pack<T, V>*>(dx + at) = grad(xv, load<T, V>(dy + at), mask ? mv.v : nullptr);
   }
-}
-
-template <typename T, int V, bool Frozen, bool Sums>
-__device__ __forceinline__ void dx_walk(const T* __restrict__ x, const T* __restrict__ dy,
-                                        const T* __restrict__ mask, const float (&mean)[V],
-                                        const float (&k_)[V], const float (&a)[V],
-                                        const float (&b)[V], T* __restrict__ dx, int64_t r0,
-                                        int64_t step, int64_t rows, int c, int channel,
-                                        float (&sum)[V]) {
-  with_mask(mask, [&]<bool Masked>() {
-    dx_walk_as<T, V, Frozen, Sums, Masked>(x, dy, mask, mean, k_, a, b, dx, r0, step, rows, c,
-                                           channel, sum);
-  });
 }
 
 // ---- a channel's outputs from its merged sums (the finalize, merge and cluster kernels)
@@ -438,128 +397,93 @@ __device__ __forceinline__ void finish_gradients(int ch, float sum_dy, float sum
 
 // ---- the multi-pass kernels ---------------------------------------------------------------------
 
-// Partials per (row block, channel): count, mean of x - K, M2 of the rows that block walked. Row
-// block gy of `parts` (the multi-pass kernel's blockIdx.y of gridDim.y, or an item of the
-// one-launch kernel), channel group gx (blockIdx.x).
-template <typename T, int V>
-__device__ __forceinline__ void stats_partials(const T* x, int64_t rows, int c, int gx, int gy,
-                                               int parts, float* part_n, float* part_mean,
-                                               float* part_m2, float* smem) {
-  const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
-  float* s_n = smem;                          // [blockDim.y][lanes]
-  float* s_mean = s_n + blockDim.y * lanes;   // blockDim.y x width, laid out by at()
-  float* s_m2 = s_mean + blockDim.y * width;  // blockDim.y x width, laid out by at()
-  const int channel = (gx * lanes + tx) * V;
-  const bool active = channel < c;
-  const int64_t step = int64_t(blockDim.y) * parts;
-  thread_stats<T, V>(x, int64_t(gy) * blockDim.y + ty, step, rows, c, channel, active, s_n, s_mean,
-                     s_m2);
-  stats_tree<V>(s_n, s_mean, s_m2);
-  if (ty == 0 && active) {
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      part_mean[int64_t(gy) * c + channel + k] = s_mean[at(0, k, tx)];
-      part_m2[int64_t(gy) * c + channel + k] = s_m2[at(0, k, tx)];
-    }
-    if (gx == 0 && tx == 0) part_n[gy] = s_n[0];
-  }
-}
-
+// Partials per (row block, channel): count, mean of x - K, M2 of the rows that block walked.
 template <typename T, int V>
 __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int c,
                                 float* __restrict__ part_n, float* __restrict__ part_mean,
                                 float* __restrict__ part_m2) {
   kernel_entry();
   extern __shared__ float smem[];
-  stats_partials<T, V>(x, rows, c, blockIdx.x, blockIdx.y, gridDim.y, part_n, part_mean, part_m2,
-                       smem);
+  const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
+  float* s_n = smem;                          // [blockDim.y][lanes]
+  float* s_mean = s_n + blockDim.y * lanes;   // blockDim.y x width, laid out by at()
+  float* s_m2 = s_mean + blockDim.y * width;  // blockDim.y x width, laid out by at()
+  const int channel = (blockIdx.x * lanes + tx) * V;
+  const bool active = channel < c;
+  const int64_t step = int64_t(blockDim.y) * gridDim.y;
+  thread_stats<T, V>(x, int64_t(blockIdx.y) * blockDim.y + ty, step, rows, c, channel, active, s_n,
+                     s_mean, s_m2);
+  stats_tree<V>(s_n, s_mean, s_m2);
+  if (ty == 0 && active) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      part_mean[int64_t(blockIdx.y) * c + channel + k] = s_mean[at(0, k, tx)];
+      part_m2[int64_t(blockIdx.y) * c + channel + k] = s_m2[at(0, k, tx)];
+    }
+    if (blockIdx.x == 0 && tx == 0) part_n[blockIdx.y] = s_n[0];
+  }
 }
 
-// What the statistics' finalize writes (bn_stats_finalize_kernel, the one-launch forward).
-struct FinalizeStats {
-  const float* gamma;
-  const float* beta;
-  float* running_mean;
-  float* running_var;
-  float* save_mean;
-  float* save_invstd;
-  float momentum, eps;
-  float* coef;         // [K | mean_d | scale | shift], 4c floats
-  float* summary_out;  // the split forward's summary instead of the above, or null
-  int64_t* batches_tracked;
-};
-
-// Per channel ch: merges the partials of `parts` row blocks in a fixed order, writes the saved and
-// running statistics, and the coefficients of y = ((x - K) - mean_d) * scale + shift;
-// batches_tracked (or null) += 1 by the thread with `counts_batch`. Channel lane `lane` of L,
-// partial chain `chain` of kFinalRows: every thread of the block calls it (the merge tree
-// synchronises the block), with its slots of the block's s_n, s_mean, s_m2 [kFinalRows][L]. The
-// partials are read through L2 (a one-launch forward wrote them in the same launch).
-template <typename T, int L>
-__device__ __forceinline__ void finalize_stats(const T* x, const float* part_n,
-                                               const float* part_mean, const float* part_m2,
-                                               int parts, int64_t rows, int c, int ch, int lane,
-                                               int chain, bool counts_batch,
-                                               const FinalizeStats& out, float (*s_n)[L],
-                                               float (*s_mean)[L], float (*s_m2)[L]) {
+// Per channel: merges the partials in a fixed order, writes the saved and running statistics, and
+// the coefficients of y = ((x - K) - mean_d) * scale + shift into coef = [K | mean_d | scale |
+// shift]; batches_tracked (or null) += 1, once.
+template <typename T>
+__global__ void __launch_bounds__(kFinalLanes* kFinalRows)
+    bn_stats_finalize_kernel(const T* __restrict__ x, const float* __restrict__ part_n,
+                             const float* __restrict__ part_mean, const float* __restrict__ part_m2,
+                             int parts, int64_t rows, int c, const float* __restrict__ gamma,
+                             const float* __restrict__ beta, float* __restrict__ running_mean,
+                             float* __restrict__ running_var, float* __restrict__ save_mean,
+                             float* __restrict__ save_invstd, float momentum, float eps,
+                             float* __restrict__ coef, float* __restrict__ summary_out,
+                             int64_t* __restrict__ batches_tracked) {
+  kernel_entry();
+  __shared__ float s_n[kFinalRows][kFinalLanes], s_mean[kFinalRows][kFinalLanes],
+      s_m2[kFinalRows][kFinalLanes];
+  const int tx = threadIdx.x, ty = threadIdx.y;
   // The layer's num_batches_tracked, counted here rather than by a launch of its own.
-  if (out.batches_tracked != nullptr && counts_batch) *out.batches_tracked += 1;
+  if (batches_tracked != nullptr && blockIdx.x == 0 && tx == 0 && ty == 0) *batches_tracked += 1;
+  const int ch = blockIdx.x * kFinalLanes + tx;
   float n = 0.f, mean_d = 0.f, m2 = 0.f;
   if (ch < c) {
-    for (int p0 = chain; p0 < parts; p0 += kFinalPrefetch * kFinalRows) {
+    for (int p0 = ty; p0 < parts; p0 += kFinalPrefetch * kFinalRows) {
       float pn[kFinalPrefetch], pm[kFinalPrefetch], pq[kFinalPrefetch];
 #pragma unroll
       for (int u = 0; u < kFinalPrefetch; ++u) {
         const int p = p0 + u * kFinalRows;
         pn[u] = pm[u] = pq[u] = 0.f;  // a count of 0 merges nothing
         if (p < parts) {
-          pn[u] = __ldcg(part_n + p);
-          pm[u] = __ldcg(part_mean + int64_t(p) * c + ch);
-          pq[u] = __ldcg(part_m2 + int64_t(p) * c + ch);
+          pn[u] = part_n[p];
+          pm[u] = part_mean[int64_t(p) * c + ch];
+          pq[u] = part_m2[int64_t(p) * c + ch];
         }
       }
 #pragma unroll
       for (int u = 0; u < kFinalPrefetch; ++u) chan_merge(n, mean_d, m2, pn[u], pm[u], pq[u]);
     }
   }
-  s_n[chain][lane] = n, s_mean[chain][lane] = mean_d, s_m2[chain][lane] = m2;
+  s_n[ty][tx] = n, s_mean[ty][tx] = mean_d, s_m2[ty][tx] = m2;
   __syncthreads();
   for (int half = kFinalRows / 2; half > 0; half /= 2) {
-    if (chain < half) {
-      chan_merge(s_n[chain][lane], s_mean[chain][lane], s_m2[chain][lane], s_n[chain + half][lane],
-                 s_mean[chain + half][lane], s_m2[chain + half][lane]);
+    if (ty < half) {
+      chan_merge(s_n[ty][tx], s_mean[ty][tx], s_m2[ty][tx], s_n[ty + half][tx],
+                 s_mean[ty + half][tx], s_m2[ty + half][tx]);
     }
     __syncthreads();
   }
-  if (chain != 0 || ch >= c) return;
+  if (ty != 0 || ch >= c) return;
   const float shift_k = to_f32(x[ch]);  // K: row 0
-  mean_d = s_mean[0][lane];
-  m2 = s_m2[0][lane];
-  if (out.summary_out) {  // the split forward: this participant's summary, nothing else
-    if (ch == 0) out.summary_out[0] = s_n[0][lane];
-    out.summary_out[1 + ch] = shift_k;
-    out.summary_out[1 + c + ch] = mean_d;
-    out.summary_out[1 + 2 * c + ch] = m2;
+  mean_d = s_mean[0][tx];
+  m2 = s_m2[0][tx];
+  if (summary_out) {  // the split forward: this participant's summary, nothing else
+    if (ch == 0) summary_out[0] = s_n[0][tx];
+    summary_out[1 + ch] = shift_k;
+    summary_out[1 + c + ch] = mean_d;
+    summary_out[1 + 2 * c + ch] = m2;
     return;
   }
-  finish_statistics(ch, shift_k, mean_d, m2, float(rows), float(rows - 1), out.gamma, out.beta,
-                    out.running_mean, out.running_var, out.save_mean, out.save_invstd, out.momentum,
-                    out.eps, out.coef + ch, c);
-}
-
-// Per channel: finalize_stats, kFinalLanes channels a block.
-template <typename T>
-__global__ void __launch_bounds__(kFinalLanes* kFinalRows)
-    bn_stats_finalize_kernel(const T* __restrict__ x, const float* __restrict__ part_n,
-                             const float* __restrict__ part_mean, const float* __restrict__ part_m2,
-                             int parts, int64_t rows, int c, FinalizeStats out) {
-  kernel_entry();
-  __shared__ float s_n[kFinalRows][kFinalLanes], s_mean[kFinalRows][kFinalLanes],
-      s_m2[kFinalRows][kFinalLanes];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  finalize_stats<T, kFinalLanes>(x, part_n, part_mean, part_m2, parts, rows, c,
-                                 blockIdx.x * kFinalLanes + tx, tx, ty,
-                                 blockIdx.x == 0 && tx == 0 && ty == 0, out, s_n, s_mean, s_m2);
+  finish_statistics(ch, shift_k, mean_d, m2, float(rows), float(rows - 1), gamma, beta,
+                    running_mean, running_var, save_mean, save_invstd, momentum, eps, coef + ch, c);
 }
 
 // ---- the forward's element-wise pass ------------------------------------------------------------
@@ -602,171 +526,30 @@ __global__ void bn_apply_kernel(const T* __restrict__ x, T* __restrict__ y, int6
                    p.relu);
 }
 
-// ---- one launch a direction over the whole GPU --------------------------------------------------
-//
-// The multi-pass forward is three launches (statistics, finalize, apply), the backward three
-// (reduce, finalize, dx), and each boundary costs the step a few microseconds of wall time on its
-// critical path (~2.5-4.5 us a launch with programmatic serialisation, NOTES session 34): most of
-// a small layer's time. The one-launch kernels run the same blocks as items of one kernel: a block
-// claims items in order from a counter (the first pass's row blocks, then finalize items, then the
-// element-wise pass's row blocks) and an item of a later phase first waits until every item of the
-// phase before it is done. An item waits only on items claimed before it, by blocks that are
-// running, and those wait on nothing later, so the kernel needs no co-residency of its blocks (no
-// cooperative launch) and cannot deadlock beside kernels on other streams or behind them. The
-// first pass's items are the multi-pass kernel's blocks (same grid: its row blocks and block
-// shape), and the finalize items merge in the finalize kernel's order, two channels an item of
-// 2 x kFinalRows threads: the same bits as the multi-pass kernels. The element-wise pass's bits do
-// not depend on how its rows are shared out, except the column sums of the backward's dx, whose
-// items are then the dx kernel's row blocks.
-//
-// The counters (kernels/counters.h) are zero before the launch; the last block to finish puts
-// them back to zero.
-enum FusedCounter : int { kNextItem, kPhase1Done, kPhase2Done, kBlocksDone, kFusedCounters };
-// Channels a finalize item merges: kFinalRows partial chains each, kThreads threads.
-constexpr int kFusedFinalLanes = kThreads / kFinalRows;
-
-__device__ __forceinline__ bool first_thread() {
-  return threadIdx.x == 0 && threadIdx.y == 0;
-}
-
-// The next item for the block (every thread gets the same).
-__device__ __forceinline__ int claim_item(int* counters, int* s_item) {
-  __syncthreads();  // every thread has read the previous item and is done with shared memory
-  if (first_thread()) *s_item = atomicAdd(counters + kNextItem, 1);
-  __syncthreads();
-  return *s_item;
-}
-
-// Publishes the block's item: its stores are ordered before the count.
-__device__ __forceinline__ void item_done(int* counter) {
-  __syncthreads();
-  if (first_thread()) {
-    __threadfence();
-    atomicAdd(counter, 1);
-  }
-}
-
-// Holds the block until `target` items of a phase are done; their stores are then visible to the
-// block's threads (read them with __ldcg: not through L1). Polls with relaxed loads and acquires
-// once, at the end (an acquiring load at every poll would be a fence each time).
-__device__ __forceinline__ void wait_for_items(const int* counter, int target) {
-  if (first_thread()) {
-    int done = 0;
-    for (;;) {
-      asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(done) : "l"(counter) : "memory");
-      if (done >= target) break;
-      __nanosleep(32);
-    }
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  }
-  __syncthreads();
-}
-
-// The block is done with the counters; the last block to finish zeroes them for the next launch.
-__device__ __forceinline__ void fused_exit(int* counters) {
-  __syncthreads();
-  if (first_thread()) {
-    __threadfence();
-    if (atomicAdd(counters + kBlocksDone, 1) == int(gridDim.x) - 1) {
-      __threadfence();  // the resets after every other block's last use of the counters
-      atomicExch(counters + kNextItem, 0);
-      atomicExch(counters + kPhase1Done, 0);
-      atomicExch(counters + kPhase2Done, 0);
-      atomicExch(counters + kBlocksDone, 0);
-    }
-  }
-}
-
-template <typename T>
-struct FusedForward {
-  const T* x;
-  T* y;  // may be x
-  int64_t rows;
-  int c;
-  int groups;       // channel groups (the multi-pass kernels' gridDim.x)
-  int parts;        // the statistics kernel's row blocks
-  int apply_parts;  // the apply pass's row blocks
-  float* part_n;
-  float* part_mean;
-  float* part_m2;
-  bool relu;
-  FinalizeStats out;  // out.coef: the coefficients, written by the finalize items
-  int* counters;
-};
-
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads, 4) bn_forward_fused_kernel(FusedForward<T> p) {
-  kernel_entry();
-  extern __shared__ float smem[];
-  __shared__ int s_item;
-  const int stats_items = p.groups * p.parts;
-  const int final_items = (p.c + kFusedFinalLanes - 1) / kFusedFinalLanes;
-  const int total = stats_items + final_items + p.groups * p.apply_parts;
-  const int lanes = blockDim.x, tx = threadIdx.x, ty = threadIdx.y;
-  for (;;) {
-    const int item = claim_item(p.counters, &s_item);
-    if (item >= total) break;
-    if (item < stats_items) {
-      stats_partials<T, V>(p.x, p.rows, p.c, item % p.groups, item / p.groups, p.parts, p.part_n,
-                           p.part_mean, p.part_m2, smem);
-      item_done(p.counters + kPhase1Done);
-    } else if (item < stats_items + final_items) {
-      wait_for_items(p.counters + kPhase1Done, stats_items);
-      const int f = item - stats_items, t = ty * lanes + tx;
-      const int lane = t % kFusedFinalLanes, chain = t / kFusedFinalLanes;
-      using Slots = float(*)[kFusedFinalLanes];
-      const Slots s_n = reinterpret_cast<Slots>(smem);
-      const Slots s_mean = s_n + kFinalRows, s_m2 = s_mean + kFinalRows;
-      finalize_stats<T, kFusedFinalLanes>(p.x, p.part_n, p.part_mean, p.part_m2, p.parts, p.rows,
-                                          p.c, f * kFusedFinalLanes + lane, lane, chain,
-                                          f == 0 && t == 0, p.out, s_n, s_mean, s_m2);
-      item_done(p.counters + kPhase2Done);
-    } else {
-      wait_for_items(p.counters + kPhase2Done, final_items);
-      const int a = item - stats_items - final_items;
-      const int gx = a % p.groups, gy = a / p.groups;
-      const int channel = (gx * lanes + tx) * V;
-      if (channel < p.c) {
-        const float* coef = p.out.coef;
-        float center[V], offset[V], scale[V], shift[V];
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          center[k] = __ldcg(coef + channel + k);
-          offset[k] = __ldcg(coef + p.c + channel + k);
-          scale[k] = __ldcg(coef + 2 * p.c + channel + k);
-          shift[k] = __ldcg(coef + 3 * p.c + channel + k);
-        }
-        apply_walk<T, V>(p.x, p.y, int64_t(gy) * blockDim.y + ty,
-                         int64_t(blockDim.y) * p.apply_parts, p.rows, p.c, channel, center, offset,
-                         scale, shift, p.relu);
-      }
-    }
-  }
-  fused_exit(p.counters);
-}
-
 // ---- backward -----------------------------------------------------------------------------------
 
 // Partials per (row block, channel) of sum g and sum g * (x - mean), g = dy masked by the fused
-// ReLU's output (mask, nullable). Row block gy of `parts`, channel group gx (the multi-pass
-// kernel's blockIdx, or an item of the one-launch kernel).
+// ReLU's output (mask, nullable).
 template <typename T, int V>
-__device__ __forceinline__ void grad_partials(const T* x, const T* dy, const T* mask,
-                                              const float* mean_in, int64_t rows, int c, int gx,
-                                              int gy, int parts, float* part_dy, float* part_dy_xmu,
-                                              float* smem) {
+__global__ void bn_backward_reduce_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                          const T* __restrict__ mask,
+                                          const float* __restrict__ mean_in, int64_t rows, int c,
+                                          float* __restrict__ part_dy,
+                                          float* __restrict__ part_dy_xmu) {
+  kernel_entry();
+  extern __shared__ float smem[];
   const int lanes = blockDim.x, width = lanes * V, tx = threadIdx.x, ty = threadIdx.y;
   const int stride = blockDim.y * width;
   float* s_dy = smem;               // blockDim.y x width, laid out by at()
   float* s_dy_xmu = s_dy + stride;  // blockDim.y x width, laid out by at()
-  const int channel = (gx * lanes + tx) * V;
+  const int channel = (blockIdx.x * lanes + tx) * V;
   const bool active = channel < c;
   float mean[V], a[V], b[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) a[k] = b[k] = 0.f, mean[k] = active ? mean_in[channel + k] : 0.f;
   if (active) {
-    grad_sums_walk<T, V>(x, dy, mask, mean, int64_t(gy) * blockDim.y + ty,
-                         int64_t(blockDim.y) * parts, rows, c, channel, a, b);
+    grad_sums_walk<T, V>(x, dy, mask, mean, int64_t(blockIdx.y) * blockDim.y + ty,
+                         int64_t(blockDim.y) * gridDim.y, rows, c, channel, a, b);
   }
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -777,55 +560,35 @@ __device__ __forceinline__ void grad_partials(const T* x, const T* dy, const T* 
   if (ty == 0 && active) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      part_dy[int64_t(gy) * c + channel + k] = s_dy[at(0, k, tx)];
-      part_dy_xmu[int64_t(gy) * c + channel + k] = s_dy_xmu[at(0, k, tx)];
+      part_dy[int64_t(blockIdx.y) * c + channel + k] = s_dy[at(0, k, tx)];
+      part_dy_xmu[int64_t(blockIdx.y) * c + channel + k] = s_dy_xmu[at(0, k, tx)];
     }
   }
 }
 
-template <typename T, int V>
-__global__ void bn_backward_reduce_kernel(const T* __restrict__ x, const T* __restrict__ dy,
-                                          const T* __restrict__ mask,
-                                          const float* __restrict__ mean_in, int64_t rows, int c,
-                                          float* __restrict__ part_dy,
-                                          float* __restrict__ part_dy_xmu) {
+// Per channel: sums the partials in a fixed order, writes dgamma/dbeta and the coefficients of
+// dx = k * (g - a - (x - mean) * b) into coef = [k | a | b]. invstd is the saved one, or, with
+// frozen statistics (running_var != nullptr), 1 / sqrt(running_var + eps) as the evaluation
+// forward computes it, and a = b = 0 (dx = k * g).
+__global__ void __launch_bounds__(kFinalLanes* kFinalRows) bn_backward_finalize_kernel(
+    const float* __restrict__ part_dy, const float* __restrict__ part_dy_xmu, int parts,
+    int64_t rows, int c, const float* __restrict__ gamma, const float* __restrict__ save_invstd,
+    const float* __restrict__ running_var, float eps, float* __restrict__ dgamma,
+    float* __restrict__ dbeta, float beta_accumulate, float* __restrict__ coef,
+    float* __restrict__ sums_out) {
   kernel_entry();
-  extern __shared__ float smem[];
-  grad_partials<T, V>(x, dy, mask, mean_in, rows, c, blockIdx.x, blockIdx.y, gridDim.y, part_dy,
-                      part_dy_xmu, smem);
-}
-
-// What the gradients' finalize writes (bn_backward_finalize_kernel, the one-launch backward).
-struct FinalizeGrads {
-  const float* gamma;
-  const float* save_invstd;
-  const float* running_var;  // frozen statistics: invstd from it, a = b = 0
-  float eps;
-  float* dgamma;
-  float* dbeta;
-  float beta_accumulate;
-  float* coef;      // [k | a | b], 3c floats
-  float* sums_out;  // the split backward's sums instead of coef, or null
-};
-
-// Per channel ch: sums the partials of `parts` row blocks in a fixed order, writes dgamma/dbeta and
-// the coefficients of dx = k * (g - a - (x - mean) * b). invstd is the saved one, or, with frozen
-// statistics (running_var), 1 / sqrt(running_var + eps) as the evaluation forward computes it,
-// and a = b = 0 (dx = k * g). Lanes and chains as finalize_stats; the partials are read through L2.
-template <int L>
-__device__ __forceinline__ void finalize_grads(const float* part_dy, const float* part_dy_xmu,
-                                               int parts, int64_t rows, int c, int ch, int lane,
-                                               int chain, const FinalizeGrads& out,
-                                               float (*s_dy)[L], float (*s_dy_xmu)[L]) {
+  __shared__ float s_dy[kFinalRows][kFinalLanes], s_dy_xmu[kFinalRows][kFinalLanes];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int ch = blockIdx.x * kFinalLanes + tx;
   float sum_dy = 0.f, sum_dy_xmu = 0.f;
   if (ch < c) {
-    for (int p0 = chain; p0 < parts; p0 += kFinalPrefetch * kFinalRows) {
+    for (int p0 = ty; p0 < parts; p0 += kFinalPrefetch * kFinalRows) {
       float a[kFinalPrefetch], b[kFinalPrefetch];
 #pragma unroll
       for (int u = 0; u < kFinalPrefetch; ++u) {
         const int p = p0 + u * kFinalRows;
-        a[u] = p < parts ? __ldcg(part_dy + int64_t(p) * c + ch) : 0.f;
-        b[u] = p < parts ? __ldcg(part_dy_xmu + int64_t(p) * c + ch) : 0.f;
+        a[u] = p < parts ? part_dy[int64_t(p) * c + ch] : 0.f;
+        b[u] = p < parts ? part_dy_xmu[int64_t(p) * c + ch] : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kFinalPrefetch; ++u) {
@@ -833,78 +596,28 @@ __device__ __forceinline__ void finalize_grads(const float* part_dy, const float
       }
     }
   }
-  s_dy[chain][lane] = sum_dy, s_dy_xmu[chain][lane] = sum_dy_xmu;
+  s_dy[ty][tx] = sum_dy, s_dy_xmu[ty][tx] = sum_dy_xmu;
   __syncthreads();
   for (int half = kFinalRows / 2; half > 0; half /= 2) {
-    if (chain < half) {
-      s_dy[chain][lane] += s_dy[chain + half][lane];
-      s_dy_xmu[chain][lane] += s_dy_xmu[chain + half][lane];
+    if (ty < half) {
+      s_dy[ty][tx] += s_dy[ty + half][tx];
+      s_dy_xmu[ty][tx] += s_dy_xmu[ty + half][tx];
     }
     __syncthreads();
   }
-  if (chain != 0 || ch >= c) return;
-  sum_dy = s_dy[0][lane];
-  sum_dy_xmu = s_dy_xmu[0][lane];
-  const bool frozen = out.running_var != nullptr;
-  const float invstd = frozen ? 1.f / sqrtf(out.running_var[ch] + out.eps) : out.save_invstd[ch];
+  if (ty != 0 || ch >= c) return;
+  sum_dy = s_dy[0][tx];
+  sum_dy_xmu = s_dy_xmu[0][tx];
+  const bool frozen = running_var != nullptr;
+  const float invstd = frozen ? 1.f / sqrtf(running_var[ch] + eps) : save_invstd[ch];
   // The split backward (sums_out) writes this participant's sums instead of coefficients; its dx
   // pass comes later.
-  finish_gradients(ch, sum_dy, sum_dy_xmu, invstd, float(rows), frozen, out.gamma, out.dgamma,
-                   out.dbeta, out.beta_accumulate, out.sums_out ? nullptr : out.coef + ch, c);
-  if (out.sums_out) {
-    out.sums_out[ch] = sum_dy;
-    out.sums_out[c + ch] = sum_dy_xmu;
-    if (ch == 0) out.sums_out[2 * c] = float(rows);
-  }
-}
-
-// Per channel: finalize_grads, kFinalLanes channels a block.
-__global__ void __launch_bounds__(kFinalLanes* kFinalRows)
-    bn_backward_finalize_kernel(const float* __restrict__ part_dy,
-                                const float* __restrict__ part_dy_xmu, int parts, int64_t rows,
-                                int c, FinalizeGrads out) {
-  kernel_entry();
-  __shared__ float s_dy[kFinalRows][kFinalLanes], s_dy_xmu[kFinalRows][kFinalLanes];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  finalize_grads<kFinalLanes>(part_dy, part_dy_xmu, parts, rows, c, blockIdx.x * kFinalLanes + tx,
-                              tx, ty, out, s_dy, s_dy_xmu);
-}
-
-// dx over row block gy of `parts`, channel group gx, from the coefficients [k | a | b] (read
-// through L2: a one-launch backward wrote them in the same launch); with Sums, the block's partial
-// row of dx's column sums (bn_backward_dx_kernel).
-template <typename T, int V, bool Frozen, bool Sums>
-__device__ __forceinline__ void dx_rows(const T* x, const T* dy, const T* mask,
-                                        const float* mean_in, const float* coef, T* dx,
-                                        int64_t rows, int c, int gx, int gy, int parts,
-                                        float* part_dx, float* smem) {
-  const int channel = (gx * blockDim.x + threadIdx.x) * V;
-  const bool active = channel < c;
-  if (!Sums && !active) return;
-  float mean[V], k_[V], a[V], b[V], sum[V];
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    mean[k] = active ? mean_in[channel + k] : 0.f;
-    k_[k] = active ? __ldcg(coef + channel + k) : 0.f;
-    a[k] = active ? __ldcg(coef + c + channel + k) : 0.f;
-    b[k] = active ? __ldcg(coef + 2 * c + channel + k) : 0.f;
-    sum[k] = 0.f;
-  }
-  if (active) {
-    dx_walk<T, V, Frozen, Sums>(x, dy, mask, mean, k_, a, b, dx,
-                                int64_t(gy) * blockDim.y + threadIdx.y, int64_t(blockDim.y) * parts,
-                                rows, c, channel, sum);
-  }
-  if constexpr (Sums) {
-    float* s_sum = smem;  // blockDim.y x blockDim.x * V, laid out by at()
-    const int tx = threadIdx.x, ty = threadIdx.y;
-#pragma unroll
-    for (int k = 0; k < V; ++k) s_sum[at(ty, k, tx)] = sum[k];
-    sum_tree<V, 1>(s_sum, 0);
-    if (ty == 0 && active) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) part_dx[int64_t(gy) * c + channel + k] = s_sum[at(0, k, tx)];
-    }
+  finish_gradients(ch, sum_dy, sum_dy_xmu, invstd, float(rows), frozen, gamma, dgamma, dbeta,
+                   beta_accumulate, sums_out ? nullptr : coef + ch, c);
+  if (sums_out) {
+    sums_out[ch] = sum_dy;
+    sums_out[c + ch] = sum_dy_xmu;
+    if (ch == 0) sums_out[2 * c] = float(rows);
   }
 }
 
@@ -919,66 +632,36 @@ __global__ void bn_backward_dx_kernel(const T* __restrict__ x, const T* __restri
                                       const float* __restrict__ coef, T* __restrict__ dx,
                                       int64_t rows, int c, float* __restrict__ part_dx) {
   kernel_entry();
-  extern __shared__ float s_sum[];
-  dx_rows<T, V, Frozen, Sums>(x, dy, mask, mean_in, coef, dx, rows, c, blockIdx.x, blockIdx.y,
-                              gridDim.y, part_dx, s_sum);
-}
-
-// The training backward in one launch over the whole GPU (as bn_forward_fused_kernel): the reduce
-// kernel's row blocks, finalize items of kFusedFinalLanes channels, then the dx pass's row blocks
-// (with Sums those of bn_backward_dx_kernel's grid, whose partial rows give the column sums' bits).
-template <typename T>
-struct FusedBackward {
-  const T* x;
-  const T* dy;
-  const T* mask;
-  const float* mean;
-  T* dx;
-  int64_t rows;
-  int c;
-  int groups;    // channel groups
-  int parts;     // the reduce kernel's row blocks
-  int dx_parts;  // the dx pass's row blocks
-  float* part_dy;
-  float* part_dy_xmu;
-  float* part_dx;     // with Sums: [dx_parts][c]
-  FinalizeGrads out;  // out.coef: the dx coefficients, written by the finalize items
-  int* counters;
-};
-
-template <typename T, int V, bool Sums>
-__global__ void __launch_bounds__(kThreads) bn_backward_fused_kernel(FusedBackward<T> p) {
-  kernel_entry();
-  extern __shared__ float smem[];
-  __shared__ int s_item;
-  const int reduce_items = p.groups * p.parts;
-  const int final_items = (p.c + kFusedFinalLanes - 1) / kFusedFinalLanes;
-  const int total = reduce_items + final_items + p.groups * p.dx_parts;
-  for (;;) {
-    const int item = claim_item(p.counters, &s_item);
-    if (item >= total) break;
-    if (item < reduce_items) {
-      grad_partials<T, V>(p.x, p.dy, p.mask, p.mean, p.rows, p.c, item % p.groups, item / p.groups,
-                          p.parts, p.part_dy, p.part_dy_xmu, smem);
-      item_done(p.counters + kPhase1Done);
-    } else if (item < reduce_items + final_items) {
-      wait_for_items(p.counters + kPhase1Done, reduce_items);
-      const int f = item - reduce_items, t = threadIdx.y * blockDim.x + threadIdx.x;
-      const int lane = t % kFusedFinalLanes, chain = t / kFusedFinalLanes;
-      using Slots = float(*)[kFusedFinalLanes];
-      const Slots s_dy = reinterpret_cast<Slots>(smem), s_dy_xmu = s_dy + kFinalRows;
-      finalize_grads<kFusedFinalLanes>(p.part_dy, p.part_dy_xmu, p.parts, p.rows, p.c,
-                                       f * kFusedFinalLanes + lane, lane, chain, p.out, s_dy,
-                                       s_dy_xmu);
-      item_done(p.counters + kPhase2Done);
-    } else {
-      wait_for_items(p.counters + kPhase2Done, final_items);
-      const int d = item - reduce_items - final_items;
-      dx_rows<T, V, false, Sums>(p.x, p.dy, p.mask, p.mean, p.out.coef, p.dx, p.rows, p.c,
-                                 d % p.groups, d / p.groups, p.dx_parts, p.part_dx, smem);
+  const int channel = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  const bool active = channel < c;
+  if (!Sums && !active) return;
+  float mean[V], k_[V], a[V], b[V], sum[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    mean[k] = active ? mean_in[channel + k] : 0.f;
+    k_[k] = active ? coef[channel + k] : 0.f;
+    a[k] = active ? coef[c + channel + k] : 0.f;
+    b[k] = active ? coef[2 * c + channel + k] : 0.f;
+    sum[k] = 0.f;
+  }
+  if (active) {
+    dx_walk<T, V, Frozen, Sums>(x, dy, mask, mean, k_, a, b, dx,
+                                int64_t(blockIdx.y) * blockDim.y + threadIdx.y,
+                                int64_t(blockDim.y) * gridDim.y, rows, c, channel, sum);
+  }
+  if constexpr (Sums) {
+    extern __shared__ float s_sum[];  // blockDim.y x blockDim.x * V, laid out by at()
+    const int tx = threadIdx.x, ty = threadIdx.y;
+#pragma unroll
+    for (int k = 0; k < V; ++k) s_sum[at(ty, k, tx)] = sum[k];
+    sum_tree<V, 1>(s_sum, 0);
+    if (ty == 0 && active) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        part_dx[int64_t(blockIdx.y) * c + channel + k] = s_sum[at(0, k, tx)];
+      }
     }
   }
-  fused_exit(p.counters);
 }
 
 // ---- one launch per call: a thread-block cluster per channel group ------------------------------
@@ -1281,21 +964,14 @@ struct Plan {
   size_t shared_bytes = 0;
 };
 
-// The row-walking kernels' block for c channels, v a lane: lanes x row threads.
-dim3 walk_block(int c, int v) {
-  const int vectors = c / v;
-  const int groups = (vectors + 31) / 32;
-  const int lanes = (vectors + groups - 1) / groups;
-  return dim3(lanes, std::max(1, kThreads / lanes));
-}
-
 template <typename Kernel>
 Plan make_plan(Kernel kernel, int64_t rows, int c, int v, size_t shared_per_thread) {
   const int vectors = c / v;
   const int groups = (vectors + 31) / 32;
+  const int lanes = (vectors + groups - 1) / groups;
+  const int row_threads = std::max(1, kThreads / lanes);
   Plan plan;
-  plan.block = walk_block(c, v);
-  const int lanes = int(plan.block.x), row_threads = int(plan.block.y);
+  plan.block = dim3(lanes, row_threads);
   plan.shared_bytes = shared_per_thread * lanes * row_threads;
   int device = 0, sms = 0, per_sm = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
@@ -1360,53 +1036,6 @@ std::optional<Plan> cluster_plan(int64_t rows, int c, int v, int bytes) {
   return plan;
 }
 
-std::atomic<bool> g_fused{false};  // off until measured (kernels/batchnorm.h)
-std::atomic<int> g_fused_max_blocks{0};  // tests: at most this many blocks (0: no cap)
-
-// Whether the whole-GPU kernels take a layer whose row-walking block is `block`: the switch on and
-// the block full (detail::batchnorm_whole_gpu).
-bool whole_gpu_block(dim3 block) {
-  return g_fused.load(std::memory_order_relaxed) && block.x * block.y == unsigned(kThreads);
-}
-
-// The whole-GPU kernels' grid (bn_forward_fused_kernel, bn_backward_fused_kernel): as many blocks
-// as the GPU holds at once, of the multi-pass plan's block (whose row blocks the first pass's items
-// keep, for their bits); the element-wise pass's rows shared out over as many row blocks
-// (apply_parts). None where the switch is off or the block has fewer than kThreads threads (a
-// channel count whose lanes do not divide kThreads: the finalize items need 2 x kFinalRows
-// threads).
-struct FusedGrid {
-  int blocks;
-  int apply_parts;
-  size_t shared_bytes;
-  int* counters;
-};
-
-template <typename Kernel>
-std::optional<FusedGrid> fused_grid(Kernel kernel, const Plan& plan, int64_t rows, int c,
-                                    size_t walk_shared_bytes, cudaStream_t stream) {
-  if (!whole_gpu_block(plan.block)) return std::nullopt;
-  FusedGrid grid;
-  grid.shared_bytes =
-      std::max(walk_shared_bytes, 3 * size_t(kFinalRows) * kFusedFinalLanes * sizeof(float));
-  int device = 0, sms = 0, per_sm = 0;
-  CUDP_CUDA_CHECK(cudaGetDevice(&device));
-  CUDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CUDP_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, grid.shared_bytes));
-  const int64_t capacity = int64_t(sms) * std::max(per_sm, 1);
-  const int64_t groups = plan.grid.x, row_blocks = (rows + plan.block.y - 1) / plan.block.y;
-  grid.apply_parts = int(std::clamp<int64_t>(capacity / groups, 1, row_blocks));
-  const int64_t items = groups * (int64_t(plan.grid.y) + grid.apply_parts) +
-                        (c + kFusedFinalLanes - 1) / kFusedFinalLanes;
-  grid.blocks = int(std::min(capacity, items));
-  if (const int cap = g_fused_max_blocks.load(std::memory_order_relaxed); cap > 0) {
-    grid.blocks = std::min(grid.blocks, cap);
-  }
-  grid.counters = arrival_counters(stream, kFusedCounters, "batch norm's arrival counters");
-  return grid;
-}
-
 template <typename T, int V>
 void forward_train(const T* x, T* y, const float* gamma, const float* beta, float* running_mean,
                    float* running_var, float* save_mean, float* save_invstd, int64_t rows, int c,
@@ -1427,27 +1056,11 @@ void forward_train(const T* x, T* y, const float* gamma, const float* beta, floa
   float* part_m2 = part_mean + size_t(parts) * c;
   float* part_n = part_m2 + size_t(parts) * c;
   float* coef = part_n + parts;
-  if (const std::optional<FusedGrid> fused =
-          fused_grid(bn_forward_fused_kernel<T, V>, stats, rows, c, stats.shared_bytes, stream)) {
-    FusedForward<T> params{};
-    params.x = x, params.y = y, params.rows = rows, params.c = c;
-    params.groups = int(stats.grid.x), params.parts = parts;
-    params.apply_parts = fused->apply_parts;
-    params.part_n = part_n, params.part_mean = part_mean, params.part_m2 = part_m2;
-    params.relu = relu;
-    params.out = {gamma,    beta, running_mean, running_var, save_mean,      save_invstd,
-                  momentum, eps,  coef,         nullptr,     batches_tracked};
-    params.counters = fused->counters;
-    launch("bn_forward_fused_kernel", bn_forward_fused_kernel<T, V>, dim3(fused->blocks),
-           stats.block, fused->shared_bytes, stream, params);
-    return;
-  }
   launch("bn_stats_kernel", bn_stats_kernel<T, V>, stats.grid, stats.block, stats.shared_bytes,
          stream, x, rows, c, part_n, part_mean, part_m2);
-  const FinalizeStats out{gamma,    beta, running_mean, running_var, save_mean,      save_invstd,
-                          momentum, eps,  coef,         nullptr,     batches_tracked};
   launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock, 0,
-         stream, x, part_n, part_mean, part_m2, parts, rows, c, out);
+         stream, x, part_n, part_mean, part_m2, parts, rows, c, gamma, beta, running_mean,
+         running_var, save_mean, save_invstd, momentum, eps, coef, nullptr, batches_tracked);
   const Plan apply = make_plan(bn_apply_kernel<T, V, false>, rows, c, V, 0);
   const ApplyParams params{coef, coef + c, coef + 2 * c, nullptr, coef + 3 * c, 0.f, relu};
   launch("bn_apply_kernel", bn_apply_kernel<T, V, false>, apply.grid, apply.block, 0, stream, x, y,
@@ -1484,46 +1097,11 @@ void backward(const T* x, const T* dy, const T* mask, const float* gamma, const 
   float* part_dy = ws.get();
   float* part_dy_xmu = part_dy + size_t(parts) * c;
   float* coef = part_dy_xmu + size_t(parts) * c;
-  if (!running_var) {
-    auto fused = [&]<bool Sums>() {
-      const auto kernel = bn_backward_fused_kernel<T, V, Sums>;
-      const std::optional<FusedGrid> grid =
-          fused_grid(kernel, reduce, rows, c, reduce.shared_bytes, stream);
-      if (!grid) return false;
-      // With the sums, the dx pass's row blocks are the dx kernel's (the sums' bits); without,
-      // as many as fit.
-      const int dx_parts = Sums ? int(make_plan(bn_backward_dx_kernel<T, V, false, true>, rows, c,
-                                                V, V * sizeof(float))
-                                          .grid.y)
-                                : grid->apply_parts;
-      Workspace partials(Sums ? size_t(dx_parts) * c * sizeof(float) : 0, stream,
-                         "batch norm's partial column sums of dx");
-      const FinalizeGrads out{gamma, save_invstd,     nullptr, eps,    dgamma,
-                              dbeta, beta_accumulate, coef,    nullptr};
-      FusedBackward<T> params{};
-      params.x = x, params.dy = dy, params.mask = mask, params.mean = mean, params.dx = dx;
-      params.rows = rows, params.c = c, params.groups = int(reduce.grid.x);
-      params.parts = parts, params.dx_parts = dx_parts;
-      params.part_dy = part_dy, params.part_dy_xmu = part_dy_xmu, params.part_dx = partials.get();
-      params.out = out;
-      params.counters = grid->counters;
-      launch("bn_backward_fused_kernel", kernel, dim3(grid->blocks), reduce.block,
-             grid->shared_bytes, stream, params);
-      if constexpr (Sums) {
-        bias_grad_from_partials(std::move(partials), input_grad_sums, dx_parts, c, 1.f, stream);
-      }
-      return true;
-    };
-    if (input_grad_sums ? fused.template operator()<true>() : fused.template operator()<false>()) {
-      return;
-    }
-  }
   launch("bn_backward_reduce_kernel", bn_backward_reduce_kernel<T, V>, reduce.grid, reduce.block,
          reduce.shared_bytes, stream, x, dy, mask, mean, rows, c, part_dy, part_dy_xmu);
-  const FinalizeGrads out{gamma, save_invstd,     running_var, eps,    dgamma,
-                          dbeta, beta_accumulate, coef,        nullptr};
   launch("bn_backward_finalize_kernel", bn_backward_finalize_kernel, finalize_grid(c), kFinalBlock,
-         0, stream, part_dy, part_dy_xmu, parts, rows, c, out);
+         0, stream, part_dy, part_dy_xmu, parts, rows, c, gamma, save_invstd, running_var, eps,
+         dgamma, dbeta, beta_accumulate, coef, nullptr);
   auto dx_pass = [&]<bool Frozen, bool Sums>() {
     const auto kernel = bn_backward_dx_kernel<T, V, Frozen, Sums>;
     // With the sums, shared memory for the block's tree: V floats a thread.
@@ -1626,10 +1204,9 @@ void batchnorm_local_stats(const T* x, int64_t rows, int c, float* summary, cuda
     float* part_n = part_m2 + size_t(parts) * c;
     launch("bn_stats_kernel", bn_stats_kernel<T, V>, stats.grid, stats.block, stats.shared_bytes,
            stream, x, rows, c, part_n, part_mean, part_m2);
-    FinalizeStats out{};
-    out.summary_out = summary;
     launch("bn_stats_finalize_kernel", bn_stats_finalize_kernel<T>, finalize_grid(c), kFinalBlock,
-           0, stream, x, part_n, part_mean, part_m2, parts, rows, c, out);
+           0, stream, x, part_n, part_mean, part_m2, parts, rows, c, nullptr, nullptr, nullptr,
+           nullptr, nullptr, nullptr, 0.f, 0.f, nullptr, summary, nullptr);
   });
 }
 
@@ -1677,10 +1254,9 @@ void batchnorm_backward_local(const T* x, const std::type_identity_t<T>* dy,
     launch("bn_backward_reduce_kernel", bn_backward_reduce_kernel<T, V>, reduce.grid, reduce.block,
            reduce.shared_bytes, stream, x, dy, relu_output, save_mean, rows, c, part_dy,
            part_dy_xmu);
-    const FinalizeGrads out{nullptr, save_invstd,     nullptr, 0.f, dgamma,
-                            dbeta,   beta_accumulate, nullptr, sums};
     launch("bn_backward_finalize_kernel", bn_backward_finalize_kernel, finalize_grid(c),
-           kFinalBlock, 0, stream, part_dy, part_dy_xmu, parts, rows, c, out);
+           kFinalBlock, 0, stream, part_dy, part_dy_xmu, parts, rows, c, nullptr, save_invstd,
+           nullptr, 0.f, dgamma, dbeta, beta_accumulate, nullptr, sums);
   });
 }
 
@@ -1707,22 +1283,6 @@ namespace detail {
 
 void set_batchnorm_cluster(bool on) {
   g_cluster.store(on);
-}
-
-void set_batchnorm_fused(bool on) {
-  g_fused.store(on);
-}
-
-bool batchnorm_fused() {
-  return g_fused.load();
-}
-
-void set_batchnorm_fused_max_blocks_for_testing(int blocks) {
-  g_fused_max_blocks.store(std::max(blocks, 0));
-}
-
-bool batchnorm_whole_gpu(int c, int v) {
-  return whole_gpu_block(walk_block(c, v));
 }
 
 bool batchnorm_cluster() {

@@ -247,20 +247,6 @@ void check_batchnorm(const char* op, int64_t rows, int c, bool training);
 // the backward of an evaluation forward are one pass either way.
 void set_batchnorm_cluster(bool on);
 bool batchnorm_cluster();
-// The one-launch kernels over the whole GPU (on) or the multi-pass kernels (off, the default until
-// measured): one launch a training forward and one a training backward, the multi-pass kernels'
-// blocks run as items of it (batchnorm.cu, "one launch a direction over the whole GPU"), with the
-// multi-pass kernels' bits. The cluster kernels, where on and the layer small enough, come first.
-void set_batchnorm_fused(bool on);
-bool batchnorm_fused();
-// Whether a training forward or backward of c channels, v a lane (as
-// batchnorm_cluster_rows_per_block says), takes the whole-GPU launch when the cluster kernels do
-// not: the switch on and the row-walking block of c / v lanes full (256 threads; not, e.g., 264
-// bf16 channels: 17 lanes of 15 rows).
-bool batchnorm_whole_gpu(int c, int v);
-// Tests: the whole-GPU launches take at most `blocks` blocks (0: as many as the GPU holds at
-// once), so that a few blocks work through every item in order.
-void set_batchnorm_fused_max_blocks_for_testing(int blocks);
 // Whether a training forward or backward of rows x c on the current device takes one launch.
 bool batchnorm_one_launch(int64_t rows, int c);
 // The one-launch kernels' threads along the rows of a block, for rows x c values of `bytes` bytes

@@ -1,6 +1,6 @@
 // Arrival counters for kernels whose blocks wait on each other's work within one launch (the
-// in-kernel split-K sum of the tensor-core products, BatchNorm's one-launch passes): int words in
-// device memory that are zero before such a launch and that the launch leaves zero when it ends.
+// in-kernel split-K sum of the tensor-core products): int words in device memory that are zero
+// before such a launch and that the launch leaves zero when it ends.
 #pragma once
 
 #include <cuda_runtime_api.h>
