@@ -202,6 +202,14 @@ TEST(BatchNorm2dTest, GradOutputMustHaveTheOutputDtype) {
   EXPECT_THROW_WITH(bn.forward(Tensor::zeros({2, 2, 2, 3}, DType::f16)), "f32 or bf16 input");
 }
 
+TEST(BatchNorm2dTest, GradOutputMustHaveTheOutputShape) {
+  BatchNorm2d bn(3);
+  bn.forward(random_tensor({2, 2, 2, 3}, 24));
+  EXPECT_THROW_WITH(bn.backward(random_tensor({2, 2, 1, 3}, 25)),
+                    "BatchNorm2d: grad_output has invalid shape");
+  EXPECT_THROW_WITH(bn.backward(Tensor()), "BatchNorm2d: grad_output is undefined");
+}
+
 // Sequential(BatchNorm2d, ReLU) fuses the ReLU into the BatchNorm2d; with fusion off the ReLU
 // module runs. Outputs, input gradients, parameter gradients and buffers are the same bits, in f32
 // and bf16, in training and in evaluation.
