@@ -22,12 +22,13 @@
 // batch of --batch-per-gpu images, its loss weighted by its share of the global batch, 1/N. The
 // timed steps start after a barrier and end with each rank's device synchronised; the seconds are
 // the slowest rank's (gathered over MPI): img/s = batch per GPU * N * steps / seconds. Rank 0
-// prints and writes the JSON ("processes": N, "gpus": N); the other ranks print nothing. CUDA
-// graphs do not capture a DistributedDataParallel step yet: these rows run with graphs off, and the
-// one-process rows they are compared with must be too (--graphs off). --processes N only checks
+// prints and writes the JSON ("processes": N, "gpus": N); the other ranks print nothing. With
+// --graphs on every rank replays a CUDA graph of its step, the collectives inside it, each launch
+// watched by the collective watchdog (Communicator::watch_graph_launch). --processes N only checks
 // that the launch is the one meant: without a launcher it is a usage error naming the mpirun
-// command. scripts/bench-report.sh runs `mpirun -np <GPUs> bench_train --graphs off` after the
-// one-process runs, and bench/report.py sets its rows against one process on as many GPUs.
+// command. scripts/bench-report.sh runs `mpirun -np <GPUs> bench_train` after the one-process
+// runs, and bench/report.py sets its rows against one process on as many GPUs with the same
+// graphs setting.
 //
 // --gpus none: the CPU, for tests on machines without a GPU: one process (the model as it is, no
 // wrapper), or N processes under a launcher with MPI moving the gradients (mpi_host_group); graphs
@@ -60,6 +61,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -253,10 +255,23 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
     opt.step();
     return TensorList{loss};
   };
+  // Under DistributedDataParallel on GPUs the graph holds the step's collectives: each launch is
+  // watched as an eager collective is (Communicator::watch_graph_launch).
+  parallel::Communicator* const comm =
+      ranks && g_ranks.process_group ? &g_ranks.process_group->comm() : nullptr;
+  const parallel::Communicator::Captured before =
+      comm ? comm->captured() : parallel::Communicator::Captured{};
+  std::optional<parallel::Communicator::Captured> holds;
   GraphedStep graphed(body, device,
                       {.warmup_steps = GraphedStepOptions{}.warmup_steps,
                        .enabled = c.graphs,
-                       .before_replay = [&opt] { opt.follow_primary(); }},
+                       .before_replay = [&opt] { opt.follow_primary(); },
+                       .after_launch =
+                           [&] {
+                             if (comm == nullptr) return;
+                             if (!holds) holds = comm->captured() - before;
+                             comm->watch_graph_launch("a replayed training step", *holds);
+                           }},
                       ids);
   auto step = [&] {
     const nvtx::Range range("training step");
@@ -471,23 +486,19 @@ int measure(Options o) {
     }
     if (max_gpus == 0 || max_gpus > visible) max_gpus = visible;
   }
-  // CUDA graphs need a GPU, and do not capture a DistributedDataParallel step yet.
-  if (cpu || ranks) {
+  // CUDA graphs need a GPU.
+  if (cpu) {
     const bool asked = o.graphs_given && std::find(o.graph_modes.begin(), o.graph_modes.end(),
                                                    "on") != o.graph_modes.end();
     if (asked) {
-      throw UsageError(
-          cpu ? "--graphs on: CUDA graphs need a GPU; give --graphs off with --gpus none"
-              : "--graphs on: CUDA graphs do not capture a DistributedDataParallel step yet; give "
-                "--graphs off with several processes (and compare with one process's --graphs "
-                "off rows)");
+      throw UsageError("--graphs on: CUDA graphs need a GPU; give --graphs off with --gpus none");
     }
     o.graph_modes = {"off"};
   }
   if (ranks) {
     std::printf(
         "bench_train: %d processes, each on %s (DistributedDataParallel, %s all-reduces "
-        "the gradients); CUDA graphs off (not yet with DistributedDataParallel)\n",
+        "the gradients)\n",
         g_ranks.world, cpu ? "the CPU" : "one GPU", cpu ? "MPI" : "NCCL");
   } else if (cpu) {
     std::printf("bench_train: one process on the CPU (--gpus none)\n");

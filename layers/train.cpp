@@ -233,7 +233,7 @@ TensorList GraphedStep::capture(const Tensor& images, const Tensor& labels) {
                  t.defined() ? t.str() : std::string("an undefined tensor"));
       outputs_.push_back(Tensor::empty(t.shape(), t.dtype(), device_));
     }
-      if (!scalars_) scalars_ = std::make_unique<cuda::ReplayScalars>(devices_);
+    if (!scalars_) scalars_ = std::make_unique<cuda::ReplayScalars>(devices_);
     if (launched_.get() == nullptr) launched_ = cuda::Event::create(device);
     for (size_t i = ready_.size(); i < devices_.size(); ++i) {
       ready_.push_back(cuda::Event::create(devices_[i]));
@@ -297,6 +297,7 @@ TensorList GraphedStep::launch(bool first) {
   }
   graph_.launch(stream);
   ++replays_;
+  if (options_.after_launch) options_.after_launch();
   if (devices_.size() > 1) {
     launched_.record(stream);
     for (const int d : devices_) {

@@ -117,6 +117,12 @@ struct GraphedStepOptions {
   // Host code the body runs that a replay must repeat, run before each replay after the first
   // (parallel::Replicated::follow_primary: the replicas' optimizers take the primary's rate).
   std::function<void()> before_replay;
+  // Host code run after each launch of the graph, the first included, with the launch just
+  // enqueued on the device's current stream: a DistributedDataParallel step's collectives run
+  // inside the graph, so the trainer watches each launch with
+  // parallel::Communicator::watch_graph_launch (a peer that never joins ends in the collective
+  // watchdog's error, as in an eager step).
+  std::function<void()> after_launch;
 };
 
 class GraphedStep {

@@ -169,9 +169,9 @@ if [[ $report_only == 0 ]]; then
       run "train_cudp_$size" 150 "$bin/bench_train" --size "$size" --gpus "$gpus" \
         --json "$raw/train_cudp_$size.json" "${train_args[@]}"
     done
-    # One process per GPU (DistributedDataParallel), beside the one-process rows above: graphs off,
-    # as CUDA graphs do not capture a DistributedDataParallel step yet (the runs above include
-    # graphs off). Open MPI: as root it needs --allow-run-as-root, and it would bind each of 2
+    # One process per GPU (DistributedDataParallel), beside the one-process rows above, with
+    # graphs on and off as they are. Open MPI: as root it needs --allow-run-as-root, and it would
+    # bind each of 2
     # ranks to one core (the host thread, NCCL's and the watchdog's threads on it): --bind-to none.
     if (( gpus < 2 )); then
       summary+=("$(printf '%-22s %s' train_cudp_np "skipped (one process per GPU needs 2+ GPUs)")")
@@ -185,7 +185,7 @@ if [[ $report_only == 0 ]]; then
       fi
       for size in 224 32; do
         run "train_cudp_np${gpus}_$size" 150 mpirun "${mpi_flags[@]}" -np "$gpus" \
-          "$bin/bench_train" --size "$size" --graphs off \
+          "$bin/bench_train" --size "$size" \
           --json "$raw/train_cudp_np${gpus}_$size.json" "${train_args[@]}"
       done
     fi

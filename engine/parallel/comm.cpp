@@ -215,6 +215,43 @@ std::chrono::milliseconds Communicator::default_timeout() {
   return std::chrono::milliseconds(g_default_timeout_ms.load());
 }
 
+Communicator::Captured Communicator::captured() const {
+  std::lock_guard lock(mutex_);
+  return captured_;
+}
+
+void Communicator::watch_graph_launch(const std::string& what, Captured holds) {
+  std::lock_guard lock(mutex_);
+  watchdog_->check();  // a failed communicator raises its error here too
+  CUDP_CHECK(!aborted_, "Communicator::watch_graph_launch: this communicator was aborted ",
+             "(Communicator::abort); make a new one to communicate again");
+  const std::string name = detail::str(what, " (", holds.collectives, " captured collective",
+                                       holds.collectives == 1 ? "" : "s", " of this communicator)");
+  // As run()'s: a throw part-way cancels the entries already watched.
+  std::vector<std::shared_ptr<Completion>> completions;
+  struct CancelUnrecorded {
+    std::vector<std::shared_ptr<Completion>>& list;
+    ~CancelUnrecorded() {
+      for (auto& c : list) {
+        int pending = Completion::Pending;
+        c->phase.compare_exchange_strong(pending, Completion::Cancelled);
+      }
+    }
+  } cancel_unrecorded{completions};
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    auto completion = std::make_shared<Completion>();
+    completion->event = cuda::Event::create(devices_[i]);
+    completions.push_back(completion);
+    watchdog_->watch(static_cast<int>(i), name, holds.bytes,
+                     [completion] { return completion->done(); });
+  }
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    const cuda::DeviceGuard guard(devices_[i]);
+    completions[i]->event.record(cuda::current_stream(devices_[i]));
+    completions[i]->phase = Completion::Recorded;
+  }
+}
+
 void Communicator::synchronize() {
   watchdog_->wait_all();
   CUDP_CHECK(!aborted_,
@@ -373,7 +410,8 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
       }
     }
   } cancel_unrecorded{completions};
-  for (size_t i = 0, watched = capturing(compute) ? 0 : ranks; i < watched; ++i) {
+  const bool captured = capturing(compute);
+  for (size_t i = 0, watched = captured ? 0 : ranks; i < watched; ++i) {
     int64_t bytes = 0;
     for (const Tensor& t : tensors[i]) bytes += static_cast<int64_t>(t.nbytes());
     auto completion = std::make_shared<Completion>();
@@ -432,6 +470,12 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
     CUDP_THROW(LibraryError, "Communicator::", what,
                ": ncclGroupEnd failed: ", ncclGetErrorString(end), " (", ncclGetLastError(nullptr),
                ")");
+  }
+  if (captured) {  // it runs at the graph's launches: watch_graph_launch watches those
+    int64_t bytes = 0;
+    for (const Tensor& t : tensors[0]) bytes += static_cast<int64_t>(t.nbytes());
+    captured_.collectives += 1;
+    captured_.bytes += bytes;
   }
   // 3. Compute waits for the collective: results are read, and memory freed, only after it (with
   // the caller's `done` events, the caller makes it wait).

@@ -24,7 +24,8 @@
 // that waits for it (synchronize()) and in the next collective. The event is a fresh one per
 // collective and rank (cudaEventCreate costs microseconds, no synchronisation), so that each
 // collective's completion is known by itself. A collective captured into a CUDA graph is not
-// watched (it does not run then), and the watchdog's queries never invalidate a capture.
+// watched (it does not run then); the graph's launches are, through watch_graph_launch. The
+// watchdog's queries never invalidate a capture.
 //
 // NOTE [Comm stream ordering and memory lifetime]
 // A collective on tensors written by compute runs on the device's communication stream, so:
@@ -118,6 +119,26 @@ class Communicator {
                         const std::vector<cudaEvent_t>& done,
                         const std::vector<cudaStream_t>& compute, ReduceOp op = ReduceOp::Sum);
 
+  // CUDA graphs. A collective issued while its compute stream is being captured runs at each
+  // launch of the graph, where run() cannot watch it; captured() counts those (since
+  // construction: collectives and the bytes each local rank moves). watch_graph_launch() watches
+  // one launch, just enqueued on every local rank's compute stream (the calling thread's current
+  // streams), as one collective named `what` of holds.bytes bytes: it completes when the streams
+  // reach an event recorded now, and one past the timeout, or an NCCL error meanwhile, fails and
+  // aborts the communicator as a collective issued eagerly does. So a replayed training step whose
+  // all-reduce a peer never joins ends in the watchdog's error instead of hanging
+  // (GraphedStepOptions::after_launch, layers/train.h, calls it). `holds`: what the graph's
+  // capture added to captured().
+  struct Captured {
+    int64_t collectives = 0;
+    int64_t bytes = 0;
+    Captured operator-(const Captured& o) const {
+      return {collectives - o.collectives, bytes - o.bytes};
+    }
+  };
+  Captured captured() const;
+  void watch_graph_launch(const std::string& what, Captured holds);
+
   // The deadline of each collective issued from now on (engine/parallel/watchdog.h). A new
   // communicator starts with default_timeout().
   void set_timeout(std::chrono::milliseconds timeout);
@@ -161,9 +182,10 @@ class Communicator {
   std::vector<cuda::Stream> streams_;
   std::vector<cuda::Event> ready_;  // recorded on compute, waited on by comm
   std::vector<cuda::Event> done_;   // recorded on comm, waited on by compute
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::mutex abort_mutex_;  // an abort never overlaps the watchdog's look at a communicator
   std::atomic<bool> aborted_ = false;
+  Captured captured_;                   // under mutex_
   std::unique_ptr<Watchdog> watchdog_;  // last: its thread stops first
 };
 

@@ -27,6 +27,16 @@
 // as micro-batches weights its loss by loss_weight(rows) of the whole local batch (layers/train.h,
 // forward_backward_micro_batches' batch_weight), not by loss_weight() of one micro-batch.
 //
+// CUDA graphs: a training step (forward, loss, backward, optimizer) may be captured and replayed
+// (layers/train.h, GraphedStep): the buffers' broadcast, the buckets' all-reduces and
+// SyncBatchNorm's sums are NCCL collectives ordered by events, with no host wait, so they are
+// captured with the rest. Every rank must then launch its graph at the same steps (equal batch
+// shapes on every rank, as DistributedSampler's equal shards give), and the host decides nothing
+// from values in a captured step: loss_weight() waits for the host, so a captured step passes its
+// weight as a number (1 / world_size() with equal shards). A collective inside a graph runs at
+// its launches: watch each with Communicator::watch_graph_launch (GraphedStepOptions::
+// after_launch) so that the collective watchdog covers it.
+//
 // Synchronised batch norm across processes: construction gives every SyncBatchNorm2d in the module
 // (made by convert_sync_batchnorm before wrapping) one group over the ranks,
 // DistributedStatsGroup (engine/parallel/stats_group.h), this rank as participant rank(), through

@@ -731,9 +731,9 @@ Ranks g_ranks;
 
 // A test hook (tests/examples/mpi_vgg_test.cpp): CUDP_TEST_NAN_LOSS="<rank>:<step>" makes that
 // rank's loss NaN at that global step (from 1), as a bad batch on one rank would, with the
-// gradients left finite; under mpirun only (whose steps run eagerly: a replayed graph would keep
-// what it captured). Whether every rank then skips the step under --on-nan skip-step is what the
-// test checks.
+// gradients left finite; under mpirun only, and with CUDA graphs off while it is set (a replayed
+// graph would keep what it captured). Whether every rank then skips the step under --on-nan
+// skip-step is what the test checks.
 struct NanLossAt {
   int rank = -1;
   int64_t step = -1;
@@ -1267,9 +1267,12 @@ int run(Options o) {
     model.release_forward_state();
     return TensorList{loss, out};
   };
+  // Under DistributedDataParallel rank 0 evaluates alone, and an evaluation forward makes no
+  // collective: its graph holds none to watch.
   GraphedStep eval_graphed(
       eval_body, main_device,
-      {.warmup_steps = 1, .enabled = o.graphs == "on" && !distributed, .before_replay = {}}, gpus);
+      {.warmup_steps = 1, .enabled = o.graphs == "on", .before_replay = {}, .after_launch = {}},
+      gpus);
   const auto evaluate = [&]() {
     const nvtx::Range range("evaluation");
     const cuda::AllocationPurpose purpose(
@@ -1452,25 +1455,42 @@ int run(Options o) {
     }
     criterion.release();  // nothing the step made outlives it (a captured step's graph owns none)
     // Under DDP the summed loss goes back too: the host's count of skipped steps must see the
-    // steps another rank's loss made every rank skip (eager steps only there, no graph).
+    // steps another rank's loss made every rank skip.
     if (decided_by.defined()) return TensorList{loss, norm, out, decided_by};
     return TensorList{loss, norm, out};
   };
   // --graphs on: full batches replay a CUDA graph of train_body (layers/train.h NOTE [Graphed
-  // training steps]); the schedule's rate reaches the replicas through follow_primary.
+  // training steps]); the schedule's rate reaches the replicas through follow_primary. Under
+  // DistributedDataParallel on GPUs the graph holds the step's collectives (the buffers'
+  // broadcast, the buckets' all-reduces, SyncBatchNorm's sums): every rank replays it for its
+  // full batches, which come at the same steps on every rank (the sampler's shards are equal),
+  // and the collective watchdog watches each launch as it watches an eager collective.
+  const bool nan_hook = distributed && nan_loss.rank >= 0;  // decided on the host: eager steps
+  parallel::Communicator* const step_comm =
+      distributed && g_ranks.process_group ? &g_ranks.process_group->comm() : nullptr;
+  const parallel::Communicator::Captured captured_before =
+      step_comm ? step_comm->captured() : parallel::Communicator::Captured{};
+  std::optional<parallel::Communicator::Captured> step_holds;  // the training graph's collectives
   GraphedStep graphed(train_body, main_device,
                       {.warmup_steps = GraphedStepOptions{}.warmup_steps,
-                       .enabled = o.graphs == "on" && !distributed,
-                       .before_replay = [&opt] { opt->follow_primary(); }},
+                       .enabled = o.graphs == "on" && !nan_hook,
+                       .before_replay = [&opt] { opt->follow_primary(); },
+                       .after_launch =
+                           [&] {
+                             if (step_comm == nullptr) return;
+                             if (!step_holds) step_holds = step_comm->captured() - captured_before;
+                             step_comm->watch_graph_launch("a replayed training step", *step_holds);
+                           }},
                       gpus);
   if (o.accumulate > 1) {
     std::printf("gradient accumulation: each batch as %lld micro-batches, one all-reduce\n",
                 static_cast<long long>(o.accumulate));
   }
   if (!gpus.empty()) {
-    std::printf("CUDA graphs: %s\n", distributed ? "off (not yet with DistributedDataParallel)"
-                                     : o.graphs == "on" ? "on (full batches replay a captured step)"
-                                                        : "off");
+    std::printf("CUDA graphs: %s\n",
+                o.graphs == "off" ? "off"
+                : nan_hook ? "off (CUDP_TEST_NAN_LOSS is set: a test hook decided on the host)"
+                           : "on (full batches replay a captured step)");
   }
 
   for (int g : gpus) cuda::reset_peak_memory_stats(g);

@@ -306,10 +306,12 @@ TEST(GraphedStepGpuDataParallel, ReplaysMatchEagerStepsBitForBit) {
   const std::vector<int> sizes = {16, 16, 16, 16, 16, 16};
   const Outcome eager =
       run(*eager_net, eager_opt.primary(), sizes, dp_step(eager_dp, eager_loss, eager_opt));
-  GraphedStep graphed(
-      dp_step(graph_dp, graph_loss, graph_opt), kGpu,
-      {.warmup_steps = 2, .enabled = true, .before_replay = [&] { graph_opt.follow_primary(); }},
-      ids);
+  GraphedStep graphed(dp_step(graph_dp, graph_loss, graph_opt), kGpu,
+                      {.warmup_steps = 2,
+                       .enabled = true,
+                       .before_replay = [&] { graph_opt.follow_primary(); },
+                       .after_launch = {}},
+                      ids);
   const Outcome replayed = run(*graph_net, graph_opt.primary(), sizes,
                                [&](const Tensor& x, const Tensor& y) { return graphed.run(x, y); });
   EXPECT_EQ(graphed.replays(), 4);
@@ -345,7 +347,8 @@ TEST(GraphedStepGpuEvaluation, ReleasedForwardStateLeavesTheGraphNoMemory) {
   model->eval();
   CrossEntropyLoss criterion;
   const auto body = evaluation_body(*model, criterion, /*release=*/true);
-  GraphedStep graphed(body, kGpu, {.warmup_steps = 1, .enabled = true, .before_replay = {}});
+  GraphedStep graphed(
+      body, kGpu, {.warmup_steps = 1, .enabled = true, .before_replay = {}, .after_launch = {}});
   std::vector<std::vector<unsigned char>> eager, replayed;
   for (int i = 0; i < 4; ++i) {
     const auto [x, y] = batch(8, 70 + static_cast<uint64_t>(i));
@@ -367,8 +370,9 @@ TEST(GraphedStepGpuEvaluation, WithoutTheReleaseTheGraphKeepsTheSavedInputs) {
   model->to(kGpu);
   model->eval();
   CrossEntropyLoss criterion;
-  GraphedStep graphed(evaluation_body(*model, criterion, /*release=*/false), kGpu,
-                      {.warmup_steps = 1, .enabled = true, .before_replay = {}});
+  GraphedStep graphed(
+      evaluation_body(*model, criterion, /*release=*/false), kGpu,
+      {.warmup_steps = 1, .enabled = true, .before_replay = {}, .after_launch = {}});
   for (int i = 0; i < 2; ++i) {  // one eager batch, then the capture: what it keeps
     const auto [x, y] = batch(8, 70 + static_cast<uint64_t>(i));
     graphed.run(x, y);

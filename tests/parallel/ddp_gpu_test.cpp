@@ -4,13 +4,16 @@
 // initialisation without any DDP: gradients and weights are compared bit for bit after every step
 // (several buckets, so the reducer's slicing of the flat buffer is exercised). The multi-rank
 // semantics are tested on the host under mpirun (mpi_ddp_test.cpp); this test shows that the NCCL
-// group, the reducer's events and streams and the wrapping leave a GPU step unchanged.
+// group, the reducer's events and streams and the wrapping leave a GPU step unchanged, eager and
+// replayed from a CUDA graph.
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <random>
 
 #include "common/gpu.h"
 #include "common/tensor_bytes.h"
+#include "engine/parallel/comm.h"
 #include "engine/parallel/ddp.h"
 #include "layers/activation.h"
 #include "layers/batchnorm.h"
@@ -21,6 +24,7 @@
 #include "layers/optim.h"
 #include "layers/pooling.h"
 #include "layers/sequential.h"
+#include "layers/train.h"
 
 namespace cudp::parallel {
 namespace {
@@ -83,6 +87,85 @@ TEST(DdpGpu, AWorldOfOneGivesThePlainModulesGradientsBitForBit) {
     sgd_ddp.step();
   }
   EXPECT_EQ(bytes_of(plain->state_dict()), bytes_of(wrapped->state_dict()));
+}
+
+// A DistributedDataParallel step replayed from a CUDA graph (GraphedStep, layers/train.h): the
+// buckets' all-reduces (NCCL, a world of one) are captured with the rest of the step, and each
+// launch is watched by the collective watchdog (Communicator::watch_graph_launch). The truth: the
+// same steps run eagerly on a twin from the same initialisation, compared bit for bit after every
+// step (the loss, every parameter, buffer and gradient).
+TEST(DdpGpu, AReplayedStepGivesTheEagerStepsBitsAndEachLaunchIsWatched) {
+  CUDP_REQUIRE_GPU();
+  const Device gpu = Device::cuda(0);
+  auto eager_net = tiny_net();
+  eager_net->cuda(0);
+  auto graph_net = tiny_net();
+  graph_net->cuda(0);
+  const auto eager_group = ProcessGroup::local({0}), graph_group = ProcessGroup::local({0});
+  const DistributedDataParallelOptions options{
+      .reducer = {.bucket_cap_bytes = 4096, .overlap = true}};
+  DistributedDataParallel eager(eager_net, nccl_group(eager_group), options);
+  DistributedDataParallel graphed_ddp(graph_net, nccl_group(graph_group), options);
+  ASSERT_GT(graphed_ddp.reducer().buckets().size(), 1u);
+  SGD eager_sgd(eager.parameters(), {.lr = 0.1, .momentum = 0.9});
+  SGD graph_sgd(graphed_ddp.parameters(), {.lr = 0.1, .momentum = 0.9});
+  CrossEntropyLoss eager_crit, graph_crit;
+  const auto step = [](DistributedDataParallel& ddp, SGD& sgd, CrossEntropyLoss& crit,
+                       const Tensor& x, const Tensor& y) {
+    sgd.zero_grad();
+    const Tensor loss = crit.forward(ddp.forward(x), y);
+    ddp.backward(crit.backward());
+    sgd.step();
+    crit.release();
+    return TensorList{loss};
+  };
+  Communicator& comm = graph_group->comm();
+  const Communicator::Captured before = comm.captured();
+  std::optional<Communicator::Captured> holds;
+  int launches = 0;
+  GraphedStep graphed(
+      [&](const Tensor& x, const Tensor& y) {
+        return step(graphed_ddp, graph_sgd, graph_crit, x, y);
+      },
+      gpu, {.warmup_steps = 1, .enabled = true, .before_replay = {}, .after_launch = [&] {
+              ++launches;
+              if (!holds) holds = comm.captured() - before;
+              comm.watch_graph_launch("a replayed test step", *holds);
+            }});
+  std::mt19937 gen(9);
+  std::uniform_real_distribution<float> pixel(-1.f, 1.f);
+  std::uniform_int_distribution<int32_t> label(0, 9);
+  for (int i = 0; i < 5; ++i) {
+    const int n = 6;
+    std::vector<float> images(static_cast<size_t>(n) * 8 * 8 * 3);
+    for (float& v : images) v = pixel(gen);
+    std::vector<int32_t> labels(n);
+    for (int32_t& v : labels) v = label(gen);
+    const Tensor x = Tensor::from_vector(images, {n, 8, 8, 3}).to(gpu);
+    const Tensor y = Tensor::from_vector(labels, {n}).to(gpu);
+    const TensorList replayed = graphed.run(x, y);
+    const TensorList eager_out = step(eager, eager_sgd, eager_crit, x, y);
+    comm.synchronize();  // every watched launch so far has completed (else it throws)
+    EXPECT_EQ(replayed[0].to_vector<float>(), eager_out[0].to_vector<float>()) << "step " << i;
+    EXPECT_EQ(bytes_of(graph_net->state_dict()), bytes_of(eager_net->state_dict())) << "step " << i;
+    const auto a = eager_net->named_parameters(), b = graph_net->named_parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t k = 0; k < a.size(); ++k) {
+      EXPECT_EQ(a[k].second->grad.to_vector<float>(), b[k].second->grad.to_vector<float>())
+          << "step " << i << ": the gradient of " << a[k].first;
+    }
+  }
+  EXPECT_EQ(graphed.eager_steps(), 1);
+  EXPECT_EQ(graphed.replays(), 4);
+  EXPECT_EQ(launches, 4);
+  ASSERT_TRUE(holds.has_value());
+  int64_t bucket_bytes = 0;
+  for (const auto& bucket : graphed_ddp.reducer().buckets()) {
+    bucket_bytes += (bucket.end - bucket.begin) * static_cast<int64_t>(sizeof(float));
+  }
+  EXPECT_EQ(holds->collectives, static_cast<int64_t>(graphed_ddp.reducer().buckets().size()))
+      << "one all-reduce a bucket, captured";
+  EXPECT_EQ(holds->bytes, bucket_bytes);
 }
 
 // A module without parameters has no gradient to synchronise: refused with a message that says

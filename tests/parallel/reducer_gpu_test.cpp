@@ -138,10 +138,12 @@ TEST(ReducerGpu, AGraphedStepWithBucketsMatchesEagerSteps) {
       return TensorList{loss};
     };
   };
-  GraphedStep graphed(
-      body(graph_dp, graph_loss, graph_opt), kGpu,
-      {.warmup_steps = 2, .enabled = true, .before_replay = [&] { graph_opt.follow_primary(); }},
-      two_devices());
+  GraphedStep graphed(body(graph_dp, graph_loss, graph_opt), kGpu,
+                      {.warmup_steps = 2,
+                       .enabled = true,
+                       .before_replay = [&] { graph_opt.follow_primary(); },
+                       .after_launch = {}},
+                      two_devices());
   const auto eager_step = body(eager_dp, eager_loss, eager_opt);
   std::vector<float> eager_losses, graph_losses;
   for (int step = 0; step < 6; ++step) {
@@ -301,10 +303,12 @@ Trained train_updates(const typename Replicated<Opt>::Options& options,
     criterion.release();  // the graph keeps no memory past the step (layers/train.h)
     return TensorList{loss};
   };
-  GraphedStep graphed(
-      body, kGpu,
-      {.warmup_steps = 2, .enabled = graphs, .before_replay = [&] { opt.follow_primary(); }},
-      devices);
+  GraphedStep graphed(body, kGpu,
+                      {.warmup_steps = 2,
+                       .enabled = graphs,
+                       .before_replay = [&] { opt.follow_primary(); },
+                       .after_launch = {}},
+                      devices);
   for (int step = 0; step < steps; ++step) {
     opt.set_lr(options.lr / (1 + step));
     const auto [x, y] = batch(16, 30 + static_cast<uint64_t>(step));
