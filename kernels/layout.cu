@@ -27,23 +27,25 @@ constexpr int kTileRows = 8;  // threads per tile column; each moves kTile / kTi
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535;
 
+// T: float, or __nv_bfloat16 (Flatten's bf16 activations: the elements are moved, not converted).
+template <typename T>
 __global__ void __launch_bounds__(kTile* kTileRows, 8)
-    transpose_kernel(const float* src, float* dst, int64_t batch, int64_t rows, int64_t cols) {
+    transpose_kernel(const T* src, T* dst, int64_t batch, int64_t rows, int64_t cols) {
   kernel_entry();
-  __shared__ float tile[kTile][kTile + 1];
+  __shared__ T tile[kTile][kTile + 1];
   const int64_t tiles_r = (rows + kTile - 1) / kTile;
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t matrix = rows * cols;
   const int tx = threadIdx.x, ty = threadIdx.y;
   for (int64_t b = blockIdx.z; b < batch; b += gridDim.z) {
-    const float* s = src + b * matrix;
-    float* d = dst + b * matrix;
+    const T* s = src + b * matrix;
+    T* d = dst + b * matrix;
     for (int64_t tr = blockIdx.y; tr < tiles_r; tr += gridDim.y) {
       for (int64_t tc = blockIdx.x; tc < tiles_c; tc += gridDim.x) {
         const int64_t r0 = tr * kTile, c0 = tc * kTile;
         // Read: source column c0 + tx of rows r0 + ty, r0 + ty + 8, ...
         const int64_t c = c0 + tx;
-        const float* from = s + (r0 + ty) * cols + c;
+        const T* from = s + (r0 + ty) * cols + c;
 #pragma unroll
         for (int j = 0; j < kTile; j += kTileRows) {
           if (c < cols && r0 + ty + j < rows) {
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(kTile* kTileRows, 8)
         __syncthreads();
         // Write: destination row c0 + ty + j (a source column), column r0 + tx (a source row).
         const int64_t r = r0 + tx;
-        float* to = d + (c0 + ty) * rows + r;
+        T* to = d + (c0 + ty) * rows + r;
 #pragma unroll
         for (int j = 0; j < kTile; j += kTileRows) {
           if (r < rows && c0 + ty + j < cols) {
@@ -66,8 +68,9 @@ __global__ void __launch_bounds__(kTile* kTileRows, 8)
   }
 }
 
-void transpose(const char* op, const float* src, float* dst, int64_t batch, int64_t rows,
-               int64_t cols, cudaStream_t stream) {
+template <typename T>
+void transpose(const char* op, const T* src, T* dst, int64_t batch, int64_t rows, int64_t cols,
+               cudaStream_t stream) {
   if (batch == 0 || rows == 0 || cols == 0) {
     return;
   }
@@ -76,7 +79,7 @@ void transpose(const char* op, const float* src, float* dst, int64_t batch, int6
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles_c, int64_t(1) << 30)),
                   static_cast<unsigned>(std::min<int64_t>(tiles_r, 65535)),
                   static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
-  launch(op, transpose_kernel, grid, dim3(kTile, kTileRows), 0, stream, src, dst, batch, rows,
+  launch(op, transpose_kernel<T>, grid, dim3(kTile, kTileRows), 0, stream, src, dst, batch, rows,
          cols);
 }
 
@@ -148,6 +151,18 @@ void nchw_to_nhwc(const float* src, float* dst, int64_t n, int64_t c, int64_t h,
 
 void nhwc_to_nchw(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w,
                   cudaStream_t stream) {
+  detail::check_transpose_args("nhwc_to_nchw", src, dst, n, c, h, w);
+  transpose("nhwc_to_nchw", src, dst, n, h * w, c, stream);
+}
+
+void nchw_to_nhwc(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                  int64_t w, cudaStream_t stream) {
+  detail::check_transpose_args("nchw_to_nhwc", src, dst, n, c, h, w);
+  transpose("nchw_to_nhwc", src, dst, n, c, h * w, stream);
+}
+
+void nhwc_to_nchw(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                  int64_t w, cudaStream_t stream) {
   detail::check_transpose_args("nhwc_to_nchw", src, dst, n, c, h, w);
   transpose("nhwc_to_nchw", src, dst, n, h * w, c, stream);
 }

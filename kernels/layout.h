@@ -33,6 +33,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cudp::kernels {
@@ -44,6 +45,17 @@ void nchw_to_nhwc_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_
 void nhwc_to_nchw(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w,
                   cudaStream_t stream);
 void nhwc_to_nchw_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w);
+
+// The same two activation transposes on bf16 elements (Flatten under the bf16 policy): the values
+// are moved, not converted, so the result holds the source's bits.
+void nchw_to_nhwc(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                  int64_t w, cudaStream_t stream);
+void nchw_to_nhwc_cpu(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                      int64_t w);
+void nhwc_to_nchw(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                  int64_t w, cudaStream_t stream);
+void nhwc_to_nchw_cpu(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                      int64_t w);
 
 void oihw_to_krsc(const float* src, float* dst, int64_t k, int64_t c, int64_t r, int64_t s,
                   cudaStream_t stream);
@@ -72,8 +84,14 @@ uint16_t f32_to_bf16_bits(float x);
 uint32_t f32_to_tf32_bits(float x);
 
 // Checks of the four transposes: sizes >= 0, pointers non-null when there is data, no overlap.
-void check_transpose_args(const char* op, const float* src, const float* dst, int64_t d0,
-                          int64_t d1, int64_t d2, int64_t d3);
+void check_transpose_args(const char* op, const void* src, const void* dst, size_t element_bytes,
+                          int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+template <typename T>
+void check_transpose_args(const char* op, const T* src, const T* dst, int64_t d0, int64_t d1,
+                          int64_t d2, int64_t d3) {
+  check_transpose_args(op, static_cast<const void*>(src), static_cast<const void*>(dst), sizeof(T),
+                       d0, d1, d2, d3);
+}
 
 }  // namespace detail
 }  // namespace cudp::kernels

@@ -10,14 +10,14 @@ namespace cudp::kernels {
 
 namespace detail {
 
-void check_transpose_args(const char* op, const float* src, const float* dst, int64_t d0,
-                          int64_t d1, int64_t d2, int64_t d3) {
+void check_transpose_args(const char* op, const void* src, const void* dst, size_t element_bytes,
+                          int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
   CUDP_CHECK(d0 >= 0 && d1 >= 0 && d2 >= 0 && d3 >= 0, op, ": sizes must be >= 0, got ", d0, " x ",
              d1, " x ", d2, " x ", d3);
   const int64_t total = d0 * d1 * d2 * d3;
   check_elementwise(op, total, {src, dst});
   const auto s = reinterpret_cast<uintptr_t>(src), d = reinterpret_cast<uintptr_t>(dst);
-  const auto bytes = static_cast<uintptr_t>(total) * sizeof(float);
+  const auto bytes = static_cast<uintptr_t>(total) * element_bytes;
   CUDP_CHECK(total == 0 || s + bytes <= d || d + bytes <= s, op,
              ": source and destination overlap");
 }
@@ -46,7 +46,10 @@ uint32_t f32_to_tf32_bits(float x) {
 
 }  // namespace detail
 
-void nchw_to_nhwc_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w) {
+namespace {
+
+template <typename T>
+void nchw_to_nhwc_ref(const T* src, T* dst, int64_t n, int64_t c, int64_t h, int64_t w) {
   detail::check_transpose_args("nchw_to_nhwc_cpu", src, dst, n, c, h, w);
   for (int64_t in = 0; in < n; ++in) {
     for (int64_t ic = 0; ic < c; ++ic) {
@@ -59,7 +62,8 @@ void nchw_to_nhwc_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_
   }
 }
 
-void nhwc_to_nchw_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w) {
+template <typename T>
+void nhwc_to_nchw_ref(const T* src, T* dst, int64_t n, int64_t c, int64_t h, int64_t w) {
   detail::check_transpose_args("nhwc_to_nchw_cpu", src, dst, n, c, h, w);
   for (int64_t in = 0; in < n; ++in) {
     for (int64_t ic = 0; ic < c; ++ic) {
@@ -70,6 +74,23 @@ void nhwc_to_nchw_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_
       }
     }
   }
+}
+
+}  // namespace
+
+void nchw_to_nhwc_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w) {
+  nchw_to_nhwc_ref(src, dst, n, c, h, w);
+}
+void nchw_to_nhwc_cpu(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                      int64_t w) {
+  nchw_to_nhwc_ref(src, dst, n, c, h, w);
+}
+void nhwc_to_nchw_cpu(const float* src, float* dst, int64_t n, int64_t c, int64_t h, int64_t w) {
+  nhwc_to_nchw_ref(src, dst, n, c, h, w);
+}
+void nhwc_to_nchw_cpu(const __nv_bfloat16* src, __nv_bfloat16* dst, int64_t n, int64_t c, int64_t h,
+                      int64_t w) {
+  nhwc_to_nchw_ref(src, dst, n, c, h, w);
 }
 
 void oihw_to_krsc_cpu(const float* src, float* dst, int64_t k, int64_t c, int64_t r, int64_t s) {

@@ -16,39 +16,67 @@ int64_t features_of(const Shape& s) {
   return shape_numel(Shape(s.begin() + 1, s.end()));
 }
 
+// The transpose in the input's dtype: f32, or bf16 under the bf16 policy (the elements moved as
+// they are, so Flatten changes no value and the Linear after it takes the bf16 activations).
+template <bool kToNchw>
+Tensor transposed(const Tensor& x, const Shape& out_shape, int64_t n, int64_t c, int64_t h,
+                  int64_t w) {
+  Tensor y = Tensor::empty(out_shape, x.dtype(), x.device());
+  const auto go = [&](const auto* src, auto* dst) {
+    on_device(
+        x.device(),
+        [&] {
+          if constexpr (kToNchw) {
+            kernels::nhwc_to_nchw_cpu(src, dst, n, c, h, w);
+          } else {
+            kernels::nchw_to_nhwc_cpu(src, dst, n, c, h, w);
+          }
+        },
+        [&](cudaStream_t s) {
+          if constexpr (kToNchw) {
+            kernels::nhwc_to_nchw(src, dst, n, c, h, w, s);
+          } else {
+            kernels::nchw_to_nhwc(src, dst, n, c, h, w, s);
+          }
+        });
+  };
+  if (x.dtype() == DType::bf16) {
+    go(x.data<__nv_bfloat16>(), y.data<__nv_bfloat16>());
+  } else {
+    go(x.data<float>(), y.data<float>());
+  }
+  return y;
+}
+
 }  // namespace
 
 Tensor Flatten::forward_one(const Tensor& input) {
-  CUDP_CHECK((input.dim() == 4 || input.dim() == 2) && input.dtype() == DType::f32,
-             "Flatten: expected an NHWC f32 input [N, H, W, C] (or an already flat [N, F]), got ",
-             input.str());
+  CUDP_CHECK(
+      (input.dim() == 4 || input.dim() == 2) &&
+          (input.dtype() == DType::f32 || input.dtype() == DType::bf16),
+      "Flatten: expected an NHWC f32 or bf16 input [N, H, W, C] (or an already flat [N, F]), "
+      "got ",
+      input.str());
   input_shape_ = input.shape();
+  input_dtype_ = input.dtype();
   const int64_t n = input.size(0);
   if (already_flat(input_shape_)) {
     return input.view({n, features_of(input_shape_)});
   }
   const int64_t h = input.size(1), w = input.size(2), c = input.size(3);
-  Tensor y = Tensor::empty({n, c * h * w}, DType::f32, device_);
-  const float* x = input.data<float>();
-  float* out = y.data<float>();
-  run([&] { kernels::nhwc_to_nchw_cpu(x, out, n, c, h, w); },
-      [&](cudaStream_t s) { kernels::nhwc_to_nchw(x, out, n, c, h, w, s); });
-  return y;
+  return transposed<true>(input, {n, c * h * w}, n, c, h, w);
 }
 
 Tensor Flatten::backward_one(const Tensor& grad_output) {
   const int64_t n = input_shape_[0];
   check_shape(grad_output, {n, features_of(input_shape_)}, "Flatten: grad_output");
+  CUDP_CHECK(grad_output.dtype() == input_dtype_, "Flatten: grad_output is ", grad_output.str(),
+             " but the input was ", dtype_name(input_dtype_), "; a gradient has its value's dtype");
   if (already_flat(input_shape_)) {
     return grad_output.view(input_shape_);
   }
   const int64_t h = input_shape_[1], w = input_shape_[2], c = input_shape_[3];
-  Tensor dx = Tensor::empty(input_shape_, DType::f32, device_);
-  const float* dy = grad_output.data<float>();
-  float* out = dx.data<float>();
-  run([&] { kernels::nchw_to_nhwc_cpu(dy, out, n, c, h, w); },
-      [&](cudaStream_t s) { kernels::nchw_to_nhwc(dy, out, n, c, h, w, s); });
-  return dx;
+  return transposed<false>(grad_output, input_shape_, n, c, h, w);
 }
 
 std::string Flatten::extra_repr() const {

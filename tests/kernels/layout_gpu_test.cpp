@@ -82,6 +82,46 @@ TEST(LayoutGpu, NhwcToNchwMatchesCpu) {
   check_transpose(nhwc_to_nchw, nhwc_to_nchw_cpu, nchw_to_nhwc, kImageShapes);
 }
 
+// The bf16 activation transposes (Flatten under the bf16 policy) move the elements as they are:
+// the bits of the CPU reference on every shape and alignment, the inverse gives the input back,
+// and nothing outside the output is written. Buffers of uint16_t hold the bf16 bit patterns.
+TEST(LayoutGpu, Bf16ActivationTransposesMoveTheBits) {
+  CUDP_REQUIRE_GPU();
+  const cuda::Stream stream = cuda::Stream::create(0);
+  const auto bf16 = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+  constexpr uint16_t kPoisonBits = 0xDEAD;
+  uint64_t seed = 100;
+  for (const bool to_nchw : {true, false}) {
+    for (const Dims& d : kImageShapes) {
+      for (auto [ss, sd] : kTransposeShifts) {
+        SCOPED_TRACE(where(d, ss, sd) + (to_nchw ? ", to NCHW" : ", to NHWC"));
+        const int64_t n = d[0] * d[1] * d[2] * d[3];
+        const std::vector<float> values = testing::random_vector(n, ++seed);
+        std::vector<uint16_t> x(n), expected(n, kPoisonBits);
+        f32_to_bf16_cpu(values.data(), bf16(x.data()), n);
+        if (to_nchw) {
+          nhwc_to_nchw_cpu(bf16(x.data()), bf16(expected.data()), d[0], d[1], d[2], d[3]);
+        } else {
+          nchw_to_nhwc_cpu(bf16(x.data()), bf16(expected.data()), d[0], d[1], d[2], d[3]);
+        }
+        Slice<uint16_t> src(n, ss, kPoisonBits), dst(n, sd, kPoisonBits), back(n, ss, kPoisonBits);
+        src.upload(x);
+        if (to_nchw) {
+          nhwc_to_nchw(bf16(src.get()), bf16(dst.get()), d[0], d[1], d[2], d[3], stream);
+          nchw_to_nhwc(bf16(dst.get()), bf16(back.get()), d[0], d[1], d[2], d[3], stream);
+        } else {
+          nchw_to_nhwc(bf16(src.get()), bf16(dst.get()), d[0], d[1], d[2], d[3], stream);
+          nhwc_to_nchw(bf16(dst.get()), bf16(back.get()), d[0], d[1], d[2], d[3], stream);
+        }
+        EXPECT_EQ(dst.download(), expected);
+        EXPECT_EQ(back.download(), x);
+        EXPECT_TRUE(dst.guards_intact());
+        EXPECT_TRUE(back.guards_intact());
+      }
+    }
+  }
+}
+
 TEST(LayoutGpu, OihwToKrscMatchesCpu) {
   CUDP_REQUIRE_GPU();
   check_transpose(oihw_to_krsc, oihw_to_krsc_cpu, krsc_to_oihw, kWeightShapes);
@@ -95,7 +135,8 @@ TEST(LayoutGpu, KrscToOihwMatchesCpu) {
 TEST(LayoutGpu, EmptyAndOverlapping) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream stream = cuda::Stream::create(0);
-  EXPECT_NO_THROW(nchw_to_nhwc(nullptr, nullptr, 0, 3, 4, 4, stream));
+  EXPECT_NO_THROW(nchw_to_nhwc(static_cast<const float*>(nullptr), static_cast<float*>(nullptr), 0,
+                               3, 4, 4, stream));
   Slice<float> a(16, 0, testing::kPoison);
   EXPECT_THROW(nchw_to_nhwc(a.get(), a.get(), 1, 4, 2, 2, stream), ValueError);
   EXPECT_THROW(f32_to_bf16(a.get(), nullptr, 3, stream), ValueError);

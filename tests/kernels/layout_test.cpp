@@ -78,11 +78,12 @@ TEST(Layout, OihwKrscRoundTripsOddSizes) {
 }
 
 TEST(Layout, EmptyAndBadArguments) {
-  EXPECT_NO_THROW(nchw_to_nhwc_cpu(nullptr, nullptr, 0, 3, 4, 4));
+  EXPECT_NO_THROW(nchw_to_nhwc_cpu(static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
+                                   0, 3, 4, 4));
   EXPECT_NO_THROW(krsc_to_oihw_cpu(nullptr, nullptr, 8, 0, 3, 3));
   std::vector<float> a(24), b(24);
   EXPECT_THROW(nchw_to_nhwc_cpu(a.data(), b.data(), -1, 3, 2, 2), ValueError);
-  EXPECT_THROW(nhwc_to_nchw_cpu(a.data(), nullptr, 2, 3, 2, 2), ValueError);
+  EXPECT_THROW(nhwc_to_nchw_cpu(a.data(), static_cast<float*>(nullptr), 2, 3, 2, 2), ValueError);
   EXPECT_THROW(oihw_to_krsc_cpu(a.data(), a.data(), 2, 3, 2, 2), ValueError) << "in place";
   EXPECT_THROW(krsc_to_oihw_cpu(a.data(), a.data() + 5, 1, 2, 2, 2), ValueError) << "overlap";
   EXPECT_NO_THROW(krsc_to_oihw_cpu(a.data(), a.data() + 8, 1, 2, 2, 2)) << "adjacent is fine";

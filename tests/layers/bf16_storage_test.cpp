@@ -75,13 +75,13 @@ TEST(Bf16Storage, EachLayerReturnsItsDtypeAndGradientsHaveTheirValuesDtype) {
   const Tensor x = random_tensor({2, 8, 8, 3}, 2);
   Tensor h = x;
   const std::vector<DType> expected = {DType::bf16, DType::bf16, DType::bf16, DType::bf16,
-                                       DType::bf16, DType::f32,  DType::f32};
+                                       DType::bf16, DType::bf16, DType::f32};
   for (size_t i = 0; i < net->size(); ++i) {
     h = (*net)[i]->forward(h);
     EXPECT_EQ(h.dtype(), expected[i]) << "layer " << i << " " << (*net)[i]->type_name();
   }
-  // Backward layer by layer: each returns its input's dtype (Flatten and Linear widened bf16 input
-  // and return bf16 gradients; the first conv's input was f32).
+  // Backward layer by layer: each returns its input's dtype (Flatten keeps bf16, Linear takes it
+  // and returns a bf16 gradient; the first conv's input was f32).
   Tensor g = random_tensor(h.shape(), 3);
   for (size_t i = net->size(); i-- > 0;) {
     g = (*net)[i]->backward(g);

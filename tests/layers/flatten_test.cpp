@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "layers/flatten.h"
+#include "layers/precision.h"
 #include "tests/layers/layer_testing.h"
 
 namespace cudp {
@@ -53,6 +54,29 @@ TEST(FlattenTest, OneByOneAndFlatInputsAreViews) {
   const Tensor flat = random_tensor({3, 8}, 6);
   EXPECT_TRUE(flatten.forward(flat).shares_storage(flat));
   EXPECT_THROW_WITH(flatten.forward(random_tensor({3, 8, 2}, 7)), "Flatten: expected an NHWC");
+}
+
+// Under the bf16 policy the activations stay bf16 through Flatten: the output holds the f32
+// path's values on the same (bf16) inputs, in bf16, and so does the input gradient; a gradient of
+// another dtype than the input's is refused.
+TEST(FlattenTest, Bf16InputsStayBf16BothWays) {
+  for (const Shape& shape : {Shape{2, 3, 2, 4}, Shape{3, 1, 1, 8}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Tensor x = convert(random_tensor(shape, 11), DType::bf16);
+    Flatten bf16_flatten, f32_flatten;
+    EXPECT_TRUE(bf16_flatten.takes_bf16());
+    const Tensor y = bf16_flatten.forward(x);
+    EXPECT_EQ(y.dtype(), DType::bf16);
+    EXPECT_EQ(values(y), values(f32_flatten.forward(convert(x, DType::f32))));
+    const Tensor g = convert(random_tensor(y.shape(), 12), DType::bf16);
+    const Tensor dx = bf16_flatten.backward(g);
+    EXPECT_EQ(dx.dtype(), DType::bf16);
+    EXPECT_EQ(dx.shape(), shape);
+    EXPECT_EQ(values(dx), values(f32_flatten.backward(convert(g, DType::f32))));
+    bf16_flatten.forward(x);
+    EXPECT_THROW_WITH(bf16_flatten.backward(convert(g, DType::f32)),
+                      "f32 cpu but the input was bf16");
+  }
 }
 
 }  // namespace
