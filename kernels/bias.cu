@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -140,8 +141,10 @@ __global__ void bias_add_kernel(float* y, const float* bias, int64_t vectors, in
 // otherwise write the chunk's sums to row x of the [chunks, cols] workspace `out`.
 // With `y` (a fused ReLU's output), each dy element is first masked (relu_grad: y > 0 ? dy : 0) and
 // written to `masked`; the sums are the masked values'. `out` may be null then (the mask alone).
-template <int V, typename T>
-__global__ void bias_grad_chunk_kernel(const T* dy, const T* y, T* masked, float* out, int64_t rows,
+// M, the masked output's type: T, or bf16 from float (rounded to nearest even as it is stored; the
+// sums are the fp32 masked values').
+template <int V, typename T, typename M>
+__global__ void bias_grad_chunk_kernel(const T* dy, const T* y, M* masked, float* out, int64_t rows,
                                        int64_t cols, int64_t chunk_rows, int width, int lanes,
                                        float beta, bool final) {
   kernel_entry();
@@ -267,8 +270,8 @@ void bias_add_impl(float* y, const float* bias, int64_t rows, int64_t cols, cuda
          cols_v, stride_mod);
 }
 
-template <int V, typename T>
-void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t rows, int64_t cols,
+template <int V, typename T, typename M>
+void bias_grad_impl(const T* dy, const T* y, M* masked, float* dbias, int64_t rows, int64_t cols,
                     float beta, cudaStream_t stream, bool deferrable) {
   const int64_t cols_v = cols / V;
   const int width = static_cast<int>(std::min<int64_t>(cols_v, kThreads));
@@ -286,14 +289,14 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
     // This launch writes dbias itself: after any queued sum into it. (With chunks, the second
     // stage's bias_grad_from_partials orders itself.)
     if (dbias != nullptr) detail::flush_deferred_bias_grads_into(dbias, stream);
-    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
-           masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
+    launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T, M>, grid, kThreads, 0, stream, dy,
+           y, masked, dbias, rows, cols, chunk_rows, width, lanes, beta, true);
     return;
   }
   Workspace ws(static_cast<size_t>(chunks * cols) * sizeof(float), stream,
                "the bias gradient's partial column sums");
-  launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T>, grid, kThreads, 0, stream, dy, y,
-         masked, ws.get(), rows, cols, chunk_rows, width, lanes, beta, false);
+  launch("bias_grad_chunk_kernel", bias_grad_chunk_kernel<V, T, M>, grid, kThreads, 0, stream, dy,
+         y, masked, ws.get(), rows, cols, chunk_rows, width, lanes, beta, false);
   if (deferrable) {
     bias_grad_from_partials(std::move(ws), dbias, chunks, cols, beta, stream);  // or queued
     return;
@@ -302,9 +305,10 @@ void bias_grad_impl(const T* dy, const T* y, T* masked, float* dbias, int64_t ro
   ws.release();
 }
 
-template <typename T>
-void bias_grad_dispatch(const T* dy, const T* y, T* masked, float* dbias, int64_t rows,
-                        int64_t cols, float beta, cudaStream_t stream, bool deferrable = false) {
+template <typename T, typename M = T>
+void bias_grad_dispatch(const T* dy, const T* y, std::type_identity_t<M>* masked, float* dbias,
+                        int64_t rows, int64_t cols, float beta, cudaStream_t stream,
+                        bool deferrable = false) {
   if (cols == 0) {
     return;
   }
@@ -312,19 +316,19 @@ void bias_grad_dispatch(const T* dy, const T* y, T* masked, float* dbias, int64_
   auto vec_ok = [&]<int V>() {
     return cols % V == 0 && detail::aligned<V * sizeof(T)>(dy) &&
            (y == nullptr || detail::aligned<V * sizeof(T)>(y)) &&
-           (masked == nullptr || detail::aligned<V * sizeof(T)>(masked));
+           (masked == nullptr || detail::aligned<V * sizeof(M)>(masked));
   };
   const bool vec = vec_ok.template operator()<4>();
   if constexpr (sizeof(T) == 2) {
     if (vec_ok.template operator()<8>()) {
-      bias_grad_impl<8, T>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
+      bias_grad_impl<8, T, M>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
       return;
     }
   }
   if (vec) {
-    bias_grad_impl<4, T>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
+    bias_grad_impl<4, T, M>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
   } else {
-    bias_grad_impl<1, T>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
+    bias_grad_impl<1, T, M>(dy, y, masked, dbias, rows, cols, beta, stream, deferrable);
   }
 }
 
@@ -532,6 +536,27 @@ void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, in
   detail::check_relu_mask_args("relu_mask_bias_grad", y, dy, dy_masked, dbias, rows, cols);
   bias_grad_dispatch<T>(dy, y, dy_masked, dbias, rows, cols, beta, stream);
 }
+
+void relu_mask_bias_grad(const float* y, const float* dy, __nv_bfloat16* dy_masked, float* dbias,
+                         int64_t rows, int64_t cols, float beta, cudaStream_t stream) {
+  detail::check_relu_mask_args("relu_mask_bias_grad", y, dy, dy_masked, dbias, rows, cols);
+  bias_grad_dispatch<float, __nv_bfloat16>(dy, y, dy_masked, dbias, rows, cols, beta, stream);
+}
+
+namespace detail {
+template <typename T, typename M>
+void relu_mask_bias_grad_deferrable(const T* y, const T* dy, M* dy_masked, float* dbias,
+                                    int64_t rows, int64_t cols, float beta, cudaStream_t stream) {
+  check_relu_mask_args("relu_mask_bias_grad", y, dy, dy_masked, dbias, rows, cols);
+  bias_grad_dispatch<T, M>(dy, y, dy_masked, dbias, rows, cols, beta, stream, true);
+}
+template void relu_mask_bias_grad_deferrable<float, float>(const float*, const float*, float*,
+                                                           float*, int64_t, int64_t, float,
+                                                           cudaStream_t);
+template void relu_mask_bias_grad_deferrable<float, __nv_bfloat16>(const float*, const float*,
+                                                                   __nv_bfloat16*, float*, int64_t,
+                                                                   int64_t, float, cudaStream_t);
+}  // namespace detail
 
 template void relu_mask_bias_grad<float>(const float*, const float*, float*, float*, int64_t,
                                          int64_t, float, cudaStream_t);

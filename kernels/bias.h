@@ -55,6 +55,14 @@ void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, in
 template <typename T>
 void relu_mask_bias_grad_cpu(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
                              int64_t cols, float beta);
+// The same on fp32 y and dy with the masked gradient stored in bf16 (rounded to nearest even, as
+// kernels/layout.h's f32_to_bf16), for products that take bf16 operands (Linear under the bf16
+// policy: no conversion pass of its own). dbias sums the fp32 masked values, as the float form
+// does: the same bits as relu_mask_bias_grad<float>.
+void relu_mask_bias_grad(const float* y, const float* dy, __nv_bfloat16* dy_masked, float* dbias,
+                         int64_t rows, int64_t cols, float beta, cudaStream_t stream);
+void relu_mask_bias_grad_cpu(const float* y, const float* dy, __nv_bfloat16* dy_masked,
+                             float* dbias, int64_t rows, int64_t cols, float beta);
 
 // dbias[c] = beta * dbias[c] + sum_g partial[g * cols + c], the chunks g added in a fixed order:
 // bias_grad's stage 2, for a kernel that leaves partial column sums on its way (the bf16
@@ -78,9 +86,10 @@ void bias_grad_from_partials(Workspace partials, float* dbias, int64_t chunks, i
 // whose blocks do each of them exactly as its own launch would: the same bits.
 // - Which sums: the Workspace overload of bias_grad_from_partials and bias_grad_deferrable, that
 //   is, the bias arguments of max_pool2d_2x2_backward (dbias), batchnorm_backward
-//   (input_grad_sums), conv2d_backward_weight (dbias) and ConvOperands::column_sums: parameters'
-//   gradients. Inside a scope they are complete at its flush, not when the call returns.
-//   bias_grad, relu_mask_bias_grad and the pointer overload never queue.
+//   (input_grad_sums), conv2d_backward_weight (dbias) and ConvOperands::column_sums, and
+//   detail::relu_mask_bias_grad_deferrable (Linear's fused ReLU): parameters' gradients. Inside a
+//   scope they are complete at its flush, not when the call returns. bias_grad,
+//   relu_mask_bias_grad and the pointer overload never queue.
 // - Who opens it: Module::backward_all, at a thread's outermost backward (an inner scope is
 //   inactive and its sums go to the outer queue); it flushes before any module's backward hook
 //   (the Reducer's bucket all-reduce reads the gradients; with a Reducer on every module, each
@@ -121,6 +130,11 @@ void bias_grad_deferrable(const float* dy, float* dbias, int64_t rows, int64_t c
                           cudaStream_t stream);
 void bias_grad_deferrable(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols,
                           float beta, cudaStream_t stream);
+// relu_mask_bias_grad (T = M = float, or float to bf16) for a parameter's gradient in the same way
+// (Linear's fused ReLU): its stage 2 may be queued.
+template <typename T, typename M>
+void relu_mask_bias_grad_deferrable(const T* y, const T* dy, M* dy_masked, float* dbias,
+                                    int64_t rows, int64_t cols, float beta, cudaStream_t stream);
 // Flushes this thread's queue if it holds a sum into `dbias`, for a launch on `stream` about to
 // write dbias itself, which must come after it (NOTE [Deferred bias gradients]); `stream` waits
 // for the flush when it is not the queue's.

@@ -4,6 +4,7 @@
 #include "engine/core/error.h"
 #include "kernels/bias.h"
 #include "kernels/elementwise.h"
+#include "kernels/layout.h"
 
 namespace cudp::kernels {
 namespace detail {
@@ -90,6 +91,14 @@ void relu_mask_bias_grad_cpu(const T* y, const T* dy, T* dy_masked, float* dbias
   if (dbias != nullptr) {
     column_sums(dy_masked, dbias, rows, cols, beta);
   }
+}
+
+void relu_mask_bias_grad_cpu(const float* y, const float* dy, __nv_bfloat16* dy_masked,
+                             float* dbias, int64_t rows, int64_t cols, float beta) {
+  detail::check_relu_mask_args("relu_mask_bias_grad_cpu", y, dy, dy_masked, dbias, rows, cols);
+  std::vector<float> masked(static_cast<size_t>(rows * cols));
+  relu_mask_bias_grad_cpu(y, dy, masked.data(), dbias, rows, cols, beta);  // sums the fp32 values
+  f32_to_bf16_cpu(masked.data(), dy_masked, rows * cols);
 }
 
 template void relu_mask_bias_grad_cpu<float>(const float*, const float*, float*, float*, int64_t,

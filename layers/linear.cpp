@@ -5,6 +5,7 @@
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
 #include "kernels/bias.h"
+#include "kernels/conv2d.h"
 #include "kernels/elementwise.h"
 #include "kernels/gemm.h"
 #include "kernels/layout.h"
@@ -33,9 +34,11 @@ enum class Operands { kForward, kBStoredKN, kBothStoredK };
 // c (m x n, row-major, of c_type) = the product of bf16 row-major a and b on tensor cores, laid
 // out as `operands` says, (+ bias) (+ beta c: the weight gradient's accumulation) (max 0: a fused
 // ReLU).
+// `lda`: a's row stride when its rows are padded (0: m or k, as stored without padding).
 void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c,
                   kernels::DType c_type, const float* bias, cudaStream_t stream,
-                  Operands operands = Operands::kForward, float beta = 0.f, bool relu = false) {
+                  Operands operands = Operands::kForward, float beta = 0.f, bool relu = false,
+                  int64_t lda = 0) {
   const bool a_t = operands == Operands::kBothStoredK;
   const bool b_t = operands != Operands::kForward;
   kernels::MatmulProblem p;
@@ -44,7 +47,7 @@ void bf16_product(int m, int n, int k, const Tensor& a, const Tensor& b, void* c
   p.k = k;
   p.math = kernels::Math::BF16;
   p.a = a.data_ptr();
-  p.lda = a_t ? m : k;
+  p.lda = lda > 0 ? lda : a_t ? m : k;
   p.a_transposed = a_t;
   p.b = b.data_ptr();
   p.ldb = b_t ? n : k;
@@ -94,10 +97,12 @@ Parameter& Linear::bias() {
 
 // Under bf16 on the GPU the products whose operands TMA can read as they are (rows of 16 bytes)
 // run on bf16 copies made once per forward: x as it comes (or converted), W, and dy converted
-// once in backward. Each product reads them as they are stored (kernels/matmul.h): forward
-// y = x W^T (+ bias in the epilogue), backward-data dx = dy W (W as B stored k x n: no W^T copy),
-// backward-weight dW += dy^T x (both stored k x m / k x n). Layers with an odd feature count take
-// the float launchers, which round the same operands the same way.
+// once in backward (by the fused ReLU's mask pass where there is one; with its rows padded to a
+// multiple of 8 where out_features is not one). Each product reads them as they are stored
+// (kernels/matmul.h): forward y = x W^T (+ bias in the epilogue), backward-data dx = dy W (W as B
+// stored k x n: no W^T copy), backward-weight dW += dy^T x (both stored k x m / k x n). Layers
+// whose in_features is not a multiple of 8 take the float launchers, which round the same operands
+// the same way.
 bool Linear::direct_bf16(int64_t k) const {
   return device_.is_cuda() && precision_ == Precision::bf16 && k % 8 == 0;
 }
@@ -139,10 +144,8 @@ Tensor Linear::forward_one(const Tensor& input) {
           bf16_product(rows, n, k, input_bf16_, weight_bf16_, out, kernels::DType::F32, b, s,
                        Operands::kForward, 0.f, relu);
         });
-    // Where the weight gradient takes the float launcher (an odd out_features), it takes x in
-    // fp32: an fp32 input is kept as it came (shared, no copy), so that backward need not widen
-    // the bf16 copy back.
-    input_ = input.dtype() == DType::f32 && !direct_bf16(out_) ? input : Tensor();
+    // Backward reads the bf16 copy (dy's rows padded where out_features is not a multiple of 8).
+    input_ = Tensor();
     return y;
   }
   input_ = convert(input, DType::f32);  // bf16 values widened exactly
@@ -180,8 +183,6 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   // taken in the same pass; every product below reads the masked dy.
   const Tensor* relu_y = fused_relu_mask();  // never handed on: Linear keeps its own mask
   const bool relu = relu_y != nullptr;
-  const Tensor dym = relu ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
-  const float* dy = dym.data<float>();
   const float* w = weight_->data.data<float>();
   float* dw = weight_->grad.data<float>();
   float* db = bias_ ? bias_->grad.data<float>() : nullptr;
@@ -189,14 +190,26 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
   const float dw_beta = weight_->grad_beta();
   const float db_beta = bias_ ? bias_->grad_beta() : 1.f;
   // Backward-data on the forward's bf16 weight (read as B stored k x n) and backward-weight on the
-  // bf16 copies of dy and x as they are stored, when dy's rows are 16-byte multiples too.
-  const bool direct_dx = input_grad_ && weight_bf16_.defined() && direct_bf16(out_);
-  const bool direct_dw = input_bf16_.defined() && direct_bf16(out_);
+  // bf16 copies of dy and x as they are stored. dy's bf16 rows are 16-byte multiples: out_features
+  // as they are, or padded with zeros to a multiple of 8 (a classifier's 10 classes), which the
+  // products read as a longer row stride (the padding columns are never read: k, or m, stays
+  // out_features).
+  const bool direct = weight_bf16_.defined() && input_bf16_.defined();
+  const int64_t dy_cols = direct && !direct_bf16(out_) ? kernels::bf16_channels(n) : out_;
+  const bool direct_dx = input_grad_ && direct;
+  const bool direct_dw = direct;
   // fp32 operands for the float launchers (x widened from its bf16 copy when it was kept so).
   const Tensor x32 = input_.defined() ? input_
                      : direct_dw      ? Tensor()
                                       : convert(input_bf16_, DType::f32);
   const float* x = x32.defined() ? x32.data<float>() : nullptr;
+  // The masked dy in fp32, where something takes it so: the CPU path, the float launchers, the
+  // padded bf16 copy. With both products on bf16 rows of out_features the mask's pass writes the
+  // bf16 copy itself.
+  const bool bf16_mask = relu && device_.is_cuda() && direct && dy_cols == out_;
+  const Tensor dym =
+      relu && !bf16_mask ? Tensor::empty(grad_output.shape(), DType::f32, device_) : grad_output;
+  const float* dy = dym.data<float>();
   Tensor dx;
   if (input_grad_) {
     dx = Tensor::empty(saved.shape(), direct_dx ? input_dtype_ : DType::f32, device_);
@@ -220,11 +233,28 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         }
       },
       [&](cudaStream_t s) {
-        if (relu) {
-          kernels::relu_mask_bias_grad(relu_y->data<float>(), grad_output.data<float>(),
-                                       dym.data<float>(), db, rows, n, db_beta, s);
+        // The bias gradient of a fused ReLU's pass is a parameter's gradient that nothing in the
+        // backward reads: its last stage may wait for the backward's end (kernels/bias.h, NOTE
+        // [Deferred bias gradients]).
+        Tensor dy_bf16;
+        if (bf16_mask) {
+          dy_bf16 = Tensor::empty(grad_output.shape(), DType::bf16, device_);
+          kernels::detail::relu_mask_bias_grad_deferrable(
+              relu_y->data<float>(), grad_output.data<float>(), dy_bf16.data<__nv_bfloat16>(), db,
+              rows, n, db_beta, s);
+        } else {
+          if (relu) {
+            kernels::detail::relu_mask_bias_grad_deferrable(
+                relu_y->data<float>(), grad_output.data<float>(), dym.data<float>(), db, rows, n,
+                db_beta, s);
+          }
+          if (direct && dy_cols != out_) {
+            dy_bf16 = Tensor::empty({rows, dy_cols}, DType::bf16, device_);
+            kernels::conv2d_to_bf16(dy, rows, n, dy_bf16.data_ptr(), s);  // zero padding
+          } else if (direct) {
+            dy_bf16 = convert(dym, DType::bf16);
+          }
         }
-        const Tensor dy_bf16 = direct_dx || direct_dw ? convert(dym, DType::bf16) : Tensor();
         // Backward-weight (and the bias gradient) beside backward-data when both run
         // (detail::concurrent_weight_grad).
         cuda::SideStream side(device_.index, s, cuda::SideStream::if_free,
@@ -233,13 +263,13 @@ Tensor Linear::backward_one(const Tensor& grad_output) {
         if (direct_dx) {
           bf16_product(rows, k, n, dy_bf16, weight_bf16_, dx.data_ptr(),
                        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32,
-                       nullptr, s, Operands::kBStoredKN);
+                       nullptr, s, Operands::kBStoredKN, 0.f, false, dy_cols);
         } else if (out) {
           kernels::gemm(false, false, rows, k, n, 1.0f, dy, n, w, k, 0.0f, out, k, s, math());
         }
         if (direct_dw) {  // dW += dy^T x
           bf16_product(n, k, rows, dy_bf16, input_bf16_, dw, kernels::DType::F32, nullptr, ws,
-                       Operands::kBothStoredK, dw_beta);
+                       Operands::kBothStoredK, dw_beta, false, dy_cols);
         } else {
           kernels::gemm(true, false, n, k, rows, 1.0f, dy, n, x, k, dw_beta, dw, k, ws, math());
         }

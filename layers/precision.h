@@ -8,8 +8,8 @@
 //   bf16  bf16 operands for every Conv2d and Linear product (rounded to nearest even), fp32
 //         accumulation, fp32 weight gradients; the fp32 master weights stay the parameters.
 //         Activations and their gradients are bf16 between the layers that take bf16
-//         (Module::takes_bf16: Conv2d, BatchNorm2d, ReLU, MaxPool2d, Linear's input, the
-//         containers): Conv2d writes bf16 (bias and a following ReLU applied in fp32 before the
+//         (Module::takes_bf16: Conv2d, BatchNorm2d, ReLU, MaxPool2d, Flatten, Linear's input,
+//         the containers): Conv2d writes bf16 (bias and a following ReLU applied in fp32 before the
 //         rounding), BatchNorm2d writes its input's dtype, Linear writes fp32. A
 //         layer that does not take bf16 gets its input converted to f32 and returns its input
 //         gradient converted back, so a gradient always has the dtype of its value. BatchNorm's

@@ -600,6 +600,56 @@ TEST_F(DeferredBiasGpu, SumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity)
   }
 }
 
+// The fp32 mask's pass writing bf16 (a Linear's fused ReLU under the bf16 policy): dbias has the
+// float form's bits (the sums are the fp32 masked values'), dy_masked is the float form's output
+// rounded as f32_to_bf16 rounds (the CPU reference's bits), and the deferrable form, queued in a
+// scope and flushed, gives the same bits.
+TEST_F(DeferredBiasGpu, TheMaskWrittenInBf16KeepsTheFloatFormsSums) {
+  uint64_t seed = 400;
+  for (const Shape& shape : {Shape{256, 512}, Shape{7, 10}, Shape{1025, 64}, Shape{3, 5}}) {
+    for (const float beta : {0.0f, 0.5f}) {
+      SCOPED_TRACE(where(shape, 0, 0, beta));
+      const int64_t n = shape.rows * shape.cols;
+      const std::vector<float> dy = testing::random_vector(n, ++seed);
+      const std::vector<float> y = testing::random_vector(n, ++seed);  // half <= 0: masked
+      const std::vector<float> dbias = testing::random_vector(shape.cols, ++seed);
+      const __nv_bfloat16 poison = to<__nv_bfloat16>(testing::kPoison);
+      Slice ddy(n, 0), dyv(n, 0), masked32(n, 0), sums32(shape.cols, 0), sums16(shape.cols, 0),
+          queued16(shape.cols, 0);
+      testing::GuardedBuffer<__nv_bfloat16> masked16(n, 0, poison), queued_masked(n, 0, poison);
+      ddy.upload(dy);
+      dyv.upload(y);
+      for (Slice* out : {&sums32, &sums16, &queued16}) out->upload(dbias);
+      relu_mask_bias_grad(dyv.get(), ddy.get(), masked32.get(), sums32.get(), shape.rows,
+                          shape.cols, beta, stream);
+      relu_mask_bias_grad(dyv.get(), ddy.get(), masked16.get(), sums16.get(), shape.rows,
+                          shape.cols, beta, stream);
+      {
+        DeferredBiasGrads scope(0, stream);
+        ASSERT_TRUE(scope.active());
+        detail::relu_mask_bias_grad_deferrable(dyv.get(), ddy.get(), queued_masked.get(),
+                                               queued16.get(), shape.rows, shape.cols, beta,
+                                               stream);
+        flush_deferred_bias_grads();
+      }
+      const std::vector<float> want = sums32.download();
+      EXPECT_TRUE(testing::bitwise_equal(sums16.download(), want)) << "dbias, bf16 output";
+      EXPECT_TRUE(testing::bitwise_equal(queued16.download(), want)) << "dbias, queued";
+      // The CPU reference: the fp32 masked values rounded (and its own sums, in double).
+      std::vector<__nv_bfloat16> cpu_masked(n);
+      std::vector<float> cpu_sums = dbias;
+      relu_mask_bias_grad_cpu(y.data(), dy.data(), cpu_masked.data(), cpu_sums.data(), shape.rows,
+                              shape.cols, beta);
+      EXPECT_TRUE(same_bits(masked16.download(), cpu_masked)) << "dy_masked";
+      EXPECT_TRUE(same_bits(queued_masked.download(), cpu_masked)) << "dy_masked, queued";
+      EXPECT_TRUE(masked16.guards_intact());
+      EXPECT_TRUE(queued_masked.guards_intact());
+      EXPECT_ALL_CLOSE(want, cpu_sums, 0.0,
+                       summation_atol(dy, dbias, shape.rows, shape.cols, beta));
+    }
+  }
+}
+
 TEST(BiasGpu, EmptyShapes) {
   CUDP_REQUIRE_GPU();
   const cuda::Stream stream = cuda::Stream::create(0);

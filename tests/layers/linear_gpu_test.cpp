@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include "common/gpu.h"
+#include "layers/activation.h"
 #include "layers/linear.h"
+#include "layers/sequential.h"
 #include "tests/layers/layer_testing.h"
 
 namespace cudp {
@@ -43,6 +45,26 @@ TEST(LinearGpuTest, TensorCorePrecisionsMatchTheCpuPath) {
   expect_gpu_matches_cpu(small, random_tensor({13, 37}, 11), 12, 1e-4, 1e-4);
   linear.set_precision(Precision::tf32);
   expect_gpu_matches_cpu(linear, random_tensor({3, 5, 515}, 8), 9, 1e-3, 3e-2);
+}
+
+// The direct bf16 products (in_features a multiple of 8) where out_features is not one (a
+// classifier's 10 classes: dy's bf16 rows padded with zeros, read with the longer row stride), and
+// after a fused ReLU, whose mask pass writes the masked dy in bf16 itself (its bias gradient's last
+// stage queued to the backward's end): the CPU path's values, as above.
+TEST(LinearGpuTest, Bf16GradientsPaddedOrMaskedMatchTheCpuPath) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  Linear head(512, 10, true);
+  testing::randomize_parameters(head, 21);
+  head.set_precision(Precision::bf16);
+  expect_gpu_matches_cpu(head, random_tensor({256, 512}, 22), 23, 1e-4, 1e-4);
+  auto net = std::make_shared<Sequential>();
+  net->add(std::make_shared<Linear>(64, 40, true));
+  net->add(std::make_shared<ReLU>(true));
+  net->add(std::make_shared<Linear>(40, 10, true));
+  testing::randomize_parameters(*net, 24);
+  net->set_precision(Precision::bf16);
+  const auto gpu = expect_gpu_matches_cpu(*net, random_tensor({33, 64}, 25), 26, 1e-4, 1e-4);
+  EXPECT_TRUE((*std::static_pointer_cast<Sequential>(gpu))[0]->relu_fused());
 }
 
 }  // namespace
