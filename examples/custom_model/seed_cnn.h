@@ -138,8 +138,18 @@ class SeedCnn : public cudp::Module {
   // a += b on the module's device (cudp has no Tensor arithmetic: layers call kernels, and so does
   // a model that sums gradients). run() picks the CPU reference or the CUDA kernel on the device's
   // current stream.
+  // Under the bf16 policy the features are bf16, and so is their gradient (a gradient has its
+  // value's dtype): the two are added in fp32 and the sum rounded once (cudp::convert).
   void add_into(cudp::Tensor& a, const cudp::Tensor& b) const {
     cudp::check_shape(b, a.shape(), "SeedCnn: gradient of the features");
+    CUDP_CHECK(b.dtype() == a.dtype(), "SeedCnn: the gradient of the features is ", b.str(),
+               " but the features are ", cudp::dtype_name(a.dtype()), "; give it in their dtype");
+    if (a.dtype() == cudp::DType::bf16) {
+      cudp::Tensor sum = cudp::convert(a, cudp::DType::f32);
+      add_into(sum, cudp::convert(b, cudp::DType::f32));
+      a = cudp::convert(sum, cudp::DType::bf16);
+      return;
+    }
     run([&] { cudp::kernels::axpy_cpu(1.f, b.data<float>(), a.data<float>(), a.numel()); },
         [&](cudaStream_t stream) {
           cudp::kernels::axpy(1.f, b.data<float>(), a.data<float>(), a.numel(), stream);

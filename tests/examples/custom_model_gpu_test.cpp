@@ -148,7 +148,11 @@ TEST(CustomModelGpuTest, Bf16GpuMatchesTheCpuPath) {
   const TensorList y_cpu = cpu->forward_all({x});
   const TensorList y_gpu = gpu->forward_all({x.cuda(0)});
   EXPECT_TRUE(testing::gpu_close(y_gpu[0], y_cpu[0], 1e-3, 1e-3)) << "logits";
-  const Tensor g0 = random_tensor(y_cpu[0].shape(), 4), g1 = random_tensor(y_cpu[1].shape(), 5);
+  // The features are bf16 under the bf16 policy (Flatten keeps the activations' dtype), and a
+  // gradient has its value's dtype.
+  EXPECT_EQ(y_cpu[1].dtype(), DType::bf16);
+  const Tensor g0 = random_tensor(y_cpu[0].shape(), 4);
+  const Tensor g1 = convert(random_tensor(y_cpu[1].shape(), 5), DType::bf16);
   const Tensor dx_cpu = cpu->backward_all({g0, g1})[0];
   const Tensor dx_gpu = gpu->backward_all({g0.cuda(0), g1.cuda(0)})[0];
   EXPECT_TRUE(testing::gpu_close(dx_gpu, dx_cpu, 1e-3, 1e-3)) << "input gradient";

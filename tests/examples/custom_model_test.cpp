@@ -315,6 +315,27 @@ TEST(CustomModelTest, AnUnusedOutputCountsAsZero) {
   }
 }
 
+// Under the bf16 policy the features are bf16 (Flatten keeps the activations' dtype), so their
+// gradient is too: a zero one adds nothing (the example's add_into sums in fp32 and rounds once,
+// exact here), and an f32 one is refused with a message that says what to give.
+TEST(CustomModelTest, UnderBf16TheFeaturesAndTheirGradientAreBf16) {
+  auto m = tiny_model();
+  m->set_precision(Precision::bf16);
+  auto twin = std::static_pointer_cast<SeedCnn>(m->clone(Device::cpu()));
+  const Tensor x = random_tensor({kN, kSize, kSize, 1}, 18);
+  const TensorList out = m->forward_all({x});
+  twin->forward_all({x});
+  ASSERT_EQ(out[1].dtype(), DType::bf16);
+  const Tensor g0 = random_tensor(out[0].shape(), 19);
+  const Tensor zeros = convert(Tensor::zeros(out[1].shape()), DType::bf16);
+  const Tensor dx = m->backward_all({g0, Tensor()})[0];
+  const Tensor dx_zeros = twin->backward_all({g0, zeros})[0];
+  EXPECT_EQ(values(dx), values(dx_zeros));
+  m->forward_all({x});
+  EXPECT_THROW_WITH(m->backward_all({g0, Tensor::zeros(out[1].shape())}),
+                    "but the features are bf16; give it in their dtype");
+}
+
 // ---- saving, loading, training ------------------------------------------------------------------
 
 TEST(CustomModelTest, WeightsRoundTripThroughSafetensors) {
