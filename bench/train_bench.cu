@@ -60,8 +60,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -257,21 +257,14 @@ Result run(const Config& c, const std::vector<int>& ids, int warmup, int steps, 
   };
   // Under DistributedDataParallel on GPUs the graph holds the step's collectives: each launch is
   // watched as an eager collective is (Communicator::watch_graph_launch).
-  parallel::Communicator* const comm =
-      ranks && g_ranks.process_group ? &g_ranks.process_group->comm() : nullptr;
-  const parallel::Communicator::Captured before =
-      comm ? comm->captured() : parallel::Communicator::Captured{};
-  std::optional<parallel::Communicator::Captured> holds;
   GraphedStep graphed(body, device,
                       {.warmup_steps = GraphedStepOptions{}.warmup_steps,
                        .enabled = c.graphs,
                        .before_replay = [&opt] { opt.follow_primary(); },
-                       .after_launch =
-                           [&] {
-                             if (comm == nullptr) return;
-                             if (!holds) holds = comm->captured() - before;
-                             comm->watch_graph_launch("a replayed training step", *holds);
-                           }},
+                       .after_launch = ranks && g_ranks.process_group
+                                           ? g_ranks.process_group->comm().launch_watcher(
+                                                 "a replayed training step")
+                                           : std::function<void()>{}},
                       ids);
   auto step = [&] {
     const nvtx::Range range("training step");

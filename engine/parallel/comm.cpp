@@ -1,5 +1,7 @@
 #include "engine/parallel/comm.h"
 
+#include <optional>
+
 #include <map>
 #include <set>
 #include <utility>
@@ -53,6 +55,19 @@ struct Completion {
     if (p != Recorded) return p == Cancelled;
     const RelaxedCapture relaxed;
     return event.query();
+  }
+};
+
+// Completions still Pending when it ends are cancelled: the collective (or launch) they watch was
+// never enqueued, because a throw came part-way through enqueueing it, and the watchdog forgets
+// them instead of ending a healthy communicator at its timeout.
+struct CancelUnrecorded {
+  std::vector<std::shared_ptr<Completion>>& list;
+  ~CancelUnrecorded() {
+    for (auto& c : list) {
+      int pending = Completion::Pending;
+      c->phase.compare_exchange_strong(pending, Completion::Cancelled);
+    }
   }
 };
 
@@ -229,15 +244,7 @@ void Communicator::watch_graph_launch(const std::string& what, Captured holds) {
                                        holds.collectives == 1 ? "" : "s", " of this communicator)");
   // As run()'s: a throw part-way cancels the entries already watched.
   std::vector<std::shared_ptr<Completion>> completions;
-  struct CancelUnrecorded {
-    std::vector<std::shared_ptr<Completion>>& list;
-    ~CancelUnrecorded() {
-      for (auto& c : list) {
-        int pending = Completion::Pending;
-        c->phase.compare_exchange_strong(pending, Completion::Cancelled);
-      }
-    }
-  } cancel_unrecorded{completions};
+  const CancelUnrecorded cancel_unrecorded{completions};
   for (size_t i = 0; i < devices_.size(); ++i) {
     auto completion = std::make_shared<Completion>();
     completion->event = cuda::Event::create(devices_[i]);
@@ -250,6 +257,18 @@ void Communicator::watch_graph_launch(const std::string& what, Captured holds) {
     completions[i]->event.record(cuda::current_stream(devices_[i]));
     completions[i]->phase = Completion::Recorded;
   }
+}
+
+std::function<void()> Communicator::launch_watcher(std::string what) {
+  struct State {
+    Captured before;
+    std::optional<Captured> holds;  // what the graph holds, known after its capture
+  };
+  auto state = std::make_shared<State>(State{captured(), std::nullopt});
+  return [this, state, what = std::move(what)] {
+    if (!state->holds) state->holds = captured() - state->before;
+    watch_graph_launch(what, *state->holds);
+  };
 }
 
 void Communicator::synchronize() {
@@ -401,15 +420,7 @@ void Communicator::run(Kind kind, const std::vector<TensorList>& tensors,
   // first watch(), and each completion listed before it is watched, so that a throw part-way
   // (an event that cannot be made for the next rank) cancels every entry already watched, which
   // would otherwise stay pending and end a healthy communicator at its timeout.
-  struct CancelUnrecorded {
-    std::vector<std::shared_ptr<Completion>>& list;
-    ~CancelUnrecorded() {
-      for (auto& c : list) {
-        int pending = Completion::Pending;
-        c->phase.compare_exchange_strong(pending, Completion::Cancelled);
-      }
-    }
-  } cancel_unrecorded{completions};
+  const CancelUnrecorded cancel_unrecorded{completions};
   const bool captured = capturing(compute);
   for (size_t i = 0, watched = captured ? 0 : ranks; i < watched; ++i) {
     int64_t bytes = 0;

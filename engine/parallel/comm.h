@@ -47,6 +47,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -138,6 +139,10 @@ class Communicator {
   };
   Captured captured() const;
   void watch_graph_launch(const std::string& what, Captured holds);
+  // A GraphedStepOptions::after_launch for a graph captured after this call: at its first call it
+  // takes what the capture added to captured(), and every call watches the launch just made under
+  // `what`. The communicator must outlive it.
+  std::function<void()> launch_watcher(std::string what);
 
   // The deadline of each collective issued from now on (engine/parallel/watchdog.h). A new
   // communicator starts with default_timeout().

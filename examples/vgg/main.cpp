@@ -1466,21 +1466,14 @@ int run(Options o) {
   // full batches, which come at the same steps on every rank (the sampler's shards are equal),
   // and the collective watchdog watches each launch as it watches an eager collective.
   const bool nan_hook = distributed && nan_loss.rank >= 0;  // decided on the host: eager steps
-  parallel::Communicator* const step_comm =
-      distributed && g_ranks.process_group ? &g_ranks.process_group->comm() : nullptr;
-  const parallel::Communicator::Captured captured_before =
-      step_comm ? step_comm->captured() : parallel::Communicator::Captured{};
-  std::optional<parallel::Communicator::Captured> step_holds;  // the training graph's collectives
   GraphedStep graphed(train_body, main_device,
                       {.warmup_steps = GraphedStepOptions{}.warmup_steps,
                        .enabled = o.graphs == "on" && !nan_hook,
                        .before_replay = [&opt] { opt->follow_primary(); },
-                       .after_launch =
-                           [&] {
-                             if (step_comm == nullptr) return;
-                             if (!step_holds) step_holds = step_comm->captured() - captured_before;
-                             step_comm->watch_graph_launch("a replayed training step", *step_holds);
-                           }},
+                       .after_launch = distributed && g_ranks.process_group
+                                           ? g_ranks.process_group->comm().launch_watcher(
+                                                 "a replayed training step")
+                                           : std::function<void()>{}},
                       gpus);
   if (o.accumulate > 1) {
     std::printf("gradient accumulation: each batch as %lld micro-batches, one all-reduce\n",

@@ -8,7 +8,7 @@
 // replayed from a CUDA graph.
 #include <gtest/gtest.h>
 
-#include <optional>
+#include <functional>
 #include <random>
 
 #include "common/gpu.h"
@@ -121,7 +121,7 @@ TEST(DdpGpu, AReplayedStepGivesTheEagerStepsBitsAndEachLaunchIsWatched) {
   };
   Communicator& comm = graph_group->comm();
   const Communicator::Captured before = comm.captured();
-  std::optional<Communicator::Captured> holds;
+  const std::function<void()> watch = comm.launch_watcher("a replayed test step");
   int launches = 0;
   GraphedStep graphed(
       [&](const Tensor& x, const Tensor& y) {
@@ -129,8 +129,7 @@ TEST(DdpGpu, AReplayedStepGivesTheEagerStepsBitsAndEachLaunchIsWatched) {
       },
       gpu, {.warmup_steps = 1, .enabled = true, .before_replay = {}, .after_launch = [&] {
               ++launches;
-              if (!holds) holds = comm.captured() - before;
-              comm.watch_graph_launch("a replayed test step", *holds);
+              watch();
             }});
   std::mt19937 gen(9);
   std::uniform_real_distribution<float> pixel(-1.f, 1.f);
@@ -158,14 +157,14 @@ TEST(DdpGpu, AReplayedStepGivesTheEagerStepsBitsAndEachLaunchIsWatched) {
   EXPECT_EQ(graphed.eager_steps(), 1);
   EXPECT_EQ(graphed.replays(), 4);
   EXPECT_EQ(launches, 4);
-  ASSERT_TRUE(holds.has_value());
+  const Communicator::Captured holds = comm.captured() - before;  // what the graph holds
   int64_t bucket_bytes = 0;
   for (const auto& bucket : graphed_ddp.reducer().buckets()) {
     bucket_bytes += (bucket.end - bucket.begin) * static_cast<int64_t>(sizeof(float));
   }
-  EXPECT_EQ(holds->collectives, static_cast<int64_t>(graphed_ddp.reducer().buckets().size()))
+  EXPECT_EQ(holds.collectives, static_cast<int64_t>(graphed_ddp.reducer().buckets().size()))
       << "one all-reduce a bucket, captured";
-  EXPECT_EQ(holds->bytes, bucket_bytes);
+  EXPECT_EQ(holds.bytes, bucket_bytes);
 }
 
 // A module without parameters has no gradient to synchronise: refused with a message that says

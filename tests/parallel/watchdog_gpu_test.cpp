@@ -9,7 +9,6 @@
 #include <chrono>
 #include <exception>
 #include <latch>
-#include <optional>
 #include <thread>
 
 #include "common/gpu.h"
@@ -98,20 +97,17 @@ TEST(WatchdogGpu, ARankThatSkipsAGraphLaunchEndsItsPeerWithTheWatchdogsError) {
         const Device gpu = Device::cuda(rank);
         Communicator comm(rank, rank, 2, id);
         comm.set_timeout(kTimeout);
-        const Communicator::Captured before = comm.captured();
-        std::optional<Communicator::Captured> holds;
         // The step: t = rank + 1 everywhere, summed over the ranks (3 where both take part).
         const auto body = [&](const Tensor& x, const Tensor&) {
           Tensor t = x.clone_async();
           comm.all_reduce({t});
           return TensorList{t};
         };
-        GraphedStep graphed(
-            body, gpu,
-            {.warmup_steps = 1, .enabled = true, .before_replay = {}, .after_launch = [&] {
-               if (!holds) holds = comm.captured() - before;
-               comm.watch_graph_launch("a replayed step", *holds);
-             }});
+        GraphedStep graphed(body, gpu,
+                            {.warmup_steps = 1,
+                             .enabled = true,
+                             .before_replay = {},
+                             .after_launch = comm.launch_watcher("a replayed step")});
         const Tensor x = Tensor::full({kN}, static_cast<float>(rank + 1), gpu);
         const Tensor y = Tensor::full({1}, 0.f, gpu);
         for (int i = 0; i < 2; ++i) {  // eager, then captured and launched: both ranks
