@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <random>
+#include <utility>
 
 #include "common/gpu.h"
 #include "common/tensor_bytes.h"
@@ -40,6 +41,19 @@ std::shared_ptr<Sequential> tiny_net() {
       std::make_shared<Linear>(16 * 2 * 2, 10, true, 13)});
 }
 
+// Six random 8x8 RGB images and their labels (of 10 classes) on `gpu`.
+std::pair<Tensor, Tensor> random_batch(std::mt19937& gen, Device gpu) {
+  std::uniform_real_distribution<float> pixel(-1.f, 1.f);
+  std::uniform_int_distribution<int32_t> label(0, 9);
+  const int n = 6;
+  std::vector<float> images(static_cast<size_t>(n) * 8 * 8 * 3);
+  for (float& v : images) v = pixel(gen);
+  std::vector<int32_t> labels(n);
+  for (int32_t& v : labels) v = label(gen);
+  return {Tensor::from_vector(images, {n, 8, 8, 3}).to(gpu),
+          Tensor::from_vector(labels, {n}).to(gpu)};
+}
+
 TEST(DdpGpu, AWorldOfOneGivesThePlainModulesGradientsBitForBit) {
   CUDP_REQUIRE_GPU();
   const Device gpu = Device::cuda(0);
@@ -54,16 +68,8 @@ TEST(DdpGpu, AWorldOfOneGivesThePlainModulesGradientsBitForBit) {
   SGD sgd_ddp(ddp.parameters(), {.lr = 0.1, .momentum = 0.9});
   CrossEntropyLoss crit_plain, crit_ddp;
   std::mt19937 gen(5);
-  std::uniform_real_distribution<float> pixel(-1.f, 1.f);
-  std::uniform_int_distribution<int32_t> label(0, 9);
   for (int step = 0; step < 3; ++step) {
-    const int n = 6;
-    std::vector<float> images(static_cast<size_t>(n) * 8 * 8 * 3);
-    for (float& v : images) v = pixel(gen);
-    std::vector<int32_t> labels(n);
-    for (int32_t& v : labels) v = label(gen);
-    const Tensor x = Tensor::from_vector(images, {n, 8, 8, 3}).to(gpu);
-    const Tensor y = Tensor::from_vector(labels, {n}).to(gpu);
+    const auto [x, y] = random_batch(gen, gpu);
 
     sgd_plain.zero_grad();
     crit_plain.forward(plain->forward(x), y);
@@ -132,16 +138,8 @@ TEST(DdpGpu, AReplayedStepGivesTheEagerStepsBitsAndEachLaunchIsWatched) {
               watch();
             }});
   std::mt19937 gen(9);
-  std::uniform_real_distribution<float> pixel(-1.f, 1.f);
-  std::uniform_int_distribution<int32_t> label(0, 9);
   for (int i = 0; i < 5; ++i) {
-    const int n = 6;
-    std::vector<float> images(static_cast<size_t>(n) * 8 * 8 * 3);
-    for (float& v : images) v = pixel(gen);
-    std::vector<int32_t> labels(n);
-    for (int32_t& v : labels) v = label(gen);
-    const Tensor x = Tensor::from_vector(images, {n, 8, 8, 3}).to(gpu);
-    const Tensor y = Tensor::from_vector(labels, {n}).to(gpu);
+    const auto [x, y] = random_batch(gen, gpu);
     const TensorList replayed = graphed.run(x, y);
     const TensorList eager_out = step(eager, eager_sgd, eager_crit, x, y);
     comm.synchronize();  // every watched launch so far has completed (else it throws)
