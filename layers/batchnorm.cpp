@@ -157,10 +157,7 @@ void BatchNorm2d::backward_typed(const Tensor& grad_output, Tensor& dx) {
 }
 
 Tensor BatchNorm2d::new_grad_input(const Tensor& grad_output, const char* layer) const {
-  // The error's name is built on failure only: this runs at every eager step.
-  if (!grad_output.defined() || grad_output.shape() != input_.shape()) {
-    check_shape(grad_output, input_.shape(), detail::str(layer, ": grad_output").c_str());
-  }
+  check_shape_of(grad_output, input_.shape(), layer, ": grad_output");
   CUDP_CHECK(grad_output.dtype() == input_.dtype(), layer,
              ": grad_output must have the output's dtype ", dtype_name(input_.dtype()),
              " (the input's), got ", grad_output.str(),

@@ -146,6 +146,18 @@ std::ostream& operator<<(std::ostream& out, const Tensor& t);
 void check_device(const Tensor& t, Device expected, const char* what);
 // Throws ValueError unless `t` has `expected` shape, naming `what`, the shape found and expected.
 void check_shape(const Tensor& t, const Shape& expected, const char* what);
+// The same two checks with the name given in parts (detail::str's arguments), joined only when
+// the check fails: for callers on a step's path whose name is composed (a layer's path, a
+// replica's index), which would otherwise build a string at every call.
+template <typename... Parts>
+void check_device_of(const Tensor& t, Device expected, const Parts&... what) {
+  if (!t.defined() || t.device() != expected)
+    check_device(t, expected, detail::str(what...).c_str());
+}
+template <typename... Parts>
+void check_shape_of(const Tensor& t, const Shape& expected, const Parts&... what) {
+  if (!t.defined() || t.shape() != expected) check_shape(t, expected, detail::str(what...).c_str());
+}
 
 // The stream that work on tensors of `device` goes to (null for the CPU).
 cudaStream_t stream_for(Device device);

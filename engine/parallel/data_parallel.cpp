@@ -354,10 +354,9 @@ std::vector<TensorList> DataParallel::backward_replicas(
     for (size_t j = 0; j < grad_outputs[i].size(); ++j) {
       const Tensor& g = grad_outputs[i][j];
       if (!g.defined()) continue;
-      const std::string what =
-          detail::str("DataParallel: gradient of replica ", i, "'s output ", j);
-      check_device(g, device, what.c_str());
-      check_shape(g, replica_output_shapes_[i][j], what.c_str());
+      check_device_of(g, device, "DataParallel: gradient of replica ", i, "'s output ", j);
+      check_shape_of(g, replica_output_shapes_[i][j], "DataParallel: gradient of replica ", i,
+                     "'s output ", j);
     }
   }
   std::vector<TensorList> input_grads = run_backward(grad_outputs);
