@@ -537,12 +537,6 @@ void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, in
   bias_grad_dispatch<T>(dy, y, dy_masked, dbias, rows, cols, beta, stream);
 }
 
-void relu_mask_bias_grad(const float* y, const float* dy, __nv_bfloat16* dy_masked, float* dbias,
-                         int64_t rows, int64_t cols, float beta, cudaStream_t stream) {
-  detail::check_relu_mask_args("relu_mask_bias_grad", y, dy, dy_masked, dbias, rows, cols);
-  bias_grad_dispatch<float, __nv_bfloat16>(dy, y, dy_masked, dbias, rows, cols, beta, stream);
-}
-
 namespace detail {
 template <typename T, typename M>
 void relu_mask_bias_grad_deferrable(const T* y, const T* dy, M* dy_masked, float* dbias,

@@ -55,12 +55,9 @@ void relu_mask_bias_grad(const T* y, const T* dy, T* dy_masked, float* dbias, in
 template <typename T>
 void relu_mask_bias_grad_cpu(const T* y, const T* dy, T* dy_masked, float* dbias, int64_t rows,
                              int64_t cols, float beta);
-// The same on fp32 y and dy with the masked gradient stored in bf16 (rounded to nearest even, as
-// kernels/layout.h's f32_to_bf16), for products that take bf16 operands (Linear under the bf16
-// policy: no conversion pass of its own). dbias sums the fp32 masked values, as the float form
-// does: the same bits as relu_mask_bias_grad<float>.
-void relu_mask_bias_grad(const float* y, const float* dy, __nv_bfloat16* dy_masked, float* dbias,
-                         int64_t rows, int64_t cols, float beta, cudaStream_t stream);
+// The reference of detail::relu_mask_bias_grad_deferrable<float, __nv_bfloat16>: fp32 y and dy,
+// the masked gradient stored in bf16 (rounded to nearest even, as kernels/layout.h's
+// f32_to_bf16), dbias the sums of the fp32 masked values (relu_mask_bias_grad<float>'s).
 void relu_mask_bias_grad_cpu(const float* y, const float* dy, __nv_bfloat16* dy_masked,
                              float* dbias, int64_t rows, int64_t cols, float beta);
 
@@ -130,8 +127,11 @@ void bias_grad_deferrable(const float* dy, float* dbias, int64_t rows, int64_t c
                           cudaStream_t stream);
 void bias_grad_deferrable(const __nv_bfloat16* dy, float* dbias, int64_t rows, int64_t cols,
                           float beta, cudaStream_t stream);
-// relu_mask_bias_grad (T = M = float, or float to bf16) for a parameter's gradient in the same way
-// (Linear's fused ReLU): its stage 2 may be queued.
+// relu_mask_bias_grad (T = M = float) for a parameter's gradient in the same way (Linear's fused
+// ReLU): its stage 2 may be queued. With M = bf16 (T = float) the masked gradient is stored in
+// bf16, rounded to nearest even as f32_to_bf16 rounds, for products that take bf16 operands
+// (Linear under the bf16 policy: no conversion pass of its own), while dbias sums the fp32 masked
+// values: the float form's bits. Outside an active scope it runs at once.
 template <typename T, typename M>
 void relu_mask_bias_grad_deferrable(const T* y, const T* dy, M* dy_masked, float* dbias,
                                     int64_t rows, int64_t cols, float beta, cudaStream_t stream);

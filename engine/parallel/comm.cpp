@@ -235,13 +235,16 @@ Communicator::Captured Communicator::captured() const {
   return captured_;
 }
 
-void Communicator::watch_graph_launch(const std::string& what, Captured holds) {
+std::string Communicator::graph_launch_name(const std::string& what, Captured holds) {
+  return detail::str(what, " (", holds.collectives, " captured collective",
+                     holds.collectives == 1 ? "" : "s", " of this communicator)");
+}
+
+void Communicator::watch_launch(const std::string& name, int64_t bytes) {
   std::lock_guard lock(mutex_);
   watchdog_->check();  // a failed communicator raises its error here too
   CUDP_CHECK(!aborted_, "Communicator::watch_graph_launch: this communicator was aborted ",
              "(Communicator::abort); make a new one to communicate again");
-  const std::string name = detail::str(what, " (", holds.collectives, " captured collective",
-                                       holds.collectives == 1 ? "" : "s", " of this communicator)");
   // As run()'s: a throw part-way cancels the entries already watched.
   std::vector<std::shared_ptr<Completion>> completions;
   const CancelUnrecorded cancel_unrecorded{completions};
@@ -249,8 +252,7 @@ void Communicator::watch_graph_launch(const std::string& what, Captured holds) {
     auto completion = std::make_shared<Completion>();
     completion->event = cuda::Event::create(devices_[i]);
     completions.push_back(completion);
-    watchdog_->watch(static_cast<int>(i), name, holds.bytes,
-                     [completion] { return completion->done(); });
+    watchdog_->watch(static_cast<int>(i), name, bytes, [completion] { return completion->done(); });
   }
   for (size_t i = 0; i < devices_.size(); ++i) {
     const cuda::DeviceGuard guard(devices_[i]);
@@ -263,11 +265,15 @@ std::function<void()> Communicator::launch_watcher(std::string what) {
   struct State {
     Captured before;
     std::optional<Captured> holds;  // what the graph holds, known after its capture
+    std::string name;               // the watch's name, made with it
   };
-  auto state = std::make_shared<State>(State{captured(), std::nullopt});
+  auto state = std::make_shared<State>(State{captured(), std::nullopt, {}});
   return [this, state, what = std::move(what)] {
-    if (!state->holds) state->holds = captured() - state->before;
-    watch_graph_launch(what, *state->holds);
+    if (!state->holds) {
+      state->holds = captured() - state->before;
+      state->name = graph_launch_name(what, *state->holds);
+    }
+    watch_launch(state->name, state->holds->bytes);
   };
 }
 

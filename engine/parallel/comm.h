@@ -138,7 +138,9 @@ class Communicator {
     }
   };
   Captured captured() const;
-  void watch_graph_launch(const std::string& what, Captured holds);
+  void watch_graph_launch(const std::string& what, Captured holds) {
+    watch_launch(graph_launch_name(what, holds), holds.bytes);
+  }
   // A GraphedStepOptions::after_launch for a graph captured after this call: at its first call it
   // takes what the capture added to captured(), and every call watches the launch just made under
   // `what`. The communicator must outlive it.
@@ -177,6 +179,9 @@ class Communicator {
            const std::vector<TensorList>* outputs, int root, ReduceOp op,
            const Ordering* ordering = nullptr);
   void create_streams();  // and the watchdog
+  // watch_graph_launch's name for a launch holding `holds`, and its watch under a name made once.
+  static std::string graph_launch_name(const std::string& what, Captured holds);
+  void watch_launch(const std::string& name, int64_t bytes);
   void abort_comms();     // once, whoever calls first: the watchdog or abort()
   std::string async_error(int i);
 

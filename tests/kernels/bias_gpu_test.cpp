@@ -602,8 +602,8 @@ TEST_F(DeferredBiasGpu, SumsStayInOrderWithDirectWritesAndPastTheQueuesCapacity)
 
 // The fp32 mask's pass writing bf16 (a Linear's fused ReLU under the bf16 policy): dbias has the
 // float form's bits (the sums are the fp32 masked values'), dy_masked is the float form's output
-// rounded as f32_to_bf16 rounds (the CPU reference's bits), and the deferrable form, queued in a
-// scope and flushed, gives the same bits.
+// rounded as f32_to_bf16 rounds (the CPU reference's bits), whether it runs at once (no scope) or
+// is queued in a scope and flushed.
 TEST_F(DeferredBiasGpu, TheMaskWrittenInBf16KeepsTheFloatFormsSums) {
   uint64_t seed = 400;
   for (const Shape& shape : {Shape{256, 512}, Shape{7, 10}, Shape{1025, 64}, Shape{3, 5}}) {
@@ -622,8 +622,9 @@ TEST_F(DeferredBiasGpu, TheMaskWrittenInBf16KeepsTheFloatFormsSums) {
       for (Slice* out : {&sums32, &sums16, &queued16}) out->upload(dbias);
       relu_mask_bias_grad(dyv.get(), ddy.get(), masked32.get(), sums32.get(), shape.rows,
                           shape.cols, beta, stream);
-      relu_mask_bias_grad(dyv.get(), ddy.get(), masked16.get(), sums16.get(), shape.rows,
-                          shape.cols, beta, stream);
+      // Outside a scope: at once.
+      detail::relu_mask_bias_grad_deferrable(dyv.get(), ddy.get(), masked16.get(), sums16.get(),
+                                             shape.rows, shape.cols, beta, stream);
       {
         DeferredBiasGrads scope(0, stream);
         ASSERT_TRUE(scope.active());
