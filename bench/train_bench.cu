@@ -78,6 +78,7 @@
 #include "kernels/batchnorm.h"
 #include "kernels/bias.h"
 #include "kernels/conv2d.h"
+#include "kernels/conv2d_dense.h"
 #include "kernels/matmul.h"
 #include "layers/loss.h"
 #include "layers/optim.h"
@@ -394,12 +395,14 @@ void print_row(const Row& w, FILE* json) {
       "\"cudp_graphs\": \"%s\", \"size\": %d, \"batch_per_gpu\": %lld, "
       "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
-      "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\"%s}\n",
+      "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\", "
+      "\"cudp_dense_2x2\": \"%s\"%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
       g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", g_overlap_update ? "on" : "off",
-      g_splitk.c_str(), g_bias_final.c_str(), extra.c_str());
+      g_splitk.c_str(), g_bias_final.c_str(), kernels::detail::conv_dense_2x2() ? "on" : "off",
+      extra.c_str());
   std::fflush(json);
 }
 
@@ -702,6 +705,13 @@ int main(int argc, char** argv) {
                  "compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string dense_2x2 = kernels::detail::conv_dense_2x2() ? "on" : "off";
+  app.add_option("--dense-2x2", dense_2x2,
+                 "on: bf16 3 x 3 layers on a 2 x 2 image (VGG's last block at 32²) run as dense "
+                 "maps of 4C to 4K features per image, three plain products without the "
+                 "im2col's padding; off: as the other layers (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   std::string halo = "on";
   app.add_option("--halo", halo,
                  "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
@@ -730,6 +740,7 @@ int main(int argc, char** argv) {
   g_overlap_update = overlap_update == "on";
   kernels::detail::set_conv_swapped(swap == "on");
   kernels::detail::set_conv_halo(halo != "off");
+  kernels::detail::set_conv_dense_2x2(dense_2x2 == "on");
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
                                       : halo == "exact"    ? kernels::detail::HaloWide::exact
                                       : halo == "covering" ? kernels::detail::HaloWide::covering

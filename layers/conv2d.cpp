@@ -6,8 +6,11 @@
 #include "engine/core/memory.h"
 #include "engine/core/stream.h"
 #include "kernels/bias.h"
+#include "kernels/conv2d_dense.h"
 #include "kernels/elementwise.h"
 #include "kernels/layout.h"
+#include "kernels/matmul.h"
+#include "kernels/workspace.h"
 
 namespace cudp {
 
@@ -114,6 +117,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
   const kernels::Conv2dShape s = shape_for(input);
   saved_shape_ = s;
   input_dtype_ = input.dtype();
+  ran_dense_2x2_ = false;
   // The ReLU mask of the layer before: done in backward-data's epilogue on the tensor cores (bf16
   // with whole 16-byte chunks of channels; tf32 at stride 1 with C and K multiples of 4: 16-byte
   // rows of dy, dx and the mask for the typed TF32 call), or after the CPU reference.
@@ -141,7 +145,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
       },
       [&](cudaStream_t stream) { kernels::conv2d_forward(s, x, w, b, out, relu, stream, math()); });
   input_ = input;
-  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
+  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = bias_eff_ = Tensor();
   keep_fused_relu_output(y);
   return y;
 }
@@ -261,9 +265,10 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
     kernels::conv2d_forward_cpu(s, x.data(), w.data(), b, out.data(), relu);
     kernels::f32_to_bf16_cpu(out.data(), y.data<__nv_bfloat16>(), s.y_size());
     input_ = input;
-    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = Tensor();
+    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = bias_eff_ = Tensor();
   } else {
     input_ = Tensor();
+    weight_eff_bf16_ = bias_eff_ = Tensor();
     run([] {},
         [&](cudaStream_t stream) {
           const int cp = kernels::bf16_channels(s.c);
@@ -279,6 +284,10 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
               kernels::conv2d_to_bf16(input.data<float>(), pixels, s.c, input_bf16_.data_ptr(),
                                       stream);
             }
+          }
+          if (kernels::detail::conv_dense_2x2() && kernels::conv2d_dense_2x2_applies(s)) {
+            forward_dense_2x2(s, y, stream);
+            return;
           }
           // The rotated filters of backward-data come from the same pass, when a backward that
           // runs it on tensor cores will follow (training, an input gradient wanted, stride 1, no
@@ -364,6 +373,10 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
           output_grad_pass(relu_y->data<__nv_bfloat16>(), grad_output.data<__nv_bfloat16>(),
                            dym.data<__nv_bfloat16>(), db, rows, s.k, stream);
         }
+        if (weight_eff_bf16_.defined()) {  // the forward took the dense 2x2 form
+          backward_dense_2x2(dym, dx, relu ? nullptr : db, stream);
+          return;
+        }
         const int cp = kernels::bf16_channels(s.c), kp = kernels::bf16_channels(s.k);
         Tensor dyp = dym;
         if (kp != s.k) {
@@ -414,6 +427,105 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
       });
   weight_->grad_written();
   return dx;
+}
+
+// The dense form (kernels/conv2d_dense.h): W_eff (and bias_eff) built from the bf16 filters, which
+// the parameter store's copy gives where there is one (else the fp32 filters, rounded by the same
+// pass), then y = x W_eff^T + bias_eff with the fused ReLU, one product on the NHWC tensors as they
+// are. W_eff stays for backward-data.
+void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStream_t stream) {
+  const int64_t outputs = 4 * int64_t{s.k}, inputs = 4 * int64_t{s.c};  // features per image
+  {
+    const cuda::AllocationPurpose purpose(
+        detail::str("Conv2d(", in_, ", ", out_, ")'s dense 2x2 filters"),
+        "Under bf16 a 3x3 layer on a 2x2 image makes them (4K x 4C bf16) at each forward and "
+        "keeps them until the backward: reduce the batch size (--batch-size) to leave room for "
+        "them.");
+    weight_eff_bf16_ = Tensor::empty({outputs, inputs}, DType::bf16, device_);
+    bias_eff_ = bias_ ? Tensor::empty({outputs}, DType::f32, device_) : Tensor();
+  }
+  weight_bf16_ = weight_rot_bf16_ = Tensor();
+  ran_dense_2x2_ = true;
+  const float* b = bias_ ? bias_->data.data<float>() : nullptr;
+  float* b_eff = bias_ ? bias_eff_.data<float>() : nullptr;
+  auto* w_eff = weight_eff_bf16_.data<__nv_bfloat16>();
+  if (weight_->compute.defined()) {
+    kernels::conv2d_dense_2x2_filters(weight_->compute.data<__nv_bfloat16>(), s, w_eff, b, b_eff,
+                                      stream);
+  } else {
+    kernels::conv2d_dense_2x2_filters(weight_->data.data<float>(), s, w_eff, b, b_eff, stream);
+  }
+  kernels::MatmulProblem p;
+  p.m = s.n;
+  p.n = static_cast<int>(outputs);
+  p.k = static_cast<int>(inputs);
+  p.math = kernels::Math::BF16;
+  p.a = input_bf16_.data_ptr();
+  p.lda = inputs;
+  p.b = w_eff;
+  p.ldb = inputs;
+  p.c = y.data_ptr();
+  p.ldc = outputs;
+  p.c_type = kernels::DType::BF16;
+  p.bias = b_eff;
+  p.relu = relu_fused_;
+  kernels::matmul(p, stream);
+}
+
+// dx = dy W_eff (the ReLU before this layer masked in the epilogue when asked; no column sums: the
+// layer before takes its bias gradient itself), and beside it dW_eff = dy^T x into an fp32
+// workspace, folded into dW; db (the bias gradient when no mask pass took it) by a column sum of
+// dy, whose last launch may be queued.
+void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
+                                cudaStream_t stream) {
+  const kernels::Conv2dShape& s = saved_shape_;
+  const int64_t outputs = 4 * int64_t{s.k}, inputs = 4 * int64_t{s.c};
+  cuda::SideStream side(device_.index, stream, cuda::SideStream::if_free,
+                        dx.defined() && detail::concurrent_weight_grad(4 * int64_t{s.n}));
+  input_grad_summed_ = false;
+  if (dx.defined()) {
+    kernels::MatmulProblem p;
+    p.m = s.n;
+    p.n = static_cast<int>(inputs);
+    p.k = static_cast<int>(outputs);
+    p.math = kernels::Math::BF16;
+    p.a = dy.data_ptr();
+    p.lda = outputs;
+    p.b = weight_eff_bf16_.data_ptr();
+    p.ldb = inputs;
+    p.b_transposed = true;
+    p.c = dx.data_ptr();
+    p.ldc = inputs;
+    p.c_type = input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32;
+    p.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
+    kernels::matmul(p, stream);
+  }
+  if (db != nullptr) {
+    kernels::detail::bias_grad_deferrable(dy.data<__nv_bfloat16>(), db, 4 * int64_t{s.n}, s.k, 1.f,
+                                          stream);
+  }
+  {
+    kernels::Workspace dw_eff(static_cast<size_t>(outputs * inputs) * sizeof(float), side.get(),
+                              "the dense 2x2 layer's weight gradient before its fold");
+    kernels::MatmulProblem p;
+    p.m = static_cast<int>(outputs);
+    p.n = static_cast<int>(inputs);
+    p.k = s.n;
+    p.math = kernels::Math::BF16;
+    p.a = dy.data_ptr();
+    p.lda = outputs;
+    p.a_transposed = true;
+    p.b = input_bf16_.data_ptr();
+    p.ldb = inputs;
+    p.b_transposed = true;
+    p.c = dw_eff.get();
+    p.ldc = inputs;
+    p.c_type = kernels::DType::F32;
+    kernels::matmul(p, side.get());
+    kernels::conv2d_dense_2x2_fold(dw_eff.get(), s, weight_->grad.data<float>(),
+                                   weight_->grad_beta(), side.get());
+  }
+  side.join();
 }
 
 std::string Conv2d::extra_repr() const {

@@ -70,6 +70,11 @@ class Conv2d : public Module {
   Parameter& weight() { return *weight_; }  // [out, kernel, kernel, in] (KRSC)
   Parameter& bias();                        // [out]; throws when built without a bias
 
+  // Whether the last forward ran as a dense map of 4C to 4K features (a 3x3 layer of stride 1 and
+  // padding 1 on a 2x2 image, under bf16 on the GPU: kernels/conv2d_dense.h), for tests and
+  // profiles.
+  bool ran_dense_2x2() const { return ran_dense_2x2_; }
+
   // The GEMM math of the products, from the precision policy (Module::set_precision).
   kernels::Math math() const { return precision_math(precision_); }
 
@@ -81,6 +86,8 @@ class Conv2d : public Module {
     input_bf16_ = Tensor();
     weight_bf16_ = Tensor();
     weight_rot_bf16_ = Tensor();
+    weight_eff_bf16_ = Tensor();
+    bias_eff_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor export_tensor(const std::string& local_name, const Tensor& internal) const override;
@@ -91,16 +98,21 @@ class Conv2d : public Module {
   kernels::Conv2dShape shape_for(const Tensor& input) const;
   Tensor forward_bf16(const Tensor& input, const kernels::Conv2dShape& s);
   Tensor backward_bf16(const Tensor& grad_output);
+  // The dense form of a 3x3 layer on a 2x2 image (kernels/conv2d_dense.h), under bf16 on the GPU.
+  void forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStream_t stream);
+  void backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db, cudaStream_t stream);
   int in_, out_, kernel_, stride_, padding_;
   Parameter* weight_ = nullptr;
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
   // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
-  // backward-data. (The output a fused ReLU's mask needs is Module's, keep_fused_relu_output.)
+  // backward-data; or, in the dense 2x2 form, W_eff (and bias_eff for the forward's epilogue).
+  // (The output a fused ReLU's mask needs is Module's, keep_fused_relu_output.)
   Tensor input_;
-  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_;
+  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, weight_eff_bf16_, bias_eff_;
   DType input_dtype_ = DType::f32;
   kernels::Conv2dShape saved_shape_;
+  bool ran_dense_2x2_ = false;
 };
 
 }  // namespace cudp

@@ -9,7 +9,11 @@
 
 #include "common/compare.h"
 #include "common/gpu.h"
+#include "common/scoped_switch.h"
+#include "kernels/conv2d_dense.h"
+#include "layers/activation.h"
 #include "layers/conv2d.h"
+#include "layers/sequential.h"
 #include "tests/layers/layer_testing.h"
 
 namespace cudp {
@@ -47,6 +51,88 @@ TEST(Conv2dGpuTest, Bf16MatchesTheCpuPathWithRoundedOperands) {
     conv.set_precision(Precision::bf16);
     SCOPED_TRACE(::testing::Message() << "c " << c << " k " << k << " kernel " << kernel);
     expect_gpu_matches_cpu(conv, random_tensor({2, 9, 11, c}, 12), 13, 1e-4, 1e-4);
+  }
+}
+
+// A 3x3 layer on a 2x2 image as a dense map (kernels/conv2d_dense.h): its three products are plain
+// GEMMs of the bf16 operands, so the CPU path (the convolution on the same rounded operands) is its
+// reference as for the other bf16 layers: 1e-4 as above, a bf16 output one unit apart at most.
+// Batches of 3 and 1 (no tile's multiple), C != K both ways, with and without a bias, f32 and bf16
+// inputs (dx in the input's dtype).
+TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const testing::ScopedSwitch<bool> dense(kernels::detail::conv_dense_2x2,
+                                          kernels::detail::set_conv_dense_2x2, true);
+  struct Case {
+    int n, c, k;
+    bool bias;
+    DType input;
+  };
+  for (const Case& t : {Case{3, 64, 64, true, DType::bf16}, Case{1, 128, 64, false, DType::bf16},
+                        Case{2, 64, 192, true, DType::f32}, Case{3, 8, 16, true, DType::bf16},
+                        Case{4, 512, 512, true, DType::bf16}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "n " << t.n << " c " << t.c << " k " << t.k << (t.bias ? "" : " no bias")
+                 << " input " << dtype_name(t.input));
+    Conv2d conv(t.c, t.k, 3, 1, 1, t.bias);
+    testing::randomize_parameters(conv, 31, -0.3f, 0.3f);
+    conv.set_precision(Precision::bf16);
+    const Tensor x = convert(random_tensor({t.n, 2, 2, t.c}, 32), t.input);
+    const auto gpu = expect_gpu_matches_cpu(conv, x, 33, 1e-4, 1e-4);
+    EXPECT_TRUE(static_cast<Conv2d&>(*gpu).ran_dense_2x2());
+  }
+  // Not the form's: a 3x3 input, 12 channels.
+  for (const auto& [side, c] : {std::pair{3, 64}, std::pair{2, 12}}) {
+    Conv2d conv(c, 64, 3, 1, 1);
+    conv.set_precision(Precision::bf16);
+    conv.to(Device::cuda(0));
+    conv.forward(
+        convert(random_tensor({2, side, side, c}, 34, -1.f, 1.f, Device::cuda(0)), DType::bf16));
+    EXPECT_FALSE(conv.ran_dense_2x2()) << "side " << side << " c " << c;
+  }
+}
+
+// VGG's last block in small, each layer in the dense form: the fused ReLUs, the mask handed to the
+// next layer's backward-data (its epilogue masks on the product's output, dx as [N][4C]) and the
+// bias gradients that layer then leaves to the layer before (a pass over dy). Against the CPU path
+// within the tolerance of a stack of bf16 products (bf16_storage_gpu_test.cpp's small VGG: 1e-2),
+// and against the implicit-GEMM form on the GPU, which the switch selects.
+TEST(Conv2dGpuTest, Bf16Dense2x2LayersInAStackMatchTheCpuAndTheOtherForm) {
+  CUDP_REQUIRE_TENSOR_CORES();
+  const auto make = [] {
+    auto net = std::make_shared<Sequential>();
+    net->add(std::make_shared<Conv2d>(64, 128, 3, 1, 1));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<Conv2d>(128, 128, 3, 1, 1));
+    net->add(std::make_shared<ReLU>(true));
+    net->add(std::make_shared<Conv2d>(128, 64, 3, 1, 1));
+    net->add(std::make_shared<ReLU>(true));
+    testing::randomize_parameters(*net, 41, -0.1f, 0.1f);
+    net->set_precision(Precision::bf16);
+    return net;
+  };
+  const Tensor x = convert(random_tensor({8, 2, 2, 64}, 42), DType::bf16);
+  std::vector<std::vector<float>> grads[2];
+  for (const bool on : {true, false}) {
+    SCOPED_TRACE(on ? "dense form" : "implicit GEMM");
+    const testing::ScopedSwitch<bool> dense(kernels::detail::conv_dense_2x2,
+                                            kernels::detail::set_conv_dense_2x2, on);
+    auto cpu = make();
+    const auto gpu =
+        std::static_pointer_cast<Sequential>(expect_gpu_matches_cpu(*cpu, x, 43, 1e-2, 1e-2));
+    for (const size_t i : {0, 2, 4}) {
+      EXPECT_EQ(static_cast<Conv2d&>(*(*gpu)[i]).ran_dense_2x2(), on) << i;
+      EXPECT_TRUE((*gpu)[i]->relu_fused()) << i;
+    }
+    EXPECT_TRUE((*gpu)[2]->input_grad_masked());
+    EXPECT_TRUE((*gpu)[4]->input_grad_masked());
+    for (const auto& [name, p] : gpu->named_parameters())
+      grads[on].push_back(testing::values(p->grad));
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_ALL_CLOSE(grads[1][i], grads[0][i], 1e-2, 1e-2 * testing::max_abs(grads[0][i]))
+        << "parameter " << i;
   }
 }
 

@@ -1,0 +1,66 @@
+// A 3 x 3 convolution of stride 1 and padding 1 on a 2 x 2 image, as a dense map (VGG's last
+// three layers at 32 x 32). Every (output pixel, input pixel) pair of a 2 x 2 image meets through
+// one tap of the 3 x 3 filter, so the layer is a dense map of 4C input features to 4K output
+// features per image:
+//
+//   y[n][p][k] = sum over q, c of x[n][q][c] * W[k][qy - py + 1][qx - px + 1][c]
+//
+// (p = 2 py + px the output pixel, q = 2 qy + qx the input pixel, W stored K x 3 x 3 x C). With
+//
+//   W_eff [4K][4C],  W_eff[p K + k][q C + c] = W[k][qy - py + 1][qx - px + 1][c],
+//
+// and the NHWC activations read as matrices (x as [N][4C], y and dy as [N][4K]):
+//   forward          y  = x W_eff^T + bias_eff         (bias_eff[p K + k] = bias[k])
+//   backward-data    dx = dy W_eff
+//   backward-weight  dW_eff = dy^T x, then dW[k][r][s][c] = the sum of dW_eff's blocks (p, q)
+//                    whose tap is (r, s): 4 pairs for the centre tap, 2 for an edge, 1 for a
+//                    corner.
+// Plain products (kernels/matmul.h), without the im2col's padding: 5/9 of an implicit GEMM's row
+// of a 2 x 2 layer is zeros, 16 of the 36 tap-pixel pairs are real (bench/NOTES-tensor-cores.md,
+// session 42). The two kernels here build W_eff and fold dW_eff back; each has a CPU reference
+// with the same bits.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include "kernels/conv2d.h"
+
+namespace cudp::kernels {
+
+// Whether `shape` is such a layer: 2 x 2 input, 3 x 3 filters, stride 1, padding 1, and C and K
+// multiples of 8 (16-byte rows of bf16 for the products' loads).
+bool conv2d_dense_2x2_applies(const Conv2dShape& shape);
+
+// w_eff (4K x 4C bf16) from the filters w (K x 3 x 3 x C, bf16, or fp32 rounded to nearest even as
+// f32_to_bf16 rounds: the same bits from either), and, when `bias` is given, bias_eff (4K floats,
+// bias four times). `shape` must be one that conv2d_dense_2x2_applies to.
+void conv2d_dense_2x2_filters(const __nv_bfloat16* w, const Conv2dShape& shape,
+                              __nv_bfloat16* w_eff, const float* bias, float* bias_eff,
+                              cudaStream_t stream);
+void conv2d_dense_2x2_filters(const float* w, const Conv2dShape& shape, __nv_bfloat16* w_eff,
+                              const float* bias, float* bias_eff, cudaStream_t stream);
+void conv2d_dense_2x2_filters_cpu(const __nv_bfloat16* w, const Conv2dShape& shape,
+                                  __nv_bfloat16* w_eff, const float* bias, float* bias_eff);
+void conv2d_dense_2x2_filters_cpu(const float* w, const Conv2dShape& shape, __nv_bfloat16* w_eff,
+                                  const float* bias, float* bias_eff);
+
+// dw (K x 3 x 3 x C) = beta * dw + the fold of dw_eff (4K x 4C floats): for each tap, its (p, q)
+// blocks added in the order of p, from 0, in fp32; then fma(beta, dw, sum) (dw is not read when
+// beta is 0: a deferred zero_grad's gradient may hold anything).
+void conv2d_dense_2x2_fold(const float* dw_eff, const Conv2dShape& shape, float* dw, float beta,
+                           cudaStream_t stream);
+void conv2d_dense_2x2_fold_cpu(const float* dw_eff, const Conv2dShape& shape, float* dw,
+                               float beta);
+
+namespace detail {
+// Throws ValueError naming `what` and the shape when conv2d_dense_2x2_applies rejects it.
+void check_conv2d_dense_2x2(const char* what, const Conv2dShape& shape);
+// Whether Conv2d runs the layers conv2d_dense_2x2_applies to in the dense form under the bf16
+// policy on the GPU (on), or as the other layers (off, the default until measured). Process-wide;
+// for the tests and bench_train --dense-2x2.
+void set_conv_dense_2x2(bool on);
+bool conv_dense_2x2();
+}  // namespace detail
+
+}  // namespace cudp::kernels
