@@ -57,7 +57,7 @@ namespace detail {
 // Throws ValueError naming `what` and the shape when conv2d_dense_2x2_applies rejects it.
 void check_conv2d_dense_2x2(const char* what, const Conv2dShape& shape);
 // Whether Conv2d runs the layers conv2d_dense_2x2_applies to in the dense form under the bf16
-// policy on the GPU (on), or as the other layers (off, the default until measured). Process-wide;
+// policy on the GPU (on, the default), or as the other layers (off: to compare). Process-wide;
 // for the tests and bench_train --dense-2x2.
 void set_conv_dense_2x2(bool on);
 bool conv_dense_2x2();
