@@ -469,7 +469,7 @@ void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStr
   p.c_type = kernels::DType::BF16;
   p.bias = b_eff;
   p.relu = relu_fused_;
-  kernels::matmul(p, stream);
+  kernels::detail::conv_dense_2x2_matmul(p, stream);
 }
 
 // dx = dy W_eff (the ReLU before this layer masked in the epilogue when asked; no column sums: the
@@ -498,7 +498,7 @@ void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
     p.ldc = inputs;
     p.c_type = input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32;
     p.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
-    kernels::matmul(p, stream);
+    kernels::detail::conv_dense_2x2_matmul(p, stream);
   }
   if (db != nullptr) {
     kernels::detail::bias_grad_deferrable(dy.data<__nv_bfloat16>(), db, 4 * int64_t{s.n}, s.k, 1.f,
