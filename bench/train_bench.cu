@@ -712,12 +712,6 @@ int main(int argc, char** argv) {
                  "im2col's padding; off: as the other layers (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
-  int dense_splits = kernels::detail::conv_dense_2x2_splits();
-  app.add_option("--dense-2x2-splits", dense_splits,
-                 "split-K of the dense 2 x 2 layers' forward and backward-data products: 0, the "
-                 "planner's; n, n splits (to compare)")
-      ->check(CLI::Range(0, 64))
-      ->capture_default_str();
   std::string halo = "on";
   app.add_option("--halo", halo,
                  "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
@@ -747,7 +741,6 @@ int main(int argc, char** argv) {
   kernels::detail::set_conv_swapped(swap == "on");
   kernels::detail::set_conv_halo(halo != "off");
   kernels::detail::set_conv_dense_2x2(dense_2x2 == "on");
-  kernels::detail::set_conv_dense_2x2_splits(dense_splits);
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
                                       : halo == "exact"    ? kernels::detail::HaloWide::exact
                                       : halo == "covering" ? kernels::detail::HaloWide::covering

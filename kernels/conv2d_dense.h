@@ -25,7 +25,6 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/conv2d.h"
-#include "kernels/matmul.h"
 
 namespace cudp::kernels {
 
@@ -62,13 +61,6 @@ void check_conv2d_dense_2x2(const char* what, const Conv2dShape& shape);
 // for the tests and bench_train --dense-2x2.
 void set_conv_dense_2x2(bool on);
 bool conv_dense_2x2();
-// The split-K count of the form's forward and backward-data products (m = N images, n = 4K or 4C,
-// k = 4C or 4K): 0 leaves it to plan_matmul (the default), n > 0 takes n splits on the planner's
-// tile. Process-wide; for bench_train --dense-2x2-splits.
-void set_conv_dense_2x2_splits(int splits);
-int conv_dense_2x2_splits();
-// kernels::matmul with the plan above (Conv2d's dense form calls it for those two products).
-void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -429,32 +429,6 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   return dx;
 }
 
-namespace {
-
-// The dense form's products on packed bf16 rows, as kernels/matmul.h states them: C (m x n, of
-// c_type) = A B^T, A stored m x k (k x m when a_kn) and B stored n x k (k x n when b_kn), every
-// row as long as the matrix is wide.
-kernels::MatmulProblem dense_product(int64_t m, int64_t n, int64_t k, const void* a, bool a_kn,
-                                     const void* b, bool b_kn, void* c, kernels::DType c_type) {
-  kernels::MatmulProblem p;
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.math = kernels::Math::BF16;
-  p.a = a;
-  p.lda = a_kn ? m : k;
-  p.a_transposed = a_kn;
-  p.b = b;
-  p.ldb = b_kn ? n : k;
-  p.b_transposed = b_kn;
-  p.c = c;
-  p.ldc = n;
-  p.c_type = c_type;
-  return p;
-}
-
-}  // namespace
-
 // The dense form (kernels/conv2d_dense.h): W_eff (and bias_eff) built from the bf16 filters, which
 // the parameter store's copy gives where there is one (else the fp32 filters, rounded by the same
 // pass), then y = x W_eff^T + bias_eff with the fused ReLU, one product on the NHWC tensors as they
@@ -481,12 +455,21 @@ void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStr
   } else {
     kernels::conv2d_dense_2x2_filters(weight_->data.data<float>(), s, w_eff, b, b_eff, stream);
   }
-  // y = x W_eff^T: x as [N][4C], W_eff as stored (n x k), y as [N][4K].
-  kernels::MatmulProblem p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false,
-                                           w_eff, false, y.data_ptr(), kernels::DType::BF16);
+  kernels::MatmulProblem p;
+  p.m = s.n;
+  p.n = static_cast<int>(outputs);
+  p.k = static_cast<int>(inputs);
+  p.math = kernels::Math::BF16;
+  p.a = input_bf16_.data_ptr();
+  p.lda = inputs;
+  p.b = w_eff;
+  p.ldb = inputs;
+  p.c = y.data_ptr();
+  p.ldc = outputs;
+  p.c_type = kernels::DType::BF16;
   p.bias = b_eff;
   p.relu = relu_fused_;
-  kernels::detail::conv_dense_2x2_matmul(p, stream);
+  kernels::matmul(p, stream);
 }
 
 // dx = dy W_eff (the ReLU before this layer masked in the epilogue when asked; no column sums: the
@@ -501,12 +484,21 @@ void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
                         dx.defined() && detail::concurrent_weight_grad(4 * int64_t{s.n}));
   input_grad_summed_ = false;
   if (dx.defined()) {
-    // dx = dy W_eff: dy as [N][4K], W_eff as stored (k x n), dx as [N][4C].
-    kernels::MatmulProblem p = dense_product(
-        s.n, inputs, outputs, dy.data_ptr(), false, weight_eff_bf16_.data_ptr(), true,
-        dx.data_ptr(), input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32);
+    kernels::MatmulProblem p;
+    p.m = s.n;
+    p.n = static_cast<int>(inputs);
+    p.k = static_cast<int>(outputs);
+    p.math = kernels::Math::BF16;
+    p.a = dy.data_ptr();
+    p.lda = outputs;
+    p.b = weight_eff_bf16_.data_ptr();
+    p.ldb = inputs;
+    p.b_transposed = true;
+    p.c = dx.data_ptr();
+    p.ldc = inputs;
+    p.c_type = input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32;
     p.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
-    kernels::detail::conv_dense_2x2_matmul(p, stream);
+    kernels::matmul(p, stream);
   }
   if (db != nullptr) {
     kernels::detail::bias_grad_deferrable(dy.data<__nv_bfloat16>(), db, 4 * int64_t{s.n}, s.k, 1.f,
@@ -515,10 +507,21 @@ void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
   {
     kernels::Workspace dw_eff(static_cast<size_t>(outputs * inputs) * sizeof(float), side.get(),
                               "the dense 2x2 layer's weight gradient before its fold");
-    // dW_eff = dy^T x: dy and x as stored ([N][4K], [N][4C]: k x m and k x n).
-    kernels::matmul(dense_product(outputs, inputs, s.n, dy.data_ptr(), true, input_bf16_.data_ptr(),
-                                  true, dw_eff.get(), kernels::DType::F32),
-                    side.get());
+    kernels::MatmulProblem p;
+    p.m = static_cast<int>(outputs);
+    p.n = static_cast<int>(inputs);
+    p.k = s.n;
+    p.math = kernels::Math::BF16;
+    p.a = dy.data_ptr();
+    p.lda = outputs;
+    p.a_transposed = true;
+    p.b = input_bf16_.data_ptr();
+    p.ldb = inputs;
+    p.b_transposed = true;
+    p.c = dw_eff.get();
+    p.ldc = inputs;
+    p.c_type = kernels::DType::F32;
+    kernels::matmul(p, side.get());
     kernels::conv2d_dense_2x2_fold(dw_eff.get(), s, weight_->grad.data<float>(),
                                    weight_->grad_beta(), side.get());
   }
