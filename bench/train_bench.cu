@@ -396,13 +396,13 @@ void print_row(const Row& w, FILE* json) {
       "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
       "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\", "
-      "\"cudp_dense_2x2\": \"%s\"%s}\n",
+      "\"cudp_dense_2x2\": \"%s\", \"cudp_dense_2x2_splits\": %d%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
       g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", g_overlap_update ? "on" : "off",
       g_splitk.c_str(), g_bias_final.c_str(), kernels::detail::conv_dense_2x2() ? "on" : "off",
-      extra.c_str());
+      kernels::detail::conv_dense_2x2_splits(), extra.c_str());
   std::fflush(json);
 }
 
@@ -712,6 +712,12 @@ int main(int argc, char** argv) {
                  "im2col's padding; off: as the other layers (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  int dense_2x2_splits = kernels::detail::conv_dense_2x2_splits();
+  app.add_option("--dense-2x2-splits", dense_2x2_splits,
+                 "the split-K count of the dense 2 x 2 form's forward and backward-data products "
+                 "(the batch is their m: one or two rows of tiles); 0: the planner's")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   std::string halo = "on";
   app.add_option("--halo", halo,
                  "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
@@ -741,6 +747,7 @@ int main(int argc, char** argv) {
   kernels::detail::set_conv_swapped(swap == "on");
   kernels::detail::set_conv_halo(halo != "off");
   kernels::detail::set_conv_dense_2x2(dense_2x2 == "on");
+  kernels::detail::set_conv_dense_2x2_splits(dense_2x2_splits);
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
                                       : halo == "exact"    ? kernels::detail::HaloWide::exact
                                       : halo == "covering" ? kernels::detail::HaloWide::covering

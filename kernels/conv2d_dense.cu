@@ -105,6 +105,7 @@ void run_filters(const T* w, const Conv2dShape& shape, __nv_bfloat16* w_eff, con
 }
 
 std::atomic<bool> g_dense_2x2{true};
+std::atomic<int> g_dense_2x2_splits{0};  // the planner's
 
 }  // namespace
 
@@ -138,6 +139,27 @@ void set_conv_dense_2x2(bool on) {
 }
 bool conv_dense_2x2() {
   return g_dense_2x2.load();
+}
+void set_conv_dense_2x2_splits(int splits) {
+  CUDP_CHECK(splits >= 0, "set_conv_dense_2x2_splits: splits must be >= 0 (0: the planner's), got ",
+             splits);
+  g_dense_2x2_splits.store(splits);
+}
+int conv_dense_2x2_splits() {
+  return g_dense_2x2_splits.load();
+}
+void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream) {
+  const int splits = g_dense_2x2_splits.load();
+  if (splits == 0) {
+    matmul(problem, stream);
+    return;
+  }
+  int device = 0;
+  CUDP_CUDA_CHECK(cudaGetDevice(&device));
+  const MatmulPlan planned = plan_matmul(problem, device);
+  matmul_with_plan(problem,
+                   make_matmul_plan(problem, planned.tile_n, splits, multiprocessor_count(device)),
+                   stream);
 }
 }  // namespace detail
 

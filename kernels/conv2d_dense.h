@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/conv2d.h"
+#include "kernels/matmul.h"
 
 namespace cudp::kernels {
 
@@ -61,6 +62,15 @@ void check_conv2d_dense_2x2(const char* what, const Conv2dShape& shape);
 // for the tests and bench_train --dense-2x2.
 void set_conv_dense_2x2(bool on);
 bool conv_dense_2x2();
+// The split-K count of the form's forward and backward-data products (m = the batch: few rows of
+// tiles, so the planner's tiles may fill part of the GPU): 0, the default, leaves it to the
+// planner; n > 0 runs n splits with the planner's tile width. Process-wide; for the tests and
+// bench_train
+// --dense-2x2-splits.
+void set_conv_dense_2x2_splits(int splits);
+int conv_dense_2x2_splits();
+// matmul() for one of those products, with the split count above where one is set.
+void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream);
 }  // namespace detail
 
 }  // namespace cudp::kernels

@@ -145,7 +145,7 @@ Tensor Conv2d::forward_one(const Tensor& input) {
       },
       [&](cudaStream_t stream) { kernels::conv2d_forward(s, x, w, b, out, relu, stream, math()); });
   input_ = input;
-  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = bias_eff_ = Tensor();
+  input_bf16_ = weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = Tensor();
   keep_fused_relu_output(y);
   return y;
 }
@@ -249,6 +249,27 @@ Tensor cpu_tensor(const std::vector<float>& values, const Shape& shape, DType dt
   return t;
 }
 
+// One of the dense 2x2 form's bf16 products: C (m x n, row stride n) = A B^T, A stored m x k (or
+// k x m when a_kn) and B stored n x k (or k x n when b_kn), rows without gaps (kernels/matmul.h).
+kernels::MatmulProblem dense_product(int64_t m, int64_t n, int64_t k, const void* a, bool a_kn,
+                                     const void* b, bool b_kn, void* c, kernels::DType c_type) {
+  kernels::MatmulProblem p;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.math = kernels::Math::BF16;
+  p.a = a;
+  p.lda = a_kn ? m : k;
+  p.a_transposed = a_kn;
+  p.b = b;
+  p.ldb = b_kn ? n : k;
+  p.b_transposed = b_kn;
+  p.c = c;
+  p.ldc = n;
+  p.c_type = c_type;
+  return p;
+}
+
 }  // namespace
 
 // bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused
@@ -265,10 +286,10 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
     kernels::conv2d_forward_cpu(s, x.data(), w.data(), b, out.data(), relu);
     kernels::f32_to_bf16_cpu(out.data(), y.data<__nv_bfloat16>(), s.y_size());
     input_ = input;
-    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = bias_eff_ = Tensor();
+    input_bf16_ = weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = Tensor();
   } else {
     input_ = Tensor();
-    weight_eff_bf16_ = bias_eff_ = Tensor();
+    weight_eff_bf16_ = Tensor();
     run([] {},
         [&](cudaStream_t stream) {
           const int cp = kernels::bf16_channels(s.c);
@@ -435,6 +456,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
 // are. W_eff stays for backward-data.
 void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStream_t stream) {
   const int64_t outputs = 4 * int64_t{s.k}, inputs = 4 * int64_t{s.c};  // features per image
+  Tensor bias_eff;  // read by the product alone (its stream-ordered free follows the launch)
   {
     const cuda::AllocationPurpose purpose(
         detail::str("Conv2d(", in_, ", ", out_, ")'s dense 2x2 filters"),
@@ -442,12 +464,12 @@ void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStr
         "keeps them until the backward: reduce the batch size (--batch-size) to leave room for "
         "them.");
     weight_eff_bf16_ = Tensor::empty({outputs, inputs}, DType::bf16, device_);
-    bias_eff_ = bias_ ? Tensor::empty({outputs}, DType::f32, device_) : Tensor();
+    if (bias_) bias_eff = Tensor::empty({outputs}, DType::f32, device_);
   }
   weight_bf16_ = weight_rot_bf16_ = Tensor();
   ran_dense_2x2_ = true;
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
-  float* b_eff = bias_ ? bias_eff_.data<float>() : nullptr;
+  float* b_eff = bias_ ? bias_eff.data<float>() : nullptr;
   auto* w_eff = weight_eff_bf16_.data<__nv_bfloat16>();
   if (weight_->compute.defined()) {
     kernels::conv2d_dense_2x2_filters(weight_->compute.data<__nv_bfloat16>(), s, w_eff, b, b_eff,
@@ -455,50 +477,29 @@ void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStr
   } else {
     kernels::conv2d_dense_2x2_filters(weight_->data.data<float>(), s, w_eff, b, b_eff, stream);
   }
-  kernels::MatmulProblem p;
-  p.m = s.n;
-  p.n = static_cast<int>(outputs);
-  p.k = static_cast<int>(inputs);
-  p.math = kernels::Math::BF16;
-  p.a = input_bf16_.data_ptr();
-  p.lda = inputs;
-  p.b = w_eff;
-  p.ldb = inputs;
-  p.c = y.data_ptr();
-  p.ldc = outputs;
-  p.c_type = kernels::DType::BF16;
+  kernels::MatmulProblem p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false,
+                                           w_eff, false, y.data_ptr(), kernels::DType::BF16);
   p.bias = b_eff;
   p.relu = relu_fused_;
-  kernels::matmul(p, stream);
+  kernels::detail::conv_dense_2x2_matmul(p, stream);
 }
 
 // dx = dy W_eff (the ReLU before this layer masked in the epilogue when asked; no column sums: the
-// layer before takes its bias gradient itself), and beside it dW_eff = dy^T x into an fp32
-// workspace, folded into dW; db (the bias gradient when no mask pass took it) by a column sum of
-// dy, whose last launch may be queued.
+// layer before takes its bias gradient itself, input_grad_summed_ stays false), and beside it
+// dW_eff = dy^T x into an fp32 workspace, folded into dW; db (the bias gradient when no mask pass
+// took it) by a column sum of dy, whose last launch may be queued.
 void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
                                 cudaStream_t stream) {
   const kernels::Conv2dShape& s = saved_shape_;
   const int64_t outputs = 4 * int64_t{s.k}, inputs = 4 * int64_t{s.c};
   cuda::SideStream side(device_.index, stream, cuda::SideStream::if_free,
                         dx.defined() && detail::concurrent_weight_grad(4 * int64_t{s.n}));
-  input_grad_summed_ = false;
   if (dx.defined()) {
-    kernels::MatmulProblem p;
-    p.m = s.n;
-    p.n = static_cast<int>(inputs);
-    p.k = static_cast<int>(outputs);
-    p.math = kernels::Math::BF16;
-    p.a = dy.data_ptr();
-    p.lda = outputs;
-    p.b = weight_eff_bf16_.data_ptr();
-    p.ldb = inputs;
-    p.b_transposed = true;
-    p.c = dx.data_ptr();
-    p.ldc = inputs;
-    p.c_type = input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32;
+    kernels::MatmulProblem p = dense_product(
+        s.n, inputs, outputs, dy.data_ptr(), false, weight_eff_bf16_.data_ptr(), true,
+        dx.data_ptr(), input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32);
     p.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
-    kernels::matmul(p, stream);
+    kernels::detail::conv_dense_2x2_matmul(p, stream);
   }
   if (db != nullptr) {
     kernels::detail::bias_grad_deferrable(dy.data<__nv_bfloat16>(), db, 4 * int64_t{s.n}, s.k, 1.f,
@@ -507,21 +508,9 @@ void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
   {
     kernels::Workspace dw_eff(static_cast<size_t>(outputs * inputs) * sizeof(float), side.get(),
                               "the dense 2x2 layer's weight gradient before its fold");
-    kernels::MatmulProblem p;
-    p.m = static_cast<int>(outputs);
-    p.n = static_cast<int>(inputs);
-    p.k = s.n;
-    p.math = kernels::Math::BF16;
-    p.a = dy.data_ptr();
-    p.lda = outputs;
-    p.a_transposed = true;
-    p.b = input_bf16_.data_ptr();
-    p.ldb = inputs;
-    p.b_transposed = true;
-    p.c = dw_eff.get();
-    p.ldc = inputs;
-    p.c_type = kernels::DType::F32;
-    kernels::matmul(p, side.get());
+    kernels::matmul(dense_product(outputs, inputs, s.n, dy.data_ptr(), true, input_bf16_.data_ptr(),
+                                  true, dw_eff.get(), kernels::DType::F32),
+                    side.get());
     kernels::conv2d_dense_2x2_fold(dw_eff.get(), s, weight_->grad.data<float>(),
                                    weight_->grad_beta(), side.get());
   }

@@ -87,7 +87,6 @@ class Conv2d : public Module {
     weight_bf16_ = Tensor();
     weight_rot_bf16_ = Tensor();
     weight_eff_bf16_ = Tensor();
-    bias_eff_ = Tensor();
   }
   std::shared_ptr<Module> make_empty_copy() const override;
   Tensor export_tensor(const std::string& local_name, const Tensor& internal) const override;
@@ -106,10 +105,10 @@ class Conv2d : public Module {
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
   // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
-  // backward-data; or, in the dense 2x2 form, W_eff (and bias_eff for the forward's epilogue).
+  // backward-data; or, in the dense 2x2 form, W_eff.
   // (The output a fused ReLU's mask needs is Module's, keep_fused_relu_output.)
   Tensor input_;
-  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, weight_eff_bf16_, bias_eff_;
+  Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, weight_eff_bf16_;
   DType input_dtype_ = DType::f32;
   kernels::Conv2dShape saved_shape_;
   bool ran_dense_2x2_ = false;

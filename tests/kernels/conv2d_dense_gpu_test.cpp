@@ -15,9 +15,12 @@
 #include "common/gpu.h"
 #include "kernels/conv2d_dense.h"
 #include "kernels/layout.h"
+#include "tests/kernels/conv2d_dense_testing.h"
 
 namespace cudp::kernels {
 namespace {
+
+using testing_dense::dense_2x2_shape;
 
 using testing::DeviceBuffer;
 
@@ -27,17 +30,6 @@ std::vector<float> uniform(size_t n, uint32_t seed) {
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
   return v;
-}
-
-Conv2dShape dense_shape(int c, int k) {
-  Conv2dShape s;
-  s.n = 2;
-  s.h = s.w = 2;
-  s.c = c;
-  s.k = k;
-  s.r = s.s = 3;
-  s.pad_h = s.pad_w = 1;
-  return s;
 }
 
 template <typename T>
@@ -50,7 +42,7 @@ class Conv2dDenseGpu : public ::testing::TestWithParam<std::tuple<int, int>> {};
 TEST_P(Conv2dDenseGpu, TheFiltersGatherIsTheReferencesBitForBit) {
   CUDP_REQUIRE_GPU();
   const auto [c, k] = GetParam();
-  const Conv2dShape s = dense_shape(c, k);
+  const Conv2dShape s = dense_2x2_shape(2, c, k);
   const size_t eff = size_t(16) * c * k;
   const std::vector<float> w32 = uniform(size_t(s.w_size()), 1), bias = uniform(size_t(k), 2);
   std::vector<__nv_bfloat16> w16(w32.size());
@@ -88,7 +80,7 @@ TEST_P(Conv2dDenseGpu, TheFiltersGatherIsTheReferencesBitForBit) {
 TEST_P(Conv2dDenseGpu, TheFoldIsTheReferencesBitForBit) {
   CUDP_REQUIRE_GPU();
   const auto [c, k] = GetParam();
-  const Conv2dShape s = dense_shape(c, k);
+  const Conv2dShape s = dense_2x2_shape(2, c, k);
   const std::vector<float> dw_eff = uniform(size_t(16) * c * k, 3),
                            before = uniform(size_t(s.w_size()), 4);
   const DeviceBuffer<float> d_eff(dw_eff);
@@ -114,7 +106,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dDenseGpu,
 
 TEST(Conv2dDenseGpuErrors, AShapeOutsideTheFormOrAnUnalignedPointerIsRefusedByName) {
   CUDP_REQUIRE_GPU();
-  Conv2dShape s = dense_shape(16, 16);
+  Conv2dShape s = dense_2x2_shape(2, 16, 16);
   DeviceBuffer<float> w(size_t(s.w_size()) + 4), dw_eff(size_t(16 * 16 * 16)),
       dw(size_t(s.w_size()) + 4);
   DeviceBuffer<__nv_bfloat16> w_eff(size_t(16 * 16 * 16));

@@ -19,9 +19,12 @@
 #include "kernels/conv2d_dense.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
+#include "tests/kernels/conv2d_dense_testing.h"
 
 namespace cudp::kernels {
 namespace {
+
+using testing_dense::dense_2x2_shape;
 
 // n values uniform in [-1, 1), rounded to bf16: the bf16 bits and the floats they stand for.
 struct Bf16Values {
@@ -39,17 +42,6 @@ Bf16Values random_bf16(size_t n, uint32_t seed) {
   return out;
 }
 
-Conv2dShape dense_shape(int n, int c, int k) {
-  Conv2dShape s;
-  s.n = n;
-  s.h = s.w = 2;
-  s.c = c;
-  s.k = k;
-  s.r = s.s = 3;
-  s.pad_h = s.pad_w = 1;
-  return s;
-}
-
 double max_abs(const std::vector<float>& v) {
   double m = 0;
   for (float x : v) m = std::max(m, double(std::abs(x)));
@@ -60,7 +52,7 @@ class Conv2dDenseCpu : public ::testing::TestWithParam<std::tuple<int, int, int>
 
 TEST_P(Conv2dDenseCpu, TheProductsOfTheDenseFormAreTheConvolution) {
   const auto [n, c, k] = GetParam();
-  const Conv2dShape s = dense_shape(n, c, k);
+  const Conv2dShape s = dense_2x2_shape(n, c, k);
   const int64_t inputs = 4 * int64_t(c), outputs = 4 * int64_t(k);
   const Bf16Values x = random_bf16(size_t(s.x_size()), 1), w = random_bf16(size_t(s.w_size()), 2),
                    dy = random_bf16(size_t(s.y_size()), 3), b = random_bf16(size_t(k), 4);
@@ -151,31 +143,38 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dDenseCpu,
                                            std::tuple{2, 8, 24}, std::tuple{5, 32, 16}));
 
 TEST(Conv2dDenseShapes, OnlyA3x3LayerOfStride1AndPadding1OnA2x2InputTakesTheDenseForm) {
-  EXPECT_TRUE(conv2d_dense_2x2_applies(dense_shape(4, 512, 512)));
-  EXPECT_TRUE(conv2d_dense_2x2_applies(dense_shape(1, 8, 16)));
-  Conv2dShape s = dense_shape(2, 12, 16);  // C not a multiple of 8
+  EXPECT_TRUE(conv2d_dense_2x2_applies(dense_2x2_shape(4, 512, 512)));
+  EXPECT_TRUE(conv2d_dense_2x2_applies(dense_2x2_shape(1, 8, 16)));
+  Conv2dShape s = dense_2x2_shape(2, 12, 16);  // C not a multiple of 8
   EXPECT_FALSE(conv2d_dense_2x2_applies(s));
   std::vector<__nv_bfloat16> w(size_t(s.w_size())), w_eff(size_t(16 * s.c * s.k));
   EXPECT_VALUE_ERROR(conv2d_dense_2x2_filters_cpu(w.data(), s, w_eff.data(), nullptr, nullptr),
                      "conv2d_dense_2x2_filters_cpu: the dense form takes a 3x3 convolution of "
                      "stride 1 and padding 1 on a 2x2 input with C and K multiples of 8; got input "
                      "2x2, filters 3x3, stride 1, padding 1, C 12, K 16");
-  s = dense_shape(2, 16, 16);
+  s = dense_2x2_shape(2, 16, 16);
   s.h = s.w = 4;
   EXPECT_FALSE(conv2d_dense_2x2_applies(s));
-  s = dense_shape(2, 16, 16);
+  s = dense_2x2_shape(2, 16, 16);
   s.stride_h = s.stride_w = 2;
   EXPECT_FALSE(conv2d_dense_2x2_applies(s));
   std::vector<float> dw_eff(16 * 16 * 16 * 4), dw(size_t(16 * 9 * 16));
   EXPECT_VALUE_ERROR(conv2d_dense_2x2_fold_cpu(dw_eff.data(), s, dw.data(), 0.f),
                      "conv2d_dense_2x2_fold_cpu: the dense form takes");
-  s = dense_shape(2, 16, 16);
+  s = dense_2x2_shape(2, 16, 16);
   s.pad_h = s.pad_w = 0;
   EXPECT_FALSE(conv2d_dense_2x2_applies(s));
-  s = dense_shape(2, 16, 16);
+  s = dense_2x2_shape(2, 16, 16);
   s.r = s.s = 1;
   s.pad_h = s.pad_w = 0;
   EXPECT_FALSE(conv2d_dense_2x2_applies(s));
+}
+
+TEST(Conv2dDenseShapes, TheSplitCountSwitchRefusesANegativeCount) {
+  const int before = detail::conv_dense_2x2_splits();
+  EXPECT_VALUE_ERROR(detail::set_conv_dense_2x2_splits(-1),
+                     "set_conv_dense_2x2_splits: splits must be >= 0 (0: the planner's), got -1");
+  EXPECT_EQ(detail::conv_dense_2x2_splits(), before);
 }
 
 }  // namespace

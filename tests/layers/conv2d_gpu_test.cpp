@@ -58,7 +58,8 @@ TEST(Conv2dGpuTest, Bf16MatchesTheCpuPathWithRoundedOperands) {
 // GEMMs of the bf16 operands, so the CPU path (the convolution on the same rounded operands) is its
 // reference as for the other bf16 layers: 1e-4 as above, a bf16 output one unit apart at most.
 // Batches of 3 and 1 (no tile's multiple), C != K both ways, with and without a bias, f32 and bf16
-// inputs (dx in the input's dtype).
+// inputs (dx in the input's dtype); the forward and backward-data products with the planner's
+// split-K and with 3 splits (the epilogue's bias, ReLU and mask then in the split-K reduction).
 TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
   CUDP_REQUIRE_TENSOR_CORES();
   const testing::ScopedSwitch<bool> dense(kernels::detail::conv_dense_2x2,
@@ -68,18 +69,22 @@ TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
     bool bias;
     DType input;
   };
-  for (const Case& t : {Case{3, 64, 64, true, DType::bf16}, Case{1, 128, 64, false, DType::bf16},
-                        Case{2, 64, 192, true, DType::f32}, Case{3, 8, 16, true, DType::bf16},
-                        Case{4, 512, 512, true, DType::bf16}}) {
-    SCOPED_TRACE(::testing::Message()
-                 << "n " << t.n << " c " << t.c << " k " << t.k << (t.bias ? "" : " no bias")
-                 << " input " << dtype_name(t.input));
-    Conv2d conv(t.c, t.k, 3, 1, 1, t.bias);
-    testing::randomize_parameters(conv, 31, -0.3f, 0.3f);
-    conv.set_precision(Precision::bf16);
-    const Tensor x = convert(random_tensor({t.n, 2, 2, t.c}, 32), t.input);
-    const auto gpu = expect_gpu_matches_cpu(conv, x, 33, 1e-4, 1e-4);
-    EXPECT_TRUE(static_cast<Conv2d&>(*gpu).ran_dense_2x2());
+  for (const int splits : {0, 3}) {
+    const testing::ScopedSwitch<int> split_count(
+        kernels::detail::conv_dense_2x2_splits, kernels::detail::set_conv_dense_2x2_splits, splits);
+    for (const Case& t : {Case{3, 64, 64, true, DType::bf16}, Case{1, 128, 64, false, DType::bf16},
+                          Case{2, 64, 192, true, DType::f32}, Case{3, 8, 16, true, DType::bf16},
+                          Case{4, 512, 512, true, DType::bf16}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "splits " << splits << " n " << t.n << " c " << t.c << " k " << t.k
+                   << (t.bias ? "" : " no bias") << " input " << dtype_name(t.input));
+      Conv2d conv(t.c, t.k, 3, 1, 1, t.bias);
+      testing::randomize_parameters(conv, 31, -0.3f, 0.3f);
+      conv.set_precision(Precision::bf16);
+      const Tensor x = convert(random_tensor({t.n, 2, 2, t.c}, 32), t.input);
+      const auto gpu = expect_gpu_matches_cpu(conv, x, 33, 1e-4, 1e-4);
+      EXPECT_TRUE(static_cast<Conv2d&>(*gpu).ran_dense_2x2());
+    }
   }
   // Not the form's: a 3x3 input, 12 channels.
   for (const auto& [side, c] : {std::pair{3, 64}, std::pair{2, 12}}) {
