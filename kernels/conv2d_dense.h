@@ -65,8 +65,7 @@ bool conv_dense_2x2();
 // The split-K count of the form's forward and backward-data products (m = the batch: few rows of
 // tiles, so the planner's tiles may fill part of the GPU): 0, the default, leaves it to the
 // planner; n > 0 runs n splits with the planner's tile width. Process-wide; for the tests and
-// bench_train
-// --dense-2x2-splits.
+// bench_train --dense-2x2-splits.
 void set_conv_dense_2x2_splits(int splits);
 int conv_dense_2x2_splits();
 // matmul() for one of those products, with the split count above where one is set.
