@@ -396,12 +396,14 @@ void print_row(const Row& w, FILE* json) {
       "\"processes\": %d, \"gpus\": %d, \"parameters\": %lld, \"images_per_s\": %.1f, "
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
       "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\", "
-      "\"cudp_dense_2x2\": \"%s\", \"cudp_dense_2x2_splits\": %d%s}\n",
+      "\"cudp_dense_2x2\": \"%s\", \"cudp_dense_2x2_view\": \"%s\", "
+      "\"cudp_dense_2x2_splits\": %d%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
       g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", g_overlap_update ? "on" : "off",
       g_splitk.c_str(), g_bias_final.c_str(), kernels::detail::conv_dense_2x2() ? "on" : "off",
+      kernels::detail::conv_dense_2x2_view() ? "on" : "off",
       kernels::detail::conv_dense_2x2_splits(), extra.c_str());
   std::fflush(json);
 }
@@ -712,6 +714,13 @@ int main(int argc, char** argv) {
                  "im2col's padding; off: as the other layers (to compare)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  std::string dense_2x2_view = kernels::detail::conv_dense_2x2_view() ? "on" : "off";
+  app.add_option("--dense-2x2-view", dense_2x2_view,
+                 "on: that form's forward and backward-data read W_eff as a view of the bf16 "
+                 "filters (K a multiple of 256, C of 64: VGG's 512 channels); off: W_eff "
+                 "gathered at each forward (to compare)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   int dense_2x2_splits = kernels::detail::conv_dense_2x2_splits();
   app.add_option("--dense-2x2-splits", dense_2x2_splits,
                  "the split-K count of the dense 2 x 2 form's forward and backward-data products "
@@ -748,6 +757,7 @@ int main(int argc, char** argv) {
   kernels::detail::set_conv_halo(halo != "off");
   kernels::detail::set_conv_dense_2x2(dense_2x2 == "on");
   kernels::detail::set_conv_dense_2x2_splits(dense_2x2_splits);
+  kernels::detail::set_conv_dense_2x2_view(dense_2x2_view == "on");
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
                                       : halo == "exact"    ? kernels::detail::HaloWide::exact
                                       : halo == "covering" ? kernels::detail::HaloWide::covering

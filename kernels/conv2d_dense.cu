@@ -106,6 +106,7 @@ void run_filters(const T* w, const Conv2dShape& shape, __nv_bfloat16* w_eff, con
 
 std::atomic<bool> g_dense_2x2{true};
 std::atomic<int> g_dense_2x2_splits{0};  // the planner's
+std::atomic<bool> g_dense_2x2_view{true};
 
 }  // namespace
 
@@ -139,6 +140,12 @@ void set_conv_dense_2x2(bool on) {
 }
 bool conv_dense_2x2() {
   return g_dense_2x2.load();
+}
+void set_conv_dense_2x2_view(bool on) {
+  g_dense_2x2_view.store(on);
+}
+bool conv_dense_2x2_view() {
+  return g_dense_2x2_view.load();
 }
 void set_conv_dense_2x2_splits(int splits) {
   CUDP_CHECK(splits >= 0, "set_conv_dense_2x2_splits: splits must be >= 0 (0: the planner's), got ",

@@ -33,6 +33,11 @@ namespace cudp::kernels {
 // multiples of 8 (16-byte rows of bf16 for the products' loads).
 bool conv2d_dense_2x2_applies(const Conv2dShape& shape);
 
+// Whether the forward and backward-data products of such a layer can read W_eff as a view of the
+// bf16 filters as they are (MatmulProblem::b_dense_k: K a multiple of 256, C of 64; VGG's 512
+// channels), with the bias by period K (MatmulProblem::bias_period), instead of a gathered copy.
+bool conv2d_dense_2x2_view_applies(const Conv2dShape& shape);
+
 // w_eff (4K x 4C bf16) from the filters w (K x 3 x 3 x C, bf16, or fp32 rounded to nearest even as
 // f32_to_bf16 rounds: the same bits from either), and, when `bias` is given, bias_eff (4K floats,
 // bias four times). `shape` must be one that conv2d_dense_2x2_applies to.
@@ -62,6 +67,11 @@ void check_conv2d_dense_2x2(const char* what, const Conv2dShape& shape);
 // for the tests and bench_train --dense-2x2.
 void set_conv_dense_2x2(bool on);
 bool conv_dense_2x2();
+// Whether Conv2d's dense form reads W_eff as a view of the filters where
+// conv2d_dense_2x2_view_applies (on, the default) or gathers it (off: to compare). Process-wide;
+// for the tests and bench_train --dense-2x2-view.
+void set_conv_dense_2x2_view(bool on);
+bool conv_dense_2x2_view();
 // The split-K count of the form's forward and backward-data products (m = the batch: few rows of
 // tiles, so the planner's tiles may fill part of the GPU): 0, the default, leaves it to the
 // planner; n > 0 runs n splits with the planner's tile width. Process-wide; for the tests and

@@ -31,6 +31,10 @@ bool conv2d_dense_2x2_applies(const Conv2dShape& s) {
          s.pad_h == 1 && s.pad_w == 1 && s.c > 0 && s.k > 0 && s.c % 8 == 0 && s.k % 8 == 0;
 }
 
+bool conv2d_dense_2x2_view_applies(const Conv2dShape& s) {
+  return conv2d_dense_2x2_applies(s) && s.k % 256 == 0 && s.c % 64 == 0;
+}
+
 void conv2d_dense_2x2_filters_cpu(const __nv_bfloat16* w, const Conv2dShape& shape,
                                   __nv_bfloat16* w_eff, const float* bias, float* bias_eff) {
   detail::check_conv2d_dense_2x2("conv2d_dense_2x2_filters_cpu", shape);

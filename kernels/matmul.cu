@@ -179,7 +179,7 @@ std::atomic<bool> g_splitk_reduce4{true};  // measured faster (kernels/matmul.h)
 void splitk_reduce(const MatmulProblem& p, const float* ws, int splits, cudaStream_t stream) {
   const int64_t total = int64_t(p.m) * p.n;
   const bool bf16 = p.c_type == DType::BF16;
-  const EpilogueArgs e{p.alpha, p.beta, p.bias, int(p.relu), p.mask};
+  const EpilogueArgs e{p.alpha, p.beta, p.bias, int(p.relu), p.mask, p.bias_period};
   // The workspace comes from the stream-ordered allocator (256-byte aligned); null when k == 0.
   if (g_splitk_reduce4.load() && detail::splitk_reduce4_applies(p) &&
       reinterpret_cast<uintptr_t>(ws) % 16 == 0) {
@@ -286,6 +286,10 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
   if (p.m == 0 || p.n == 0) return "";
   if (p.c == nullptr) return "C is null";
   if (p.ldc < p.n) return str("ldc=", p.ldc, " is smaller than n=", p.n);
+  if (p.bias_period < 0 || (p.bias_period > 0 && p.bias == nullptr)) {
+    return str("bias_period=", p.bias_period,
+               ": it is 0 (one bias a column) or the period of a given bias, > 0");
+  }
   if (p.mask != nullptr && (p.beta != 0.f || p.bias != nullptr || p.relu)) {
     return "a ReLU mask (backward-data's fused ReLU backward) goes with beta 0, no bias and no "
            "ReLU";
@@ -297,6 +301,24 @@ std::string matmul_unsupported_reason(const MatmulProblem& p, int device) {
   if (p.column_sums != nullptr) {
     return "column_sums is backward-data's (kernels/conv2d.h, ConvOperands), not a product "
            "option; take column sums with kernels::bias_grad";
+  }
+  if (p.b_dense_k != 0 || p.b_dense_c != 0) {
+    const int64_t k_out = p.b_dense_k, c_in = p.b_dense_c;
+    if (k_out <= 0 || c_in <= 0 || k_out % 256 != 0 || c_in % 64 != 0) {
+      return str(
+          "the dense 2x2 view of B (b_dense_k, b_dense_c) needs K a multiple of 256 and C "
+          "a multiple of 64, got K=",
+          k_out, " C=", c_in, "; gather W_eff with conv2d_dense_2x2_filters instead");
+    }
+    if (p.math != Math::BF16 || p.a_transposed) {
+      return "the dense 2x2 view of B is read in bf16 with A stored m x k (not a_transposed)";
+    }
+    const int64_t rows = p.b_transposed ? p.k : p.n, cols = p.b_transposed ? p.n : p.k;
+    if (rows != 4 * k_out || cols != 4 * c_in || p.ldb != 9 * c_in) {
+      return str("the dense 2x2 view of B is W_eff, 4K x 4C = ", 4 * k_out, " x ", 4 * c_in,
+                 ", over filters of row stride ldb = 9C = ", 9 * c_in, "; got ", rows, " x ", cols,
+                 " (", p.b_transposed ? "k x n" : "n x k", ") and ldb=", p.ldb);
+    }
   }
   if (p.mask != nullptr && !aligned16(p.mask)) {
     return "the ReLU mask must be 16-byte aligned (it is read in pairs with C's row stride)";

@@ -9,7 +9,7 @@
 //
 // The epilogue, applied once per element in fp32 before the single rounding to C's type:
 //   v = alpha * acc  (+ beta * C_old when beta != 0; C is then read, else never)
-//   v += bias[col]   (when bias is given: one float per column of C)
+//   v += bias[col]   (when bias is given: one float per column of C, or bias[col % bias_period])
 //   v = max(v, 0)    (when relu)
 //
 // A plan (tile shape, split-K) is chosen once per (device model, shape) and cached; the launch does
@@ -46,11 +46,21 @@ struct MatmulProblem {
   // A stored k x m (row stride lda >= m) too: C = A^T * B, with b_transposed only (both operands
   // MN-major), BF16 only. A Linear layer's backward-weight (dW = dy^T x) reads dy and x so.
   bool a_transposed = false;
+  // Or 0: B as stored. K and C > 0: B is the dense 2 x 2 view of a 3 x 3 convolution's filters
+  // (kernels/conv2d_dense.h), read without building it: b is the filters as they are, K x 3 x 3 x
+  // C (ldb = 9C), and B's element (j, l) as n x k (n = 4K, k = 4C; with b_transposed B is k x n,
+  // k = 4K, n = 4C) is W_eff's, W[k'][tap(p, q)][c] for W_eff row p K + k' and column q C + c.
+  // bf16, A not a_transposed, K a multiple of 256 and C of 64 (each of B's TMA boxes then lies in
+  // one tap).
+  int b_dense_k = 0, b_dense_c = 0;
   void* c = nullptr;  // m x n, row stride ldc (elements)
   int64_t ldc = 0;
   DType c_type = DType::F32;
   float alpha = 1.f, beta = 0.f;
   const float* bias = nullptr;  // n floats, or null
+  // Or 0: bias holds bias_period floats and column j takes bias[j % bias_period] (a per-channel
+  // bias over a row of several pixels' channels: the dense 2 x 2 form's outputs, 4 pixels of K).
+  int bias_period = 0;
   bool relu = false;
   // Or null: C's layout and type; where it is <= 0 the stored value is 0 (the backward of a ReLU
   // whose output is `mask`, fused into backward-data). Only with beta 0, no bias and no ReLU.

@@ -15,7 +15,14 @@ struct EpilogueArgs {
   // where it is <= 0 the value stored is 0 (NaN passes), the ReLU's backward applied to the
   // product. Only with beta 0, no bias and no ReLU (kernels/matmul.cu checks).
   const void* mask = nullptr;
+  // Or 0: the bias repeats every bias_period columns (column col takes bias[col % bias_period]).
+  int bias_period = 0;
 };
+
+// The bias of column `col`.
+__device__ __forceinline__ float bias_of(const EpilogueArgs& e, int col) {
+  return __ldg(e.bias + (e.bias_period != 0 ? col % e.bias_period : col));
+}
 
 // Each step is rounded on its own (no contraction of alpha*acc + bias into one FMA, which the
 // compiler would do in one code path and not in another), so that every path that applies the
@@ -30,7 +37,7 @@ __device__ __forceinline__ float apply_epilogue(const EpilogueArgs& e, float acc
                                                 int col) {
   float v = __fmul_rn(e.alpha, acc);
   if (e.beta != 0.f) v = __fmaf_rn(e.beta, old, v);
-  if (e.bias != nullptr) v = __fadd_rn(v, e.bias[col]);
+  if (e.bias != nullptr) v = __fadd_rn(v, bias_of(e, col));
   if (e.relu) v = relu_keep_nan(v);
   return v;
 }

@@ -394,7 +394,7 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
           output_grad_pass(relu_y->data<__nv_bfloat16>(), grad_output.data<__nv_bfloat16>(),
                            dym.data<__nv_bfloat16>(), db, rows, s.k, stream);
         }
-        if (weight_eff_bf16_.defined()) {  // the forward took the dense 2x2 form
+        if (ran_dense_2x2_) {  // the forward took the dense 2x2 form
           backward_dense_2x2(dym, dx, relu ? nullptr : db, stream);
           return;
         }
@@ -450,36 +450,59 @@ Tensor Conv2d::backward_bf16(const Tensor& grad_output) {
   return dx;
 }
 
-// The dense form (kernels/conv2d_dense.h): W_eff (and bias_eff) built from the bf16 filters, which
-// the parameter store's copy gives where there is one (else the fp32 filters, rounded by the same
-// pass), then y = x W_eff^T + bias_eff with the fused ReLU, one product on the NHWC tensors as they
-// are. W_eff stays for backward-data.
+// The dense form (kernels/conv2d_dense.h): y = x W_eff^T + bias_eff with the fused ReLU, one
+// product on the NHWC tensors as they are. W_eff is read as a view of the bf16 filters (the
+// parameter store's copy where there is one, else the fp32 filters rounded by a pass) and the
+// bias by period K where the view applies (K a multiple of 256, C of 64); else W_eff and bias_eff
+// are gathered. Either stays for backward-data.
 void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStream_t stream) {
   const int64_t outputs = 4 * int64_t{s.k}, inputs = 4 * int64_t{s.c};  // features per image
-  Tensor bias_eff;  // read by the product alone (its stream-ordered free follows the launch)
-  {
-    const cuda::AllocationPurpose purpose(
-        detail::str("Conv2d(", in_, ", ", out_, ")'s dense 2x2 filters"),
-        "Under bf16 a 3x3 layer on a 2x2 image makes them (4K x 4C bf16) at each forward and "
-        "keeps them until the backward: reduce the batch size (--batch-size) to leave room for "
-        "them.");
-    weight_eff_bf16_ = Tensor::empty({outputs, inputs}, DType::bf16, device_);
-    if (bias_) bias_eff = Tensor::empty({outputs}, DType::f32, device_);
-  }
-  weight_bf16_ = weight_rot_bf16_ = Tensor();
+  const bool view =
+      kernels::detail::conv_dense_2x2_view() && kernels::conv2d_dense_2x2_view_applies(s);
+  weight_bf16_ = weight_rot_bf16_ = weight_eff_bf16_ = Tensor();
   ran_dense_2x2_ = true;
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
-  float* b_eff = bias_ ? bias_eff.data<float>() : nullptr;
-  auto* w_eff = weight_eff_bf16_.data<__nv_bfloat16>();
-  if (weight_->compute.defined()) {
-    kernels::conv2d_dense_2x2_filters(weight_->compute.data<__nv_bfloat16>(), s, w_eff, b, b_eff,
-                                      stream);
-  } else {
-    kernels::conv2d_dense_2x2_filters(weight_->data.data<float>(), s, w_eff, b, b_eff, stream);
+  Tensor bias_eff;  // read by the product alone (its stream-ordered free follows the launch)
+  if (!(view && weight_->compute.defined())) {
+    const cuda::AllocationPurpose purpose(
+        detail::str("Conv2d(", in_, ", ", out_, ")'s dense 2x2 filters"),
+        "Under bf16 a 3x3 layer on a 2x2 image makes them (bf16) at each forward and keeps them "
+        "until the backward: reduce the batch size (--batch-size) to leave room for them.");
+    if (view) {
+      weight_bf16_ = Tensor::empty({s.k, s.r, s.s, s.c}, DType::bf16, device_);
+    } else {
+      weight_eff_bf16_ = Tensor::empty({outputs, inputs}, DType::bf16, device_);
+      if (bias_) bias_eff = Tensor::empty({outputs}, DType::f32, device_);
+    }
   }
-  kernels::MatmulProblem p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false,
-                                           w_eff, false, y.data_ptr(), kernels::DType::BF16);
-  p.bias = b_eff;
+  kernels::MatmulProblem p;
+  if (view) {
+    if (weight_->compute.defined()) {
+      weight_bf16_ = weight_->compute;  // the optimizer wrote it with the master weights
+    } else {
+      kernels::f32_to_bf16(weight_->data.data<float>(), weight_bf16_.data<__nv_bfloat16>(),
+                           weight_bf16_.numel(), stream);
+    }
+    p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false, weight_bf16_.data_ptr(),
+                      false, y.data_ptr(), kernels::DType::BF16);
+    p.ldb = 9 * int64_t{s.c};
+    p.b_dense_k = s.k;
+    p.b_dense_c = s.c;
+    p.bias = b;
+    p.bias_period = b ? s.k : 0;
+  } else {
+    float* b_eff = bias_ ? bias_eff.data<float>() : nullptr;
+    auto* w_eff = weight_eff_bf16_.data<__nv_bfloat16>();
+    if (weight_->compute.defined()) {
+      kernels::conv2d_dense_2x2_filters(weight_->compute.data<__nv_bfloat16>(), s, w_eff, b, b_eff,
+                                        stream);
+    } else {
+      kernels::conv2d_dense_2x2_filters(weight_->data.data<float>(), s, w_eff, b, b_eff, stream);
+    }
+    p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false, w_eff, false,
+                      y.data_ptr(), kernels::DType::BF16);
+    p.bias = b_eff;
+  }
   p.relu = relu_fused_;
   kernels::detail::conv_dense_2x2_matmul(p, stream);
 }
@@ -495,9 +518,16 @@ void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
   cuda::SideStream side(device_.index, stream, cuda::SideStream::if_free,
                         dx.defined() && detail::concurrent_weight_grad(4 * int64_t{s.n}));
   if (dx.defined()) {
+    const bool view = !weight_eff_bf16_.defined();  // W_eff as a view of the bf16 filters
     kernels::MatmulProblem p = dense_product(
-        s.n, inputs, outputs, dy.data_ptr(), false, weight_eff_bf16_.data_ptr(), true,
-        dx.data_ptr(), input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32);
+        s.n, inputs, outputs, dy.data_ptr(), false,
+        view ? weight_bf16_.data_ptr() : weight_eff_bf16_.data_ptr(), true, dx.data_ptr(),
+        input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32);
+    if (view) {
+      p.ldb = 9 * int64_t{s.c};
+      p.b_dense_k = s.k;
+      p.b_dense_c = s.c;
+    }
     p.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
     kernels::detail::conv_dense_2x2_matmul(p, stream);
   }

@@ -79,6 +79,8 @@ struct MainloopParams {
   // reduction kernel runs after): one arrival counter per warp slice (16 rows) of every tile, zero
   // before the launch and left zero after it (kernels/counters.h).
   int* split_counters;
+  // kGemm / kGemmBT: B's dense 2 x 2 view (MatmulProblem::b_dense_k), or 0: dense_2x2_box.
+  int b_dense_k, b_dense_c;
 };
 
 // kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
@@ -306,6 +308,17 @@ struct Mma<__nv_bfloat16, kTileN> : WgmmaBf16<kTileN> {};
 template <int kTileN>
 struct Mma<float, kTileN> : WgmmaTf32<kTileN> {};
 
+// B's dense 2 x 2 view (MatmulProblem::b_dense_k): the box at W_eff's (row, column) is the box at
+// the filters' (row - p K, column + (tap(p, q) - q) C), p = row / K, q = column / C: W_eff's row
+// p K + k and column q C + c hold W[k][tap(p, q)][c] (kernels/conv2d_dense.h). A box lies in one
+// (p, q) block: its rows (kTileN or a k-block) divide K (a multiple of 256), its 64 columns C.
+__device__ __forceinline__ void dense_2x2_box(const MainloopParams& p, int& row, int& column) {
+  const int pp = row / p.b_dense_k, q = column / p.b_dense_c;
+  const int tap = ((q >> 1) - (pp >> 1) + 1) * 3 + ((q & 1) - (pp & 1) + 1);
+  row -= pp * p.b_dense_k;
+  column += (tap - q) * p.b_dense_c;
+}
+
 struct WorkItem {
   int tile_m, tile_n, split;
 };
@@ -532,8 +545,8 @@ __device__ __forceinline__ void store_whole_tile(const MainloopParams& p, const 
   if constexpr (kBias) {
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
-      bias[2 * j] = __ldg(p.epilogue.bias + base_col + 8 * j);
-      bias[2 * j + 1] = __ldg(p.epilogue.bias + base_col + 8 * j + 1);
+      bias[2 * j] = bias_of(p.epilogue, base_col + 8 * j);
+      bias[2 * j + 1] = bias_of(p.epilogue, base_col + 8 * j + 1);
     }
   }
 #pragma unroll
@@ -878,8 +891,8 @@ __device__ __forceinline__ void store_swapped_tile(const MainloopParams& p, cons
   const float alpha = p.epilogue.alpha;
   [[maybe_unused]] float bias[2];
   if constexpr (kBias) {
-    bias[0] = __ldg(p.epilogue.bias + channel);
-    bias[1] = __ldg(p.epilogue.bias + channel + 8);
+    bias[0] = bias_of(p.epilogue, channel);
+    bias[1] = bias_of(p.epilogue, channel + 8);
   }
   [[maybe_unused]] float sums[2] = {0.f, 0.f};
   const int block = lane / 8;
@@ -1575,14 +1588,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             // fp32)
 #pragma unroll
             for (int slab = 0; slab < kTileN / Cfg::kBlockK; ++slab) {
+              int row = kb * Cfg::kBlockK, column = w.tile_n * kTileN + Cfg::kBlockK * slab;
+              if (p.b_dense_k != 0) dense_2x2_box(p, row, column);
               tma_load_2d(stages_b + stage * Cfg::kStageBytesB + slab * Cfg::kBlockK * kRowBytes,
-                          &map_b, load_bar(stage), w.tile_n * kTileN + Cfg::kBlockK * slab,
-                          kb * Cfg::kBlockK);
+                          &map_b, load_bar(stage), column, row);
             }
           } else if constexpr (kMode != kWgradTma && kMode != kWgradTmaT && kMode != kWgradShift &&
                                kMode != kWgradShiftT && !kConvPatch) {
-            tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage),
-                        kb * Cfg::kBlockK, w.tile_n * kTileN);
+            int row = w.tile_n * kTileN, column = kb * Cfg::kBlockK;
+            if (p.b_dense_k != 0) dense_2x2_box(p, row, column);
+            tma_load_2d(stages_b + stage * Cfg::kStageBytesB, &map_b, full_bar(stage), column, row);
           }
           if (++stage == Cfg::kStages) {
             stage = 0;
@@ -2057,7 +2072,9 @@ inline MainloopParams product_params(const MatmulProblem& prob, const MatmulPlan
   p.c = prob.c;
   p.ldc = prob.ldc;
   p.c_is_bf16 = prob.c_type == DType::BF16;
-  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask};
+  p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask, prob.bias_period};
+  p.b_dense_k = prob.b_dense_k;
+  p.b_dense_c = prob.b_dense_c;
   return p;
 }
 
@@ -2112,8 +2129,16 @@ void launch_mainloop(const MatmulProblem& prob, const MatmulPlan& plan, float* w
                 : conv ? CUtensorMap{}
                        : encode_k_major(prob.a, kType, sizeof(Elem), prob.m, prob.k, prob.lda,
                                         kTileM);
+  // B's dense 2 x 2 view: the filters as they are, K x 9C, in boxes of W_eff's shape.
+  const bool dense_b = prob.b_dense_k > 0;
+  CUDP_CHECK(!dense_b || (kBf16 && (mode == kGemm || mode == kGemmBT) && conv == nullptr &&
+                          prob.b_dense_k % kTileN == 0 && prob.b_dense_c % 64 == 0),
+             "matmul: the dense 2x2 view of B is read by the bf16 product kernels with K a "
+             "multiple of the tile width and C of 64");
   const CUtensorMap map_b =
-      mode == kWgradShift
+      dense_b ? encode_k_major(prob.b, kType, sizeof(Elem), prob.b_dense_k, 9 * prob.b_dense_c,
+                               prob.ldb, mode == kGemm ? kTileN : Cfg::kBlockK)
+      : mode == kWgradShift
           ? encode_k_major(prob.b, kType, sizeof(Elem), shifted_rows, prob.k, prob.ldb, 64)
       : mode == kWgrad || mode == kWgradAlt ? CUtensorMap{}
       : mode == kGemmBT || mode == kGemmTT  // B stored k x n: boxes of a k-block's rows

@@ -170,6 +170,52 @@ TEST(Conv2dDenseShapes, OnlyA3x3LayerOfStride1AndPadding1OnA2x2InputTakesTheDens
   EXPECT_FALSE(conv2d_dense_2x2_applies(s));
 }
 
+// The reference reads B's dense 2 x 2 view (MatmulProblem::b_dense_k) and a bias by period as
+// the gathered W_eff and bias_eff: the same products in the same order, the same bits, for the
+// forward (B n x k, bias, ReLU) and backward-data (B stored k x n). The GPU tests hold the
+// kernels to the gathered products.
+TEST(Conv2dDenseView, TheReferenceReadsTheViewAsTheGatheredCopy) {
+  const int n = 2, c = 64, k = 256;
+  const Conv2dShape s = dense_2x2_shape(n, c, k);
+  ASSERT_TRUE(conv2d_dense_2x2_view_applies(s));
+  EXPECT_FALSE(conv2d_dense_2x2_view_applies(dense_2x2_shape(n, 64, 128)));  // K
+  EXPECT_FALSE(conv2d_dense_2x2_view_applies(dense_2x2_shape(n, 32, 256)));  // C
+  const int64_t inputs = 4 * int64_t(c), outputs = 4 * int64_t(k);
+  const Bf16Values x = random_bf16(size_t(s.x_size()), 11), w = random_bf16(size_t(s.w_size()), 12),
+                   dy = random_bf16(size_t(s.y_size()), 13), b = random_bf16(size_t(k), 14);
+  std::vector<__nv_bfloat16> w_eff(size_t(outputs * inputs));
+  std::vector<float> bias_eff(static_cast<size_t>(outputs));
+  conv2d_dense_2x2_filters_cpu(w.bits.data(), s, w_eff.data(), b.values.data(), bias_eff.data());
+  for (const bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward-data" : "forward");
+    MatmulProblem p;
+    p.m = n;
+    p.n = int(backward ? inputs : outputs);
+    p.k = int(backward ? outputs : inputs);
+    p.a = backward ? dy.bits.data() : x.bits.data();
+    p.lda = p.k;
+    p.b_transposed = backward;
+    p.ldc = p.n;
+    p.relu = !backward;
+    std::vector<float> gathered(size_t(n) * p.n), viewed(gathered.size());
+    MatmulProblem g = p, v = p;
+    g.b = w_eff.data();
+    g.ldb = inputs;
+    g.bias = backward ? nullptr : bias_eff.data();
+    g.c = gathered.data();
+    v.b = w.bits.data();
+    v.ldb = 9 * int64_t(c);
+    v.b_dense_k = k;
+    v.b_dense_c = c;
+    v.bias = backward ? nullptr : b.values.data();
+    v.bias_period = backward ? 0 : k;
+    v.c = viewed.data();
+    matmul_cpu(g);
+    matmul_cpu(v);
+    EXPECT_EQ(0, std::memcmp(gathered.data(), viewed.data(), gathered.size() * sizeof(float)));
+  }
+}
+
 TEST(Conv2dDenseShapes, TheSplitCountSwitchRefusesANegativeCount) {
   const int before = detail::conv_dense_2x2_splits();
   EXPECT_VALUE_ERROR(detail::set_conv_dense_2x2_splits(-1),

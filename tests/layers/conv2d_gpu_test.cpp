@@ -58,7 +58,8 @@ TEST(Conv2dGpuTest, Bf16MatchesTheCpuPathWithRoundedOperands) {
 // GEMMs of the bf16 operands, so the CPU path (the convolution on the same rounded operands) is its
 // reference as for the other bf16 layers: 1e-4 as above, a bf16 output one unit apart at most.
 // Batches of 3 and 1 (no tile's multiple), C != K both ways, with and without a bias, f32 and bf16
-// inputs (dx in the input's dtype); the forward and backward-data products with the planner's
+// inputs (dx in the input's dtype); K = 512 and 256 (with C = 512 and 64) read W_eff as a view of
+// the filters, the others gather it; the forward and backward-data products with the planner's
 // split-K and with 3 splits (the epilogue's bias, ReLU and mask then in the split-K reduction).
 TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
   CUDP_REQUIRE_TENSOR_CORES();
@@ -72,9 +73,10 @@ TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
   for (const int splits : {0, 3}) {
     const testing::ScopedSwitch<int> split_count(
         kernels::detail::conv_dense_2x2_splits, kernels::detail::set_conv_dense_2x2_splits, splits);
-    for (const Case& t : {Case{3, 64, 64, true, DType::bf16}, Case{1, 128, 64, false, DType::bf16},
-                          Case{2, 64, 192, true, DType::f32}, Case{3, 8, 16, true, DType::bf16},
-                          Case{4, 512, 512, true, DType::bf16}}) {
+    for (const Case& t :
+         {Case{3, 64, 64, true, DType::bf16}, Case{1, 128, 64, false, DType::bf16},
+          Case{2, 64, 192, true, DType::f32}, Case{3, 8, 16, true, DType::bf16},
+          Case{4, 512, 512, true, DType::bf16}, Case{2, 64, 256, true, DType::f32}}) {
       SCOPED_TRACE(::testing::Message()
                    << "splits " << splits << " n " << t.n << " c " << t.c << " k " << t.k
                    << (t.bias ? "" : " no bias") << " input " << dtype_name(t.input));
