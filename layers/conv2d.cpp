@@ -270,6 +270,14 @@ kernels::MatmulProblem dense_product(int64_t m, int64_t n, int64_t k, const void
   return p;
 }
 
+// B of such a product read as W_eff's view of the bf16 filters (K x 3 x 3 x C) as they are
+// (MatmulProblem::b_dense_k) instead of a gathered W_eff.
+void read_filters_as_w_eff(kernels::MatmulProblem& p, const kernels::Conv2dShape& s) {
+  p.ldb = 9 * int64_t{s.c};
+  p.b_dense_k = s.k;
+  p.b_dense_c = s.c;
+}
+
 }  // namespace
 
 // bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused
@@ -485,9 +493,7 @@ void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStr
     }
     p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false, weight_bf16_.data_ptr(),
                       false, y.data_ptr(), kernels::DType::BF16);
-    p.ldb = 9 * int64_t{s.c};
-    p.b_dense_k = s.k;
-    p.b_dense_c = s.c;
+    read_filters_as_w_eff(p, s);
     p.bias = b;
     p.bias_period = b ? s.k : 0;
   } else {
@@ -523,11 +529,7 @@ void Conv2d::backward_dense_2x2(const Tensor& dy, const Tensor& dx, float* db,
         s.n, inputs, outputs, dy.data_ptr(), false,
         view ? weight_bf16_.data_ptr() : weight_eff_bf16_.data_ptr(), true, dx.data_ptr(),
         input_dtype_ == DType::bf16 ? kernels::DType::BF16 : kernels::DType::F32);
-    if (view) {
-      p.ldb = 9 * int64_t{s.c};
-      p.b_dense_k = s.k;
-      p.b_dense_c = s.c;
-    }
+    if (view) read_filters_as_w_eff(p, s);
     p.mask = input_grad_masked_ ? input_bf16_.data_ptr() : nullptr;
     kernels::detail::conv_dense_2x2_matmul(p, stream);
   }

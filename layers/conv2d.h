@@ -105,7 +105,8 @@ class Conv2d : public Module {
   Parameter* bias_ = nullptr;
   // Saved for backward: the input (fp32, tf32 and the CPU), or under bf16 on the GPU the bf16
   // operands (channels padded to 8, kernels/conv2d.h) of x and w, and w's rotated copy for
-  // backward-data; or, in the dense 2x2 form, W_eff.
+  // backward-data; or, in the dense 2x2 form, W_eff (or the bf16 filters, where it reads them as
+  // W_eff's view).
   // (The output a fused ReLU's mask needs is Module's, keep_fused_relu_output.)
   Tensor input_;
   Tensor input_bf16_, weight_bf16_, weight_rot_bf16_, weight_eff_bf16_;
