@@ -13,10 +13,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ int tap_of(int p, int q) {
-  return ((q >> 1) - (p >> 1) + 1) * 3 + ((q & 1) - (p & 1) + 1);
-}
-
 // 8 channels of one filter row as bf16: 16 bytes as they are, or 32 bytes of fp32 rounded to
 // nearest even (cvt.rn.bf16x2.f32, f32_to_bf16's rounding).
 __device__ __forceinline__ uint4 load8(const __nv_bfloat16* src) {
@@ -48,7 +44,7 @@ __global__ void __launch_bounds__(kThreads)
   const int col = static_cast<int>(t - row * chunks_per_row) * 8;
   const int p = static_cast<int>(row / K), k = static_cast<int>(row - int64_t(p) * K);
   const int q = col / C, c = col - q * C;
-  const T* src = w + (int64_t(k) * 9 + tap_of(p, q)) * C + c;
+  const T* src = w + (int64_t(k) * 9 + dense_2x2_tap(p, q)) * C + c;
   *reinterpret_cast<uint4*>(w_eff + row * 4 * C + col) = load8(src);
   if (bias != nullptr && t < int64_t(4) * K) bias_eff[t] = bias[t % K];
 }

@@ -29,6 +29,13 @@
 
 namespace cudp::kernels {
 
+// The tap (r, s), as 3 r + s, through which output pixel p meets input pixel q of a 2 x 2 image
+// (p = 2 py + px, q = 2 qy + qx): W_eff's block (p, q) is that tap's filters. The one definition
+// of the form's geometry, for its kernels, the products' view of W_eff and the CPU references.
+__host__ __device__ constexpr int dense_2x2_tap(int p, int q) {
+  return ((q >> 1) - (p >> 1) + 1) * 3 + ((q & 1) - (p & 1) + 1);
+}
+
 // Whether `shape` is such a layer: 2 x 2 input, 3 x 3 filters, stride 1, padding 1, and C and K
 // multiples of 8 (16-byte rows of bf16 for the products' loads).
 bool conv2d_dense_2x2_applies(const Conv2dShape& shape);

@@ -8,14 +8,6 @@
 #include "kernels/layout.h"
 
 namespace cudp::kernels {
-namespace {
-
-// The tap (r, s) through which output pixel p meets input pixel q of a 2 x 2 image.
-int tap_of(int p, int q) {
-  return ((q >> 1) - (p >> 1) + 1) * 3 + ((q & 1) - (p & 1) + 1);
-}
-
-}  // namespace
 
 void detail::check_conv2d_dense_2x2(const char* what, const Conv2dShape& shape) {
   shape.validate();
@@ -43,7 +35,7 @@ void conv2d_dense_2x2_filters_cpu(const __nv_bfloat16* w, const Conv2dShape& sha
     for (int64_t k = 0; k < K; ++k) {
       __nv_bfloat16* row = w_eff + (p * K + k) * 4 * C;
       for (int q = 0; q < 4; ++q) {
-        const __nv_bfloat16* filter = w + (k * 9 + tap_of(p, q)) * C;
+        const __nv_bfloat16* filter = w + (k * 9 + dense_2x2_tap(p, q)) * C;
         for (int64_t c = 0; c < C; ++c) row[q * C + c] = filter[c];
       }
       if (bias != nullptr) bias_eff[p * K + k] = bias[k];
@@ -68,7 +60,7 @@ void conv2d_dense_2x2_fold_cpu(const float* dw_eff, const Conv2dShape& shape, fl
         float sum = 0.f;
         for (int p = 0; p < 4; ++p) {
           for (int q = 0; q < 4; ++q) {
-            if (tap_of(p, q) == tap) sum += dw_eff[(p * K + k) * 4 * C + q * C + c];
+            if (dense_2x2_tap(p, q) == tap) sum += dw_eff[(p * K + k) * 4 * C + q * C + c];
           }
         }
         float& out = dw[(k * 9 + tap) * C + c];

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "engine/core/error.h"
+#include "kernels/conv2d_dense.h"
 #include "kernels/layout.h"
 #include "kernels/matmul.h"
 
@@ -47,7 +48,7 @@ void matmul_cpu(const MatmulProblem& p) {
     if (!dense) return j * b_row + l * b_col;
     const int64_t row = p.b_transposed ? l : j, col = p.b_transposed ? j : l;
     const int64_t pp = row / p.b_dense_k, q = col / p.b_dense_c;
-    const int64_t tap = ((q >> 1) - (pp >> 1) + 1) * 3 + ((q & 1) - (pp & 1) + 1);
+    const int64_t tap = dense_2x2_tap(int(pp), int(q));
     return (row - pp * p.b_dense_k) * p.ldb + tap * p.b_dense_c + (col - q * p.b_dense_c);
   };
   const bool bf16 = p.math == Math::BF16;

@@ -33,6 +33,7 @@
 
 #include "engine/core/error.h"
 #include "engine/core/launch.cuh"
+#include "kernels/conv2d_dense.h"
 #include "kernels/counters.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_epilogue.cuh"
@@ -314,7 +315,7 @@ struct Mma<float, kTileN> : WgmmaTf32<kTileN> {};
 // (p, q) block: its rows (kTileN or a k-block) divide K (a multiple of 256), its 64 columns C.
 __device__ __forceinline__ void dense_2x2_box(const MainloopParams& p, int& row, int& column) {
   const int pp = row / p.b_dense_k, q = column / p.b_dense_c;
-  const int tap = ((q >> 1) - (pp >> 1) + 1) * 3 + ((q & 1) - (pp & 1) + 1);
+  const int tap = dense_2x2_tap(pp, q);
   row -= pp * p.b_dense_k;
   column += (tap - q) * p.b_dense_c;
 }
