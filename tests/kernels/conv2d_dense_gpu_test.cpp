@@ -22,16 +22,10 @@ namespace cudp::kernels {
 namespace {
 
 using testing_dense::dense_2x2_shape;
+using testing_dense::random_bf16;
+using testing_dense::uniform;
 
 using testing::DeviceBuffer;
-
-std::vector<float> uniform(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
@@ -105,13 +99,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dDenseGpu,
                          ::testing::Values(std::tuple{512, 512}, std::tuple{8, 8},
                                            std::tuple{16, 40}, std::tuple{64, 8}));
 
-std::vector<__nv_bfloat16> uniform_bf16(size_t n, uint32_t seed) {
-  const std::vector<float> v = uniform(n, seed);
-  std::vector<__nv_bfloat16> out(n);
-  f32_to_bf16_cpu(v.data(), out.data(), int64_t(n));
-  return out;
-}
-
 // The forward (C = x W_eff^T + bias_eff, ReLU) and backward-data (C = dy W_eff, B stored k x n,
 // a ReLU mask) with W_eff read as a view of the filters (MatmulProblem::b_dense_k) and the bias by
 // period K (bias_period), against the same products on the gathered W_eff and bias_eff: the same
@@ -127,13 +114,14 @@ TEST(Conv2dDenseGpuView, TheFiltersViewGivesTheGatheredProductsBits) {
     const Conv2dShape s = dense_2x2_shape(n, c, k);
     ASSERT_TRUE(conv2d_dense_2x2_view_applies(s));
     const int64_t outs = 4 * int64_t{k}, ins = 4 * int64_t{c};
-    const std::vector<__nv_bfloat16> w = uniform_bf16(size_t(s.w_size()), 5);
+    const std::vector<__nv_bfloat16> w = random_bf16(size_t(s.w_size()), 5).bits;
     const std::vector<float> bias = uniform(size_t(k), 6);
     std::vector<__nv_bfloat16> w_eff(size_t(outs * ins));
     std::vector<float> bias_eff(static_cast<size_t>(outs));
     conv2d_dense_2x2_filters_cpu(w.data(), s, w_eff.data(), bias.data(), bias_eff.data());
-    const DeviceBuffer<__nv_bfloat16> dw(w), dw_eff(w_eff), dx(uniform_bf16(size_t(n * ins), 7)),
-        ddy(uniform_bf16(size_t(n * outs), 8)), dmask(uniform_bf16(size_t(n * ins), 9));
+    const DeviceBuffer<__nv_bfloat16> dw(w), dw_eff(w_eff),
+        dx(random_bf16(size_t(n * ins), 7).bits), ddy(random_bf16(size_t(n * outs), 8).bits),
+        dmask(random_bf16(size_t(n * ins), 9).bits);
     const DeviceBuffer<float> dbias(bias), dbias_eff(bias_eff),
         dmask32(uniform(size_t(n * ins), 9));  // the mask is in C's type
     for (const int tile_n : {64, 128, 256}) {

@@ -24,23 +24,9 @@
 namespace cudp::kernels {
 namespace {
 
+using testing_dense::Bf16Values;
 using testing_dense::dense_2x2_shape;
-
-// n values uniform in [-1, 1), rounded to bf16: the bf16 bits and the floats they stand for.
-struct Bf16Values {
-  std::vector<__nv_bfloat16> bits;
-  std::vector<float> values;
-};
-Bf16Values random_bf16(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
-  std::vector<float> raw(n);
-  for (float& v : raw) v = dist(rng);
-  Bf16Values out{std::vector<__nv_bfloat16>(n), std::vector<float>(n)};
-  f32_to_bf16_cpu(raw.data(), out.bits.data(), int64_t(n));
-  bf16_to_f32_cpu(out.bits.data(), out.values.data(), int64_t(n));
-  return out;
-}
+using testing_dense::random_bf16;
 
 double max_abs(const std::vector<float>& v) {
   double m = 0;
