@@ -397,14 +397,15 @@ void print_row(const Row& w, FILE* json) {
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
       "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\", "
       "\"cudp_dense_2x2\": \"%s\", \"cudp_dense_2x2_view\": \"%s\", "
-      "\"cudp_dense_2x2_splits\": %d%s}\n",
+      "\"cudp_dense_2x2_splits\": %d, \"cudp_dense_2x2_tile\": %d%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
       g_zero_grad == ZeroGrad::fill ? "fill" : "deferred", g_overlap_update ? "on" : "off",
       g_splitk.c_str(), g_bias_final.c_str(), kernels::detail::conv_dense_2x2() ? "on" : "off",
       kernels::detail::conv_dense_2x2_view() ? "on" : "off",
-      kernels::detail::conv_dense_2x2_splits(), extra.c_str());
+      kernels::detail::conv_dense_2x2_splits(), kernels::detail::conv_dense_2x2_tile(),
+      extra.c_str());
   std::fflush(json);
 }
 
@@ -727,6 +728,12 @@ int main(int argc, char** argv) {
                  "(the batch is their m: one or two rows of tiles); 0: the planner's")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  int dense_2x2_tile = kernels::detail::conv_dense_2x2_tile();
+  app.add_option("--dense-2x2-tile", dense_2x2_tile,
+                 "the tile width (n) of those products: 64, 128 or 256; 0: the planner's (with "
+                 "another width, --dense-2x2-splits 0 means one split)")
+      ->check(CLI::IsMember({0, 64, 128, 256}))
+      ->capture_default_str();
   std::string halo = "on";
   app.add_option("--halo", halo,
                  "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
@@ -757,6 +764,7 @@ int main(int argc, char** argv) {
   kernels::detail::set_conv_halo(halo != "off");
   kernels::detail::set_conv_dense_2x2(dense_2x2 == "on");
   kernels::detail::set_conv_dense_2x2_splits(dense_2x2_splits);
+  kernels::detail::set_conv_dense_2x2_tile(dense_2x2_tile);
   kernels::detail::set_conv_dense_2x2_view(dense_2x2_view == "on");
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
                                       : halo == "exact"    ? kernels::detail::HaloWide::exact

@@ -102,6 +102,7 @@ void run_filters(const T* w, const Conv2dShape& shape, __nv_bfloat16* w_eff, con
 
 std::atomic<bool> g_dense_2x2{true};
 std::atomic<int> g_dense_2x2_splits{0};  // the planner's
+std::atomic<int> g_dense_2x2_tile{0};    // the planner's
 std::atomic<bool> g_dense_2x2_view{true};
 
 }  // namespace
@@ -151,17 +152,28 @@ void set_conv_dense_2x2_splits(int splits) {
 int conv_dense_2x2_splits() {
   return g_dense_2x2_splits.load();
 }
+void set_conv_dense_2x2_tile(int tile_n) {
+  CUDP_CHECK(tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 256,
+             "set_conv_dense_2x2_tile: the tile width must be 64, 128 or 256 (0: the planner's), "
+             "got ",
+             tile_n);
+  g_dense_2x2_tile.store(tile_n);
+}
+int conv_dense_2x2_tile() {
+  return g_dense_2x2_tile.load();
+}
 void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream) {
-  const int splits = g_dense_2x2_splits.load();
-  if (splits == 0) {
+  const int splits = g_dense_2x2_splits.load(), tile_n = g_dense_2x2_tile.load();
+  if (splits == 0 && tile_n == 0) {
     matmul(problem, stream);
     return;
   }
   int device = 0;
   CUDP_CUDA_CHECK(cudaGetDevice(&device));
   const MatmulPlan planned = plan_matmul(problem, device);
-  matmul_with_plan(problem,
-                   make_matmul_plan(problem, planned.tile_n, splits, multiprocessor_count(device)),
+  const int tile = tile_n != 0 ? tile_n : planned.tile_n;
+  const int count = splits != 0 ? splits : tile == planned.tile_n ? planned.splits : 1;
+  matmul_with_plan(problem, make_matmul_plan(problem, tile, count, multiprocessor_count(device)),
                    stream);
 }
 }  // namespace detail

@@ -79,13 +79,16 @@ bool conv_dense_2x2();
 // for the tests and bench_train --dense-2x2-view.
 void set_conv_dense_2x2_view(bool on);
 bool conv_dense_2x2_view();
-// The split-K count of the form's forward and backward-data products (m = the batch: few rows of
-// tiles, so the planner's tiles may fill part of the GPU): 0, the default, leaves it to the
-// planner; n > 0 runs n splits with the planner's tile width. Process-wide; for the tests and
-// bench_train --dense-2x2-splits.
+// The split-K count and tile width of the form's forward and backward-data products (m = the
+// batch: few rows of tiles, so the planner's tiles may fill part of the GPU). Splits: 0, the
+// default, the planner's count when the tile width is the planner's too, else 1; n > 0, n splits.
+// Tile width: 0, the default, the planner's; else 64, 128 or 256. Process-wide; for the tests and
+// bench_train --dense-2x2-splits and --dense-2x2-tile.
 void set_conv_dense_2x2_splits(int splits);
 int conv_dense_2x2_splits();
-// matmul() for one of those products, with the split count above where one is set.
+void set_conv_dense_2x2_tile(int tile_n);
+int conv_dense_2x2_tile();
+// matmul() for one of those products, with the split count and tile width above where set.
 void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream);
 }  // namespace detail
 

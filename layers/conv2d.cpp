@@ -280,6 +280,29 @@ void read_filters_as_w_eff(kernels::MatmulProblem& p, const kernels::Conv2dShape
 
 }  // namespace
 
+// The bf16 filters the tensor-core products read (K x R x S x C padded to 8 channels), and with
+// `rotate` backward-data's rotated copy (C x R x S x K) from the same pass: the parameter store's
+// copy, which the optimizer wrote with the master weights (layers/module.h), where it serves as it
+// is (no padding, no rotation); else made from the fp32 filters here, kept until the backward.
+void Conv2d::bf16_filters(const kernels::Conv2dShape& s, bool rotate, cudaStream_t stream) {
+  const int cp = kernels::bf16_channels(s.c);
+  if (weight_->compute.defined() && cp == s.c && !rotate) {
+    weight_bf16_ = weight_->compute;
+    weight_rot_bf16_ = Tensor();
+    return;
+  }
+  std::optional<cuda::AllocationPurpose> purpose;
+  purpose.emplace(detail::str("Conv2d(", in_, ", ", out_, ")'s bf16 copies of its filters"),
+                  "Under bf16 the layer makes them at each forward (and the rotated filters for a "
+                  "training backward) and keeps them until the backward: reduce the batch size "
+                  "(--batch-size) to leave room for them.");
+  weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
+  weight_rot_bf16_ = rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
+  purpose.reset();
+  kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
+                                  rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
+}
+
 // bf16 storage: y is bf16, rounded once from the fp32 accumulator after the bias and the fused
 // ReLU. On the GPU x is used as it comes when it is bf16 with channels a multiple of 8 (every VGG
 // layer but the first), else converted once and the copy kept for backward-weight; the weights are
@@ -326,25 +349,7 @@ Tensor Conv2d::forward_bf16(const Tensor& input, const kernels::Conv2dShape& s) 
                               kernels::bf16_channels(s.k) == s.k && s.stride_h == 1 &&
                               s.stride_w == 1 && s.pad_h <= s.r - 1 && s.pad_w <= s.s - 1 &&
                               !kernels::conv2d_backward_data_reads_filters_as_they_are(s);
-          if (weight_->compute.defined() && cp == s.c && !rotate) {
-            // The parameter store's copy, which the optimizer wrote with the master weights
-            // (layers/module.h): no pass here.
-            weight_bf16_ = weight_->compute;
-            weight_rot_bf16_ = Tensor();
-          } else {
-            std::optional<cuda::AllocationPurpose> purpose;
-            purpose.emplace(
-                detail::str("Conv2d(", in_, ", ", out_, ")'s bf16 copies of its filters"),
-                "Under bf16 the layer makes them at each forward (and the rotated filters for a "
-                "training backward) and keeps them until the backward: reduce the batch size "
-                "(--batch-size) to leave room for them.");
-            weight_bf16_ = Tensor::empty({s.k, s.r, s.s, cp}, DType::bf16, device_);
-            weight_rot_bf16_ =
-                rotate ? Tensor::empty({s.c, s.r, s.s, s.k}, DType::bf16, device_) : Tensor();
-            purpose.reset();
-            kernels::conv2d_filters_to_bf16(weight_->data.data<float>(), s, weight_bf16_.data_ptr(),
-                                            rotate ? weight_rot_bf16_.data_ptr() : nullptr, stream);
-          }
+          bf16_filters(s, rotate, stream);
           kernels::Conv2dShape padded = s;
           padded.c = cp;
           kernels::ConvOperands ops{kernels::Math::BF16,
@@ -471,32 +476,23 @@ void Conv2d::forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStr
   ran_dense_2x2_ = true;
   const float* b = bias_ ? bias_->data.data<float>() : nullptr;
   Tensor bias_eff;  // read by the product alone (its stream-ordered free follows the launch)
-  if (!(view && weight_->compute.defined())) {
-    const cuda::AllocationPurpose purpose(
-        detail::str("Conv2d(", in_, ", ", out_, ")'s dense 2x2 filters"),
-        "Under bf16 a 3x3 layer on a 2x2 image makes them (bf16) at each forward and keeps them "
-        "until the backward: reduce the batch size (--batch-size) to leave room for them.");
-    if (view) {
-      weight_bf16_ = Tensor::empty({s.k, s.r, s.s, s.c}, DType::bf16, device_);
-    } else {
-      weight_eff_bf16_ = Tensor::empty({outputs, inputs}, DType::bf16, device_);
-      if (bias_) bias_eff = Tensor::empty({outputs}, DType::f32, device_);
-    }
-  }
   kernels::MatmulProblem p;
   if (view) {
-    if (weight_->compute.defined()) {
-      weight_bf16_ = weight_->compute;  // the optimizer wrote it with the master weights
-    } else {
-      kernels::f32_to_bf16(weight_->data.data<float>(), weight_bf16_.data<__nv_bfloat16>(),
-                           weight_bf16_.numel(), stream);
-    }
+    bf16_filters(s, false, stream);  // C is a multiple of 64: no padding
     p = dense_product(s.n, outputs, inputs, input_bf16_.data_ptr(), false, weight_bf16_.data_ptr(),
                       false, y.data_ptr(), kernels::DType::BF16);
     read_filters_as_w_eff(p, s);
     p.bias = b;
     p.bias_period = b ? s.k : 0;
   } else {
+    {
+      const cuda::AllocationPurpose purpose(
+          detail::str("Conv2d(", in_, ", ", out_, ")'s dense 2x2 filters"),
+          "Under bf16 a 3x3 layer on a 2x2 image makes them (bf16) at each forward and keeps them "
+          "until the backward: reduce the batch size (--batch-size) to leave room for them.");
+      weight_eff_bf16_ = Tensor::empty({outputs, inputs}, DType::bf16, device_);
+      if (bias_) bias_eff = Tensor::empty({outputs}, DType::f32, device_);
+    }
     float* b_eff = bias_ ? bias_eff.data<float>() : nullptr;
     auto* w_eff = weight_eff_bf16_.data<__nv_bfloat16>();
     if (weight_->compute.defined()) {

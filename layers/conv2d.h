@@ -96,6 +96,7 @@ class Conv2d : public Module {
  private:
   kernels::Conv2dShape shape_for(const Tensor& input) const;
   Tensor forward_bf16(const Tensor& input, const kernels::Conv2dShape& s);
+  void bf16_filters(const kernels::Conv2dShape& s, bool rotate, cudaStream_t stream);
   Tensor backward_bf16(const Tensor& grad_output);
   // The dense form of a 3x3 layer on a 2x2 image (kernels/conv2d_dense.h), under bf16 on the GPU.
   void forward_dense_2x2(const kernels::Conv2dShape& s, Tensor& y, cudaStream_t stream);

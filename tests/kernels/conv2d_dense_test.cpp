@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -207,6 +208,17 @@ TEST(Conv2dDenseShapes, TheSplitCountSwitchRefusesANegativeCount) {
   EXPECT_VALUE_ERROR(detail::set_conv_dense_2x2_splits(-1),
                      "set_conv_dense_2x2_splits: splits must be >= 0 (0: the planner's), got -1");
   EXPECT_EQ(detail::conv_dense_2x2_splits(), before);
+}
+
+TEST(Conv2dDenseShapes, TheTileWidthSwitchRefusesAWidthWithoutKernels) {
+  const int before = detail::conv_dense_2x2_tile();
+  for (const int width : {-64, 32, 96, 512}) {
+    EXPECT_VALUE_ERROR(detail::set_conv_dense_2x2_tile(width),
+                       "set_conv_dense_2x2_tile: the tile width must be 64, 128 or 256 (0: the "
+                       "planner's), got " +
+                           std::to_string(width));
+  }
+  EXPECT_EQ(detail::conv_dense_2x2_tile(), before);
 }
 
 }  // namespace
