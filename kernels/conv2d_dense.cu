@@ -103,6 +103,7 @@ void run_filters(const T* w, const Conv2dShape& shape, __nv_bfloat16* w_eff, con
 std::atomic<bool> g_dense_2x2{true};
 std::atomic<int> g_dense_2x2_splits{0};  // the planner's
 std::atomic<int> g_dense_2x2_tile{0};    // the planner's
+std::atomic<bool> g_dense_2x2_prefetch{false};
 std::atomic<bool> g_dense_2x2_view{true};
 
 }  // namespace
@@ -162,7 +163,16 @@ void set_conv_dense_2x2_tile(int tile_n) {
 int conv_dense_2x2_tile() {
   return g_dense_2x2_tile.load();
 }
-void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream) {
+void set_conv_dense_2x2_prefetch(bool on) {
+  g_dense_2x2_prefetch.store(on);
+}
+bool conv_dense_2x2_prefetch() {
+  return g_dense_2x2_prefetch.load();
+}
+void conv_dense_2x2_matmul(const MatmulProblem& dense, cudaStream_t stream) {
+  MatmulProblem problem = dense;
+  problem.prefetch_b = g_dense_2x2_prefetch.load();  // B is the filters (or W_eff), not written
+                                                     // by the kernels just before
   const int splits = g_dense_2x2_splits.load(), tile_n = g_dense_2x2_tile.load();
   if (splits == 0 && tile_n == 0) {
     matmul(problem, stream);

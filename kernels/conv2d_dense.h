@@ -88,7 +88,12 @@ void set_conv_dense_2x2_splits(int splits);
 int conv_dense_2x2_splits();
 void set_conv_dense_2x2_tile(int tile_n);
 int conv_dense_2x2_tile();
-// matmul() for one of those products, with the split count and tile width above where set.
+// Whether those products ask L2 for their filters before they wait on the kernels before them
+// (MatmulProblem::prefetch_b; off, the default, until measured). Process-wide; for the tests and
+// bench_train --dense-2x2-prefetch.
+void set_conv_dense_2x2_prefetch(bool on);
+bool conv_dense_2x2_prefetch();
+// matmul() for one of those products, with the split count, tile width and prefetch above.
 void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream);
 }  // namespace detail
 
