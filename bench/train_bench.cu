@@ -739,7 +739,8 @@ int main(int argc, char** argv) {
   app.add_option("--dense-2x2-prefetch", dense_2x2_prefetch,
                  "on: those products ask L2 for their filters before they wait on the kernel "
                  "before them (programmatic launch), so the filters come from DRAM while it still "
-                 "runs; off: when their pipeline loads them (the same bits)")
+                 "runs; off: when their pipeline loads them (the default: on measured 2% "
+                 "slower at 32²; the same bits)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   std::string halo = "on";

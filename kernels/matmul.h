@@ -57,7 +57,8 @@ struct MatmulProblem {
   // layer's weights), so each block asks L2 for its first work item's B (cp.async.bulk.prefetch)
   // before it waits on them (programmatic dependent launch): the weights come from DRAM while the
   // kernel before still runs. matmul() and matmul_with_plan() without a ConvGather (kGemm,
-  // kGemmBT); ignored elsewhere.
+  // kGemmBT); ignored elsewhere. Measured slower where tried (the dense 2 x 2 form's products:
+  // kernels/conv2d_dense.h).
   bool prefetch_b = false;
   void* c = nullptr;  // m x n, row stride ldc (elements)
   int64_t ldc = 0;
