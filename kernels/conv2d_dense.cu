@@ -171,8 +171,9 @@ bool conv_dense_2x2_prefetch() {
 }
 void conv_dense_2x2_matmul(const MatmulProblem& dense, cudaStream_t stream) {
   MatmulProblem problem = dense;
-  problem.prefetch_b = g_dense_2x2_prefetch.load();  // B is the filters (or W_eff), not written
-                                                     // by the kernels just before
+  // B is the filters, written by the optimizer, or W_eff, which the gather writes just before the
+  // forward (there the prefetch comes early for nothing: a hint, harmless).
+  problem.prefetch_b = g_dense_2x2_prefetch.load();
   const int splits = g_dense_2x2_splits.load(), tile_n = g_dense_2x2_tile.load();
   if (splits == 0 && tile_n == 0) {
     matmul(problem, stream);
