@@ -397,8 +397,7 @@ void print_row(const Row& w, FILE* json) {
       "\"step_ms\": %.3f, \"allreduce_ms\": %.3f, \"cudp_zero_grad\": \"%s\", "
       "\"cudp_overlap_update\": \"%s\", \"cudp_splitk\": \"%s\", \"cudp_bias_final\": \"%s\", "
       "\"cudp_dense_2x2\": \"%s\", \"cudp_dense_2x2_view\": \"%s\", "
-      "\"cudp_dense_2x2_splits\": %d, \"cudp_dense_2x2_tile\": %d, "
-      "\"cudp_dense_2x2_prefetch\": \"%s\"%s}\n",
+      "\"cudp_dense_2x2_splits\": %d, \"cudp_dense_2x2_tile\": %d%s}\n",
       w.arch.c_str(), w.bn ? "true" : "false", w.precision.c_str(), w.graphs.c_str(), w.size,
       static_cast<long long>(w.per_gpu), w.processes, w.gpus, static_cast<long long>(r.parameters),
       r.images_per_s, r.step_ms, r.allreduce_ms,
@@ -406,7 +405,7 @@ void print_row(const Row& w, FILE* json) {
       g_splitk.c_str(), g_bias_final.c_str(), kernels::detail::conv_dense_2x2() ? "on" : "off",
       kernels::detail::conv_dense_2x2_view() ? "on" : "off",
       kernels::detail::conv_dense_2x2_splits(), kernels::detail::conv_dense_2x2_tile(),
-      kernels::detail::conv_dense_2x2_prefetch() ? "on" : "off", extra.c_str());
+      extra.c_str());
   std::fflush(json);
 }
 
@@ -735,14 +734,6 @@ int main(int argc, char** argv) {
                  "another width, --dense-2x2-splits 0 means one split)")
       ->check(CLI::IsMember({0, 64, 128, 256}))
       ->capture_default_str();
-  std::string dense_2x2_prefetch = kernels::detail::conv_dense_2x2_prefetch() ? "on" : "off";
-  app.add_option("--dense-2x2-prefetch", dense_2x2_prefetch,
-                 "on: those products ask L2 for their filters before they wait on the kernel "
-                 "before them (programmatic launch), so the filters come from DRAM while it still "
-                 "runs; off: when their pipeline loads them (the default: on measured 2% "
-                 "slower at 32²; the same bits)")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
   std::string halo = "on";
   app.add_option("--halo", halo,
                  "on: 3 x 3 layers on halo tiles (each tile's input loaded once with its border, "
@@ -774,7 +765,6 @@ int main(int argc, char** argv) {
   kernels::detail::set_conv_dense_2x2(dense_2x2 == "on");
   kernels::detail::set_conv_dense_2x2_splits(dense_2x2_splits);
   kernels::detail::set_conv_dense_2x2_tile(dense_2x2_tile);
-  kernels::detail::set_conv_dense_2x2_prefetch(dense_2x2_prefetch == "on");
   kernels::detail::set_conv_dense_2x2_view(dense_2x2_view == "on");
   kernels::detail::set_conv_halo_wide(halo == "on"         ? kernels::detail::HaloWide::pairs
                                       : halo == "exact"    ? kernels::detail::HaloWide::exact

@@ -103,7 +103,6 @@ void run_filters(const T* w, const Conv2dShape& shape, __nv_bfloat16* w_eff, con
 std::atomic<bool> g_dense_2x2{true};
 std::atomic<int> g_dense_2x2_splits{0};  // the planner's
 std::atomic<int> g_dense_2x2_tile{0};    // the planner's
-std::atomic<bool> g_dense_2x2_prefetch{false};
 std::atomic<bool> g_dense_2x2_view{true};
 
 }  // namespace
@@ -163,17 +162,7 @@ void set_conv_dense_2x2_tile(int tile_n) {
 int conv_dense_2x2_tile() {
   return g_dense_2x2_tile.load();
 }
-void set_conv_dense_2x2_prefetch(bool on) {
-  g_dense_2x2_prefetch.store(on);
-}
-bool conv_dense_2x2_prefetch() {
-  return g_dense_2x2_prefetch.load();
-}
-void conv_dense_2x2_matmul(const MatmulProblem& dense, cudaStream_t stream) {
-  MatmulProblem problem = dense;
-  // B is the filters, written by the optimizer, or W_eff, which the gather writes just before the
-  // forward (there the prefetch comes early for nothing: a hint, harmless).
-  problem.prefetch_b = g_dense_2x2_prefetch.load();
+void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream) {
   const int splits = g_dense_2x2_splits.load(), tile_n = g_dense_2x2_tile.load();
   if (splits == 0 && tile_n == 0) {
     matmul(problem, stream);

@@ -88,13 +88,7 @@ void set_conv_dense_2x2_splits(int splits);
 int conv_dense_2x2_splits();
 void set_conv_dense_2x2_tile(int tile_n);
 int conv_dense_2x2_tile();
-// Whether those products ask L2 for their filters before they wait on the kernels before them
-// (MatmulProblem::prefetch_b; off, the default: measured 2% slower on VGG-16's 32² step, each
-// product 4-5 us slower, its filters not what it waits on). Process-wide; for the tests and
-// bench_train --dense-2x2-prefetch.
-void set_conv_dense_2x2_prefetch(bool on);
-bool conv_dense_2x2_prefetch();
-// matmul() for one of those products, with the split count, tile width and prefetch above.
+// matmul() for one of those products, with the split count and tile width above where set.
 void conv_dense_2x2_matmul(const MatmulProblem& problem, cudaStream_t stream);
 }  // namespace detail
 

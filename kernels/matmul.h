@@ -53,13 +53,6 @@ struct MatmulProblem {
   // bf16, A not a_transposed, K a multiple of 256 and C of 64 (each of B's TMA boxes then lies in
   // one tap).
   int b_dense_k = 0, b_dense_c = 0;
-  // A hint, the same bits either way: B is not written by the kernels just before this product (a
-  // layer's weights), so each block asks L2 for its first work item's B (cp.async.bulk.prefetch)
-  // before it waits on them (programmatic dependent launch): the weights come from DRAM while the
-  // kernel before still runs. matmul() and matmul_with_plan() without a ConvGather (kGemm,
-  // kGemmBT); ignored elsewhere. Measured slower where tried (the dense 2 x 2 form's products:
-  // kernels/conv2d_dense.h).
-  bool prefetch_b = false;
   void* c = nullptr;  // m x n, row stride ldc (elements)
   int64_t ldc = 0;
   DType c_type = DType::F32;

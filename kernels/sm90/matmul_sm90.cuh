@@ -82,8 +82,6 @@ struct MainloopParams {
   int* split_counters;
   // kGemm / kGemmBT: B's dense 2 x 2 view (MatmulProblem::b_dense_k), or 0: dense_2x2_box.
   int b_dense_k, b_dense_c;
-  // kGemm / kGemmBT: MatmulProblem::prefetch_b (prefetch_first_b).
-  int prefetch_b;
 };
 
 // kResidentB > 0 (kConvTma, kConvTmaBT with one tile column): B is not streamed through the stages
@@ -155,14 +153,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
-}
-
-// A hint to bring a box of the map into L2 (no shared memory, no barrier, no completion).
-__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1)
-               : "memory");
 }
 
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
@@ -344,30 +334,6 @@ __device__ __forceinline__ WorkItem work_item(const MainloopParams& p, int index
   const int group_rows = min(p.tiles_m - first_m, kGroupM);
   const int in_group = tile - group * per_group;
   return {first_m + in_group % group_rows, in_group / group_rows, split};
-}
-
-// MatmulProblem::prefetch_b: the B boxes of the block's first work item, the ones the producer
-// will load first (kGemm: kTileN rows of B by one k-block; kGemmBT: one k-block of rows by kTileN /
-// kBlockK slabs of 128 bytes; through B's dense 2 x 2 view where there is one), asked of L2.
-template <int kMode, int kTileN, int kBlockK>
-__device__ __forceinline__ void prefetch_first_b(const MainloopParams& p, const CUtensorMap* map) {
-  const WorkItem w = work_item(p, blockIdx.x);
-  const int kb_begin = w.split * p.k_blocks_per_split;
-  const int kb_end = min(p.k_blocks, kb_begin + p.k_blocks_per_split);
-  for (int kb = kb_begin; kb < kb_end; ++kb) {
-    if constexpr (kMode == kGemmBT) {
-#pragma unroll
-      for (int slab = 0; slab < kTileN / kBlockK; ++slab) {
-        int row = kb * kBlockK, column = w.tile_n * kTileN + kBlockK * slab;
-        if (p.b_dense_k != 0) dense_2x2_box(p, row, column);
-        tma_prefetch_2d(map, column, row);
-      }
-    } else {
-      int row = w.tile_n * kTileN, column = kb * kBlockK;
-      if (p.b_dense_k != 0) dense_2x2_box(p, row, column);
-      tma_prefetch_2d(map, column, row);
-    }
-  }
 }
 
 // The bias gradient of backward-weight on the way (kWgradTma / kWgradTmaT with p.bias_partials):
@@ -1287,14 +1253,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const __grid_constant__ CUtensorMap map_c,
                   const __grid_constant__ CUtensorMap map_mask, const MainloopParams p,
                   const ConvGather g) {
-  if constexpr (kMode == kGemm || kMode == kGemmBT) {
-    // Before kernel_entry, whose rule is that nothing before it touches global memory: a prefetch
-    // into L2 reads no value and writes none, and L2 is where every SM's writes meet, so a box
-    // brought in early is never stale (at worst fetched twice).
-    if (p.prefetch_b && threadIdx.x == 0 && int(blockIdx.x) < p.tiles_m * p.tiles_n * p.splits) {
-      prefetch_first_b<kMode, kTileN, kRowBytes / int(sizeof(Elem))>(p, &map_b);
-    }
-  }
   kernel_entry();
   using Cfg = Config<Elem, kTileN, kResidentB, kStagingBytesOf<kMode>, kStageBytesAOf<kMode>>;
   constexpr bool kConv = kMode == kConv_;
@@ -2118,7 +2076,6 @@ inline MainloopParams product_params(const MatmulProblem& prob, const MatmulPlan
   p.epilogue = {prob.alpha, prob.beta, prob.bias, prob.relu, prob.mask, prob.bias_period};
   p.b_dense_k = prob.b_dense_k;
   p.b_dense_c = prob.b_dense_c;
-  p.prefetch_b = prob.prefetch_b;
   return p;
 }
 

@@ -33,7 +33,6 @@ TEST(BenchTrain, OneProcessOnTheCpu) {
   EXPECT_EQ(row.at("cudp_dense_2x2_view"), "on");   // the default
   EXPECT_EQ(row.at("cudp_dense_2x2_splits"), 0);    // the planner's
   EXPECT_EQ(row.at("cudp_dense_2x2_tile"), 0);      // the planner's
-  EXPECT_EQ(row.at("cudp_dense_2x2_prefetch"), "off");  // the default
   EXPECT_EQ(row.at("repeats"), 1);                  // kTinyCpu's: one timed window
   EXPECT_EQ(row.at("bn"), false);          // --bn is off by default
   EXPECT_FALSE(row.contains("peak_gib"));  // GPU memory only

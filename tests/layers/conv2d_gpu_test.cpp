@@ -60,8 +60,8 @@ TEST(Conv2dGpuTest, Bf16MatchesTheCpuPathWithRoundedOperands) {
 // Batches of 3 and 1 (no tile's multiple), C != K both ways, with and without a bias, f32 and bf16
 // inputs (dx in the input's dtype); K = 512 and 256 (with C = 512 and 64) read W_eff as a view of
 // the filters, the others gather it; the forward and backward-data products with the planner's
-// split-K, with 3 splits (the epilogue's bias, ReLU and mask then in the split-K reduction), with
-// 256-wide tiles in 2 splits, and with the filters prefetched into L2.
+// split-K, with 3 splits (the epilogue's bias, ReLU and mask then in the split-K reduction) and
+// with 256-wide tiles in 2 splits.
 TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
   CUDP_REQUIRE_TENSOR_CORES();
   const testing::ScopedSwitch<bool> dense(kernels::detail::conv_dense_2x2,
@@ -73,13 +73,8 @@ TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
   };
   struct Plan {
     int splits, tile_n;  // 0: the planner's
-    bool prefetch;
   };
-  for (const auto [splits, tile_n, prefetch] :
-       {Plan{0, 0, false}, Plan{3, 0, false}, Plan{2, 256, true}, Plan{0, 0, true}}) {
-    const testing::ScopedSwitch<bool> prefetch_b(kernels::detail::conv_dense_2x2_prefetch,
-                                                 kernels::detail::set_conv_dense_2x2_prefetch,
-                                                 prefetch);
+  for (const auto [splits, tile_n] : {Plan{0, 0}, Plan{3, 0}, Plan{2, 256}}) {
     const testing::ScopedSwitch<int> split_count(
         kernels::detail::conv_dense_2x2_splits, kernels::detail::set_conv_dense_2x2_splits, splits);
     const testing::ScopedSwitch<int> tile_width(kernels::detail::conv_dense_2x2_tile,
@@ -89,9 +84,9 @@ TEST(Conv2dGpuTest, Bf16Dense2x2FormMatchesTheCpuPath) {
           Case{2, 64, 192, true, DType::f32}, Case{3, 8, 16, true, DType::bf16},
           Case{4, 512, 512, true, DType::bf16}, Case{2, 64, 256, true, DType::f32}}) {
       SCOPED_TRACE(::testing::Message()
-                   << "splits " << splits << " tile " << tile_n << (prefetch ? " prefetch" : "")
-                   << " n " << t.n << " c " << t.c << " k " << t.k << (t.bias ? "" : " no bias")
-                   << " input " << dtype_name(t.input));
+                   << "splits " << splits << " tile " << tile_n << " n " << t.n << " c " << t.c
+                   << " k " << t.k << (t.bias ? "" : " no bias") << " input "
+                   << dtype_name(t.input));
       Conv2d conv(t.c, t.k, 3, 1, 1, t.bias);
       testing::randomize_parameters(conv, 31, -0.3f, 0.3f);
       conv.set_precision(Precision::bf16);
