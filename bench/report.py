@@ -469,20 +469,30 @@ def machine_md(m):
 
 def headline(train, comm):
     lines = []
-    # One GPU: each comparison (model, size, cudp's precision and graphs, PyTorch's setting) from
-    # the last run that has it, runs being in the order given (--raw, then each --training: oldest
-    # first); the earlier runs' rows stay in the training table.
-    latest, runs_of = {}, {}
+    # One GPU: each cudp setting (model, size, precision, graphs) against the PyTorch setting a user
+    # would pick at that precision, the fastest in the same run of those of the same precision
+    # (eager or compiled: at 32² compiled can be the slower), or, in a run that has none of that
+    # precision, the fastest of any; from the last run that has the cudp setting, runs being in the
+    # order given (--raw, then each --training: oldest first). Every comparison stays in the
+    # training table.
+    best, runs_of = {}, {}
     for r in train:
-        if r["gpus"] == 1 and r.get("pytorch_mode") == "single" and r.get("cudp_over_pytorch"):
-            key = (r["model"], r["size"], r.get("cudp_precision") or "fp32", r.get("cudp_graphs"),
-                   r["pytorch_precision"])
-            latest.pop(key, None)  # re-inserted: the order is that of the last runs
-            latest[key] = r
-            runs_of[key] = runs_of.get(key, 0) + 1
-    for key, r in latest.items():
+        if not (r["gpus"] == 1 and r.get("pytorch_mode") == "single" and r.get("cudp_over_pytorch")):
+            continue
+        precision = r.get("cudp_precision") or "fp32"
+        key = (r["model"], r["size"], precision, r.get("cudp_graphs"))
+        same = str(r["pytorch_precision"]).split()[0] == precision
+        rank = (r.get("run"), same, r["pytorch_images_per_s"] or 0)
+        if key in best and best[key][0][0] == r.get("run"):
+            if rank <= best[key][0]:
+                continue
+        else:
+            runs_of.setdefault(key, []).append(r.get("run"))
+            best.pop(key, None)  # re-inserted: the order is that of the last runs
+        best[key] = (rank, r)
+    for key, (_, r) in best.items():
         graphs = ", graphs" if r.get("cudp_graphs") == "on" else ""
-        earlier = runs_of[key] - 1
+        earlier = len(set(runs_of[key])) - 1
         lines.append(f"- {r['model']} {r['size']}², 1 GPU, run {r.get('run', '?')}: cudp "
                      f"({r.get('cudp_precision') or 'fp32'}{graphs}) "
                      f"{fmt(r['cudp_images_per_s'], 0)} img/s, "

@@ -5,15 +5,19 @@
 # under a timeout and all within a total budget, collects the machine's versions, then writes
 # bench/report/{report.md,report.json,scaling.png} with bench/report.py.
 #
-#   scripts/bench-report.sh                      # the standard suite (about 5-7 min on 2 H200s)
+#   scripts/bench-report.sh                      # the standard suite, bf16, tf32 and fp32
+#   scripts/bench-report.sh --precision bf16     # cudp and PyTorch in bf16 only (quicker)
 #   scripts/bench-report.sh --quick              # fewer steps and sizes (about 2-3 min)
 #   scripts/bench-report.sh --only comm,train    # a subset: comm train torch gemm conv2d norm_pool elementwise
 #   scripts/bench-report.sh --report-only        # rebuild the report from the JSON already there
 #
 # Options: --build DIR (default build), --gpus N (default: all visible), --budget SEC (total for the
-# benches, default 750; a bench whose turn comes with under 20 s left is skipped), --tf32 (also
-# PyTorch with TF32, PyTorch's default, as train_torch_*_tf32.json), --quick, --only LIST,
-# --report-only.
+# benches, default 1800; a bench whose turn comes with under 20 s left is skipped), --precision LIST
+# (cudp's training precisions, in this order, default bf16,tf32,fp32; each beside PyTorch's
+# strongest setting of that precision: fp32 with TF32 off, tf32 and bf16 autocast channels_last),
+# --compile on|off (default on: PyTorch's tf32 and bf16 also under torch.compile, on one GPU),
+# --tf32 (also PyTorch fp32 with TF32, PyTorch's default, as train_torch_*_tf32.json), --quick,
+# --only LIST, --report-only.
 # Raw JSON and each bench's log go to $OUT when set (the device tool's output folder), else
 # bench/report/raw; with $OUT set, report.md, report.json and scaling.png are copied there too.
 # Exit status: 0 when every bench ran and passed, 3 when the report was written but some bench
@@ -24,9 +28,11 @@ export PATH=/usr/local/cuda/bin:$PATH
 
 build=build
 gpus=""
-budget=750
+budget=1800
 quick=0
 tf32=0
+precisions="bf16,tf32,fp32"
+compile=on
 report_only=0
 only="comm,train,torch,gemm,conv2d,norm_pool,elementwise"
 while [[ $# -gt 0 ]]; do
@@ -37,11 +43,25 @@ while [[ $# -gt 0 ]]; do
     --only) only=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --tf32) tf32=1; shift ;;
+    --precision) precisions=$2; shift 2 ;;
+    --compile) compile=$2; shift 2 ;;
     --report-only) report_only=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench-report.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+
+IFS=, read -r -a precision_list <<< "$precisions"
+for p in "${precision_list[@]}"; do
+  [[ $p == fp32 || $p == tf32 || $p == bf16 ]] || {
+    echo "bench-report.sh: --precision takes fp32, tf32 and/or bf16, comma-separated; got '$p'" >&2
+    exit 2
+  }
+done
+[[ $compile == on || $compile == off ]] || {
+  echo "bench-report.sh: --compile takes on or off; got '$compile'" >&2
+  exit 2
+}
 
 raw=${OUT:-bench/report/raw}
 mkdir -p "$raw" bench/report
@@ -150,7 +170,7 @@ have() {  # have PROGRAM: built?
 
 if [[ $report_only == 0 ]]; then
   rm -f "$raw"/runs.json
-  echo "bench-report.sh: $gpus GPU(s), raw results in $raw, budget ${budget}s$([[ $quick == 1 ]] && echo ', quick')"
+  echo "bench-report.sh: $gpus GPU(s), raw results in $raw, budget ${budget}s, precisions $precisions$([[ $quick == 1 ]] && echo ', quick')"
   if (( quick )); then
     comm_args=(--max 256M --reps 20); train_args=(--warmup 2 --steps 5 --repeats 3)
     torch_args=(--warmup 2 --steps 5 --repeats 3)
@@ -164,10 +184,14 @@ if [[ $report_only == 0 ]]; then
     run comm 90 "$bin/bench_comm" --gpus "$gpus" --json "$raw/comm.json" "${comm_args[@]}"
   fi
   # One run per image size: what finished survives a later timeout.
+  # fp32's files keep the names they had before the other precisions: train_cudp_<size>.json.
+  suffix() { [[ $1 == fp32 ]] || echo "_$1"; }
   if wants train && have bench_train; then
     for size in 224 32; do
-      run "train_cudp_$size" 150 "$bin/bench_train" --size "$size" --gpus "$gpus" \
-        --json "$raw/train_cudp_$size.json" "${train_args[@]}"
+      for p in "${precision_list[@]}"; do
+        run "train_cudp_$size$(suffix "$p")" 150 "$bin/bench_train" --size "$size" --gpus "$gpus" \
+          --precision "$p" --json "$raw/train_cudp_$size$(suffix "$p").json" "${train_args[@]}"
+      done
     done
     # One process per GPU (DistributedDataParallel), beside the one-process rows above, with
     # graphs on and off as they are. Open MPI: as root it needs --allow-run-as-root, and it would
@@ -184,21 +208,40 @@ if [[ $report_only == 0 ]]; then
         [[ $(id -u) == 0 ]] && mpi_flags+=(--allow-run-as-root)
       fi
       for size in 224 32; do
-        run "train_cudp_np${gpus}_$size" 150 mpirun "${mpi_flags[@]}" -np "$gpus" \
-          "$bin/bench_train" --size "$size" \
-          --json "$raw/train_cudp_np${gpus}_$size.json" "${train_args[@]}"
+        for p in "${precision_list[@]}"; do
+          run "train_cudp_np${gpus}_$size$(suffix "$p")" 150 mpirun "${mpi_flags[@]}" -np "$gpus" \
+            "$bin/bench_train" --size "$size" --precision "$p" \
+            --json "$raw/train_cudp_np${gpus}_$size$(suffix "$p").json" "${train_args[@]}"
+        done
       done
     fi
   fi
   if wants torch; then
     if python3 -c 'import torch, torchvision' 2>/dev/null; then
+      # Per precision PyTorch's strongest setting: fp32 as cudp's (TF32 off; --tf32 adds PyTorch's
+      # default, TF32 on), tf32 and bf16 (autocast) with channels_last, eager on 1..N GPUs and, with
+      # --compile on, under torch.compile on one GPU (at 32² it can be slower than eager: both are
+      # kept, and the report sets cudp against each).
       for size in 224 32; do
-        run "train_torch_$size" 180 python3 bench/pytorch_train.py --size "$size" --gpus "$gpus" \
-          --json "$raw/train_torch_$size.json" "${torch_args[@]}"
-        if (( tf32 )); then
-          run "train_torch_${size}_tf32" 180 python3 bench/pytorch_train.py --size "$size" --gpus "$gpus" \
-            --tf32 --json "$raw/train_torch_${size}_tf32.json" "${torch_args[@]}"
-        fi
+        for p in "${precision_list[@]}"; do
+          if [[ $p == fp32 ]]; then
+            run "train_torch_$size" 180 python3 bench/pytorch_train.py --size "$size" --gpus "$gpus" \
+              --json "$raw/train_torch_$size.json" "${torch_args[@]}"
+            if (( tf32 )); then
+              run "train_torch_${size}_tf32" 180 python3 bench/pytorch_train.py --size "$size" \
+                --gpus "$gpus" --tf32 --json "$raw/train_torch_${size}_tf32.json" "${torch_args[@]}"
+            fi
+            continue
+          fi
+          run "train_torch_${size}_${p}_nhwc" 180 python3 bench/pytorch_train.py --size "$size" \
+            --gpus "$gpus" --precision "$p" --channels-last \
+            --json "$raw/train_torch_${size}_${p}_nhwc.json" "${torch_args[@]}"
+          if [[ $compile == on ]]; then
+            run "train_torch_${size}_${p}_nhwc_compiled" 240 python3 bench/pytorch_train.py \
+              --size "$size" --gpus "$gpus" --modes single --precision "$p" --channels-last \
+              --compile --json "$raw/train_torch_${size}_${p}_nhwc_compiled.json" "${torch_args[@]}"
+          fi
+        done
       done
     else
       summary+=("$(printf '%-22s %s' train_torch "skipped (torch/torchvision do not import)")")
