@@ -7,7 +7,7 @@
 #
 #   scripts/bench-report.sh                      # the standard suite, bf16, tf32 and fp32
 #   scripts/bench-report.sh --precision bf16     # cudp and PyTorch in bf16 only (quicker)
-#   scripts/bench-report.sh --quick              # fewer steps and sizes (about 2-3 min)
+#   scripts/bench-report.sh --quick              # fewer steps and sizes
 #   scripts/bench-report.sh --only comm,train    # a subset: comm train torch gemm conv2d norm_pool elementwise
 #   scripts/bench-report.sh --report-only        # rebuild the report from the JSON already there
 #
@@ -46,12 +46,16 @@ while [[ $# -gt 0 ]]; do
     --precision) precisions=$2; shift 2 ;;
     --compile) compile=$2; shift 2 ;;
     --report-only) report_only=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "bench-report.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
 IFS=, read -r -a precision_list <<< "$precisions"
+(( ${#precision_list[@]} > 0 )) || {
+  echo "bench-report.sh: --precision takes fp32, tf32 and/or bf16, comma-separated; got none" >&2
+  exit 2
+}
 for p in "${precision_list[@]}"; do
   [[ $p == fp32 || $p == tf32 || $p == bf16 ]] || {
     echo "bench-report.sh: --precision takes fp32, tf32 and/or bf16, comma-separated; got '$p'" >&2
